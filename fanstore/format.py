@@ -1,0 +1,99 @@
+"""The on-disk contract of format v1 (docs/FORMAT.md says the same in prose): names, magics, versions, layouts.
+
+Everything that reads or writes dataset bytes takes its constants from here, so a change to the format is a
+change to this file and to docs/FORMAT.md, and the golden fixture test tells whether old datasets still read.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from .errors import FormatError
+
+FORMAT_MAJOR = 1
+FORMAT_MINOR = 0
+
+INDEX_NAME = "fanstore.index"
+CHUNK_DIR = "chunks"
+CHUNK_SUFFIX = ".fsc"
+
+INDEX_MAGIC = b"FANSTIDX"
+# magic, major, minor, header_len, toc_len, body_len, body_xxh3_64, reserved
+INDEX_HEADER = struct.Struct("<8sHHIQQQ24x")
+INDEX_HEADER_LEN = INDEX_HEADER.size  # 64
+
+CHUNK_MAGIC = b"FANSTCHK"
+# magic, major, minor, chunk_id, group
+CHUNK_HEADER = struct.Struct("<8sHHII12x")
+CHUNK_HEADER_LEN = CHUNK_HEADER.size  # 32
+
+SECTION_ALIGN = 8
+
+# Marks an entry that has no blob: directories, symlinks, empty files.
+NO_CHUNK = 0xFFFFFFFF
+
+# One row per directory, file and symlink, in breadth-first order (entry 0 is the root), so that the
+# children of every directory are contiguous and `parent` never decreases.
+ENTRY_DTYPE = np.dtype(
+    [
+        ("path_off", "<u8"),  # full relative path in the `paths` blob (UTF-8, '/'-separated, root is "")
+        ("size", "<u8"),  # raw size of a file; target length of a symlink; 0 for a directory
+        ("mtime_ns", "<i8"),
+        ("offset", "<u8"),  # blob offset in its chunk file; for a symlink, its target's offset in `paths`
+        ("stored_len", "<u8"),  # blob length; for a symlink, its target's length
+        ("checksum", "<u8"),  # xxh3_64 of the stored blob
+        ("parent", "<u4"),
+        ("mode", "<u4"),  # st_mode, file type bits included
+        ("chunk", "<u4"),  # NO_CHUNK when the entry has no blob
+        ("path_len", "<u2"),
+        ("codec", "<u1"),  # row in the codec table
+        ("flags", "<u1"),  # reserved, 0
+    ]
+)
+assert ENTRY_DTYPE.itemsize == 64
+
+CHUNK_DTYPE = np.dtype([("size", "<u8"), ("group", "<u4"), ("files", "<u4")])
+HASH_DTYPE = np.dtype("<u8")
+ORDER_DTYPE = np.dtype("<u4")
+
+# Sections every v1 index holds, with the dtype each must have; dictionaries are extra byte sections.
+REQUIRED_SECTIONS = {
+    "entries": ENTRY_DTYPE,
+    "paths": np.dtype("u1"),
+    "path_hash": HASH_DTYPE,
+    "hash_order": ORDER_DTYPE,
+    "chunks": CHUNK_DTYPE,
+}
+
+
+def chunk_file_name(chunk_id: int) -> str:
+    """Relative path of a chunk inside a dataset directory."""
+    return f"{CHUNK_DIR}/{chunk_id:08d}{CHUNK_SUFFIX}"
+
+
+def check_version(major: int, minor: int, what: Path | str) -> None:
+    """Refuse a major version this code does not know; newer minors only add, so they read fine."""
+    if major != FORMAT_MAJOR:
+        raise FormatError(
+            f"{what}: fanstore format version {major}.{minor} is not supported "
+            f"(this fanstore reads version {FORMAT_MAJOR}.x)"
+        )
+
+
+def pack_chunk_header(chunk_id: int, group: int) -> bytes:
+    return CHUNK_HEADER.pack(CHUNK_MAGIC, FORMAT_MAJOR, FORMAT_MINOR, chunk_id, group)
+
+
+def check_chunk_header(header: bytes, chunk_id: int, what: Path | str) -> None:
+    """A chunk file must say it is one, in a version we read, with the id the index expects."""
+    if len(header) < CHUNK_HEADER_LEN:
+        raise FormatError(f"{what}: chunk file is truncated (no header)")
+    magic, major, minor, found_id, _group = CHUNK_HEADER.unpack(header[:CHUNK_HEADER_LEN])
+    if magic != CHUNK_MAGIC:
+        raise FormatError(f"{what}: not a fanstore chunk file (bad magic)")
+    check_version(major, minor, what)
+    if found_id != chunk_id:
+        raise FormatError(f"{what}: holds chunk {found_id}, the index expects chunk {chunk_id}")
