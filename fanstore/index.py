@@ -1,0 +1,318 @@
+"""The index: every path's metadata and blob location, held as a few numpy arrays and one blob of paths.
+
+A million-file dataset must open in about a second and cost little RAM per file, so nothing here builds a
+Python object per file: lookups hash the path and binary-search a sorted hash array written at pack time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import xxhash
+
+from .errors import DatasetNotFound, FormatError, PathNotFound
+from .format import (
+    CHUNK_DTYPE,
+    ENTRY_DTYPE,
+    FORMAT_MAJOR,
+    FORMAT_MINOR,
+    HASH_DTYPE,
+    INDEX_HEADER,
+    INDEX_HEADER_LEN,
+    INDEX_MAGIC,
+    INDEX_NAME,
+    NO_CHUNK,
+    ORDER_DTYPE,
+    REQUIRED_SECTIONS,
+    SECTION_ALIGN,
+    check_version,
+)
+
+_hash_path = xxhash.xxh3_64_intdigest
+
+
+def normalize_path(path: str | os.PathLike[str]) -> str:
+    """The index spells paths relative, '/'-separated, with no leading, trailing or doubled slashes."""
+    text = os.fspath(path)
+    return "/".join(part for part in text.split("/") if part and part != ".")
+
+
+@dataclass(frozen=True, slots=True)
+class EntryRecord:
+    """One directory, file or symlink as the packer hands it to the index writer."""
+
+    path: str
+    mode: int
+    mtime_ns: int
+    size: int = 0
+    chunk: int = NO_CHUNK
+    offset: int = 0
+    stored_len: int = 0
+    codec: int = 0
+    checksum: int = 0
+    link_target: str = ""
+
+
+class Index:
+    """A loaded index: read-only arrays plus the table of contents (groups, codecs, chunks, pack metadata)."""
+
+    def __init__(self, path: Path, toc: dict[str, Any], sections: dict[str, np.ndarray]) -> None:
+        self.path = path
+        self.toc = toc
+        self.entries: np.ndarray = sections["entries"]
+        self.paths: bytes = sections["paths"].tobytes()
+        self.path_hash: np.ndarray = sections["path_hash"]
+        self.hash_order: np.ndarray = sections["hash_order"]
+        self.chunks: np.ndarray = sections["chunks"]
+        self.groups: list[dict[str, Any]] = toc["groups"]
+        self.codecs: list[dict[str, Any]] = toc["codecs"]
+        self.dictionaries: dict[str, bytes] = {
+            name: sections[name].tobytes() for name in toc["sections"] if name.startswith("dict.")
+        }
+        self.meta: dict[str, Any] = toc.get("meta", {})
+        # Derived once here so listdir need not search: children of entry i are first_child[i]..first_child[i+1].
+        self._first_child = (
+            np.searchsorted(self.entries["parent"][1:], np.arange(len(self.entries) + 1)) + 1
+        ).astype(np.uint32)
+
+    @classmethod
+    def load(cls, dataset_dir: str | os.PathLike[str]) -> "Index":
+        """Read and check an index; every inconsistency is a FormatError naming the file."""
+        path = Path(dataset_dir) / INDEX_NAME
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            if Path(dataset_dir).is_dir():
+                raise DatasetNotFound(
+                    f"{dataset_dir}: no {INDEX_NAME} here: not a fanstore dataset, or its pack did not finish"
+                ) from None
+            raise DatasetNotFound(f"{dataset_dir}: no such dataset directory") from None
+        except IsADirectoryError:
+            raise FormatError(f"{path}: is a directory, expected an index file") from None
+        toc, sections = _parse_index(path, data)
+        return cls(path, toc, sections)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def file_count(self) -> int:
+        return int(np.count_nonzero((self.entries["mode"] & 0o170000) == stat.S_IFREG))
+
+    def lookup(self, path: str | os.PathLike[str]) -> int:
+        """Entry number of a path; PathNotFound if the dataset has no such path."""
+        key = normalize_path(path).encode("utf-8", "surrogateescape")
+        digest = _hash_path(key)
+        hashes = self.path_hash
+        pos = int(hashes.searchsorted(digest))
+        while pos < len(hashes) and hashes[pos] == digest:
+            entry = int(self.hash_order[pos])
+            if self.path_bytes(entry) == key:
+                return entry
+            pos += 1
+        raise PathNotFound(f"{os.fspath(path)!r}: no such file or directory in the dataset")
+
+    def path_bytes(self, entry: int) -> bytes:
+        rec = self.entries[entry]
+        off = int(rec["path_off"])
+        return self.paths[off : off + int(rec["path_len"])]
+
+    def path_of(self, entry: int) -> str:
+        return self.path_bytes(entry).decode("utf-8")
+
+    def children(self, entry: int) -> range:
+        """Entry numbers of a directory's children, in name order (empty for files and symlinks)."""
+        return range(int(self._first_child[entry]), int(self._first_child[entry + 1]))
+
+    def link_target(self, entry: int) -> str:
+        rec = self.entries[entry]
+        off = int(rec["offset"])
+        return self.paths[off : off + int(rec["stored_len"])].decode("utf-8")
+
+    def iter_files(self) -> Iterator[int]:
+        """Entry numbers of regular files, in chunk and offset order: the order that reads chunks sequentially."""
+        is_file = (self.entries["mode"] & 0o170000) == stat.S_IFREG
+        files = np.flatnonzero(is_file)
+        order = np.lexsort((self.entries["offset"][files], self.entries["chunk"][files]))
+        return (int(i) for i in files[order])
+
+
+def _parse_index(path: Path, data: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    if len(data) < INDEX_HEADER_LEN:
+        raise FormatError(f"{path}: index is truncated ({len(data)} bytes)")
+    magic, major, minor, _header_len, toc_len, body_len, body_hash = INDEX_HEADER.unpack_from(data)
+    if magic != INDEX_MAGIC:
+        raise FormatError(f"{path}: not a fanstore index (bad magic)")
+    check_version(major, minor, path)
+    body = memoryview(data)[INDEX_HEADER_LEN:]
+    if len(body) != body_len:
+        raise FormatError(f"{path}: index is truncated (body {len(body)} of {body_len} bytes)")
+    if xxhash.xxh3_64_intdigest(body) != body_hash:
+        raise FormatError(f"{path}: index checksum mismatch: the index file is corrupt")
+    try:
+        toc = json.loads(bytes(body[:toc_len]))
+    except ValueError:
+        raise FormatError(f"{path}: index table of contents is not valid JSON") from None
+    sections: dict[str, np.ndarray] = {}
+    for name, where in toc["sections"].items():
+        dtype = REQUIRED_SECTIONS.get(name, np.dtype("u1"))
+        if where["dtype"] != _dtype_tag(dtype):
+            raise FormatError(f"{path}: section {name!r} has layout {where['dtype']}, expected {_dtype_tag(dtype)}")
+        end = where["offset"] + where["count"] * dtype.itemsize
+        if end > len(data):
+            raise FormatError(f"{path}: section {name!r} runs past the end of the index")
+        sections[name] = np.frombuffer(data, dtype=dtype, count=where["count"], offset=where["offset"])
+    missing = sorted(set(REQUIRED_SECTIONS) - set(sections))
+    if missing:
+        raise FormatError(f"{path}: index lacks section(s) {', '.join(missing)}")
+    return toc, sections
+
+
+def _dtype_tag(dtype: np.dtype) -> str:
+    """A stable text form of a dtype, stored beside each section so a layout change is caught on open."""
+    if dtype.names:
+        return ",".join(f"{name}:{dtype.fields[name][0].str}" for name in dtype.names)
+    return dtype.str
+
+
+def _bfs_order(records: list[EntryRecord]) -> list[EntryRecord]:
+    """Breadth-first order with children sorted by name: each directory's children end up contiguous."""
+    by_parent: dict[str, list[EntryRecord]] = {}
+    root = None
+    for rec in records:
+        if rec.path == "":
+            root = rec
+            continue
+        parent, _, _ = rec.path.rpartition("/")
+        by_parent.setdefault(parent, []).append(rec)
+    if root is None:
+        raise ValueError("index records must include the root directory (path '')")
+    ordered = [root]
+    head = 0
+    while head < len(ordered):
+        current = ordered[head]
+        head += 1
+        if stat.S_ISDIR(current.mode):
+            kids = by_parent.pop(current.path, [])
+            kids.sort(key=lambda r: r.path.encode("utf-8", "surrogateescape"))
+            ordered.extend(kids)
+    if by_parent:
+        orphan = next(iter(by_parent.values()))[0].path
+        raise ValueError(f"index record {orphan!r} has no parent directory record")
+    return ordered
+
+
+def build_index_bytes(
+    records: Iterable[EntryRecord],
+    chunks: np.ndarray,
+    groups: list[dict[str, Any]],
+    codecs: list[dict[str, Any]],
+    dictionaries: dict[str, bytes],
+    meta: dict[str, Any],
+) -> bytes:
+    """Serialise an index; the same inputs always give the same bytes (no clocks, no host names)."""
+    ordered = _bfs_order(list(records))
+    entry_of = {rec.path: i for i, rec in enumerate(ordered)}
+    encoded_paths = [rec.path.encode("utf-8") for rec in ordered]
+    path_lens = np.fromiter(map(len, encoded_paths), dtype=np.uint64, count=len(ordered))
+    path_offs = np.concatenate(([0], np.cumsum(path_lens)[:-1])).astype(np.uint64)
+    paths = bytearray(b"".join(encoded_paths))
+    entries = np.zeros(len(ordered), dtype=ENTRY_DTYPE)
+    entries["path_off"] = path_offs
+    entries["path_len"] = path_lens
+    entries["parent"] = [entry_of[rec.path.rpartition("/")[0]] if rec.path else 0 for rec in ordered]
+    for field in ("mode", "mtime_ns", "size", "chunk", "offset", "stored_len", "codec", "checksum"):
+        entries[field] = [getattr(rec, field) for rec in ordered]
+    # Symlink targets follow the paths in the same blob; offset and stored_len locate them.
+    for i, rec in enumerate(ordered):
+        if stat.S_ISLNK(rec.mode):
+            target = rec.link_target.encode("utf-8")
+            entries[i]["offset"] = len(paths)
+            entries[i]["stored_len"] = len(target)
+            entries[i]["size"] = len(target)
+            entries[i]["chunk"] = NO_CHUNK
+            paths += target
+    hashes = np.fromiter(map(_hash_path, encoded_paths), dtype=HASH_DTYPE, count=len(ordered))
+    order = np.lexsort((np.arange(len(entries)), hashes)).astype(ORDER_DTYPE)
+    arrays: dict[str, np.ndarray] = {
+        "entries": entries,
+        "paths": np.frombuffer(bytes(paths), dtype="u1"),
+        "path_hash": hashes[order],
+        "hash_order": order,
+        "chunks": np.asarray(chunks, dtype=CHUNK_DTYPE),
+    }
+    for name in sorted(dictionaries):
+        arrays[name] = np.frombuffer(dictionaries[name], dtype="u1")
+    return _serialise(arrays, groups, codecs, meta)
+
+
+def _serialise(
+    arrays: dict[str, np.ndarray], groups: list[dict[str, Any]], codecs: list[dict[str, Any]], meta: dict[str, Any]
+) -> bytes:
+    def encode_toc(offsets: dict[str, int]) -> bytes:
+        toc = {
+            "format": "fanstore-index",
+            "version": f"{FORMAT_MAJOR}.{FORMAT_MINOR}",
+            "groups": groups,
+            "codecs": codecs,
+            "sections": {
+                name: {"offset": offsets.get(name, 0), "count": len(arr), "dtype": _dtype_tag(arr.dtype)}
+                for name, arr in arrays.items()
+            },
+            "meta": meta,
+        }
+        return json.dumps(toc, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+    # Offsets change the TOC's length, which moves the offsets: lay out with fixed-width numbers by iterating
+    # until the layout is stable (two rounds in practice).
+    offsets: dict[str, int] = {}
+    for _ in range(8):
+        toc_bytes = encode_toc(offsets)
+        cursor = _align(INDEX_HEADER_LEN + len(toc_bytes))
+        new_offsets = {}
+        for name, arr in arrays.items():
+            new_offsets[name] = cursor
+            cursor = _align(cursor + arr.nbytes)
+        if new_offsets == offsets:
+            break
+        offsets = new_offsets
+    body = bytearray(toc_bytes)
+    for name, arr in arrays.items():
+        body += bytes(offsets[name] - INDEX_HEADER_LEN - len(body))
+        body += arr.tobytes()
+    body += bytes(_align(INDEX_HEADER_LEN + len(body)) - INDEX_HEADER_LEN - len(body))
+    header = INDEX_HEADER.pack(
+        INDEX_MAGIC, FORMAT_MAJOR, FORMAT_MINOR, INDEX_HEADER_LEN, len(toc_bytes), len(body),
+        xxhash.xxh3_64_intdigest(body),
+    )
+    return header + bytes(body)
+
+
+def _align(n: int) -> int:
+    return (n + SECTION_ALIGN - 1) // SECTION_ALIGN * SECTION_ALIGN
+
+
+def write_index_atomically(dataset_dir: Path, index_bytes: bytes) -> None:
+    """The index is the dataset's commit record: written to a temporary name, synced, then renamed."""
+    final = dataset_dir / INDEX_NAME
+    partial = dataset_dir / (INDEX_NAME + ".partial")
+    with open(partial, "wb") as out:
+        out.write(index_bytes)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(partial, final)
+    fsync_dir(dataset_dir)
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,121 @@
+"""The index file: written deterministically, checked on open, looked up without a Python object per file."""
+
+from __future__ import annotations
+
+import stat
+import struct
+
+import numpy as np
+import pytest
+
+from fanstore.errors import DatasetNotFound, FormatError, PathNotFound
+from fanstore.format import CHUNK_DTYPE, INDEX_NAME
+from fanstore.index import EntryRecord, Index, build_index_bytes, normalize_path, write_index_atomically
+
+DIR = stat.S_IFDIR | 0o755
+FILE = stat.S_IFREG | 0o644
+LINK = stat.S_IFLNK | 0o777
+
+
+def _records() -> list[EntryRecord]:
+    return [
+        EntryRecord("", DIR, 1),
+        EntryRecord("b", DIR, 2),
+        EntryRecord("a.txt", FILE, 3, size=10, chunk=0, offset=32, stored_len=8, codec=1, checksum=99),
+        EntryRecord("b/z.bin", FILE, 4, size=5, chunk=0, offset=40, stored_len=5),
+        EntryRecord("b/c", DIR, 5),
+        EntryRecord("b/c/deep.txt", FILE, 6, size=0),
+        EntryRecord("link", LINK, 7, link_target="b/z.bin"),
+    ]
+
+
+def _write(tmp_path, records=None, meta=None):
+    chunks = np.array([(45, 0, 2)], dtype=CHUNK_DTYPE)
+    data = build_index_bytes(records or _records(), chunks, [{"name": "spread", "replicated": False, "patterns": []}],
+                             [{"id": 0, "spec": "none", "dictionary": None}], {}, meta or {})
+    write_index_atomically(tmp_path, data)
+    return data
+
+
+def test_lookup_children_and_links(tmp_path):
+    _write(tmp_path)
+    index = Index.load(tmp_path)
+    assert len(index) == 7 and index.file_count == 3
+    entry = index.lookup("b/z.bin")
+    assert index.path_of(entry) == "b/z.bin"
+    rec = index.entries[entry]
+    assert (int(rec["size"]), int(rec["offset"]), int(rec["stored_len"])) == (5, 40, 5)
+    assert index.lookup("/b//z.bin/") == entry
+    root_children = [index.path_of(c) for c in index.children(0)]
+    assert root_children == ["a.txt", "b", "link"]
+    assert [index.path_of(c) for c in index.children(index.lookup("b"))] == ["b/c", "b/z.bin"]
+    assert list(index.children(index.lookup("a.txt"))) == []
+    assert index.link_target(index.lookup("link")) == "b/z.bin"
+    with pytest.raises(PathNotFound, match="nope"):
+        index.lookup("nope")
+    # Entries are breadth-first: parents never decrease.
+    assert np.all(np.diff(index.entries["parent"][1:].astype(np.int64)) >= 0)
+
+
+def test_same_records_give_same_bytes_in_any_order(tmp_path):
+    first = _write(tmp_path)
+    second = _write(tmp_path, list(reversed(_records())))
+    assert first == second
+
+
+def test_unknown_major_version_is_refused_with_its_number(tmp_path):
+    data = bytearray(_write(tmp_path))
+    struct.pack_into("<H", data, 8, 7)
+    (tmp_path / INDEX_NAME).write_bytes(bytes(data))
+    with pytest.raises(FormatError, match=r"version 7\.0 is not supported"):
+        Index.load(tmp_path)
+
+
+def test_bad_magic_truncation_and_corruption_are_refused(tmp_path):
+    data = _write(tmp_path)
+    (tmp_path / INDEX_NAME).write_bytes(b"NOTANIDX" + data[8:])
+    with pytest.raises(FormatError, match="bad magic"):
+        Index.load(tmp_path)
+    (tmp_path / INDEX_NAME).write_bytes(data[:40])
+    with pytest.raises(FormatError, match="truncated"):
+        Index.load(tmp_path)
+    (tmp_path / INDEX_NAME).write_bytes(data[:-9])
+    with pytest.raises(FormatError, match="truncated"):
+        Index.load(tmp_path)
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0x40
+    (tmp_path / INDEX_NAME).write_bytes(bytes(flipped))
+    with pytest.raises(FormatError, match="checksum"):
+        Index.load(tmp_path)
+
+
+def test_missing_dataset_is_named(tmp_path):
+    with pytest.raises(DatasetNotFound, match="no such dataset"):
+        Index.load(tmp_path / "absent")
+    with pytest.raises(DatasetNotFound, match="not a fanstore dataset"):
+        Index.load(tmp_path)
+
+
+def test_records_need_parents(tmp_path):
+    with pytest.raises(ValueError, match="no parent"):
+        build_index_bytes([EntryRecord("", DIR, 0), EntryRecord("x/y", FILE, 0)], np.zeros(0, CHUNK_DTYPE), [],
+                          [], {}, {})
+
+
+def test_normalize_path():
+    assert normalize_path("/a/./b//c/") == "a/b/c"
+    assert normalize_path("") == ""
+
+
+def test_million_entries_stay_compact(tmp_path):
+    """The memory goal in numbers: a large index costs the arrays, not a Python object per file."""
+    count = 200_000
+    records = [EntryRecord("", DIR, 0)] + [EntryRecord(f"d{i // 1000:03d}", DIR, 0) for i in range(0, count, 1000)]
+    records += [EntryRecord(f"d{i // 1000:03d}/f{i:07d}.jpg", FILE, 0, size=1, chunk=0, offset=32, stored_len=1)
+                for i in range(count)]
+    _write(tmp_path, records)
+    index = Index.load(tmp_path)
+    per_entry = sum(a.nbytes for a in (index.entries, index.path_hash, index.hash_order, index._first_child))
+    per_entry = (per_entry + len(index.paths)) / len(index)
+    assert per_entry < 150
+    assert index.path_of(index.lookup("d123/f0123456.jpg")) == "d123/f0123456.jpg"
