@@ -1,0 +1,427 @@
+"""Pack: walk SRC -> plan groups and codecs -> compress in workers -> chunk files -> index (written last).
+
+Interrupt it at any moment and run it again with the same arguments: finished chunks are kept (the journal says
+which), the rest is redone, and the result is byte-identical to an uninterrupted pack.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import xxhash
+
+from compressors import Codec, CodecError, codec_from_spec, train_dictionary
+
+from .chunk_writer import PARTIAL_SUFFIX, ChunkWriter
+from .compress import NONE_CODEC, Blob, FileTask, Skipped, compress_in_order
+from .errors import PackError, UsageError
+from .format import CHUNK_DIR, CHUNK_DTYPE, INDEX_NAME, NO_CHUNK, chunk_file_name
+from .groups import GroupPlan
+from .index import EntryRecord, build_index_bytes, write_index_atomically
+from .journal import JOURNAL_DIR, ChunkRecord, PackJournal
+from .walk import Problem, SourceEntry, SourceTree, walk_source
+
+DEFAULT_CHUNK_SIZE = 64 << 20
+DEFAULT_CODEC = "zstd:3"
+_DICT_SAMPLE_FILES = 4000
+_DICT_SAMPLE_BYTES = 128 << 10  # at most this much of each sampled file
+_DICT_SAMPLE_TOTAL = 32 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class PackOptions:
+    codec: str = DEFAULT_CODEC
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    replicate: tuple[str, ...] = ()
+    workers: int = 0  # 0: every core
+    strict: bool = False
+    force: bool = False
+
+    def output_defining(self) -> dict[str, Any]:
+        """The options the output bytes depend on: a resume must use the same ones."""
+        return {"codec": self.codec, "chunk_size": self.chunk_size, "replicate": list(self.replicate)}
+
+
+@dataclass(slots=True)
+class PackSummary:
+    files: int = 0
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    chunks: int = 0
+    reused_chunks: int = 0
+    seconds: float = 0.0
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.raw_bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PackProgress:
+    """How far a pack has got, handed to the progress callback after every file."""
+
+    files_done: int
+    files_total: int
+    raw_done: int
+    raw_total: int
+    stored_done: int
+
+
+def pack(
+    src: str | os.PathLike[str],
+    dest: str | os.PathLike[str],
+    options: PackOptions = PackOptions(),
+    tree: SourceTree | None = None,
+    progress: Callable[[PackProgress], None] | None = None,
+) -> PackSummary:
+    """Pack SRC into the dataset directory DEST. `tree` is a walk of SRC the caller already made."""
+    started = time.monotonic()
+    src_path, dest_path = Path(src), Path(dest)
+    _check_options(options)
+    groups = GroupPlan(options.replicate)
+    if tree is None:
+        tree = walk_source(src_path)
+    _check_dest_outside_src(src_path, dest_path)
+    if options.strict and tree.problems:
+        raise PackError(f"--strict: {tree.problems[0]} ({len(tree.problems)} path(s) cannot be packed)")
+    # Files in (group, path) order: a chunk holds one group only, and the replicated group comes last.
+    files = sorted(tree.files, key=lambda e: (groups.group_of(e.path), e.path.encode("utf-8")))
+    fingerprint = _fingerprint(tree, options)
+    journal = PackJournal(dest_path)
+    _prepare_dest(dest_path, journal, fingerprint, options)
+
+    codec_rows, dictionaries, group_codec, codecs = _plan_codecs(options, groups, files, src_path, journal)
+    if not journal.exists():
+        journal.start({"fingerprint": fingerprint, "options": options.output_defining(), "codecs": codec_rows})
+    finished = journal.finished_chunks()
+    _discard_unrecorded_chunks(dest_path, len(finished))
+    start_file = finished[-1].end_file if finished else 0
+
+    builder = _ChunkBuilder(dest_path, journal, options.chunk_size, files, groups, finished)
+    raw_total = sum(f.size for f in files)
+    tasks = (
+        FileTask(number, entry.path, entry.size, group_codec[groups.group_of(entry.path)])
+        for number, entry in enumerate(files[start_file:], start=start_file)
+        if entry.size > 0
+    )
+    try:
+        for result in compress_in_order(src_path, codecs, tasks, _worker_count(options.workers)):
+            if isinstance(result, Skipped):
+                if options.strict:
+                    raise PackError(f"--strict: {result.problem}")
+                builder.skip(result)
+            else:
+                builder.add(result)
+            if progress is not None:
+                progress(builder.progress(len(files), raw_total))
+        records = builder.close_all()
+        summary = _summarise(records, tree.problems)
+        _write_index(dest_path, tree, records, codec_rows, dictionaries, groups, options, summary)
+    except OSError as exc:
+        builder.abort()
+        raise _global_error(exc, dest_path) from None
+    except BaseException:
+        builder.abort()
+        raise
+    journal.remove()
+    summary.reused_chunks = len(finished)
+    summary.seconds = time.monotonic() - started
+    return summary
+
+
+class _ChunkBuilder:
+    """Feeds blobs into chunk files in plan order, closing a chunk when the next blob would overflow it or
+    belongs to another group, and journals each chunk once it is safely on disk."""
+
+    def __init__(
+        self,
+        dest: Path,
+        journal: PackJournal,
+        chunk_size: int,
+        files: list[SourceEntry],
+        groups: GroupPlan,
+        finished: list[ChunkRecord],
+    ) -> None:
+        self.dest = dest
+        self.journal = journal
+        self.chunk_size = chunk_size
+        self.files = files
+        self.groups = groups
+        self.records = list(finished)
+        self.next_chunk = len(finished)
+        self.first_file = finished[-1].end_file if finished else 0  # first plan entry of the open chunk
+        self.next_number = self.first_file  # plan entries before this one are accounted for
+        self.writer: ChunkWriter | None = None
+        self.rows: list[list[Any]] = []
+        self.problems: list[list[str]] = []
+        self._done = _summarise(finished, [])
+
+    def _account_empty_files(self, upto: int) -> None:
+        """Empty files have no blob and no task; they are recorded where the plan passes them."""
+        while self.next_number < upto:
+            entry = self.files[self.next_number]
+            if entry.size == 0:
+                self.rows.append([entry.path, 0, entry.mtime_ns, entry.mode, NO_CHUNK, 0, 0, NONE_CODEC,
+                                  xxhash.xxh3_64_intdigest(b"")])
+                self._done.files += 1
+            self.next_number += 1
+
+    def skip(self, skipped: Skipped) -> None:
+        self._account_empty_files(skipped.number)
+        self.problems.append([skipped.problem.path, skipped.problem.reason])
+        self._done.problems.append(skipped.problem)
+        self.next_number = skipped.number + 1
+
+    def add(self, blob: Blob) -> None:
+        self._account_empty_files(blob.number)
+        entry = self.files[blob.number]
+        group = self.groups.group_of(entry.path)
+        if self.writer is not None and (
+            self.writer.group != group or self.writer.size + len(blob.stored) > self.chunk_size
+        ):
+            self._close_chunk(end_file=blob.number)
+        if self.writer is None:
+            self.writer = ChunkWriter(self.dest, self.next_chunk, group)
+        offset = self.writer.append(blob.stored)
+        self.rows.append([entry.path, blob.raw_size, entry.mtime_ns, entry.mode, self.writer.chunk_id, offset,
+                          len(blob.stored), blob.codec, blob.checksum])
+        self.next_number = blob.number + 1
+        self._done.files += 1
+        self._done.raw_bytes += blob.raw_size
+        self._done.stored_bytes += len(blob.stored)
+
+    def _close_chunk(self, end_file: int) -> None:
+        assert self.writer is not None
+        size = self.writer.finish()
+        record = ChunkRecord(self.writer.chunk_id, self.writer.group, size, self.first_file, end_file,
+                             self.rows, self.problems)
+        self.journal.record_chunk(record)
+        self.records.append(record)
+        self.writer = None
+        self.next_chunk += 1
+        self.first_file = end_file
+        self.rows, self.problems = [], []
+
+    def close_all(self) -> list[ChunkRecord]:
+        """Finish the last chunk; trailing empty files and skips go in a record with no chunk file."""
+        self._account_empty_files(len(self.files))
+        if self.writer is not None:
+            self._close_chunk(end_file=len(self.files))
+        if self.rows or self.problems:
+            self.records.append(
+                ChunkRecord(NO_CHUNK, 0, 0, self.first_file, len(self.files), self.rows, self.problems)
+            )
+            self.rows, self.problems = [], []
+        return self.records
+
+    def progress(self, files_total: int, raw_total: int) -> PackProgress:
+        done = self._done
+        return PackProgress(done.files + len(done.problems), files_total, done.raw_bytes, raw_total,
+                            done.stored_bytes)
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.abort()
+            self.writer = None
+
+
+def _summarise(records: list[ChunkRecord], walk_problems: list[Problem]) -> PackSummary:
+    summary = PackSummary(problems=list(walk_problems))
+    for record in records:
+        summary.files += len(record.files)
+        summary.raw_bytes += sum(row[1] for row in record.files)
+        summary.stored_bytes += sum(row[6] for row in record.files)
+        summary.problems.extend(Problem(path, reason) for path, reason in record.problems)
+        summary.chunks += record.chunk_id != NO_CHUNK
+    summary.problems.sort(key=lambda p: p.path)
+    return summary
+
+
+def _check_options(options: PackOptions) -> None:
+    if options.chunk_size < 4096:
+        raise UsageError(f"--chunk-size: {options.chunk_size} bytes is too small (at least 4 KiB)")
+    if options.workers < 0:
+        raise UsageError(f"--workers: must be 0 (all cores) or more, got {options.workers}")
+    try:
+        codec_from_spec(options.codec)
+    except CodecError as exc:
+        raise UsageError(f"--codec: {exc}") from None
+
+
+def _worker_count(workers: int) -> int:
+    return workers or len(os.sched_getaffinity(0))
+
+
+def _check_dest_outside_src(src: Path, dest: Path) -> None:
+    real_src, real_dest = os.path.realpath(src), os.path.realpath(dest)
+    if real_dest == real_src or real_dest.startswith(real_src + os.sep):
+        raise UsageError(f"DEST {str(dest)!r} is inside SRC {str(src)!r}; choose a directory outside it")
+
+
+def _prepare_dest(dest: Path, journal: PackJournal, fingerprint: str, options: PackOptions) -> None:
+    """Fresh DEST, or the journal of the same pack to resume; anything else is refused (or cleared by --force)."""
+    if dest.exists() and not dest.is_dir():
+        raise UsageError(f"DEST {str(dest)!r} exists and is not a directory")
+    ours = {INDEX_NAME, CHUNK_DIR, JOURNAL_DIR, INDEX_NAME + ".partial"}
+    present = set(os.listdir(dest)) if dest.is_dir() else set()
+    if present - ours:
+        raise UsageError(
+            f"DEST {str(dest)!r} is not empty and is not a fanstore dataset; choose an empty or new directory"
+        )
+    if options.force:
+        for name in present:
+            target = dest / name
+            shutil.rmtree(target) if target.is_dir() else target.unlink()
+    elif INDEX_NAME in present:
+        raise UsageError(f"DEST {str(dest)!r} already holds a fanstore dataset; pass --force to replace it")
+    elif journal.exists():
+        previous = journal.state()
+        if previous.get("fingerprint") != fingerprint:
+            raise UsageError(
+                f"DEST {str(dest)!r} holds an interrupted pack of other files or options "
+                f"({json.dumps(previous.get('options'))}); run that command to resume it, or pass --force"
+            )
+    elif present:
+        for name in present:
+            target = dest / name
+            shutil.rmtree(target) if target.is_dir() else target.unlink()
+    try:
+        (dest / CHUNK_DIR).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"DEST {str(dest)!r} cannot be created: {exc.strerror}") from None
+
+
+def _discard_unrecorded_chunks(dest: Path, finished: int) -> None:
+    """Chunk files past the journal (a crash between publishing a chunk and journaling it) are rewritten."""
+    for path in (dest / CHUNK_DIR).iterdir():
+        stem = path.name.split(".")[0]
+        if path.name.endswith(PARTIAL_SUFFIX) or not stem.isdigit() or int(stem) >= finished:
+            path.unlink()
+
+
+def _fingerprint(tree: SourceTree, options: PackOptions) -> str:
+    """Identifies a pack's inputs: a resume must see the same tree and the same output-defining options."""
+    digest = xxhash.xxh3_128()
+    digest.update(json.dumps(options.output_defining(), sort_keys=True).encode())
+    for e in tree.entries:
+        digest.update(f"{e.path}\0{e.mode}\0{e.size}\0{e.mtime_ns}\0{e.link_target}\n".encode("utf-8"))
+    for p in tree.problems:
+        digest.update(f"!{p.path}\0{p.reason}\n".encode("utf-8"))
+    return digest.hexdigest()
+
+
+def _plan_codecs(
+    options: PackOptions, groups: GroupPlan, files: list[SourceEntry], src: Path, journal: PackJournal
+) -> tuple[list[dict[str, Any]], dict[str, bytes], dict[int, int], list[Codec]]:
+    """The codec table (row 0 is always `none`) and the row each group compresses with.
+
+    `zstd-dict` trains one dictionary per group; a group too small to train on falls back to plain zstd at the
+    same level. Dictionaries are journaled, so a resumed pack uses the very same ones.
+    """
+    rows: list[dict[str, Any]] = [{"id": 0, "spec": "none", "dictionary": None}]
+    codecs: list[Codec] = [codec_from_spec("none")]
+    dictionaries: dict[str, bytes] = {}
+    group_codec: dict[int, int] = {}
+    for group in range(len(groups.table())):
+        codec = codec_from_spec(options.codec) if options.codec != "none" else None
+        dict_name = None
+        if codec is not None and codec.needs_dictionary:
+            dict_name = f"dict.{group}"
+            dictionary = journal.load_dictionary(dict_name) if journal.exists() else None
+            if dictionary is None:
+                members = [f for f in files if f.size > 0 and groups.group_of(f.path) == group]
+                dictionary = train_dictionary(_dictionary_samples(src, members), level=codec.level)
+                if dictionary is not None:
+                    journal.dir.mkdir(parents=True, exist_ok=True)
+                    journal.save_dictionary(dict_name, dictionary)
+            if dictionary:
+                codec = codec_from_spec(options.codec, dictionary=dictionary)
+                dictionaries[dict_name] = dictionary
+            else:
+                codec, dict_name = codec_from_spec(f"zstd:{codec.level}"), None
+        if codec is None or codec.spec == "none":
+            group_codec[group] = NONE_CODEC
+            continue
+        row = {"id": codec.codec_id, "spec": codec.spec, "dictionary": dict_name}
+        if row not in rows:
+            rows.append(row)
+            codecs.append(codec)
+        group_codec[group] = rows.index(row)
+    return rows, dictionaries, group_codec, codecs
+
+
+def _dictionary_samples(src: Path, members: list[SourceEntry]) -> list[bytes]:
+    """An evenly spaced, deterministic sample of a group's files, each cut to its first bytes."""
+    if not members:
+        return []
+    step = max(1, len(members) // _DICT_SAMPLE_FILES)
+    samples, total = [], 0
+    for entry in members[::step]:
+        try:
+            with open(src / entry.path, "rb") as f:
+                sample = f.read(_DICT_SAMPLE_BYTES)
+        except OSError:
+            continue  # the compress step reports it
+        samples.append(sample)
+        total += len(sample)
+        if total >= _DICT_SAMPLE_TOTAL:
+            break
+    return samples
+
+
+def _write_index(
+    dest: Path,
+    tree: SourceTree,
+    records: list[ChunkRecord],
+    codec_rows: list[dict[str, Any]],
+    dictionaries: dict[str, bytes],
+    groups: GroupPlan,
+    options: PackOptions,
+    summary: PackSummary,
+) -> None:
+    entries: list[EntryRecord] = []
+    packed_paths = set()
+    for record in records:
+        for path, size, mtime_ns, mode, chunk, offset, stored_len, codec, checksum in record.files:
+            entries.append(EntryRecord(path, mode, mtime_ns, size, chunk, offset, stored_len, codec, checksum))
+            packed_paths.add(path)
+    for e in tree.entries:
+        if stat.S_ISDIR(e.mode):
+            entries.append(EntryRecord(e.path, e.mode, e.mtime_ns))
+        elif stat.S_ISLNK(e.mode):
+            entries.append(EntryRecord(e.path, e.mode, e.mtime_ns, link_target=e.link_target))
+    chunk_rows = [r for r in records if r.chunk_id != NO_CHUNK]
+    chunks = np.zeros(len(chunk_rows), dtype=CHUNK_DTYPE)
+    for r in chunk_rows:
+        chunks[r.chunk_id] = (r.size, r.group, sum(1 for row in r.files if row[4] == r.chunk_id))
+    meta = {
+        "pack": {
+            **options.output_defining(),
+            "files": summary.files,
+            "raw_bytes": summary.raw_bytes,
+            "stored_bytes": summary.stored_bytes,
+            "skipped": [{"path": p.path, "reason": p.reason} for p in summary.problems],
+        }
+    }
+    write_index_atomically(dest, build_index_bytes(entries, chunks, groups.table(), codec_rows, dictionaries, meta))
+
+
+def _global_error(exc: OSError, dest: Path) -> PackError:
+    where = exc.filename or dest
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return PackError(f"disk full writing {where}: free some space and run the same command again to resume")
+    return PackError(f"cannot write {where}: {exc.strerror or exc}; run the same command again to resume")
