@@ -1,0 +1,163 @@
+"""Command line: `fanstore-pack` and `fanstore {pack,verify,info,demo}`.
+
+Every expected failure is a FanstoreError and ends as one line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from typing import Callable, Sequence
+
+from .errors import FanstoreError
+from .units import format_bytes, parse_size
+
+EXIT_FAILURE = 1
+EXIT_INTERRUPTED = 130
+_WARNINGS_SHOWN = 20
+
+
+def _add_pack_arguments(parser: argparse.ArgumentParser) -> None:
+    from .pack import DEFAULT_CHUNK_SIZE, DEFAULT_CODEC
+
+    parser.add_argument("src", metavar="SRC", help="directory tree to pack")
+    parser.add_argument("dest", metavar="DEST", help="dataset directory to write (new, empty, or an interrupted pack)")
+    parser.add_argument("--codec", default=DEFAULT_CODEC, metavar="SPEC",
+                        help="none | zstd:LEVEL | zstd-dict:LEVEL | lz4 | lz4:hc | blosc:INNER:LEVEL[:shuffle|"
+                             f"bitshuffle] (default {DEFAULT_CODEC})")
+    parser.add_argument("--chunk-size", default=str(DEFAULT_CHUNK_SIZE), metavar="SIZE",
+                        help="target chunk file size, e.g. 64MiB (default); a larger file gets a chunk of its own")
+    parser.add_argument("--replicate", action="append", default=[], metavar="GLOB",
+                        help="files matching GLOB (e.g. 'val/**') go to the group stored on every node; repeatable")
+    parser.add_argument("--workers", type=int, default=0, metavar="N",
+                        help="compression processes (default: every core)")
+    parser.add_argument("--strict", action="store_true", help="fail instead of skipping files that cannot be packed")
+    parser.add_argument("--force", action="store_true", help="replace a dataset or interrupted pack already in DEST")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _run_pack(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from .pack import PackOptions, PackProgress, pack
+
+    options = PackOptions(
+        codec=args.codec,
+        chunk_size=parse_size(args.chunk_size, "--chunk-size"),
+        replicate=tuple(args.replicate),
+        workers=args.workers,
+        strict=args.strict,
+        force=args.force,
+    )
+    bar = None
+
+    def show(p: PackProgress) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=p.raw_total, unit="B", unit_scale=True, unit_divisor=1024, desc="packing",
+                       disable=args.quiet or None, file=sys.stderr, mininterval=0.25)
+        if bar.disable:
+            return
+        bar.update(p.raw_done - bar.n)
+        ratio = p.raw_done / p.stored_done if p.stored_done else 1.0
+        bar.set_postfix_str(f"files {p.files_done}/{p.files_total} ratio {ratio:.2f}x", refresh=False)
+
+    try:
+        summary = pack(args.src, args.dest, options, progress=show)
+    finally:
+        if bar is not None:
+            bar.close()
+    for problem in summary.problems[:_WARNINGS_SHOWN]:
+        print(f"warning: skipped {problem}", file=sys.stderr)
+    if len(summary.problems) > _WARNINGS_SHOWN:
+        print(f"warning: ... and {len(summary.problems) - _WARNINGS_SHOWN} more skipped "
+              f"(`fanstore info {args.dest}` lists them all)", file=sys.stderr)
+    reused = f", {summary.reused_chunks} chunks kept from the interrupted run" if summary.reused_chunks else ""
+    print(
+        f"packed {summary.files:,} files into {summary.chunks} chunks{reused}: "
+        f"{format_bytes(summary.raw_bytes)} raw, {format_bytes(summary.stored_bytes)} stored, "
+        f"ratio {summary.ratio:.2f}x, {summary.seconds:.1f} s, {summary.mb_per_s:.1f} MB/s, "
+        f"{len(summary.problems)} skipped"
+    )
+    return 0
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    from .api import open_dataset
+    from .verify import verify_dataset
+
+    with open_dataset(args.dest) as ds:
+        report = verify_dataset(ds)
+    for bad in report.bad:
+        print(f"BAD {bad}")
+    print(f"checked {report.files_checked:,} files ({format_bytes(report.raw_bytes)}): "
+          f"{len(report.bad)} bad")
+    return 0 if report.ok else EXIT_FAILURE
+
+
+def _run_info(args: argparse.Namespace) -> int:
+    from .api import open_dataset
+    from .info import describe_dataset
+
+    with open_dataset(args.dest) as ds:
+        print(describe_dataset(ds))
+    return 0
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(workdir=args.workdir, scale=args.scale)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fanstore", description="Compressed, read-only training datasets.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    pack_parser = commands.add_parser("pack", help="pack a directory tree into a dataset (as fanstore-pack)")
+    _add_pack_arguments(pack_parser)
+    pack_parser.set_defaults(run=_run_pack)
+    verify_parser = commands.add_parser("verify", help="check and decode every file; list the bad ones")
+    verify_parser.add_argument("dest", metavar="DEST")
+    verify_parser.set_defaults(run=_run_verify)
+    info_parser = commands.add_parser("info", help="version, groups, codecs, counts, sizes and ratio")
+    info_parser.add_argument("dest", metavar="DEST")
+    info_parser.set_defaults(run=_run_info)
+    demo_parser = commands.add_parser("demo", help="build, pack and read back a small training dataset")
+    demo_parser.add_argument("--workdir", metavar="DIR", help="keep the demo files here (default: a temporary dir)")
+    demo_parser.add_argument("--scale", type=int, default=1, help="grow the demo dataset (default 1)")
+    demo_parser.set_defaults(run=_run_demo)
+    return parser
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _run(prog: str, parse: Callable[[], argparse.Namespace]) -> int:
+    args = parse()
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        return args.run(args)
+    except FanstoreError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; run the same command again to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    return _run("fanstore", lambda: parser.parse_args(argv))
+
+
+def pack_main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fanstore-pack", description="Pack a directory tree into a dataset.")
+    _add_pack_arguments(parser)
+    parser.set_defaults(run=_run_pack)
+    return _run("fanstore-pack", lambda: parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

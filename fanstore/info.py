@@ -1,0 +1,73 @@
+"""`fanstore info`: what a dataset holds and how well it compressed, from the index alone."""
+
+from __future__ import annotations
+
+import stat
+
+import numpy as np
+
+from .api import Dataset
+from .format import FORMAT_MAJOR, FORMAT_MINOR, NO_CHUNK
+from .units import format_bytes
+
+
+def describe_dataset(ds: Dataset) -> str:
+    index = ds.index
+    entries = index.entries
+    kinds = entries["mode"] & 0o170000
+    is_file = kinds == stat.S_IFREG
+    files = entries[is_file]
+    raw = int(files["size"].sum())
+    stored = int(files["stored_len"].sum())
+    lines = [
+        f"dataset      {ds.path}",
+        f"format       {index.toc.get('version', f'{FORMAT_MAJOR}.{FORMAT_MINOR}')}",
+        f"files        {int(is_file.sum()):,}",
+        f"directories  {int((kinds == stat.S_IFDIR).sum()):,}",
+        f"symlinks     {int((kinds == stat.S_IFLNK).sum()):,}",
+        f"raw bytes    {raw:,} ({format_bytes(raw)})",
+        f"stored bytes {stored:,} ({format_bytes(stored)})",
+        f"ratio        {raw / stored if stored else 1.0:.2f}x",
+        f"chunks       {len(index.chunks):,} ({format_bytes(int(index.chunks['size'].sum()))} on disk, "
+        f"index {format_bytes(index.path.stat().st_size)})",
+        "",
+        "groups:",
+    ]
+    # A file's group is its chunk's; empty files have no chunk and count as group 0.
+    has_chunk = files["chunk"] != NO_CHUNK
+    file_groups = np.zeros(len(files), dtype=np.int64)
+    file_groups[has_chunk] = index.chunks["group"][files["chunk"][has_chunk]]
+    for number, group in enumerate(index.groups):
+        chosen = files[file_groups == number]
+        chunk_count = int((index.chunks["group"] == number).sum())
+        where = "every node" if group["replicated"] else "spread over nodes"
+        patterns = f" ({', '.join(group['patterns'])})" if group.get("patterns") else ""
+        lines.append(
+            f"  {group['name']:<11} {where}{patterns}: {len(chosen):,} files, {chunk_count:,} chunks, "
+            f"{format_bytes(int(chosen['stored_len'].sum()))} stored"
+        )
+    lines.append("")
+    lines.append("codecs:")
+    for number, row in enumerate(index.codecs):
+        chosen = files[files["codec"] == number]
+        if not len(chosen) and number == 0 and row["spec"] == "none":
+            continue
+        c_raw, c_stored = int(chosen["size"].sum()), int(chosen["stored_len"].sum())
+        dictionary = f" with {row['dictionary']}" if row.get("dictionary") else ""
+        lines.append(
+            f"  {row['spec']:<16}{dictionary}: {len(chosen):,} files, {format_bytes(c_raw)} -> "
+            f"{format_bytes(c_stored)} ({c_raw / c_stored if c_stored else 1.0:.2f}x)"
+        )
+    pack_meta = index.meta.get("pack", {})
+    if pack_meta:
+        lines.append("")
+        lines.append(
+            f"packed with   --codec {pack_meta['codec']} --chunk-size {pack_meta['chunk_size']}"
+            + "".join(f" --replicate {p}" for p in pack_meta.get("replicate", []))
+        )
+        skipped = pack_meta.get("skipped", [])
+        lines.append(f"skipped      {len(skipped)} path(s)" + (":" if skipped else ""))
+        lines.extend(f"  {s['path']}: {s['reason']}" for s in skipped[:50])
+        if len(skipped) > 50:
+            lines.append(f"  ... and {len(skipped) - 50} more")
+    return "\n".join(lines)
