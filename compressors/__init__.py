@@ -1,0 +1,10 @@
+"""Codecs for fanstore blobs: one file's bytes in, its stored bytes out, and back.
+
+`codec_from_spec("zstd:3")` builds a codec from the spec string an index records; `CODEC_TYPES` lists the kinds.
+"""
+
+from .base import Codec, CodecError, CodecSpecError
+from .registry import CODEC_TYPES, codec_from_spec
+from .zstd_codec import train_dictionary
+
+__all__ = ["CODEC_TYPES", "Codec", "CodecError", "CodecSpecError", "codec_from_spec", "train_dictionary"]

@@ -1,0 +1,169 @@
+"""`blosc:INNER:LEVEL[:shuffle|bitshuffle|noshuffle][:TYPESIZE|auto]`: shuffle filters for numeric arrays.
+
+Shuffling groups the n-th bytes of every element together, which is what makes float fields compress; it needs
+the element size, so `auto` reads it from a `.npy` header. Each file is one blosc buffer (it carries its own
+sizes); files over 1 GiB are stored as segments, because blosc cannot take 2 GiB in one call.
+
+Threads: the readers decode from many Python threads at once, and python-blosc holds the GIL through
+compression unless told otherwise; with the GIL released it also switches to c-blosc's context functions, which
+keep no shared state, so calls from several threads are safe. The number of blosc-internal threads per call is
+python-blosc's process-wide setting (`blosc.set_nthreads`), which cannot be set per call; this module leaves it
+alone, so a program that decodes from many threads of its own may want to set it to 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import types
+from typing import Any
+
+import blosc
+import numpy.lib.format as npy_format
+from blosc.blosc_extension import error as BloscLibraryError
+
+from .base import (
+    SEGMENT_SIZE,
+    BytesLike,
+    CodecError,
+    CodecSpecError,
+    SegmentedCodec,
+    check_field_count,
+    check_int,
+    encode_segments,
+    int_field,
+)
+
+# Decoding must run in parallel in reader threads; python-blosc holds the GIL during (de)compression by default.
+blosc.set_releasegil(True)
+
+INNER_COMPRESSORS = tuple(blosc.compressor_list())
+SHUFFLES = types.MappingProxyType(
+    {"shuffle": blosc.SHUFFLE, "bitshuffle": blosc.BITSHUFFLE, "noshuffle": blosc.NOSHUFFLE}
+)
+MIN_LEVEL = 0
+MAX_LEVEL = 9
+MAX_TYPESIZE = blosc.MAX_TYPESIZE  # 255
+DEFAULT_SHUFFLE = "shuffle"
+DEFAULT_TYPESIZE = 4  # what `auto` uses for anything that is not a .npy file: float32 and int32 are the common cases
+
+_HEADER_SIZE = 16  # a blosc buffer starts with a 16-byte header holding its raw and stored sizes
+_NPY_MAGIC = b"\x93NUMPY"
+_NPY_MAX_HEADER = 10_000  # numpy's own limit on the header it will parse
+_NPY_HEADER_READERS = types.MappingProxyType({
+    1: npy_format.read_array_header_1_0,
+    2: npy_format.read_array_header_2_0,
+    3: npy_format.read_array_header_2_0,  # 3.0 is 2.0 with UTF-8 field names, which do not change the item size
+})
+
+
+class BloscCodec(SegmentedCodec):
+    """blosc with an inner compressor, a level, a shuffle filter and an element size (`typesize`, None = auto)."""
+
+    codec_id = 3
+    name = "blosc"
+    spec_grammar = (
+        f"blosc:INNER:LEVEL[:shuffle|bitshuffle|noshuffle][:TYPESIZE|auto], INNER one of "
+        f"{', '.join(INNER_COMPRESSORS)}, LEVEL {MIN_LEVEL}..{MAX_LEVEL}, TYPESIZE 1..{MAX_TYPESIZE}"
+    )
+
+    def __init__(
+        self,
+        inner: str,
+        level: int,
+        shuffle: str = DEFAULT_SHUFFLE,
+        typesize: int | None = None,
+        *,
+        segment_size: int = SEGMENT_SIZE,
+    ) -> None:
+        super().__init__(segment_size)
+        if inner not in INNER_COMPRESSORS:
+            raise CodecSpecError(f"blosc inner compressor must be one of {', '.join(INNER_COMPRESSORS)}, got {inner!r}")
+        if shuffle not in SHUFFLES:
+            raise CodecSpecError(f"blosc shuffle must be one of {', '.join(SHUFFLES)}, got {shuffle!r}")
+        self.inner = inner
+        self.level = check_int(level, "blosc level", MIN_LEVEL, MAX_LEVEL)
+        self.shuffle = shuffle
+        self.typesize = None if typesize is None else check_int(typesize, "blosc typesize", 1, MAX_TYPESIZE)
+
+    @property
+    def spec(self) -> str:
+        typesize = "auto" if self.typesize is None else self.typesize
+        return f"blosc:{self.inner}:{self.level}:{self.shuffle}:{typesize}"
+
+    def params(self) -> dict[str, Any]:
+        typesize = "auto" if self.typesize is None else self.typesize
+        return {"inner": self.inner, "level": self.level, "shuffle": self.shuffle, "typesize": typesize}
+
+    def encode(self, data: BytesLike) -> bytes:
+        view = memoryview(data).cast("B")
+        # Every segment shuffles with the element size of the whole file, which only its start can tell.
+        typesize = self.typesize if self.typesize is not None else auto_typesize(view)
+        return encode_segments(view, self.segment_size, functools.partial(self._encode_block, typesize=typesize))
+
+    def _encode_block(self, block: memoryview, typesize: int) -> bytes:
+        try:
+            return blosc.compress(block, typesize, self.level, SHUFFLES[self.shuffle], self.inner)
+        except (BloscLibraryError, ValueError) as exc:
+            raise CodecError(f"{self.spec}: cannot encode {len(block)} bytes: {exc}") from exc
+
+    def _decode_block(self, block: memoryview, raw_size: int) -> bytes:
+        # python-blosc trusts the header: check it describes exactly this block and raw_size before decoding.
+        if len(block) < _HEADER_SIZE or not blosc.cbuffer_validate(block):
+            raise CodecError(f"{self.spec}: {len(block)} stored bytes are not a valid blosc buffer")
+        header_raw_size, _, _ = blosc.get_cbuffer_sizes(bytes(block[:_HEADER_SIZE]))
+        if header_raw_size != raw_size:
+            raise CodecError(f"{self.spec}: blosc header says {header_raw_size} raw bytes, expected {raw_size}")
+        try:
+            return blosc.decompress(block)
+        except (BloscLibraryError, ValueError) as exc:
+            raise CodecError(f"{self.spec}: cannot decode {len(block)} stored bytes into {raw_size}: {exc}") from exc
+
+    @classmethod
+    def from_spec_fields(cls, fields: list[str], dictionary: bytes | None) -> BloscCodec:
+        if len(fields) < 2:
+            raise CodecSpecError(f"blosc needs an inner compressor and a level ({cls.spec_grammar})")
+        inner, level_field, *options = fields
+        if inner not in INNER_COMPRESSORS:
+            raise CodecSpecError(f"blosc inner compressor must be one of {', '.join(INNER_COMPRESSORS)}, got {inner!r}")
+        level = int_field(level_field, "blosc level", MIN_LEVEL, MAX_LEVEL)
+        shuffle = DEFAULT_SHUFFLE
+        if options and (options[0] in SHUFFLES or not (options[0] == "auto" or options[0].isdigit())):
+            shuffle = options.pop(0)
+            if shuffle not in SHUFFLES:
+                raise CodecSpecError(
+                    f"blosc shuffle must be one of {', '.join(SHUFFLES)} (or a TYPESIZE), got {shuffle!r}"
+                )
+        typesize = None
+        if options:
+            typesize_field = options.pop(0)
+            if typesize_field != "auto":
+                typesize = int_field(typesize_field, "blosc typesize", 1, MAX_TYPESIZE)
+        check_field_count(cls, options, 0)
+        return cls(inner, level, shuffle, typesize)
+
+    def _init_kwargs(self) -> dict[str, Any]:
+        return {
+            "inner": self.inner,
+            "level": self.level,
+            "shuffle": self.shuffle,
+            "typesize": self.typesize,
+            "segment_size": self.segment_size,
+        }
+
+
+def auto_typesize(data: BytesLike) -> int:
+    """The element size `auto` shuffles with: the item size from a .npy header, else DEFAULT_TYPESIZE."""
+    view = memoryview(data).cast("B")
+    if bytes(view[: len(_NPY_MAGIC)]) != _NPY_MAGIC:
+        return DEFAULT_TYPESIZE
+    head = io.BytesIO(bytes(view[: len(_NPY_MAGIC) + 6 + _NPY_MAX_HEADER]))
+    try:
+        major, _ = npy_format.read_magic(head)
+        read_header = _NPY_HEADER_READERS.get(major)
+        if read_header is None:
+            return DEFAULT_TYPESIZE
+        _, _, dtype = read_header(head, max_header_size=_NPY_MAX_HEADER)
+    except (ValueError, TypeError, KeyError, SyntaxError, EOFError):
+        return DEFAULT_TYPESIZE  # magic followed by something numpy cannot read: treat it as plain bytes
+    return dtype.itemsize if 1 <= dtype.itemsize <= MAX_TYPESIZE else DEFAULT_TYPESIZE

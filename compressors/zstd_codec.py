@@ -1,0 +1,186 @@
+"""`zstd:LEVEL` and `zstd-dict:LEVEL`, plus the dictionary trainer that zstd-dict packs use.
+
+Files are compressed one by one and many are tiny, so frames carry nothing a reader already knows: no magic
+number, checksum, content size or dictionary id (the index holds the size and an xxh3 of the stored bytes).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import zstandard
+
+from .base import BytesLike, Codec, CodecError, CodecSpecError, check_field_count, check_int, check_raw_size, int_field
+
+MIN_LEVEL = -7
+MAX_LEVEL = 22
+DEFAULT_LEVEL = 3
+DEFAULT_DICT_SIZE = 112640  # zstd's own default (110 KiB)
+
+_FORMAT = zstandard.FORMAT_ZSTD1_MAGICLESS
+# What the encoder stores for empty input (frame header, one empty last block); decoded once to warm a dictionary.
+_EMPTY_FRAME = b"\x00\x00\x01\x00\x00"
+# Dictionary training: fixed cover parameters so the result depends on the samples only, never on the CPU count.
+_TRAIN_K = 1024  # segment size
+_TRAIN_D = 8  # dmer size
+_MIN_DICT_SIZE = 256  # zstd cannot build a smaller dictionary
+_SAMPLE_BYTES_PER_DICT_BYTE = 10
+
+
+class _ZstdBase(Codec):
+    """Shared by zstd and zstd-dict: magicless frames, and one (de)compressor per thread.
+
+    zstandard's compressor and decompressor objects must not be used by two threads at once, and building one per
+    call would cost more than decoding a small file, so each thread builds its own on first use and keeps it.
+    """
+
+    def __init__(self, level: int = DEFAULT_LEVEL) -> None:
+        self.level = check_int(level, f"{self.name} level", MIN_LEVEL, MAX_LEVEL)
+        self._params = zstandard.ZstdCompressionParameters.from_level(
+            self.level, format=_FORMAT, write_checksum=0, write_content_size=0, write_dict_id=0
+        )
+        self._per_thread = threading.local()
+
+    @property
+    def spec(self) -> str:
+        return f"{self.name}:{self.level}"
+
+    def params(self) -> dict[str, Any]:
+        return {"level": self.level}
+
+    def _dict_data(self) -> zstandard.ZstdCompressionDict | None:
+        return None
+
+    def _compressor(self) -> zstandard.ZstdCompressor:
+        compressor = getattr(self._per_thread, "compressor", None)
+        if compressor is None:
+            compressor = zstandard.ZstdCompressor(compression_params=self._params, dict_data=self._dict_data())
+            self._per_thread.compressor = compressor
+        return compressor
+
+    def _decompressor(self) -> zstandard.ZstdDecompressor:
+        decompressor = getattr(self._per_thread, "decompressor", None)
+        if decompressor is None:
+            decompressor = zstandard.ZstdDecompressor(dict_data=self._dict_data(), format=_FORMAT)
+            self._per_thread.decompressor = decompressor
+        return decompressor
+
+    def encode(self, data: BytesLike) -> bytes:
+        try:
+            return self._compressor().compress(data)
+        except zstandard.ZstdError as exc:
+            raise CodecError(f"{self.spec}: cannot encode: {exc}") from exc
+
+    def decode(self, stored: BytesLike, raw_size: int) -> bytes:
+        check_raw_size(raw_size)
+        try:
+            # Frames hold no content size, so the output limit is what sizes the buffer; at least 1, because 0
+            # would mean "take the size from the frame header".
+            raw = self._decompressor().decompress(stored, max_output_size=max(raw_size, 1), allow_extra_data=False)
+        except zstandard.ZstdError as exc:
+            raise CodecError(f"{self.spec}: cannot decode {len(stored)} stored bytes into {raw_size}: {exc}") from exc
+        if len(raw) != raw_size:
+            raise CodecError(f"{self.spec}: decoded {len(raw)} bytes, expected {raw_size}")
+        return raw
+
+    @classmethod
+    def _level_from_fields(cls, fields: list[str]) -> int:
+        check_field_count(cls, fields, 1)
+        return int_field(fields[0], f"{cls.name} level", MIN_LEVEL, MAX_LEVEL) if fields else DEFAULT_LEVEL
+
+
+class ZstdCodec(_ZstdBase):
+    """zstd at a fixed level, one magicless frame per file."""
+
+    codec_id = 1
+    name = "zstd"
+    spec_grammar = f"zstd[:LEVEL], LEVEL {MIN_LEVEL}..{MAX_LEVEL}, default {DEFAULT_LEVEL}"
+
+    @classmethod
+    def from_spec_fields(cls, fields: list[str], dictionary: bytes | None) -> ZstdCodec:
+        return cls(cls._level_from_fields(fields))
+
+    def _init_kwargs(self) -> dict[str, Any]:
+        return {"level": self.level}
+
+
+class ZstdDictCodec(_ZstdBase):
+    """zstd with a dictionary trained on the group's own files: small similar files share their common parts.
+
+    The dictionary is not in the spec (the index stores it as a section), so a codec may be built without one,
+    to read its level while planning a pack; it then refuses to encode or decode.
+    """
+
+    codec_id = 4
+    name = "zstd-dict"
+    spec_grammar = f"zstd-dict[:LEVEL], LEVEL {MIN_LEVEL}..{MAX_LEVEL}, default {DEFAULT_LEVEL}"
+    needs_dictionary = True
+
+    def __init__(self, level: int = DEFAULT_LEVEL, dictionary: BytesLike | None = None) -> None:
+        super().__init__(level)
+        self.dictionary = bytes(dictionary) if dictionary is not None else None
+        self._zstd_dict: zstandard.ZstdCompressionDict | None = None
+        if self.dictionary is None:
+            return
+        if not self.dictionary:
+            raise CodecSpecError(f"{self.spec}: the dictionary is empty")
+        try:
+            zstd_dict = zstandard.ZstdCompressionDict(self.dictionary)
+            # Digest the dictionary once here rather than in every thread's compressor.
+            zstd_dict.precompute_compress(compression_params=self._params)
+        except zstandard.ZstdError as exc:
+            raise CodecError(f"{self.spec}: unusable dictionary of {len(self.dictionary)} bytes: {exc}") from exc
+        self._zstd_dict = zstd_dict
+        # zstandard digests the dictionary for decoding lazily, outside the GIL, on the first decode: two threads
+        # decoding first at once would both build it. Decoding an empty frame here builds it before any sharing.
+        self.decode(_EMPTY_FRAME, 0)
+
+    def _dict_data(self) -> zstandard.ZstdCompressionDict:
+        if self._zstd_dict is None:
+            raise CodecError(f"{self.spec} has no dictionary: build it with codec_from_spec(spec, dictionary=...)")
+        return self._zstd_dict
+
+    @classmethod
+    def from_spec_fields(cls, fields: list[str], dictionary: bytes | None) -> ZstdDictCodec:
+        return cls(cls._level_from_fields(fields), dictionary)
+
+    def _init_kwargs(self) -> dict[str, Any]:
+        return {"level": self.level, "dictionary": self.dictionary}
+
+    def _key(self) -> tuple[Any, ...]:
+        return (type(self), self.spec, self.dictionary)
+
+    def __repr__(self) -> str:
+        size = "no dictionary" if self.dictionary is None else f"dictionary of {len(self.dictionary)} bytes"
+        return f"{type(self).__name__}({self.spec!r}, {size})"
+
+
+def train_dictionary(
+    samples: list[bytes], dict_size: int = DEFAULT_DICT_SIZE, level: int = DEFAULT_LEVEL
+) -> bytes | None:
+    """A zstd dictionary for files like `samples`, or None when they are too few or too small to train on.
+
+    Deterministic: the same samples give the same bytes on any machine (for a given zstd version), because a
+    resumed or repeated pack must produce an identical dataset. The dictionary is kept to at most a tenth of the sample bytes, since a larger
+    one only memorises the samples.
+    """
+    check_int(level, "zstd level", MIN_LEVEL, MAX_LEVEL)
+    check_int(dict_size, "dictionary size", 1, 1 << 31)
+    training = [bytes(sample) for sample in samples if len(sample)]
+    dict_size = min(dict_size, sum(map(len, training)) // _SAMPLE_BYTES_PER_DICT_BYTE)
+    if dict_size < _MIN_DICT_SIZE:
+        return None
+    try:
+        trained = zstandard.train_dictionary(
+            dict_size,
+            training,
+            k=min(_TRAIN_K, dict_size),
+            d=_TRAIN_D,
+            split_point=1.0,  # train on every sample; the default holds a quarter back to score k/d candidates
+            level=level,
+            threads=1,  # parameters are fixed, so there is nothing to search in parallel
+        )
+    except zstandard.ZstdError:
+        return None
+    return trained.as_bytes()
