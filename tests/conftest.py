@@ -1,0 +1,105 @@
+"""Shared helpers: a small realistic source tree, tree digests, and running the real CLI in a subprocess."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def make_tree(root: Path) -> Path:
+    """Files of the kinds a training set has, plus the awkward cases: empty files and dirs, symlinks, odd names."""
+    rng = np.random.default_rng(7)
+    (root / "train" / "cat").mkdir(parents=True)
+    (root / "train" / "dog").mkdir(parents=True)
+    (root / "val" / "cat").mkdir(parents=True)
+    (root / "empty_dir" / "nested_empty").mkdir(parents=True)
+    for i in range(40):
+        label = "cat" if i % 2 else "dog"
+        header = b"\x89PNG\r\n\x1a\n" + i.to_bytes(4, "little")
+        (root / "train" / label / f"img_{i:03d}.png").write_bytes(header + rng.integers(0, 8, 3000, np.uint8).tobytes())
+    for i in range(10):
+        (root / "val" / "cat" / f"img_{i:03d}.png").write_bytes(rng.integers(0, 256, 2000, np.uint8).tobytes())
+    field = np.cumsum(rng.standard_normal((64, 256)), axis=1).astype(np.float32)
+    np.save(root / "field.npy", field)
+    (root / "labels.txt").write_text("".join(f"train/x/img_{i:03d}.png\t{i % 2}\n" for i in range(40)))
+    (root / "empty.txt").write_bytes(b"")
+    (root / "random.bin").write_bytes(rng.integers(0, 256, 200_000, np.uint8).tobytes())
+    (root / "名前 with spaces.txt").write_text("unicode name\n" * 20)
+    os.symlink("field.npy", root / "latest.npy")
+    os.symlink("train/cat", root / "cats")
+    return root
+
+
+@pytest.fixture
+def source_tree(tmp_path: Path) -> Path:
+    return make_tree(tmp_path / "src")
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Path -> sha256 of content (files), 'dir' (directories) or 'link:TARGET' (symlinks)."""
+    result = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            full = Path(dirpath) / name
+            rel = full.relative_to(root).as_posix()
+            if full.is_symlink():
+                result[rel] = "link:" + os.readlink(full)
+            elif full.is_dir():
+                result[rel] = "dir"
+            else:
+                result[rel] = hashlib.sha256(full.read_bytes()).hexdigest()
+    return result
+
+
+def dataset_digest(ds) -> dict[str, str]:
+    """The same digest, taken through the Python API."""
+    import stat
+
+    result = {}
+    for dirpath, dirnames, filenames in ds.walk():
+        for name in dirnames + filenames:
+            rel = f"{dirpath}/{name}" if dirpath else name
+            mode = ds.stat(rel, follow_symlinks=False).st_mode
+            if stat.S_ISLNK(mode):
+                result[rel] = "link:" + ds.readlink(rel)
+            elif stat.S_ISDIR(mode):
+                result[rel] = "dir"
+            else:
+                result[rel] = hashlib.sha256(ds.read(rel)).hexdigest()
+    return result
+
+
+def dir_bytes(root: Path) -> dict[str, bytes]:
+    """Every file of a dataset directory, for byte-identity checks."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def run_cli(*args: str, check: bool = False, **kwargs) -> subprocess.CompletedProcess:
+    """Runs `python -m fanstore ARGS` (or `fanstore-pack` with args[0] == 'fanstore-pack') for real."""
+    if args and args[0] == "fanstore-pack":
+        cmd = [sys.executable, "-c", "import sys; from fanstore.cli import pack_main; sys.exit(pack_main())", *args[1:]]
+    else:
+        cmd = [sys.executable, "-m", "fanstore", *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, **kwargs)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    """A bad input ends with a non-zero exit and one error line naming the culprit, never a traceback."""
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, proc.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]

@@ -1,0 +1,189 @@
+"""Every bad input gets one clear line naming the path or option, never a traceback, and loses nothing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import assert_one_line_error, dir_bytes, make_tree, run_cli
+from fanstore import PackError, PackOptions, open_dataset, pack
+from fanstore.walk import walk_source
+
+IS_ROOT = os.geteuid() == 0
+
+
+def test_missing_src(tmp_path):
+    assert_one_line_error(run_cli("fanstore-pack", str(tmp_path / "nope"), str(tmp_path / "ds")), "nope",
+                          "does not exist")
+
+
+def test_src_is_a_file(tmp_path):
+    (tmp_path / "file").write_text("x")
+    assert_one_line_error(run_cli("fanstore-pack", str(tmp_path / "file"), str(tmp_path / "ds")), "not a directory")
+
+
+def test_dest_inside_src(source_tree):
+    assert_one_line_error(run_cli("fanstore-pack", str(source_tree), str(source_tree / "ds")), "inside SRC")
+
+
+def test_dest_holding_another_dataset_needs_force(source_tree, tmp_path):
+    dest = tmp_path / "ds"
+    run_cli("fanstore-pack", str(source_tree), str(dest), "--quiet", check=True)
+    before = dir_bytes(dest)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "a.txt").write_text("another dataset")
+    assert_one_line_error(run_cli("fanstore-pack", str(other), str(dest)), str(dest), "--force")
+    assert dir_bytes(dest) == before, "a refused pack must not touch DEST"
+    run_cli("fanstore-pack", str(other), str(dest), "--force", "--quiet", check=True)
+    with open_dataset(dest) as ds:
+        assert ds.listdir("") == ["a.txt"]
+
+
+def test_dest_with_unrelated_files_is_refused_even_with_force(source_tree, tmp_path):
+    dest = tmp_path / "home"
+    dest.mkdir()
+    (dest / "thesis.tex").write_text("precious")
+    for extra in ([], ["--force"]):
+        assert_one_line_error(run_cli("fanstore-pack", str(source_tree), str(dest), *extra), "not empty")
+    assert (dest / "thesis.tex").read_text() == "precious"
+
+
+@pytest.mark.parametrize(
+    "option, value, needle",
+    [("--chunk-size", "lots", "--chunk-size"), ("--chunk-size", "1K", "--chunk-size"),
+     ("--codec", "zstd:99", "--codec"), ("--codec", "gzip", "--codec"), ("--workers", "-2", "--workers"),
+     ("--replicate", "val/[abc", "--replicate")],
+)
+def test_bad_options(source_tree, tmp_path, option, value, needle):
+    assert_one_line_error(run_cli("fanstore-pack", str(source_tree), str(tmp_path / "ds"), option, value), needle)
+    assert not (tmp_path / "ds" / "fanstore.index").exists()
+
+
+def _special_files(src: Path) -> None:
+    os.mkfifo(src / "a_fifo")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(src / "a_socket"))
+    sock.close()
+    if IS_ROOT:
+        os.mknod(src / "a_device", stat.S_IFCHR | 0o600, os.makedev(1, 3))
+    outside = src.parent / "outside.txt"
+    outside.write_text("not in SRC")
+    os.symlink(outside, src / "escapes")
+    os.symlink("../outside.txt", src / "escapes_relative")
+    os.symlink(str(src / "labels.txt"), src / "absolute_inside")
+    bad_name = os.fsencode(src) + b"/bad_\xff_name.txt"
+    with open(bad_name, "wb") as f:
+        f.write(b"latin-1 name")
+
+
+def test_special_files_and_escaping_links_are_skipped_with_warnings(source_tree, tmp_path):
+    _special_files(source_tree)
+    proc = run_cli("fanstore-pack", str(source_tree), str(tmp_path / "ds"), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: skipped")]
+    expected = {"a_fifo": "fifo", "a_socket": "socket", "escapes": "leaves SRC", "escapes_relative": "leaves SRC",
+                "bad_\\xff_name.txt": "UTF-8"}
+    if IS_ROOT:
+        expected["a_device"] = "device"
+    assert len(warnings) == len(expected), proc.stderr
+    for name, reason in expected.items():
+        assert any(f" {name}: " in w and reason in w for w in warnings), (name, warnings)
+    assert f"{len(expected)} skipped" in proc.stdout
+    with open_dataset(tmp_path / "ds") as ds:
+        assert ds.readlink("absolute_inside") == "labels.txt"
+        assert ds.read("absolute_inside") == (source_tree / "labels.txt").read_bytes()
+        assert len(ds.index.meta["pack"]["skipped"]) == len(expected)
+    strict = run_cli("fanstore-pack", str(source_tree), str(tmp_path / "strict"), "--strict")
+    assert_one_line_error(strict, "--strict")
+    assert not (tmp_path / "strict" / "fanstore.index").exists()
+
+
+def _unprivileged(cmd: list[str]) -> list[str]:
+    """Root reads any file; drop the capabilities that let it, so a mode-000 file is really unreadable."""
+    if not IS_ROOT:
+        return cmd
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv (util-linux): cannot make a file unreadable to the pack")
+    return ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", *cmd]
+
+
+def test_unreadable_file_is_skipped_and_counted(source_tree, tmp_path):
+    secret = source_tree / "train" / "cat" / "img_001.png"
+    secret.chmod(0)
+    locked_dir = source_tree / "locked"
+    locked_dir.mkdir()
+    (locked_dir / "inside.txt").write_text("cannot be listed")
+    locked_dir.chmod(0)
+    try:
+        import sys
+        from conftest import REPO
+
+        code = "import sys; from fanstore.cli import pack_main; sys.exit(pack_main())"
+        proc = subprocess.run(_unprivileged([sys.executable, "-c", code, str(source_tree), str(tmp_path / "ds"),
+                                             "--quiet"]),
+                              capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    finally:
+        secret.chmod(0o644)
+        locked_dir.chmod(0o755)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: skipped train/cat/img_001.png: cannot read: Permission denied" in proc.stderr
+    assert "warning: skipped locked: cannot list directory: Permission denied" in proc.stderr
+    assert "2 skipped" in proc.stdout
+    with open_dataset(tmp_path / "ds") as ds:
+        assert "img_001.png" not in ds.listdir("train/cat")
+        assert ds.read("train/cat/img_003.png") == (source_tree / "train/cat/img_003.png").read_bytes()
+
+
+def test_files_that_vanish_or_change_size_during_the_pack(source_tree, tmp_path):
+    tree = walk_source(source_tree)
+    (source_tree / "labels.txt").unlink()
+    with open(source_tree / "field.npy", "ab") as f:
+        f.write(b"grown")
+    summary = pack(source_tree, tmp_path / "ds", PackOptions(workers=2), tree=tree)
+    reasons = {p.path: p.reason for p in summary.problems}
+    assert reasons == {"labels.txt": "vanished during the pack",
+                       "field.npy": reasons["field.npy"]}
+    assert "changed size during the pack" in reasons["field.npy"]
+    with open_dataset(tmp_path / "ds") as ds:
+        assert "labels.txt" not in ds.listdir("") and "field.npy" not in ds.listdir("")
+        assert ds.read("random.bin") == (source_tree / "random.bin").read_bytes()
+    with pytest.raises(PackError, match="--strict: field.npy: changed size"):
+        pack(source_tree, tmp_path / "strict", PackOptions(workers=1, strict=True), tree=tree)
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="needs root to mount a small tmpfs that can fill up")
+def test_disk_full_stops_cleanly_and_resumes(tmp_path):
+    src = make_tree(tmp_path / "src")
+    (src / "more.bin").write_bytes(os.urandom(600_000))
+    reference = tmp_path / "reference"
+    pack(src, reference, PackOptions(codec="lz4", chunk_size=64 * 1024, workers=1))
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(small)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        args = ["--codec", "lz4", "--chunk-size", "64KiB", "--workers", "1", "--quiet"]
+        full = run_cli("fanstore-pack", str(src), str(small / "ds"), *args)
+        assert_one_line_error(full, "disk full", "resume")
+        assert not (small / "ds" / "fanstore.index").exists()
+        assert not list((small / "ds" / "chunks").glob("*.partial"))
+        subprocess.run(["mount", "-o", "remount,size=8m", str(small)], check=True)
+        resumed = run_cli("fanstore-pack", str(src), str(small / "ds"), *args, check=True)
+        assert "chunks kept from the interrupted run" in resumed.stdout
+        assert dir_bytes(small / "ds") == dir_bytes(reference)
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
+def test_missing_dataset_for_verify_and_info(tmp_path):
+    for command in ("verify", "info"):
+        assert_one_line_error(run_cli(command, str(tmp_path / "absent")), "absent")
+        assert_one_line_error(run_cli(command, str(tmp_path)), "not a fanstore dataset")

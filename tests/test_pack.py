@@ -1,0 +1,153 @@
+"""Pack then read back: the whole tree survives, output is deterministic, chunks and groups follow the rules."""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import dataset_digest, dir_bytes, make_tree, tree_digest
+from fanstore import PackOptions, open_dataset, pack
+from fanstore.errors import PathNotFound
+from fanstore.format import CHUNK_HEADER_LEN, NO_CHUNK
+
+
+@pytest.mark.parametrize("codec", ["zstd:3", "zstd-dict:9", "lz4", "blosc:lz4:5:shuffle", "none"])
+def test_round_trip_keeps_every_path_byte_and_attribute(source_tree, tmp_path, codec):
+    summary = pack(source_tree, tmp_path / "ds", PackOptions(codec=codec, workers=1))
+    assert summary.problems == []
+    with open_dataset(tmp_path / "ds") as ds:
+        assert dataset_digest(ds) == tree_digest(source_tree)
+        assert len(ds) == sum(1 for p in source_tree.rglob("*") if p.is_file() and not p.is_symlink())
+        for rel in ("field.npy", "empty.txt", "train/cat/img_001.png"):
+            st, orig = ds.stat(rel), os.stat(source_tree / rel)
+            assert (st.st_mode, st.st_size, st.st_mtime_ns) == (orig.st_mode, orig.st_size, orig.st_mtime_ns)
+        assert stat.S_ISDIR(ds.stat("empty_dir/nested_empty").st_mode)
+        assert ds.listdir("empty_dir/nested_empty") == []
+        assert ds.read("latest.npy") == (source_tree / "field.npy").read_bytes()
+        assert ds.listdir("cats") == sorted(os.listdir(source_tree / "train" / "cat"))
+
+
+def test_walk_and_listdir_match_os(source_tree, tmp_path):
+    pack(source_tree, tmp_path / "ds", PackOptions(workers=1))
+    with open_dataset(tmp_path / "ds") as ds:
+        ours = {(d, tuple(sorted(dn)), tuple(sorted(fn))) for d, dn, fn in ds.walk()}
+        theirs = {(Path(d).relative_to(source_tree).as_posix().replace(".", "", 1) if d != str(source_tree) else "",
+                   tuple(sorted(dn)), tuple(sorted(fn))) for d, dn, fn in os.walk(source_tree)}
+        # os.walk lists symlinks to directories among dirnames; the dataset walk, like os.walk with
+        # followlinks=False, does not descend into them, but lists them as non-directories.
+        theirs = {(d, tuple(n for n in dn if not (source_tree / d / n).is_symlink()),
+                   tuple(sorted(fn + tuple(n for n in dn if (source_tree / d / n).is_symlink()))))
+                  for d, dn, fn in theirs}
+        assert ours == theirs
+        assert ds.listdir("") == sorted(os.listdir(source_tree), key=lambda n: n.encode())
+        with pytest.raises(PathNotFound):
+            ds.read("train/cat/missing.png")
+        with pytest.raises(IsADirectoryError):
+            ds.read("train")
+        with pytest.raises(NotADirectoryError):
+            ds.listdir("labels.txt")
+
+
+def test_open_gives_a_seekable_read_only_file(source_tree, tmp_path):
+    pack(source_tree, tmp_path / "ds", PackOptions(workers=1))
+    original = (source_tree / "field.npy").read_bytes()
+    with open_dataset(tmp_path / "ds") as ds, ds.open("field.npy") as f:
+        assert f.readable() and f.seekable() and not f.writable()
+        assert np.load(f).shape == (64, 256)
+        f.seek(100)
+        assert f.read(50) == original[100:150]
+        f.seek(-10, io.SEEK_END)
+        assert f.read() == original[-10:]
+        assert f.tell() == len(original)
+        with pytest.raises(io.UnsupportedOperation):
+            f.write(b"x")
+
+
+def test_output_is_byte_identical_whatever_the_worker_count(source_tree, tmp_path):
+    options = dict(codec="zstd-dict:5", chunk_size=64 * 1024, replicate=("val/**",))
+    pack(source_tree, tmp_path / "one", PackOptions(workers=1, **options))
+    pack(source_tree, tmp_path / "two", PackOptions(workers=2, **options))
+    pack(source_tree, tmp_path / "again", PackOptions(workers=2, **options))
+    assert dir_bytes(tmp_path / "one") == dir_bytes(tmp_path / "two") == dir_bytes(tmp_path / "again")
+
+
+def test_chunks_respect_size_and_groups(source_tree, tmp_path):
+    chunk_size = 16 * 1024
+    pack(source_tree, tmp_path / "ds", PackOptions(codec="none", chunk_size=chunk_size, replicate=("val/**",),
+                                                   workers=2))
+    with open_dataset(tmp_path / "ds") as ds:
+        index = ds.index
+        sizes = [p.stat().st_size for p in sorted((tmp_path / "ds" / "chunks").iterdir())]
+        assert sizes == [int(s) for s in index.chunks["size"]]
+        for chunk_id, size in enumerate(sizes):
+            in_chunk = index.entries[index.entries["chunk"] == chunk_id]
+            # Over the target only when a single blob is larger than a chunk: then it is alone.
+            assert size <= chunk_size or len(in_chunk) == 1
+            assert size == CHUNK_HEADER_LEN + int(in_chunk["stored_len"].sum())
+        big = index.entries[index.lookup("random.bin")]
+        assert int(index.chunks["size"][big["chunk"]]) == CHUNK_HEADER_LEN + 200_000
+        for entry in index.iter_files():
+            path = index.path_of(entry)
+            chunk = int(index.entries[entry]["chunk"])
+            if chunk == NO_CHUNK:
+                continue
+            assert int(index.chunks["group"][chunk]) == (1 if path.startswith("val/") else 0), path
+        assert [g["name"] for g in index.groups] == ["spread", "replicated"]
+
+
+def test_incompressible_files_are_stored_raw(source_tree, tmp_path):
+    pack(source_tree, tmp_path / "ds", PackOptions(codec="zstd:19", workers=1))
+    with open_dataset(tmp_path / "ds") as ds:
+        rec = ds.index.entries[ds.index.lookup("random.bin")]
+        assert int(rec["codec"]) == 0 and int(rec["stored_len"]) == 200_000
+        rec = ds.index.entries[ds.index.lookup("labels.txt")]
+        assert int(rec["codec"]) != 0 and int(rec["stored_len"]) < int(rec["size"])
+
+
+def test_dictionary_beats_plain_zstd_on_small_similar_files(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(3)
+    for i in range(600):
+        fields = ",".join(f'"{k}": {rng.integers(0, 1000)}' for k in ("epoch", "step", "loss_x1000", "label", "width"))
+        (src / f"rec_{i:04d}.json").write_text('{"schema": "fanstore.sample.v1", "source": "camera-7", ' + fields + "}")
+    plain = pack(src, tmp_path / "plain", PackOptions(codec="zstd:9", workers=1))
+    trained = pack(src, tmp_path / "dict", PackOptions(codec="zstd-dict:9", workers=1))
+    assert trained.stored_bytes < plain.stored_bytes * 0.8
+    with open_dataset(tmp_path / "dict") as ds:
+        assert ds.index.codecs[1]["dictionary"] == "dict.0" and "dict.0" in ds.index.dictionaries
+        assert ds.read("rec_0042.json") == (src / "rec_0042.json").read_bytes()
+
+
+def test_dictionary_falls_back_to_zstd_for_a_tiny_group(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "only.txt").write_text("just one small file " * 10)
+    pack(src, tmp_path / "ds", PackOptions(codec="zstd-dict:7", workers=1))
+    with open_dataset(tmp_path / "ds") as ds:
+        assert [row["spec"] for row in ds.index.codecs] == ["none", "zstd:7"]
+        assert ds.read("only.txt") == (src / "only.txt").read_bytes()
+
+
+def test_info_and_verify_cli(source_tree, tmp_path):
+    from conftest import run_cli
+
+    run_cli("fanstore-pack", str(source_tree), str(tmp_path / "ds"), "--replicate", "val/**", "--quiet",
+            check=True)
+    info = run_cli("info", str(tmp_path / "ds"), check=True).stdout
+    for needle in ("format       1.0", "replicated", "val/**", "ratio", "zstd:3"):
+        assert needle in info
+    verify = run_cli("verify", str(tmp_path / "ds"), check=True)
+    assert "0 bad" in verify.stdout
+
+
+def test_packing_twice_into_a_fresh_tree_of_the_same_files_is_identical(tmp_path):
+    make_tree(tmp_path / "a")
+    pack(tmp_path / "a", tmp_path / "ds1", PackOptions(workers=2))
+    pack(tmp_path / "a", tmp_path / "ds2", PackOptions(workers=1))
+    assert dir_bytes(tmp_path / "ds1") == dir_bytes(tmp_path / "ds2")
