@@ -1,0 +1,92 @@
+"""Writes the golden v1 fixtures. Run once, when format v1 was made; NEVER re-run to "fix" a failing golden test:
+a failing golden test means the code no longer reads datasets that exist in the wild.
+
+    python tests/golden/make_golden.py
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent.parent))
+
+from compressors import codec_from_spec, train_dictionary  # noqa: E402
+from fanstore import PackOptions, pack  # noqa: E402
+
+FIXED_MTIME_NS = 1_700_000_000_123_456_789
+CODEC_SPECS = ["none", "zstd:3", "zstd:19", "lz4", "lz4:hc:9", "blosc:lz4:5:shuffle:4", "blosc:zstd:5:bitshuffle:4",
+               "zstd-dict:3"]
+
+
+def _source_tree(root: Path) -> None:
+    rng = np.random.default_rng(2024)
+    (root / "train" / "a").mkdir(parents=True)
+    (root / "train" / "b").mkdir(parents=True)
+    (root / "val" / "a").mkdir(parents=True)
+    (root / "empty_dir").mkdir()
+    for i in range(12):
+        text = f"sample {i}: label={i % 2} " + "features " * (i + 3)
+        (root / "train" / ("a" if i % 2 else "b") / f"s{i:02d}.txt").write_text(text)
+    for i in range(3):
+        (root / "val" / "a" / f"v{i}.txt").write_text(f"validation sample {i} " * 5)
+    np.save(root / "field.npy", np.sin(np.linspace(0, 8, 2048, dtype=np.float32)))
+    (root / "noise.bin").write_bytes(rng.integers(0, 256, 3000, dtype=np.uint8).tobytes())
+    (root / "empty.txt").write_bytes(b"")
+    (root / "ünïcode naïve.txt").write_text("non-ascii name\n")
+    os.symlink("field.npy", root / "link_to_field")
+    for path in sorted(root.rglob("*"), reverse=True):
+        os.utime(path, ns=(FIXED_MTIME_NS, FIXED_MTIME_NS), follow_symlinks=False)
+    os.utime(root, ns=(FIXED_MTIME_NS, FIXED_MTIME_NS))
+
+
+def _manifest(root: Path) -> dict[str, dict]:
+    result = {}
+    for path in sorted(root.rglob("*")):
+        st = path.lstat()
+        rel = path.relative_to(root).as_posix()
+        row = {"mode": st.st_mode, "mtime_ns": st.st_mtime_ns}
+        if stat.S_ISLNK(st.st_mode):
+            row["link"] = os.readlink(path)
+        elif stat.S_ISREG(st.st_mode):
+            row["size"] = st.st_size
+            row["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+        result[rel] = row
+    return result
+
+
+def main() -> None:
+    out = HERE / "v1"
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir()
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "src"
+        src.mkdir()
+        _source_tree(src)
+        pack(src, out / "dataset", PackOptions(codec="zstd-dict:3", chunk_size=4096, replicate=("val/**",),
+                                              workers=1))
+        (out / "manifest.json").write_text(json.dumps(_manifest(src), indent=1, sort_keys=True) + "\n")
+    # One stored blob per codec spec, decoded in every test run (as numcodecs does with its fixtures).
+    raw = np.cumsum(np.random.default_rng(1).standard_normal(4096)).astype(np.float32).tobytes()
+    samples = [f'{{"id": {i}, "kind": "golden", "value": {i * 7 % 13}}}'.encode() for i in range(400)]
+    dictionary = train_dictionary(samples, dict_size=4096, level=3)
+    (out / "codecs").mkdir()
+    (out / "codecs" / "raw.bin").write_bytes(raw)
+    (out / "codecs" / "zstd-dict.dict").write_bytes(dictionary)
+    for spec in CODEC_SPECS:
+        codec = codec_from_spec(spec, dictionary=dictionary if spec.startswith("zstd-dict") else None)
+        (out / "codecs" / f"{spec.replace(':', '_')}.blob").write_bytes(codec.encode(raw))
+
+
+if __name__ == "__main__":
+    main()
