@@ -16,11 +16,10 @@ from typing import Iterable, Iterator
 
 import xxhash
 
-from compressors import Codec
+from selector.kinds import HEAD_BYTES, file_kind
 
+from .codec_plan import NONE_ROW, CodecPlan
 from .walk import Problem
-
-NONE_CODEC = 0  # row 0 of every codec table: blobs that do not shrink are stored as they are
 _BATCH_FILES = 256
 _BATCH_BYTES = 8 << 20
 _BATCHES_PER_WORKER = 4
@@ -31,7 +30,7 @@ class FileTask:
     number: int  # position in the pack plan
     path: str
     size: int  # as the walk saw it
-    codec: int  # row in the codec table to try
+    group: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +53,9 @@ class Blob:
 class BlobCompressor:
     """Reads a file, checks it is still the size the walk saw, compresses it, checksums the stored bytes."""
 
-    def __init__(self, root: Path, codecs: list[Codec]) -> None:
+    def __init__(self, root: Path, plan: CodecPlan) -> None:
         self.root = root
-        self.codecs = codecs
+        self.plan = plan
 
     def compress(self, task: FileTask) -> Blob | Skipped:
         try:
@@ -71,10 +70,11 @@ class BlobCompressor:
         if len(raw) != task.size:
             reason = f"changed size during the pack ({task.size} bytes at walk, {len(raw)} now)"
             return Skipped(task.number, Problem(task.path, reason))
-        codec = task.codec
-        stored = self.codecs[codec].encode(raw) if codec != NONE_CODEC else raw
+        kind = file_kind(task.path, raw[:HEAD_BYTES]) if self.plan.depends_on_kind(task.group) else ""
+        codec = self.plan.row_for(task.group, kind)
+        stored = self.plan.codecs[codec].encode(raw) if codec != NONE_ROW else raw
         if len(stored) >= len(raw):
-            stored, codec = raw, NONE_CODEC
+            stored, codec = raw, NONE_ROW
         return Blob(task.number, stored, codec, xxhash.xxh3_64_intdigest(stored), len(raw))
 
     def compress_batch(self, batch: list[FileTask]) -> list[Blob | Skipped]:
@@ -85,9 +85,9 @@ class BlobCompressor:
 _worker_compressor: BlobCompressor | None = None
 
 
-def _init_worker(root: Path, codecs: list[Codec]) -> None:
+def _init_worker(root: Path, plan: CodecPlan) -> None:
     global _worker_compressor
-    _worker_compressor = BlobCompressor(root, codecs)
+    _worker_compressor = BlobCompressor(root, plan)
 
 
 def _compress_batch_in_worker(batch: list[FileTask]) -> list[Blob | Skipped]:
@@ -109,16 +109,16 @@ def _batches(tasks: Iterable[FileTask]) -> Iterator[list[FileTask]]:
 
 
 def compress_in_order(
-    root: Path, codecs: list[Codec], tasks: Iterable[FileTask], workers: int
+    root: Path, plan: CodecPlan, tasks: Iterable[FileTask], workers: int
 ) -> Iterator[Blob | Skipped]:
     """Results in task order; at most a few batches per worker are in flight, so memory stays bounded."""
     if workers <= 1:
-        compressor = BlobCompressor(root, codecs)
+        compressor = BlobCompressor(root, plan)
         for task in tasks:
             yield compressor.compress(task)
         return
     context = multiprocessing.get_context("forkserver")
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=(root, codecs)) as pool:
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=(root, plan)) as pool:
         pending = _batches(tasks)
         inflight: deque[Future[list[Blob | Skipped]]] = deque()
         try:

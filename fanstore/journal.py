@@ -50,6 +50,7 @@ class PackJournal:
         return json.loads((self.dir / STATE_FILE).read_text())
 
     def save_dictionary(self, name: str, data: bytes) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
         _write_atomically(self.dir / f"{name}.zdict", data)
 
     def load_dictionary(self, name: str) -> bytes | None:

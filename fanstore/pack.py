@@ -14,15 +14,17 @@ import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import xxhash
 
-from compressors import Codec, CodecError, codec_from_spec, train_dictionary
+from compressors import CodecError, codec_from_spec
+from selector.kinds import OTHER
 
 from .chunk_writer import PARTIAL_SUFFIX, ChunkWriter
-from .compress import NONE_CODEC, Blob, FileTask, Skipped, compress_in_order
+from .codec_plan import ANY_KIND, NONE_ROW, CodecPlan, build_codec_plan
+from .compress import Blob, FileTask, Skipped, compress_in_order
 from .errors import PackError, UsageError
 from .format import CHUNK_DIR, CHUNK_DTYPE, INDEX_NAME, NO_CHUNK, chunk_file_name
 from .groups import GroupPlan
@@ -30,11 +32,12 @@ from .index import EntryRecord, build_index_bytes, write_index_atomically
 from .journal import JOURNAL_DIR, ChunkRecord, PackJournal
 from .walk import Problem, SourceEntry, SourceTree, walk_source
 
+if TYPE_CHECKING:
+    from selector import Selection
+
 DEFAULT_CHUNK_SIZE = 64 << 20
 DEFAULT_CODEC = "zstd:3"
-_DICT_SAMPLE_FILES = 4000
-_DICT_SAMPLE_BYTES = 128 << 10  # at most this much of each sampled file
-_DICT_SAMPLE_TOTAL = 32 << 20
+AUTO_CODEC = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +48,20 @@ class PackOptions:
     workers: int = 0  # 0: every core
     strict: bool = False
     force: bool = False
+    # Only with codec="auto": what the selector must meet, and how it samples.
+    budget: float = 0.0  # decode throughput the trainer needs, bytes/s
+    prefetch_threads: int = 0  # 0: decode on the read path; K: K threads decode ahead
+    sample: float = 0.02
+    seed: int = 0
 
     def output_defining(self) -> dict[str, Any]:
         """The options the output bytes depend on: a resume must use the same ones."""
-        return {"codec": self.codec, "chunk_size": self.chunk_size, "replicate": list(self.replicate)}
+        defining: dict[str, Any] = {"codec": self.codec, "chunk_size": self.chunk_size,
+                                    "replicate": list(self.replicate)}
+        if self.codec == AUTO_CODEC:
+            defining.update(budget=self.budget, prefetch_threads=self.prefetch_threads, sample=self.sample,
+                            seed=self.seed)
+        return defining
 
 
 @dataclass(slots=True)
@@ -104,9 +117,12 @@ def pack(
     journal = PackJournal(dest_path)
     _prepare_dest(dest_path, journal, fingerprint, options)
 
-    codec_rows, dictionaries, group_codec, codecs = _plan_codecs(options, groups, files, src_path, journal)
+    selection = _selection(options, src_path, tree, journal)
+    spec_by_kind = {ANY_KIND: options.codec} if selection is None else _spec_by_kind(selection)
+    plan = build_codec_plan(spec_by_kind, groups, files, src_path, journal)
     if not journal.exists():
-        journal.start({"fingerprint": fingerprint, "options": options.output_defining(), "codecs": codec_rows})
+        journal.start({"fingerprint": fingerprint, "options": options.output_defining(), "codecs": plan.rows,
+                       "selection": selection.to_json() if selection is not None else None})
     finished = journal.finished_chunks()
     _discard_unrecorded_chunks(dest_path, len(finished))
     start_file = finished[-1].end_file if finished else 0
@@ -114,12 +130,12 @@ def pack(
     builder = _ChunkBuilder(dest_path, journal, options.chunk_size, files, groups, finished)
     raw_total = sum(f.size for f in files)
     tasks = (
-        FileTask(number, entry.path, entry.size, group_codec[groups.group_of(entry.path)])
+        FileTask(number, entry.path, entry.size, groups.group_of(entry.path))
         for number, entry in enumerate(files[start_file:], start=start_file)
         if entry.size > 0
     )
     try:
-        for result in compress_in_order(src_path, codecs, tasks, _worker_count(options.workers)):
+        for result in compress_in_order(src_path, plan, tasks, _worker_count(options.workers)):
             if isinstance(result, Skipped):
                 if options.strict:
                     raise PackError(f"--strict: {result.problem}")
@@ -130,7 +146,7 @@ def pack(
                 progress(builder.progress(len(files), raw_total))
         records = builder.close_all()
         summary = _summarise(records, tree.problems)
-        _write_index(dest_path, tree, records, codec_rows, dictionaries, groups, options, summary)
+        _write_index(dest_path, tree, records, plan, groups, options, summary, selection)
     except OSError as exc:
         builder.abort()
         raise _global_error(exc, dest_path) from None
@@ -175,7 +191,7 @@ class _ChunkBuilder:
         while self.next_number < upto:
             entry = self.files[self.next_number]
             if entry.size == 0:
-                self.rows.append([entry.path, 0, entry.mtime_ns, entry.mode, NO_CHUNK, 0, 0, NONE_CODEC,
+                self.rows.append([entry.path, 0, entry.mtime_ns, entry.mode, NO_CHUNK, 0, 0, NONE_ROW,
                                   xxhash.xxh3_64_intdigest(b"")])
                 self._done.files += 1
             self.next_number += 1
@@ -256,6 +272,12 @@ def _check_options(options: PackOptions) -> None:
         raise UsageError(f"--chunk-size: {options.chunk_size} bytes is too small (at least 4 KiB)")
     if options.workers < 0:
         raise UsageError(f"--workers: must be 0 (all cores) or more, got {options.workers}")
+    if options.codec == AUTO_CODEC:
+        if options.prefetch_threads < 0:
+            raise UsageError(f"--prefetch-threads: must be 0 or more, got {options.prefetch_threads}")
+        if options.budget < 0:
+            raise UsageError(f"--budget: must be 0 or more bytes/s, got {options.budget}")
+        return
     try:
         codec_from_spec(options.codec)
     except CodecError as exc:
@@ -324,74 +346,35 @@ def _fingerprint(tree: SourceTree, options: PackOptions) -> str:
     return digest.hexdigest()
 
 
-def _plan_codecs(
-    options: PackOptions, groups: GroupPlan, files: list[SourceEntry], src: Path, journal: PackJournal
-) -> tuple[list[dict[str, Any]], dict[str, bytes], dict[int, int], list[Codec]]:
-    """The codec table (row 0 is always `none`) and the row each group compresses with.
+def _selection(options: PackOptions, src: Path, tree: SourceTree, journal: PackJournal) -> Selection | None:
+    """With --codec auto, the selector's choice; a resumed pack reuses the journaled one (timings vary)."""
+    if options.codec != AUTO_CODEC:
+        return None
+    from selector import Budget, Selection, select_codecs  # measuring codecs is only needed here
 
-    `zstd-dict` trains one dictionary per group; a group too small to train on falls back to plain zstd at the
-    same level. Dictionaries are journaled, so a resumed pack uses the very same ones.
-    """
-    rows: list[dict[str, Any]] = [{"id": 0, "spec": "none", "dictionary": None}]
-    codecs: list[Codec] = [codec_from_spec("none")]
-    dictionaries: dict[str, bytes] = {}
-    group_codec: dict[int, int] = {}
-    for group in range(len(groups.table())):
-        codec = codec_from_spec(options.codec) if options.codec != "none" else None
-        dict_name = None
-        if codec is not None and codec.needs_dictionary:
-            dict_name = f"dict.{group}"
-            dictionary = journal.load_dictionary(dict_name) if journal.exists() else None
-            if dictionary is None:
-                members = [f for f in files if f.size > 0 and groups.group_of(f.path) == group]
-                dictionary = train_dictionary(_dictionary_samples(src, members), level=codec.level)
-                if dictionary is not None:
-                    journal.dir.mkdir(parents=True, exist_ok=True)
-                    journal.save_dictionary(dict_name, dictionary)
-            if dictionary:
-                codec = codec_from_spec(options.codec, dictionary=dictionary)
-                dictionaries[dict_name] = dictionary
-            else:
-                codec, dict_name = codec_from_spec(f"zstd:{codec.level}"), None
-        if codec is None or codec.spec == "none":
-            group_codec[group] = NONE_CODEC
-            continue
-        row = {"id": codec.codec_id, "spec": codec.spec, "dictionary": dict_name}
-        if row not in rows:
-            rows.append(row)
-            codecs.append(codec)
-        group_codec[group] = rows.index(row)
-    return rows, dictionaries, group_codec, codecs
+    if journal.exists() and journal.state().get("selection"):
+        return Selection.from_json(journal.state()["selection"])
+    budget = Budget(options.budget, options.prefetch_threads)
+    return select_codecs(src, budget, fraction=options.sample, seed=options.seed, replicate=options.replicate,
+                         tree=tree)
 
 
-def _dictionary_samples(src: Path, members: list[SourceEntry]) -> list[bytes]:
-    """An evenly spaced, deterministic sample of a group's files, each cut to its first bytes."""
-    if not members:
-        return []
-    step = max(1, len(members) // _DICT_SAMPLE_FILES)
-    samples, total = [], 0
-    for entry in members[::step]:
-        try:
-            with open(src / entry.path, "rb") as f:
-                sample = f.read(_DICT_SAMPLE_BYTES)
-        except OSError:
-            continue  # the compress step reports it
-        samples.append(sample)
-        total += len(sample)
-        if total >= _DICT_SAMPLE_TOTAL:
-            break
-    return samples
+def _spec_by_kind(selection: Selection) -> dict[str, str]:
+    """Per-kind specs; a kind the sample did not see gets the choice for `other` files, else lz4 (fast to decode)."""
+    by_kind = dict(selection.codec_by_kind())
+    by_kind[ANY_KIND] = by_kind.get(OTHER, "lz4")
+    return by_kind
 
 
 def _write_index(
     dest: Path,
     tree: SourceTree,
     records: list[ChunkRecord],
-    codec_rows: list[dict[str, Any]],
-    dictionaries: dict[str, bytes],
+    plan: CodecPlan,
     groups: GroupPlan,
     options: PackOptions,
     summary: PackSummary,
+    selection: Selection | None,
 ) -> None:
     entries: list[EntryRecord] = []
     packed_paths = set()
@@ -417,7 +400,10 @@ def _write_index(
             "skipped": [{"path": p.path, "reason": p.reason} for p in summary.problems],
         }
     }
-    write_index_atomically(dest, build_index_bytes(entries, chunks, groups.table(), codec_rows, dictionaries, meta))
+    if selection is not None:
+        meta["selection"] = selection.to_json()
+    index_bytes = build_index_bytes(entries, chunks, groups.table(), plan.rows, plan.dictionaries, meta)
+    write_index_atomically(dest, index_bytes)
 
 
 def _global_error(exc: OSError, dest: Path) -> PackError:

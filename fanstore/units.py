@@ -37,3 +37,30 @@ def format_bytes(count: float) -> str:
         if count < 1024:
             return f"{count:.1f} {unit}"
     return f"{count:.1f} PiB"
+
+
+_RATE_RE = re.compile(r"^\s*(.+?)\s*/\s*s(?:ec)?\s*$", re.IGNORECASE)
+
+
+def parse_rate(text: str, option: str = "rate") -> float:
+    """Bytes per second from `800MB/s`, `1.5GiB/s`, `0` (no requirement); raises UsageError naming the option."""
+    match = _RATE_RE.match(str(text))
+    body = match.group(1) if match else str(text)
+    if body.strip() == "0":
+        return 0.0
+    try:
+        return float(parse_size(body, option))
+    except UsageError:
+        raise UsageError(f"{option}: cannot read {text!r} as a throughput (try 800MB/s or 1GiB/s)") from None
+
+
+def parse_fraction(text: str, option: str = "fraction") -> float:
+    """A fraction from `2%` or `0.02`, in (0, 1]; raises UsageError naming the option."""
+    value = str(text).strip()
+    try:
+        fraction = float(value[:-1]) / 100 if value.endswith("%") else float(value)
+    except ValueError:
+        raise UsageError(f"{option}: cannot read {text!r} as a fraction (try 2% or 0.02)") from None
+    if not 0 < fraction <= 1:
+        raise UsageError(f"{option}: {text!r} must be more than 0% and at most 100%")
+    return fraction

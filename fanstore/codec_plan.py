@@ -1,0 +1,108 @@
+"""Which codec each file is compressed with: one spec for all, or one per file kind (what `--codec auto` chose).
+
+The plan is the codec table the index records (row 0 is always `none`) plus, per group, the row for each kind.
+`zstd-dict` trains one dictionary per group (and kind); a set too small to train on falls back to plain zstd at
+the same level. Dictionaries are journaled, so a resumed pack uses the very same ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from compressors import Codec, codec_from_spec, train_dictionary
+from selector.kinds import HEAD_BYTES, file_kind
+
+from .groups import GroupPlan
+from .journal import PackJournal
+from .walk import SourceEntry
+
+ANY_KIND = "*"
+NONE_ROW = 0
+_SAMPLE_FILES = 4000
+_SAMPLE_BYTES = 128 << 10  # at most this much of each sampled file
+_SAMPLE_TOTAL = 32 << 20
+
+
+@dataclass(slots=True)
+class CodecPlan:
+    rows: list[dict[str, Any]] = field(default_factory=lambda: [{"id": 0, "spec": "none", "dictionary": None}])
+    codecs: list[Codec] = field(default_factory=lambda: [codec_from_spec("none")])
+    dictionaries: dict[str, bytes] = field(default_factory=dict)
+    # group -> kind -> row; ANY_KIND is the row for kinds not listed
+    by_group: dict[int, dict[str, int]] = field(default_factory=dict)
+
+    def row_for(self, group: int, kind: str) -> int:
+        rows = self.by_group[group]
+        return rows.get(kind, rows[ANY_KIND])
+
+    def depends_on_kind(self, group: int) -> bool:
+        """Whether files of this group must be sniffed to pick their codec (not when one codec fits all)."""
+        return len(set(self.by_group[group].values())) > 1
+
+    def _add(self, codec: Codec, dictionary_name: str | None) -> int:
+        row = {"id": codec.codec_id, "spec": codec.spec, "dictionary": dictionary_name}
+        if row not in self.rows:
+            self.rows.append(row)
+            self.codecs.append(codec)
+        return self.rows.index(row)
+
+
+def build_codec_plan(
+    spec_by_kind: dict[str, str],
+    groups: GroupPlan,
+    files: Sequence[SourceEntry],
+    src: Path,
+    journal: PackJournal,
+) -> CodecPlan:
+    """`spec_by_kind` maps kinds to specs and must hold ANY_KIND, the spec for every other kind."""
+    plan = CodecPlan()
+    for group in range(len(groups.table())):
+        members = [f for f in files if f.size > 0 and groups.group_of(f.path) == group]
+        samples_by_kind: dict[str, list[bytes]] | None = None
+        plan.by_group[group] = {}
+        for kind, spec in sorted(spec_by_kind.items()):
+            codec = codec_from_spec(spec)
+            dictionary_name = None
+            if codec.needs_dictionary:
+                dictionary_name = f"dict.{group}" if kind == ANY_KIND else f"dict.{group}.{kind}"
+                dictionary = journal.load_dictionary(dictionary_name)
+                if dictionary is None:
+                    if samples_by_kind is None:
+                        samples_by_kind = _dictionary_samples(src, members, by_kind=len(spec_by_kind) > 1)
+                    samples = samples_by_kind.get(kind, []) if kind != ANY_KIND else samples_by_kind.get(ANY_KIND, [])
+                    dictionary = train_dictionary(samples, level=codec.level)
+                    if dictionary is not None:
+                        journal.save_dictionary(dictionary_name, dictionary)
+                if dictionary is not None:
+                    codec = codec_from_spec(spec, dictionary=dictionary)
+                    plan.dictionaries[dictionary_name] = dictionary
+                else:
+                    codec, dictionary_name = codec_from_spec(f"zstd:{codec.level}"), None
+            plan.by_group[group][kind] = NONE_ROW if codec.spec == "none" else plan._add(codec, dictionary_name)
+    return plan
+
+
+def _dictionary_samples(src: Path, members: list[SourceEntry], by_kind: bool) -> dict[str, list[bytes]]:
+    """An evenly spaced, deterministic sample of a group's files, each cut to its first bytes, by kind.
+
+    Every sample also goes under ANY_KIND, the dictionary for kinds the plan does not name."""
+    samples: dict[str, list[bytes]] = {ANY_KIND: []}
+    if not members:
+        return samples
+    step = max(1, len(members) // _SAMPLE_FILES)
+    total = 0
+    for entry in members[::step]:
+        try:
+            with open(src / entry.path, "rb") as f:
+                sample = f.read(_SAMPLE_BYTES)
+        except OSError:
+            continue  # the compress step reports it
+        samples[ANY_KIND].append(sample)
+        if by_kind:
+            samples.setdefault(file_kind(entry.path, sample[:HEAD_BYTES]), []).append(sample)
+        total += len(sample)
+        if total >= _SAMPLE_TOTAL:
+            break
+    return samples
