@@ -5,6 +5,16 @@
 
 from .base import Codec, CodecError, CodecSpecError
 from .registry import CODEC_TYPES, codec_from_spec
-from .zstd_codec import train_dictionary
+from .zstd_codec import DICT_TRAIN_FILE_BYTES, DICT_TRAIN_FILES, DICT_TRAIN_TOTAL_BYTES, train_dictionary
 
-__all__ = ["CODEC_TYPES", "Codec", "CodecError", "CodecSpecError", "codec_from_spec", "train_dictionary"]
+__all__ = [
+    "CODEC_TYPES",
+    "DICT_TRAIN_FILES",
+    "DICT_TRAIN_FILE_BYTES",
+    "DICT_TRAIN_TOTAL_BYTES",
+    "Codec",
+    "CodecError",
+    "CodecSpecError",
+    "codec_from_spec",
+    "train_dictionary",
+]

@@ -17,6 +17,11 @@ MIN_LEVEL = -7
 MAX_LEVEL = 22
 DEFAULT_LEVEL = 3
 DEFAULT_DICT_SIZE = 112640  # zstd's own default (110 KiB)
+# What a dictionary is trained on, at most: the packer and the selector draw their training sets alike, so the
+# selector's predicted ratio is the one the pack gets.
+DICT_TRAIN_FILES = 4000
+DICT_TRAIN_FILE_BYTES = 128 << 10  # the head of each file
+DICT_TRAIN_TOTAL_BYTES = 32 << 20
 
 _FORMAT = zstandard.FORMAT_ZSTD1_MAGICLESS
 # What the encoder stores for empty input (frame header, one empty last block); decoded once to warm a dictionary.

@@ -6,11 +6,13 @@ Every expected failure is a FanstoreError and ends as one line on stderr and a n
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
-from typing import Callable, Sequence
+from pathlib import Path
+from typing import Sequence
 
-from .errors import FanstoreError
+from .errors import FanstoreError, UsageError
 from .units import format_bytes, parse_size
 
 EXIT_FAILURE = 1
@@ -25,7 +27,8 @@ def _add_pack_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dest", metavar="DEST", help="dataset directory to write (new, empty, or an interrupted pack)")
     parser.add_argument("--codec", default=DEFAULT_CODEC, metavar="SPEC",
                         help="none | zstd:LEVEL | zstd-dict:LEVEL | lz4 | lz4:hc | blosc:INNER:LEVEL[:shuffle|"
-                             f"bitshuffle] (default {DEFAULT_CODEC})")
+                             f"bitshuffle] | auto (measure and choose per file kind; see --budget) "
+                             f"(default {DEFAULT_CODEC})")
     parser.add_argument("--chunk-size", default=str(DEFAULT_CHUNK_SIZE), metavar="SIZE",
                         help="target chunk file size, e.g. 64MiB (default); a larger file gets a chunk of its own")
     parser.add_argument("--replicate", action="append", default=[], metavar="GLOB",
@@ -35,6 +38,37 @@ def _add_pack_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strict", action="store_true", help="fail instead of skipping files that cannot be packed")
     parser.add_argument("--force", action="store_true", help="replace a dataset or interrupted pack already in DEST")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_selection_arguments(parser, budget_required=False)
+
+
+def _add_selection_arguments(parser: argparse.ArgumentParser, budget_required: bool) -> None:
+    parser.add_argument("--budget", required=budget_required, metavar="RATE",
+                        help="decode throughput the training job needs, e.g. 800MB/s (0: best ratio)"
+                             + ("" if budget_required else "; with --codec auto"))
+    parser.add_argument("--prefetch-threads", type=int, default=0, metavar="K",
+                        help="K threads decode ahead of the reader, so each needs only budget/K (default 0: "
+                             "decoding is on the read path)")
+    parser.add_argument("--sample", default="2%", metavar="FRACTION",
+                        help="share of the data the selector measures, e.g. 2%% (default; capped in bytes)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the selector's sample (default 0)")
+
+
+def _selection_options(args: argparse.Namespace) -> dict[str, object]:
+    from .pack import AUTO_CODEC
+    from .units import parse_fraction, parse_rate
+
+    if getattr(args, "codec", AUTO_CODEC) != AUTO_CODEC:
+        for option, given in (("--budget", args.budget is not None), ("--prefetch-threads", args.prefetch_threads),
+                              ("--sample", args.sample != "2%")):
+            if given:
+                raise UsageError(f"{option} only applies with --codec auto")
+        return {}
+    if args.budget is None:
+        raise UsageError("--codec auto needs --budget, the decode throughput the training job needs (e.g. 800MB/s)")
+    if args.prefetch_threads < 0:
+        raise UsageError(f"--prefetch-threads: must be 0 or more, got {args.prefetch_threads}")
+    return {"budget": parse_rate(args.budget, "--budget"), "prefetch_threads": args.prefetch_threads,
+            "sample": parse_fraction(args.sample, "--sample"), "seed": args.seed}
 
 
 def _run_pack(args: argparse.Namespace) -> int:
@@ -49,6 +83,7 @@ def _run_pack(args: argparse.Namespace) -> int:
         workers=args.workers,
         strict=args.strict,
         force=args.force,
+        **_selection_options(args),
     )
     bar = None
 
@@ -80,6 +115,26 @@ def _run_pack(args: argparse.Namespace) -> int:
         f"ratio {summary.ratio:.2f}x, {summary.seconds:.1f} s, {summary.mb_per_s:.1f} MB/s, "
         f"{len(summary.problems)} skipped"
     )
+    return 0
+
+
+def _run_select(args: argparse.Namespace) -> int:
+    from selector import Budget, select_codecs
+    from selector.report import format_selection, plot_selection
+
+    from .groups import GroupPlan
+    from .walk import walk_source
+
+    GroupPlan(tuple(args.replicate))  # validates the patterns before the long part
+    options = _selection_options(args)
+    tree = walk_source(args.src)
+    selection = select_codecs(Path(args.src), Budget(options["budget"], options["prefetch_threads"]),
+                              fraction=options["sample"], seed=options["seed"], replicate=tuple(args.replicate),
+                              tree=tree)
+    print(format_selection(selection))
+    if args.plot:
+        plot_selection(selection, Path(args.plot))
+        print(f"plot written to {args.plot}")
     return 0
 
 
@@ -117,6 +172,13 @@ def _build_parser() -> argparse.ArgumentParser:
     pack_parser = commands.add_parser("pack", help="pack a directory tree into a dataset (as fanstore-pack)")
     _add_pack_arguments(pack_parser)
     pack_parser.set_defaults(run=_run_pack)
+    select_parser = commands.add_parser("select", help="measure codecs on a sample of SRC and choose per file kind")
+    select_parser.add_argument("src", metavar="SRC")
+    _add_selection_arguments(select_parser, budget_required=True)
+    select_parser.add_argument("--replicate", action="append", default=[], metavar="GLOB",
+                               help="as for fanstore-pack: the sample is stratified by group too")
+    select_parser.add_argument("--plot", metavar="FILE.png", help="draw ratio against decode throughput")
+    select_parser.set_defaults(run=_run_select)
     verify_parser = commands.add_parser("verify", help="check and decode every file; list the bad ones")
     verify_parser.add_argument("dest", metavar="DEST")
     verify_parser.set_defaults(run=_run_verify)
@@ -134,8 +196,9 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _run(prog: str, parse: Callable[[], argparse.Namespace]) -> int:
-    args = parse()
+def _run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         return args.run(args)
@@ -143,20 +206,25 @@ def _run(prog: str, parse: Callable[[], argparse.Namespace]) -> int:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted; run the same command again to resume", file=sys.stderr)
+        resumable = args.run is _run_pack
+        print(f"{prog}: interrupted" + ("; run the same command again to resume" if resumable else ""),
+              file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader of our output went away (`fanstore select SRC | head`): not an error worth a traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILURE
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _build_parser()
-    return _run("fanstore", lambda: parser.parse_args(argv))
+    return _run("fanstore", _build_parser(), argv)
 
 
 def pack_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fanstore-pack", description="Pack a directory tree into a dataset.")
     _add_pack_arguments(parser)
     parser.set_defaults(run=_run_pack)
-    return _run("fanstore-pack", lambda: parser.parse_args(argv))
+    return _run("fanstore-pack", parser, argv)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from compressors import Codec, codec_from_spec, train_dictionary
+from compressors import (
+    DICT_TRAIN_FILE_BYTES,
+    DICT_TRAIN_FILES,
+    DICT_TRAIN_TOTAL_BYTES,
+    Codec,
+    codec_from_spec,
+    train_dictionary,
+)
 from selector.kinds import HEAD_BYTES, file_kind
 
 from .groups import GroupPlan
@@ -20,9 +27,6 @@ from .walk import SourceEntry
 
 ANY_KIND = "*"
 NONE_ROW = 0
-_SAMPLE_FILES = 4000
-_SAMPLE_BYTES = 128 << 10  # at most this much of each sampled file
-_SAMPLE_TOTAL = 32 << 20
 
 
 @dataclass(slots=True)
@@ -91,18 +95,18 @@ def _dictionary_samples(src: Path, members: list[SourceEntry], by_kind: bool) ->
     samples: dict[str, list[bytes]] = {ANY_KIND: []}
     if not members:
         return samples
-    step = max(1, len(members) // _SAMPLE_FILES)
+    step = max(1, len(members) // DICT_TRAIN_FILES)
     total = 0
     for entry in members[::step]:
         try:
             with open(src / entry.path, "rb") as f:
-                sample = f.read(_SAMPLE_BYTES)
+                sample = f.read(DICT_TRAIN_FILE_BYTES)
         except OSError:
             continue  # the compress step reports it
         samples[ANY_KIND].append(sample)
         if by_kind:
             samples.setdefault(file_kind(entry.path, sample[:HEAD_BYTES]), []).append(sample)
         total += len(sample)
-        if total >= _SAMPLE_TOTAL:
+        if total >= DICT_TRAIN_TOTAL_BYTES:
             break
     return samples

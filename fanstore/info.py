@@ -48,14 +48,15 @@ def describe_dataset(ds: Dataset) -> str:
         )
     lines.append("")
     lines.append("codecs:")
+    names = [row["spec"] + (f" with {row['dictionary']}" if row.get("dictionary") else "") for row in index.codecs]
+    width = max(map(len, names), default=0)
     for number, row in enumerate(index.codecs):
         chosen = files[files["codec"] == number]
         if not len(chosen) and number == 0 and row["spec"] == "none":
             continue
         c_raw, c_stored = int(chosen["size"].sum()), int(chosen["stored_len"].sum())
-        dictionary = f" with {row['dictionary']}" if row.get("dictionary") else ""
         lines.append(
-            f"  {row['spec']:<16}{dictionary}: {len(chosen):,} files, {format_bytes(c_raw)} -> "
+            f"  {names[number]:<{width}}  {len(chosen):,} files, {format_bytes(c_raw)} -> "
             f"{format_bytes(c_stored)} ({c_raw / c_stored if c_stored else 1.0:.2f}x)"
         )
     pack_meta = index.meta.get("pack", {})
@@ -70,4 +71,29 @@ def describe_dataset(ds: Dataset) -> str:
         lines.extend(f"  {s['path']}: {s['reason']}" for s in skipped[:50])
         if len(skipped) > 50:
             lines.append(f"  ... and {len(skipped) - 50} more")
+    selection = index.meta.get("selection")
+    if selection:
+        lines.append("")
+        lines.extend(_describe_selection(selection))
     return "\n".join(lines)
+
+
+def _describe_selection(selection: dict) -> list[str]:
+    """The selector's choice per kind and what it predicted from the sample (recorded by `--codec auto`)."""
+    budget = selection["budget"]
+    threads = budget["prefetch_threads"]
+    regime = f"{threads} prefetch threads" if threads else "decoding on the read path"
+    sample = selection["sample"]
+    lines = [
+        f"codec selection (--codec auto): budget {budget['bytes_per_s'] / 1e6:,.0f} MB/s, {regime}, so each decode "
+        f"must reach {budget['required_decode_mbps']:,.0f} MB/s; sample {sample['files']:,} files, "
+        f"{format_bytes(sample['bytes'])}, seed {sample['seed']}",
+    ]
+    predicted = {(m["kind"], m["spec"]): m for m in selection["measurements"]}
+    for kind, choice in selection["choices"].items():
+        m = predicted.get((kind, choice["spec"]))
+        ratio = m["raw_bytes"] / m["stored_bytes"] if m and m["stored_bytes"] else 1.0
+        figures = f"predicted {ratio:.2f}x at {m['decode_mbps']:,.0f} MB/s decode" if m else "not measured"
+        note = "" if choice["meets_budget"] else " (nothing met the budget)"
+        lines.append(f"  {kind:<8} {choice['spec']:<28} {figures}{note}")
+    return lines

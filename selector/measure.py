@@ -1,0 +1,266 @@
+"""Ratio, encode speed and decode throughput of each candidate codec on one kind's sample, on this machine.
+
+Everything is measured the way the packer stores and the reader decodes, so the numbers predict the packed
+dataset: each file is encoded on its own and stored raw (codec `none`) when that is not smaller; decoding goes file
+by file, one `decode(stored, raw_size)` call each, per-call overhead included, single-threaded, in this process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import blosc
+
+from compressors import (
+    DICT_TRAIN_FILE_BYTES,
+    DICT_TRAIN_FILES,
+    DICT_TRAIN_TOTAL_BYTES,
+    Codec,
+    CodecError,
+    codec_from_spec,
+    train_dictionary,
+)
+from fanstore.errors import UsageError
+
+from .kinds import NPY, OTHER
+from .sample import SampleFile
+
+MB = 1e6  # throughputs are in MB/s of raw bytes, as budgets are usually given
+DEFAULT_REPEATS = 3
+# Encoders this slow (zstd's btultra levels) would dominate the selection time: they are measured on a random
+# prefix of the kind's sample this large. Deterministic, so the same sample gives the same ratios.
+SLOW_SPEC_BYTES = 4 << 20
+_SLOW_ZSTD_LEVEL = 16
+_SLOW_BLOSC_ZSTD_LEVEL = 7  # blosc's zstd level 7 is zstd 13, 9 is zstd 22
+_SLOW_LZ4_HC_LEVEL = 10
+_MIN_SECONDS = 1e-9  # a timer that read zero must not make a throughput infinite (JSON has no infinity)
+# A timed pass over a small sample is repeated within the pass until it lasts this long, so that timer resolution
+# and one-off interruptions do not decide the throughput.
+MIN_PASS_SECONDS = 0.005
+_MAX_LOOPS = 1000
+
+_BASE_SPECS = (
+    "none", "lz4", "lz4:hc:9",
+    "zstd:1", "zstd:3", "zstd:6", "zstd:9", "zstd:15", "zstd:19",
+    "zstd-dict:3", "zstd-dict:9", "zstd-dict:19",
+)
+# Shuffling only helps fixed-size elements: arrays, and unknown binary data, which is often arrays without a header.
+_BLOSC_SPECS = tuple(
+    f"blosc:{inner}:{level}:{shuffle}:auto"
+    for inner, level in (("lz4", 5), ("lz4", 9), ("zstd", 1), ("zstd", 5))
+    for shuffle in ("shuffle", "bitshuffle")
+)
+_BLOSC_KINDS = (NPY, OTHER)
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """One codec setting on one kind's sample. `files` and `raw_bytes` say what was measured (slow settings: a
+    prefix); `stored_bytes` counts files that did not shrink at their raw size, as the packer stores them."""
+
+    kind: str
+    spec: str
+    files: int
+    raw_bytes: int
+    stored_bytes: int
+    encode_mbps: float
+    decode_mbps: float
+    raw_files: int = 0  # files stored as they are because the codec did not make them smaller
+    dict_bytes: int = 0  # size of the trained dictionary (zstd-dict), stored once per dataset, not in stored_bytes
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+    @property
+    def saving(self) -> float:
+        """The share of the raw bytes the codec saves: what capacity is gained."""
+        return 1.0 - self.stored_bytes / self.raw_bytes if self.raw_bytes else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        record = asdict(self)
+        record["encode_mbps"] = round(self.encode_mbps, 3)
+        record["decode_mbps"] = round(self.decode_mbps, 3)
+        return record
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> Measurement:
+        return cls(**{name: record[name] for name in cls.__dataclass_fields__ if name in record})
+
+
+def candidate_specs(kind: str) -> list[str]:
+    """The grid of settings measured for a kind: every codec over a few levels, zstd with and without a trained
+    dictionary, and for arrays blosc with byte and bit shuffle (typesize read from the .npy header)."""
+    return list(_BASE_SPECS + (_BLOSC_SPECS if kind in _BLOSC_KINDS else ()))
+
+
+def is_slow_spec(spec: str) -> bool:
+    """Whether a setting encodes so slowly that it is measured on a sub-sample (see SLOW_SPEC_BYTES)."""
+    codec = codec_from_spec(spec)
+    level = getattr(codec, "level", 0)
+    if codec.name in ("zstd", "zstd-dict"):
+        return level >= _SLOW_ZSTD_LEVEL
+    if codec.name == "blosc":
+        return getattr(codec, "inner", "") == "zstd" and level >= _SLOW_BLOSC_ZSTD_LEVEL
+    if codec.name == "lz4":
+        return (getattr(codec, "hc_level", None) or 0) >= _SLOW_LZ4_HC_LEVEL
+    return False
+
+
+def measure_kind(
+    kind: str, files: list[SampleFile], specs: Sequence[str], repeats: int = DEFAULT_REPEATS
+) -> list[Measurement]:
+    """One Measurement per spec (in the order given) on `files`, the sample of one kind.
+
+    A zstd-dict setting is left out when the sample is too small to train a dictionary on: the packer would then
+    use plain zstd at that level, which the grid measures anyway. Raises CodecError if a codec does not give back
+    the bytes it was given (a broken codec must not be chosen).
+    """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise UsageError(f"repeats: decode passes must be a positive integer, got {repeats!r}")
+    files = [f for f in files if f.data]
+    if not files:
+        return []
+    subsets = {spec: _prefix(files, SLOW_SPEC_BYTES) if is_slow_spec(spec) else files for spec in specs}
+    dictionaries = _train_dictionaries({spec: subset for spec, subset in subsets.items()
+                                        if codec_from_spec(spec).needs_dictionary})
+    measurements = []
+    with _single_threaded_blosc():
+        for spec in specs:
+            codecs, dict_bytes = _codecs_for(spec, subsets[spec], dictionaries.get(spec))
+            if codecs is None:
+                continue
+            measurements.append(_measure(kind, spec, subsets[spec], codecs, dict_bytes, repeats))
+    return measurements
+
+
+@contextlib.contextmanager
+def _single_threaded_blosc() -> Iterator[None]:
+    """blosc decodes with a pool of its own threads (one per core by default); a measurement of one decoder must
+    not borrow the other cores, which K prefetch threads or the trainer would be using."""
+    previous = blosc.set_nthreads(1)
+    try:
+        yield
+    finally:
+        blosc.set_nthreads(previous)
+
+
+def _prefix(files: list[SampleFile], limit: int) -> list[SampleFile]:
+    """The first files up to `limit` bytes (at least one): a random sub-sample, since the sample is in seeded order."""
+    prefix: list[SampleFile] = []
+    total = 0
+    for sample_file in files:
+        if prefix and total + len(sample_file.data) > limit:
+            break
+        prefix.append(sample_file)
+        total += len(sample_file.data)
+    return prefix
+
+
+def _train_dictionaries(
+    files_by_spec: dict[str, list[SampleFile]],
+) -> dict[str, tuple[bytes | None, bytes | None]]:
+    """Per zstd-dict spec, dictionaries trained on the even- and on the odd-numbered files (see `_codecs_for`).
+
+    Training is the slowest step at high levels and zstd releases the GIL while training, so the dictionaries are
+    trained in threads, one per core; the result does not depend on it (training itself is single-threaded).
+    """
+    jobs = [(spec, half, codec_from_spec(spec).level)  # type: ignore[attr-defined]
+            for spec, files in files_by_spec.items() for half in (files[0::2], files[1::2])]
+    if not jobs:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(len(jobs), _usable_cores())) as pool:
+        trained = list(pool.map(lambda job: _train(job[1], job[2]), jobs))
+    return {spec: (trained[number], trained[number + 1]) for number, (spec, _, _) in enumerate(jobs) if number % 2 == 0}
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (taskset and batch schedulers restrict them), at least 1."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+def _codecs_for(
+    spec: str, files: list[SampleFile], dictionaries: tuple[bytes | None, bytes | None] | None
+) -> tuple[list[Codec] | None, int]:
+    """The codec each file is encoded with, and the dictionary size (None: no dictionary could be trained).
+
+    zstd-dict is cross-fitted: a dictionary trained on the even-numbered files encodes the odd ones and the other
+    way round. Trained and measured on the same files, a dictionary memorises them and promises a ratio the packer,
+    whose dictionary has seen only a small part of a large group, would not reach.
+    """
+    codec = codec_from_spec(spec)
+    if not codec.needs_dictionary:
+        return [codec] * len(files), 0
+    if dictionaries is None:
+        return None, 0
+    trained_on_even, trained_on_odd = dictionaries
+    if trained_on_even is None or trained_on_odd is None:
+        return None, 0
+    even_codec = codec_from_spec(spec, dictionary=trained_on_odd)
+    odd_codec = codec_from_spec(spec, dictionary=trained_on_even)
+    codecs = [even_codec if number % 2 == 0 else odd_codec for number in range(len(files))]
+    return codecs, max(len(trained_on_even), len(trained_on_odd))
+
+
+def _train(files: list[SampleFile], level: int) -> bytes | None:
+    """A dictionary trained the way the packer trains one, on these files."""
+    samples: list[bytes] = []
+    total = 0
+    for sample_file in files[:DICT_TRAIN_FILES]:
+        samples.append(sample_file.data[:DICT_TRAIN_FILE_BYTES])
+        total += len(samples[-1])
+        if total >= DICT_TRAIN_TOTAL_BYTES:
+            break
+    return train_dictionary(samples, level=level) if samples else None
+
+
+def _measure(
+    kind: str, spec: str, files: list[SampleFile], codecs: list[Codec], dict_bytes: int, repeats: int
+) -> Measurement:
+    none = codec_from_spec("none")
+    work: list[tuple[Callable[[bytes, int], bytes], bytes, int]] = []
+    raw_files = 0
+    started = time.perf_counter()
+    for sample_file, codec in zip(files, codecs):
+        stored = codec.encode(sample_file.data)
+        if len(stored) >= len(sample_file.data):
+            stored, codec = sample_file.data, none
+            raw_files += 1
+        work.append((codec.decode, stored, len(sample_file.data)))
+    encode_seconds = time.perf_counter() - started
+    # One untimed pass checks every file comes back intact and warms the per-thread decoders, as a running
+    # reader's are; then the timed passes, each decoding the whole sample `loops` times.
+    started = time.perf_counter()
+    for (decode, stored, raw_size), sample_file in zip(work, files):
+        if decode(stored, raw_size) != sample_file.data:
+            raise CodecError(f"{spec}: decoding {sample_file.path!r} did not give back its bytes")
+    check_seconds = time.perf_counter() - started
+    loops = min(_MAX_LOOPS, max(1, math.ceil(MIN_PASS_SECONDS / max(check_seconds, _MIN_SECONDS))))
+    pass_seconds = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for _ in range(loops):
+            for decode, stored, raw_size in work:
+                decode(stored, raw_size)
+        pass_seconds.append((time.perf_counter() - started) / loops)
+    raw_bytes = sum(len(sample_file.data) for sample_file in files)
+    return Measurement(
+        kind=kind,
+        spec=spec,
+        files=len(files),
+        raw_bytes=raw_bytes,
+        stored_bytes=sum(len(stored) for _, stored, _ in work),
+        encode_mbps=raw_bytes / MB / max(encode_seconds, _MIN_SECONDS),
+        decode_mbps=raw_bytes / MB / max(statistics.median(pass_seconds), _MIN_SECONDS),
+        raw_files=raw_files,
+        dict_bytes=dict_bytes,
+    )
