@@ -166,6 +166,40 @@ def _run_demo(args: argparse.Namespace) -> int:
     return run_demo(workdir=args.workdir, scale=args.scale)
 
 
+def _run_mount(args: argparse.Namespace) -> int:
+    import logging
+    import tempfile
+
+    from .mount import MountOptions, mount_background, mount_foreground
+
+    options = MountOptions(
+        cache_size=parse_size(args.cache_size, "--cache-size") if args.cache_size else None,
+        prefetch=args.prefetch,
+        prefetch_list=Path(args.prefetch_list) if args.prefetch_list else None,
+        allow_other=args.allow_other,
+        keep_cache=not args.no_keep_cache,
+        kernel_timeout=args.kernel_timeout,
+    )
+    if args.prefetch < 0:
+        raise UsageError(f"--prefetch: must be 0 or more files, got {args.prefetch}")
+    if args.foreground:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s fanstore: %(message)s", stream=sys.stderr)
+        return mount_foreground(Path(args.dest), Path(args.mountpoint), options, ready_fd=args.ready_fd)
+    log_path = Path(args.log) if args.log else Path(tempfile.gettempdir()) / (
+        f"fanstore-mount-{Path(args.mountpoint).resolve().name or 'root'}.log")
+    pid = mount_background(Path(args.dest), Path(args.mountpoint), args.argv, log_path)
+    print(f"mounted {args.dest} at {args.mountpoint} (daemon pid {pid}, log {log_path}); "
+          f"`fanstore umount {args.mountpoint}` to unmount")
+    return 0
+
+
+def _run_umount(args: argparse.Namespace) -> int:
+    from .mount import unmount
+
+    unmount(Path(args.mountpoint))
+    return 0
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fanstore", description="Compressed, read-only training datasets.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -185,6 +219,27 @@ def _build_parser() -> argparse.ArgumentParser:
     info_parser = commands.add_parser("info", help="version, groups, codecs, counts, sizes and ratio")
     info_parser.add_argument("dest", metavar="DEST")
     info_parser.set_defaults(run=_run_info)
+    mount_parser = commands.add_parser("mount", help="show the dataset as a read-only directory (FUSE)")
+    mount_parser.add_argument("dest", metavar="DEST")
+    mount_parser.add_argument("mountpoint", metavar="MOUNTPOINT")
+    mount_parser.add_argument("--foreground", action="store_true", help="serve in this process until unmounted")
+    mount_parser.add_argument("--cache-size", metavar="SIZE",
+                              help="memory for decoded files, e.g. 4GiB (default: a quarter of available RAM)")
+    mount_parser.add_argument("--prefetch", type=int, default=8, metavar="N",
+                              help="decode the next N files ahead of the reader (default 8; 0: off)")
+    mount_parser.add_argument("--prefetch-list", metavar="FILE",
+                              help="epoch order to prefetch in: one dataset path a line")
+    mount_parser.add_argument("--allow-other", action="store_true", help="let other users read the mount")
+    mount_parser.add_argument("--log", metavar="FILE", help="daemon log (default: a file in the temp dir)")
+    mount_parser.add_argument("--no-keep-cache", action="store_true",
+                              help="drop the kernel page cache on every open (for benchmarks)")
+    mount_parser.add_argument("--kernel-timeout", type=float, metavar="SECONDS",
+                              help="entry and attribute timeout (default one day; for benchmarks)")
+    mount_parser.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    mount_parser.set_defaults(run=_run_mount)
+    umount_parser = commands.add_parser("umount", help="unmount a fanstore mount (live or stale)")
+    umount_parser.add_argument("mountpoint", metavar="MOUNTPOINT")
+    umount_parser.set_defaults(run=_run_umount)
     demo_parser = commands.add_parser("demo", help="build, pack and read back a small training dataset")
     demo_parser.add_argument("--workdir", metavar="DIR", help="keep the demo files here (default: a temporary dir)")
     demo_parser.add_argument("--scale", type=int, default=1, help="grow the demo dataset (default 1)")
@@ -199,6 +254,7 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 def _run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv  # a background mount re-runs itself with the same arguments
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         return args.run(args)

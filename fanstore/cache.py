@@ -1,0 +1,97 @@
+"""Decoded files kept in memory, least recently used first out, bounded in bytes.
+
+The cache is given a loader and knows nothing of chunks or codecs. Concurrent requests for the same file share
+one load (the reader and a prefetch thread never decode the same file twice at once).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(slots=True)
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_held: int = 0
+    entries_held: int = 0
+
+
+class DecodedCache:
+    """`get(key)` returns the cached value or loads it once; memory held never exceeds `capacity` bytes.
+
+    A value larger than the whole capacity is returned but not kept.
+    """
+
+    def __init__(self, capacity: int, loader: Callable[[int], bytes]) -> None:
+        if capacity < 0:
+            raise ValueError(f"cache capacity must be 0 or more bytes, got {capacity}")
+        self.capacity = capacity
+        self._loader = loader
+        self._values: OrderedDict[int, bytes] = OrderedDict()
+        self._loading: dict[int, Future[bytes]] = {}
+        self._lock = threading.Lock()
+        self._stats = CacheStats()
+
+    def get(self, key: int) -> bytes:
+        with self._lock:
+            value = self._values.get(key)
+            if value is not None:
+                self._values.move_to_end(key)
+                self._stats.hits += 1
+                return value
+            pending = self._loading.get(key)
+            if pending is None:
+                pending = self._loading[key] = Future()
+                owner = True
+                self._stats.misses += 1
+            else:
+                owner = False
+        if not owner:
+            return pending.result()
+        try:
+            value = self._loader(key)
+        except BaseException as exc:
+            with self._lock:
+                del self._loading[key]
+            pending.set_exception(exc)
+            raise
+        with self._lock:
+            del self._loading[key]
+            self._insert(key, value)
+        pending.set_result(value)
+        return value
+
+    def peek(self, key: int) -> bytes | None:
+        """The cached value, or None without loading: lets an event loop serve hits without a thread hop."""
+        with self._lock:
+            value = self._values.get(key)
+            if value is not None:
+                self._values.move_to_end(key)
+                self._stats.hits += 1
+            return value
+
+    def contains(self, key: int) -> bool:
+        with self._lock:
+            return key in self._values or key in self._loading
+
+    def _insert(self, key: int, value: bytes) -> None:
+        size = len(value)
+        if size > self.capacity:
+            return
+        while self._stats.bytes_held + size > self.capacity:
+            _, evicted = self._values.popitem(last=False)
+            self._stats.bytes_held -= len(evicted)
+            self._stats.evictions += 1
+        self._values[key] = value
+        self._stats.bytes_held += size
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            return CacheStats(self._stats.hits, self._stats.misses, self._stats.evictions, self._stats.bytes_held,
+                              len(self._values))

@@ -1,0 +1,195 @@
+"""The FUSE file system: a thin translation of kernel requests into the read path (index, cache, reader).
+
+Inode n is index entry n-1 (the root, entry 0, is pyfuse3's ROOT_INODE 1), so no inode table is built. The
+tree never changes while mounted, so entries and attributes are given long timeouts and files keep their page
+cache across opens: the kernel answers repeat requests without asking this process.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+from typing import Sequence
+
+import pyfuse3
+import trio
+
+from .cache import DecodedCache
+from .errors import ChunkCorrupt, FanstoreError
+from .index import Index
+from .prefetch import Prefetcher
+
+log = logging.getLogger("fanstore.mount")
+
+# The view is immutable: let the kernel keep names and attributes for a day.
+KERNEL_CACHE_TIMEOUT = 24 * 3600.0
+_DROPPED_MODE_BITS = stat.S_ISUID | stat.S_ISGID
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+
+
+def _read_only() -> pyfuse3.FUSEError:
+    return pyfuse3.FUSEError(errno.EROFS)
+
+
+class FanstoreOperations(pyfuse3.Operations):
+    """Read-only operations over one dataset; every write-side request answers EROFS."""
+
+    def __init__(self, index: Index, cache: DecodedCache, prefetcher: Prefetcher | None, decode_threads: int,
+                 keep_cache: bool = True, timeout: float = KERNEL_CACHE_TIMEOUT) -> None:
+        super().__init__()
+        self.index = index
+        self.cache = cache
+        self.prefetcher = prefetcher
+        self.keep_cache = keep_cache
+        self.timeout = timeout
+        self._entries = index.entries
+        self._decode_limiter = trio.CapacityLimiter(max(1, decode_threads))
+        self._uid, self._gid = os.getuid(), os.getgid()
+        self._reported_corrupt: set[int] = set()
+        total = int(index.entries["size"].sum())
+        self._statfs = pyfuse3.StatvfsData()
+        self._statfs.f_bsize = self._statfs.f_frsize = 4096
+        self._statfs.f_blocks = (total + 4095) // 4096
+        self._statfs.f_bfree = self._statfs.f_bavail = 0
+        self._statfs.f_files = len(index)
+        self._statfs.f_ffree = self._statfs.f_favail = 0
+        self._statfs.f_namemax = 255
+
+    # --- names and attributes -------------------------------------------------------------------------------
+
+    def _entry(self, inode: int) -> int:
+        entry = inode - 1
+        if not 0 <= entry < len(self._entries):
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return entry
+
+    def _attributes(self, entry: int) -> pyfuse3.EntryAttributes:
+        _, size, mtime_ns, _, _, _, _, mode, _, _, _, _ = self._entries[entry].item()
+        attrs = pyfuse3.EntryAttributes()
+        attrs.st_ino = entry + 1
+        attrs.st_mode = mode & ~_DROPPED_MODE_BITS
+        attrs.st_nlink = 2 if stat.S_ISDIR(mode) else 1
+        attrs.st_size = size
+        attrs.st_blksize = 128 * 1024
+        attrs.st_blocks = (size + 511) // 512
+        attrs.st_uid, attrs.st_gid = self._uid, self._gid
+        attrs.st_atime_ns = attrs.st_mtime_ns = attrs.st_ctime_ns = mtime_ns
+        attrs.entry_timeout = attrs.attr_timeout = self.timeout
+        return attrs
+
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        parent = self._entry(parent_inode)
+        if name == b".":
+            return self._attributes(parent)
+        if name == b"..":
+            return self._attributes(int(self._entries[parent]["parent"]))
+        parent_path = self.index.path_bytes(parent)
+        path = parent_path + b"/" + name if parent_path else name
+        try:
+            entry = self.index.lookup(path.decode("utf-8"))
+        except (FanstoreError, UnicodeDecodeError):
+            raise pyfuse3.FUSEError(errno.ENOENT) from None
+        return self._attributes(entry)
+
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._attributes(self._entry(inode))
+
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        entry = self._entry(inode)
+        if not stat.S_ISLNK(int(self._entries[entry]["mode"])):
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        return self.index.link_target(entry).encode("utf-8")
+
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        entry = self._entry(inode)
+        if not stat.S_ISDIR(int(self._entries[entry]["mode"])):
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return entry
+
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        # The offset of a child is its position in the listing plus one: stable, since the listing never changes.
+        children = self.index.children(fh)
+        for position in range(start_id, len(children)):
+            child = children[position]
+            name = self.index.path_bytes(child).rpartition(b"/")[2]
+            if not pyfuse3.readdir_reply(token, name, self._attributes(child), position + 1):
+                return
+
+    async def releasedir(self, fh: int) -> None:
+        return None
+
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        return self._statfs
+
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> Sequence[bytes]:
+        return []
+
+    # --- file contents ---------------------------------------------------------------------------------------
+
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        entry = self._entry(inode)
+        if flags & _WRITE_FLAGS:
+            raise _read_only()
+        if not stat.S_ISREG(int(self._entries[entry]["mode"])):
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        if self.prefetcher is not None:
+            self.prefetcher.accessed(entry)
+        return pyfuse3.FileInfo(fh=entry, keep_cache=self.keep_cache)
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        data = self.cache.peek(fh)
+        if data is None:
+            try:
+                data = await trio.to_thread.run_sync(self.cache.get, fh, limiter=self._decode_limiter)
+            except ChunkCorrupt as exc:
+                if fh not in self._reported_corrupt:
+                    self._reported_corrupt.add(fh)
+                    log.error("EIO: %s", exc)
+                raise pyfuse3.FUSEError(errno.EIO) from None
+        return data[off : off + size]
+
+    async def release(self, fh: int) -> None:
+        return None
+
+    # --- everything that would change the tree ---------------------------------------------------------------
+
+    async def setattr(self, inode, attr, fields, fh, ctx):  # type: ignore[no-untyped-def]
+        raise _read_only()
+
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):  # type: ignore[no-untyped-def]
+        raise _read_only()
+
+    async def mkdir(self, parent_inode, name, mode, ctx):  # type: ignore[no-untyped-def]
+        raise _read_only()
+
+    async def unlink(self, parent_inode, name, ctx):  # type: ignore[no-untyped-def]
+        raise _read_only()
+
+    async def rmdir(self, parent_inode, name, ctx):  # type: ignore[no-untyped-def]
+        raise _read_only()
+
+    async def symlink(self, parent_inode, name, target, ctx):  # type: ignore[no-untyped-def]
+        raise _read_only()
+
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):  # type: ignore[no-untyped-def]
+        raise _read_only()
+
+    async def link(self, inode, new_parent_inode, new_name, ctx):  # type: ignore[no-untyped-def]
+        raise _read_only()
+
+    async def create(self, parent_inode, name, mode, flags, ctx):  # type: ignore[no-untyped-def]
+        raise _read_only()
+
+    async def write(self, fh, off, buf):  # type: ignore[no-untyped-def]
+        raise _read_only()
+
+    async def setxattr(self, inode, name, value, ctx):  # type: ignore[no-untyped-def]
+        raise _read_only()
+
+    async def removexattr(self, inode, name, ctx):  # type: ignore[no-untyped-def]
+        raise _read_only()

@@ -1,0 +1,206 @@
+"""`fanstore mount` and `fanstore umount`: the lifecycle of the FUSE view.
+
+`mount` returns once the file system answers (or stays in the foreground); a background mount is the same
+program re-run with --foreground in its own session, reporting readiness through a pipe. SIGTERM and SIGINT
+unmount cleanly; a mount point left behind by a killed daemon is recognised and the command that clears it is
+named.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .api import open_dataset
+from .cache import DecodedCache
+from .errors import FanstoreError, UsageError
+from .prefetch import FileOrder, Prefetcher, read_prefetch_list
+
+log = logging.getLogger("fanstore.mount")
+
+DEFAULT_CACHE_FRACTION = 0.25  # of the memory available when the mount starts
+
+
+@dataclass(frozen=True, slots=True)
+class MountOptions:
+    cache_size: int | None = None  # bytes; None: a fraction of available RAM
+    prefetch: int = 8  # files decoded ahead of the reader; 0 turns prefetch off
+    prefetch_list: Path | None = None
+    prefetch_threads: int = 0  # 0: one per core
+    decode_threads: int = 0  # 0: two per core
+    allow_other: bool = False
+    keep_cache: bool = True
+    kernel_timeout: float | None = None  # seconds; None: the default long timeout
+
+
+class MountError(FanstoreError, OSError):
+    """The mount cannot be made or removed; the message says why and what to run."""
+
+
+def available_memory() -> int:
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 30
+
+
+def check_mountpoint(mountpoint: Path) -> None:
+    """A mount point must be an existing directory that nothing is mounted on, stale mounts included."""
+    try:
+        os.stat(mountpoint)
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            raise MountError(
+                f"{mountpoint}: stale mount left by a fanstore that was killed; clear it with "
+                f"`fanstore umount {mountpoint}` (or `fusermount3 -u {mountpoint}`)"
+            ) from None
+        if exc.errno == errno.ENOENT:
+            raise UsageError(f"MOUNTPOINT {str(mountpoint)!r} does not exist; create the directory first") from None
+        raise MountError(f"{mountpoint}: {exc.strerror}") from None
+    if not os.path.isdir(mountpoint):
+        raise UsageError(f"MOUNTPOINT {str(mountpoint)!r} is not a directory")
+    if os.path.ismount(mountpoint):
+        raise MountError(f"{mountpoint}: something is already mounted here; `fanstore umount {mountpoint}` first")
+
+
+def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, ready_fd: int | None = None) -> int:
+    """Serve until unmounted or signalled. `ready_fd` gets one line, `ok` or the error, once the mount answers."""
+    import pyfuse3
+    import trio
+
+    from .fuse_ops import KERNEL_CACHE_TIMEOUT, FanstoreOperations
+
+    try:
+        check_mountpoint(mountpoint)
+        ds = open_dataset(dataset)
+        index = ds.index
+        capacity = options.cache_size if options.cache_size is not None else int(
+            available_memory() * DEFAULT_CACHE_FRACTION)
+        cache = DecodedCache(capacity, ds.reader.read)
+        cores = len(os.sched_getaffinity(0))
+        prefetcher = None
+        if options.prefetch > 0:
+            order_list = read_prefetch_list(index, options.prefetch_list) if options.prefetch_list else None
+            prefetcher = Prefetcher(cache, FileOrder(index, order_list), options.prefetch,
+                                    options.prefetch_threads or cores)
+        operations = FanstoreOperations(
+            index, cache, prefetcher, options.decode_threads or 2 * cores, keep_cache=options.keep_cache,
+            timeout=options.kernel_timeout if options.kernel_timeout is not None else KERNEL_CACHE_TIMEOUT)
+        fuse_options = set(pyfuse3.default_options) | {"ro", "fsname=fanstore", "subtype=fanstore"}
+        if options.allow_other:
+            fuse_options.add("allow_other")
+        try:
+            pyfuse3.init(operations, str(mountpoint), fuse_options)
+        except RuntimeError as exc:
+            raise MountError(f"{mountpoint}: cannot mount: {exc}") from None
+    except FanstoreError as exc:
+        _report_ready(ready_fd, f"error: {exc}")
+        raise
+
+    async def serve() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_unmount_on_signal)
+            _report_ready(ready_fd, "ok")
+            await pyfuse3.main()
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(serve)
+    finally:
+        if prefetcher is not None:
+            prefetcher.close()
+        stats = cache.stats()
+        log.info("unmounted %s; cache: %d hits, %d misses, %d evictions, %d bytes held", mountpoint, stats.hits,
+                 stats.misses, stats.evictions, stats.bytes_held)
+        _close_fuse(pyfuse3, mountpoint)
+        ds.close()
+    return 0
+
+
+async def _unmount_on_signal() -> None:
+    import pyfuse3
+    import trio
+
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("signal %d: unmounting", signum)
+            pyfuse3.terminate()
+            return
+
+
+def _close_fuse(pyfuse3: object, mountpoint: Path) -> None:
+    """Always ask for the unmount: libfuse skips it when an external umount already ended the session.
+
+    Never stat the mount point here to decide: our own loop no longer answers, so the stat would wait forever.
+    """
+    pyfuse3.close(unmount=True)  # type: ignore[attr-defined]
+
+
+def _report_ready(ready_fd: int | None, message: str) -> None:
+    if ready_fd is None:
+        return
+    try:
+        os.write(ready_fd, (message + "\n").encode("utf-8", "replace"))
+        os.close(ready_fd)
+    except OSError:
+        pass
+
+
+def mount_background(dataset: Path, mountpoint: Path, argv: list[str], log_path: Path) -> int:
+    """Start the foreground mount as a daemon in its own session; return once it is ready (or failed)."""
+    check_mountpoint(mountpoint)
+    read_end, write_end = os.pipe()
+    with open(log_path, "ab") as log_file:
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "fanstore", *argv, "--foreground", "--ready-fd", str(write_end)],
+            pass_fds=(write_end,), stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+            start_new_session=True,
+        )
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as ready:
+        answer = ready.readline().decode("utf-8", "replace").strip()
+    if answer == "ok":
+        return daemon.pid
+    daemon.wait()
+    raise MountError(answer.removeprefix("error: ") or f"the mount daemon exited with status {daemon.returncode}; "
+                                                        f"see {log_path}")
+
+
+_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
+def fuse_mounted_at(mountpoint: Path) -> bool:
+    """Whether /proc/self/mountinfo lists a FUSE mount at `mountpoint`; unlike a stat, this never waits on a
+    daemon that has stopped answering."""
+    absolute = Path(os.path.abspath(mountpoint))
+    target = os.path.join(os.path.realpath(absolute.parent), absolute.name)  # no lookup inside the mount itself
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as mountinfo:
+        for line in mountinfo:
+            fields = line.split()
+            separator = fields.index("-")
+            where = _OCTAL_ESCAPE.sub(lambda m: chr(int(m[1], 8)), fields[4])  # "\040" for a space, ...
+            if where == target and fields[separator + 1].startswith("fuse"):
+                return True
+    return False
+
+
+def unmount(mountpoint: Path) -> None:
+    """Unmount a fanstore view, stale or live; the daemon then exits by itself."""
+    if not fuse_mounted_at(mountpoint):
+        if not os.path.isdir(mountpoint):
+            raise UsageError(f"MOUNTPOINT {str(mountpoint)!r} is not a directory")
+        raise UsageError(f"{mountpoint}: no FUSE file system is mounted here")
+    tool = shutil.which("fusermount3") or shutil.which("fusermount")
+    command = [tool, "-u", "-z", str(mountpoint)] if tool else ["umount", "-l", str(mountpoint)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise MountError(f"{mountpoint}: {' '.join(command)} failed: {done.stderr.strip()}")

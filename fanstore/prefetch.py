@@ -1,0 +1,95 @@
+"""Decode ahead of the reader: when a file is opened, the next files it will want are decoded into the cache by
+background threads, so decoding overlaps the trainer's compute instead of sitting on its read path.
+
+"Next" is the epoch order from a prefetch list (one path a line, as a training script's sampler writes it)
+when the file is in it, else the following files of the same directory, in listing order.
+"""
+
+from __future__ import annotations
+
+import stat
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from .cache import DecodedCache
+from .errors import FanstoreError, UsageError
+from .index import Index
+
+
+class FileOrder:
+    """For an entry, the entries of the files that come after it."""
+
+    def __init__(self, index: Index, prefetch_list: list[int] | None = None) -> None:
+        self._index = index
+        entries = index.entries
+        self._is_data_file = ((entries["mode"] & 0o170000) == stat.S_IFREG) & (entries["size"] > 0)
+        self._list = np.asarray(prefetch_list if prefetch_list is not None else [], dtype=np.int64)
+        self._position = np.full(len(entries), -1, dtype=np.int64)
+        # A path listed twice keeps its first position.
+        self._position[self._list[::-1]] = np.arange(len(self._list))[::-1]
+
+    def after(self, entry: int, count: int) -> list[int]:
+        position = int(self._position[entry])
+        if position >= 0:
+            return [int(e) for e in self._list[position + 1 : position + 1 + count]]
+        siblings = self._index.children(int(self._index.entries["parent"][entry]))
+        following = np.arange(entry + 1, siblings.stop)
+        return [int(e) for e in following[self._is_data_file[following]][:count]]
+
+
+def read_prefetch_list(index: Index, path: Path) -> list[int]:
+    """Entries of a prefetch list file; an unknown path is an error naming the file and line."""
+    entries = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise UsageError(f"--prefetch-list: cannot read {str(path)!r}: {exc.strerror}") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            entries.append(index.lookup(line.strip()))
+        except FanstoreError:
+            raise UsageError(f"--prefetch-list: {path}:{number}: {line.strip()!r} is not in the dataset") from None
+    return entries
+
+
+class Prefetcher:
+    """A small thread pool that decodes the files after each opened one into the cache, each file once."""
+
+    def __init__(self, cache: DecodedCache, order: FileOrder, depth: int, threads: int) -> None:
+        self._cache = cache
+        self._order = order
+        self._depth = depth
+        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="fanstore-prefetch")
+        self._scheduled: set[int] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def accessed(self, entry: int) -> None:
+        """The reader opened `entry`: queue decoding of the next `depth` files not cached yet."""
+        if self._depth <= 0:
+            return
+        for following in self._order.after(entry, self._depth):
+            with self._lock:
+                if self._closed or following in self._scheduled or self._cache.contains(following):
+                    continue
+                self._scheduled.add(following)
+            self._pool.submit(self._decode, following)
+
+    def _decode(self, entry: int) -> None:
+        try:
+            self._cache.get(entry)
+        except Exception:  # noqa: BLE001 - a corrupt file is reported when the reader itself reads it
+            pass
+        finally:
+            with self._lock:
+                self._scheduled.discard(entry)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)

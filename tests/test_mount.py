@@ -1,0 +1,310 @@
+"""The FUSE view, mounted for real: bytes, attributes, concurrency, read-only errors, EIO, lifecycle, cache bound."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import mmap
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO, assert_one_line_error, make_tree, run_cli, tree_digest
+from fanstore import PackOptions, open_dataset, pack
+from fanstore.format import CHUNK_HEADER_LEN, chunk_file_name
+
+if not os.path.exists("/dev/fuse"):
+    pytest.skip("/dev/fuse is missing on this machine: FUSE mounts cannot be tested", allow_module_level=True)
+pytest.importorskip("pyfuse3", reason="pyfuse3 is not installed (needs libfuse3-dev to build)")
+
+
+def _daemon_pid(mountpoint: Path) -> int:
+    out = subprocess.run(["pgrep", "-f", f"fanstore mount .* {mountpoint} "], capture_output=True, text=True)
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 1, out.stdout
+    return pids[0]
+
+
+class Mounted:
+    """A real background mount through the CLI; always unmounted at the end."""
+
+    def __init__(self, dataset: Path, mountpoint: Path, *args: str) -> None:
+        self.dataset, self.mountpoint, self.args = dataset, mountpoint, args
+        self.log = mountpoint.parent / f"{mountpoint.name}.log"
+
+    def __enter__(self) -> "Mounted":
+        self.mountpoint.mkdir(exist_ok=True)
+        run_cli("mount", str(self.dataset), str(self.mountpoint), "--log", str(self.log), *self.args, check=True)
+        self.pid = _daemon_pid(self.mountpoint)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if os.path.ismount(self.mountpoint) or _is_stale(self.mountpoint):
+            run_cli("umount", str(self.mountpoint))
+        _wait_gone(self.pid)
+
+
+def _is_stale(path: Path) -> bool:
+    try:
+        os.stat(path)
+    except OSError as exc:
+        return exc.errno == errno.ENOTCONN
+    return False
+
+
+def _wait_gone(pid: int, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        if Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+            return  # exited, waiting to be reaped by its parent
+        time.sleep(0.05)
+    raise AssertionError(f"mount daemon {pid} is still running {timeout} s after unmount")
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("mount")
+    src = make_tree(root / "src")
+    setuid_file = src / "setuid_tool"
+    setuid_file.write_bytes(b"#!/bin/sh\necho hi\n")
+    setuid_file.chmod(0o4755)
+    rng = np.random.default_rng(1)
+    (src / "big").mkdir()
+    for i in range(6):
+        (src / "big" / f"part_{i}.bin").write_bytes(
+            np.repeat(rng.integers(0, 255, 300_000, dtype=np.uint8), 2).tobytes())
+    pack(src, root / "ds", PackOptions(codec="zstd:3", chunk_size=256 * 1024, workers=2))
+    return src, root / "ds"
+
+
+@pytest.fixture
+def mounted(packed, tmp_path):
+    src, ds = packed
+    with Mounted(ds, tmp_path / "mnt") as mount:
+        yield src, mount.mountpoint
+
+
+def test_tree_bytes_and_attributes_match(mounted):
+    src, mnt = mounted
+    assert tree_digest(mnt) == tree_digest(src)
+    for path in src.rglob("*"):
+        rel = path.relative_to(src)
+        ours, theirs = os.lstat(mnt / rel), os.lstat(path)
+        if not path.is_dir() or path.is_symlink():  # a directory's size is the file system's own business
+            assert ours.st_size == theirs.st_size, rel
+        assert ours.st_mtime_ns == theirs.st_mtime_ns, rel
+        assert ours.st_mode == theirs.st_mode & ~0o6000, rel
+    assert os.stat(mnt / "setuid_tool").st_mode & 0o4000 == 0
+    assert os.listdir(mnt / "empty_dir" / "nested_empty") == []
+    assert [d for d, _, _ in os.walk(mnt)] and sorted(os.listdir(mnt)) == sorted(os.listdir(src))
+
+
+def test_random_reads_seek_and_mmap(mounted):
+    src, mnt = mounted
+    rng = random.Random(4)
+    files = [p.relative_to(src) for p in src.rglob("*") if p.is_file() and not p.is_symlink()]
+    for rel in files:
+        original = (src / rel).read_bytes()
+        with open(mnt / rel, "rb") as f:
+            for _ in range(5):
+                offset = rng.randrange(0, len(original) + 10)
+                length = rng.choice([1, 17, 4096, 131072, 1 << 20])
+                f.seek(offset)
+                assert f.read(length) == original[offset:offset + length], rel
+            if original:
+                with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+                    assert mapped[:] == original
+                    assert mapped[len(original) // 2:] == original[len(original) // 2:]
+
+
+def test_concurrent_threads_and_processes(mounted):
+    src, mnt = mounted
+    files = sorted(str(p.relative_to(src)) for p in src.rglob("*") if p.is_file() and not p.is_symlink())
+    expected = {f: hashlib.sha256((src / f).read_bytes()).hexdigest() for f in files}
+
+    def read_all(seed: int) -> list[str]:
+        order = files[:]
+        random.Random(seed).shuffle(order)
+        order += ["big/part_0.bin"] * 3  # the same file from every thread too
+        return [f for f in order if hashlib.sha256((mnt / f).read_bytes()).hexdigest() != expected[f]]
+
+    script = ("import hashlib,sys,pathlib; m=pathlib.Path(sys.argv[1]); "
+              "[print(hashlib.sha256((m/f).read_bytes()).hexdigest(), f) for f in sys.argv[2:]]")
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(mnt), *files], stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    with ThreadPoolExecutor(8) as pool:
+        mismatches = sum(pool.map(read_all, range(8)), [])
+    assert mismatches == []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0
+        for line in out.splitlines():
+            digest, name = line.split(" ", 1)
+            assert digest == expected[name], name
+
+
+def test_writes_get_erofs(mounted):
+    _, mnt = mounted
+    attempts = [
+        lambda: open(mnt / "labels.txt", "r+b"),
+        lambda: open(mnt / "new.txt", "wb"),
+        lambda: os.rename(mnt / "labels.txt", mnt / "renamed.txt"),
+        lambda: os.unlink(mnt / "labels.txt"),
+        lambda: os.mkdir(mnt / "newdir"),
+        lambda: os.rmdir(mnt / "empty_dir" / "nested_empty"),
+        lambda: os.symlink("labels.txt", mnt / "l2"),
+        lambda: os.chmod(mnt / "labels.txt", 0o600),
+        lambda: os.truncate(mnt / "labels.txt", 0),
+    ]
+    for attempt in attempts:
+        with pytest.raises(OSError) as caught:
+            attempt()
+        assert caught.value.errno == errno.EROFS
+
+
+def test_corrupt_blob_is_eio_for_that_file_only(packed, tmp_path):
+    src, ds = packed
+    damaged = tmp_path / "damaged"
+    subprocess.run(["cp", "-a", str(ds), str(damaged)], check=True)
+    with open_dataset(damaged) as dataset:
+        entry = dataset.index.lookup("big/part_3.bin")
+        rec = dataset.index.entries[entry]
+        chunk, offset = int(rec["chunk"]), int(rec["offset"])
+    chunk_path = damaged / chunk_file_name(chunk)
+    data = bytearray(chunk_path.read_bytes())
+    data[offset + 100] ^= 0xFF
+    chunk_path.write_bytes(bytes(data))
+    with Mounted(damaged, tmp_path / "mnt") as mount:
+        with pytest.raises(OSError) as caught:
+            (mount.mountpoint / "big" / "part_3.bin").read_bytes()
+        assert caught.value.errno == errno.EIO
+        with pytest.raises(OSError):
+            (mount.mountpoint / "big" / "part_3.bin").read_bytes()
+        for other in ("big/part_2.bin", "big/part_4.bin", "labels.txt", "field.npy"):
+            assert (mount.mountpoint / other).read_bytes() == (src / other).read_bytes()
+    log_lines = [line for line in mount.log.read_text().splitlines() if "EIO" in line]
+    assert len(log_lines) == 1, log_lines
+    assert "big/part_3.bin" in log_lines[0] and f"chunk {chunk}" in log_lines[0]
+    assert offset >= CHUNK_HEADER_LEN
+
+
+def test_umount_during_reads_ends_cleanly(packed, tmp_path):
+    _, ds = packed
+    mount = Mounted(ds, tmp_path / "mnt")
+    with mount:
+        script = ("import os,sys,pathlib\nm=pathlib.Path(sys.argv[1])\n"
+                  "while True:\n"
+                  "    try:\n"
+                  "        if not [p.read_bytes() for p in m.rglob('*.bin')]:\n"
+                  "            sys.exit(0)  # the mount is gone: the plain directory under it is empty\n"
+                  "    except OSError:\n"
+                  "        sys.exit(0)\n")
+        readers = [subprocess.Popen([sys.executable, "-c", script, str(mount.mountpoint)]) for _ in range(3)]
+        time.sleep(1.0)
+        assert all(r.poll() is None for r in readers), "readers stopped before the unmount"
+        umount = run_cli("umount", str(mount.mountpoint), timeout=30)
+        assert umount.returncode == 0, umount.stderr
+        for reader in readers:
+            try:
+                reader.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                reader.kill()
+                raise AssertionError("a reader hung after the unmount")
+        _wait_gone(mount.pid)
+        assert not os.path.ismount(mount.mountpoint)
+
+
+def test_sigterm_unmounts_and_stale_mount_is_reported(packed, tmp_path):
+    _, ds = packed
+    with Mounted(ds, tmp_path / "mnt") as mount:
+        os.kill(mount.pid, signal.SIGTERM)
+        _wait_gone(mount.pid)
+        assert not os.path.ismount(mount.mountpoint)
+    with Mounted(ds, tmp_path / "mnt") as mount:
+        os.kill(mount.pid, signal.SIGKILL)
+        _wait_gone(mount.pid)
+        again = run_cli("mount", str(ds), str(mount.mountpoint))
+        assert_one_line_error(again, "stale mount", f"fanstore umount {mount.mountpoint}")
+        run_cli("umount", str(mount.mountpoint), check=True)
+        assert not _is_stale(mount.mountpoint) and not os.path.ismount(mount.mountpoint)
+
+
+def test_mount_errors_are_one_line(packed, tmp_path):
+    _, ds = packed
+    assert_one_line_error(run_cli("mount", str(ds), str(tmp_path / "absent")), "does not exist")
+    (tmp_path / "mp").mkdir()
+    assert_one_line_error(run_cli("mount", str(tmp_path), str(tmp_path / "mp")), "not a fanstore dataset")
+    assert_one_line_error(run_cli("umount", str(tmp_path / "mp")), "no FUSE file system is mounted")
+    assert not os.path.ismount(tmp_path / "mp")
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_cache_stays_within_its_bound_over_three_epochs(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(9)
+    for i in range(48):
+        (src / f"f{i:02d}.bin").write_bytes(np.repeat(rng.integers(0, 255, 512 * 1024, dtype=np.uint8), 2).tobytes())
+    pack(src, tmp_path / "ds", PackOptions(codec="lz4", workers=1))
+    cache_size = 4 << 20
+    # keep_cache off and short kernel timeouts: every epoch must go through the daemon and its cache.
+    with Mounted(tmp_path / "ds", tmp_path / "mnt", "--cache-size", "4MiB", "--no-keep-cache") as mount:
+        before = _rss(mount.pid)
+        peak = before
+        for _epoch in range(3):
+            for i in range(48):
+                with open(mount.mountpoint / f"f{i:02d}.bin", "rb") as f:
+                    while f.read(1 << 20):
+                        pass
+                fd = os.open(mount.mountpoint / f"f{i:02d}.bin", os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+                peak = max(peak, _rss(mount.pid))
+    total = 48 * 1024 * 1024
+    assert peak - before < cache_size + 12 * (1 << 20), (peak - before, total)
+    assert "evictions" in mount.log.read_text()
+
+
+def test_prefetch_decodes_ahead_in_directory_and_list_order(packed, tmp_path):
+    _, ds = packed
+    small = sorted(f"train/cat/{name}" for name in os.listdir(packed[0] / "train" / "cat"))
+
+    def hits(*args: str, order: list[str]) -> int:
+        with Mounted(ds, tmp_path / "mnt", *args) as mount:
+            for rel in order:
+                (mount.mountpoint / rel).read_bytes()
+                time.sleep(0.02)  # the trainer computes; prefetch threads decode meanwhile
+        line = [l for l in mount.log.read_text().splitlines() if "cache:" in l][-1]
+        return int(line.split("cache: ")[1].split(" hits")[0])
+
+    assert hits("--prefetch", "0", order=small) == 0
+    assert hits("--prefetch", "4", order=small) >= len(small) // 2
+    shuffled = small[:]
+    random.Random(2).shuffle(shuffled)
+    listing = tmp_path / "epoch.txt"
+    listing.write_text("\n".join(shuffled) + "\n")
+    assert hits("--prefetch", "4", "--prefetch-list", str(listing), order=shuffled) >= len(small) // 2
+    bad = tmp_path / "bad.txt"
+    bad.write_text("train/cat/img_001.png\nnot/there.png\n")
+    (tmp_path / "mnt2").mkdir()
+    assert_one_line_error(run_cli("mount", str(ds), str(tmp_path / "mnt2"), "--prefetch-list", str(bad)),
+                          "bad.txt:2", "not/there.png")
