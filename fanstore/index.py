@@ -66,7 +66,8 @@ class Index:
         self.path = path
         self.toc = toc
         self.entries: np.ndarray = sections["entries"]
-        self.paths: bytes = sections["paths"].tobytes()
+        # A view into the loaded file, not a copy: the path blob is a third of the index's memory.
+        self.paths: memoryview = memoryview(sections["paths"])
         self.path_hash: np.ndarray = sections["path_hash"]
         self.hash_order: np.ndarray = sections["hash_order"]
         self.chunks: np.ndarray = sections["chunks"]
@@ -113,7 +114,9 @@ class Index:
         pos = int(hashes.searchsorted(digest))
         while pos < len(hashes) and hashes[pos] == digest:
             entry = int(self.hash_order[pos])
-            if self.path_bytes(entry) == key:
+            rec = self.entries[entry]
+            off = int(rec["path_off"])
+            if self.paths[off : off + int(rec["path_len"])] == key:  # compared in place, no copy
                 return entry
             pos += 1
         raise PathNotFound(f"{os.fspath(path)!r}: no such file or directory in the dataset")
@@ -121,7 +124,7 @@ class Index:
     def path_bytes(self, entry: int) -> bytes:
         rec = self.entries[entry]
         off = int(rec["path_off"])
-        return self.paths[off : off + int(rec["path_len"])]
+        return self.paths[off : off + int(rec["path_len"])].tobytes()
 
     def path_of(self, entry: int) -> str:
         return self.path_bytes(entry).decode("utf-8")
@@ -133,7 +136,7 @@ class Index:
     def link_target(self, entry: int) -> str:
         rec = self.entries[entry]
         off = int(rec["offset"])
-        return self.paths[off : off + int(rec["stored_len"])].decode("utf-8")
+        return str(self.paths[off : off + int(rec["stored_len"])], "utf-8")
 
     def iter_files(self) -> Iterator[int]:
         """Entry numbers of regular files, in chunk and offset order: the order that reads chunks sequentially."""

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 DEFAULT_CHUNK_SIZE = 64 << 20
 DEFAULT_CODEC = "zstd:3"
 AUTO_CODEC = "auto"
+PROGRESS_INTERVAL = 0.1  # seconds between progress callbacks: once per file costs more than packing a small file
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +86,7 @@ class PackSummary:
 
 @dataclass(frozen=True, slots=True)
 class PackProgress:
-    """How far a pack has got, handed to the progress callback after every file."""
+    """How far a pack has got, handed to the progress callback every PROGRESS_INTERVAL and at the end."""
 
     files_done: int
     files_total: int
@@ -111,8 +112,13 @@ def pack(
     _check_dest_outside_src(src_path, dest_path)
     if options.strict and tree.problems:
         raise PackError(f"--strict: {tree.problems[0]} ({len(tree.problems)} path(s) cannot be packed)")
-    # Files in (group, path) order: a chunk holds one group only, and the replicated group comes last.
-    files = sorted(tree.files, key=lambda e: (groups.group_of(e.path), e.path.encode("utf-8")))
+    # Files in (group, path) order: a chunk holds one group only, and the replicated group comes last. Each
+    # file's group is matched once here; the loop below only looks it up.
+    planned = sorted(((groups.group_of(e.path), e.path.encode("utf-8"), e) for e in tree.files),
+                     key=lambda item: item[:2])
+    files = [entry for _, _, entry in planned]
+    file_groups = [group for group, _, _ in planned]
+    del planned
     fingerprint = _fingerprint(tree, options)
     journal = PackJournal(dest_path)
     _prepare_dest(dest_path, journal, fingerprint, options)
@@ -127,13 +133,14 @@ def pack(
     _discard_unrecorded_chunks(dest_path, len(finished))
     start_file = finished[-1].end_file if finished else 0
 
-    builder = _ChunkBuilder(dest_path, journal, options.chunk_size, files, groups, finished)
+    builder = _ChunkBuilder(dest_path, journal, options.chunk_size, files, file_groups, finished)
     raw_total = sum(f.size for f in files)
     tasks = (
-        FileTask(number, entry.path, entry.size, groups.group_of(entry.path))
-        for number, entry in enumerate(files[start_file:], start=start_file)
-        if entry.size > 0
+        FileTask(number, files[number].path, files[number].size, file_groups[number])
+        for number in range(start_file, len(files))
+        if files[number].size > 0
     )
+    next_report = 0.0
     try:
         for result in compress_in_order(src_path, plan, tasks, _worker_count(options.workers)):
             if isinstance(result, Skipped):
@@ -142,9 +149,12 @@ def pack(
                 builder.skip(result)
             else:
                 builder.add(result)
-            if progress is not None:
+            if progress is not None and time.monotonic() >= next_report:
                 progress(builder.progress(len(files), raw_total))
+                next_report = time.monotonic() + PROGRESS_INTERVAL
         records = builder.close_all()
+        if progress is not None:
+            progress(builder.progress(len(files), raw_total))
         summary = _summarise(records, tree.problems)
         _write_index(dest_path, tree, records, plan, groups, options, summary, selection)
     except OSError as exc:
@@ -169,14 +179,14 @@ class _ChunkBuilder:
         journal: PackJournal,
         chunk_size: int,
         files: list[SourceEntry],
-        groups: GroupPlan,
+        file_groups: list[int],
         finished: list[ChunkRecord],
     ) -> None:
         self.dest = dest
         self.journal = journal
         self.chunk_size = chunk_size
         self.files = files
-        self.groups = groups
+        self.file_groups = file_groups
         self.records = list(finished)
         self.next_chunk = len(finished)
         self.first_file = finished[-1].end_file if finished else 0  # first plan entry of the open chunk
@@ -205,7 +215,7 @@ class _ChunkBuilder:
     def add(self, blob: Blob) -> None:
         self._account_empty_files(blob.number)
         entry = self.files[blob.number]
-        group = self.groups.group_of(entry.path)
+        group = self.file_groups[blob.number]
         if self.writer is not None and (
             self.writer.group != group or self.writer.size + len(blob.stored) > self.chunk_size
         ):
