@@ -1,4 +1,4 @@
-"""Command line: `fanstore-pack` and `fanstore {pack,verify,info,demo}`.
+"""Command line: `fanstore-pack` and `fanstore {pack,select,verify,info,mount,umount,demo}`.
 
 Every expected failure is a FanstoreError and ends as one line on stderr and a non-zero exit, never a traceback.
 """
@@ -163,7 +163,7 @@ def _run_info(args: argparse.Namespace) -> int:
 def _run_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(workdir=args.workdir, scale=args.scale)
+    return run_demo(workdir=args.workdir, scale=args.scale, mount=not args.no_mount)
 
 
 def _run_mount(args: argparse.Namespace) -> int:
@@ -240,9 +240,11 @@ def _build_parser() -> argparse.ArgumentParser:
     umount_parser = commands.add_parser("umount", help="unmount a fanstore mount (live or stale)")
     umount_parser.add_argument("mountpoint", metavar="MOUNTPOINT")
     umount_parser.set_defaults(run=_run_umount)
-    demo_parser = commands.add_parser("demo", help="build, pack and read back a small training dataset")
+    demo_parser = commands.add_parser(
+        "demo", help="build, pack, mount and read back a small training dataset; train on it through the mount")
     demo_parser.add_argument("--workdir", metavar="DIR", help="keep the demo files here (default: a temporary dir)")
     demo_parser.add_argument("--scale", type=int, default=1, help="grow the demo dataset (default 1)")
+    demo_parser.add_argument("--no-mount", action="store_true", help="read through the Python API only")
     demo_parser.set_defaults(run=_run_demo)
     return parser
 

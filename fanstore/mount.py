@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,19 @@ class MountOptions:
 
 class MountError(FanstoreError, OSError):
     """The mount cannot be made or removed; the message says why and what to run."""
+
+
+def fuse_unavailable_reason() -> str | None:
+    """Why this machine cannot mount a fanstore view, or None when it can."""
+    if not os.path.exists("/dev/fuse"):
+        return "/dev/fuse is missing (no FUSE in this kernel or container)"
+    if shutil.which("fusermount3") is None and shutil.which("fusermount") is None:
+        return "fusermount3 is not installed (Debian package fuse3)"
+    try:
+        import pyfuse3  # noqa: F401
+    except ImportError as exc:
+        return f"pyfuse3 cannot be imported ({exc}); it builds against libfuse3-dev"
+    return None
 
 
 def available_memory() -> int:
@@ -173,6 +187,22 @@ def mount_background(dataset: Path, mountpoint: Path, argv: list[str], log_path:
     daemon.wait()
     raise MountError(answer.removeprefix("error: ") or f"the mount daemon exited with status {daemon.returncode}; "
                                                         f"see {log_path}")
+
+
+def wait_for_exit(pid: int, timeout: float = 30.0) -> bool:
+    """Wait for a mount daemon to end (reaping it if it is our child); False if it is still running."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return True
+        except ChildProcessError:  # not our child: it is gone once signal 0 cannot reach it
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+        time.sleep(0.05)
+    return False
 
 
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
