@@ -3,7 +3,6 @@ cases (empty class directory, relative symlink) that packing must keep."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 from pathlib import Path
@@ -11,28 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import tree_digest
 from fanstore.demo_data import DemoTree, build_demo_tree
 
 PIL_Image = pytest.importorskip("PIL.Image")
 pytest.importorskip("sklearn.datasets")
 
 DIGIT_CLASSES = {str(d) for d in range(10)}
-
-
-def tree_hashes(root: Path) -> dict[str, str]:
-    """Relative path -> sha256 of content (files), 'dir' or 'link:TARGET', symlinks not followed."""
-    result = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            full = Path(dirpath) / name
-            rel = full.relative_to(root).as_posix()
-            if full.is_symlink():
-                result[rel] = "link:" + os.readlink(full)
-            elif full.is_dir():
-                result[rel] = "dir"
-            else:
-                result[rel] = hashlib.sha256(full.read_bytes()).hexdigest()
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +26,7 @@ def built(tmp_path_factory) -> DemoTree:
 
 def test_two_builds_are_byte_identical(built, tmp_path):
     again = build_demo_tree(tmp_path / "again")
-    first, second = tree_hashes(built.root), tree_hashes(again.root)
+    first, second = tree_digest(built.root), tree_digest(again.root)
     assert first == second
     assert (again.files, again.bytes) == (built.files, built.bytes)
     assert first["latest_field.npy"] == "link:science/field_000.npy"
@@ -141,7 +125,7 @@ def test_rebuilds_over_its_own_tree_but_refuses_other_data(built, tmp_path):
     (target / "stale.bin").write_bytes(b"left over")
     rebuilt = build_demo_tree(target)
     assert not (target / "stale.bin").exists()
-    assert tree_hashes(target) == tree_hashes(built.root)
+    assert tree_digest(target) == tree_digest(built.root)
     assert rebuilt.files == built.files
 
     foreign = tmp_path / "precious"
