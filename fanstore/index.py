@@ -108,7 +108,14 @@ class Index:
 
     def lookup(self, path: str | os.PathLike[str]) -> int:
         """Entry number of a path; PathNotFound if the dataset has no such path."""
-        key = normalize_path(path).encode("utf-8", "surrogateescape")
+        entry = self.lookup_key(normalize_path(path).encode("utf-8", "surrogateescape"))
+        if entry is None:
+            raise PathNotFound(f"{os.fspath(path)!r}: no such file or directory in the dataset")
+        return entry
+
+    def lookup_key(self, key: bytes) -> int | None:
+        """Entry number of a path already spelled as the index spells it (UTF-8, normalized), or None: the
+        FUSE lookup builds such keys from names the kernel hands it, so it skips normalizing and decoding."""
         digest = _hash_path(key)
         hashes = self.path_hash
         pos = int(hashes.searchsorted(digest))
@@ -119,7 +126,7 @@ class Index:
             if self.paths[off : off + int(rec["path_len"])] == key:  # compared in place, no copy
                 return entry
             pos += 1
-        raise PathNotFound(f"{os.fspath(path)!r}: no such file or directory in the dataset")
+        return None
 
     def path_bytes(self, entry: int) -> bytes:
         rec = self.entries[entry]

@@ -57,6 +57,15 @@ def test_lookup_children_and_links(tmp_path):
     assert np.all(np.diff(index.entries["parent"][1:].astype(np.int64)) >= 0)
 
 
+def test_lookup_key_takes_exact_index_spelling_only(tmp_path):
+    _write(tmp_path)
+    index = Index.load(tmp_path)
+    assert index.lookup_key(b"b/c/deep.txt") == index.lookup("b/c/deep.txt")
+    assert index.lookup_key(b"b//c/deep.txt") is None  # not normalized: the caller's job
+    assert index.lookup_key(b"b/c/absent") is None
+    assert index.lookup_key(b"") == 0
+
+
 def test_same_records_give_same_bytes_in_any_order(tmp_path):
     first = _write(tmp_path)
     second = _write(tmp_path, list(reversed(_records())))
