@@ -1,0 +1,116 @@
+"""Is anything else using the CPUs while a benchmark times a command? On a shared two-core machine one busy
+neighbour halves the cores, so each timing reports how much CPU other processes took meanwhile.
+
+`wait_for_quiet` waits (bounded) until the machine is idle before a timing starts; `OtherLoad` samples /proc
+while the command runs and sums the CPU time of user processes that are not this process or its descendants.
+Processes that start and end between two samples are missed, so the figure is a lower bound.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from types import TracebackType
+
+_TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
+_KTHREADD = 2
+
+
+def _cpu_busy_idle() -> tuple[int, int]:
+    """Busy and idle jiffies of all CPUs together, from the first line of /proc/stat."""
+    with open("/proc/stat") as stat_file:
+        fields = [int(value) for value in stat_file.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields[:8]) - idle, idle
+
+
+def busy_fraction(seconds: float = 1.0) -> float:
+    """Share of all CPUs' time spent busy over the next `seconds`."""
+    busy_before, idle_before = _cpu_busy_idle()
+    time.sleep(seconds)
+    busy_after, idle_after = _cpu_busy_idle()
+    busy, idle = busy_after - busy_before, idle_after - idle_before
+    return busy / (busy + idle) if busy + idle else 0.0
+
+
+def wait_for_quiet(threshold: float = 0.10, max_wait: float = 60.0) -> float:
+    """Wait until the CPUs are less than `threshold` busy over a one-second sample, at most `max_wait` seconds;
+    returns the last busy fraction seen (above the threshold when the wait gave up)."""
+    deadline = time.monotonic() + max_wait
+    while True:
+        busy = busy_fraction(0.5)
+        if busy < threshold or time.monotonic() >= deadline:
+            return busy
+
+
+def _process_table() -> dict[tuple[int, int], tuple[int, int]]:
+    """(pid, start time) -> (parent pid, CPU ticks used) for every process that can be read right now."""
+    table = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as stat_file:
+                text = stat_file.read()
+        except OSError:
+            continue  # exited meanwhile
+        fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "; comm may hold spaces
+        ppid, utime, stime, start = int(fields[1]), int(fields[11]), int(fields[12]), int(fields[19])
+        table[(int(name), start)] = (ppid, utime + stime)
+    return table
+
+
+def _descendants_of(root_pid: int, table: dict[tuple[int, int], tuple[int, int]]) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for (pid, _start), (ppid, _ticks) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, pending = {root_pid}, [root_pid]
+    while pending:
+        for child in children.get(pending.pop(), []):
+            if child not in found:
+                found.add(child)
+                pending.append(child)
+    return found
+
+
+class OtherLoad:
+    """Context manager: CPU seconds used by other user processes while the block runs (`cpu_seconds`)."""
+
+    def __init__(self, interval: float = 0.25) -> None:
+        self.interval = interval
+        self.cpu_seconds = 0.0
+        self._baseline: dict[tuple[int, int], int] = {}
+        self._last: dict[tuple[int, int], int] = {}
+        self._ours: set[tuple[int, int]] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "OtherLoad":
+        first = self._sample()
+        self._baseline = {key: ticks for key, (_ppid, ticks) in first.items()}
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        others = [key for key in self._last if key not in self._ours]
+        ticks = sum(self._last[key] - self._baseline.get(key, 0) for key in others)
+        self.cpu_seconds = ticks / _TICKS_PER_SECOND
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def _sample(self) -> dict[tuple[int, int], tuple[int, int]]:
+        table = _process_table()
+        ours = _descendants_of(os.getpid(), table) | {_KTHREADD}
+        kernel = {pid for (pid, _start), (ppid, _ticks) in table.items() if ppid == _KTHREADD}
+        for key, (_ppid, ticks) in table.items():
+            if key[0] in ours or key[0] in kernel:
+                self._ours.add(key)  # kernel threads do our I/O as much as anyone's: not counted
+            self._last[key] = ticks
+        return table
