@@ -176,6 +176,8 @@ def _run_mount(args: argparse.Namespace) -> int:
         cache_size=parse_size(args.cache_size, "--cache-size") if args.cache_size else None,
         prefetch=args.prefetch,
         prefetch_list=Path(args.prefetch_list) if args.prefetch_list else None,
+        prefetch_min_size=parse_size(args.prefetch_min_size, "--prefetch-min-size", minimum=0)
+        if args.prefetch_min_size is not None else None,
         allow_other=args.allow_other,
         keep_cache=not args.no_keep_cache,
         kernel_timeout=args.kernel_timeout,
@@ -227,6 +229,9 @@ def _build_parser() -> argparse.ArgumentParser:
                               help="memory for decoded files, e.g. 4GiB (default: a quarter of available RAM)")
     mount_parser.add_argument("--prefetch", type=int, default=8, metavar="N",
                               help="decode the next N files ahead of the reader (default 8; 0: off)")
+    mount_parser.add_argument("--prefetch-min-size", metavar="SIZE",
+                              help="prefetch only files stored in at least SIZE bytes (default 256KiB: smaller ones "
+                                   "decode on request faster than a thread is handed them)")
     mount_parser.add_argument("--prefetch-list", metavar="FILE",
                               help="epoch order to prefetch in: one dataset path a line")
     mount_parser.add_argument("--allow-other", action="store_true", help="let other users read the mount")

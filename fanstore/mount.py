@@ -36,6 +36,7 @@ class MountOptions:
     prefetch: int = 8  # files decoded ahead of the reader; 0 turns prefetch off
     prefetch_list: Path | None = None
     prefetch_threads: int = 0  # 0: one per core
+    prefetch_min_size: int | None = None  # bytes stored; None: fuse_ops.INLINE_DECODE_BYTES
     decode_threads: int = 0  # 0: two per core
     allow_other: bool = False
     keep_cache: bool = True
@@ -91,7 +92,7 @@ def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, rea
     import pyfuse3
     import trio
 
-    from .fuse_ops import KERNEL_CACHE_TIMEOUT, FanstoreOperations
+    from .fuse_ops import INLINE_DECODE_BYTES, KERNEL_CACHE_TIMEOUT, FanstoreOperations
 
     try:
         check_mountpoint(mountpoint)
@@ -104,7 +105,8 @@ def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, rea
         prefetcher = None
         if options.prefetch > 0:
             order_list = read_prefetch_list(index, options.prefetch_list) if options.prefetch_list else None
-            prefetcher = Prefetcher(cache, FileOrder(index, order_list), options.prefetch,
+            min_size = INLINE_DECODE_BYTES if options.prefetch_min_size is None else options.prefetch_min_size
+            prefetcher = Prefetcher(cache, FileOrder(index, order_list, min_size), options.prefetch,
                                     options.prefetch_threads or cores)
         operations = FanstoreOperations(
             index, cache, prefetcher, options.decode_threads or 2 * cores, keep_cache=options.keep_cache,

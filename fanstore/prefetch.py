@@ -22,10 +22,13 @@ from .index import Index
 class FileOrder:
     """For an entry, the entries of the files that come after it."""
 
-    def __init__(self, index: Index, prefetch_list: list[int] | None = None) -> None:
+    def __init__(self, index: Index, prefetch_list: list[int] | None = None, min_stored_bytes: int = 0) -> None:
         self._index = index
         entries = index.entries
-        self._is_data_file = ((entries["mode"] & 0o170000) == stat.S_IFREG) & (entries["size"] > 0)
+        # Worth decoding ahead: regular files whose blob is at least min_stored_bytes. Smaller ones decode on the
+        # reader's own request faster than a prefetch thread can be handed them (see fuse_ops.INLINE_DECODE_BYTES).
+        self._worth_prefetching = (((entries["mode"] & 0o170000) == stat.S_IFREG) & (entries["size"] > 0)
+                                   & (entries["stored_len"] >= min_stored_bytes))
         self._list = np.asarray(prefetch_list if prefetch_list is not None else [], dtype=np.int64)
         self._position = np.full(len(entries), -1, dtype=np.int64)
         # A path listed twice keeps its first position.
@@ -34,10 +37,11 @@ class FileOrder:
     def after(self, entry: int, count: int) -> list[int]:
         position = int(self._position[entry])
         if position >= 0:
-            return [int(e) for e in self._list[position + 1 : position + 1 + count]]
-        siblings = self._index.children(int(self._index.entries["parent"][entry]))
-        following = np.arange(entry + 1, siblings.stop)
-        return [int(e) for e in following[self._is_data_file[following]][:count]]
+            following = self._list[position + 1 : position + 1 + count]
+        else:
+            siblings = self._index.children(int(self._index.entries["parent"][entry]))
+            following = np.arange(entry + 1, min(siblings.stop, entry + 1 + count))
+        return [int(e) for e in following[self._worth_prefetching[following]]]
 
 
 def read_prefetch_list(index: Index, path: Path) -> list[int]:

@@ -13,7 +13,7 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgtp])(ib|b)?)?\s*(?:b|bytes
 _POWERS = {"k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 
 
-def parse_size(text: str, option: str = "size") -> int:
+def parse_size(text: str, option: str = "size", minimum: int = 1) -> int:
     """Bytes from `4096`, `64M`, `64MiB`, `1.5GB`; raises UsageError naming the option."""
     match = _SIZE_RE.match(str(text))
     if not match:
@@ -23,8 +23,8 @@ def parse_size(text: str, option: str = "size") -> int:
     if prefix:
         base = 1000 if (suffix or "").lower() == "b" else 1024
         value *= base ** _POWERS[prefix.lower()]
-    if value < 1:
-        raise UsageError(f"{option}: {text!r} must be at least one byte")
+    if value < minimum:
+        raise UsageError(f"{option}: {text!r} must be at least {minimum} byte{'s' if minimum != 1 else ''}")
     return int(value)
 
 
