@@ -23,7 +23,15 @@ from fanstore.walk import SourceTree, walk_source
 
 from .measure import Measurement, candidate_specs, measure_kind
 from .policy import MIN_SAVING, Budget, Choice, choose
-from .sample import DEFAULT_FRACTION, DEFAULT_MAX_BYTES, check_fraction, check_max_bytes, check_seed, draw_sample
+from .sample import (
+    DEFAULT_FRACTION,
+    DEFAULT_MAX_BYTES,
+    check_fraction,
+    check_max_bytes,
+    check_seed,
+    draw_sample,
+    estimated_kind_bytes,
+)
 
 __all__ = ["Budget", "Choice", "Measurement", "Selection", "select_codecs"]
 
@@ -45,9 +53,21 @@ class Selection:
     max_bytes: int = DEFAULT_MAX_BYTES
     min_saving: float = MIN_SAVING
     replicate: tuple[str, ...] = field(default_factory=tuple)
+    # Per kind, its estimated bytes in SRC: the sample's own kind shares are not estimates (small kinds get a floor)
+    kind_bytes: dict[str, int] = field(default_factory=dict)
 
     def codec_by_kind(self) -> dict[str, str]:
         return {kind: self.choices[kind].spec for kind in sorted(self.choices)}
+
+    def predicted_ratio(self) -> float | None:
+        """Raw / stored of the whole of SRC with these choices: each kind's predicted ratio, weighted by its
+        estimated bytes (None when no kind was estimated)."""
+        raw = stored = 0.0
+        for kind, choice in self.choices.items():
+            kind_raw = self.kind_bytes.get(kind, 0)
+            raw += kind_raw
+            stored += kind_raw / choice.measurement.ratio if choice.measurement is not None else kind_raw
+        return raw / stored if stored else None
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able and in a fixed key order (kinds sorted, measurements in measuring order)."""
@@ -56,7 +76,8 @@ class Selection:
             "budget": {"bytes_per_s": self.budget.bytes_per_s, "prefetch_threads": self.budget.prefetch_threads,
                        "required_decode_mbps": round(self.budget.required_decode_mbps, 3)},
             "sample": {"fraction": self.fraction, "seed": self.seed, "max_bytes": self.max_bytes,
-                       "files": self.sample_files, "bytes": self.sample_bytes, "replicate": list(self.replicate)},
+                       "files": self.sample_files, "bytes": self.sample_bytes, "replicate": list(self.replicate),
+                       "kind_bytes": dict(sorted(self.kind_bytes.items()))},
             "min_saving": self.min_saving,
             "seconds": round(self.seconds, 3),
             "choices": {kind: {"spec": choice.spec, "meets_budget": choice.meets_budget, "reason": choice.reason}
@@ -89,6 +110,7 @@ class Selection:
             max_bytes=sample["max_bytes"],
             min_saving=record["min_saving"],
             replicate=tuple(sample["replicate"]),
+            kind_bytes=dict(sample.get("kind_bytes", {})),  # absent from records written before it was kept
         )
 
 
@@ -133,4 +155,5 @@ def select_codecs(
         seconds=time.perf_counter() - started,
         max_bytes=max_bytes,
         replicate=tuple(replicate),
+        kind_bytes=estimated_kind_bytes(sample),
     )

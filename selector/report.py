@@ -15,7 +15,7 @@ from fanstore.units import format_bytes
 
 from .measure import Measurement
 from .policy import meets
-from .sample import MIN_FILES, MIN_SAMPLE_BYTES
+from .sample import MIN_FILES, MIN_SAMPLE_BYTES, MIN_STRATUM_BYTES
 
 if TYPE_CHECKING:
     from . import Selection
@@ -30,7 +30,8 @@ def format_selection(selection: Selection) -> str:
         f"codec selection: {budget.describe()}",
         f"prefetch threads K={budget.prefetch_threads}; sample: {selection.sample_files} files, "
         f"{format_bytes(selection.sample_bytes)} (--sample {selection.fraction:.1%} of SRC, but at least "
-        f"{format_bytes(MIN_SAMPLE_BYTES)} and {MIN_FILES} files per kind, at most {format_bytes(selection.max_bytes)})"
+        f"{format_bytes(MIN_SAMPLE_BYTES)}, and per kind {MIN_FILES} files and up to "
+        f"{format_bytes(MIN_STRATUM_BYTES)} if it has them; at most {format_bytes(selection.max_bytes)})"
         f", seed {selection.seed}; measured in {selection.seconds:.1f} s",
         f"a codec must save at least {selection.min_saving:.0%} to be chosen; '*' marks the choice",
     ]
@@ -39,8 +40,10 @@ def format_selection(selection: Selection) -> str:
         rows = [m for m in selection.measurements if m.kind == kind]
         kind_files = max((m.files for m in rows), default=0)
         kind_bytes = max((m.raw_bytes for m in rows), default=0)
+        in_src = selection.kind_bytes.get(kind)
         lines.append("")
-        lines.append(f"{kind}: {kind_files} files, {format_bytes(kind_bytes)} sampled")
+        lines.append(f"{kind}: {kind_files} files, {format_bytes(kind_bytes)} sampled"
+                     + (f" of about {format_bytes(in_src)} in SRC" if in_src else ""))
         table = [_COLUMNS]
         for m in sorted(rows, key=lambda m: (-m.ratio, -m.decode_mbps, m.spec)):
             partial = "" if m.raw_bytes >= kind_bytes else f"{m.files} files"
@@ -63,6 +66,11 @@ def format_selection(selection: Selection) -> str:
     if not selection.choices:
         lines.append("")
         lines.append("the sample is empty: SRC has no non-empty files to measure")
+    predicted = selection.predicted_ratio()
+    if predicted is not None:
+        lines.append("")
+        lines.append(f"predicted for SRC with these choices: ratio {predicted:.2f} (saves {1 - 1 / predicted:.1%}), "
+                     "each kind's ratio weighted by its estimated bytes")
     return "\n".join(lines)
 
 
