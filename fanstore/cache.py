@@ -40,10 +40,8 @@ class DecodedCache:
 
     def get(self, key: int) -> bytes:
         with self._lock:
-            value = self._values.get(key)
+            value = self._hit(key)
             if value is not None:
-                self._values.move_to_end(key)
-                self._stats.hits += 1
                 return value
             pending = self._loading.get(key)
             if pending is None:
@@ -70,11 +68,15 @@ class DecodedCache:
     def peek(self, key: int) -> bytes | None:
         """The cached value, or None without loading: lets an event loop serve hits without a thread hop."""
         with self._lock:
-            value = self._values.get(key)
-            if value is not None:
-                self._values.move_to_end(key)
-                self._stats.hits += 1
-            return value
+            return self._hit(key)
+
+    def _hit(self, key: int) -> bytes | None:
+        """The value if cached, now the most recently used; the caller holds the lock."""
+        value = self._values.get(key)
+        if value is not None:
+            self._values.move_to_end(key)
+            self._stats.hits += 1
+        return value
 
     def contains(self, key: int) -> bool:
         with self._lock:

@@ -20,7 +20,8 @@ from .index import Index
 
 
 class FileOrder:
-    """For an entry, the entries of the files that come after it."""
+    """For an entry, the next `count` entries after it (in the list, else in its directory), keeping the files
+    worth decoding ahead."""
 
     def __init__(self, index: Index, prefetch_list: list[int] | None = None, min_stored_bytes: int = 0) -> None:
         self._index = index

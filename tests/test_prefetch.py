@@ -1,0 +1,72 @@
+"""Prefetch: which files come next (directory order, a prefetch list, a size floor), and decoding them ahead."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from fanstore import PackOptions, open_dataset, pack
+from fanstore.cache import DecodedCache
+from fanstore.errors import UsageError
+from fanstore.prefetch import FileOrder, Prefetcher, read_prefetch_list
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    src = tmp_path_factory.mktemp("prefetch") / "src"
+    (src / "d" / "sub").mkdir(parents=True)
+    sizes = {"d/a.bin": 10, "d/b.bin": 5000, "d/c.bin": 0, "d/e.bin": 20, "d/f.bin": 6000, "other.bin": 30}
+    for rel, size in sizes.items():
+        (src / rel).write_bytes(b"z" * size)
+    pack(src, src.parent / "ds", PackOptions(codec="none", workers=1))
+    with open_dataset(src.parent / "ds") as ds:
+        yield ds
+
+
+def paths(ds, entries):
+    return [ds.index.path_of(e) for e in entries]
+
+
+def test_directory_order_skips_directories_and_empty_files(dataset):
+    order = FileOrder(dataset.index)
+    # The next 4 entries of d/ are b, c, e, f (sub sorts last): the empty c is skipped.
+    assert paths(dataset, order.after(dataset.index.lookup("d/a.bin"), 4)) == ["d/b.bin", "d/e.bin", "d/f.bin"]
+    assert order.after(dataset.index.lookup("d/f.bin"), 4) == []  # only the directory d/sub follows
+
+
+def test_a_size_floor_leaves_small_files_to_the_reader(dataset):
+    order = FileOrder(dataset.index, min_stored_bytes=1000)
+    assert paths(dataset, order.after(dataset.index.lookup("d/a.bin"), 4)) == ["d/b.bin", "d/f.bin"]
+
+
+def test_list_order_wins_for_listed_files(dataset, tmp_path):
+    listing = tmp_path / "epoch.txt"
+    listing.write_text("d/f.bin\n\nother.bin\nd/a.bin\nd/f.bin\n")
+    entries = read_prefetch_list(dataset.index, listing)
+    order = FileOrder(dataset.index, entries)
+    assert paths(dataset, order.after(dataset.index.lookup("d/f.bin"), 2)) == ["other.bin", "d/a.bin"]
+    assert paths(dataset, order.after(dataset.index.lookup("d/b.bin"), 2)) == ["d/e.bin"]  # unlisted: directory
+
+
+def test_a_bad_prefetch_list_names_file_and_line(dataset, tmp_path):
+    listing = tmp_path / "bad.txt"
+    listing.write_text("d/a.bin\nmissing.bin\n")
+    with pytest.raises(UsageError, match=r"bad\.txt:2.*missing\.bin"):
+        read_prefetch_list(dataset.index, listing)
+    with pytest.raises(UsageError, match="cannot read"):
+        read_prefetch_list(dataset.index, tmp_path / "absent.txt")
+
+
+def test_the_prefetcher_decodes_the_next_files_into_the_cache(dataset):
+    cache = DecodedCache(1 << 20, dataset.reader.read)
+    prefetcher = Prefetcher(cache, FileOrder(dataset.index), depth=3, threads=2)  # b, (empty c), e
+    try:
+        prefetcher.accessed(dataset.index.lookup("d/a.bin"))
+        deadline = time.monotonic() + 10
+        wanted = [dataset.index.lookup(p) for p in ("d/b.bin", "d/e.bin")]
+        while not all(cache.peek(e) is not None for e in wanted) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [cache.peek(e) for e in wanted] == [b"z" * 5000, b"z" * 20]
+    finally:
+        prefetcher.close()
