@@ -246,7 +246,8 @@ def test_mount_errors_are_one_line(packed, tmp_path):
     _, ds = packed
     assert_one_line_error(run_cli("mount", str(ds), str(tmp_path / "absent")), "does not exist")
     (tmp_path / "mp").mkdir()
-    assert_one_line_error(run_cli("mount", str(tmp_path), str(tmp_path / "mp")), "not a fanstore dataset")
+    assert_one_line_error(run_cli("mount", str(tmp_path), str(tmp_path / "mp"), "--log", str(tmp_path / "log")),
+                          "not a fanstore dataset")
     assert_one_line_error(run_cli("umount", str(tmp_path / "mp")), "no FUSE file system is mounted")
     assert not os.path.ismount(tmp_path / "mp")
 
@@ -308,5 +309,6 @@ def test_prefetch_decodes_ahead_in_directory_and_list_order(packed, tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_text("train/cat/img_001.png\nnot/there.png\n")
     (tmp_path / "mnt2").mkdir()
-    assert_one_line_error(run_cli("mount", str(ds), str(tmp_path / "mnt2"), "--prefetch-list", str(bad)),
+    assert_one_line_error(run_cli("mount", str(ds), str(tmp_path / "mnt2"), "--log", str(tmp_path / "log"),
+                                  "--prefetch-list", str(bad)),
                           "bad.txt:2", "not/there.png")
