@@ -33,14 +33,12 @@ class ChunkWriter:
         self._buffer = mmap.mmap(-1, WRITE_BUFFER)  # anonymous memory is page-aligned, as O_DIRECT needs
         self._filled = 0
         self.size = 0
-        self.blob_count = 0
         self._gather(pack_chunk_header(chunk_id, group))
 
-    def append(self, blob: bytes) -> int:
-        """Write a blob at the end of the chunk; returns its offset."""
+    def append(self, blobs: bytes | memoryview) -> int:
+        """Write one blob, or several back to back, at the end of the chunk; returns where they start."""
         offset = self.size
-        self._gather(blob)
-        self.blob_count += 1
+        self._gather(blobs)
         return offset
 
     def _gather(self, data: bytes) -> None:

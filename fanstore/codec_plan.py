@@ -57,13 +57,14 @@ def build_codec_plan(
     spec_by_kind: dict[str, str],
     groups: GroupPlan,
     files: Sequence[SourceEntry],
+    file_groups: Sequence[int],
     src: Path,
     journal: PackJournal,
 ) -> CodecPlan:
-    """`spec_by_kind` maps kinds to specs and must hold ANY_KIND, the spec for every other kind."""
+    """`spec_by_kind` maps kinds to specs and must hold ANY_KIND, the spec for every other kind; `file_groups`
+    holds the group of each of `files`."""
     plan = CodecPlan()
     for group in range(len(groups.table())):
-        members = [f for f in files if f.size > 0 and groups.group_of(f.path) == group]
         samples_by_kind: dict[str, list[bytes]] | None = None
         plan.by_group[group] = {}
         for kind, spec in sorted(spec_by_kind.items()):
@@ -74,6 +75,7 @@ def build_codec_plan(
                 dictionary = journal.load_dictionary(dictionary_name)
                 if dictionary is None:
                     if samples_by_kind is None:
+                        members = [f for f, g in zip(files, file_groups) if g == group and f.size > 0]
                         samples_by_kind = _dictionary_samples(src, members, by_kind=len(spec_by_kind) > 1)
                     samples = samples_by_kind.get(kind, []) if kind != ANY_KIND else samples_by_kind.get(ANY_KIND, [])
                     dictionary = train_dictionary(samples, level=codec.level)

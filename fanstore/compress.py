@@ -1,11 +1,14 @@
-"""Compress files one by one, in worker processes, handing results back in input order.
+"""Compress files one by one, in worker processes, handing results back in plan order, a batch at a time.
 
 Order is what makes a pack deterministic: whatever the worker count, blobs reach the chunk writer in the same
 sequence, so chunk boundaries and offsets come out the same.
 
-Compressed bytes come back through shared memory, not the result pipe: a worker writes a batch's blobs into a
-slot of one shared buffer and returns only their places. Pickling them through a pipe cost the packing process
-four copies of every byte, and that serial work, not compression, was what two workers waited on.
+The packing process is the one serial part, so it does as little per file as it can. Workers get the plan's
+paths once, at start, and a batch is just a range of plan positions. Compressed bytes come back through shared
+memory, not the result pipe: a worker writes a batch's blobs one after another into a slot of one shared
+buffer and returns only their places, and the chunk writer copies a whole run of them at once. Pickling blobs
+through a pipe cost the packing process four copies of every byte, and per-file objects cost it more than
+compressing a small file; that serial work, not compression, was what two workers waited on.
 """
 
 from __future__ import annotations
@@ -13,11 +16,12 @@ from __future__ import annotations
 import mmap
 import multiprocessing
 import os
+import pickle
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterator, Sequence
 
 import xxhash
 
@@ -25,17 +29,19 @@ from selector.kinds import HEAD_BYTES, file_kind
 
 from .codec_plan import NONE_ROW, CodecPlan
 from .walk import Problem
+
 _BATCH_FILES = 256
-_BATCH_BYTES = 8 << 20  # raw bytes of a batch, and the size of a shared slot (a blob is never larger than its file)
+_BATCH_BYTES = 8 << 20  # raw bytes of a batch, and the size of a slot (a blob is never larger than its file)
 _BATCHES_PER_WORKER = 4
 
 
 @dataclass(frozen=True, slots=True)
-class FileTask:
-    number: int  # position in the pack plan
-    path: str
-    size: int  # as the walk saw it
-    group: int
+class PlanFiles:
+    """The files of a pack in plan order, as workers need them: sent to each worker once."""
+
+    paths: Sequence[str]
+    sizes: Sequence[int]  # as the walk saw them
+    groups: Sequence[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,69 +52,91 @@ class Skipped:
     problem: Problem
 
 
+# A compressed file, as a plain tuple (it crosses the process boundary 100,000s of times, and a tuple pickles
+# several times faster than a dataclass): plan number, offset of its blob in the batch's `blobs`, stored length,
+# codec row, checksum of the stored bytes, raw size.
+SlotBlob = tuple[int, int, int, int, int, int]
+
+
 @dataclass(frozen=True, slots=True)
-class Blob:
-    number: int
-    stored: bytes | memoryview  # a view into a shared slot when it came from a worker; valid until the next blob
-    codec: int
-    checksum: int
-    raw_size: int
+class CompressedBatch:
+    """One batch's results in plan order. `blobs` holds every blob back to back; it is valid only until the
+    consumer asks for the next batch (its memory is reused)."""
 
-
-# A blob a worker left in its batch's slot, as a plain tuple (it crosses the process boundary 100,000s of times,
-# and a tuple pickles several times faster than a dataclass): number, offset in the slot, stored length, codec
-# row, checksum, raw size.
-_SlotBlob = tuple[int, int, int, int, int, int]
-_TaskFields = tuple[int, str, int, int]  # a FileTask's fields, sent to workers as a tuple for the same reason
+    results: list[SlotBlob | Skipped]
+    blobs: memoryview
 
 
 class BlobCompressor:
     """Reads a file, checks it is still the size the walk saw, compresses it, checksums the stored bytes."""
 
-    def __init__(self, root: Path, plan: CodecPlan) -> None:
+    def __init__(self, root: Path, plan: CodecPlan, files: PlanFiles) -> None:
         self.root = root
         self.plan = plan
+        self.files = files
+        self._sniffed_groups = frozenset(g for g in plan.by_group if plan.depends_on_kind(g))
 
-    def compress(self, task: FileTask) -> Blob | Skipped:
+    def compress(self, number: int) -> tuple[bytes, int, int] | Skipped:
+        """(stored bytes, codec row, raw size) of plan file `number`, or why it was skipped."""
+        path = self.files.paths[number]
         try:
-            with open(os.path.join(self.root, task.path), "rb") as src:
+            with open(os.path.join(self.root, path), "rb") as src:
                 raw = src.read()
         except FileNotFoundError:
-            return Skipped(task.number, Problem(task.path, "vanished during the pack"))
+            return Skipped(number, Problem(path, "vanished during the pack"))
         except IsADirectoryError:
-            return Skipped(task.number, Problem(task.path, "became a directory during the pack"))
+            return Skipped(number, Problem(path, "became a directory during the pack"))
         except OSError as exc:
-            return Skipped(task.number, Problem(task.path, f"cannot read: {exc.strerror}"))
-        if len(raw) != task.size:
-            reason = f"changed size during the pack ({task.size} bytes at walk, {len(raw)} now)"
-            return Skipped(task.number, Problem(task.path, reason))
-        kind = file_kind(task.path, raw[:HEAD_BYTES]) if self.plan.depends_on_kind(task.group) else ""
-        codec = self.plan.row_for(task.group, kind)
+            return Skipped(number, Problem(path, f"cannot read: {exc.strerror}"))
+        if len(raw) != self.files.sizes[number]:
+            reason = f"changed size during the pack ({self.files.sizes[number]} bytes at walk, {len(raw)} now)"
+            return Skipped(number, Problem(path, reason))
+        group = self.files.groups[number]
+        kind = file_kind(path, raw[:HEAD_BYTES]) if group in self._sniffed_groups else ""
+        codec = self.plan.row_for(group, kind)
         stored = self.plan.codecs[codec].encode(raw) if codec != NONE_ROW else raw
         if len(stored) >= len(raw):
             stored, codec = raw, NONE_ROW
-        return Blob(task.number, stored, codec, xxhash.xxh3_64_intdigest(stored), len(raw))
+        return stored, codec, len(raw)
 
-    def compress_batch(self, batch: list[FileTask]) -> list[Blob | Skipped]:
-        return [self.compress(task) for task in batch]
-
-    def compress_batch_into(self, batch: list[FileTask], slot: memoryview) -> list[_SlotBlob | Skipped]:
-        """Compress a batch whose raw bytes fit the slot, leaving the blobs in it one after another."""
-        results: list[_SlotBlob | Skipped] = []
+    def compress_batch_into(self, first: int, end: int, slot: memoryview) -> list[SlotBlob | Skipped]:
+        """Compress the non-empty files of plan range [first, end), leaving their blobs in `slot` back to back."""
+        results: list[SlotBlob | Skipped] = []
         used = 0
-        for task in batch:
-            result = self.compress(task)
-            if isinstance(result, Skipped):
-                results.append(result)
+        sizes = self.files.sizes
+        for number in range(first, end):
+            if sizes[number] == 0:
+                continue  # empty files have no blob; the packer records them itself
+            done = self.compress(number)
+            if isinstance(done, Skipped):
+                results.append(done)
                 continue
-            length = len(result.stored)
-            if used + length > len(slot):  # the file grew after the walk; compress() skips that, but be sure
-                results.append(Skipped(task.number, Problem(task.path, "changed size during the pack")))
+            stored, codec, raw_size = done
+            length = len(stored)
+            if used + length > len(slot):  # cannot happen (compress() skips a file that grew), but be sure
+                results.append(Skipped(number, Problem(self.files.paths[number], "changed size during the pack")))
                 continue
-            slot[used : used + length] = result.stored
-            results.append((task.number, used, length, result.codec, result.checksum, result.raw_size))
+            slot[used : used + length] = stored
+            results.append((number, used, length, codec, xxhash.xxh3_64_intdigest(stored), raw_size))
             used += length
         return results
+
+
+def batch_ranges(sizes: Sequence[int], start: int) -> Iterator[tuple[int, int]]:
+    """Plan ranges [first, end) from `start` on, each of at most _BATCH_FILES non-empty files and _BATCH_BYTES raw
+    bytes; a file larger than that is a batch of its own, with a slot sized for it."""
+    first, count, batch_bytes = start, 0, 0
+    for number in range(start, len(sizes)):
+        size = sizes[number]
+        if size == 0:
+            continue
+        if count and (count >= _BATCH_FILES or batch_bytes + size > _BATCH_BYTES):
+            yield first, number
+            first, count, batch_bytes = number, 0, 0
+        count += 1
+        batch_bytes += size
+    if first < len(sizes):
+        yield first, len(sizes)
 
 
 class _SharedSlots:
@@ -136,111 +164,115 @@ class _SharedSlots:
         os.close(self._fd)
 
 
-# A worker process compresses with the BlobCompressor its initializer built; these live only in workers.
+class WorkerPool:
+    """Compression worker processes, started before the walk so that their start-up (a fresh interpreter that
+    imports the codecs, about 0.4 s) overlaps it instead of adding to the serial part of a pack."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver"))
+        for _ in range(workers):
+            self.executor.submit(_warm_up)  # starts every process now; each imports this module and the codecs
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+class _JobFile:
+    """What every batch of one pack needs (root, codec plan, plan files), pickled once into a memfd that workers
+    read through /proc the first time they see its token."""
+
+    def __init__(self, job: tuple[Path, CodecPlan, PlanFiles]) -> None:
+        self.token = os.urandom(8).hex()
+        self._fd = os.memfd_create("fanstore-pack-job", os.MFD_CLOEXEC)
+        os.write(self._fd, pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL))
+        self.path = f"/proc/{os.getpid()}/fd/{self._fd}"
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+# The job a worker process is compressing for, loaded on its first batch; these live only in workers.
+_worker_token: str | None = None
 _worker_compressor: BlobCompressor | None = None
 _worker_slots: memoryview | None = None
 
 
-def _init_worker(root: Path, plan: CodecPlan, slots_path: str | None) -> None:
-    global _worker_compressor, _worker_slots
-    _worker_compressor = BlobCompressor(root, plan)
-    if slots_path is not None:
-        try:
-            with open(slots_path, "r+b") as slots_file:
-                _worker_slots = memoryview(mmap.mmap(slots_file.fileno(), 0))
-        except OSError:
-            _worker_slots = None  # blobs go back through the pipe; _blobs_in_slot takes either
+def _warm_up() -> None:
+    return None
 
 
-def _compress_batch_in_worker(
-    fields: list[_TaskFields], slot: int | None, slot_bytes: int
-) -> list[Blob | Skipped] | list[_SlotBlob | Skipped]:
-    assert _worker_compressor is not None, "worker used before its initializer ran"
-    batch = [FileTask(*task) for task in fields]
-    if slot is None or _worker_slots is None:
-        return _worker_compressor.compress_batch(batch)
-    return _worker_compressor.compress_batch_into(batch, _worker_slots[slot * slot_bytes : (slot + 1) * slot_bytes])
+def _load_job(token: str, job_path: str, slots_path: str) -> BlobCompressor:
+    global _worker_token, _worker_compressor, _worker_slots
+    if token != _worker_token or _worker_compressor is None:
+        with open(job_path, "rb") as job_file:
+            root, plan, files = pickle.load(job_file)
+        with open(slots_path, "r+b") as slots_file:
+            _worker_slots = memoryview(mmap.mmap(slots_file.fileno(), 0))
+        _worker_compressor, _worker_token = BlobCompressor(root, plan, files), token
+    return _worker_compressor
 
 
-def _batches(tasks: Iterable[FileTask]) -> Iterator[list[FileTask]]:
-    """Batches of at most _BATCH_FILES files and _BATCH_BYTES raw bytes; a larger file is a batch of its own."""
-    batch: list[FileTask] = []
-    batch_bytes = 0
-    for task in tasks:
-        if batch and (len(batch) >= _BATCH_FILES or batch_bytes + task.size > _BATCH_BYTES):
-            yield batch
-            batch, batch_bytes = [], 0
-        batch.append(task)
-        batch_bytes += task.size
-    if batch:
-        yield batch
-
-
-def _open_slots(count: int) -> _SharedSlots | None:
-    """Shared slots where the platform has memfd (Linux); elsewhere blobs come back through the pipe."""
-    if not hasattr(os, "memfd_create"):
-        return None
-    try:
-        return _SharedSlots(count, _BATCH_BYTES)
-    except OSError:
-        return None
+def _compress_in_worker(token: str, job_path: str, slots_path: str, first: int, end: int, slot: int | None,
+                        slot_bytes: int) -> tuple[list[SlotBlob | Skipped], bytes | None]:
+    """A batch into shared slot `slot`; with no slot (a file larger than one), its blobs come back as bytes."""
+    compressor = _load_job(token, job_path, slots_path)
+    if slot is not None:
+        assert _worker_slots is not None
+        into = _worker_slots[slot * slot_bytes : (slot + 1) * slot_bytes]
+        return compressor.compress_batch_into(first, end, into), None
+    own = memoryview(bytearray(sum(compressor.files.sizes[first:end])))
+    results = compressor.compress_batch_into(first, end, own)
+    used = max((r[1] + r[2] for r in results if type(r) is tuple), default=0)
+    return results, bytes(own[:used])
 
 
 def compress_in_order(
-    root: Path, plan: CodecPlan, tasks: Iterable[FileTask], workers: int
-) -> Iterator[Blob | Skipped]:
-    """Results in task order; at most a few batches per worker are in flight, so memory stays bounded."""
-    if workers <= 1:
-        compressor = BlobCompressor(root, plan)
-        for task in tasks:
-            yield compressor.compress(task)
+    root: Path, plan: CodecPlan, files: PlanFiles, start: int, pool: WorkerPool | None
+) -> Iterator[CompressedBatch]:
+    """Batches of plan files from `start` on, in order; at most a few per worker are in flight, so memory stays
+    bounded. With no pool the packing process compresses them itself, the same way."""
+    if pool is None:
+        compressor = BlobCompressor(root, plan, files)
+        slot = memoryview(bytearray(_BATCH_BYTES))
+        for first, end in batch_ranges(files.sizes, start):
+            raw_bytes = sum(files.sizes[first:end])
+            blobs = slot if raw_bytes <= _BATCH_BYTES else memoryview(bytearray(raw_bytes))
+            yield CompressedBatch(compressor.compress_batch_into(first, end, blobs), blobs)
         return
-    context = multiprocessing.get_context("forkserver")
-    inflight_limit = workers * _BATCHES_PER_WORKER
-    slots = _open_slots(inflight_limit)
+    inflight_limit = pool.workers * _BATCHES_PER_WORKER
+    job = _JobFile((root, plan, files))
+    slots = _SharedSlots(inflight_limit, _BATCH_BYTES)
+    inflight: deque[tuple[Future[tuple[list, bytes | None]], int | None]] = deque()
+
+    def submit(first: int, end: int) -> None:
+        slot = slots.free.pop() if sum(files.sizes[first:end]) <= _BATCH_BYTES else None
+        inflight.append((pool.executor.submit(_compress_in_worker, job.token, job.path, slots.path, first, end,
+                                              slot, slots.slot_bytes), slot))
+
     try:
-        with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                                 initargs=(root, plan, slots.path if slots else None)) as pool:
-            pending = _batches(tasks)
-            inflight: deque[tuple[Future[list], int | None]] = deque()
-
-            def submit(batch: list[FileTask]) -> None:
-                fits = slots is not None and slots.free and sum(task.size for task in batch) <= _BATCH_BYTES
-                slot = slots.free.pop() if fits else None
-                slot_bytes = slots.slot_bytes if slots is not None else 0
-                fields = [(task.number, task.path, task.size, task.group) for task in batch]
-                inflight.append((pool.submit(_compress_batch_in_worker, fields, slot, slot_bytes), slot))
-
-            try:
-                for batch in pending:
-                    submit(batch)
-                    if len(inflight) >= inflight_limit:
-                        break
-                while inflight:
-                    future, slot = inflight.popleft()
-                    results = future.result()
-                    if slot is None:
-                        yield from results
-                    else:
-                        yield from _blobs_in_slot(results, slots.slot(slot))  # type: ignore[union-attr]
-                        slots.free.append(slot)  # type: ignore[union-attr]
-                    next_batch = next(pending, None)
-                    if next_batch is not None:
-                        submit(next_batch)
-            finally:
-                for future, _ in inflight:
-                    future.cancel()
+        ranges = batch_ranges(files.sizes, start)
+        for first, end in ranges:
+            submit(first, end)
+            if len(inflight) >= inflight_limit:
+                break
+        while inflight:
+            future, slot = inflight.popleft()
+            results, own = future.result()
+            if slot is None:
+                yield CompressedBatch(results, memoryview(own or b""))
+            else:
+                with slots.slot(slot) as blobs:
+                    yield CompressedBatch(results, blobs)
+                slots.free.append(slot)
+            next_range = next(ranges, None)
+            if next_range is not None:
+                submit(*next_range)
     finally:
-        if slots is not None:
-            slots.close()
-
-
-def _blobs_in_slot(results: list[_SlotBlob | Blob | Skipped], slot: memoryview) -> Iterator[Blob | Skipped]:
-    for result in results:
-        if type(result) is not tuple:  # a skip, or a blob from a worker that could not map the slots
-            yield result
-            continue
-        number, offset, length, codec, checksum, raw_size = result
-        stored = slot[offset : offset + length]
-        yield Blob(number, stored, codec, checksum, raw_size)
-        stored.release()  # the consumer has written it; the slot is about to be reused
+        for future, _ in inflight:
+            future.cancel()
+        for future, _ in inflight:  # a worker may still be writing into a slot
+            if not future.cancelled():
+                future.exception()
+        slots.close()
+        job.close()

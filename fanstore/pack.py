@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import errno
 import json
+import operator
 import os
 import shutil
-import stat
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 import xxhash
@@ -24,11 +25,11 @@ from selector.kinds import OTHER
 
 from .chunk_writer import PARTIAL_SUFFIX, ChunkWriter
 from .codec_plan import ANY_KIND, NONE_ROW, CodecPlan, build_codec_plan
-from .compress import Blob, FileTask, Skipped, compress_in_order
+from .compress import CompressedBatch, PlanFiles, Skipped, WorkerPool, compress_in_order
 from .errors import PackError, UsageError
 from .format import CHUNK_DIR, CHUNK_DTYPE, INDEX_NAME, NO_CHUNK, chunk_file_name
 from .groups import GroupPlan
-from .index import EntryRecord, build_index_bytes, write_index_atomically
+from .index import EntryRecord, IndexLayout, write_index_atomically
 from .journal import JOURNAL_DIR, ChunkRecord, PackJournal
 from .walk import Problem, SourceEntry, SourceTree, walk_source
 
@@ -104,28 +105,42 @@ def pack(
 ) -> PackSummary:
     """Pack SRC into the dataset directory DEST. `tree` is a walk of SRC the caller already made."""
     started = time.monotonic()
-    src_path, dest_path = Path(src), Path(dest)
     _check_options(options)
+    workers = _worker_count(options.workers)
+    pool = WorkerPool(workers) if workers > 1 else None  # starts while SRC is walked
+    try:
+        summary = _pack_with(Path(src), Path(dest), options, tree, progress, pool)
+    finally:
+        if pool is not None:
+            pool.close()
+    summary.seconds = time.monotonic() - started
+    return summary
+
+
+def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: SourceTree | None,
+               progress: Callable[[PackProgress], None] | None, pool: WorkerPool | None) -> PackSummary:
     groups = GroupPlan(options.replicate)
     if tree is None:
         tree = walk_source(src_path)
     _check_dest_outside_src(src_path, dest_path)
     if options.strict and tree.problems:
         raise PackError(f"--strict: {tree.problems[0]} ({len(tree.problems)} path(s) cannot be packed)")
-    # Files in (group, path) order: a chunk holds one group only, and the replicated group comes last. Each
-    # file's group is matched once here; the loop below only looks it up.
-    planned = sorted(((groups.group_of(e.path), e.path.encode("utf-8"), e) for e in tree.files),
-                     key=lambda item: item[:2])
-    files = [entry for _, _, entry in planned]
-    file_groups = [group for group, _, _ in planned]
-    del planned
+    # Files in (group, path) order: a chunk holds one group only, and the replicated group comes last. The walk
+    # gives them in path order already, so a stable split by group is enough. Each file's group is matched once
+    # here; the loop below only looks it up.
+    by_group: dict[int, list[SourceEntry]] = {}
+    for entry in tree.files:
+        by_group.setdefault(groups.group_of(entry.path), []).append(entry)
+    files = [entry for group in sorted(by_group) for entry in by_group[group]]
+    file_groups = [group for group in sorted(by_group) for _ in by_group[group]]
+    del by_group
     fingerprint = _fingerprint(tree, options)
     journal = PackJournal(dest_path)
     _prepare_dest(dest_path, journal, fingerprint, options)
 
     selection = _selection(options, src_path, tree, journal)
     spec_by_kind = {ANY_KIND: options.codec} if selection is None else _spec_by_kind(selection)
-    plan = build_codec_plan(spec_by_kind, groups, files, src_path, journal)
+    plan = build_codec_plan(spec_by_kind, groups, files, file_groups, src_path, journal)
     if not journal.exists():
         journal.start({"fingerprint": fingerprint, "options": options.output_defining(), "codecs": plan.rows,
                        "selection": selection.to_json() if selection is not None else None})
@@ -135,37 +150,41 @@ def pack(
 
     builder = _ChunkBuilder(dest_path, journal, options.chunk_size, files, file_groups, finished)
     raw_total = sum(f.size for f in files)
-    tasks = (
-        FileTask(number, files[number].path, files[number].size, file_groups[number])
-        for number in range(start_file, len(files))
-        if files[number].size > 0
-    )
+    plan_files = PlanFiles([f.path for f in files], [f.size for f in files], file_groups)
     next_report = 0.0
+    # Most of the index is known from the walk: it is laid out in a thread while the workers compress. It starts
+    # once the first batch is back, so that it does not hold the GIL while the first batches go out.
+    background = ThreadPoolExecutor(1, thread_name_prefix="fanstore-index-layout")
+    layout: Future[IndexLayout] | None = None
     try:
-        for result in compress_in_order(src_path, plan, tasks, _worker_count(options.workers)):
-            if isinstance(result, Skipped):
-                if options.strict:
-                    raise PackError(f"--strict: {result.problem}")
-                builder.skip(result)
-            else:
-                builder.add(result)
+        for batch in compress_in_order(src_path, plan, plan_files, start_file, pool):
+            if layout is None:
+                layout = background.submit(_index_layout, tree)
+            if options.strict:
+                skipped = next((r for r in batch.results if isinstance(r, Skipped)), None)
+                if skipped is not None:
+                    raise PackError(f"--strict: {skipped.problem}")
+            builder.add_batch(batch)
             if progress is not None and time.monotonic() >= next_report:
                 progress(builder.progress(len(files), raw_total))
                 next_report = time.monotonic() + PROGRESS_INTERVAL
         records = builder.close_all()
+        if layout is None:  # nothing was left to compress (a resume after the last chunk)
+            layout = background.submit(_index_layout, tree)
         if progress is not None:
             progress(builder.progress(len(files), raw_total))
         summary = _summarise(records, tree.problems)
-        _write_index(dest_path, tree, records, plan, groups, options, summary, selection)
+        _write_index(dest_path, tree, layout, records, plan, groups, options, summary, selection)
     except OSError as exc:
         builder.abort()
         raise _global_error(exc, dest_path) from None
     except BaseException:
         builder.abort()
         raise
+    finally:
+        background.shutdown(wait=False, cancel_futures=True)
     journal.remove()
     summary.reused_chunks = len(finished)
-    summary.seconds = time.monotonic() - started
     return summary
 
 
@@ -206,29 +225,51 @@ class _ChunkBuilder:
                 self._done.files += 1
             self.next_number += 1
 
-    def skip(self, skipped: Skipped) -> None:
+    def add_batch(self, batch: CompressedBatch) -> None:
+        """Record a batch's files and append their blobs, copying each run of blobs bound for one chunk at once
+        (they lie back to back in `batch.blobs`)."""
+        files, file_groups, done = self.files, self.file_groups, self._done
+        run_start = run_end = 0  # blobs[run_start:run_end] belong to the open chunk but are not appended yet
+        for result in batch.results:
+            if type(result) is not tuple:
+                self._append_run(batch.blobs[run_start:run_end])
+                run_start = run_end
+                self._skip(result)  # type: ignore[arg-type]
+                continue
+            number, blob_offset, stored_len, codec, checksum, raw_size = result
+            if number != self.next_number:
+                self._account_empty_files(number)
+            writer = self.writer
+            group = file_groups[number]
+            pending = run_end - run_start
+            if writer is not None and (writer.group != group or writer.size + pending + stored_len > self.chunk_size):
+                self._append_run(batch.blobs[run_start:run_end])
+                self._close_chunk(end_file=number)
+                writer, pending = None, 0
+            if writer is None:
+                writer = self.writer = ChunkWriter(self.dest, self.next_chunk, group)
+            if pending == 0:
+                run_start = run_end = blob_offset
+            entry = files[number]
+            self.rows.append([entry.path, raw_size, entry.mtime_ns, entry.mode, writer.chunk_id, writer.size + pending,
+                         stored_len, codec, checksum])
+            run_end += stored_len
+            self.next_number = number + 1
+            done.files += 1
+            done.raw_bytes += raw_size
+            done.stored_bytes += stored_len
+        self._append_run(batch.blobs[run_start:run_end])
+
+    def _append_run(self, blobs: memoryview) -> None:
+        if len(blobs):
+            assert self.writer is not None
+            self.writer.append(blobs)
+
+    def _skip(self, skipped: Skipped) -> None:
         self._account_empty_files(skipped.number)
         self.problems.append([skipped.problem.path, skipped.problem.reason])
         self._done.problems.append(skipped.problem)
         self.next_number = skipped.number + 1
-
-    def add(self, blob: Blob) -> None:
-        self._account_empty_files(blob.number)
-        entry = self.files[blob.number]
-        group = self.file_groups[blob.number]
-        if self.writer is not None and (
-            self.writer.group != group or self.writer.size + len(blob.stored) > self.chunk_size
-        ):
-            self._close_chunk(end_file=blob.number)
-        if self.writer is None:
-            self.writer = ChunkWriter(self.dest, self.next_chunk, group)
-        offset = self.writer.append(blob.stored)
-        self.rows.append([entry.path, blob.raw_size, entry.mtime_ns, entry.mode, self.writer.chunk_id, offset,
-                          len(blob.stored), blob.codec, blob.checksum])
-        self.next_number = blob.number + 1
-        self._done.files += 1
-        self._done.raw_bytes += blob.raw_size
-        self._done.stored_bytes += len(blob.stored)
 
     def _close_chunk(self, end_file: int) -> None:
         assert self.writer is not None
@@ -376,9 +417,16 @@ def _spec_by_kind(selection: Selection) -> dict[str, str]:
     return by_kind
 
 
+def _index_layout(tree: SourceTree, leave_out: frozenset[str] = frozenset()) -> IndexLayout:
+    """The index's layout from the walk alone: every entry of the tree but the files in `leave_out`."""
+    return IndexLayout(EntryRecord(e.path, e.mode, e.mtime_ns, e.size, link_target=e.link_target)
+                       for e in tree.entries if e.path not in leave_out)
+
+
 def _write_index(
     dest: Path,
     tree: SourceTree,
+    layout: Future[IndexLayout],
     records: list[ChunkRecord],
     plan: CodecPlan,
     groups: GroupPlan,
@@ -386,17 +434,20 @@ def _write_index(
     summary: PackSummary,
     selection: Selection | None,
 ) -> None:
-    entries: list[EntryRecord] = []
-    packed_paths = set()
-    for record in records:
-        for path, size, mtime_ns, mode, chunk, offset, stored_len, codec, checksum in record.files:
-            entries.append(EntryRecord(path, mode, mtime_ns, size, chunk, offset, stored_len, codec, checksum))
-            packed_paths.add(path)
-    for e in tree.entries:
-        if stat.S_ISDIR(e.mode):
-            entries.append(EntryRecord(e.path, e.mode, e.mtime_ns))
-        elif stat.S_ISLNK(e.mode):
-            entries.append(EntryRecord(e.path, e.mode, e.mtime_ns, link_target=e.link_target))
+    """`layout` is the tree's layout, built while the files were compressed; it is built again without the files
+    that turned out not to be packable during the pack (they vanished or changed), which is rare."""
+    rows = [row for record in records for row in record.files]  # rows as ChunkRecord.files describes them
+    packed = frozenset(row[0] for row in rows)
+    if len(packed) == len(tree.files):
+        index_layout = layout.result()
+    else:
+        index_layout = _index_layout(tree, frozenset(e.path for e in tree.files) - packed)
+
+    def column(at: int) -> Iterator[int]:
+        return map(operator.itemgetter(at), rows)
+
+    index_layout.place_blobs([row[0] for row in rows], chunk=column(4), offset=column(5), stored_len=column(6),
+                             codec=column(7), checksum=column(8))
     chunk_rows = [r for r in records if r.chunk_id != NO_CHUNK]
     chunks = np.zeros(len(chunk_rows), dtype=CHUNK_DTYPE)
     for r in chunk_rows:
@@ -412,7 +463,7 @@ def _write_index(
     }
     if selection is not None:
         meta["selection"] = selection.to_json()
-    index_bytes = build_index_bytes(entries, chunks, groups.table(), plan.rows, plan.dictionaries, meta)
+    index_bytes = index_layout.to_bytes(chunks, groups.table(), plan.rows, plan.dictionaries, meta)
     write_index_atomically(dest, index_bytes)
 
 
