@@ -7,11 +7,11 @@ Python object per file: lookups hash the path and binary-search a sorted hash ar
 from __future__ import annotations
 
 import json
+import operator
 import os
 import stat
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import xxhash
@@ -43,9 +43,9 @@ def normalize_path(path: str | os.PathLike[str]) -> str:
     return "/".join(part for part in text.split("/") if part and part != ".")
 
 
-@dataclass(frozen=True, slots=True)
-class EntryRecord:
-    """One directory, file or symlink as the packer hands it to the index writer."""
+class EntryRecord(NamedTuple):
+    """One directory, file or symlink as the packer hands it to the index writer (a named tuple: a pack makes
+    one per file, and a tuple is made and taken apart several times faster than a frozen dataclass)."""
 
     path: str
     mode: int
@@ -218,6 +218,62 @@ def _bfs_order(records: list[EntryRecord]) -> list[EntryRecord]:
     return ordered
 
 
+class IndexLayout:
+    """Everything an index holds that follows from the tree alone: entry order, paths, parents, modes, mtimes,
+    sizes, symlink targets, the path-hash lookup. A pack builds it while files are still being compressed (it
+    is most of the work of writing an index), then places the blobs and serialises."""
+
+    def __init__(self, records: Iterable[EntryRecord]) -> None:
+        ordered = _bfs_order(list(records))
+        count = len(ordered)
+        self._entry_of = {rec.path: i for i, rec in enumerate(ordered)}
+        encoded_paths = [rec.path.encode("utf-8") for rec in ordered]
+        path_lens = np.fromiter(map(len, encoded_paths), dtype=np.uint64, count=count)
+        paths = bytearray(b"".join(encoded_paths))
+        entries = np.zeros(count, dtype=ENTRY_DTYPE)
+        entries["path_off"] = np.concatenate(([0], np.cumsum(path_lens)[:-1])).astype(np.uint64)
+        entries["path_len"] = path_lens
+        entries["parent"] = [self._entry_of[rec.path.rpartition("/")[0]] if rec.path else 0 for rec in ordered]
+        for field in ("mode", "mtime_ns", "size", "chunk", "offset", "stored_len", "codec", "checksum"):
+            column = map(operator.itemgetter(EntryRecord._fields.index(field)), ordered)
+            entries[field] = np.fromiter(column, dtype=ENTRY_DTYPE[field], count=count)
+        # Symlink targets follow the paths in the same blob; offset and stored_len locate them.
+        for i, rec in enumerate(ordered):
+            if stat.S_ISLNK(rec.mode):
+                target = rec.link_target.encode("utf-8")
+                entries[i]["offset"] = len(paths)
+                entries[i]["stored_len"] = len(target)
+                entries[i]["size"] = len(target)
+                entries[i]["chunk"] = NO_CHUNK
+                paths += target
+        hashes = np.fromiter(map(_hash_path, encoded_paths), dtype=HASH_DTYPE, count=count)
+        self._order = np.lexsort((np.arange(count), hashes)).astype(ORDER_DTYPE)
+        self._path_hash = hashes[self._order]
+        self._paths = np.frombuffer(bytes(paths), dtype="u1")
+        self.entries = entries
+
+    def place_blobs(self, paths: Sequence[str], **columns: Iterable[int]) -> None:
+        """Set where each file's blob lies: `columns` maps entry fields (chunk, offset, stored_len, codec,
+        checksum) to their values for `paths`, in the same order. Every path must be a file of the layout."""
+        at = np.fromiter(map(self._entry_of.__getitem__, paths), dtype=np.int64, count=len(paths))
+        for field, values in columns.items():
+            self.entries[field][at] = np.fromiter(values, dtype=ENTRY_DTYPE[field], count=len(paths))
+
+    def to_bytes(self, chunks: np.ndarray, groups: list[dict[str, Any]], codecs: list[dict[str, Any]],
+                 dictionaries: dict[str, bytes], meta: dict[str, Any]) -> bytes:
+        """The index file's bytes; the same inputs always give the same bytes (no clocks, no host names)."""
+        arrays: dict[str, np.ndarray] = {
+            "entries": self.entries,
+            "paths": self._paths,
+            "path_hash": self._path_hash,
+            "hash_order": self._order,
+            "chunks": np.asarray(chunks, dtype=CHUNK_DTYPE),
+        }
+        for name in sorted(dictionaries):
+            arrays[name] = np.frombuffer(dictionaries[name], dtype="u1")
+        return _serialise(arrays, groups, codecs, meta)
+
+
 def build_index_bytes(
     records: Iterable[EntryRecord],
     chunks: np.ndarray,
@@ -226,40 +282,8 @@ def build_index_bytes(
     dictionaries: dict[str, bytes],
     meta: dict[str, Any],
 ) -> bytes:
-    """Serialise an index; the same inputs always give the same bytes (no clocks, no host names)."""
-    ordered = _bfs_order(list(records))
-    entry_of = {rec.path: i for i, rec in enumerate(ordered)}
-    encoded_paths = [rec.path.encode("utf-8") for rec in ordered]
-    path_lens = np.fromiter(map(len, encoded_paths), dtype=np.uint64, count=len(ordered))
-    path_offs = np.concatenate(([0], np.cumsum(path_lens)[:-1])).astype(np.uint64)
-    paths = bytearray(b"".join(encoded_paths))
-    entries = np.zeros(len(ordered), dtype=ENTRY_DTYPE)
-    entries["path_off"] = path_offs
-    entries["path_len"] = path_lens
-    entries["parent"] = [entry_of[rec.path.rpartition("/")[0]] if rec.path else 0 for rec in ordered]
-    for field in ("mode", "mtime_ns", "size", "chunk", "offset", "stored_len", "codec", "checksum"):
-        entries[field] = [getattr(rec, field) for rec in ordered]
-    # Symlink targets follow the paths in the same blob; offset and stored_len locate them.
-    for i, rec in enumerate(ordered):
-        if stat.S_ISLNK(rec.mode):
-            target = rec.link_target.encode("utf-8")
-            entries[i]["offset"] = len(paths)
-            entries[i]["stored_len"] = len(target)
-            entries[i]["size"] = len(target)
-            entries[i]["chunk"] = NO_CHUNK
-            paths += target
-    hashes = np.fromiter(map(_hash_path, encoded_paths), dtype=HASH_DTYPE, count=len(ordered))
-    order = np.lexsort((np.arange(len(entries)), hashes)).astype(ORDER_DTYPE)
-    arrays: dict[str, np.ndarray] = {
-        "entries": entries,
-        "paths": np.frombuffer(bytes(paths), dtype="u1"),
-        "path_hash": hashes[order],
-        "hash_order": order,
-        "chunks": np.asarray(chunks, dtype=CHUNK_DTYPE),
-    }
-    for name in sorted(dictionaries):
-        arrays[name] = np.frombuffer(dictionaries[name], dtype="u1")
-    return _serialise(arrays, groups, codecs, meta)
+    """Serialise an index of records that already say where their blobs are."""
+    return IndexLayout(records).to_bytes(chunks, groups, codecs, dictionaries, meta)
 
 
 def _serialise(

@@ -10,13 +10,14 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from .errors import UsageError
 
 
-@dataclass(frozen=True, slots=True)
-class SourceEntry:
-    """A directory, regular file or symlink of SRC, with the metadata the index keeps."""
+class SourceEntry(NamedTuple):
+    """A directory, regular file or symlink of SRC, with the metadata the index keeps (a named tuple: a walk
+    makes one per file, and a tuple is made several times faster than a frozen dataclass)."""
 
     path: str  # relative to SRC, '/'-separated; "" is SRC itself
     mode: int
@@ -79,12 +80,13 @@ def walk_source(src: str | os.PathLike[str]) -> SourceTree:
         abs_dir = os.path.join(root, rel_dir) if rel_dir else os.fspath(root)
         try:
             with os.scandir(abs_dir) as listing:
-                names = sorted(entry.name for entry in listing)
+                dir_entries = sorted(listing, key=_name_of)
         except OSError as exc:
             tree.problems.append(Problem(rel_dir, f"cannot list directory: {exc.strerror}"))
             continue
         subdirs = []
-        for name in names:
+        for dir_entry in dir_entries:
+            name = dir_entry.name
             rel = f"{rel_dir}/{name}" if rel_dir else name
             try:
                 name.encode("utf-8")
@@ -92,7 +94,7 @@ def walk_source(src: str | os.PathLike[str]) -> SourceTree:
                 shown = os.fsencode(rel).decode("utf-8", "backslashreplace")
                 tree.problems.append(Problem(shown, "name is not valid UTF-8; rename it to pack it"))
                 continue
-            entry = _entry_for(os.path.join(abs_dir, name), rel, real_root, tree.problems)
+            entry = _entry_for(dir_entry, rel, real_root, tree.problems)
             if entry is None:
                 continue
             tree.entries.append(entry)
@@ -104,9 +106,14 @@ def walk_source(src: str | os.PathLike[str]) -> SourceTree:
     return tree
 
 
-def _entry_for(abs_path: str, rel: str, real_root: str, problems: list[Problem]) -> SourceEntry | None:
+def _name_of(dir_entry: os.DirEntry[str]) -> str:
+    return dir_entry.name
+
+
+def _entry_for(dir_entry: os.DirEntry[str], rel: str, real_root: str, problems: list[Problem]) -> SourceEntry | None:
+    abs_path = dir_entry.path
     try:
-        st = os.lstat(abs_path)
+        st = dir_entry.stat(follow_symlinks=False)
     except FileNotFoundError:
         problems.append(Problem(rel, "vanished during the walk"))
         return None
