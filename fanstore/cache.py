@@ -78,6 +78,13 @@ class DecodedCache:
             self._stats.hits += 1
         return value
 
+    def discard(self, key: int) -> None:
+        """Forget a value now (not counted as an eviction): its reader has all of it, keeping it is only memory."""
+        with self._lock:
+            value = self._values.pop(key, None)
+            if value is not None:
+                self._stats.bytes_held -= len(value)
+
     def contains(self, key: int) -> bool:
         with self._lock:
             return key in self._values or key in self._loading

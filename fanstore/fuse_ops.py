@@ -2,7 +2,8 @@
 
 Inode n is index entry n-1 (the root, entry 0, is pyfuse3's ROOT_INODE 1), so no inode table is built. The
 tree never changes while mounted, so entries and attributes are given long timeouts and files keep their page
-cache across opens: the kernel answers repeat requests without asking this process.
+cache across opens: the kernel answers repeat requests without asking this process. For the same reason a file
+served whole leaves the decoded cache: the kernel's page cache holds it, and a second copy would only be memory.
 """
 
 from __future__ import annotations
@@ -36,11 +37,32 @@ def _read_only() -> pyfuse3.FUSEError:
     return pyfuse3.FUSEError(errno.EROFS)
 
 
+def kernel_holds_flags(index: Index) -> bytearray:
+    """One byte per entry, set while the kernel's page cache holds that file whole (shared with PrefetchView)."""
+    return bytearray(len(index.entries))
+
+
+class PrefetchView:
+    """The decoded cache as the prefetcher sees it: a file the kernel holds counts as cached, because decoding it
+    ahead would be wasted work (a prefetch queued before the reader got there, or a second epoch)."""
+
+    def __init__(self, cache: DecodedCache, kernel_holds: bytearray) -> None:
+        self._cache = cache
+        self._kernel_holds = kernel_holds
+
+    def contains(self, entry: int) -> bool:
+        return bool(self._kernel_holds[entry]) or self._cache.contains(entry)
+
+    def get(self, entry: int) -> bytes:
+        return b"" if self._kernel_holds[entry] else self._cache.get(entry)
+
+
 class FanstoreOperations(pyfuse3.Operations):
     """Read-only operations over one dataset; every write-side request answers EROFS."""
 
     def __init__(self, index: Index, cache: DecodedCache, prefetcher: Prefetcher | None, decode_threads: int,
-                 keep_cache: bool = True, timeout: float = KERNEL_CACHE_TIMEOUT) -> None:
+                 keep_cache: bool = True, timeout: float = KERNEL_CACHE_TIMEOUT,
+                 kernel_holds: bytearray | None = None) -> None:
         super().__init__()
         self.index = index
         self.cache = cache
@@ -49,9 +71,13 @@ class FanstoreOperations(pyfuse3.Operations):
         self.timeout = timeout
         self._entries = index.entries
         self._stored_len = index.entries["stored_len"]
+        # Bytes served of each file being read, and which files the kernel holds whole (see _count_served).
+        self._served: dict[int, int] = {}
+        self._kernel_holds = kernel_holds if kernel_holds is not None else kernel_holds_flags(index)
         self._decode_limiter = trio.CapacityLimiter(max(1, decode_threads))
         self._uid, self._gid = os.getuid(), os.getgid()
         self._reported_corrupt: set[int] = set()
+        self.initialized = trio.Event()
         total = int(index.entries["size"].sum())
         self._statfs = pyfuse3.StatvfsData()
         self._statfs.f_bsize = self._statfs.f_frsize = 4096
@@ -60,6 +86,10 @@ class FanstoreOperations(pyfuse3.Operations):
         self._statfs.f_files = len(index)
         self._statfs.f_ffree = self._statfs.f_favail = 0
         self._statfs.f_namemax = 255
+
+    def init(self) -> None:
+        """pyfuse3 calls this while answering the kernel's INIT; waiters run once the answer is written."""
+        self.initialized.set()
 
     # --- names and attributes -------------------------------------------------------------------------------
 
@@ -139,11 +169,15 @@ class FanstoreOperations(pyfuse3.Operations):
             raise _read_only()
         if not stat.S_ISREG(int(self._entries[entry]["mode"])):
             raise pyfuse3.FUSEError(errno.EISDIR)
-        if self.prefetcher is not None:
-            self.prefetcher.accessed(entry)
         return pyfuse3.FileInfo(fh=entry, keep_cache=self.keep_cache)
 
     async def read(self, fh: int, off: int, size: int) -> memoryview:
+        if off == 0:
+            # The kernel asks for the start of a file, so it does not hold it (any more): decode the next ones.
+            # Not at open, which also comes for files the kernel still holds (a second epoch).
+            self._kernel_holds[fh] = 0
+            if self.prefetcher is not None:
+                self.prefetcher.accessed(fh)
         data = self.cache.peek(fh)
         if data is None:
             try:
@@ -156,7 +190,20 @@ class FanstoreOperations(pyfuse3.Operations):
                     self._reported_corrupt.add(fh)
                     log.error("EIO: %s", exc)
                 raise pyfuse3.FUSEError(errno.EIO) from None
-        return memoryview(data)[off : off + size]  # pyfuse3 replies from the buffer: no copy of the slice
+        reply = memoryview(data)[off : off + size]  # pyfuse3 replies from the buffer: no copy of the slice
+        if self.keep_cache:
+            self._count_served(fh, len(reply), len(data))
+        return reply
+
+    def _count_served(self, entry: int, count: int, size: int) -> None:
+        """Once every byte of a file went out with keep_cache on, the kernel's page cache holds it: the decoded
+        copy is dropped (its memory is reused by the next decode instead of new memory being faulted in)."""
+        served = self._served.pop(entry, 0) + count
+        if served < size:
+            self._served[entry] = served
+            return
+        self.cache.discard(entry)
+        self._kernel_holds[entry] = 1
 
     async def release(self, fh: int) -> None:
         return None

@@ -22,12 +22,16 @@ from pathlib import Path
 
 from .api import open_dataset
 from .cache import DecodedCache
+from .daemon_tuning import install_fast_session_loop, keep_freed_memory
 from .errors import FanstoreError, UsageError
 from .prefetch import FileOrder, Prefetcher, read_prefetch_list
 
 log = logging.getLogger("fanstore.mount")
 
 DEFAULT_CACHE_FRACTION = 0.25  # of the memory available when the mount starts
+# FUSE mounts get the kernel's default read-ahead, 128 KiB: a 2 MiB file then costs 16 read requests. At 1 MiB
+# (the most one FUSE read request carries) it costs 2.
+READ_AHEAD_KIB = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,10 +45,43 @@ class MountOptions:
     allow_other: bool = False
     keep_cache: bool = True
     kernel_timeout: float | None = None  # seconds; None: the default long timeout
+    read_ahead_kib: int = READ_AHEAD_KIB  # set when the mount may (root); 0 leaves the kernel default
+    fast_session_loop: bool = True  # see install_fast_session_loop
 
 
 class MountError(FanstoreError, OSError):
     """The mount cannot be made or removed; the message says why and what to run."""
+
+
+def fuse_device(mountpoint: Path) -> str | None:
+    """The `major:minor` of the FUSE mount at `mountpoint` (its backing device, hence its sysfs bdi), or None."""
+    target = _mountinfo_path(mountpoint)
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as mountinfo:
+        for line in mountinfo:
+            fields = line.split()
+            separator = fields.index("-")
+            if _unescape(fields[4]) == target and fields[separator + 1].startswith("fuse"):
+                return fields[2]
+    return None
+
+
+def set_read_ahead(mountpoint: Path, kib: int) -> int | None:
+    """Set the read-ahead of the FUSE mount at `mountpoint`; returns the value in effect, None if unknown.
+
+    It must be set after the kernel has had the INIT reply, which caps it at what the file system answered
+    then. Writing it needs root; otherwise the kernel default stays, and that is all that is lost.
+    """
+    device = fuse_device(mountpoint)
+    if device is None:
+        return None
+    setting = Path("/sys/class/bdi") / device / "read_ahead_kb"
+    try:
+        if kib > 0:
+            setting.write_text(f"{kib}\n")
+        return int(setting.read_text())
+    except (OSError, ValueError) as exc:
+        log.info("read-ahead of %s left as it is: %s", mountpoint, exc)
+        return None
 
 
 def fuse_unavailable_reason() -> str | None:
@@ -92,7 +129,8 @@ def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, rea
     import pyfuse3
     import trio
 
-    from .fuse_ops import INLINE_DECODE_BYTES, KERNEL_CACHE_TIMEOUT, FanstoreOperations
+    from .fuse_ops import INLINE_DECODE_BYTES, KERNEL_CACHE_TIMEOUT, FanstoreOperations, PrefetchView, \
+        kernel_holds_flags
 
     try:
         check_mountpoint(mountpoint)
@@ -100,17 +138,23 @@ def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, rea
         index = ds.index
         capacity = options.cache_size if options.cache_size is not None else int(
             available_memory() * DEFAULT_CACHE_FRACTION)
+        keep_freed_memory()
         cache = DecodedCache(capacity, ds.reader.read)
         cores = len(os.sched_getaffinity(0))
+        kernel_holds = kernel_holds_flags(index)
         prefetcher = None
-        if options.prefetch > 0:
+        min_size = INLINE_DECODE_BYTES if options.prefetch_min_size is None else options.prefetch_min_size
+        # No prefetcher at all when no file is big enough to be worth one: each open would only look for work.
+        if options.prefetch > 0 and bool((index.entries["stored_len"] >= min_size).any()):
             order_list = read_prefetch_list(index, options.prefetch_list) if options.prefetch_list else None
-            min_size = INLINE_DECODE_BYTES if options.prefetch_min_size is None else options.prefetch_min_size
-            prefetcher = Prefetcher(cache, FileOrder(index, order_list, min_size), options.prefetch,
-                                    options.prefetch_threads or cores)
+            prefetcher = Prefetcher(PrefetchView(cache, kernel_holds), FileOrder(index, order_list, min_size),
+                                    options.prefetch, options.prefetch_threads or cores)
         operations = FanstoreOperations(
             index, cache, prefetcher, options.decode_threads or 2 * cores, keep_cache=options.keep_cache,
-            timeout=options.kernel_timeout if options.kernel_timeout is not None else KERNEL_CACHE_TIMEOUT)
+            timeout=options.kernel_timeout if options.kernel_timeout is not None else KERNEL_CACHE_TIMEOUT,
+            kernel_holds=kernel_holds)
+        if options.fast_session_loop:
+            install_fast_session_loop()
         fuse_options = set(pyfuse3.default_options) | {"ro", "fsname=fanstore", "subtype=fanstore"}
         if options.allow_other:
             fuse_options.add("allow_other")
@@ -122,9 +166,15 @@ def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, rea
         _report_ready(ready_fd, f"error: {exc}")
         raise
 
+    async def set_read_ahead_after_init() -> None:
+        await operations.initialized.wait()
+        set_read_ahead(mountpoint, options.read_ahead_kib)
+
     async def serve() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_unmount_on_signal)
+            if options.read_ahead_kib > 0:
+                nursery.start_soon(set_read_ahead_after_init)
             _report_ready(ready_fd, "ok")
             await pyfuse3.main()
             nursery.cancel_scope.cancel()
@@ -210,19 +260,19 @@ def wait_for_exit(pid: int, timeout: float = 30.0) -> bool:
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
 
 
+def _mountinfo_path(mountpoint: Path) -> str:
+    absolute = Path(os.path.abspath(mountpoint))
+    return os.path.join(os.path.realpath(absolute.parent), absolute.name)  # no lookup inside the mount itself
+
+
+def _unescape(field: str) -> str:
+    return _OCTAL_ESCAPE.sub(lambda m: chr(int(m[1], 8)), field)  # "\040" for a space, ...
+
+
 def fuse_mounted_at(mountpoint: Path) -> bool:
     """Whether /proc/self/mountinfo lists a FUSE mount at `mountpoint`; unlike a stat, this never waits on a
     daemon that has stopped answering."""
-    absolute = Path(os.path.abspath(mountpoint))
-    target = os.path.join(os.path.realpath(absolute.parent), absolute.name)  # no lookup inside the mount itself
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as mountinfo:
-        for line in mountinfo:
-            fields = line.split()
-            separator = fields.index("-")
-            where = _OCTAL_ESCAPE.sub(lambda m: chr(int(m[1], 8)), fields[4])  # "\040" for a space, ...
-            if where == target and fields[separator + 1].startswith("fuse"):
-                return True
-    return False
+    return fuse_device(mountpoint) is not None
 
 
 def unmount(mountpoint: Path) -> None:

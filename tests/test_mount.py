@@ -21,6 +21,7 @@ import pytest
 from conftest import REPO, assert_one_line_error, make_tree, run_cli, tree_digest
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.format import CHUNK_HEADER_LEN, chunk_file_name
+from fanstore.mount import READ_AHEAD_KIB, fuse_device
 
 if not os.path.exists("/dev/fuse"):
     pytest.skip("/dev/fuse is missing on this machine: FUSE mounts cannot be tested", allow_module_level=True)
@@ -110,6 +111,20 @@ def test_tree_bytes_and_attributes_match(mounted):
     assert os.stat(mnt / "setuid_tool").st_mode & 0o4000 == 0
     assert os.listdir(mnt / "empty_dir" / "nested_empty") == []
     assert [d for d, _, _ in os.walk(mnt)] and sorted(os.listdir(mnt)) == sorted(os.listdir(src))
+
+
+def test_read_ahead_is_raised_where_root_may(mounted):
+    """A 2 MiB file then costs 2 read requests instead of 16; only root may write the mount's bdi setting."""
+    _, mnt = mounted
+    device = fuse_device(mnt)
+    assert device is not None
+    setting = Path("/sys/class/bdi") / device / "read_ahead_kb"
+    if os.geteuid() != 0 or not os.access(setting, os.W_OK):
+        pytest.skip(f"not root, or {setting} is not writable here: the kernel's default read-ahead stays")
+    deadline = time.monotonic() + 10  # the daemon sets it just after the kernel's INIT
+    while int(setting.read_text()) != READ_AHEAD_KIB and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert int(setting.read_text()) == READ_AHEAD_KIB
 
 
 def test_random_reads_seek_and_mmap(mounted):
@@ -312,3 +327,11 @@ def test_prefetch_decodes_ahead_in_directory_and_list_order(packed, tmp_path):
     assert_one_line_error(run_cli("mount", str(ds), str(tmp_path / "mnt2"), "--log", str(tmp_path / "log"),
                                   "--prefetch-list", str(bad)),
                           "bad.txt:2", "not/there.png")
+
+
+def test_the_session_loop_hook_is_still_there():
+    """The mount's fast session loop swaps pyfuse3's `trio` module attribute; a pyfuse3 without it would quietly
+    serve through its own slower loop. Checked in a fresh interpreter: the swap is process-wide."""
+    code = ("import pyfuse3, trio; from fanstore.daemon_tuning import install_fast_session_loop; "
+            "assert install_fast_session_loop(); assert pyfuse3.trio is not trio; assert pyfuse3.trio.Lock is not trio.Lock")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
