@@ -65,6 +65,11 @@ class DecodedCache:
         pending.set_result(value)
         return value
 
+    def load_uncached(self, key: int) -> bytes:
+        """Load a value without keeping it, for a consumer that takes all of it at once and keeps it itself (the
+        kernel's page cache, for a file served whole in one reply): caching it would only cost a copy's memory."""
+        return self._loader(key)
+
     def peek(self, key: int) -> bytes | None:
         """The cached value, or None without loading: lets an event loop serve hits without a thread hop."""
         with self._lock:

@@ -12,7 +12,7 @@ import errno
 import logging
 import os
 import stat
-from typing import Sequence
+from typing import Callable, Sequence
 
 import pyfuse3
 import trio
@@ -71,6 +71,7 @@ class FanstoreOperations(pyfuse3.Operations):
         self.timeout = timeout
         self._entries = index.entries
         self._stored_len = index.entries["stored_len"]
+        self._size = index.entries["size"]
         # Bytes served of each file being read, and which files the kernel holds whole (see _count_served).
         self._served: dict[int, int] = {}
         self._kernel_holds = kernel_holds if kernel_holds is not None else kernel_holds_flags(index)
@@ -180,11 +181,12 @@ class FanstoreOperations(pyfuse3.Operations):
                 self.prefetcher.accessed(fh)
         data = self.cache.peek(fh)
         if data is None:
+            load = self._loader_for(fh, off, size)
             try:
                 if self._stored_len[fh] <= INLINE_DECODE_BYTES:
-                    data = self.cache.get(fh)
+                    data = load(fh)
                 else:
-                    data = await trio.to_thread.run_sync(self.cache.get, fh, limiter=self._decode_limiter)
+                    data = await trio.to_thread.run_sync(load, fh, limiter=self._decode_limiter)
             except ChunkCorrupt as exc:
                 if fh not in self._reported_corrupt:
                     self._reported_corrupt.add(fh)
@@ -194,6 +196,14 @@ class FanstoreOperations(pyfuse3.Operations):
         if self.keep_cache:
             self._count_served(fh, len(reply), len(data))
         return reply
+
+    def _loader_for(self, entry: int, off: int, size: int) -> Callable[[int], bytes]:
+        """A file that goes out whole in one reply is the kernel's to keep from then on (keep_cache), so it is
+        decoded for that reply alone, unless a prefetch is decoding it into the cache already."""
+        whole = self.keep_cache and off == 0 and size >= self._size[entry]
+        if whole and (self.prefetcher is None or not self.cache.contains(entry)):
+            return self.cache.load_uncached
+        return self.cache.get
 
     def _count_served(self, entry: int, count: int, size: int) -> None:
         """Once every byte of a file went out with keep_cache on, the kernel's page cache holds it: the decoded
