@@ -9,10 +9,11 @@ Serves in the foreground until unmounted or sent SIGTERM. SIGUSR1 writes the req
 operation, to --stats as JSON: the bench reads them to show what each kernel-cache lever saves.
 
 --no-open answers open() with ENOSYS. A kernel with no-open support (FUSE_NO_OPEN_SUPPORT, which libfuse 3
-accepts) takes that as "opens always succeed" and stops sending opens and releases. But pyfuse3 calls read(fh, off, size) with the
-file handle only (its fuse_read handler drops the inode libfuse gives it), and without an open every handle
-is 0: the file system cannot tell which file is read. With eio such reads fail; with zeros they get zero bytes
-of the requested length: wrong bytes at the right sizes, which prices the lever without making it usable.
+accepts) takes that as "opens always succeed" and stops sending opens and releases. But pyfuse3 calls
+read(fh, off, size) with the file handle only (its fuse_read handler drops the inode libfuse gives it), and
+without an open every handle is 0: the file system cannot tell which file is read. With eio such reads fail;
+with zeros they get zero bytes of the requested length: wrong bytes at the right sizes, which prices the lever
+without making it usable.
 """
 
 from __future__ import annotations

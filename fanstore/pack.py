@@ -242,7 +242,8 @@ class _ChunkBuilder:
             writer = self.writer
             group = file_groups[number]
             pending = run_end - run_start
-            if writer is not None and (writer.group != group or writer.size + pending + stored_len > self.chunk_size):
+            overflows = writer is not None and writer.size + pending + stored_len > self.chunk_size
+            if writer is not None and (writer.group != group or overflows):
                 self._append_run(batch.blobs[run_start:run_end])
                 self._close_chunk(end_file=number)
                 writer, pending = None, 0
@@ -251,8 +252,8 @@ class _ChunkBuilder:
             if pending == 0:
                 run_start = run_end = blob_offset
             entry = files[number]
-            self.rows.append([entry.path, raw_size, entry.mtime_ns, entry.mode, writer.chunk_id, writer.size + pending,
-                         stored_len, codec, checksum])
+            self.rows.append([entry.path, raw_size, entry.mtime_ns, entry.mode, writer.chunk_id,
+                              writer.size + pending, stored_len, codec, checksum])
             run_end += stored_len
             self.next_number = number + 1
             done.files += 1

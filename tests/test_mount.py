@@ -333,5 +333,6 @@ def test_the_session_loop_hook_is_still_there():
     """The mount's fast session loop swaps pyfuse3's `trio` module attribute; a pyfuse3 without it would quietly
     serve through its own slower loop. Checked in a fresh interpreter: the swap is process-wide."""
     code = ("import pyfuse3, trio; from fanstore.daemon_tuning import install_fast_session_loop; "
-            "assert install_fast_session_loop(); assert pyfuse3.trio is not trio; assert pyfuse3.trio.Lock is not trio.Lock")
+            "assert install_fast_session_loop(); assert pyfuse3.trio is not trio; "
+            "assert pyfuse3.trio.Lock is not trio.Lock")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
