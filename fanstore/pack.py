@@ -121,7 +121,7 @@ def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: Sour
                progress: Callable[[PackProgress], None] | None, pool: WorkerPool | None) -> PackSummary:
     groups = GroupPlan(options.replicate)
     if tree is None:
-        tree = walk_source(src_path)
+        tree = walk_source(src_path, pool.executor if pool is not None else None)
     _check_dest_outside_src(src_path, dest_path)
     if options.strict and tree.problems:
         raise PackError(f"--strict: {tree.problems[0]} ({len(tree.problems)} path(s) cannot be packed)")

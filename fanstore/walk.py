@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 import stat
 from dataclasses import dataclass, field
+from concurrent.futures import Executor
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from .errors import UsageError
 
@@ -60,8 +61,18 @@ _SPECIAL_KINDS = {
 }
 
 
-def walk_source(src: str | os.PathLike[str]) -> SourceTree:
-    """Everything under SRC that can be packed, sorted by path, and everything that cannot, with reasons."""
+# With an executor, the walk lists directories level by level itself until this many wait, then hands their
+# subtrees to the executor in this many tasks.
+_PARALLEL_FRONTIER = 64
+_PARALLEL_TASKS = 16
+
+
+def walk_source(src: str | os.PathLike[str], executor: Executor | None = None) -> SourceTree:
+    """Everything under SRC that can be packed, sorted by path, and everything that cannot, with reasons.
+
+    With an `executor` (worker processes), subtrees are walked in parallel: a walk is one stat per entry, which
+    on a parallel file system is a metadata round trip, and on any file system one core's worth of system calls.
+    """
     root = Path(src)
     try:
         root_stat = root.stat()
@@ -74,36 +85,80 @@ def walk_source(src: str | os.PathLike[str]) -> SourceTree:
     real_root = os.path.realpath(root)
     tree = SourceTree(root=root)
     tree.entries.append(SourceEntry("", stat.S_IMODE(root_stat.st_mode) | stat.S_IFDIR, 0, root_stat.st_mtime_ns))
-    pending = [""]
-    while pending:
-        rel_dir = pending.pop()
-        abs_dir = os.path.join(root, rel_dir) if rel_dir else os.fspath(root)
-        try:
-            with os.scandir(abs_dir) as listing:
-                dir_entries = sorted(listing, key=_name_of)
-        except OSError as exc:
-            tree.problems.append(Problem(rel_dir, f"cannot list directory: {exc.strerror}"))
-            continue
-        subdirs = []
-        for dir_entry in dir_entries:
-            name = dir_entry.name
-            rel = f"{rel_dir}/{name}" if rel_dir else name
-            try:
-                name.encode("utf-8")
-            except UnicodeEncodeError:
-                shown = os.fsencode(rel).decode("utf-8", "backslashreplace")
-                tree.problems.append(Problem(shown, "name is not valid UTF-8; rename it to pack it"))
-                continue
-            entry = _entry_for(dir_entry, rel, real_root, tree.problems)
-            if entry is None:
-                continue
-            tree.entries.append(entry)
-            if stat.S_ISDIR(entry.mode):
-                subdirs.append(rel)
-        pending.extend(reversed(subdirs))
+    if executor is None:
+        _walk_subtrees(os.fspath(root), real_root, [""], tree.entries, tree.problems)
+    else:
+        _walk_in_parallel(os.fspath(root), real_root, executor, tree)
     tree.entries.sort(key=lambda e: e.path.encode("utf-8"))
     tree.problems.sort(key=lambda p: p.path)
     return tree
+
+
+def _walk_in_parallel(root: str, real_root: str, executor: Executor, tree: SourceTree) -> None:
+    """List the top levels here until enough directories wait, then share their subtrees with the workers."""
+    frontier = [""]
+    while frontier and len(frontier) < _PARALLEL_FRONTIER:
+        frontier = [sub for rel_dir in frontier for sub in _list_dir(root, real_root, rel_dir, tree.entries,
+                                                                      tree.problems)]
+    shares = [frontier[i::_PARALLEL_TASKS] for i in range(min(len(frontier), _PARALLEL_TASKS))]
+    walks = [executor.submit(_walk_subtrees_apart, root, real_root, share) for share in shares]
+    # This process walks shares from the back while the workers take them from the front (and while they are
+    # still starting up): a share it can still cancel is one no worker has begun.
+    for share, walk in zip(reversed(shares), reversed(walks)):
+        if walk.cancel():
+            _walk_subtrees(root, real_root, share, tree.entries, tree.problems)
+    for walk in walks:
+        if not walk.cancelled():
+            columns, problems = walk.result()
+            tree.entries.extend(map(SourceEntry, *columns))
+            tree.problems.extend(problems)
+
+
+def _walk_subtrees(root: str, real_root: str, rel_dirs: list[str], entries: list[SourceEntry],
+                   problems: list[Problem]) -> None:
+    """Every entry below the directories `rel_dirs` (not themselves), depth first."""
+    pending = list(reversed(rel_dirs))
+    while pending:
+        pending.extend(reversed(_list_dir(root, real_root, pending.pop(), entries, problems)))
+
+
+def _walk_subtrees_apart(root: str, real_root: str, rel_dirs: list[str]
+                         ) -> tuple[tuple[tuple[Any, ...], ...], list[Problem]]:
+    """_walk_subtrees in a worker process. Entries go back as columns (paths, modes, ...): a handful of lists
+    pickle and unpickle several times faster than one object per entry."""
+    entries: list[SourceEntry] = []
+    problems: list[Problem] = []
+    _walk_subtrees(root, real_root, rel_dirs, entries, problems)
+    return tuple(zip(*entries)) or ((),) * len(SourceEntry._fields), problems
+
+
+def _list_dir(root: str, real_root: str, rel_dir: str, entries: list[SourceEntry], problems: list[Problem]
+              ) -> list[str]:
+    """Add the entries of one directory (or what is wrong with them); returns its subdirectories."""
+    abs_dir = os.path.join(root, rel_dir) if rel_dir else root
+    try:
+        with os.scandir(abs_dir) as listing:
+            dir_entries = sorted(listing, key=_name_of)
+    except OSError as exc:
+        problems.append(Problem(rel_dir, f"cannot list directory: {exc.strerror}"))
+        return []
+    subdirs = []
+    for dir_entry in dir_entries:
+        name = dir_entry.name
+        rel = f"{rel_dir}/{name}" if rel_dir else name
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = os.fsencode(rel).decode("utf-8", "backslashreplace")
+            problems.append(Problem(shown, "name is not valid UTF-8; rename it to pack it"))
+            continue
+        entry = _entry_for(dir_entry, rel, real_root, problems)
+        if entry is None:
+            continue
+        entries.append(entry)
+        if stat.S_ISDIR(entry.mode):
+            subdirs.append(rel)
+    return subdirs
 
 
 def _name_of(dir_entry: os.DirEntry[str]) -> str:
