@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import stat
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +75,21 @@ def test_output_is_byte_identical_whatever_the_worker_count(source_tree, tmp_pat
     pack(source_tree, tmp_path / "two", PackOptions(workers=2, **options))
     pack(source_tree, tmp_path / "again", PackOptions(workers=2, **options))
     assert dir_bytes(tmp_path / "one") == dir_bytes(tmp_path / "two") == dir_bytes(tmp_path / "again")
+
+
+def test_packing_beside_other_threads_gives_the_same_bytes(source_tree, tmp_path):
+    """With another thread running, workers come from the forkserver instead of fork(): same output."""
+    options = dict(codec="zstd:3", chunk_size=64 * 1024, replicate=("val/**",), workers=2)
+    pack(source_tree, tmp_path / "alone", PackOptions(**options))
+    stop = threading.Event()
+    busy = threading.Thread(target=stop.wait, name="another thread of the caller's")
+    busy.start()
+    try:
+        pack(source_tree, tmp_path / "beside", PackOptions(**options))
+    finally:
+        stop.set()
+        busy.join()
+    assert dir_bytes(tmp_path / "alone") == dir_bytes(tmp_path / "beside")
 
 
 def test_chunks_respect_size_and_groups(source_tree, tmp_path):
