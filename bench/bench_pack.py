@@ -568,9 +568,18 @@ def target_lines(results: list[DatasetResult], index: IndexResult | None) -> lis
     for result in results:
         name = result.dataset.name
         speedup = result.speedup
-        lines.append((f"{name}: pack --workers 2 >= {TARGET_SPEEDUP}x --workers 1 ({SPEED_CODEC})",
-                      f"{speedup:.2f}x{disturbance(result)}" if speedup else "not measured",
-                      "SKIP" if speedup is None else ("PASS" if speedup >= TARGET_SPEEDUP else "FAIL")))
+        # Scaling is a throughput question: on a tree that packs in a fraction of a second, process start-up is
+        # most of the time, so only a tree of the intended size (>= MIN_BYTES) is held to the target.
+        held = result.dataset.raw_bytes >= MIN_BYTES
+        if speedup is None:
+            verdict = "SKIP"
+        elif not held:
+            verdict = "INFO"
+        else:
+            verdict = "PASS" if speedup >= TARGET_SPEEDUP else "FAIL"
+        lines.append((f"{name}: pack --workers 2 >= {TARGET_SPEEDUP}x --workers 1 ({SPEED_CODEC})"
+                      + ("" if held else f" [no target below {mib(MIN_BYTES)}: start-up bound]"),
+                      f"{speedup:.2f}x{disturbance(result)}" if speedup else "not measured", verdict))
         dict_row, sqsh = result.codec_row(DICT_CODEC), result.squashfs
         if dict_row and dict_row.stored_bytes and sqsh and sqsh.stored_bytes:
             relative = dict_row.stored_bytes / sqsh.stored_bytes
