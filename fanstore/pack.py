@@ -107,7 +107,8 @@ def pack(
     started = time.monotonic()
     _check_options(options)
     workers = _worker_count(options.workers)
-    pool = WorkerPool(workers) if workers > 1 else None  # starts while SRC is walked
+    # Workers hand blobs back through memfd shared memory (Linux); elsewhere this process compresses alone.
+    pool = WorkerPool(workers) if workers > 1 and hasattr(os, "memfd_create") else None
     try:
         summary = _pack_with(Path(src), Path(dest), options, tree, progress, pool)
     finally:
