@@ -77,6 +77,9 @@ class Index:
             name: sections[name].tobytes() for name in toc["sections"] if name.startswith("dict.")
         }
         self.meta: dict[str, Any] = toc.get("meta", {})
+        # Column views (no copies) for the lookup path, which reads two fields of a few entries per call.
+        self._path_off = self.entries["path_off"]
+        self._path_len = self.entries["path_len"]
         # Derived once here so listdir need not search: children of entry i are first_child[i]..first_child[i+1].
         self._first_child = (
             np.searchsorted(self.entries["parent"][1:], np.arange(len(self.entries) + 1)) + 1
@@ -116,22 +119,21 @@ class Index:
     def lookup_key(self, key: bytes) -> int | None:
         """Entry number of a path already spelled as the index spells it (UTF-8, normalized), or None: the
         FUSE lookup builds such keys from names the kernel hands it, so it skips normalizing and decoding."""
-        digest = _hash_path(key)
+        # As a numpy scalar: searchsorted given a Python int of 2**63 or more converts it the slow way (5 us).
+        digest = np.uint64(_hash_path(key))
         hashes = self.path_hash
         pos = int(hashes.searchsorted(digest))
         while pos < len(hashes) and hashes[pos] == digest:
             entry = int(self.hash_order[pos])
-            rec = self.entries[entry]
-            off = int(rec["path_off"])
-            if self.paths[off : off + int(rec["path_len"])] == key:  # compared in place, no copy
+            off = int(self._path_off[entry])
+            if self.paths[off : off + int(self._path_len[entry])] == key:  # compared in place, no copy
                 return entry
             pos += 1
         return None
 
     def path_bytes(self, entry: int) -> bytes:
-        rec = self.entries[entry]
-        off = int(rec["path_off"])
-        return self.paths[off : off + int(rec["path_len"])].tobytes()
+        off = int(self._path_off[entry])
+        return self.paths[off : off + int(self._path_len[entry])].tobytes()
 
     def path_of(self, entry: int) -> str:
         return self.path_bytes(entry).decode("utf-8")
