@@ -33,7 +33,8 @@ def install_fast_session_loop(yield_every: int = 16) -> bool:
     For every request pyfuse3's loop takes a trio.Lock and then waits in trio.lowlevel.wait_readable; each yields
     to the scheduler, which polls epoll, even when the next request is queued already. pyfuse3 reaches trio
     through its module attribute `pyfuse3.trio` (pyfuse3.asyncio swaps it the same way). This gives it a trio
-    whose lock takes a free lock without yielding and whose wait_readable returns at once when a zero-timeout
+    whose lock is taken without yielding when free and is not handed over on release (see BargingLock), and
+    whose wait_readable returns at once when a zero-timeout
     poll finds a request; every `yield_every` requests in a row it waits the ordinary way, so other tasks
     (signals, decode threads handing results back) still run. Nothing can read the request between the poll and
     pyfuse3's read of it: the loop is one thread and does not yield in between. False if pyfuse3 has no such hook.
@@ -47,18 +48,28 @@ def install_fast_session_loop(yield_every: int = 16) -> bool:
     polled_fds: set[int] = set()
     in_a_row = [0]
 
-    class FreeLockWithoutYield:
+    class BargingLock:
+        """pyfuse3's read lock, taken without yielding when free, and not handed to a waiting task on release.
+
+        trio.Lock is fair: releasing it hands it to the task parked on it. pyfuse3 releases the lock as soon as a
+        request is readable and, when its handler does not await, comes straight back for it: with a fair lock
+        every request then parks the serving task and wakes the other. Here the lock is only marked free and
+        one waiter is woken; the task coming back takes it first, and the woken one parks again when it runs.
+        When a handler does await (a decode thread), the woken task takes the lock and serves the next request.
+        """
+
         def __init__(self) -> None:
-            self._lock = trio.Lock()
+            self._held = False
+            self._waiters = trio.lowlevel.ParkingLot()
 
         async def __aenter__(self) -> None:
-            try:
-                self._lock.acquire_nowait()
-            except trio.WouldBlock:
-                await self._lock.acquire()
+            while self._held:
+                await self._waiters.park()
+            self._held = True
 
         async def __aexit__(self, *exc_info: object) -> None:
-            self._lock.release()
+            self._held = False
+            self._waiters.unpark()
 
     async def wait_readable(fd: int) -> None:
         if fd not in polled_fds:
@@ -75,7 +86,7 @@ def install_fast_session_loop(yield_every: int = 16) -> bool:
     lowlevel.wait_readable = wait_readable  # type: ignore[attr-defined]
     fast_trio = types.ModuleType("fanstore_trio")
     fast_trio.__getattr__ = lambda name: getattr(trio, name)  # type: ignore[method-assign]
-    fast_trio.Lock = FreeLockWithoutYield  # type: ignore[attr-defined]
+    fast_trio.Lock = BargingLock  # type: ignore[attr-defined]
     fast_trio.lowlevel = lowlevel  # type: ignore[attr-defined]
     pyfuse3.trio = fast_trio  # type: ignore[attr-defined]
     return True
