@@ -15,7 +15,7 @@ import mmap
 import os
 from pathlib import Path
 
-from .format import CHUNK_HEADER_LEN, chunk_file_name, pack_chunk_header
+from .format import chunk_file_name, pack_chunk_header
 from .index import fsync_dir
 
 PARTIAL_SUFFIX = ".partial"

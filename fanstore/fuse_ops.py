@@ -18,7 +18,7 @@ import pyfuse3
 import trio
 
 from .cache import DecodedCache
-from .errors import ChunkCorrupt, FanstoreError
+from .errors import ChunkCorrupt
 from .index import Index
 from .prefetch import Prefetcher
 

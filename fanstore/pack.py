@@ -27,7 +27,7 @@ from .chunk_writer import PARTIAL_SUFFIX, ChunkWriter
 from .codec_plan import ANY_KIND, NONE_ROW, CodecPlan, build_codec_plan
 from .compress import CompressedBatch, PlanFiles, Skipped, WorkerPool, compress_in_order
 from .errors import PackError, UsageError
-from .format import CHUNK_DIR, CHUNK_DTYPE, INDEX_NAME, NO_CHUNK, chunk_file_name
+from .format import CHUNK_DIR, CHUNK_DTYPE, INDEX_NAME, NO_CHUNK
 from .groups import GroupPlan
 from .index import EntryRecord, IndexLayout, write_index_atomically
 from .journal import JOURNAL_DIR, ChunkRecord, PackJournal
