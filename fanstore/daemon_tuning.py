@@ -16,15 +16,18 @@ def keep_freed_memory(largest_block: int = 32 << 20) -> bool:
 
     By default glibc maps large blocks afresh and unmaps them on free, and gives the top of its heap back to the
     kernel, so each decode page-faults its output buffers in again: lz4 into 2 MiB took 2.0 ms that way, 0.5 ms
-    with this. The daemon decodes all day, so it keeps that memory. False where glibc is not the allocator.
+    with this. The daemon decodes all day, so it keeps that memory. One arena for all threads: with one per decode
+    thread, each kept its own freed buffers, and over three epochs of 1 MiB files with a 4 MiB cache the daemon's
+    RSS grew 13.8-17.0 MB instead of 7.6-8.6 MB. False where glibc is not the allocator.
     """
     try:
         libc = ctypes.CDLL(None)
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, largest_block)) and bool(mallopt(m_trim_threshold, 4 * largest_block))
+    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8
+    return (bool(mallopt(m_arena_max, 1)) and bool(mallopt(m_mmap_threshold, largest_block))
+            and bool(mallopt(m_trim_threshold, 4 * largest_block)))
 
 
 def install_fast_session_loop(yield_every: int = 16) -> bool:
