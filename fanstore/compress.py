@@ -123,21 +123,21 @@ class BlobCompressor:
         return results
 
 
-def batch_ranges(sizes: Sequence[int], start: int) -> Iterator[tuple[int, int]]:
-    """Plan ranges [first, end) from `start` on, each of at most _BATCH_FILES non-empty files and _BATCH_BYTES raw
-    bytes; a file larger than that is a batch of its own, with a slot sized for it."""
+def batch_ranges(sizes: Sequence[int], start: int) -> Iterator[tuple[int, int, int]]:
+    """Plan ranges [first, end) from `start` on, with their raw bytes: each of at most _BATCH_FILES non-empty files
+    and _BATCH_BYTES raw bytes; a file larger than that is a batch of its own, with a buffer sized for it."""
     first, count, batch_bytes = start, 0, 0
     for number in range(start, len(sizes)):
         size = sizes[number]
         if size == 0:
             continue
         if count and (count >= _BATCH_FILES or batch_bytes + size > _BATCH_BYTES):
-            yield first, number
+            yield first, number, batch_bytes
             first, count, batch_bytes = number, 0, 0
         count += 1
         batch_bytes += size
     if first < len(sizes):
-        yield first, len(sizes)
+        yield first, len(sizes), batch_bytes
 
 
 class _SharedSlots:
@@ -242,8 +242,7 @@ def compress_in_order(
     if pool is None:
         compressor = BlobCompressor(root, plan, files)
         slot = memoryview(bytearray(_BATCH_BYTES))
-        for first, end in batch_ranges(files.sizes, start):
-            raw_bytes = sum(files.sizes[first:end])
+        for first, end, raw_bytes in batch_ranges(files.sizes, start):
             blobs = slot if raw_bytes <= _BATCH_BYTES else memoryview(bytearray(raw_bytes))
             yield CompressedBatch(compressor.compress_batch_into(first, end, blobs), blobs)
         return
@@ -252,15 +251,15 @@ def compress_in_order(
     slots = _SharedSlots(inflight_limit, _BATCH_BYTES)
     inflight: deque[tuple[Future[tuple[list, bytes | None]], int | None]] = deque()
 
-    def submit(first: int, end: int) -> None:
-        slot = slots.free.pop() if sum(files.sizes[first:end]) <= _BATCH_BYTES else None
+    def submit(first: int, end: int, raw_bytes: int) -> None:
+        slot = slots.free.pop() if raw_bytes <= _BATCH_BYTES else None
         inflight.append((pool.executor.submit(_compress_in_worker, job.token, job.path, slots.path, first, end,
                                               slot, slots.slot_bytes), slot))
 
     try:
         ranges = batch_ranges(files.sizes, start)
-        for first, end in ranges:
-            submit(first, end)
+        for batch in ranges:
+            submit(*batch)
             if len(inflight) >= inflight_limit:
                 break
         while inflight:

@@ -132,9 +132,10 @@ def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: Sour
     by_group: dict[int, list[SourceEntry]] = {}
     for entry in tree.files:
         by_group.setdefault(groups.group_of(entry.path), []).append(entry)
-    files = [entry for group in sorted(by_group) for entry in by_group[group]]
-    file_groups = [group for group in sorted(by_group) for _ in by_group[group]]
-    del by_group
+    in_order = sorted(by_group.items())
+    files = [entry for _, members in in_order for entry in members]
+    file_groups = [group for group, members in in_order for _ in members]
+    del by_group, in_order
     fingerprint = _fingerprint(tree, options)
     journal = PackJournal(dest_path)
     _prepare_dest(dest_path, journal, fingerprint, options)
@@ -176,6 +177,7 @@ def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: Sour
             progress(builder.progress(len(files), raw_total))
         summary = _summarise(records, tree.problems)
         _write_index(dest_path, tree, layout, records, plan, groups, options, summary, selection)
+        background.shutdown(wait=True)  # its thread is idle by now: pack() leaves no thread behind
     except OSError as exc:
         builder.abort()
         raise _global_error(exc, dest_path) from None

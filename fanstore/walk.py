@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 import stat
-from dataclasses import dataclass, field
 from concurrent.futures import Executor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
