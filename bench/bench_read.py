@@ -50,7 +50,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 sys.path.insert(0, str(REPO))  # measure this checkout, not some installed fanstore
 
-from fanstore.mount import READ_AHEAD_KIB, fuse_device, fuse_mounted_at  # noqa: E402
+from fanstore.mount import READ_AHEAD_KIB, fuse_mounted_at, read_ahead_setting  # noqa: E402
 from machine_load import OtherLoad, wait_for_quiet  # noqa: E402
 
 KIB = 1024
@@ -240,7 +240,9 @@ def mounted(system: str, files: FileSet, placement: Placement, workdir: Path,
 
 def force_kernel_read_ahead(mount: Mount, kib: int = 128) -> None:
     """Put the mount back on the kernel's default read-ahead, once its daemon has raised it (after INIT)."""
-    setting = Path("/sys/class/bdi") / str(fuse_device(mount.mountpoint)) / "read_ahead_kb"
+    setting = read_ahead_setting(mount.mountpoint)
+    if setting is None:
+        raise SystemExit(f"bench_read: no FUSE mount at {mount.mountpoint}")
     deadline = time.monotonic() + 10
     while int(setting.read_text()) != READ_AHEAD_KIB and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -65,16 +65,21 @@ def fuse_device(mountpoint: Path) -> str | None:
     return None
 
 
+def read_ahead_setting(mountpoint: Path) -> Path | None:
+    """The sysfs file holding the read-ahead (KiB) of the FUSE mount at `mountpoint`, or None if none is mounted."""
+    device = fuse_device(mountpoint)
+    return None if device is None else Path("/sys/class/bdi") / device / "read_ahead_kb"
+
+
 def set_read_ahead(mountpoint: Path, kib: int) -> int | None:
     """Set the read-ahead of the FUSE mount at `mountpoint`; returns the value in effect, None if unknown.
 
     It must be set after the kernel has had the INIT reply, which caps it at what the file system answered
     then. Writing it needs root; otherwise the kernel default stays, and that is all that is lost.
     """
-    device = fuse_device(mountpoint)
-    if device is None:
+    setting = read_ahead_setting(mountpoint)
+    if setting is None:
         return None
-    setting = Path("/sys/class/bdi") / device / "read_ahead_kb"
     try:
         if kib > 0:
             setting.write_text(f"{kib}\n")

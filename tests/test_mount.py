@@ -20,7 +20,7 @@ import pytest
 from conftest import REPO, assert_one_line_error, make_tree, run_cli, tree_digest
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.format import CHUNK_HEADER_LEN, chunk_file_name
-from fanstore.mount import READ_AHEAD_KIB, fuse_device
+from fanstore.mount import READ_AHEAD_KIB, read_ahead_setting
 
 if not os.path.exists("/dev/fuse"):
     pytest.skip("/dev/fuse is missing on this machine: FUSE mounts cannot be tested", allow_module_level=True)
@@ -115,9 +115,8 @@ def test_tree_bytes_and_attributes_match(mounted):
 def test_read_ahead_is_raised_where_root_may(mounted):
     """A 2 MiB file then costs 2 read requests instead of 16; only root may write the mount's bdi setting."""
     _, mnt = mounted
-    device = fuse_device(mnt)
-    assert device is not None
-    setting = Path("/sys/class/bdi") / device / "read_ahead_kb"
+    setting = read_ahead_setting(mnt)
+    assert setting is not None
     if os.geteuid() != 0 or not os.access(setting, os.W_OK):
         pytest.skip(f"not root, or {setting} is not writable here: the kernel's default read-ahead stays")
     deadline = time.monotonic() + 10  # the daemon sets it just after the kernel's INIT
