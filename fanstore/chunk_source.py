@@ -3,20 +3,22 @@ care whether the answer comes from a local file, an MPI peer or a shared file sy
 
 from __future__ import annotations
 
+import errno
 import os
+import resource
+import stat
 import threading
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from pathlib import Path
 from types import TracebackType
 
 import numpy as np
 
-from .errors import FanstoreError, FormatError
+from .errors import ChunkCorrupt, ChunkUnavailable, FormatError
 from .format import CHUNK_HEADER_LEN, check_chunk_header, chunk_file_name
 
-
-class ChunkUnavailable(FanstoreError, OSError):
-    """A chunk cannot be had (missing, unreadable, truncated); the files in other chunks still read."""
+__all__ = ["ChunkSource", "ChunkUnavailable", "LocalChunkSource", "default_max_open_chunks"]
 
 
 class ChunkSource(ABC):
@@ -24,10 +26,11 @@ class ChunkSource(ABC):
 
     @abstractmethod
     def read(self, chunk_id: int, offset: int, length: int) -> bytes:
-        """Exactly `length` bytes at `offset` of chunk `chunk_id`, or ChunkUnavailable naming the chunk."""
+        """Exactly `length` bytes at `offset` of chunk `chunk_id`. ChunkUnavailable when they cannot be had now,
+        ChunkCorrupt when the chunk is not what the index says; both name the chunk."""
 
     def close(self) -> None:
-        """Release what the source holds open; reads after close are an error."""
+        """Release what the source holds open; reads after close raise ChunkUnavailable."""
 
     def __enter__(self) -> "ChunkSource":
         return self
@@ -38,58 +41,142 @@ class ChunkSource(ABC):
         self.close()
 
 
-class LocalChunkSource(ChunkSource):
-    """Chunk files in a dataset directory on this node, each opened once (header checked) and read with pread."""
+def default_max_open_chunks() -> int:
+    """How many chunk files a source keeps open: a quarter of the process's descriptor limit, so a dataset of
+    thousands of chunks never exhausts it (and leaves room for the training job's own files)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 4096
+    return max(8, min(4096, soft // 4))
 
-    def __init__(self, dataset_dir: str | os.PathLike[str], chunk_sizes: np.ndarray) -> None:
+
+class _OpenChunk:
+    """One open chunk file and how many reads are using its descriptor right now (it is closed only when none)."""
+
+    __slots__ = ("fd", "users", "retired")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.users = 0
+        self.retired = False  # evicted or source closed: close the fd once the last user is done
+
+
+class LocalChunkSource(ChunkSource):
+    """Chunk files in a dataset directory on this node, opened on first use (type, header and size checked), read
+    with pread, and kept open up to `max_open` at a time, least recently used closed first."""
+
+    def __init__(self, dataset_dir: str | os.PathLike[str], chunk_sizes: np.ndarray,
+                 max_open: int | None = None) -> None:
         self._dir = Path(dataset_dir)
         self._sizes = [int(s) for s in chunk_sizes]
-        self._fds: dict[int, int] = {}
+        self._max_open = max(1, max_open if max_open is not None else default_max_open_chunks())
+        self._open: OrderedDict[int, _OpenChunk] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
 
-    def _fd(self, chunk_id: int) -> int:
-        fd = self._fds.get(chunk_id)
-        if fd is not None:
-            return fd
+    def read(self, chunk_id: int, offset: int, length: int) -> bytes:
+        handle = self._acquire(chunk_id)  # checks chunk_id
+        if offset < 0 or length < 0 or offset + length > self._sizes[chunk_id]:
+            self._release(handle)
+            raise ChunkUnavailable(f"{self._path(chunk_id)}: bytes {offset}..{offset + length} lie outside chunk "
+                                   f"{chunk_id} ({self._sizes[chunk_id]} bytes)", chunk_id=chunk_id)
+        try:
+            data = os.pread(handle.fd, length, offset)
+        except OSError as exc:
+            raise ChunkUnavailable(f"{self._path(chunk_id)}: cannot read chunk {chunk_id} at offset {offset}: "
+                                   f"{exc.strerror}", chunk_id=chunk_id) from None
+        finally:
+            self._release(handle)
+        if len(data) != length:
+            raise ChunkCorrupt(f"{self._path(chunk_id)}: short read of chunk {chunk_id} at offset {offset} "
+                               f"({len(data)} of {length} bytes): the file shrank", chunk_id=chunk_id)
+        return data
+
+    def _path(self, chunk_id: int) -> Path:
+        return self._dir / chunk_file_name(chunk_id)
+
+    def _acquire(self, chunk_id: int) -> _OpenChunk:
         with self._lock:
             if self._closed:
-                raise ChunkUnavailable(f"{self._dir}: chunk source is closed")
-            fd = self._fds.get(chunk_id)
-            if fd is None:
-                fd = self._open_checked(chunk_id)
-                self._fds[chunk_id] = fd
-        return fd
+                raise ChunkUnavailable(f"{self._dir}: the dataset is closed", chunk_id=chunk_id)
+            handle = self._open.get(chunk_id)
+            if handle is not None:
+                self._open.move_to_end(chunk_id)
+                handle.users += 1
+                return handle
+        fd = self._open_checked(chunk_id)  # outside the lock: an open may be slow, reads of open chunks go on
+        with self._lock:
+            if self._closed:
+                os.close(fd)
+                raise ChunkUnavailable(f"{self._dir}: the dataset is closed", chunk_id=chunk_id)
+            handle = self._open.get(chunk_id)
+            if handle is None:  # else another thread opened it meanwhile: use theirs
+                handle = self._open[chunk_id] = _OpenChunk(fd)
+                self._evict_idle(keep=self._max_open)
+            else:
+                os.close(fd)
+            handle.users += 1
+            return handle
+
+    def _release(self, handle: _OpenChunk) -> None:
+        with self._lock:
+            handle.users -= 1
+            if handle.retired and handle.users == 0:
+                os.close(handle.fd)
+
+    def _evict_idle(self, keep: int) -> None:
+        """Close least recently used chunks until at most `keep` are open; a chunk being read is retired instead
+        and closed by its last reader. The caller holds the lock."""
+        while len(self._open) > keep:
+            _, handle = self._open.popitem(last=False)
+            handle.retired = True
+            if handle.users == 0:
+                os.close(handle.fd)
 
     def _open_checked(self, chunk_id: int) -> int:
-        path = self._dir / chunk_file_name(chunk_id)
+        path = self._path(chunk_id)
         if not 0 <= chunk_id < len(self._sizes):
-            raise ChunkUnavailable(f"{path}: chunk {chunk_id} is not in the index")
+            raise ChunkUnavailable(f"{path}: chunk {chunk_id} is not in the index", chunk_id=chunk_id)
+        # O_NONBLOCK: a chunk file replaced by a fifo must not block the reader (it has no effect on a file).
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, flags)
         except OSError as exc:
-            raise ChunkUnavailable(f"{path}: cannot open chunk {chunk_id}: {exc.strerror}") from None
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                raise ChunkUnavailable(f"{path}: cannot open chunk {chunk_id}: {exc.strerror}",
+                                       chunk_id=chunk_id) from None
+            with self._lock:
+                self._evict_idle(keep=0)  # out of descriptors: give back ours and try once more
+            try:
+                fd = os.open(path, flags)
+            except OSError as again:
+                raise ChunkUnavailable(f"{path}: cannot open chunk {chunk_id}: {again.strerror}",
+                                       chunk_id=chunk_id) from None
         try:
-            check_chunk_header(os.pread(fd, CHUNK_HEADER_LEN, 0), chunk_id, path)
-            size = os.fstat(fd).st_size
-            if size != self._sizes[chunk_id]:
-                raise FormatError(f"{path}: chunk {chunk_id} is {size} bytes, the index says {self._sizes[chunk_id]}")
-        except FormatError as exc:
+            self._check_opened(fd, chunk_id, path)
+        except BaseException:
             os.close(fd)
-            raise ChunkUnavailable(str(exc)) from None
+            raise
         return fd
 
-    def read(self, chunk_id: int, offset: int, length: int) -> bytes:
-        data = os.pread(self._fd(chunk_id), length, offset)
-        if len(data) != length:
-            raise ChunkUnavailable(
-                f"{self._dir / chunk_file_name(chunk_id)}: short read of chunk {chunk_id} at offset {offset}"
-            )
-        return data
+    def _check_opened(self, fd: int, chunk_id: int, path: Path) -> None:
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise ChunkUnavailable(f"{path}: chunk {chunk_id} is not a regular file", chunk_id=chunk_id)
+            header = os.pread(fd, CHUNK_HEADER_LEN, 0)
+        except OSError as exc:
+            raise ChunkUnavailable(f"{path}: cannot read chunk {chunk_id}: {exc.strerror}",
+                                   chunk_id=chunk_id) from None
+        try:
+            check_chunk_header(header, chunk_id, path)
+        except FormatError as exc:
+            raise ChunkCorrupt(str(exc), chunk_id=chunk_id) from None
+        if info.st_size != self._sizes[chunk_id]:
+            raise ChunkCorrupt(f"{path}: chunk {chunk_id} is {info.st_size} bytes, the index says "
+                               f"{self._sizes[chunk_id]}", chunk_id=chunk_id)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            fds, self._fds = self._fds, {}
-        for fd in fds.values():
-            os.close(fd)
+            self._evict_idle(keep=0)

@@ -1,43 +1,101 @@
 """Project errors: each names the file, path or option at fault, so the CLI can print it in one line.
 
 Errors that refine a builtin also subclass it (a missing path is a FileNotFoundError, a corrupt blob an
-OSError), so callers that already handle the builtin keep working.
+OSError), so callers that already handle the builtin keep working. Each carries the errno a file system
+answers for it (`fuse_errno`), so the mount translates any of them without a table of its own.
 """
 
 from __future__ import annotations
+
+import errno
 
 
 class FanstoreError(Exception):
     """Base of every error fanstore raises on purpose; the CLI prints its message and exits non-zero."""
 
+    fuse_errno = errno.EIO
+
+    def __str__(self) -> str:
+        # OSError subclasses would print "[Errno 5] ..." when built with an errno; ours print the message only.
+        return str(self.args[0]) if self.args else self.__class__.__name__
+
 
 class UsageError(FanstoreError, ValueError):
     """A command-line option or API argument has a value fanstore cannot use."""
 
+    fuse_errno = errno.EINVAL
+
 
 class FormatError(FanstoreError, OSError):
-    """A dataset file is not in a format this version can read (bad magic, unknown version, truncated)."""
+    """A dataset file is not in a format this version can read (bad magic, unknown version, a field out of range)."""
 
 
 class DatasetNotFound(FanstoreError, FileNotFoundError):
     """The directory given as a dataset holds no complete fanstore index."""
 
+    fuse_errno = errno.ENOENT
+
 
 class PathNotFound(FanstoreError, FileNotFoundError):
     """A path asked of a dataset is not in it."""
 
+    fuse_errno = errno.ENOENT
 
-class ChunkCorrupt(FanstoreError, OSError):
-    """A stored blob failed its checksum or could not be decoded; only the named file is affected."""
+
+class IsADirectory(FanstoreError, IsADirectoryError):
+    """File contents were asked of a directory."""
+
+    fuse_errno = errno.EISDIR
+
+
+class NotADirectory(FanstoreError, NotADirectoryError):
+    """A listing was asked of something that is not a directory."""
+
+    fuse_errno = errno.ENOTDIR
+
+
+class NotASymlink(FanstoreError, OSError):
+    """A link target was asked of something that is not a symbolic link."""
+
+    fuse_errno = errno.EINVAL
+
+
+class SymlinkLoop(FanstoreError, OSError):
+    """Following symbolic links went round more than the kernel's limit of hops."""
+
+    fuse_errno = errno.ELOOP
+
+
+class ChunkError(FanstoreError, OSError):
+    """A file's stored bytes could not be had or were wrong; only the files of the named chunk are affected."""
 
     def __init__(self, message: str, path: str = "", chunk_id: int = -1) -> None:
         super().__init__(message)
         self.path = path
         self.chunk_id = chunk_id
 
-    def __str__(self) -> str:
-        return self.args[0]
+
+class ChunkCorrupt(ChunkError):
+    """The stored bytes are wrong: a checksum mismatch, a blob that does not decode, a chunk file whose header or
+    size is not what the index says. Reading again will not help; packing again will."""
+
+
+class ChunkUnavailable(ChunkError):
+    """The stored bytes cannot be had now: a chunk file missing or unreadable (EIO, permissions, too many open
+    files), a closed dataset, a peer that does not answer. The bytes may well be fine; a later read may work."""
 
 
 class PackError(FanstoreError):
     """The pack cannot go on (disk full, DEST unusable, SRC changed); what is done stays resumable."""
+
+
+def fuse_errno_of(exc: BaseException) -> int:
+    """The errno a file system request should fail with for `exc`: the error's own for fanstore errors and OS
+    errors, ENOMEM for MemoryError, EIO for anything else (a bug, a crafted field that slipped through)."""
+    if isinstance(exc, FanstoreError):
+        return exc.fuse_errno
+    if isinstance(exc, MemoryError):
+        return errno.ENOMEM
+    if isinstance(exc, OSError) and exc.errno:
+        return exc.errno
+    return errno.EIO

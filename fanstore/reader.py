@@ -8,8 +8,8 @@ import xxhash
 
 from compressors import Codec, CodecError, codec_from_spec
 
-from .chunk_source import ChunkSource, ChunkUnavailable
-from .errors import ChunkCorrupt, FormatError
+from .chunk_source import ChunkSource
+from .errors import ChunkCorrupt, ChunkError, FormatError, IsADirectory
 from .format import NO_CHUNK, chunk_file_name
 from .index import Index
 
@@ -47,10 +47,9 @@ class Reader:
             return b""
         try:
             stored = self.source.read(chunk, offset, stored_len)
-        except ChunkUnavailable as exc:
-            raise ChunkCorrupt(
-                f"{self.index.path_of(entry)}: {exc}", path=self.index.path_of(entry), chunk_id=chunk
-            ) from None
+        except ChunkError as exc:  # the same kind of error, now naming the file too
+            raise type(exc)(f"{self.index.path_of(entry)}: {exc}", path=self.index.path_of(entry),
+                            chunk_id=chunk) from None
         if _checksum(stored) != checksum:
             raise ChunkCorrupt(
                 f"{self.index.path_of(entry)}: checksum mismatch in chunk {chunk} "
@@ -64,7 +63,7 @@ class Reader:
         """The original bytes of a regular file."""
         _, size, _, offset, stored_len, _, _, mode, chunk, _, codec, _ = self._entries[entry].item()
         if not stat.S_ISREG(mode):
-            raise IsADirectoryError(f"{self.index.path_of(entry)!r} is not a regular file")
+            raise IsADirectory(f"{self.index.path_of(entry)!r} is not a regular file")
         if size == 0:
             return b""
         stored = self.read_stored(entry)

@@ -6,14 +6,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .api import Dataset
-from .errors import ChunkCorrupt
+from .errors import ChunkError
 
 
 @dataclass(slots=True)
 class VerifyReport:
     files_checked: int = 0
     raw_bytes: int = 0
-    bad: list[ChunkCorrupt] = field(default_factory=list)
+    bad: list[ChunkError] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -27,7 +27,7 @@ def verify_dataset(ds: Dataset, progress: Callable[[int], None] | None = None) -
         try:
             data = ds.reader.read(entry)
             report.raw_bytes += len(data)
-        except ChunkCorrupt as exc:
+        except ChunkError as exc:
             report.bad.append(exc)
         report.files_checked += 1
         if progress is not None:

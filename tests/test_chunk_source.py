@@ -1,4 +1,4 @@
-"""The local chunk source passes the shared ChunkSource contract, and checks chunk headers."""
+"""The local chunk source passes the shared ChunkSource contract, and checks chunk headers (wrong ones are corrupt)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import pytest
 
 from chunk_source_contract import ChunkSourceContract
 from fanstore import open_dataset
-from fanstore.chunk_source import ChunkUnavailable, LocalChunkSource
+from fanstore.chunk_source import LocalChunkSource
+from fanstore.errors import ChunkCorrupt
 from fanstore.format import chunk_file_name
 
 
@@ -29,8 +30,8 @@ def test_chunk_with_a_wrong_header_is_refused(tmp_path):
     first, second = dest / chunk_file_name(0), dest / chunk_file_name(1)
     swapped = second.read_bytes()[:32] + first.read_bytes()[32:]
     first.write_bytes(swapped)
-    with LocalChunkSource(dest, sizes) as source, pytest.raises(ChunkUnavailable, match="holds chunk 1"):
+    with LocalChunkSource(dest, sizes) as source, pytest.raises(ChunkCorrupt, match="holds chunk 1"):
         source.read(0, 32, 4)
     first.write_bytes(b"JUNKJUNK" + swapped[8:])
-    with LocalChunkSource(dest, sizes) as source, pytest.raises(ChunkUnavailable, match="not a fanstore chunk"):
+    with LocalChunkSource(dest, sizes) as source, pytest.raises(ChunkCorrupt, match="not a fanstore chunk"):
         source.read(0, 32, 4)
