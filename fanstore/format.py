@@ -1,4 +1,5 @@
-"""The on-disk contract of format v1 (docs/FORMAT.md says the same in prose): names, magics, versions, layouts.
+"""The on-disk contract of format v1.1 (docs/FORMAT.md says the same in prose): names, magics, versions, layouts,
+and the bounds a reader holds every index field to.
 
 Everything that reads or writes dataset bytes takes its constants from here, so a change to the format is a
 change to this file and to docs/FORMAT.md, and the golden fixture test tells whether old datasets still read.
@@ -50,10 +51,31 @@ ENTRY_DTYPE = np.dtype(
         ("chunk", "<u4"),  # NO_CHUNK when the entry has no blob
         ("path_len", "<u2"),
         ("codec", "<u1"),  # row in the codec table
-        ("flags", "<u1"),  # reserved, 0
+        ("flags", "<u1"),  # FLAG_BLOCKED, or 0
     ]
 )
-assert ENTRY_DTYPE.itemsize == 64
+if ENTRY_DTYPE.itemsize != 64:
+    raise ImportError("ENTRY_DTYPE must be 64 bytes")
+
+# Entry flag (1.1): the file is stored as blocks. Its `offset` is then its first row in the `blocks` section, its
+# `chunk` the chunk of its first block, `stored_len` the sum of its blocks' and `checksum` 0.
+FLAG_BLOCKED = 0x01
+KNOWN_FLAGS = FLAG_BLOCKED
+
+# One row per block of a blocked file (1.1): the blocks of a file are consecutive rows, files in entry order.
+# Every block holds `block_size` raw bytes (the TOC's), the last one of a file the rest.
+BLOCK_DTYPE = np.dtype(
+    [
+        ("offset", "<u8"),  # blob offset in its chunk file
+        ("checksum", "<u8"),  # xxh3_64 of the stored blob
+        ("chunk", "<u4"),
+        ("stored_len", "<u4"),
+        ("codec", "<u1"),  # row in the codec table: a block that would not shrink is stored as it is (`none`)
+        ("reserved", "V7"),  # zero
+    ]
+)
+if BLOCK_DTYPE.itemsize != 32:
+    raise ImportError("BLOCK_DTYPE must be 32 bytes")
 
 CHUNK_DTYPE = np.dtype([("size", "<u8"), ("group", "<u4"), ("files", "<u4")])
 HASH_DTYPE = np.dtype("<u8")
@@ -67,6 +89,20 @@ REQUIRED_SECTIONS = {
     "hash_order": ORDER_DTYPE,
     "chunks": CHUNK_DTYPE,
 }
+# Sections a minor version added, with their dtypes: present only when the dataset uses what they describe.
+OPTIONAL_SECTIONS = {
+    "blocks": BLOCK_DTYPE,
+}
+
+# Bounds no honest index exceeds: a crafted one that does is refused at open, before a field can size a
+# buffer or index an array.
+MAX_FILE_SIZE = 1 << 48  # 256 TiB
+MAX_PATH_BYTES = 4096  # PATH_MAX; each name at most NAME_MAX
+MAX_NAME_BYTES = 255
+# No codec expands stored bytes more than this (zstd's best is an RLE block: 4 bytes for 128 KiB, 32768x).
+MAX_EXPANSION = 1 << 16
+MIN_BLOCK_SIZE = 4096
+MAX_BLOCK_SIZE = 1 << 30  # a block's stored length is a u32
 
 
 def chunk_file_name(chunk_id: int) -> str:

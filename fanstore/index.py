@@ -28,11 +28,13 @@ from .format import (
     INDEX_MAGIC,
     INDEX_NAME,
     NO_CHUNK,
+    OPTIONAL_SECTIONS,
     ORDER_DTYPE,
     REQUIRED_SECTIONS,
     SECTION_ALIGN,
     check_version,
 )
+from .index_check import check_arrays, check_section_layout, check_toc
 
 _hash_path = xxhash.xxh3_64_intdigest
 
@@ -87,19 +89,9 @@ class Index:
 
     @classmethod
     def load(cls, dataset_dir: str | os.PathLike[str]) -> "Index":
-        """Read and check an index; every inconsistency is a FormatError naming the file."""
+        """Read and check an index; every inconsistency is one FormatError naming the file and the field."""
         path = Path(dataset_dir) / INDEX_NAME
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            if Path(dataset_dir).is_dir():
-                raise DatasetNotFound(
-                    f"{dataset_dir}: no {INDEX_NAME} here: not a fanstore dataset, or its pack did not finish"
-                ) from None
-            raise DatasetNotFound(f"{dataset_dir}: no such dataset directory") from None
-        except IsADirectoryError:
-            raise FormatError(f"{path}: is a directory, expected an index file") from None
-        toc, sections = _parse_index(path, data)
+        toc, sections = _parse_index(path, _read_index_file(Path(dataset_dir), path))
         return cls(path, toc, sections)
 
     def __len__(self) -> int:
@@ -155,35 +147,76 @@ class Index:
         return (int(i) for i in files[order])
 
 
+def _read_index_file(dataset_dir: Path, path: Path) -> bytes:
+    """The index file's bytes. Opened without blocking, and refused unless a regular file: an index that is a fifo
+    must not hang the reader."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        if dataset_dir.is_dir():
+            raise DatasetNotFound(
+                f"{dataset_dir}: no {INDEX_NAME} here: not a fanstore dataset, or its pack did not finish"
+            ) from None
+        raise DatasetNotFound(f"{dataset_dir}: no such dataset directory") from None
+    except NotADirectoryError:
+        raise DatasetNotFound(f"{dataset_dir}: is a file; a dataset is a directory holding {INDEX_NAME}") from None
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot open the index: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise FormatError(f"{path}: is not a regular file, expected an index file")
+        with os.fdopen(fd, "rb", closefd=False) as index_file:
+            return index_file.read()
+    except OSError as exc:
+        if isinstance(exc, FormatError):
+            raise
+        raise FormatError(f"{path}: cannot read the index: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+
+
 def _parse_index(path: Path, data: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     if len(data) < INDEX_HEADER_LEN:
         raise FormatError(f"{path}: index is truncated ({len(data)} bytes)")
-    magic, major, minor, _header_len, toc_len, body_len, body_hash = INDEX_HEADER.unpack_from(data)
+    magic, major, minor, header_len, toc_len, body_len, body_hash = INDEX_HEADER.unpack_from(data)
     if magic != INDEX_MAGIC:
         raise FormatError(f"{path}: not a fanstore index (bad magic)")
     check_version(major, minor, path)
-    body = memoryview(data)[INDEX_HEADER_LEN:]
+    if header_len < INDEX_HEADER_LEN or header_len % SECTION_ALIGN or header_len > len(data):
+        raise FormatError(f"{path}: header length {header_len} is not a multiple of {SECTION_ALIGN} from "
+                          f"{INDEX_HEADER_LEN} to the file's size")
+    body = memoryview(data)[header_len:]
     if len(body) != body_len:
         raise FormatError(f"{path}: index is truncated (body {len(body)} of {body_len} bytes)")
     if xxhash.xxh3_64_intdigest(body) != body_hash:
         raise FormatError(f"{path}: index checksum mismatch: the index file is corrupt")
+    if toc_len > body_len:
+        raise FormatError(f"{path}: table of contents length {toc_len} runs past the index")
     try:
         toc = json.loads(bytes(body[:toc_len]))
-    except ValueError:
+    except (ValueError, RecursionError):
         raise FormatError(f"{path}: index table of contents is not valid JSON") from None
-    sections: dict[str, np.ndarray] = {}
+    check_toc(path, toc, f"{major}.{minor}")
+    itemsizes = {}
     for name, where in toc["sections"].items():
-        dtype = REQUIRED_SECTIONS.get(name, np.dtype("u1"))
+        dtype = _section_dtype(name)
         if where["dtype"] != _dtype_tag(dtype):
             raise FormatError(f"{path}: section {name!r} has layout {where['dtype']}, expected {_dtype_tag(dtype)}")
-        end = where["offset"] + where["count"] * dtype.itemsize
-        if end > len(data):
-            raise FormatError(f"{path}: section {name!r} runs past the end of the index")
-        sections[name] = np.frombuffer(data, dtype=dtype, count=where["count"], offset=where["offset"])
-    missing = sorted(set(REQUIRED_SECTIONS) - set(sections))
+        itemsizes[name] = dtype.itemsize
+    check_section_layout(path, toc["sections"], itemsizes, header_len + toc_len, len(data))
+    missing = sorted(set(REQUIRED_SECTIONS) - set(toc["sections"]))
     if missing:
         raise FormatError(f"{path}: index lacks section(s) {', '.join(missing)}")
+    sections = {name: np.frombuffer(data, dtype=_section_dtype(name), count=where["count"], offset=where["offset"])
+                for name, where in toc["sections"].items()}
+    check_arrays(path, toc, sections)
     return toc, sections
+
+
+def _section_dtype(name: str) -> np.dtype:
+    """The element layout a section of this name must have: the known ones', else bytes (dictionaries)."""
+    return REQUIRED_SECTIONS.get(name) or OPTIONAL_SECTIONS.get(name) or np.dtype("u1")
 
 
 def _dtype_tag(dtype: np.dtype) -> str:

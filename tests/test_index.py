@@ -32,7 +32,8 @@ def _records() -> list[EntryRecord]:
 def _write(tmp_path, records=None, meta=None):
     chunks = np.array([(45, 0, 2)], dtype=CHUNK_DTYPE)
     data = build_index_bytes(records or _records(), chunks, [{"name": "spread", "replicated": False, "patterns": []}],
-                             [{"id": 0, "spec": "none", "dictionary": None}], {}, meta or {})
+                             [{"id": 0, "spec": "none", "dictionary": None},
+                              {"id": 1, "spec": "zstd:3", "dictionary": None}], {}, meta or {})
     write_index_atomically(tmp_path, data)
     return data
 

@@ -1,0 +1,464 @@
+"""Checks an index, once at open, against everything the read path will trust without looking again.
+
+After these checks a lookup, a listing, a symlink or a blob location taken from the index cannot reach outside the
+dataset, index past an array, size a buffer beyond the file, or present the kernel with a name it must not see
+('..', '/', NUL). Every failure is one FormatError naming the index file and the field at fault. The checks are
+array operations over the whole index, so a million-entry index still opens in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import FormatError
+from .format import (
+    CHUNK_HEADER_LEN,
+    ENTRY_DTYPE,
+    FLAG_BLOCKED,
+    KNOWN_FLAGS,
+    MAX_BLOCK_SIZE,
+    MAX_EXPANSION,
+    MAX_FILE_SIZE,
+    MAX_NAME_BYTES,
+    MAX_PATH_BYTES,
+    MIN_BLOCK_SIZE,
+    NO_CHUNK,
+)
+
+_S_IFMT = 0o170000
+_KIND_NAMES = {stat.S_IFIFO: "a fifo", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+               stat.S_IFSOCK: "a socket"}
+_SLASH, _DOT = ord("/"), ord(".")
+
+
+class _Refuse:
+    """Builds the one-line refusal: the index file, the field, what is wrong."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __call__(self, field: str, problem: str) -> FormatError:
+        return FormatError(f"{self.path}: {field}: {problem}; the index is damaged or was not written by fanstore")
+
+
+def check_toc(path: Path, toc: Any, version: str) -> None:
+    """The table of contents has every key the reader uses, each of the type it uses."""
+    refuse = _Refuse(path)
+    if not isinstance(toc, dict):
+        raise refuse("table of contents", "is not a JSON object")
+    if toc.get("format") != "fanstore-index":
+        raise refuse("table of contents", f"format is {toc.get('format')!r}, expected 'fanstore-index'")
+    if toc.get("version") != version:
+        raise refuse("table of contents", f"version {toc.get('version')!r} differs from the header's {version!r}")
+    groups = toc.get("groups")
+    if not isinstance(groups, list) or not groups:
+        raise refuse("groups", "must be a non-empty list")
+    for number, group in enumerate(groups):
+        if not (isinstance(group, dict) and isinstance(group.get("name"), str)
+                and isinstance(group.get("replicated"), bool) and isinstance(group.get("patterns", []), list)
+                and all(isinstance(p, str) for p in group.get("patterns", []))):
+            raise refuse(f"groups[{number}]", "needs a name, a replicated flag and a list of patterns")
+    codecs = toc.get("codecs")
+    if not isinstance(codecs, list) or not 1 <= len(codecs) <= 256:
+        raise refuse("codecs", "must be a list of 1 to 256 rows (a file's codec field is one byte)")
+    sections = toc.get("sections")
+    if not isinstance(sections, dict):
+        raise refuse("sections", "must be an object")
+    for number, row in enumerate(codecs):
+        if not (isinstance(row, dict) and _is_int(row.get("id")) and isinstance(row.get("spec"), str)):
+            raise refuse(f"codecs[{number}]", "needs an integer id and a spec string")
+        dictionary = row.get("dictionary")
+        if dictionary is not None and (not isinstance(dictionary, str) or not dictionary.startswith("dict.")
+                                       or dictionary not in sections):
+            raise refuse(f"codecs[{number}].dictionary", f"{dictionary!r} names no dictionary section")
+    if codecs[0].get("spec") != "none":
+        raise refuse("codecs[0]", f"is {codecs[0].get('spec')!r}; row 0 is always 'none'")
+    for name, where in sections.items():
+        if not (isinstance(where, dict) and _is_int(where.get("offset")) and _is_int(where.get("count"))
+                and isinstance(where.get("dtype"), str) and where["offset"] >= 0 and where["count"] >= 0):
+            raise refuse(f"sections[{name!r}]", "needs a non-negative offset and count and a dtype")
+    if not isinstance(toc.get("meta", {}), dict):
+        raise refuse("meta", "must be an object")
+    if "blocks" in sections:
+        block_size = toc.get("block_size")
+        if not _is_int(block_size) or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
+            raise refuse("block_size", f"{block_size!r} is not a block size from {MIN_BLOCK_SIZE} to "
+                                       f"{MAX_BLOCK_SIZE} bytes")
+
+
+def check_section_layout(path: Path, sections: dict[str, Any], itemsizes: dict[str, int], body_start: int,
+                         file_size: int) -> None:
+    """Sections lie after the table of contents, inside the file, and do not overlap one another."""
+    refuse = _Refuse(path)
+    spans = []
+    for name, where in sections.items():
+        end = where["offset"] + where["count"] * itemsizes[name]
+        if where["offset"] < body_start or end > file_size:
+            raise refuse(f"sections[{name!r}]", f"bytes {where['offset']}..{end} lie outside the index's sections "
+                                                f"({body_start}..{file_size})")
+        spans.append((where["offset"], end, name))
+    spans.sort()
+    for (_, end, name), (start, _, following) in zip(spans, spans[1:]):
+        if start < end:
+            raise refuse(f"sections[{following!r}]", f"overlaps section {name!r}")
+
+
+class _Columns:
+    """Each entry field as a contiguous array. Reading a field of the 64-byte records streams the whole entries
+    array through memory, and the checks read each field several times; so the records are transposed once, as
+    eight little-endian words each, and the packed small fields are split out of the last two words."""
+
+    def __init__(self, entries: np.ndarray) -> None:
+        words = np.ascontiguousarray(entries.view("<u8").reshape(len(entries), ENTRY_DTYPE.itemsize // 8).T)
+        for name in ENTRY_DTYPE.names:
+            dtype, offset = ENTRY_DTYPE.fields[name][:2]
+            word = words[offset // 8]
+            if dtype.itemsize == 8:
+                column = word.view(dtype)
+            else:
+                shifted = word >> np.uint64(8 * (offset % 8))
+                column = (shifted & np.uint64((1 << (8 * dtype.itemsize)) - 1)).astype(dtype)
+            setattr(self, name, column)
+        self.count = len(entries)
+        self.kind = self.mode & np.uint32(_S_IFMT)
+
+
+def check_arrays(path: Path, toc: dict[str, Any], sections: dict[str, np.ndarray]) -> None:
+    """Every entry, chunk and block field the read path trusts; see the module docstring."""
+    refuse = _Refuse(path)
+    entries, chunks = sections["entries"], sections["chunks"]
+    if not 1 <= len(entries) < NO_CHUNK:
+        raise refuse("entries", f"holds {len(entries)} rows; it needs the root and at most {NO_CHUNK - 1}")
+    if len(chunks) >= NO_CHUNK:
+        raise refuse("chunks", f"holds {len(chunks)} rows, more than a chunk id can name")
+    columns = _Columns(entries)
+    paths = np.asarray(sections["paths"])
+    _check_types_and_tree(refuse, columns)
+    _check_paths(refuse, columns, paths)
+    _check_hash_table(refuse, sections["path_hash"], sections["hash_order"], columns.count)
+    _check_chunks(refuse, chunks, len(toc["groups"]))
+    none_rows = np.array([row["spec"] == "none" for row in toc["codecs"]])
+    blocked = (columns.flags & np.uint8(FLAG_BLOCKED)) != 0
+    _check_files(refuse, columns, blocked, chunks, none_rows)
+    if "blocks" in sections:
+        _check_blocks(refuse, columns, blocked, sections["blocks"], int(toc["block_size"]), chunks, none_rows)
+    elif blocked.any():
+        raise refuse(_field(int(np.argmax(blocked)), "flags"), "marks a blocked file but the index has no blocks "
+                                                               "section")
+    _check_directories_and_links(refuse, columns, paths)
+
+
+def _check_types_and_tree(refuse: _Refuse, columns: _Columns) -> None:
+    kind = columns.kind
+    allowed = (kind == stat.S_IFREG) | (kind == stat.S_IFDIR) | (kind == stat.S_IFLNK)
+    if not allowed.all():
+        bad = int(np.argmin(allowed))
+        name = _KIND_NAMES.get(int(kind[bad]), f"file type {int(kind[bad]):#o}")
+        raise refuse(_field(bad, "mode"), f"is {name}; only regular files, directories and symlinks can be served")
+    unknown_flags = (columns.flags & np.uint8(0xFF & ~KNOWN_FLAGS)) != 0
+    if unknown_flags.any():
+        bad = int(np.argmax(unknown_flags))
+        raise refuse(_field(bad, "flags"), f"has unknown bits {int(columns.flags[bad]):#x}")
+    if kind[0] != stat.S_IFDIR or columns.parent[0] != 0 or columns.path_len[0] != 0:
+        raise refuse("entries[0]", "is not the root directory (an empty path, its own parent)")
+    parents = columns.parent[1:]
+    # Breadth-first order: a parent comes before its children, and parents never decrease.
+    wrong = (parents >= np.arange(1, columns.count, dtype=np.uint32)) | (kind[parents] != stat.S_IFDIR)
+    wrong[1:] |= parents[1:] < parents[:-1]
+    if wrong.any():
+        bad = int(np.argmax(wrong)) + 1
+        raise refuse(_field(bad, "parent"), f"is {int(columns.parent[bad])}, which is not a directory listed "
+                                            "before it in breadth-first order")
+
+
+def _check_paths(refuse: _Refuse, columns: _Columns, paths: np.ndarray) -> None:
+    """Paths are back to back in entry order, UTF-8 without NUL, each its parent's path, '/', and a valid name,
+    siblings in strictly increasing name order (so no two entries share a path)."""
+    lengths = columns.path_len.astype(np.int64)
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    if not np.array_equal(columns.path_off, starts):
+        bad = int(np.argmax(columns.path_off != starts.astype(np.uint64)))
+        raise refuse(_field(bad, "path_off"), f"is {int(columns.path_off[bad])}; paths lie back to back in entry "
+                                              f"order, so it must be {int(starts[bad])}")
+    total = int(ends[-1])
+    if total > len(paths):
+        raise refuse("paths", f"holds {len(paths)} bytes, the entries' paths need {total}")
+    blob = paths[:total]
+    zero = np.flatnonzero(blob == 0)
+    if len(zero):
+        raise refuse(_field(_entry_at(starts, int(zero[0])), "path"), "contains a NUL byte")
+    try:
+        blob.tobytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise refuse(_field(_entry_at(starts, exc.start), "path"), "is not valid UTF-8") from None
+    padded = np.concatenate((blob, np.zeros(8, dtype=np.uint8)))  # any string's next 8 bytes can be read
+    cut = (padded[starts] & 0xC0) == 0x80  # a path starting inside another's multi-byte character
+    cut[0] = False
+    if cut.any():
+        raise refuse(_field(int(np.argmax(cut)), "path"), "starts inside a UTF-8 character")
+    if (lengths > MAX_PATH_BYTES).any():
+        bad = int(np.argmax(lengths > MAX_PATH_BYTES))
+        raise refuse(_field(bad, "path_len"), f"is {int(lengths[bad])}, over {MAX_PATH_BYTES} bytes")
+    # Each entry's name is what follows the last '/' of its path; what precedes it must be the parent's path.
+    slashes = np.flatnonzero(blob == _SLASH)
+    before_end = np.searchsorted(slashes, ends) - 1  # the last slash before each path's end, if any
+    last_slash = np.where(before_end >= 0, slashes[np.maximum(before_end, 0)] if len(slashes) else -1, -1)
+    has_slash = last_slash >= starts
+    name_starts = np.where(has_slash, last_slash + 1, starts)
+    name_lens = ends - name_starts
+    is_dot, next_is_dot = padded[name_starts] == _DOT, padded[name_starts + 1] == _DOT
+    bad_name = (name_lens < 1) | (name_lens > MAX_NAME_BYTES) | ((name_lens == 1) & is_dot)
+    bad_name |= (name_lens == 2) & is_dot & next_is_dot
+    bad_name[0] = False  # the root has no name
+    if bad_name.any():
+        raise refuse(_field(int(np.argmax(bad_name)), "path"), "has an empty, '.', '..' or over-long name")
+    parents = columns.parent
+    dir_lens = np.where(has_slash, name_starts - 1 - starts, 0)
+    wrong_dir = (has_slash != (parents != 0)) | (dir_lens != lengths[parents])
+    wrong_dir[0] = False
+    if wrong_dir.any():
+        raise refuse(_field(int(np.argmax(wrong_dir)), "path"), "does not lie in its parent directory's path")
+    _check_prefixes(refuse, padded, starts, parents, lengths)
+    _check_sibling_order(refuse, padded, name_starts, name_lens, parents)
+
+
+def _windows(padded: np.ndarray, byte_order: str) -> np.ndarray:
+    """Every 8-byte window of a byte array as one integer (a view, no copy): strings at any offsets then compare
+    eight bytes at a time with array operations. `padded` ends in 8 spare bytes."""
+    return np.ndarray((len(padded) - 7,), dtype=np.dtype(byte_order + "u8"), buffer=padded, strides=(1,))
+
+
+# _FIRST_BYTES[n]: the mask of a little-endian window's first n bytes (n = 0..8).
+_FIRST_BYTES = np.array([(1 << (8 * n)) - 1 for n in range(9)], dtype=np.uint64)
+
+
+def _check_prefixes(refuse: _Refuse, padded: np.ndarray, starts: np.ndarray, parents: np.ndarray,
+                    lengths: np.ndarray) -> None:
+    """Each entry's path begins with its parent's path (the lengths agree already). Compared eight bytes a round,
+    each round over the entries whose parent's path is longer still."""
+    little = _windows(padded, "<")
+    active = np.flatnonzero(lengths[parents] > 0)
+    child_starts, parent_starts, parent_lengths = starts[active], starts[parents[active]], lengths[parents[active]]
+    offset = 0
+    while len(active):
+        remaining = parent_lengths - offset
+        differ = (little[child_starts + offset] ^ little[parent_starts + offset]) & _FIRST_BYTES[
+            np.minimum(remaining, 8)]
+        if differ.any():
+            raise refuse(_field(int(active[np.argmax(differ != 0)]), "path"), "does not lie in its parent "
+                                                                              "directory's path")
+        longer = remaining > 8
+        active, child_starts, parent_starts, parent_lengths = (
+            active[longer], child_starts[longer], parent_starts[longer], parent_lengths[longer])
+        offset += 8
+
+
+def _check_sibling_order(refuse: _Refuse, padded: np.ndarray, name_starts: np.ndarray, name_lens: np.ndarray,
+                         parents: np.ndarray) -> None:
+    """Siblings are sorted by name bytes, strictly: no two entries share a path, and listings come out in order.
+    Names hold no NUL, so zero-padded big-endian 8-byte words order as the names' bytes do."""
+    big = _windows(padded, ">")
+    later = np.flatnonzero(parents[2:] == parents[1:-1]) + 2  # entries whose previous entry is a sibling
+    # Keeping a big-endian window's first n bytes is dropping its last 8 - n.
+    first_bytes = ~_FIRST_BYTES[::-1]
+    first_bytes[0] = 0
+    offset = 0
+    while len(later):
+        earlier = later - 1
+        left_before = np.clip(name_lens[earlier] - offset, 0, 8)
+        left_after = np.clip(name_lens[later] - offset, 0, 8)
+        before = big[np.minimum(name_starts[earlier] + offset, len(big) - 1)] & first_bytes[left_before]
+        after = big[np.minimum(name_starts[later] + offset, len(big) - 1)] & first_bytes[left_after]
+        if (before > after).any():
+            raise refuse(_field(int(later[np.argmax(before > after)]), "path"), "is before its previous sibling in "
+                                                                                "name order")
+        tied = before == after
+        ended = tied & ((left_before < 8) | (name_lens[earlier] - offset == 8))
+        if ended.any():
+            raise refuse(_field(int(later[np.argmax(ended)]), "path"), "has the same name as its previous sibling")
+        later = later[tied]
+        offset += 8
+
+
+def _check_hash_table(refuse: _Refuse, path_hash: np.ndarray, hash_order: np.ndarray, count: int) -> None:
+    if len(path_hash) != count or len(hash_order) != count:
+        raise refuse("path_hash", f"has {len(path_hash)} rows and hash_order {len(hash_order)}; both need {count}")
+    if count > 1 and (path_hash[1:] < path_hash[:-1]).any():
+        raise refuse("path_hash", "is not sorted")
+    if (hash_order >= count).any():
+        raise refuse("hash_order", f"names an entry past the last ({count - 1})")
+    seen = np.zeros(count, dtype=bool)
+    seen[hash_order] = True
+    if not seen.all():
+        raise refuse("hash_order", "is not a permutation of the entries")
+
+
+def _check_chunks(refuse: _Refuse, chunks: np.ndarray, group_count: int) -> None:
+    small = chunks["size"] < CHUNK_HEADER_LEN
+    if small.any():
+        raise refuse(f"chunks[{int(np.argmax(small))}].size", f"is smaller than a chunk header ({CHUNK_HEADER_LEN})")
+    bad_group = chunks["group"] >= group_count
+    if bad_group.any():
+        raise refuse(f"chunks[{int(np.argmax(bad_group))}].group", f"names no group (there are {group_count})")
+
+
+def _check_blobs(refuse: _Refuse, where: str, numbers: np.ndarray, chunk: np.ndarray, offset: np.ndarray,
+                 stored_len: np.ndarray, codec: np.ndarray, raw_sizes: np.ndarray, chunks: np.ndarray,
+                 none_rows: np.ndarray) -> None:
+    """Blobs (chunk, offset, stored_len, codec columns; `numbers` name their rows in messages) lie inside their
+    chunk, and their raw size is one their codec can produce from that many stored bytes."""
+    problems = [
+        (chunk >= len(chunks), "chunk", f"names no chunk (there are {len(chunks)})"),
+        (codec >= len(none_rows), "codec", f"names no codec (there are {len(none_rows)})"),
+        (stored_len == 0, "stored_len", "is 0 for a blob"),
+    ]
+    for wrong, field, problem in problems:
+        if wrong.any():
+            raise refuse(f"{where}[{int(numbers[np.argmax(wrong)])}].{field}", problem)
+    sizes = chunks["size"][chunk]
+    stored = stored_len.astype(np.uint64)
+    outside = (offset < CHUNK_HEADER_LEN) | (offset > sizes) | (stored > sizes - np.minimum(offset, sizes))
+    if outside.any():
+        bad = int(np.argmax(outside))
+        raise refuse(f"{where}[{int(numbers[bad])}].offset", f"{int(offset[bad])} + {int(stored[bad])} bytes lies "
+                                                             f"outside chunk {int(chunk[bad])}")
+    raw = raw_sizes.astype(np.uint64)
+    wrong_size = np.where(none_rows[codec], raw != stored, raw // np.uint64(MAX_EXPANSION) > stored)
+    if wrong_size.any():
+        bad = int(np.argmax(wrong_size))
+        raise refuse(f"{where}[{int(numbers[bad])}].stored_len",
+                     f"{int(stored[bad])} stored bytes cannot hold {int(raw[bad])} raw bytes with its codec")
+
+
+def _check_files(refuse: _Refuse, columns: _Columns, blocked: np.ndarray, chunks: np.ndarray,
+                 none_rows: np.ndarray) -> None:
+    is_file = columns.kind == stat.S_IFREG
+    large = is_file & (columns.size > MAX_FILE_SIZE)
+    if large.any():
+        raise refuse(_field(int(np.argmax(large)), "size"), f"is over {MAX_FILE_SIZE} bytes")
+    if (blocked & ~is_file).any():
+        raise refuse(_field(int(np.argmax(blocked & ~is_file)), "flags"), "marks a non-file as blocked")
+    whole = is_file & ~blocked
+    empty = whole & (columns.size == 0)
+    wrong_empty = empty & ((columns.chunk != NO_CHUNK) | (columns.stored_len != 0))
+    if wrong_empty.any():
+        raise refuse(_field(int(np.argmax(wrong_empty)), "chunk"), "an empty file has no blob")
+    with_blob = whole & ~empty
+    numbers = np.flatnonzero(with_blob)
+    _check_blobs(refuse, "entries", numbers, columns.chunk[with_blob], columns.offset[with_blob],
+                 columns.stored_len[with_blob], columns.codec[with_blob], columns.size[with_blob], chunks, none_rows)
+
+
+def _check_blocks(refuse: _Refuse, columns: _Columns, blocked: np.ndarray, blocks: np.ndarray, block_size: int,
+                  chunks: np.ndarray, none_rows: np.ndarray) -> None:
+    """Blocked files own consecutive rows of `blocks`, in entry order, one per `block_size` raw bytes."""
+    files = np.flatnonzero(blocked)
+    sizes = columns.size[files].astype(np.int64)
+    if (sizes == 0).any():
+        raise refuse(_field(int(files[np.argmax(sizes == 0)]), "size"), "is 0 for a blocked file")
+    counts = (sizes + block_size - 1) // block_size
+    firsts = np.cumsum(counts) - counts
+    if not np.array_equal(columns.offset[files], firsts):
+        bad = int(np.argmax(columns.offset[files] != firsts.astype(np.uint64)))
+        raise refuse(_field(int(files[bad]), "offset"), f"is block row {int(columns.offset[files[bad]])}; blocks "
+                                                        f"follow in entry order, so it must be {int(firsts[bad])}")
+    if int(counts.sum()) != len(blocks):
+        raise refuse("blocks", f"holds {len(blocks)} rows, the blocked files need {int(counts.sum())}")
+    if not len(blocks):
+        return
+    if np.ascontiguousarray(blocks["reserved"]).view(np.uint8).any():
+        raise refuse("blocks", "reserved bytes are not zero")
+    no_codec = columns.codec[files] >= len(none_rows)
+    if no_codec.any():
+        raise refuse(_field(int(files[np.argmax(no_codec)]), "codec"), "names no codec")
+    # Every block holds block_size raw bytes but the last of its file, which holds the rest.
+    raw = np.full(len(blocks), block_size, dtype=np.int64)
+    raw[firsts + counts - 1] = sizes - (counts - 1) * block_size
+    _check_blobs(refuse, "blocks", np.arange(len(blocks)), blocks["chunk"], blocks["offset"], blocks["stored_len"],
+                 blocks["codec"], raw, chunks, none_rows)
+    stored_sums = np.add.reduceat(blocks["stored_len"].astype(np.uint64), firsts)
+    wrong = ((columns.chunk[files] != blocks["chunk"][firsts]) | (columns.stored_len[files] != stored_sums)
+             | (columns.checksum[files] != 0))
+    if wrong.any():
+        raise refuse(_field(int(files[np.argmax(wrong)]), "chunk"), "chunk, stored_len and checksum of a blocked "
+                                                                    "file must be its first block's chunk, its "
+                                                                    "blocks' total and 0")
+
+
+def _check_directories_and_links(refuse: _Refuse, columns: _Columns, paths: np.ndarray) -> None:
+    """Directories have no contents; symlink targets lie in the path blob and stay inside the dataset."""
+    wrong_dir = (columns.kind == stat.S_IFDIR) & ((columns.size != 0) | (columns.chunk != NO_CHUNK)
+                                                 | (columns.flags != 0))
+    if wrong_dir.any():
+        raise refuse(_field(int(np.argmax(wrong_dir)), "size"), "a directory has no size, chunk or flags")
+    links = np.flatnonzero(columns.kind == stat.S_IFLNK)
+    if not len(links):
+        return
+    total = int(columns.path_len.sum(dtype=np.int64))
+    offsets, lengths = columns.offset[links], columns.stored_len[links]
+    wrong = ((columns.chunk[links] != NO_CHUNK) | (lengths == 0) | (lengths > MAX_PATH_BYTES)
+             | (columns.size[links] != lengths) | (offsets < total) | (offsets > len(paths))
+             | (lengths > len(paths) - np.minimum(offsets, len(paths))))
+    if wrong.any():
+        raise refuse(_field(int(links[np.argmax(wrong)]), "offset"), "a symlink target must lie in the path blob "
+                                                                     f"after the paths, 1 to {MAX_PATH_BYTES} "
+                                                                     "bytes, and be its size")
+    blob = paths.tobytes()
+    depths = _depths(columns, paths)
+    for entry, offset, length in zip(links.tolist(), offsets.tolist(), lengths.tolist()):
+        problem = link_target_problem(blob[offset: offset + length], int(depths[entry]) - 1)
+        if problem:
+            raise refuse(_field(entry, "symlink target"), problem)
+
+
+def link_target_problem(target: bytes, link_dir_depth: int) -> str | None:
+    """Why a symlink target could lead out of the dataset, or None when it cannot: relative, normalized, any '..'
+    leading and no more of them than the link's directory is deep (then the rest only descends, and each link met
+    on the way obeys the same rule). The packer stores every link in this form."""
+    if b"\0" in target:
+        return "contains a NUL byte"
+    try:
+        target.decode("utf-8")
+    except UnicodeDecodeError:
+        return "is not valid UTF-8"
+    if target == b".":
+        return None
+    if target.startswith(b"/"):
+        return "is absolute"
+    parts = target.split(b"/")
+    ups = 0
+    while ups < len(parts) and parts[ups] == b"..":
+        ups += 1
+    if any(part in (b"", b".", b"..") for part in parts[ups:]):
+        return "is not normalized (empty, '.' or inner '..' components)"
+    if ups > link_dir_depth:
+        return f"climbs {ups} levels from a directory {link_dir_depth} deep: it leaves the dataset"
+    return None
+
+
+def _depths(columns: _Columns, paths: np.ndarray) -> np.ndarray:
+    """Each entry's depth: 0 for the root, 1 + its number of '/' otherwise."""
+    starts = columns.path_off.astype(np.int64)
+    ends = starts + columns.path_len
+    slashes = np.flatnonzero(paths[: int(ends[-1])] == _SLASH)
+    depth = np.searchsorted(slashes, ends) - np.searchsorted(slashes, starts) + 1
+    depth[0] = 0
+    return depth
+
+
+def _entry_at(starts: np.ndarray, byte: int) -> int:
+    """The entry whose path holds byte `byte` of the path blob."""
+    return int(np.searchsorted(starts, byte, side="right")) - 1
+
+
+def _field(entry: int, field: str) -> str:
+    return f"entries[{entry}].{field}"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
