@@ -1,19 +1,45 @@
-"""Spec string -> codec. The table of codec types is read-only: a codec is added here, in one line, not at run time."""
+"""Spec string -> codec. The table of codec types is read-only: a codec is added here, in one line, not at run time.
+
+A codec's module (and the library it wraps: blosc, lz4, zstandard) is imported the first time a spec names it, so
+a reader whose dataset uses only zstd never pays for importing blosc, in every process it starts.
+"""
 
 from __future__ import annotations
 
+import importlib
 import types
-from typing import Mapping
+from collections.abc import Iterator, Mapping
 
 from .base import Codec, CodecSpecError
-from .blosc_codec import BloscCodec
-from .lz4_codec import Lz4Codec
-from .null_codec import NullCodec
-from .zstd_codec import ZstdCodec, ZstdDictCodec
 
-CODEC_TYPES: Mapping[str, type[Codec]] = types.MappingProxyType(
-    {codec_type.name: codec_type for codec_type in (NullCodec, ZstdCodec, Lz4Codec, BloscCodec, ZstdDictCodec)}
-)
+# Spec name -> (module in this package, class) of its codec type.
+_CODEC_HOMES: Mapping[str, tuple[str, str]] = types.MappingProxyType({
+    "none": ("null_codec", "NullCodec"),
+    "zstd": ("zstd_codec", "ZstdCodec"),
+    "lz4": ("lz4_codec", "Lz4Codec"),
+    "blosc": ("blosc_codec", "BloscCodec"),
+    "zstd-dict": ("zstd_codec", "ZstdDictCodec"),
+})
+
+
+class _CodecTypes(Mapping[str, type[Codec]]):
+    """Read-only spec name -> codec type; looking a name up imports that codec's module, and only that one."""
+
+    def __getitem__(self, name: str) -> type[Codec]:
+        module_name, class_name = _CODEC_HOMES[name]
+        return getattr(importlib.import_module(f".{module_name}", __package__), class_name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_CODEC_HOMES)
+
+    def __len__(self) -> int:
+        return len(_CODEC_HOMES)
+
+    def __repr__(self) -> str:
+        return f"CODEC_TYPES({', '.join(_CODEC_HOMES)})"
+
+
+CODEC_TYPES: Mapping[str, type[Codec]] = _CodecTypes()
 
 
 def codec_from_spec(spec: str, dictionary: bytes | None = None) -> Codec:

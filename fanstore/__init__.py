@@ -1,4 +1,15 @@
-"""fanstore: pack a training dataset into compressed chunks once; read any file of it fast, anywhere."""
+"""fanstore: pack a training dataset into compressed chunks once; read any file of it fast, anywhere.
+
+Reading is what every data-loader worker does, so `import fanstore` loads the read side only; the packer (its
+worker processes, the codec selector) is imported the first time `pack`, `PackOptions` or `PackSummary` is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
 from .api import BlobFile, Dataset, EntryStat, open_dataset
 from .errors import (
@@ -10,7 +21,9 @@ from .errors import (
     PathNotFound,
     UsageError,
 )
-from .pack import PackOptions, PackSummary, pack
+
+if TYPE_CHECKING:
+    from .pack import PackOptions, PackSummary, pack
 
 __all__ = [
     "BlobFile",
@@ -28,3 +41,32 @@ __all__ = [
     "open_dataset",
     "pack",
 ]
+
+_PACK_MODULE = f"{__name__}.pack"
+_FROM_PACK_MODULE = ("PackOptions", "PackSummary", "pack")
+
+
+def __getattr__(name: str) -> Any:
+    """`fanstore.pack` and its option and summary types, imported on first use (PEP 562)."""
+    if name not in _FROM_PACK_MODULE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    pack_module = importlib.import_module(_PACK_MODULE)
+    globals().update({attr: getattr(pack_module, attr) for attr in _FROM_PACK_MODULE})
+    return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_FROM_PACK_MODULE))
+
+
+class _Package(types.ModuleType):
+    """Keeps `fanstore.pack` the function: importing the submodule `fanstore.pack` binds the module to that name in
+    the package (the import system does it, whoever imports it first), which the eager import used to overwrite."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "pack" and value is sys.modules.get(_PACK_MODULE):
+            value = value.pack  # type: ignore[attr-defined]
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

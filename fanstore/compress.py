@@ -26,9 +26,8 @@ from typing import Iterator, Sequence
 
 import xxhash
 
-from selector.kinds import HEAD_BYTES, file_kind
-
 from .codec_plan import NONE_ROW, CodecPlan
+from .kinds import HEAD_BYTES, file_kind
 from .walk import Problem
 
 _BATCH_FILES = 256

@@ -21,7 +21,6 @@ import numpy as np
 import xxhash
 
 from compressors import CodecError, codec_from_spec
-from selector.kinds import OTHER
 
 from .chunk_writer import PARTIAL_SUFFIX, ChunkWriter
 from .codec_plan import ANY_KIND, NONE_ROW, CodecPlan, build_codec_plan
@@ -31,6 +30,7 @@ from .format import CHUNK_DIR, CHUNK_DTYPE, INDEX_NAME, NO_CHUNK
 from .groups import GroupPlan
 from .index import EntryRecord, IndexLayout, write_index_atomically
 from .journal import JOURNAL_DIR, ChunkRecord, PackJournal
+from .kinds import OTHER
 from .walk import Problem, SourceEntry, SourceTree, walk_source
 
 if TYPE_CHECKING:

@@ -30,8 +30,8 @@ from compressors import (
     train_dictionary,
 )
 from fanstore.errors import UsageError
+from fanstore.kinds import NPY, OTHER
 
-from .kinds import NPY, OTHER
 from .sample import SampleFile
 
 MB = 1e6  # throughputs are in MB/s of raw bytes, as budgets are usually given

@@ -23,9 +23,8 @@ from typing import Callable, Sequence
 import xxhash
 
 from fanstore.errors import UsageError
+from fanstore.kinds import HEAD_BYTES, file_kind
 from fanstore.walk import SourceEntry
-
-from .kinds import HEAD_BYTES, file_kind
 
 DEFAULT_FRACTION = 0.02
 DEFAULT_MAX_BYTES = 48 << 20

@@ -18,7 +18,7 @@ import pytest
 from conftest import REPO, assert_one_line_error, dataset_digest, run_cli, tree_digest
 from fanstore import open_dataset
 from fanstore.journal import JOURNAL_DIR, STATE_FILE
-from selector.kinds import HEAD_BYTES, file_kind
+from fanstore.kinds import HEAD_BYTES, file_kind
 
 KINDS = {"jpeg", "npy", "text"}
 

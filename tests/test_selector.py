@@ -17,10 +17,10 @@ import pytest
 
 from fanstore.errors import UsageError
 from fanstore.groups import GroupPlan
+from fanstore.kinds import HEAD_BYTES, file_kind
 from fanstore.units import parse_fraction, parse_rate
 from fanstore.walk import walk_source
 from selector import Budget, Selection, select_codecs
-from selector.kinds import HEAD_BYTES, file_kind
 from selector.measure import Measurement, candidate_specs, is_slow_spec, measure_kind
 from selector.policy import MIN_SAVING, NONE_SPEC, choose
 from selector.report import format_selection, pareto_front, plot_selection

@@ -1,0 +1,117 @@
+"""Every data-loader worker imports fanstore and opens the dataset, so the read side must import light, and the
+layering that keeps it light (the read side never imports the selector or the packer) must hold.
+
+Import checks run in fresh interpreters: this process has long since imported everything.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO, make_tree
+from fanstore import PackOptions, pack
+
+# What reading never needs: the packer, its worker processes, the codec selector, codecs the dataset does not use.
+NOT_FOR_READING = (
+    "fanstore.pack",
+    "fanstore.compress",
+    "fanstore.codec_plan",
+    "multiprocessing",
+    "concurrent.futures.process",
+    "selector",
+    "blosc",
+    "lz4",
+)
+# The packer's modules, which the selector must not import.
+PACK_SIDE = ("fanstore.pack", "fanstore.compress", "fanstore.codec_plan", "fanstore.cli")
+# fanstore's core and read side: none of them imports the selector, and the selector imports none but these.
+CORE_AND_READ_SIDE = (
+    "errors", "format", "index", "chunk_source", "reader", "cache", "prefetch", "api", "verify", "info", "units",
+    "walk", "groups", "kinds",
+)
+
+
+def fresh_modules(code: str) -> set[str]:
+    """The modules a fresh interpreter holds after running `code` with this checkout first on its path."""
+    report = "import json, sys, fanstore; print(json.dumps([fanstore.__file__, sorted(sys.modules)]))"
+    proc = subprocess.run([sys.executable, "-c", f"{code}\n{report}"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    fanstore_file, modules = json.loads(proc.stdout.splitlines()[-1])
+    assert Path(fanstore_file).is_relative_to(REPO), f"imported another checkout's fanstore: {fanstore_file}"
+    return set(modules)
+
+
+def loaded(modules: set[str], packages: tuple[str, ...]) -> list[str]:
+    """Which of `packages` (or their submodules) are among `modules`."""
+    return sorted(m for m in modules if any(m == p or m.startswith(p + ".") for p in packages))
+
+
+def imported_names(path: Path) -> set[str]:
+    """Every absolute module a source file imports, at module level or inside functions."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module is not None:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_import_fanstore_is_light():
+    assert loaded(fresh_modules("import fanstore"), NOT_FOR_READING) == []
+
+
+def test_reading_a_dataset_is_light(tmp_path):
+    dest = tmp_path / "ds"
+    pack(make_tree(tmp_path / "src"), dest, PackOptions(codec="zstd:3"))
+    read = (f"import fanstore\n"
+            f"with fanstore.open_dataset({str(dest)!r}) as ds:\n"
+            f"    assert ds.read('labels.txt').startswith(b'train/x/img_000.png')\n")
+    assert loaded(fresh_modules(read), NOT_FOR_READING) == []
+
+
+def test_selector_does_not_import_the_packer():
+    modules = fresh_modules("import selector, selector.report")
+    assert "selector.measure" in modules
+    assert loaded(modules, PACK_SIDE) == []
+
+
+def test_packer_imports_the_selector_only_to_choose_codecs():
+    assert loaded(fresh_modules("import fanstore.pack, fanstore.cli"), ("selector",)) == []
+
+
+def test_pack_names_stay_on_the_package():
+    # dir() and __all__ list them before they are loaded; the packer's module, once imported by anyone, does not
+    # take the place of the function `fanstore.pack`.
+    modules = fresh_modules(
+        "import fanstore\n"
+        "assert set(fanstore.__all__) <= set(dir(fanstore)), sorted(set(fanstore.__all__) - set(dir(fanstore)))\n"
+        "import fanstore.pack\n"
+        "from fanstore import PackOptions, PackSummary, pack\n"
+        "assert fanstore.pack is pack and callable(pack), fanstore.pack\n"
+        "assert all(hasattr(fanstore, name) for name in fanstore.__all__)\n"
+        "assert PackOptions.__module__ == PackSummary.__module__ == 'fanstore.pack'\n"
+    )
+    assert "fanstore.pack" in modules
+
+
+def test_read_side_never_imports_the_selector():
+    for name in CORE_AND_READ_SIDE + ("__init__",):
+        path = REPO / "fanstore" / f"{name}.py"
+        selector_imports = loaded(imported_names(path), ("selector",))
+        assert selector_imports == [], f"{path.relative_to(REPO)} imports {selector_imports}"
+
+
+def test_selector_imports_only_fanstore_core():
+    allowed = {f"fanstore.{name}" for name in CORE_AND_READ_SIDE}
+    for path in sorted((REPO / "selector").glob("*.py")):
+        # fanstore.walk.SourceEntry -> fanstore.walk; the package itself (the read side) is every import's parent
+        modules = {".".join(name.split(".")[:2]) for name in imported_names(path) if name.startswith("fanstore.")}
+        assert modules <= allowed, f"{path.relative_to(REPO)} imports {sorted(modules - allowed)}"
