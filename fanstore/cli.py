@@ -170,7 +170,7 @@ def _run_mount(args: argparse.Namespace) -> int:
     import logging
     import tempfile
 
-    from .mount import MountOptions, mount_background, mount_foreground
+    from .mount import MountOptions, mount_background, mount_foreground, resolve_mountpoint
 
     options = MountOptions(
         cache_size=parse_size(args.cache_size, "--cache-size") if args.cache_size else None,
@@ -184,21 +184,23 @@ def _run_mount(args: argparse.Namespace) -> int:
     )
     if args.prefetch < 0:
         raise UsageError(f"--prefetch: must be 0 or more files, got {args.prefetch}")
+    # Resolved once, here: mountinfo lists resolved paths, and the check, the mount and the messages must agree.
+    mountpoint = resolve_mountpoint(Path(args.mountpoint))
     if args.foreground:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s fanstore: %(message)s", stream=sys.stderr)
-        return mount_foreground(Path(args.dest), Path(args.mountpoint), options, ready_fd=args.ready_fd)
+        return mount_foreground(Path(args.dest), mountpoint, options, ready_fd=args.ready_fd)
     log_path = Path(args.log) if args.log else Path(tempfile.gettempdir()) / (
-        f"fanstore-mount-{Path(args.mountpoint).resolve().name or 'root'}.log")
-    pid = mount_background(Path(args.dest), Path(args.mountpoint), args.argv, log_path)
+        f"fanstore-mount-{mountpoint.name or 'root'}.log")
+    pid = mount_background(Path(args.dest), mountpoint, args.argv, log_path)
     print(f"mounted {args.dest} at {args.mountpoint} (daemon pid {pid}, log {log_path}); "
           f"`fanstore umount {args.mountpoint}` to unmount")
     return 0
 
 
 def _run_umount(args: argparse.Namespace) -> int:
-    from .mount import unmount
+    from .mount import resolve_mountpoint, unmount
 
-    unmount(Path(args.mountpoint))
+    unmount(resolve_mountpoint(Path(args.mountpoint)))
     return 0
 
 

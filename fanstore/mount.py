@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 from .api import open_dataset
 from .cache import DecodedCache
@@ -55,14 +56,17 @@ class MountError(FanstoreError, OSError):
 
 def fuse_device(mountpoint: Path) -> str | None:
     """The `major:minor` of the FUSE mount at `mountpoint` (its backing device, hence its sysfs bdi), or None."""
-    target = _mountinfo_path(mountpoint)
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as mountinfo:
-        for line in mountinfo:
-            fields = line.split()
-            separator = fields.index("-")
-            if _unescape(fields[4]) == target and fields[separator + 1].startswith("fuse"):
-                return fields[2]
-    return None
+    mounts = _fuse_mounts()
+    return mounts.get(str(_resolve(mountpoint, mounts)))
+
+
+def resolve_mountpoint(mountpoint: Path) -> Path:
+    """`mountpoint` as /proc/self/mountinfo spells it: absolute, every symlink followed.
+
+    Unlike os.path.realpath it looks nothing up at or below a FUSE mount, whose daemon may be gone (ENOTCONN) or
+    hung (the lookup would wait forever); elsewhere symlinks are followed with readlink alone.
+    """
+    return _resolve(mountpoint, _fuse_mounts())
 
 
 def read_ahead_setting(mountpoint: Path) -> Path | None:
@@ -263,11 +267,52 @@ def wait_for_exit(pid: int, timeout: float = 30.0) -> bool:
 
 
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
+_MAX_SYMLINKS = 40  # the kernel's limit for one lookup
 
 
-def _mountinfo_path(mountpoint: Path) -> str:
-    absolute = Path(os.path.abspath(mountpoint))
-    return os.path.join(os.path.realpath(absolute.parent), absolute.name)  # no lookup inside the mount itself
+def _fuse_mounts() -> dict[str, str]:
+    """Mount point -> `major:minor` of every FUSE file system in /proc/self/mountinfo, the latest one per path."""
+    mounts = {}
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as mountinfo:
+        for line in mountinfo:
+            fields = line.split()
+            fs_type = fields[fields.index("-") + 1]
+            if fs_type in ("fuse", "fuseblk") or fs_type.startswith("fuse."):
+                mounts[_unescape(fields[4])] = fields[2]
+    return mounts
+
+
+def _fuse_mount_holding(path: str, fuse_mounts: Iterable[str]) -> str | None:
+    """The innermost of `fuse_mounts` at or above the resolved `path`, or None."""
+    holders = [mount for mount in fuse_mounts if path == mount or path.startswith(mount.rstrip("/") + "/")]
+    return max(holders, key=len, default=None)
+
+
+def _resolve(mountpoint: Path, fuse_mounts: Iterable[str]) -> Path:
+    resolved = "/"
+    pending = os.path.join(os.getcwd(), mountpoint).split("/")[::-1]  # a stack: the next component last
+    links_followed = 0
+    while pending:
+        name = pending.pop()
+        if name in ("", "."):
+            continue
+        if name == "..":
+            resolved = os.path.dirname(resolved)
+            continue
+        candidate = os.path.join(resolved, name)
+        resolved = candidate
+        if _fuse_mount_holding(candidate, fuse_mounts) is not None:
+            continue  # at or inside a FUSE mount: taken as written
+        try:
+            target = os.readlink(candidate)
+        except OSError:
+            continue  # not a symlink (EINVAL), or nothing there: the checks that follow say which
+        links_followed += 1
+        if links_followed > _MAX_SYMLINKS:
+            raise UsageError(f"MOUNTPOINT {str(mountpoint)!r}: too many levels of symbolic links")
+        resolved = "/" if target.startswith("/") else os.path.dirname(candidate)
+        pending.extend(target.split("/")[::-1])
+    return Path(resolved)
 
 
 def _unescape(field: str) -> str:
@@ -281,8 +326,11 @@ def fuse_mounted_at(mountpoint: Path) -> bool:
 
 
 def unmount(mountpoint: Path) -> None:
-    """Unmount a fanstore view, stale or live; the daemon then exits by itself."""
-    if not fuse_mounted_at(mountpoint):
+    """Unmount a fanstore view, stale or live; the daemon then exits by itself.
+
+    `mountpoint` is resolved (resolve_mountpoint): mountinfo, which decides here, lists resolved paths only.
+    """
+    if str(mountpoint) not in _fuse_mounts():
         if not os.path.isdir(mountpoint):
             raise UsageError(f"MOUNTPOINT {str(mountpoint)!r} is not a directory")
         raise UsageError(f"{mountpoint}: no FUSE file system is mounted here")

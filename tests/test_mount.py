@@ -20,7 +20,8 @@ import pytest
 from conftest import REPO, assert_one_line_error, make_tree, run_cli, tree_digest
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.format import CHUNK_HEADER_LEN, chunk_file_name
-from fanstore.mount import READ_AHEAD_KIB, read_ahead_setting
+from fanstore.errors import UsageError
+from fanstore.mount import READ_AHEAD_KIB, fuse_mounted_at, read_ahead_setting, resolve_mountpoint
 
 if not os.path.exists("/dev/fuse"):
     pytest.skip("/dev/fuse is missing on this machine: FUSE mounts cannot be tested", allow_module_level=True)
@@ -48,8 +49,9 @@ class Mounted:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        if os.path.ismount(self.mountpoint) or _is_stale(self.mountpoint):
-            run_cli("umount", str(self.mountpoint))
+        resolved = Path(os.path.realpath(self.mountpoint))  # mountinfo lists it so, whatever the CLI resolves
+        if fuse_mounted_at(resolved):
+            run_cli("umount", str(resolved))
         _wait_gone(self.pid)
 
 
@@ -253,6 +255,37 @@ def test_sigterm_unmounts_and_stale_mount_is_reported(packed, tmp_path):
         assert_one_line_error(again, "stale mount", f"fanstore umount {mount.mountpoint}")
         run_cli("umount", str(mount.mountpoint), check=True)
         assert not _is_stale(mount.mountpoint) and not os.path.ismount(mount.mountpoint)
+
+
+def test_mount_and_umount_through_a_symlinked_mount_point(packed, tmp_path):
+    """mountinfo lists the resolved path; `umount LINK` must find the mount that `mount DS LINK` made."""
+    src, ds = packed
+    (tmp_path / "real").mkdir()
+    link = tmp_path / "link"
+    link.symlink_to("real")
+    with Mounted(ds, link) as mount:
+        assert fuse_mounted_at(tmp_path / "real") and fuse_mounted_at(link)
+        assert (link / "labels.txt").read_bytes() == (src / "labels.txt").read_bytes()
+        again = run_cli("mount", str(ds), str(link))
+        assert_one_line_error(again, "already mounted", str(tmp_path / "real"))
+        run_cli("umount", str(link), check=True)
+        _wait_gone(mount.pid)
+        assert not fuse_mounted_at(tmp_path / "real")
+
+
+def test_resolve_mountpoint_follows_links_with_readlink(tmp_path, monkeypatch):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "to_b").symlink_to("a/b")  # relative
+    (tmp_path / "a" / "up").symlink_to(tmp_path)  # absolute
+    (tmp_path / "chain").symlink_to("a/up/to_b")
+    (tmp_path / "loop").symlink_to("loop")
+    monkeypatch.chdir(tmp_path / "a")
+    assert resolve_mountpoint(Path("b")) == tmp_path / "a" / "b"
+    assert resolve_mountpoint(tmp_path / "chain") == tmp_path / "a" / "b"
+    assert resolve_mountpoint(tmp_path / "to_b" / ".." / "b" / ".") == tmp_path / "a" / "b"  # `..` after the link
+    assert resolve_mountpoint(tmp_path / "chain" / "not_yet") == tmp_path / "a" / "b" / "not_yet"
+    with pytest.raises(UsageError, match="too many levels of symbolic links"):
+        resolve_mountpoint(tmp_path / "loop")
 
 
 def test_mount_errors_are_one_line(packed, tmp_path):
