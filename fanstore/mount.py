@@ -2,8 +2,9 @@
 
 `mount` returns once the file system answers (or stays in the foreground); a background mount is the same
 program re-run with --foreground in its own session, reporting readiness through a pipe. SIGTERM and SIGINT
-unmount cleanly; a mount point left behind by a killed daemon is recognised and the command that clears it is
-named.
+unmount cleanly; a mount point left behind by a killed daemon, or held by one that no longer answers, is
+recognised (from mountinfo and a statvfs with a timeout, never a stat the kernel may answer from its cache) and
+the command that clears it is named.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,7 @@ DEFAULT_CACHE_FRACTION = 0.25  # of the memory available when the mount starts
 # FUSE mounts get the kernel's default read-ahead, 128 KiB: a 2 MiB file then costs 16 read requests. At 1 MiB
 # (the most one FUSE read request carries) it costs 2.
 READ_AHEAD_KIB = 1024
+PROBE_TIMEOUT = 3.0  # seconds a FUSE daemon gets to answer before its mount counts as hung
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,15 +118,27 @@ def available_memory() -> int:
 
 
 def check_mountpoint(mountpoint: Path) -> None:
-    """A mount point must be an existing directory that nothing is mounted on, stale mounts included."""
+    """A mount point must be an existing directory that nothing is mounted on, stale mounts included.
+
+    `mountpoint` is resolved (resolve_mountpoint). Whether a FUSE file system is there is read from mountinfo,
+    never from a stat: the kernel answers a stat of a killed daemon's mount from its cache for a day.
+    """
+    holder = _fuse_mount_holding(str(mountpoint), _fuse_mounts())
+    if holder is not None:
+        here = holder == str(mountpoint)
+        where = f"{mountpoint}:" if here else f"{mountpoint}: inside {holder},"
+        answer = fuse_answer(Path(holder))
+        if answer == errno.ENOTCONN:
+            raise MountError(f"{where} a stale mount left by a daemon that was killed; clear it with "
+                             f"`fanstore umount {holder}` (or `fusermount3 -u {holder}`)")
+        if answer is None:
+            raise MountError(f"{where} mounted but not answering within {PROBE_TIMEOUT:g} s (its daemon is "
+                             f"stopped or hung); detach it with `fanstore umount {holder}`")
+        if here:
+            raise MountError(f"{mountpoint}: something is already mounted here; `fanstore umount {mountpoint}` first")
     try:
-        os.stat(mountpoint)
+        os.stat(mountpoint)  # no FUSE mount here; one above it has just answered
     except OSError as exc:
-        if exc.errno == errno.ENOTCONN:
-            raise MountError(
-                f"{mountpoint}: stale mount left by a fanstore that was killed; clear it with "
-                f"`fanstore umount {mountpoint}` (or `fusermount3 -u {mountpoint}`)"
-            ) from None
         if exc.errno == errno.ENOENT:
             raise UsageError(f"MOUNTPOINT {str(mountpoint)!r} does not exist; create the directory first") from None
         raise MountError(f"{mountpoint}: {exc.strerror}") from None
@@ -131,6 +146,28 @@ def check_mountpoint(mountpoint: Path) -> None:
         raise UsageError(f"MOUNTPOINT {str(mountpoint)!r} is not a directory")
     if os.path.ismount(mountpoint):
         raise MountError(f"{mountpoint}: something is already mounted here; `fanstore umount {mountpoint}` first")
+
+
+def fuse_answer(mountpoint: Path, timeout: float = PROBE_TIMEOUT) -> int | None:
+    """Ask the daemon of the FUSE mount at `mountpoint` something: the errno it ends with (0: answered), ENOTCONN
+    when the daemon is gone, None when no answer came within `timeout` seconds.
+
+    statvfs is never answered from the kernel's cache, so it reaches the daemon. A hung daemon would hold the
+    caller forever, so the call waits in a daemon thread that the caller leaves behind.
+    """
+    outcome: list[int] = []
+
+    def ask() -> None:
+        try:
+            os.statvfs(mountpoint)
+            outcome.append(0)
+        except OSError as exc:
+            outcome.append(exc.errno)
+
+    asker = threading.Thread(target=ask, name=f"statvfs {mountpoint}", daemon=True)
+    asker.start()
+    asker.join(timeout)
+    return outcome[0] if outcome else None
 
 
 def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, ready_fd: int | None = None) -> int:

@@ -242,19 +242,50 @@ def test_umount_during_reads_ends_cleanly(packed, tmp_path):
         assert not os.path.ismount(mount.mountpoint)
 
 
-def test_sigterm_unmounts_and_stale_mount_is_reported(packed, tmp_path):
+def test_sigterm_unmounts(packed, tmp_path):
     _, ds = packed
     with Mounted(ds, tmp_path / "mnt") as mount:
         os.kill(mount.pid, signal.SIGTERM)
         _wait_gone(mount.pid)
         assert not os.path.ismount(mount.mountpoint)
+
+
+def _cache_attributes(mountpoint: Path) -> None:
+    """Make the kernel hold the mount's attributes (for a day): from then on a stat never reaches the daemon."""
+    os.stat(mountpoint)
+    for entry in os.scandir(mountpoint):
+        entry.stat(follow_symlinks=False)
+    (mountpoint / "labels.txt").read_bytes()
+
+
+def test_killed_daemon_is_reported_as_stale_though_its_attributes_are_cached(packed, tmp_path):
+    _, ds = packed
     with Mounted(ds, tmp_path / "mnt") as mount:
+        _cache_attributes(mount.mountpoint)
         os.kill(mount.pid, signal.SIGKILL)
         _wait_gone(mount.pid)
-        again = run_cli("mount", str(ds), str(mount.mountpoint))
+        os.stat(mount.mountpoint)  # still answered, from the cache: why a stat cannot tell a stale mount
+        again = run_cli("mount", str(ds), str(mount.mountpoint), timeout=30)
         assert_one_line_error(again, "stale mount", f"fanstore umount {mount.mountpoint}")
         run_cli("umount", str(mount.mountpoint), check=True)
         assert not _is_stale(mount.mountpoint) and not os.path.ismount(mount.mountpoint)
+
+
+def test_stopped_daemon_is_reported_as_not_answering(packed, tmp_path):
+    """A hung daemon must not hang the CLI: it gets a few seconds to answer, then is named as not answering."""
+    _, ds = packed
+    with Mounted(ds, tmp_path / "mnt") as mount:
+        _cache_attributes(mount.mountpoint)
+        os.kill(mount.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            again = run_cli("mount", str(ds), str(mount.mountpoint), timeout=30)
+            assert time.monotonic() - started < 15
+            assert_one_line_error(again, "not answering", f"fanstore umount {mount.mountpoint}")
+            run_cli("umount", str(mount.mountpoint), check=True, timeout=30)  # what the message advises
+            assert not fuse_mounted_at(mount.mountpoint)
+        finally:
+            os.kill(mount.pid, signal.SIGCONT)
 
 
 def test_mount_and_umount_through_a_symlinked_mount_point(packed, tmp_path):
