@@ -270,14 +270,20 @@ def _report_ready(ready_fd: int | None, message: str) -> None:
 def mount_background(dataset: Path, mountpoint: Path, argv: list[str], log_path: Path) -> int:
     """Start the foreground mount as a daemon in its own session; return once it is ready (or failed)."""
     check_mountpoint(mountpoint)
+    log_fd = open_daemon_log(log_path)
     read_end, write_end = os.pipe()
-    with open(log_path, "ab") as log_file:
+    try:
         daemon = subprocess.Popen(
             [sys.executable, "-m", "fanstore", *argv, "--foreground", "--ready-fd", str(write_end)],
-            pass_fds=(write_end,), stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+            pass_fds=(write_end,), stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
             start_new_session=True,
         )
-    os.close(write_end)
+    except BaseException:
+        os.close(read_end)
+        raise
+    finally:
+        os.close(log_fd)
+        os.close(write_end)
     with os.fdopen(read_end, "rb") as ready:
         answer = ready.readline().decode("utf-8", "replace").strip()
     if answer == "ok":
@@ -285,6 +291,14 @@ def mount_background(dataset: Path, mountpoint: Path, argv: list[str], log_path:
     daemon.wait()
     raise MountError(answer.removeprefix("error: ") or f"the mount daemon exited with status {daemon.returncode}; "
                                                         f"see {log_path}")
+
+
+def open_daemon_log(log_path: Path) -> int:
+    """A descriptor appending to the daemon's log, the file named by --log; any failure is one line naming it."""
+    try:
+        return os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except OSError as exc:
+        raise UsageError(f"--log {str(log_path)!r}: cannot open: {exc.strerror}") from None
 
 
 def wait_for_exit(pid: int, timeout: float = 30.0) -> bool:

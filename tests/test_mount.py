@@ -319,14 +319,22 @@ def test_resolve_mountpoint_follows_links_with_readlink(tmp_path, monkeypatch):
         resolve_mountpoint(tmp_path / "loop")
 
 
-def test_mount_errors_are_one_line(packed, tmp_path):
+@pytest.mark.parametrize("command, needles", [
+    ("mount {ds} {tmp}/absent", ["{tmp}/absent", "does not exist"]),
+    ("mount {tmp} {tmp}/mp", ["{tmp}", "not a fanstore dataset"]),
+    ("mount {ds} {tmp}/mp --log {tmp}/no_dir/mount.log", ["--log", "{tmp}/no_dir/mount.log", "No such file"]),
+    ("mount {ds} {tmp}/mp --log {tmp}/dir", ["--log", "{tmp}/dir", "Is a directory"]),
+    ("mount {ds} {tmp}/mp --log {tmp}/file/mount.log", ["--log", "{tmp}/file/mount.log", "Not a directory"]),
+    ("umount {tmp}/mp", ["{tmp}/mp", "no FUSE file system is mounted"]),
+])
+def test_mount_argument_errors_are_one_line(packed, tmp_path, command, needles):
     _, ds = packed
-    assert_one_line_error(run_cli("mount", str(ds), str(tmp_path / "absent")), "does not exist")
-    (tmp_path / "mp").mkdir()
-    assert_one_line_error(run_cli("mount", str(tmp_path), str(tmp_path / "mp"), "--log", str(tmp_path / "log")),
-                          "not a fanstore dataset")
-    assert_one_line_error(run_cli("umount", str(tmp_path / "mp")), "no FUSE file system is mounted")
-    assert not os.path.ismount(tmp_path / "mp")
+    for directory in ("mp", "dir"):
+        (tmp_path / directory).mkdir()
+    (tmp_path / "file").write_text("not a directory")
+    args = [arg.format(ds=ds, tmp=tmp_path) for arg in command.split()]
+    assert_one_line_error(run_cli(*args, timeout=30), *(needle.format(tmp=tmp_path) for needle in needles))
+    assert not fuse_mounted_at(tmp_path / "mp")
 
 
 def _rss(pid: int) -> int:
