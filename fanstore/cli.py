@@ -168,9 +168,8 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 def _run_mount(args: argparse.Namespace) -> int:
     import logging
-    import tempfile
 
-    from .mount import MountOptions, mount_background, mount_foreground, resolve_mountpoint
+    from .mount import MountOptions, default_log_path, mount_background, mount_foreground, resolve_mountpoint
 
     options = MountOptions(
         cache_size=parse_size(args.cache_size, "--cache-size") if args.cache_size else None,
@@ -189,9 +188,9 @@ def _run_mount(args: argparse.Namespace) -> int:
     if args.foreground:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s fanstore: %(message)s", stream=sys.stderr)
         return mount_foreground(Path(args.dest), mountpoint, options, ready_fd=args.ready_fd)
-    log_path = Path(args.log) if args.log else Path(tempfile.gettempdir()) / (
-        f"fanstore-mount-{mountpoint.name or 'root'}.log")
-    pid = mount_background(Path(args.dest), mountpoint, args.argv, log_path)
+    private_log = args.log is None
+    log_path = default_log_path(mountpoint) if private_log else Path(args.log)
+    pid = mount_background(Path(args.dest), mountpoint, args.argv, log_path, private_log=private_log)
     print(f"mounted {args.dest} at {args.mountpoint} (daemon pid {pid}, log {log_path}); "
           f"`fanstore umount {args.mountpoint}` to unmount")
     return 0
@@ -237,7 +236,9 @@ def _build_parser() -> argparse.ArgumentParser:
     mount_parser.add_argument("--prefetch-list", metavar="FILE",
                               help="epoch order to prefetch in: one dataset path a line")
     mount_parser.add_argument("--allow-other", action="store_true", help="let other users read the mount")
-    mount_parser.add_argument("--log", metavar="FILE", help="daemon log (default: a file in the temp dir)")
+    mount_parser.add_argument("--log", metavar="FILE",
+                              help="daemon log (default: mount-NAME.log in $XDG_RUNTIME_DIR/fanstore or, without "
+                                   "it, ~/.cache/fanstore)")
     mount_parser.add_argument("--no-keep-cache", action="store_true",
                               help="drop the kernel page cache on every open (for benchmarks)")
     mount_parser.add_argument("--kernel-timeout", type=float, metavar="SECONDS",

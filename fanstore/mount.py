@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -267,10 +268,15 @@ def _report_ready(ready_fd: int | None, message: str) -> None:
         pass
 
 
-def mount_background(dataset: Path, mountpoint: Path, argv: list[str], log_path: Path) -> int:
-    """Start the foreground mount as a daemon in its own session; return once it is ready (or failed)."""
+def mount_background(dataset: Path, mountpoint: Path, argv: list[str], log_path: Path,
+                     private_log: bool = False) -> int:
+    """Start the foreground mount as a daemon in its own session; return once it is ready (or failed).
+
+    `private_log`: `log_path` is default_log_path's, not the user's choice, and is opened only as open_daemon_log
+    says a private log is.
+    """
     check_mountpoint(mountpoint)
-    log_fd = open_daemon_log(log_path)
+    log_fd = open_daemon_log(log_path, private=private_log)
     read_end, write_end = os.pipe()
     try:
         daemon = subprocess.Popen(
@@ -293,12 +299,61 @@ def mount_background(dataset: Path, mountpoint: Path, argv: list[str], log_path:
                                                         f"see {log_path}")
 
 
-def open_daemon_log(log_path: Path) -> int:
-    """A descriptor appending to the daemon's log, the file named by --log; any failure is one line naming it."""
+def default_log_path(mountpoint: Path) -> Path:
+    """Where a background mount logs without --log: in a directory of this user's, never a shared one like /tmp,
+    where anyone could plant a symlink at the predictable name and have the daemon (often root) append to any file.
+    """
+    runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime_dir) if runtime_dir and os.path.isdir(runtime_dir) else Path.home() / ".cache"
+    return base / "fanstore" / f"mount-{mountpoint.name or 'root'}.log"
+
+
+def open_daemon_log(log_path: Path, private: bool = False) -> int:
+    """A descriptor appending to the daemon's log; any failure is one line naming the file.
+
+    A log named by --log is opened as given. A `private` one (the default log) only inside a directory of ours
+    that no one else may write to, never through a symlink, and only if it is a regular file of ours.
+    """
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+    if not private:
+        try:
+            return os.open(log_path, flags, 0o666)
+        except OSError as exc:
+            raise UsageError(f"--log {str(log_path)!r}: cannot open: {exc.strerror}") from None
+    directory_fd = _open_private_directory(log_path.parent)
     try:
-        return os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        # Opened relative to the directory checked, so a directory swapped since cannot redirect it; O_NONBLOCK
+        # so that a FIFO planted there cannot hold the open.
+        log_fd = os.open(log_path.name, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600, dir_fd=directory_fd)
     except OSError as exc:
-        raise UsageError(f"--log {str(log_path)!r}: cannot open: {exc.strerror}") from None
+        reason = "is a symbolic link" if exc.errno == errno.ELOOP else f"cannot be opened: {exc.strerror}"
+        raise MountError(f"log {log_path} {reason}; remove it, or give --log FILE") from None
+    finally:
+        os.close(directory_fd)
+    info = os.fstat(log_fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+        os.close(log_fd)
+        raise MountError(f"log {log_path} is not a regular file of this user's; remove it, or give --log FILE")
+    os.set_blocking(log_fd, True)
+    return log_fd
+
+
+def _open_private_directory(directory: Path) -> int:
+    """`directory` (created 0700 if missing), opened only if it is a real directory of ours that no one else may
+    write to: otherwise a symlink or file planted in it could take the log's place."""
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        directory_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        # O_DIRECTORY | O_NOFOLLOW fails on a symlink with ENOTDIR, not ELOOP: ask lstat which it was.
+        reason = "is a symbolic link" if directory.is_symlink() else f"cannot be used: {exc.strerror}"
+        raise MountError(f"log directory {directory} {reason}; give --log FILE") from None
+    info = os.fstat(directory_fd)
+    if info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        os.close(directory_fd)
+        raise MountError(f"log directory {directory} is not private (owner uid {info.st_uid}, "
+                         f"{stat.filemode(info.st_mode)}); make it 0700 and ours, or give --log FILE")
+    return directory_fd
 
 
 def wait_for_exit(pid: int, timeout: float = 30.0) -> bool:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import mmap
 import os
 import random
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -74,6 +76,18 @@ def _wait_gone(pid: int, timeout: float = 20) -> None:
             return  # exited, waiting to be reaped by its parent
         time.sleep(0.05)
     raise AssertionError(f"mount daemon {pid} is still running {timeout} s after unmount")
+
+
+@contextlib.contextmanager
+def _left_unmounted(mountpoint: Path):
+    """Whatever the test makes of `mountpoint`, nothing stays mounted there."""
+    try:
+        yield
+    finally:
+        if fuse_mounted_at(mountpoint):
+            pid = _daemon_pid(mountpoint)
+            run_cli("umount", str(mountpoint))
+            _wait_gone(pid)
 
 
 @pytest.fixture(scope="module")
@@ -335,6 +349,71 @@ def test_mount_argument_errors_are_one_line(packed, tmp_path, command, needles):
     args = [arg.format(ds=ds, tmp=tmp_path) for arg in command.split()]
     assert_one_line_error(run_cli(*args, timeout=30), *(needle.format(tmp=tmp_path) for needle in needles))
     assert not fuse_mounted_at(tmp_path / "mp")
+
+
+@pytest.mark.parametrize("runtime_dir", [True, False], ids=["XDG_RUNTIME_DIR", "home-cache"])
+def test_default_log_is_private(packed, tmp_path, monkeypatch, runtime_dir):
+    _, ds = packed
+    if runtime_dir:
+        (tmp_path / "run").mkdir(mode=0o700)
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+        log_dir = tmp_path / "run" / "fanstore"
+    else:
+        monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+        monkeypatch.setenv("HOME", str(tmp_path / "home"))
+        log_dir = tmp_path / "home" / ".cache" / "fanstore"
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    log = log_dir / "mount-mnt.log"
+    with _left_unmounted(mountpoint):
+        mounted = run_cli("mount", str(ds), str(mountpoint), check=True, timeout=30)
+        assert f"log {log})" in mounted.stdout
+        pid = _daemon_pid(mountpoint)
+        run_cli("umount", str(mountpoint), check=True)
+        _wait_gone(pid)
+    assert stat.S_IMODE(os.lstat(log_dir).st_mode) == 0o700
+    assert stat.S_ISREG(os.lstat(log).st_mode) and stat.S_IMODE(os.lstat(log).st_mode) == 0o600
+    assert "unmounted" in log.read_text()
+
+
+@pytest.mark.parametrize("plant, needle", [
+    ("symlinked log", "is a symbolic link"),
+    ("symlinked directory", "is a symbolic link"),
+    ("directory writable by all", "not private"),
+    ("log of another user", "not a regular file of this user's"),
+    ("fifo", "remove it"),
+])
+def test_default_log_refuses_what_another_user_could_plant(packed, tmp_path, monkeypatch, plant, needle):
+    """The daemon (often root) must never append through a planted link to a file it was not meant to touch."""
+    _, ds = packed
+    (tmp_path / "run").mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    log_dir = tmp_path / "run" / "fanstore"
+    log = log_dir / "mount-mnt.log"
+    victim = tmp_path / "victim" / log.name  # where either symlink leads
+    victim.parent.mkdir()
+    victim.write_text("precious\n")
+    if plant == "symlinked directory":
+        log_dir.symlink_to(victim.parent)
+    else:
+        log_dir.mkdir(mode=0o700)
+    if plant == "symlinked log":
+        log.symlink_to(victim)
+    elif plant == "directory writable by all":
+        log_dir.chmod(0o777)
+    elif plant == "log of another user":
+        if os.geteuid() != 0:
+            pytest.skip("only root can give a file to another user")
+        log.write_text("")
+        os.chown(log, 65534, 65534)
+    elif plant == "fifo":
+        os.mkfifo(log)
+    (tmp_path / "mnt").mkdir()
+    with _left_unmounted(tmp_path / "mnt"):
+        refused = run_cli("mount", str(ds), str(tmp_path / "mnt"), timeout=30)
+    assert_one_line_error(refused, str(log_dir), needle)
+    assert victim.read_text() == "precious\n"
+    assert not fuse_mounted_at(tmp_path / "mnt")
 
 
 def _rss(pid: int) -> int:
