@@ -168,6 +168,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 def _run_mount(args: argparse.Namespace) -> int:
     import logging
+    import math
 
     from .mount import MountOptions, default_log_path, mount_background, mount_foreground, resolve_mountpoint
 
@@ -183,6 +184,8 @@ def _run_mount(args: argparse.Namespace) -> int:
     )
     if args.prefetch < 0:
         raise UsageError(f"--prefetch: must be 0 or more files, got {args.prefetch}")
+    if args.kernel_timeout is not None and not 0 <= args.kernel_timeout < math.inf:  # nan fails both
+        raise UsageError(f"--kernel-timeout: must be 0 or more seconds, got {args.kernel_timeout}")
     # Resolved once, here: mountinfo lists resolved paths, and the check, the mount and the messages must agree.
     mountpoint = resolve_mountpoint(Path(args.mountpoint))
     if args.foreground:

@@ -181,7 +181,12 @@ def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, rea
 
     try:
         check_mountpoint(mountpoint)
-        ds = open_dataset(dataset)
+        try:
+            ds = open_dataset(dataset)
+        except FanstoreError:
+            raise
+        except OSError as exc:  # such as DEST being a file: the index loader would name only the index path
+            raise UsageError(f"DEST {str(dataset)!r}: cannot open as a dataset: {exc.strerror}") from None
         index = ds.index
         capacity = options.cache_size if options.cache_size is not None else int(
             available_memory() * DEFAULT_CACHE_FRACTION)
@@ -191,9 +196,10 @@ def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, rea
         kernel_holds = kernel_holds_flags(index)
         prefetcher = None
         min_size = INLINE_DECODE_BYTES if options.prefetch_min_size is None else options.prefetch_min_size
+        # Read even when no prefetcher is made: a list that is wrong is an error whatever the dataset holds.
+        order_list = read_prefetch_list(index, options.prefetch_list) if options.prefetch_list else None
         # No prefetcher at all when no file is big enough to be worth one: each open would only look for work.
         if options.prefetch > 0 and bool((index.entries["stored_len"] >= min_size).any()):
-            order_list = read_prefetch_list(index, options.prefetch_list) if options.prefetch_list else None
             prefetcher = Prefetcher(PrefetchView(cache, kernel_holds), FileOrder(index, order_list, min_size),
                                     options.prefetch, options.prefetch_threads or cores)
         operations = FanstoreOperations(
@@ -436,9 +442,13 @@ def unmount(mountpoint: Path) -> None:
 
     `mountpoint` is resolved (resolve_mountpoint): mountinfo, which decides here, lists resolved paths only.
     """
-    if str(mountpoint) not in _fuse_mounts():
-        if not os.path.isdir(mountpoint):
-            raise UsageError(f"MOUNTPOINT {str(mountpoint)!r} is not a directory")
+    mounts = _fuse_mounts()
+    if str(mountpoint) not in mounts:
+        if _fuse_mount_holding(str(mountpoint), mounts) is None:  # else a lookup could wait on a hung daemon
+            if not os.path.lexists(mountpoint):
+                raise UsageError(f"MOUNTPOINT {str(mountpoint)!r} does not exist")
+            if not os.path.isdir(mountpoint):
+                raise UsageError(f"MOUNTPOINT {str(mountpoint)!r} is not a directory")
         raise UsageError(f"{mountpoint}: no FUSE file system is mounted here")
     tool = shutil.which("fusermount3") or shutil.which("fusermount")
     command = [tool, "-u", "-z", str(mountpoint)] if tool else ["umount", "-l", str(mountpoint)]

@@ -335,19 +335,32 @@ def test_resolve_mountpoint_follows_links_with_readlink(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("command, needles", [
     ("mount {ds} {tmp}/absent", ["{tmp}/absent", "does not exist"]),
+    ("mount {ds} {tmp}/file", ["{tmp}/file", "not a directory"]),
     ("mount {tmp} {tmp}/mp", ["{tmp}", "not a fanstore dataset"]),
+    ("mount {tmp}/file {tmp}/mp", ["DEST", "{tmp}/file", "Not a directory"]),
+    ("mount {ds} {tmp}/mp --cache-size -1", ["--cache-size", "-1"]),
+    ("mount {ds} {tmp}/mp --prefetch -1", ["--prefetch", "-1"]),
+    ("mount {ds} {tmp}/mp --prefetch-list {tmp}/dir", ["--prefetch-list", "{tmp}/dir", "Is a directory"]),
+    ("mount {ds} {tmp}/mp --prefetch 0 --prefetch-list {tmp}/absent", ["--prefetch-list", "{tmp}/absent"]),
+    ("mount {ds} {tmp}/mp --kernel-timeout -1", ["--kernel-timeout", "-1"]),
+    ("mount {ds} {tmp}/mp --kernel-timeout nan", ["--kernel-timeout", "nan"]),
     ("mount {ds} {tmp}/mp --log {tmp}/no_dir/mount.log", ["--log", "{tmp}/no_dir/mount.log", "No such file"]),
     ("mount {ds} {tmp}/mp --log {tmp}/dir", ["--log", "{tmp}/dir", "Is a directory"]),
     ("mount {ds} {tmp}/mp --log {tmp}/file/mount.log", ["--log", "{tmp}/file/mount.log", "Not a directory"]),
     ("umount {tmp}/mp", ["{tmp}/mp", "no FUSE file system is mounted"]),
+    ("umount {tmp}/absent", ["{tmp}/absent", "does not exist"]),
+    ("umount {tmp}/file", ["{tmp}/file", "not a directory"]),
 ])
-def test_mount_argument_errors_are_one_line(packed, tmp_path, command, needles):
+def test_mount_argument_errors_are_one_line(packed, tmp_path, monkeypatch, command, needles):
     _, ds = packed
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # a default log, if any, stays in here
     for directory in ("mp", "dir"):
         (tmp_path / directory).mkdir()
     (tmp_path / "file").write_text("not a directory")
     args = [arg.format(ds=ds, tmp=tmp_path) for arg in command.split()]
-    assert_one_line_error(run_cli(*args, timeout=30), *(needle.format(tmp=tmp_path) for needle in needles))
+    with _left_unmounted(tmp_path / "mp"):
+        failed = run_cli(*args, timeout=30)
+    assert_one_line_error(failed, *(needle.format(tmp=tmp_path) for needle in needles))
     assert not fuse_mounted_at(tmp_path / "mp")
 
 
