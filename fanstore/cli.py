@@ -168,9 +168,9 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 def _run_mount(args: argparse.Namespace) -> int:
     import logging
-    import tempfile
+    import math
 
-    from .mount import MountOptions, mount_background, mount_foreground
+    from .mount import MountOptions, default_log_path, mount_background, mount_foreground, resolve_mountpoint
 
     options = MountOptions(
         cache_size=parse_size(args.cache_size, "--cache-size") if args.cache_size else None,
@@ -184,21 +184,25 @@ def _run_mount(args: argparse.Namespace) -> int:
     )
     if args.prefetch < 0:
         raise UsageError(f"--prefetch: must be 0 or more files, got {args.prefetch}")
+    if args.kernel_timeout is not None and not 0 <= args.kernel_timeout < math.inf:  # nan fails both
+        raise UsageError(f"--kernel-timeout: must be 0 or more seconds, got {args.kernel_timeout}")
+    # Resolved once, here: mountinfo lists resolved paths, and the check, the mount and the messages must agree.
+    mountpoint = resolve_mountpoint(Path(args.mountpoint))
     if args.foreground:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s fanstore: %(message)s", stream=sys.stderr)
-        return mount_foreground(Path(args.dest), Path(args.mountpoint), options, ready_fd=args.ready_fd)
-    log_path = Path(args.log) if args.log else Path(tempfile.gettempdir()) / (
-        f"fanstore-mount-{Path(args.mountpoint).resolve().name or 'root'}.log")
-    pid = mount_background(Path(args.dest), Path(args.mountpoint), args.argv, log_path)
+        return mount_foreground(Path(args.dest), mountpoint, options, ready_fd=args.ready_fd)
+    private_log = args.log is None
+    log_path = default_log_path(mountpoint) if private_log else Path(args.log)
+    pid = mount_background(Path(args.dest), mountpoint, args.argv, log_path, private_log=private_log)
     print(f"mounted {args.dest} at {args.mountpoint} (daemon pid {pid}, log {log_path}); "
           f"`fanstore umount {args.mountpoint}` to unmount")
     return 0
 
 
 def _run_umount(args: argparse.Namespace) -> int:
-    from .mount import unmount
+    from .mount import resolve_mountpoint, unmount
 
-    unmount(Path(args.mountpoint))
+    unmount(resolve_mountpoint(Path(args.mountpoint)))
     return 0
 
 
@@ -235,7 +239,9 @@ def _build_parser() -> argparse.ArgumentParser:
     mount_parser.add_argument("--prefetch-list", metavar="FILE",
                               help="epoch order to prefetch in: one dataset path a line")
     mount_parser.add_argument("--allow-other", action="store_true", help="let other users read the mount")
-    mount_parser.add_argument("--log", metavar="FILE", help="daemon log (default: a file in the temp dir)")
+    mount_parser.add_argument("--log", metavar="FILE",
+                              help="daemon log (default: mount-NAME.log in $XDG_RUNTIME_DIR/fanstore or, without "
+                                   "it, ~/.cache/fanstore)")
     mount_parser.add_argument("--no-keep-cache", action="store_true",
                               help="drop the kernel page cache on every open (for benchmarks)")
     mount_parser.add_argument("--kernel-timeout", type=float, metavar="SECONDS",

@@ -72,13 +72,14 @@ def _demo_mount(
     dataset: Path, mountpoint: Path, source: Path, paths: list[str], expected: list[str]
 ) -> tuple[list[tuple[str, float]], list[str]]:
     """Mount the dataset, check every file through it, time two epochs, and train on it as on the original."""
-    from .mount import fuse_unavailable_reason, mount_background, unmount, wait_for_exit
+    from .mount import fuse_unavailable_reason, mount_background, resolve_mountpoint, unmount, wait_for_exit
 
     reason = fuse_unavailable_reason()
     if reason is not None:
         print(f"skipping the mount: {reason}")
         return [], []
     mountpoint.mkdir(exist_ok=True)
+    mountpoint = resolve_mountpoint(mountpoint)  # as the CLI does: mountinfo, which unmount reads, lists it so
     log = mountpoint.parent / "mount.log"
     print(f"\nmounting: fanstore mount {dataset} {mountpoint}")
     pid = mount_background(dataset, mountpoint, ["mount", str(dataset), str(mountpoint), "--log", str(log)], log)

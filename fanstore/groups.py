@@ -9,6 +9,9 @@ from .errors import UsageError
 
 SPREAD = 0
 REPLICATED = 1
+# Characters a regex set gives a meaning that a glob set does not (`[^`, nested `[`, `&&`, `||`, `~~`); `-` keeps
+# its meaning of a range.
+_SET_SPECIAL = frozenset("\\[]^&|~")
 
 
 def glob_to_regex(pattern: str) -> re.Pattern[str]:
@@ -32,19 +35,22 @@ def glob_to_regex(pattern: str) -> re.Pattern[str]:
             parts.append("[^/]")
             i += 1
         elif text[i] == "[":
-            end = text.find("]", i + 2)
+            # As in fnmatch: `!` negates, and a `]` first in the set is a member, not its end.
+            first = i + 2 if text.startswith("!", i + 1) else i + 1
+            end = text.find("]", first + 1)
             if end < 0:
                 raise UsageError(f"--replicate: unclosed '[' in pattern {pattern!r}")
-            body = text[i + 1 : end]
-            if body.startswith("!"):
-                body = "^" + body[1:]
-            parts.append(f"[{body.replace(chr(92), chr(92) * 2)}]")
+            members = "".join("\\" + c if c in _SET_SPECIAL else c for c in text[first:end])
+            parts.append(f"[{'^' if first == i + 2 else ''}{members}]")
             i = end + 1
         else:
             parts.append(re.escape(text[i]))
             i += 1
     # A pattern naming a directory (`val`, `val/`) takes everything below it too.
-    return re.compile("(?:" + "".join(parts) + r")(?:/.*)?\Z", re.DOTALL)
+    try:
+        return re.compile("(?:" + "".join(parts) + r")(?:/.*)?\Z", re.DOTALL)
+    except re.error as exc:  # what the translation lets through, such as a reversed range `[z-a]`
+        raise UsageError(f"--replicate: pattern {pattern!r} is not a valid glob: {exc.msg}") from None
 
 
 class GroupPlan:

@@ -2,8 +2,9 @@
 
 `mount` returns once the file system answers (or stays in the foreground); a background mount is the same
 program re-run with --foreground in its own session, reporting readiness through a pipe. SIGTERM and SIGINT
-unmount cleanly; a mount point left behind by a killed daemon is recognised and the command that clears it is
-named.
+unmount cleanly; a mount point left behind by a killed daemon, or held by one that no longer answers, is
+recognised (from mountinfo and a statvfs with a timeout, never a stat the kernel may answer from its cache) and
+the command that clears it is named.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 from .api import open_dataset
 from .cache import DecodedCache
@@ -32,6 +36,7 @@ DEFAULT_CACHE_FRACTION = 0.25  # of the memory available when the mount starts
 # FUSE mounts get the kernel's default read-ahead, 128 KiB: a 2 MiB file then costs 16 read requests. At 1 MiB
 # (the most one FUSE read request carries) it costs 2.
 READ_AHEAD_KIB = 1024
+PROBE_TIMEOUT = 3.0  # seconds a FUSE daemon gets to answer before its mount counts as hung
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,14 +60,17 @@ class MountError(FanstoreError, OSError):
 
 def fuse_device(mountpoint: Path) -> str | None:
     """The `major:minor` of the FUSE mount at `mountpoint` (its backing device, hence its sysfs bdi), or None."""
-    target = _mountinfo_path(mountpoint)
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as mountinfo:
-        for line in mountinfo:
-            fields = line.split()
-            separator = fields.index("-")
-            if _unescape(fields[4]) == target and fields[separator + 1].startswith("fuse"):
-                return fields[2]
-    return None
+    mounts = _fuse_mounts()
+    return mounts.get(str(_resolve(mountpoint, mounts)))
+
+
+def resolve_mountpoint(mountpoint: Path) -> Path:
+    """`mountpoint` as /proc/self/mountinfo spells it: absolute, every symlink followed.
+
+    Unlike os.path.realpath it looks nothing up at or below a FUSE mount, whose daemon may be gone (ENOTCONN) or
+    hung (the lookup would wait forever); elsewhere symlinks are followed with readlink alone.
+    """
+    return _resolve(mountpoint, _fuse_mounts())
 
 
 def read_ahead_setting(mountpoint: Path) -> Path | None:
@@ -111,15 +119,27 @@ def available_memory() -> int:
 
 
 def check_mountpoint(mountpoint: Path) -> None:
-    """A mount point must be an existing directory that nothing is mounted on, stale mounts included."""
+    """A mount point must be an existing directory that nothing is mounted on, stale mounts included.
+
+    `mountpoint` is resolved (resolve_mountpoint). Whether a FUSE file system is there is read from mountinfo,
+    never from a stat: the kernel answers a stat of a killed daemon's mount from its cache for a day.
+    """
+    holder = _fuse_mount_holding(str(mountpoint), _fuse_mounts())
+    if holder is not None:
+        here = holder == str(mountpoint)
+        where = f"{mountpoint}:" if here else f"{mountpoint}: inside {holder},"
+        answer = fuse_answer(Path(holder))
+        if answer == errno.ENOTCONN:
+            raise MountError(f"{where} a stale mount left by a daemon that was killed; clear it with "
+                             f"`fanstore umount {holder}` (or `fusermount3 -u {holder}`)")
+        if answer is None:
+            raise MountError(f"{where} mounted but not answering within {PROBE_TIMEOUT:g} s (its daemon is "
+                             f"stopped or hung); detach it with `fanstore umount {holder}`")
+        if here:
+            raise MountError(f"{mountpoint}: something is already mounted here; `fanstore umount {mountpoint}` first")
     try:
-        os.stat(mountpoint)
+        os.stat(mountpoint)  # no FUSE mount here; one above it has just answered
     except OSError as exc:
-        if exc.errno == errno.ENOTCONN:
-            raise MountError(
-                f"{mountpoint}: stale mount left by a fanstore that was killed; clear it with "
-                f"`fanstore umount {mountpoint}` (or `fusermount3 -u {mountpoint}`)"
-            ) from None
         if exc.errno == errno.ENOENT:
             raise UsageError(f"MOUNTPOINT {str(mountpoint)!r} does not exist; create the directory first") from None
         raise MountError(f"{mountpoint}: {exc.strerror}") from None
@@ -127,6 +147,28 @@ def check_mountpoint(mountpoint: Path) -> None:
         raise UsageError(f"MOUNTPOINT {str(mountpoint)!r} is not a directory")
     if os.path.ismount(mountpoint):
         raise MountError(f"{mountpoint}: something is already mounted here; `fanstore umount {mountpoint}` first")
+
+
+def fuse_answer(mountpoint: Path, timeout: float = PROBE_TIMEOUT) -> int | None:
+    """Ask the daemon of the FUSE mount at `mountpoint` something: the errno it ends with (0: answered), ENOTCONN
+    when the daemon is gone, None when no answer came within `timeout` seconds.
+
+    statvfs is never answered from the kernel's cache, so it reaches the daemon. A hung daemon would hold the
+    caller forever, so the call waits in a daemon thread that the caller leaves behind.
+    """
+    outcome: list[int] = []
+
+    def ask() -> None:
+        try:
+            os.statvfs(mountpoint)
+            outcome.append(0)
+        except OSError as exc:
+            outcome.append(exc.errno)
+
+    asker = threading.Thread(target=ask, name=f"statvfs {mountpoint}", daemon=True)
+    asker.start()
+    asker.join(timeout)
+    return outcome[0] if outcome else None
 
 
 def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, ready_fd: int | None = None) -> int:
@@ -139,7 +181,12 @@ def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, rea
 
     try:
         check_mountpoint(mountpoint)
-        ds = open_dataset(dataset)
+        try:
+            ds = open_dataset(dataset)
+        except FanstoreError:
+            raise
+        except OSError as exc:  # such as DEST being a file: the index loader would name only the index path
+            raise UsageError(f"DEST {str(dataset)!r}: cannot open as a dataset: {exc.strerror}") from None
         index = ds.index
         capacity = options.cache_size if options.cache_size is not None else int(
             available_memory() * DEFAULT_CACHE_FRACTION)
@@ -149,9 +196,10 @@ def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, rea
         kernel_holds = kernel_holds_flags(index)
         prefetcher = None
         min_size = INLINE_DECODE_BYTES if options.prefetch_min_size is None else options.prefetch_min_size
+        # Read even when no prefetcher is made: a list that is wrong is an error whatever the dataset holds.
+        order_list = read_prefetch_list(index, options.prefetch_list) if options.prefetch_list else None
         # No prefetcher at all when no file is big enough to be worth one: each open would only look for work.
         if options.prefetch > 0 and bool((index.entries["stored_len"] >= min_size).any()):
-            order_list = read_prefetch_list(index, options.prefetch_list) if options.prefetch_list else None
             prefetcher = Prefetcher(PrefetchView(cache, kernel_holds), FileOrder(index, order_list, min_size),
                                     options.prefetch, options.prefetch_threads or cores)
         operations = FanstoreOperations(
@@ -226,17 +274,28 @@ def _report_ready(ready_fd: int | None, message: str) -> None:
         pass
 
 
-def mount_background(dataset: Path, mountpoint: Path, argv: list[str], log_path: Path) -> int:
-    """Start the foreground mount as a daemon in its own session; return once it is ready (or failed)."""
+def mount_background(dataset: Path, mountpoint: Path, argv: list[str], log_path: Path,
+                     private_log: bool = False) -> int:
+    """Start the foreground mount as a daemon in its own session; return once it is ready (or failed).
+
+    `private_log`: `log_path` is default_log_path's, not the user's choice, and is opened only as open_daemon_log
+    says a private log is.
+    """
     check_mountpoint(mountpoint)
+    log_fd = open_daemon_log(log_path, private=private_log)
     read_end, write_end = os.pipe()
-    with open(log_path, "ab") as log_file:
+    try:
         daemon = subprocess.Popen(
             [sys.executable, "-m", "fanstore", *argv, "--foreground", "--ready-fd", str(write_end)],
-            pass_fds=(write_end,), stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+            pass_fds=(write_end,), stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
             start_new_session=True,
         )
-    os.close(write_end)
+    except BaseException:
+        os.close(read_end)
+        raise
+    finally:
+        os.close(log_fd)
+        os.close(write_end)
     with os.fdopen(read_end, "rb") as ready:
         answer = ready.readline().decode("utf-8", "replace").strip()
     if answer == "ok":
@@ -244,6 +303,63 @@ def mount_background(dataset: Path, mountpoint: Path, argv: list[str], log_path:
     daemon.wait()
     raise MountError(answer.removeprefix("error: ") or f"the mount daemon exited with status {daemon.returncode}; "
                                                         f"see {log_path}")
+
+
+def default_log_path(mountpoint: Path) -> Path:
+    """Where a background mount logs without --log: in a directory of this user's, never a shared one like /tmp,
+    where anyone could plant a symlink at the predictable name and have the daemon (often root) append to any file.
+    """
+    runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime_dir) if runtime_dir and os.path.isdir(runtime_dir) else Path.home() / ".cache"
+    return base / "fanstore" / f"mount-{mountpoint.name or 'root'}.log"
+
+
+def open_daemon_log(log_path: Path, private: bool = False) -> int:
+    """A descriptor appending to the daemon's log; any failure is one line naming the file.
+
+    A log named by --log is opened as given. A `private` one (the default log) only inside a directory of ours
+    that no one else may write to, never through a symlink, and only if it is a regular file of ours.
+    """
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+    if not private:
+        try:
+            return os.open(log_path, flags, 0o666)
+        except OSError as exc:
+            raise UsageError(f"--log {str(log_path)!r}: cannot open: {exc.strerror}") from None
+    directory_fd = _open_private_directory(log_path.parent)
+    try:
+        # Opened relative to the directory checked, so a directory swapped since cannot redirect it; O_NONBLOCK
+        # so that a FIFO planted there cannot hold the open.
+        log_fd = os.open(log_path.name, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600, dir_fd=directory_fd)
+    except OSError as exc:
+        reason = "is a symbolic link" if exc.errno == errno.ELOOP else f"cannot be opened: {exc.strerror}"
+        raise MountError(f"log {log_path} {reason}; remove it, or give --log FILE") from None
+    finally:
+        os.close(directory_fd)
+    info = os.fstat(log_fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+        os.close(log_fd)
+        raise MountError(f"log {log_path} is not a regular file of this user's; remove it, or give --log FILE")
+    os.set_blocking(log_fd, True)
+    return log_fd
+
+
+def _open_private_directory(directory: Path) -> int:
+    """`directory` (created 0700 if missing), opened only if it is a real directory of ours that no one else may
+    write to: otherwise a symlink or file planted in it could take the log's place."""
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        directory_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        # O_DIRECTORY | O_NOFOLLOW fails on a symlink with ENOTDIR, not ELOOP: ask lstat which it was.
+        reason = "is a symbolic link" if directory.is_symlink() else f"cannot be used: {exc.strerror}"
+        raise MountError(f"log directory {directory} {reason}; give --log FILE") from None
+    info = os.fstat(directory_fd)
+    if info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        os.close(directory_fd)
+        raise MountError(f"log directory {directory} is not private (owner uid {info.st_uid}, "
+                         f"{stat.filemode(info.st_mode)}); make it 0700 and ours, or give --log FILE")
+    return directory_fd
 
 
 def wait_for_exit(pid: int, timeout: float = 30.0) -> bool:
@@ -263,11 +379,52 @@ def wait_for_exit(pid: int, timeout: float = 30.0) -> bool:
 
 
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
+_MAX_SYMLINKS = 40  # the kernel's limit for one lookup
 
 
-def _mountinfo_path(mountpoint: Path) -> str:
-    absolute = Path(os.path.abspath(mountpoint))
-    return os.path.join(os.path.realpath(absolute.parent), absolute.name)  # no lookup inside the mount itself
+def _fuse_mounts() -> dict[str, str]:
+    """Mount point -> `major:minor` of every FUSE file system in /proc/self/mountinfo, the latest one per path."""
+    mounts = {}
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as mountinfo:
+        for line in mountinfo:
+            fields = line.split()
+            fs_type = fields[fields.index("-") + 1]
+            if fs_type in ("fuse", "fuseblk") or fs_type.startswith("fuse."):
+                mounts[_unescape(fields[4])] = fields[2]
+    return mounts
+
+
+def _fuse_mount_holding(path: str, fuse_mounts: Iterable[str]) -> str | None:
+    """The innermost of `fuse_mounts` at or above the resolved `path`, or None."""
+    holders = [mount for mount in fuse_mounts if path == mount or path.startswith(mount.rstrip("/") + "/")]
+    return max(holders, key=len, default=None)
+
+
+def _resolve(mountpoint: Path, fuse_mounts: Iterable[str]) -> Path:
+    resolved = "/"
+    pending = os.path.join(os.getcwd(), mountpoint).split("/")[::-1]  # a stack: the next component last
+    links_followed = 0
+    while pending:
+        name = pending.pop()
+        if name in ("", "."):
+            continue
+        if name == "..":
+            resolved = os.path.dirname(resolved)
+            continue
+        candidate = os.path.join(resolved, name)
+        resolved = candidate
+        if _fuse_mount_holding(candidate, fuse_mounts) is not None:
+            continue  # at or inside a FUSE mount: taken as written
+        try:
+            target = os.readlink(candidate)
+        except OSError:
+            continue  # not a symlink (EINVAL), or nothing there: the checks that follow say which
+        links_followed += 1
+        if links_followed > _MAX_SYMLINKS:
+            raise UsageError(f"MOUNTPOINT {str(mountpoint)!r}: too many levels of symbolic links")
+        resolved = "/" if target.startswith("/") else os.path.dirname(candidate)
+        pending.extend(target.split("/")[::-1])
+    return Path(resolved)
 
 
 def _unescape(field: str) -> str:
@@ -281,10 +438,17 @@ def fuse_mounted_at(mountpoint: Path) -> bool:
 
 
 def unmount(mountpoint: Path) -> None:
-    """Unmount a fanstore view, stale or live; the daemon then exits by itself."""
-    if not fuse_mounted_at(mountpoint):
-        if not os.path.isdir(mountpoint):
-            raise UsageError(f"MOUNTPOINT {str(mountpoint)!r} is not a directory")
+    """Unmount a fanstore view, stale or live; the daemon then exits by itself.
+
+    `mountpoint` is resolved (resolve_mountpoint): mountinfo, which decides here, lists resolved paths only.
+    """
+    mounts = _fuse_mounts()
+    if str(mountpoint) not in mounts:
+        if _fuse_mount_holding(str(mountpoint), mounts) is None:  # else a lookup could wait on a hung daemon
+            if not os.path.lexists(mountpoint):
+                raise UsageError(f"MOUNTPOINT {str(mountpoint)!r} does not exist")
+            if not os.path.isdir(mountpoint):
+                raise UsageError(f"MOUNTPOINT {str(mountpoint)!r} is not a directory")
         raise UsageError(f"{mountpoint}: no FUSE file system is mounted here")
     tool = shutil.which("fusermount3") or shutil.which("fusermount")
     command = [tool, "-u", "-z", str(mountpoint)] if tool else ["umount", "-l", str(mountpoint)]

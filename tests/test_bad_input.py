@@ -187,3 +187,28 @@ def test_missing_dataset_for_verify_and_info(tmp_path):
     for command in ("verify", "info"):
         assert_one_line_error(run_cli(command, str(tmp_path / "absent")), "absent")
         assert_one_line_error(run_cli(command, str(tmp_path)), "not a fanstore dataset")
+
+
+@pytest.mark.parametrize("pattern", ["[z-a]", "val/[b-a]/**", "[!z-a]", "[a-\\]", "[", "[]", "**[", "[!]", "a[b"])
+def test_bad_replicate_patterns_are_one_line(source_tree, tmp_path, pattern):
+    """A glob that cannot be translated, or whose translation does not compile, names --replicate and itself."""
+    packed = run_cli("fanstore-pack", str(source_tree), str(tmp_path / "ds"), "--quiet", "--replicate", pattern)
+    assert_one_line_error(packed, "--replicate", repr(pattern))
+    assert not (tmp_path / "ds").exists()
+    selected = run_cli("select", str(source_tree), "--budget", "100MB/s", "--replicate", pattern)
+    assert_one_line_error(selected, "--replicate", repr(pattern))
+
+
+def test_replicate_sets_read_as_globs():
+    """`]` first in a set is a member, `!` negates, and regex-only set syntax (`^`, `[`, `&&`) is literal."""
+    import warnings
+
+    from fanstore.groups import glob_to_regex
+
+    cases = {"[]]": ("]", "a"), "[!]]": ("a", "]"), "[^]": ("^", "a"), "[a&&b]": ("&", "c"),
+             "[[:x]": ("[", "y"), "val/[!c]at/*": ("val/bat/1.png", "val/cat/1.png")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a nested-set FutureWarning from re would be a second stderr line
+        for pattern, (matching, other) in cases.items():
+            regex = glob_to_regex(pattern)
+            assert regex.match(matching) and not regex.match(other), pattern

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import mmap
 import os
 import random
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -20,7 +22,8 @@ import pytest
 from conftest import REPO, assert_one_line_error, make_tree, run_cli, tree_digest
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.format import CHUNK_HEADER_LEN, chunk_file_name
-from fanstore.mount import READ_AHEAD_KIB, read_ahead_setting
+from fanstore.errors import UsageError
+from fanstore.mount import READ_AHEAD_KIB, fuse_mounted_at, read_ahead_setting, resolve_mountpoint
 
 if not os.path.exists("/dev/fuse"):
     pytest.skip("/dev/fuse is missing on this machine: FUSE mounts cannot be tested", allow_module_level=True)
@@ -48,8 +51,9 @@ class Mounted:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        if os.path.ismount(self.mountpoint) or _is_stale(self.mountpoint):
-            run_cli("umount", str(self.mountpoint))
+        resolved = Path(os.path.realpath(self.mountpoint))  # mountinfo lists it so, whatever the CLI resolves
+        if fuse_mounted_at(resolved):
+            run_cli("umount", str(resolved))
         _wait_gone(self.pid)
 
 
@@ -72,6 +76,18 @@ def _wait_gone(pid: int, timeout: float = 20) -> None:
             return  # exited, waiting to be reaped by its parent
         time.sleep(0.05)
     raise AssertionError(f"mount daemon {pid} is still running {timeout} s after unmount")
+
+
+@contextlib.contextmanager
+def _left_unmounted(mountpoint: Path):
+    """Whatever the test makes of `mountpoint`, nothing stays mounted there."""
+    try:
+        yield
+    finally:
+        if fuse_mounted_at(mountpoint):
+            pid = _daemon_pid(mountpoint)
+            run_cli("umount", str(mountpoint))
+            _wait_gone(pid)
 
 
 @pytest.fixture(scope="module")
@@ -240,29 +256,177 @@ def test_umount_during_reads_ends_cleanly(packed, tmp_path):
         assert not os.path.ismount(mount.mountpoint)
 
 
-def test_sigterm_unmounts_and_stale_mount_is_reported(packed, tmp_path):
+def test_sigterm_unmounts(packed, tmp_path):
     _, ds = packed
     with Mounted(ds, tmp_path / "mnt") as mount:
         os.kill(mount.pid, signal.SIGTERM)
         _wait_gone(mount.pid)
         assert not os.path.ismount(mount.mountpoint)
+
+
+def _cache_attributes(mountpoint: Path) -> None:
+    """Make the kernel hold the mount's attributes (for a day): from then on a stat never reaches the daemon."""
+    os.stat(mountpoint)
+    for entry in os.scandir(mountpoint):
+        entry.stat(follow_symlinks=False)
+    (mountpoint / "labels.txt").read_bytes()
+
+
+def test_killed_daemon_is_reported_as_stale_though_its_attributes_are_cached(packed, tmp_path):
+    _, ds = packed
     with Mounted(ds, tmp_path / "mnt") as mount:
+        _cache_attributes(mount.mountpoint)
         os.kill(mount.pid, signal.SIGKILL)
         _wait_gone(mount.pid)
-        again = run_cli("mount", str(ds), str(mount.mountpoint))
+        os.stat(mount.mountpoint)  # still answered, from the cache: why a stat cannot tell a stale mount
+        again = run_cli("mount", str(ds), str(mount.mountpoint), timeout=30)
         assert_one_line_error(again, "stale mount", f"fanstore umount {mount.mountpoint}")
         run_cli("umount", str(mount.mountpoint), check=True)
         assert not _is_stale(mount.mountpoint) and not os.path.ismount(mount.mountpoint)
 
 
-def test_mount_errors_are_one_line(packed, tmp_path):
+def test_stopped_daemon_is_reported_as_not_answering(packed, tmp_path):
+    """A hung daemon must not hang the CLI: it gets a few seconds to answer, then is named as not answering."""
     _, ds = packed
-    assert_one_line_error(run_cli("mount", str(ds), str(tmp_path / "absent")), "does not exist")
-    (tmp_path / "mp").mkdir()
-    assert_one_line_error(run_cli("mount", str(tmp_path), str(tmp_path / "mp"), "--log", str(tmp_path / "log")),
-                          "not a fanstore dataset")
-    assert_one_line_error(run_cli("umount", str(tmp_path / "mp")), "no FUSE file system is mounted")
-    assert not os.path.ismount(tmp_path / "mp")
+    with Mounted(ds, tmp_path / "mnt") as mount:
+        _cache_attributes(mount.mountpoint)
+        os.kill(mount.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            again = run_cli("mount", str(ds), str(mount.mountpoint), timeout=30)
+            assert time.monotonic() - started < 15
+            assert_one_line_error(again, "not answering", f"fanstore umount {mount.mountpoint}")
+            run_cli("umount", str(mount.mountpoint), check=True, timeout=30)  # what the message advises
+            assert not fuse_mounted_at(mount.mountpoint)
+        finally:
+            os.kill(mount.pid, signal.SIGCONT)
+
+
+def test_mount_and_umount_through_a_symlinked_mount_point(packed, tmp_path):
+    """mountinfo lists the resolved path; `umount LINK` must find the mount that `mount DS LINK` made."""
+    src, ds = packed
+    (tmp_path / "real").mkdir()
+    link = tmp_path / "link"
+    link.symlink_to("real")
+    with Mounted(ds, link) as mount:
+        assert fuse_mounted_at(tmp_path / "real") and fuse_mounted_at(link)
+        assert (link / "labels.txt").read_bytes() == (src / "labels.txt").read_bytes()
+        again = run_cli("mount", str(ds), str(link))
+        assert_one_line_error(again, "already mounted", str(tmp_path / "real"))
+        run_cli("umount", str(link), check=True)
+        _wait_gone(mount.pid)
+        assert not fuse_mounted_at(tmp_path / "real")
+
+
+def test_resolve_mountpoint_follows_links_with_readlink(tmp_path, monkeypatch):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "to_b").symlink_to("a/b")  # relative
+    (tmp_path / "a" / "up").symlink_to(tmp_path)  # absolute
+    (tmp_path / "chain").symlink_to("a/up/to_b")
+    (tmp_path / "loop").symlink_to("loop")
+    monkeypatch.chdir(tmp_path / "a")
+    assert resolve_mountpoint(Path("b")) == tmp_path / "a" / "b"
+    assert resolve_mountpoint(tmp_path / "chain") == tmp_path / "a" / "b"
+    assert resolve_mountpoint(tmp_path / "to_b" / ".." / "b" / ".") == tmp_path / "a" / "b"  # `..` after the link
+    assert resolve_mountpoint(tmp_path / "chain" / "not_yet") == tmp_path / "a" / "b" / "not_yet"
+    with pytest.raises(UsageError, match="too many levels of symbolic links"):
+        resolve_mountpoint(tmp_path / "loop")
+
+
+@pytest.mark.parametrize("command, needles", [
+    ("mount {ds} {tmp}/absent", ["{tmp}/absent", "does not exist"]),
+    ("mount {ds} {tmp}/file", ["{tmp}/file", "not a directory"]),
+    ("mount {tmp} {tmp}/mp", ["{tmp}", "not a fanstore dataset"]),
+    ("mount {tmp}/file {tmp}/mp", ["DEST", "{tmp}/file", "Not a directory"]),
+    ("mount {ds} {tmp}/mp --cache-size -1", ["--cache-size", "-1"]),
+    ("mount {ds} {tmp}/mp --prefetch -1", ["--prefetch", "-1"]),
+    ("mount {ds} {tmp}/mp --prefetch-list {tmp}/dir", ["--prefetch-list", "{tmp}/dir", "Is a directory"]),
+    ("mount {ds} {tmp}/mp --prefetch 0 --prefetch-list {tmp}/absent", ["--prefetch-list", "{tmp}/absent"]),
+    ("mount {ds} {tmp}/mp --kernel-timeout -1", ["--kernel-timeout", "-1"]),
+    ("mount {ds} {tmp}/mp --kernel-timeout nan", ["--kernel-timeout", "nan"]),
+    ("mount {ds} {tmp}/mp --log {tmp}/no_dir/mount.log", ["--log", "{tmp}/no_dir/mount.log", "No such file"]),
+    ("mount {ds} {tmp}/mp --log {tmp}/dir", ["--log", "{tmp}/dir", "Is a directory"]),
+    ("mount {ds} {tmp}/mp --log {tmp}/file/mount.log", ["--log", "{tmp}/file/mount.log", "Not a directory"]),
+    ("umount {tmp}/mp", ["{tmp}/mp", "no FUSE file system is mounted"]),
+    ("umount {tmp}/absent", ["{tmp}/absent", "does not exist"]),
+    ("umount {tmp}/file", ["{tmp}/file", "not a directory"]),
+])
+def test_mount_argument_errors_are_one_line(packed, tmp_path, monkeypatch, command, needles):
+    _, ds = packed
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # a default log, if any, stays in here
+    for directory in ("mp", "dir"):
+        (tmp_path / directory).mkdir()
+    (tmp_path / "file").write_text("not a directory")
+    args = [arg.format(ds=ds, tmp=tmp_path) for arg in command.split()]
+    with _left_unmounted(tmp_path / "mp"):
+        failed = run_cli(*args, timeout=30)
+    assert_one_line_error(failed, *(needle.format(tmp=tmp_path) for needle in needles))
+    assert not fuse_mounted_at(tmp_path / "mp")
+
+
+@pytest.mark.parametrize("runtime_dir", [True, False], ids=["XDG_RUNTIME_DIR", "home-cache"])
+def test_default_log_is_private(packed, tmp_path, monkeypatch, runtime_dir):
+    _, ds = packed
+    if runtime_dir:
+        (tmp_path / "run").mkdir(mode=0o700)
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+        log_dir = tmp_path / "run" / "fanstore"
+    else:
+        monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+        monkeypatch.setenv("HOME", str(tmp_path / "home"))
+        log_dir = tmp_path / "home" / ".cache" / "fanstore"
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    log = log_dir / "mount-mnt.log"
+    with _left_unmounted(mountpoint):
+        mounted = run_cli("mount", str(ds), str(mountpoint), check=True, timeout=30)
+        assert f"log {log})" in mounted.stdout
+        pid = _daemon_pid(mountpoint)
+        run_cli("umount", str(mountpoint), check=True)
+        _wait_gone(pid)
+    assert stat.S_IMODE(os.lstat(log_dir).st_mode) == 0o700
+    assert stat.S_ISREG(os.lstat(log).st_mode) and stat.S_IMODE(os.lstat(log).st_mode) == 0o600
+    assert "unmounted" in log.read_text()
+
+
+@pytest.mark.parametrize("plant, needle", [
+    ("symlinked log", "is a symbolic link"),
+    ("symlinked directory", "is a symbolic link"),
+    ("directory writable by all", "not private"),
+    ("log of another user", "not a regular file of this user's"),
+    ("fifo", "remove it"),
+])
+def test_default_log_refuses_what_another_user_could_plant(packed, tmp_path, monkeypatch, plant, needle):
+    """The daemon (often root) must never append through a planted link to a file it was not meant to touch."""
+    _, ds = packed
+    (tmp_path / "run").mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    log_dir = tmp_path / "run" / "fanstore"
+    log = log_dir / "mount-mnt.log"
+    victim = tmp_path / "victim" / log.name  # where either symlink leads
+    victim.parent.mkdir()
+    victim.write_text("precious\n")
+    if plant == "symlinked directory":
+        log_dir.symlink_to(victim.parent)
+    else:
+        log_dir.mkdir(mode=0o700)
+    if plant == "symlinked log":
+        log.symlink_to(victim)
+    elif plant == "directory writable by all":
+        log_dir.chmod(0o777)
+    elif plant == "log of another user":
+        if os.geteuid() != 0:
+            pytest.skip("only root can give a file to another user")
+        log.write_text("")
+        os.chown(log, 65534, 65534)
+    elif plant == "fifo":
+        os.mkfifo(log)
+    (tmp_path / "mnt").mkdir()
+    with _left_unmounted(tmp_path / "mnt"):
+        refused = run_cli("mount", str(ds), str(tmp_path / "mnt"), timeout=30)
+    assert_one_line_error(refused, str(log_dir), needle)
+    assert victim.read_text() == "precious\n"
+    assert not fuse_mounted_at(tmp_path / "mnt")
 
 
 def _rss(pid: int) -> int:
