@@ -181,12 +181,7 @@ def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, rea
 
     try:
         check_mountpoint(mountpoint)
-        try:
-            ds = open_dataset(dataset)
-        except FanstoreError:
-            raise
-        except OSError as exc:  # such as DEST being a file: the index loader would name only the index path
-            raise UsageError(f"DEST {str(dataset)!r}: cannot open as a dataset: {exc.strerror}") from None
+        ds = open_dataset(dataset)
         index = ds.index
         capacity = options.cache_size if options.cache_size is not None else int(
             available_memory() * DEFAULT_CACHE_FRACTION)

@@ -184,9 +184,17 @@ def test_disk_full_stops_cleanly_and_resumes(tmp_path):
 
 
 def test_missing_dataset_for_verify_and_info(tmp_path):
+    (tmp_path / "plain.txt").write_text("not a dataset")
+    (tmp_path / "index_is_dir" / "fanstore.index").mkdir(parents=True)
+    (tmp_path / "index_is_fifo").mkdir()
+    os.mkfifo(tmp_path / "index_is_fifo" / "fanstore.index")
     for command in ("verify", "info"):
         assert_one_line_error(run_cli(command, str(tmp_path / "absent")), "absent")
         assert_one_line_error(run_cli(command, str(tmp_path)), "not a fanstore dataset")
+        assert_one_line_error(run_cli(command, str(tmp_path / "plain.txt")), "plain.txt", "is a file")
+        assert_one_line_error(run_cli(command, str(tmp_path / "index_is_dir")), "fanstore.index", "not a regular")
+        # a fifo must be refused, not read: the read would block until a writer came
+        assert_one_line_error(run_cli(command, str(tmp_path / "index_is_fifo"), timeout=30), "not a regular")
 
 
 @pytest.mark.parametrize("pattern", ["[z-a]", "val/[b-a]/**", "[!z-a]", "[a-\\]", "[", "[]", "**[", "[!]", "a[b"])

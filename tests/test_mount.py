@@ -337,7 +337,7 @@ def test_resolve_mountpoint_follows_links_with_readlink(tmp_path, monkeypatch):
     ("mount {ds} {tmp}/absent", ["{tmp}/absent", "does not exist"]),
     ("mount {ds} {tmp}/file", ["{tmp}/file", "not a directory"]),
     ("mount {tmp} {tmp}/mp", ["{tmp}", "not a fanstore dataset"]),
-    ("mount {tmp}/file {tmp}/mp", ["DEST", "{tmp}/file", "Not a directory"]),
+    ("mount {tmp}/file {tmp}/mp", ["{tmp}/file", "is a file"]),
     ("mount {ds} {tmp}/mp --cache-size -1", ["--cache-size", "-1"]),
     ("mount {ds} {tmp}/mp --prefetch -1", ["--prefetch", "-1"]),
     ("mount {ds} {tmp}/mp --prefetch-list {tmp}/dir", ["--prefetch-list", "{tmp}/dir", "Is a directory"]),
