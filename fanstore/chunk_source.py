@@ -162,12 +162,12 @@ class LocalChunkSource(ChunkSource):
     def _check_opened(self, fd: int, chunk_id: int, path: Path) -> None:
         try:
             info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise ChunkUnavailable(f"{path}: chunk {chunk_id} is not a regular file", chunk_id=chunk_id)
-            header = os.pread(fd, CHUNK_HEADER_LEN, 0)
+            header = os.pread(fd, CHUNK_HEADER_LEN, 0) if stat.S_ISREG(info.st_mode) else b""
         except OSError as exc:
             raise ChunkUnavailable(f"{path}: cannot read chunk {chunk_id}: {exc.strerror}",
                                    chunk_id=chunk_id) from None
+        if not stat.S_ISREG(info.st_mode):
+            raise ChunkUnavailable(f"{path}: chunk {chunk_id} is not a regular file", chunk_id=chunk_id)
         try:
             check_chunk_header(header, chunk_id, path)
         except FormatError as exc:

@@ -9,16 +9,17 @@ served whole leaves the decoded cache: the kernel's page cache holds it, and a s
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import stat
-from typing import Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 import pyfuse3
 import trio
 
 from .cache import DecodedCache
-from .errors import ChunkCorrupt
+from .errors import ChunkCorrupt, ChunkUnavailable, FanstoreError, fuse_errno_of
 from .index import Index
 from .prefetch import Prefetcher
 
@@ -57,8 +58,44 @@ class PrefetchView:
         return b"" if self._kernel_holds[entry] else self._cache.get(entry)
 
 
+_Operations = TypeVar("_Operations", bound=type)
+# Handlers whose first argument is the file handle open() or opendir() returned (an entry number), not an inode.
+_HANDLE_FIRST = frozenset({"read", "readdir", "release", "releasedir", "flush", "fsync", "fsyncdir", "write"})
+
+
+def answers_every_failure(cls: _Operations) -> _Operations:
+    """Wrap every request handler `cls` defines so that any failure answers that one request with an errno.
+
+    pyfuse3 replies with an errno only for a FUSEError; any other exception leaves its main loop and ends the
+    mount, and the training job then sees an empty directory. A damaged chunk, a disk answering EIO, a closed
+    descriptor, MemoryError or a bug must cost one request, not the mount (the errno each maps to is
+    errors.fuse_errno_of's). The handler's object reports the failure (`report_failure`).
+    """
+    handler_names = {name for name in vars(pyfuse3.Operations) if not name.startswith("_")} - {"init"}
+    for name, handler in list(vars(cls).items()):
+        if name in handler_names:
+            setattr(cls, name, _answering_errno(handler))
+    return cls
+
+
+def _answering_errno(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    @functools.wraps(handler)
+    async def guarded(self: Any, *args: Any) -> Any:
+        try:
+            return await handler(self, *args)
+        except pyfuse3.FUSEError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - see answers_every_failure; trio's Cancelled is not an Exception
+            raise pyfuse3.FUSEError(self.report_failure(handler.__name__, args, exc)) from None
+
+    guarded.answers_errno = True  # type: ignore[attr-defined]
+    return guarded
+
+
+@answers_every_failure
 class FanstoreOperations(pyfuse3.Operations):
-    """Read-only operations over one dataset; every write-side request answers EROFS."""
+    """Read-only operations over one dataset; every write-side request answers EROFS, and any failure answers
+    its request with an errno (see answers_every_failure)."""
 
     def __init__(self, index: Index, cache: DecodedCache, prefetcher: Prefetcher | None, decode_threads: int,
                  keep_cache: bool = True, timeout: float = KERNEL_CACHE_TIMEOUT,
@@ -78,7 +115,7 @@ class FanstoreOperations(pyfuse3.Operations):
         self._kernel_holds = kernel_holds if kernel_holds is not None else kernel_holds_flags(index)
         self._decode_limiter = trio.CapacityLimiter(max(1, decode_threads))
         self._uid, self._gid = os.getuid(), os.getgid()
-        self._reported_corrupt: set[int] = set()
+        self._reported: set[tuple[str, object]] = set()
         self.initialized = trio.Event()
         total = int(index.entries["size"].sum())
         self._statfs = pyfuse3.StatvfsData()
@@ -183,16 +220,10 @@ class FanstoreOperations(pyfuse3.Operations):
         data = self.cache.peek(fh)
         if data is None:
             load = self._loader_for(fh, off, size)
-            try:
-                if self._stored_len[fh] <= INLINE_DECODE_BYTES:
-                    data = load(fh)
-                else:
-                    data = await trio.to_thread.run_sync(load, fh, limiter=self._decode_limiter)
-            except ChunkCorrupt as exc:
-                if fh not in self._reported_corrupt:
-                    self._reported_corrupt.add(fh)
-                    log.error("EIO: %s", exc)
-                raise pyfuse3.FUSEError(errno.EIO) from None
+            if self._stored_len[fh] <= INLINE_DECODE_BYTES:
+                data = load(fh)
+            else:
+                data = await trio.to_thread.run_sync(load, fh, limiter=self._decode_limiter)
         reply = memoryview(data)[off : off + size]  # pyfuse3 replies from the buffer: no copy of the slice
         if self.keep_cache:
             self._count_served(fh, len(reply), len(data))
@@ -218,6 +249,35 @@ class FanstoreOperations(pyfuse3.Operations):
 
     async def release(self, fh: int) -> None:
         return None
+
+    def report_failure(self, handler: str, args: tuple[Any, ...], exc: Exception) -> int:
+        """Log a failed request once per damaged file, unavailable chunk or kind of fault; return its errno."""
+        code = fuse_errno_of(exc)
+        if isinstance(exc, ChunkCorrupt):
+            key: tuple[str, object] = ("corrupt", exc.path)
+        elif isinstance(exc, ChunkUnavailable):
+            key = ("unavailable", exc.chunk_id)
+        elif isinstance(exc, FanstoreError):
+            key = (type(exc).__name__, str(exc))
+        else:
+            key = (handler, type(exc).__name__)
+        if key not in self._reported:
+            self._reported.add(key)
+            what = str(exc) if isinstance(exc, FanstoreError) else f"{type(exc).__name__}: {exc} " \
+                f"(in {handler}{self._describe(handler, args)})"
+            log.error("%s: %s", errno.errorcode.get(code, code), what)
+        return code
+
+    def _describe(self, handler: str, args: tuple[Any, ...]) -> str:
+        """The file a request was about, for a log line: its first argument is a file handle (an entry number)
+        or an inode (entry + 1)."""
+        if not args or type(args[0]) is not int:
+            return ""
+        entry = args[0] if handler in _HANDLE_FIRST else args[0] - 1
+        try:
+            return f", {self.index.path_of(entry)!r}"
+        except Exception:  # noqa: BLE001 - only a log line's detail
+            return f", {'handle' if handler in _HANDLE_FIRST else 'inode'} {args[0]}"
 
     # --- everything that would change the tree ---------------------------------------------------------------
 

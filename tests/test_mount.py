@@ -230,6 +230,72 @@ def test_corrupt_blob_is_eio_for_that_file_only(packed, tmp_path):
     assert offset >= CHUNK_HEADER_LEN
 
 
+def _files_by_chunk(dataset: Path) -> dict[int, list[str]]:
+    with open_dataset(dataset) as ds:
+        by_chunk: dict[int, list[str]] = {}
+        for entry in ds.index.iter_files():
+            by_chunk.setdefault(int(ds.index.entries[entry]["chunk"]), []).append(ds.index.path_of(entry))
+    return by_chunk
+
+
+def _assert_only_chunk_fails(src: Path, mountpoint: Path, by_chunk: dict[int, list[str]], bad_chunk: int) -> None:
+    """Every file of `bad_chunk` answers EIO, twice; every other file reads as in SRC; the view stays whole."""
+    for _ in range(2):
+        for chunk, paths in by_chunk.items():
+            for rel in paths:
+                if chunk == bad_chunk:
+                    with pytest.raises(OSError) as caught:
+                        (mountpoint / rel).read_bytes()
+                    assert caught.value.errno == errno.EIO, rel
+                else:
+                    assert (mountpoint / rel).read_bytes() == (src / rel).read_bytes(), rel
+    assert os.path.ismount(mountpoint) and sorted(os.listdir(mountpoint)) == sorted(os.listdir(src))
+
+
+def test_a_chunk_that_is_a_directory_fails_its_files_not_the_mount(packed, tmp_path):
+    src, ds = packed
+    damaged = tmp_path / "damaged"
+    subprocess.run(["cp", "-a", str(ds), str(damaged)], check=True)
+    by_chunk = _files_by_chunk(damaged)
+    bad_chunk = max(by_chunk, key=lambda c: len(by_chunk[c]))
+    (damaged / chunk_file_name(bad_chunk)).unlink()
+    (damaged / chunk_file_name(bad_chunk)).mkdir()
+    with Mounted(damaged, tmp_path / "mnt") as mount:
+        _assert_only_chunk_fails(src, mount.mountpoint, by_chunk, bad_chunk)
+        os.kill(mount.pid, 0)  # the daemon still serves
+    lines = [line for line in mount.log.read_text().splitlines() if "EIO" in line]
+    assert len(lines) == 1 and f"chunk {bad_chunk} is not a regular file" in lines[0], lines
+
+
+def test_a_disk_answering_eio_fails_the_files_of_that_chunk_not_the_mount(packed, tmp_path):
+    """The chunk file lies on a file system that answers EIO for it: another fanstore mount, whose only blob, that
+    chunk file's bytes, is damaged. So the daemon's own reads of the chunk fail as a failing disk's would."""
+    src, ds = packed
+    dataset = tmp_path / "dataset"
+    subprocess.run(["cp", "-a", str(ds), str(dataset)], check=True)
+    by_chunk = _files_by_chunk(dataset)
+    bad_chunk = max(by_chunk, key=lambda c: len(by_chunk[c]))
+    disk_src = tmp_path / "disk_src"
+    disk_src.mkdir()
+    (dataset / chunk_file_name(bad_chunk)).rename(disk_src / "chunk.fsc")
+    pack(disk_src, tmp_path / "disk", PackOptions(codec="none", workers=1))
+    disk_chunk = tmp_path / "disk" / chunk_file_name(0)
+    stored = bytearray(disk_chunk.read_bytes())
+    stored[len(stored) // 2] ^= 0xFF
+    disk_chunk.write_bytes(bytes(stored))
+    with Mounted(tmp_path / "disk", tmp_path / "failing_disk") as disk:
+        (dataset / chunk_file_name(bad_chunk)).symlink_to(disk.mountpoint / "chunk.fsc")
+        with pytest.raises(OSError) as caught:
+            (disk.mountpoint / "chunk.fsc").read_bytes()
+        assert caught.value.errno == errno.EIO  # the "disk" fails as intended
+        with Mounted(dataset, tmp_path / "mnt") as mount:
+            _assert_only_chunk_fails(src, mount.mountpoint, by_chunk, bad_chunk)
+            os.kill(mount.pid, 0)
+    lines = [line for line in mount.log.read_text().splitlines() if "EIO" in line]
+    assert len(lines) == 1 and f"chunk {bad_chunk}" in lines[0] and "Input/output error" in lines[0], lines
+    assert "corrupt" not in lines[0] and "checksum" not in lines[0]  # unavailable, not called corruption
+
+
 def test_umount_during_reads_ends_cleanly(packed, tmp_path):
     _, ds = packed
     mount = Mounted(ds, tmp_path / "mnt")

@@ -1,0 +1,80 @@
+"""The FUSE handlers, called directly: any failure answers its one request with an errno, never ends the loop.
+
+The mounted tests (test_mount.py) show a damaged chunk and a failing disk cost only their files; these show the
+rule holds for every handler and every kind of exception, including ones a real dataset cannot provoke (a bug).
+"""
+
+from __future__ import annotations
+
+import errno
+import inspect
+import logging
+
+import pytest
+
+pyfuse3 = pytest.importorskip("pyfuse3", reason="pyfuse3 is not installed (needs libfuse3-dev to build)")
+trio = pytest.importorskip("trio")
+
+from conftest import make_tree  # noqa: E402
+from fanstore import PackOptions, open_dataset, pack  # noqa: E402
+from fanstore.cache import DecodedCache  # noqa: E402
+from fanstore.errors import ChunkCorrupt, ChunkUnavailable  # noqa: E402
+from fanstore.fuse_ops import FanstoreOperations  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fuse_ops")
+    pack(make_tree(root / "src"), root / "ds", PackOptions(codec="zstd:3", workers=1))
+    with open_dataset(root / "ds") as ds:
+        yield ds
+
+
+def operations_failing_with(dataset, exc: BaseException) -> FanstoreOperations:
+    def load(key: int) -> bytes:
+        raise exc
+    return FanstoreOperations(dataset.index, DecodedCache(1 << 20, load), None, decode_threads=1)
+
+
+def test_every_handler_the_class_defines_answers_with_an_errno():
+    handlers = {name for name, value in vars(FanstoreOperations).items()
+                if inspect.iscoroutinefunction(value) and name in vars(pyfuse3.Operations)}
+    assert {"lookup", "getattr", "read", "open", "readdir", "readlink", "statfs"} <= handlers
+    unwrapped = sorted(name for name in handlers if not getattr(vars(FanstoreOperations)[name], "answers_errno", False))
+    assert unwrapped == []
+
+
+@pytest.mark.parametrize("exc, code", [
+    (ChunkCorrupt("labels.txt: checksum mismatch in chunk 0", path="labels.txt", chunk_id=0), errno.EIO),
+    (ChunkUnavailable("chunks/00000000.fsc: cannot open chunk 0: Too many open files", chunk_id=0), errno.EIO),
+    (OSError(errno.EMFILE, "Too many open files"), errno.EMFILE),
+    (MemoryError(), errno.ENOMEM),
+    (OverflowError("Python int too large to convert to C long"), errno.EIO),
+    (IndexError("index 7 is out of bounds"), errno.EIO),
+    (ZeroDivisionError("a bug"), errno.EIO),
+])
+def test_a_failing_read_answers_its_errno_and_logs_once(dataset, caplog, exc, code):
+    operations = operations_failing_with(dataset, exc)
+    entry = dataset.index.lookup("labels.txt")
+    with caplog.at_level(logging.ERROR, logger="fanstore.mount"):
+        for _ in range(3):
+            with pytest.raises(pyfuse3.FUSEError) as caught:
+                trio.run(operations.read, entry, 0, 4096)
+            assert caught.value.errno == code
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(errno.errorcode[code])
+    if not isinstance(exc, (ChunkCorrupt, ChunkUnavailable)):
+        assert type(exc).__name__ in lines[0] and "'labels.txt'" in lines[0]  # what failed, and on which file
+
+
+def test_a_handler_given_nonsense_answers_not_raises(dataset):
+    operations = operations_failing_with(dataset, AssertionError("not reached"))
+    bad_inode = len(dataset.index.entries) + 10
+    for call in (lambda: operations.getattr(bad_inode, None), lambda: operations.lookup(bad_inode, b"x", None),
+                 lambda: operations.opendir(bad_inode, None), lambda: operations.readlink(1, None),
+                 lambda: operations.read(2**70, 0, 10)):
+        with pytest.raises(pyfuse3.FUSEError) as caught:
+            trio.run(call)
+        assert caught.value.errno in (errno.ENOENT, errno.EINVAL, errno.EIO)
+
