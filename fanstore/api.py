@@ -12,7 +12,7 @@ from types import TracebackType
 from typing import Iterator
 
 from .chunk_source import ChunkSource, LocalChunkSource
-from .errors import PathNotFound
+from .errors import IsADirectory, NotADirectory, NotASymlink, PathNotFound, SymlinkLoop
 from .index import Index, normalize_path
 from .reader import Reader
 
@@ -35,13 +35,26 @@ class EntryStat:
 
 
 class BlobFile(io.RawIOBase):
-    """A read-only, seekable binary file over the decoded bytes of one dataset file."""
+    """A read-only, seekable binary file over one dataset file, decoded as reads reach it.
 
-    def __init__(self, data: bytes, name: str) -> None:
+    A file stored in blocks is decoded a block at a time, and the block read last is kept: a sequential read
+    decodes each block once, a small read anywhere about one block, whatever the file's size. A file stored
+    whole is decoded at its first read.
+    """
+
+    def __init__(self, reader: Reader, entry: int, name: str) -> None:
         super().__init__()
-        self._view = memoryview(data)
-        self._pos = 0
         self.name = name
+        self._reader = reader
+        self._entry = entry
+        self._size = int(reader.index.entries[entry]["size"])
+        blocked = reader.is_blocked(entry)
+        self._part_size = reader.block_size if blocked else max(1, self._size)
+        self._load_part = (lambda part: reader.read_block(entry, part)) if blocked else (
+            lambda part: reader.read(entry))
+        self._part_number = -1
+        self._part = b""
+        self._pos = 0
 
     def readable(self) -> bool:
         return True
@@ -55,32 +68,71 @@ class BlobFile(io.RawIOBase):
     def truncate(self, size: int | None = None) -> int:
         raise io.UnsupportedOperation(f"{self.name}: the dataset is read-only")
 
+    def _part_at(self, position: int) -> tuple[bytes, int]:
+        """The decoded part (a block, or the whole file) holding `position`, and where `position` lies in it."""
+        number = position // self._part_size
+        if number != self._part_number:
+            self._part = self._load_part(number)
+            self._part_number = number
+        return self._part, position - number * self._part_size
+
     def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
         self._checkClosed()
-        count = max(0, min(len(buffer), len(self._view) - self._pos))
-        buffer[:count] = self._view[self._pos : self._pos + count]
-        self._pos += count
+        with memoryview(buffer) as target, target.cast("B") as into:
+            count = 0
+            while count < len(into) and self._pos < self._size:
+                part, start = self._part_at(self._pos)
+                taken = min(len(part) - start, len(into) - count)
+                into[count : count + taken] = memoryview(part)[start : start + taken]
+                count += taken
+                self._pos += taken
         return count
 
     def readall(self) -> bytes:
         self._checkClosed()
-        data = bytes(self._view[self._pos :])
-        self._pos = len(self._view)
-        return data
+        if self._pos == 0 and not self._reader.is_blocked(self._entry):
+            self._pos = self._size
+            return self._reader.read(self._entry)
+        parts = []
+        while self._pos < self._size:
+            part, start = self._part_at(self._pos)
+            parts.append(part[start:])
+            self._pos += len(part) - start
+        return b"".join(parts)
+
+    def readline(self, size: int | None = -1) -> bytes:
+        """One line, found in the decoded bytes directly (io's default reads a byte at a time)."""
+        self._checkClosed()
+        left = self._size - self._pos if size is None or size < 0 else min(size, self._size - self._pos)
+        parts = []
+        while left > 0:
+            part, start = self._part_at(self._pos)
+            stop = min(len(part), start + left)
+            newline = part.find(b"\n", start, stop)
+            end = stop if newline < 0 else newline + 1
+            parts.append(part[start:end])
+            self._pos += end - start
+            left -= end - start
+            if newline >= 0:
+                break
+        return b"".join(parts)
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         self._checkClosed()
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset}")
-        self._pos = base + offset
+        bases = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}
+        if whence not in bases:
+            raise ValueError(f"{self.name}: invalid whence {whence!r} (use io.SEEK_SET, SEEK_CUR or SEEK_END)")
+        if bases[whence] + offset < 0:
+            raise ValueError(f"{self.name}: negative seek position {bases[whence] + offset}")
+        self._pos = bases[whence] + offset
         return self._pos
 
     def tell(self) -> int:
+        self._checkClosed()
         return self._pos
 
     def close(self) -> None:
-        self._view.release()
+        self._part = b""
         super().close()
 
 
@@ -114,8 +166,8 @@ class Dataset:
             entry = self._lookup_following_parents(current)
             if not stat.S_ISLNK(int(self.index.entries[entry]["mode"])):
                 return entry
-            current = self._link_destination(current, entry)
-        raise PathNotFound(f"{os.fspath(path)!r}: too many levels of symbolic links")
+            current = self._link_destination(entry)
+        raise SymlinkLoop(f"{os.fspath(path)!r}: too many levels of symbolic links")
 
     def _lookup_following_parents(self, path: str) -> int:
         try:
@@ -130,23 +182,30 @@ class Dataset:
                 raise
             return self.index.lookup(posixpath.join(self.index.path_of(parent), tail))
 
-    def _link_destination(self, link_path: str, entry: int) -> str:
-        target = self.index.link_target(entry)
-        joined = posixpath.normpath(posixpath.join(posixpath.dirname(link_path), target))
+    def _link_destination(self, entry: int) -> str:
+        """Where a link points, joined to the link's own path: every directory above an entry is a real one, so
+        a '..' in the target climbs what the kernel would (not a symlinked directory the caller went through).
+        The index check guarantees the result stays inside."""
+        link_path = self.index.path_of(entry)
+        joined = posixpath.normpath(posixpath.join(posixpath.dirname(link_path), self.index.link_target(entry)))
         if joined.startswith("..") or joined.startswith("/"):
             raise PathNotFound(f"{link_path!r}: symlink points outside the dataset")
         return "" if joined == "." else joined
 
     def read(self, path: str | os.PathLike[str]) -> bytes:
-        """The whole original content of a file; ChunkCorrupt if its blob is damaged (other files still read)."""
-        entry = self.resolve(path)
-        if stat.S_ISDIR(int(self.index.entries[entry]["mode"])):
-            raise IsADirectoryError(f"{os.fspath(path)!r} is a directory")
-        return self.reader.read(entry)
+        """The whole original content of a file. ChunkCorrupt if its stored bytes are damaged, ChunkUnavailable if
+        they cannot be read now; other files still read."""
+        return self.reader.read(self._file_entry(path))
 
     def open(self, path: str | os.PathLike[str]) -> BlobFile:
-        """A seekable, read-only binary file object."""
-        return BlobFile(self.read(path), normalize_path(path))
+        """A seekable, read-only binary file object; it decodes as reads reach it (see BlobFile)."""
+        return BlobFile(self.reader, self._file_entry(path), normalize_path(path))
+
+    def _file_entry(self, path: str | os.PathLike[str]) -> int:
+        entry = self.resolve(path)
+        if stat.S_ISDIR(int(self.index.entries[entry]["mode"])):
+            raise IsADirectory(f"{os.fspath(path)!r} is a directory")
+        return entry
 
     def stat(self, path: str | os.PathLike[str], follow_symlinks: bool = True) -> EntryStat:
         entry = self.resolve(path) if follow_symlinks else self.index.lookup(path)
@@ -163,14 +222,14 @@ class Dataset:
     def readlink(self, path: str | os.PathLike[str]) -> str:
         entry = self.index.lookup(path)
         if not stat.S_ISLNK(int(self.index.entries[entry]["mode"])):
-            raise OSError(22, f"{os.fspath(path)!r} is not a symbolic link")
+            raise NotASymlink(f"{os.fspath(path)!r} is not a symbolic link")
         return self.index.link_target(entry)
 
     def listdir(self, path: str | os.PathLike[str] = "") -> list[str]:
         """Names in a directory, sorted, like os.listdir."""
         entry = self.resolve(path)
         if not stat.S_ISDIR(int(self.index.entries[entry]["mode"])):
-            raise NotADirectoryError(f"{os.fspath(path)!r} is not a directory")
+            raise NotADirectory(f"{os.fspath(path)!r} is not a directory")
         return [self.index.path_of(c).rpartition("/")[2] for c in self.index.children(entry)]
 
     def walk(self, top: str | os.PathLike[str] = "") -> Iterator[tuple[str, list[str], list[str]]]:

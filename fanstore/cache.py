@@ -10,7 +10,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Hashable
 
 
 @dataclass(slots=True)
@@ -28,17 +28,17 @@ class DecodedCache:
     A value larger than the whole capacity is returned but not kept.
     """
 
-    def __init__(self, capacity: int, loader: Callable[[int], bytes]) -> None:
+    def __init__(self, capacity: int, loader: Callable[[Hashable], bytes]) -> None:
         if capacity < 0:
             raise ValueError(f"cache capacity must be 0 or more bytes, got {capacity}")
         self.capacity = capacity
         self._loader = loader
-        self._values: OrderedDict[int, bytes] = OrderedDict()
-        self._loading: dict[int, Future[bytes]] = {}
+        self._values: OrderedDict[Hashable, bytes] = OrderedDict()
+        self._loading: dict[Hashable, Future[bytes]] = {}
         self._lock = threading.Lock()
         self._stats = CacheStats()
 
-    def get(self, key: int) -> bytes:
+    def get(self, key: Hashable) -> bytes:
         with self._lock:
             value = self._hit(key)
             if value is not None:
@@ -65,17 +65,17 @@ class DecodedCache:
         pending.set_result(value)
         return value
 
-    def load_uncached(self, key: int) -> bytes:
+    def load_uncached(self, key: Hashable) -> bytes:
         """Load a value without keeping it, for a consumer that takes all of it at once and keeps it itself (the
         kernel's page cache, for a file served whole in one reply): caching it would only cost a copy's memory."""
         return self._loader(key)
 
-    def peek(self, key: int) -> bytes | None:
+    def peek(self, key: Hashable) -> bytes | None:
         """The cached value, or None without loading: lets an event loop serve hits without a thread hop."""
         with self._lock:
             return self._hit(key)
 
-    def _hit(self, key: int) -> bytes | None:
+    def _hit(self, key: Hashable) -> bytes | None:
         """The value if cached, now the most recently used; the caller holds the lock."""
         value = self._values.get(key)
         if value is not None:
@@ -83,14 +83,14 @@ class DecodedCache:
             self._stats.hits += 1
         return value
 
-    def discard(self, key: int) -> None:
+    def discard(self, key: Hashable) -> None:
         """Forget a value now (not counted as an eviction): its reader has all of it, keeping it is only memory."""
         with self._lock:
             value = self._values.pop(key, None)
             if value is not None:
                 self._stats.bytes_held -= len(value)
 
-    def contains(self, key: int) -> bool:
+    def contains(self, key: Hashable) -> bool:
         with self._lock:
             return key in self._values or key in self._loading
 

@@ -176,6 +176,15 @@ class LocalChunkSource(ChunkSource):
             raise ChunkCorrupt(f"{path}: chunk {chunk_id} is {info.st_size} bytes, the index says "
                                f"{self._sizes[chunk_id]}", chunk_id=chunk_id)
 
+    def check(self, chunk_id: int) -> ChunkUnavailable | ChunkCorrupt | None:
+        """Why chunk `chunk_id` cannot serve reads (missing, unreadable, not what the index says), or None: its
+        file is opened and its type, header and size checked, without reading any blob."""
+        try:
+            os.close(self._open_checked(chunk_id))
+        except (ChunkUnavailable, ChunkCorrupt) as exc:
+            return exc
+        return None
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

@@ -21,7 +21,7 @@ _WARNINGS_SHOWN = 20
 
 
 def _add_pack_arguments(parser: argparse.ArgumentParser) -> None:
-    from .pack import DEFAULT_CHUNK_SIZE, DEFAULT_CODEC
+    from .pack import DEFAULT_BLOCK_SIZE, DEFAULT_BLOCKS_ABOVE, DEFAULT_CHUNK_SIZE, DEFAULT_CODEC
 
     parser.add_argument("src", metavar="SRC", help="directory tree to pack")
     parser.add_argument("dest", metavar="DEST", help="dataset directory to write (new, empty, or an interrupted pack)")
@@ -33,6 +33,11 @@ def _add_pack_arguments(parser: argparse.ArgumentParser) -> None:
                         help="target chunk file size, e.g. 64MiB (default); a larger file gets a chunk of its own")
     parser.add_argument("--replicate", action="append", default=[], metavar="GLOB",
                         help="files matching GLOB (e.g. 'val/**') go to the group stored on every node; repeatable")
+    parser.add_argument("--block-size", default=str(DEFAULT_BLOCK_SIZE), metavar="SIZE",
+                        help="a file larger than --blocks-above is stored in blocks of SIZE, each decodable alone, "
+                             "so a read anywhere in it decodes about SIZE bytes (default 1MiB)")
+    parser.add_argument("--blocks-above", default=str(DEFAULT_BLOCKS_ABOVE), metavar="SIZE",
+                        help="files larger than SIZE are stored in blocks (default 4MiB); smaller ones whole")
     parser.add_argument("--workers", type=int, default=0, metavar="N",
                         help="compression processes (default: every core)")
     parser.add_argument("--strict", action="store_true", help="fail instead of skipping files that cannot be packed")
@@ -79,6 +84,8 @@ def _run_pack(args: argparse.Namespace) -> int:
     options = PackOptions(
         codec=args.codec,
         chunk_size=parse_size(args.chunk_size, "--chunk-size"),
+        block_size=parse_size(args.block_size, "--block-size"),
+        blocks_above=parse_size(args.blocks_above, "--blocks-above", minimum=0),
         replicate=tuple(args.replicate),
         workers=args.workers,
         strict=args.strict,
@@ -144,10 +151,13 @@ def _run_verify(args: argparse.Namespace) -> int:
 
     with open_dataset(args.dest) as ds:
         report = verify_dataset(ds)
+    for chunk, problem in sorted(report.bad_chunks.items()):
+        print(f"BAD CHUNK {chunk}: {problem}")
     for bad in report.bad:
         print(f"BAD {bad}")
+    chunks = f", {len(report.bad_chunks)} bad chunk(s)" if report.bad_chunks else ""
     print(f"checked {report.files_checked:,} files ({format_bytes(report.raw_bytes)}): "
-          f"{len(report.bad)} bad")
+          f"{len(report.bad)} bad{chunks}")
     return 0 if report.ok else EXIT_FAILURE
 
 

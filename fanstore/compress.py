@@ -13,16 +13,19 @@ compressing a small file; that serial work, not compression, was what two worker
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import mmap
 import multiprocessing
 import os
 import pickle
+import stat
 import threading
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import xxhash
 
@@ -31,17 +34,34 @@ from .kinds import HEAD_BYTES, file_kind
 from .walk import Problem
 
 _BATCH_FILES = 256
-_BATCH_BYTES = 8 << 20  # raw bytes of a batch, and the size of a slot (a blob is never larger than its file)
+_BATCH_BYTES = 8 << 20  # raw bytes of a batch, and the size of a slot (a blob is never larger than its raw bytes)
 _BATCHES_PER_WORKER = 4
 
 
 @dataclass(frozen=True, slots=True)
+class BlockLayout:
+    """Which files are stored as blocks, and how large a block is (output-defining options of a pack)."""
+
+    blocks_above: int  # a file larger than this is stored in blocks
+    block_size: int
+
+    def blocks_of(self, size: int) -> int:
+        """How many blocks a file of `size` bytes is stored in; 0 when it is stored whole."""
+        return -(-size // self.block_size) if size > self.blocks_above else 0
+
+
+@dataclass(frozen=True, slots=True)
 class PlanFiles:
-    """The files of a pack in plan order, as workers need them: sent to each worker once."""
+    """The files of a pack in plan order, as workers need them: sent to each worker once. Sizes, inodes and
+    times are the walk's: a worker packs a file only if it is still that file, unchanged."""
 
     paths: Sequence[str]
-    sizes: Sequence[int]  # as the walk saw them
+    sizes: Sequence[int]
     groups: Sequence[int]
+    inos: Sequence[int]
+    mtimes: Sequence[int]
+    ctimes: Sequence[int]
+    layout: BlockLayout
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +72,22 @@ class Skipped:
     problem: Problem
 
 
-# A compressed file, as a plain tuple (it crosses the process boundary 100,000s of times, and a tuple pickles
-# several times faster than a dataclass): plan number, offset of its blob in the batch's `blobs`, stored length,
-# codec row, checksum of the stored bytes, raw size.
-SlotBlob = tuple[int, int, int, int, int, int]
+# A compressed file or block, as a plain tuple (it crosses the process boundary 100,000s of times, and a tuple
+# pickles several times faster than a dataclass): plan number, block number (WHOLE_FILE for a file stored whole),
+# offset of its blob in the batch's `blobs`, stored length, codec row, checksum of the stored bytes, raw size.
+SlotBlob = tuple[int, int, int, int, int, int, int]
+WHOLE_FILE = -1
+
+
+class Batch(NamedTuple):
+    """Plan files [first, end) stored whole, or blocks [first_block, end_block) of plan file `first` (then
+    end == first + 1 and end_block > 0)."""
+
+    first: int
+    end: int
+    first_block: int
+    end_block: int
+    raw_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +99,12 @@ class CompressedBatch:
     blobs: memoryview
 
 
+class _Changed(Exception):
+    """The file is not the one the walk saw, or changed while read: it is skipped for this reason."""
+
+
 class BlobCompressor:
-    """Reads a file, checks it is still the size the walk saw, compresses it, checksums the stored bytes."""
+    """Reads a file (or some of its blocks), checks it is still the file the walk saw, compresses and checksums."""
 
     def __init__(self, root: Path, plan: CodecPlan, files: PlanFiles) -> None:
         self.root = root
@@ -76,67 +112,154 @@ class BlobCompressor:
         self.files = files
         self._sniffed_groups = frozenset(g for g in plan.by_group if plan.depends_on_kind(g))
 
-    def compress(self, number: int) -> tuple[bytes, int, int] | Skipped:
-        """(stored bytes, codec row, raw size) of plan file `number`, or why it was skipped."""
-        path = self.files.paths[number]
-        try:
-            with open(os.path.join(self.root, path), "rb") as src:
-                raw = src.read()
-        except FileNotFoundError:
-            return Skipped(number, Problem(path, "vanished during the pack"))
-        except IsADirectoryError:
-            return Skipped(number, Problem(path, "became a directory during the pack"))
-        except OSError as exc:
-            return Skipped(number, Problem(path, f"cannot read: {exc.strerror}"))
-        if len(raw) != self.files.sizes[number]:
-            reason = f"changed size during the pack ({self.files.sizes[number]} bytes at walk, {len(raw)} now)"
-            return Skipped(number, Problem(path, reason))
-        group = self.files.groups[number]
-        kind = file_kind(path, raw[:HEAD_BYTES]) if group in self._sniffed_groups else ""
-        codec = self.plan.row_for(group, kind)
-        stored = self.plan.codecs[codec].encode(raw) if codec != NONE_ROW else raw
-        if len(stored) >= len(raw):
-            stored, codec = raw, NONE_ROW
-        return stored, codec, len(raw)
+    def compress_into(self, batch: Batch, into: memoryview) -> list[SlotBlob | Skipped]:
+        """Compress a batch, leaving its blobs in `into` back to back."""
+        if batch.end_block:
+            return self._blocks_into(batch.first, batch.first_block, batch.end_block, into)
+        return self._files_into(batch.first, batch.end, into)
 
-    def compress_batch_into(self, first: int, end: int, slot: memoryview) -> list[SlotBlob | Skipped]:
-        """Compress the non-empty files of plan range [first, end), leaving their blobs in `slot` back to back."""
+    def _files_into(self, first: int, end: int, into: memoryview) -> list[SlotBlob | Skipped]:
         results: list[SlotBlob | Skipped] = []
         used = 0
-        sizes = self.files.sizes
         for number in range(first, end):
-            if sizes[number] == 0:
+            size = self.files.sizes[number]
+            if size == 0:
                 continue  # empty files have no blob; the packer records them itself
-            done = self.compress(number)
-            if isinstance(done, Skipped):
-                results.append(done)
+            try:
+                with self._open(number) as fd:
+                    raw = _read_exactly(fd, size, 0)
+                    self._check_unchanged_after(fd, number)
+            except _Changed as changed:
+                results.append(Skipped(number, Problem(self.files.paths[number], str(changed))))
                 continue
-            stored, codec, raw_size = done
+            codec = self.plan.row_for(self.files.groups[number], self._kind(number, raw))
+            stored, codec = self._encode(raw, codec)
             length = len(stored)
-            if used + length > len(slot):  # cannot happen (compress() skips a file that grew), but be sure
-                results.append(Skipped(number, Problem(self.files.paths[number], "changed size during the pack")))
-                continue
-            slot[used : used + length] = stored
-            results.append((number, used, length, codec, xxhash.xxh3_64_intdigest(stored), raw_size))
+            into[used : used + length] = stored
+            results.append((number, WHOLE_FILE, used, length, codec, xxhash.xxh3_64_intdigest(stored), size))
             used += length
         return results
 
+    def _blocks_into(self, number: int, first_block: int, end_block: int, into: memoryview
+                     ) -> list[SlotBlob | Skipped]:
+        """Blocks of one large file, read one at a time: packing a file of any size needs memory for a few blocks."""
+        size, block_size = self.files.sizes[number], self.files.layout.block_size
+        results: list[SlotBlob | Skipped] = []
+        used = 0
+        try:
+            with self._open(number) as fd:
+                codec = self.plan.row_for(self.files.groups[number], self._kind(number, fd=fd))
+                for block in range(first_block, end_block):
+                    offset = block * block_size
+                    raw = _read_exactly(fd, min(block_size, size - offset), offset)
+                    stored, block_codec = self._encode(raw, codec)
+                    length = len(stored)
+                    into[used : used + length] = stored
+                    results.append((number, block, used, length, block_codec, xxhash.xxh3_64_intdigest(stored),
+                                    len(raw)))
+                    used += length
+                self._check_unchanged_after(fd, number)
+        except _Changed as changed:
+            return [Skipped(number, Problem(self.files.paths[number], str(changed)))]
+        return results
 
-def batch_ranges(sizes: Sequence[int], start: int) -> Iterator[tuple[int, int, int]]:
-    """Plan ranges [first, end) from `start` on, with their raw bytes: each of at most _BATCH_FILES non-empty files
-    and _BATCH_BYTES raw bytes; a file larger than that is a batch of its own, with a buffer sized for it."""
+    def _encode(self, raw: bytes | bytearray, codec: int) -> tuple[bytes | bytearray, int]:
+        """Stored bytes and codec row; raw bytes under `none` when compressing would not make them smaller."""
+        stored = self.plan.codecs[codec].encode(raw) if codec != NONE_ROW else raw
+        return (raw, NONE_ROW) if len(stored) >= len(raw) else (stored, codec)
+
+    def _kind(self, number: int, raw: bytes | bytearray | None = None, fd: int | None = None) -> str:
+        if self.files.groups[number] not in self._sniffed_groups:
+            return ""
+        head = raw[:HEAD_BYTES] if raw is not None else os.pread(fd, HEAD_BYTES, 0)  # type: ignore[arg-type]
+        return file_kind(self.files.paths[number], bytes(head))
+
+    @contextlib.contextmanager
+    def _open(self, number: int) -> Iterator[int]:
+        """The file, opened without following a symlink or blocking on a fifo, and only if it is still the file
+        the walk saw: a regular file with the same inode, size, mtime and ctime."""
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        try:
+            fd = os.open(os.path.join(self.root, self.files.paths[number]), flags)
+        except FileNotFoundError:
+            raise _Changed("vanished during the pack") from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise _Changed("became a symlink during the pack") from None
+            raise _Changed(f"cannot read: {exc.strerror}") from None
+        try:
+            info = os.fstat(fd)
+            files = self.files
+            if not stat.S_ISREG(info.st_mode):
+                raise _Changed("is no longer a regular file")
+            if info.st_ino != files.inos[number]:
+                raise _Changed("was replaced by another file during the pack")
+            if info.st_size != files.sizes[number]:
+                raise _Changed(f"changed size during the pack ({files.sizes[number]} bytes at walk, "
+                               f"{info.st_size} now)")
+            if info.st_mtime_ns != files.mtimes[number] or info.st_ctime_ns != files.ctimes[number]:
+                raise _Changed("changed during the pack (modified since the walk)")
+            yield fd
+        except OSError as exc:
+            raise _Changed(f"cannot read: {exc.strerror}") from None
+        finally:
+            os.close(fd)
+
+    def _check_unchanged_after(self, fd: int, number: int) -> None:
+        """A write while the file was read changes its size, mtime or ctime: the bytes read may be a mix."""
+        info = os.fstat(fd)
+        if (info.st_size, info.st_mtime_ns, info.st_ctime_ns) != (
+                self.files.sizes[number], self.files.mtimes[number], self.files.ctimes[number]):
+            raise _Changed("changed while it was being read")
+
+
+def _read_exactly(fd: int, length: int, offset: int) -> bytearray:
+    """`length` bytes at `offset`; a file that ends sooner changed under us."""
+    buffer = bytearray(length)
+    view = memoryview(buffer)
+    done = 0
+    while done < length:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise _Changed(f"changed size during the pack (ended {length - done} bytes early)")
+        done += got
+    return buffer
+
+
+def batch_ranges(files: PlanFiles, start: int, start_block: int = 0) -> Iterator[Batch]:
+    """Batches from plan position (start, start_block) on: runs of whole files, each of at most _BATCH_FILES
+    non-empty files and _BATCH_BYTES raw bytes, and runs of at most _BATCH_BYTES of a large file's blocks. A
+    whole file larger than a batch is a batch of its own, with a buffer sized for it."""
+    sizes, layout = files.sizes, files.layout
+    if start_block:
+        yield from _block_batches(start, start_block, sizes[start], layout)
+        start += 1
     first, count, batch_bytes = start, 0, 0
     for number in range(start, len(sizes)):
         size = sizes[number]
         if size == 0:
             continue
+        if layout.blocks_of(size):
+            if count:
+                yield Batch(first, number, 0, 0, batch_bytes)
+            yield from _block_batches(number, 0, size, layout)
+            first, count, batch_bytes = number + 1, 0, 0
+            continue
         if count and (count >= _BATCH_FILES or batch_bytes + size > _BATCH_BYTES):
-            yield first, number, batch_bytes
+            yield Batch(first, number, 0, 0, batch_bytes)
             first, count, batch_bytes = number, 0, 0
         count += 1
         batch_bytes += size
-    if first < len(sizes):
-        yield first, len(sizes), batch_bytes
+    if count:
+        yield Batch(first, len(sizes), 0, 0, batch_bytes)
+
+
+def _block_batches(number: int, first_block: int, size: int, layout: BlockLayout) -> Iterator[Batch]:
+    per_batch = max(1, _BATCH_BYTES // layout.block_size)
+    total = layout.blocks_of(size)
+    for block in range(first_block, total, per_batch):
+        end = min(total, block + per_batch)
+        yield Batch(number, number + 1, block, end, min(size, end * layout.block_size) - block * layout.block_size)
 
 
 class _SharedSlots:
@@ -219,46 +342,45 @@ def _load_job(token: str, job_path: str, slots_path: str) -> BlobCompressor:
     return _worker_compressor
 
 
-def _compress_in_worker(token: str, job_path: str, slots_path: str, first: int, end: int, slot: int | None,
+def _compress_in_worker(token: str, job_path: str, slots_path: str, batch: Batch, slot: int | None,
                         slot_bytes: int) -> tuple[list[SlotBlob | Skipped], bytes | None]:
-    """A batch into shared slot `slot`; with no slot (a file larger than one), its blobs come back as bytes."""
+    """A batch into shared slot `slot`; with no slot (a whole file larger than one), its blobs come back as bytes."""
     compressor = _load_job(token, job_path, slots_path)
     if slot is not None:
-        assert _worker_slots is not None
-        into = _worker_slots[slot * slot_bytes : (slot + 1) * slot_bytes]
-        return compressor.compress_batch_into(first, end, into), None
-    own = memoryview(bytearray(sum(compressor.files.sizes[first:end])))
-    results = compressor.compress_batch_into(first, end, own)
-    used = max((r[1] + r[2] for r in results if type(r) is tuple), default=0)
+        if _worker_slots is None:
+            raise RuntimeError("worker has no shared slots")
+        return compressor.compress_into(batch, _worker_slots[slot * slot_bytes : (slot + 1) * slot_bytes]), None
+    own = memoryview(bytearray(batch.raw_bytes))
+    results = compressor.compress_into(batch, own)
+    used = max((r[2] + r[3] for r in results if type(r) is tuple), default=0)
     return results, bytes(own[:used])
 
 
-def compress_in_order(
-    root: Path, plan: CodecPlan, files: PlanFiles, start: int, pool: WorkerPool | None
-) -> Iterator[CompressedBatch]:
-    """Batches of plan files from `start` on, in order; at most a few per worker are in flight, so memory stays
-    bounded. With no pool the packing process compresses them itself, the same way."""
+def compress_in_order(root: Path, plan: CodecPlan, files: PlanFiles, start: int, start_block: int,
+                      pool: WorkerPool | None) -> Iterator[CompressedBatch]:
+    """Batches from plan position (start, start_block) on, in order; at most a few per worker are in flight, so
+    memory stays bounded. With no pool the packing process compresses them itself, the same way."""
     if pool is None:
         compressor = BlobCompressor(root, plan, files)
         slot = memoryview(bytearray(_BATCH_BYTES))
-        for first, end, raw_bytes in batch_ranges(files.sizes, start):
-            blobs = slot if raw_bytes <= _BATCH_BYTES else memoryview(bytearray(raw_bytes))
-            yield CompressedBatch(compressor.compress_batch_into(first, end, blobs), blobs)
+        for batch in batch_ranges(files, start, start_block):
+            blobs = slot if batch.raw_bytes <= _BATCH_BYTES else memoryview(bytearray(batch.raw_bytes))
+            yield CompressedBatch(compressor.compress_into(batch, blobs), blobs)
         return
     inflight_limit = pool.workers * _BATCHES_PER_WORKER
     job = _JobFile((root, plan, files))
     slots = _SharedSlots(inflight_limit, _BATCH_BYTES)
     inflight: deque[tuple[Future[tuple[list, bytes | None]], int | None]] = deque()
 
-    def submit(first: int, end: int, raw_bytes: int) -> None:
-        slot = slots.free.pop() if raw_bytes <= _BATCH_BYTES else None
-        inflight.append((pool.executor.submit(_compress_in_worker, job.token, job.path, slots.path, first, end,
-                                              slot, slots.slot_bytes), slot))
+    def submit(batch: Batch) -> None:
+        slot = slots.free.pop() if batch.raw_bytes <= _BATCH_BYTES else None
+        inflight.append((pool.executor.submit(_compress_in_worker, job.token, job.path, slots.path, batch, slot,
+                                              slots.slot_bytes), slot))
 
     try:
-        ranges = batch_ranges(files.sizes, start)
-        for batch in ranges:
-            submit(*batch)
+        batches = batch_ranges(files, start, start_block)
+        for batch in batches:
+            submit(batch)
             if len(inflight) >= inflight_limit:
                 break
         while inflight:
@@ -270,9 +392,9 @@ def compress_in_order(
                 with slots.slot(slot) as blobs:
                     yield CompressedBatch(results, blobs)
                 slots.free.append(slot)
-            next_range = next(ranges, None)
-            if next_range is not None:
-                submit(*next_range)
+            following = next(batches, None)
+            if following is not None:
+                submit(following)
     finally:
         for future, _ in inflight:
             future.cancel()

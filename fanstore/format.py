@@ -15,7 +15,7 @@ import numpy as np
 from .errors import FormatError
 
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 0
+FORMAT_MINOR = 1  # 1.1 added large files stored in blocks (FLAG_BLOCKED, the `blocks` section)
 
 INDEX_NAME = "fanstore.index"
 CHUNK_DIR = "chunks"

@@ -20,6 +20,7 @@ import trio
 
 from .cache import DecodedCache
 from .errors import ChunkCorrupt, ChunkUnavailable, FanstoreError, fuse_errno_of
+from .format import FLAG_BLOCKED
 from .index import Index
 from .prefetch import Prefetcher
 
@@ -27,6 +28,9 @@ log = logging.getLogger("fanstore.mount")
 
 # The view is immutable: let the kernel keep names and attributes for a day.
 KERNEL_CACHE_TIMEOUT = 24 * 3600.0
+# Blocks decoded ahead of a reader going through a file stored in blocks: at 1 MiB a block, the kernel's 1 MiB
+# read-ahead alone would start each decode only a block before the reader needs it.
+BLOCKS_READ_AHEAD = 2
 # A blob this small decodes (tens of microseconds) faster than a hand-off to a thread and back wakes the loop, so
 # it is decoded on the event loop itself; larger ones go to the decode threads, where they overlap.
 INLINE_DECODE_BYTES = 256 * 1024
@@ -51,11 +55,11 @@ class PrefetchView:
         self._cache = cache
         self._kernel_holds = kernel_holds
 
-    def contains(self, entry: int) -> bool:
-        return bool(self._kernel_holds[entry]) or self._cache.contains(entry)
+    def contains(self, key: int | tuple[int, int]) -> bool:
+        return (type(key) is int and bool(self._kernel_holds[key])) or self._cache.contains(key)
 
-    def get(self, entry: int) -> bytes:
-        return b"" if self._kernel_holds[entry] else self._cache.get(entry)
+    def get(self, key: int | tuple[int, int]) -> bytes:
+        return b"" if type(key) is int and self._kernel_holds[key] else self._cache.get(key)
 
 
 _Operations = TypeVar("_Operations", bound=type)
@@ -110,6 +114,9 @@ class FanstoreOperations(pyfuse3.Operations):
         self._stored_len = index.entries["stored_len"]
         self._size = index.entries["size"]
         self._mode = index.entries["mode"]  # column views: one field of one entry without building its row
+        self._blocked = (index.entries["flags"] & FLAG_BLOCKED) != 0
+        self._block_size = index.block_size
+        self._read_end: dict[int, int] = {}  # where the last read of each file stored in blocks ended
         # Bytes served of each file being read, and which files the kernel holds whole (see _count_served).
         self._served: dict[int, int] = {}
         self._kernel_holds = kernel_holds if kernel_holds is not None else kernel_holds_flags(index)
@@ -210,7 +217,9 @@ class FanstoreOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EISDIR)
         return pyfuse3.FileInfo(fh=entry, keep_cache=self.keep_cache)
 
-    async def read(self, fh: int, off: int, size: int) -> memoryview:
+    async def read(self, fh: int, off: int, size: int) -> memoryview | bytes:
+        if self._blocked[fh]:
+            return await self._read_blocks(fh, off, size)
         if off == 0:
             # The kernel asks for the start of a file, so it does not hold it (any more): decode the next ones.
             # Not at open, which also comes for files the kernel still holds (a second epoch).
@@ -228,6 +237,32 @@ class FanstoreOperations(pyfuse3.Operations):
         if self.keep_cache:
             self._count_served(fh, len(reply), len(data))
         return reply
+
+    async def _read_blocks(self, entry: int, off: int, size: int) -> memoryview | bytes:
+        """A read of a file stored in blocks decodes only the blocks it touches, each cached under (entry, block):
+        memory stays near the cache size whatever the file's size. A reader going on where its last read ended
+        gets the next blocks decoded ahead."""
+        end = min(off + size, int(self._size[entry]))
+        if end <= off:
+            return b""
+        block_size = self._block_size
+        first, last = off // block_size, (end - 1) // block_size
+        if self.prefetcher is not None and self._read_end.get(entry) == off:
+            for ahead in range(last + 1, min(last + 1 + BLOCKS_READ_AHEAD, self._block_count(entry))):
+                self.prefetcher.prefetch((entry, ahead))
+        self._read_end[entry] = end
+        parts = []
+        for block in range(first, last + 1):
+            key = (entry, block)
+            data = self.cache.peek(key)
+            if data is None:
+                data = await trio.to_thread.run_sync(self.cache.get, key, limiter=self._decode_limiter)
+            start = block * block_size
+            parts.append(memoryview(data)[max(off, start) - start : end - start])
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _block_count(self, entry: int) -> int:
+        return -(-int(self._size[entry]) // self._block_size)
 
     def _loader_for(self, entry: int, off: int, size: int) -> Callable[[int], bytes]:
         """A file that goes out whole in one reply is the kernel's to keep from then on (keep_cache), so it is

@@ -18,6 +18,7 @@ import xxhash
 
 from .errors import DatasetNotFound, FormatError, PathNotFound
 from .format import (
+    BLOCK_DTYPE,
     CHUNK_DTYPE,
     ENTRY_DTYPE,
     FORMAT_MAJOR,
@@ -79,6 +80,9 @@ class Index:
             name: sections[name].tobytes() for name in toc["sections"] if name.startswith("dict.")
         }
         self.meta: dict[str, Any] = toc.get("meta", {})
+        # Files stored in blocks (format 1.1): their blocks' locations, `block_size` raw bytes each but the last.
+        self.blocks: np.ndarray = sections.get("blocks", np.zeros(0, dtype=BLOCK_DTYPE))
+        self.block_size: int = int(toc.get("block_size", 0)) if "blocks" in sections else 0
         # Column views (no copies) for the lookup path, which reads two fields of a few entries per call.
         self._path_off = self.entries["path_off"]
         self._path_len = self.entries["path_len"]
@@ -287,6 +291,9 @@ class IndexLayout:
         self._paths = np.frombuffer(bytes(paths), dtype="u1")
         self.entries = entries
 
+    def entry_of(self, path: str) -> int:
+        return self._entry_of[path]
+
     def place_blobs(self, paths: Sequence[str], **columns: Iterable[int]) -> None:
         """Set where each file's blob lies: `columns` maps entry fields (chunk, offset, stored_len, codec,
         checksum) to their values for `paths`, in the same order. Every path must be a file of the layout."""
@@ -295,8 +302,10 @@ class IndexLayout:
             self.entries[field][at] = np.fromiter(values, dtype=ENTRY_DTYPE[field], count=len(paths))
 
     def to_bytes(self, chunks: np.ndarray, groups: list[dict[str, Any]], codecs: list[dict[str, Any]],
-                 dictionaries: dict[str, bytes], meta: dict[str, Any]) -> bytes:
-        """The index file's bytes; the same inputs always give the same bytes (no clocks, no host names)."""
+                 dictionaries: dict[str, bytes], meta: dict[str, Any], blocks: np.ndarray | None = None,
+                 block_size: int = 0) -> bytes:
+        """The index file's bytes; the same inputs always give the same bytes (no clocks, no host names).
+        `blocks`, the blocks section, is written only when some file is stored in blocks of `block_size`."""
         arrays: dict[str, np.ndarray] = {
             "entries": self.entries,
             "paths": self._paths,
@@ -304,9 +313,13 @@ class IndexLayout:
             "hash_order": self._order,
             "chunks": np.asarray(chunks, dtype=CHUNK_DTYPE),
         }
+        extra: dict[str, Any] = {}
+        if blocks is not None:
+            arrays["blocks"] = np.asarray(blocks, dtype=BLOCK_DTYPE)
+            extra["block_size"] = block_size
         for name in sorted(dictionaries):
             arrays[name] = np.frombuffer(dictionaries[name], dtype="u1")
-        return _serialise(arrays, groups, codecs, meta)
+        return _serialise(arrays, groups, codecs, meta, extra)
 
 
 def build_index_bytes(
@@ -322,7 +335,8 @@ def build_index_bytes(
 
 
 def _serialise(
-    arrays: dict[str, np.ndarray], groups: list[dict[str, Any]], codecs: list[dict[str, Any]], meta: dict[str, Any]
+    arrays: dict[str, np.ndarray], groups: list[dict[str, Any]], codecs: list[dict[str, Any]], meta: dict[str, Any],
+    extra: dict[str, Any] | None = None,
 ) -> bytes:
     def encode_toc(offsets: dict[str, int]) -> bytes:
         toc = {
@@ -335,6 +349,7 @@ def _serialise(
                 for name, arr in arrays.items()
             },
             "meta": meta,
+            **(extra or {}),
         }
         return json.dumps(toc, sort_keys=True, separators=(",", ":")).encode("utf-8")
 

@@ -7,8 +7,9 @@ import stat
 import numpy as np
 
 from .api import Dataset
-from .format import FORMAT_MAJOR, FORMAT_MINOR, NO_CHUNK
+from .format import FLAG_BLOCKED, FORMAT_MAJOR, FORMAT_MINOR, NO_CHUNK, chunk_file_name
 from .units import format_bytes
+from .verify import chunk_problems
 
 
 def describe_dataset(ds: Dataset) -> str:
@@ -30,9 +31,13 @@ def describe_dataset(ds: Dataset) -> str:
         f"ratio        {raw / stored if stored else 1.0:.2f}x",
         f"chunks       {len(index.chunks):,} ({format_bytes(int(index.chunks['size'].sum()))} on disk, "
         f"index {format_bytes(index.path.stat().st_size)})",
-        "",
-        "groups:",
     ]
+    blocked = int(np.count_nonzero(entries["flags"] & FLAG_BLOCKED))
+    if blocked:
+        lines.append(f"blocks       {blocked:,} large files in {len(index.blocks):,} blocks of "
+                     f"{format_bytes(index.block_size)}, each decodable alone")
+    lines.extend(_describe_chunk_files(ds))
+    lines.extend(["", "groups:"])
     # A file's group is its chunk's; empty files have no chunk and count as group 0.
     has_chunk = files["chunk"] != NO_CHUNK
     file_groups = np.zeros(len(files), dtype=np.int64)
@@ -96,4 +101,25 @@ def _describe_selection(selection: dict) -> list[str]:
         figures = f"predicted {ratio:.2f}x at {m['decode_mbps']:,.0f} MB/s decode" if m else "not measured"
         note = "" if choice["meets_budget"] else " (nothing met the budget)"
         lines.append(f"  {kind:<8} {choice['spec']:<28} {figures}{note}")
+    return lines
+
+
+def _describe_chunk_files(ds: Dataset) -> list[str]:
+    """Chunk files missing, unreadable or not what the index says, with how many files each takes down; found
+    from each file's type, header and size (no blob is read: `fanstore verify` checks every blob)."""
+    problems = chunk_problems(ds)
+    if not problems:
+        return [f"chunk files  all {len(ds.index.chunks):,} present, headers and sizes as indexed"]
+    index = ds.index
+    files_in = np.zeros(len(index.chunks), dtype=np.int64)
+    whole = (index.entries["chunk"] != NO_CHUNK) & ((index.entries["flags"] & FLAG_BLOCKED) == 0)
+    np.add.at(files_in, index.entries["chunk"][whole], 1)
+    blocked = np.flatnonzero(index.entries["flags"] & FLAG_BLOCKED)
+    for entry in blocked:  # a file stored in blocks is lost with any chunk holding one of its blocks
+        first = int(index.entries["offset"][entry])
+        count = -(-int(index.entries["size"][entry]) // index.block_size)
+        np.add.at(files_in, np.unique(index.blocks["chunk"][first : first + count]), 1)
+    lines = [f"chunk files  {len(problems):,} of {len(index.chunks):,} cannot be read; their files fail:"]
+    for chunk, problem in sorted(problems.items()):
+        lines.append(f"  {chunk_file_name(chunk)}: {int(files_in[chunk]):,} file(s): {problem}")
     return lines

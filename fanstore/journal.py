@@ -13,26 +13,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import PackError
 from .index import fsync_dir
 
 JOURNAL_DIR = ".fanstore-pack"
 STATE_FILE = "state.json"
-JOURNAL_VERSION = 1
+JOURNAL_VERSION = 2  # 2: plan positions are (file, block) pairs, and chunk records list their blocks
 
 
 @dataclass(slots=True)
 class ChunkRecord:
-    """A finished chunk and every planned file in [first_file, end_file), blobs and skips alike."""
+    """A finished chunk and every planned file and block from plan position (first_file, first_block) up to
+    (end_file, end_block): a block number above 0 is a position inside a file stored in blocks."""
 
     chunk_id: int
     group: int
     size: int
     first_file: int
     end_file: int
-    # [path, size, mtime_ns, mode, chunk, offset, stored_len, codec, checksum] per file
+    first_block: int = 0
+    end_block: int = 0
+    # [path, size, mtime_ns, mode, chunk, offset, stored_len, codec, checksum, flags] per file finished here
     files: list[list[Any]] = field(default_factory=list)
+    # [plan number, block, offset, stored_len, codec, checksum] per block written into this chunk
+    blocks: list[list[int]] = field(default_factory=list)
     # [path, reason] per skipped file
     problems: list[list[str]] = field(default_factory=list)
+
+
+class JournalError(PackError):
+    """DEST holds a journal this fanstore cannot resume (another journal version, or damaged)."""
 
 
 class PackJournal:
@@ -47,7 +57,19 @@ class PackJournal:
         _write_json_atomically(self.dir / STATE_FILE, {"journal_version": JOURNAL_VERSION, **state})
 
     def state(self) -> dict[str, Any]:
-        return json.loads((self.dir / STATE_FILE).read_text())
+        """The journal's state, refused with one line if this fanstore did not write it in this version."""
+        path = self.dir / STATE_FILE
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise JournalError(f"{path}: cannot read the interrupted pack's journal ({exc}); pass --force to "
+                               "start the pack afresh") from None
+        version = state.get("journal_version") if isinstance(state, dict) else None
+        if version != JOURNAL_VERSION:
+            raise JournalError(f"{path}: the interrupted pack was journaled by another fanstore (journal version "
+                               f"{version!r}, this one resumes version {JOURNAL_VERSION}); pass --force to start "
+                               "the pack afresh")
+        return state
 
     def save_dictionary(self, name: str, data: bytes) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -60,8 +82,9 @@ class PackJournal:
     def record_chunk(self, record: ChunkRecord) -> None:
         # By hand, not dataclasses.asdict: that deep-copies every file row, seconds per GB of small files.
         fields = {"chunk_id": record.chunk_id, "group": record.group, "size": record.size,
-                  "first_file": record.first_file, "end_file": record.end_file, "files": record.files,
-                  "problems": record.problems}
+                  "first_file": record.first_file, "end_file": record.end_file,
+                  "first_block": record.first_block, "end_block": record.end_block, "files": record.files,
+                  "blocks": record.blocks, "problems": record.problems}
         _write_json_atomically(self.dir / f"chunk-{record.chunk_id:08d}.json", fields)
 
     def finished_chunks(self) -> list[ChunkRecord]:
@@ -71,7 +94,11 @@ class PackJournal:
             path = self.dir / f"chunk-{len(records):08d}.json"
             if not path.is_file():
                 return records
-            records.append(ChunkRecord(**json.loads(path.read_text())))
+            try:
+                records.append(ChunkRecord(**json.loads(path.read_text())))
+            except (OSError, ValueError, TypeError) as exc:
+                raise JournalError(f"{path}: the interrupted pack's journal is damaged ({exc}); pass --force to "
+                                   "start the pack afresh") from None
 
     def remove(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -186,7 +186,7 @@ def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, rea
         capacity = options.cache_size if options.cache_size is not None else int(
             available_memory() * DEFAULT_CACHE_FRACTION)
         keep_freed_memory()
-        cache = DecodedCache(capacity, ds.reader.read)
+        cache = DecodedCache(capacity, ds.reader.load)
         cores = len(os.sched_getaffinity(0))
         kernel_holds = kernel_holds_flags(index)
         prefetcher = None

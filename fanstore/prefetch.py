@@ -16,12 +16,18 @@ import numpy as np
 
 from .cache import DecodedCache
 from .errors import FanstoreError, UsageError
+from .format import FLAG_BLOCKED
 from .index import Index
+
+
+# What the decoded cache holds: a file stored whole by its entry number, one block of a file stored in blocks by
+# (entry, block).
+CacheKey = int | tuple[int, int]
 
 
 class FileOrder:
     """For an entry, the next `count` entries after it (in the list, else in its directory), keeping the files
-    worth decoding ahead."""
+    worth decoding ahead, as cache keys: a file stored in blocks is decoded ahead by its first block only."""
 
     def __init__(self, index: Index, prefetch_list: list[int] | None = None, min_stored_bytes: int = 0) -> None:
         self._index = index
@@ -34,15 +40,16 @@ class FileOrder:
         self._position = np.full(len(entries), -1, dtype=np.int64)
         # A path listed twice keeps its first position.
         self._position[self._list[::-1]] = np.arange(len(self._list))[::-1]
+        self._blocked = (entries["flags"] & FLAG_BLOCKED) != 0
 
-    def after(self, entry: int, count: int) -> list[int]:
+    def after(self, entry: int, count: int) -> list[CacheKey]:
         position = int(self._position[entry])
         if position >= 0:
             following = self._list[position + 1 : position + 1 + count]
         else:
             siblings = self._index.children(int(self._index.entries["parent"][entry]))
             following = np.arange(entry + 1, min(siblings.stop, entry + 1 + count))
-        return [int(e) for e in following[self._worth_prefetching[following]]]
+        return [(int(e), 0) if self._blocked[e] else int(e) for e in following[self._worth_prefetching[following]]]
 
 
 def read_prefetch_list(index: Index, path: Path) -> list[int]:
@@ -70,7 +77,7 @@ class Prefetcher:
         self._order = order
         self._depth = depth
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="fanstore-prefetch")
-        self._scheduled: set[int] = set()
+        self._scheduled: set[CacheKey] = set()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -79,20 +86,24 @@ class Prefetcher:
         if self._depth <= 0:
             return
         for following in self._order.after(entry, self._depth):
-            with self._lock:
-                if self._closed or following in self._scheduled or self._cache.contains(following):
-                    continue
-                self._scheduled.add(following)
-            self._pool.submit(self._decode, following)
+            self.prefetch(following)
 
-    def _decode(self, entry: int) -> None:
+    def prefetch(self, key: CacheKey) -> None:
+        """Queue decoding `key` into the cache, unless it is there or queued already."""
+        with self._lock:
+            if self._closed or key in self._scheduled or self._cache.contains(key):
+                return
+            self._scheduled.add(key)
+        self._pool.submit(self._decode, key)
+
+    def _decode(self, key: CacheKey) -> None:
         try:
-            self._cache.get(entry)
-        except Exception:  # noqa: BLE001 - a corrupt file is reported when the reader itself reads it
+            self._cache.get(key)
+        except Exception:  # noqa: BLE001 - a damaged file is reported when the reader itself reads it
             pass
         finally:
             with self._lock:
-                self._scheduled.discard(entry)
+                self._scheduled.discard(key)
 
     def close(self) -> None:
         with self._lock:

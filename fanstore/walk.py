@@ -25,6 +25,10 @@ class SourceEntry(NamedTuple):
     size: int
     mtime_ns: int
     link_target: str = ""
+    # Who the file was at the walk: the packer reads only that file, unchanged since (a same-size rewrite changes
+    # the ctime, a swap the inode).
+    ino: int = 0
+    ctime_ns: int = 0
 
     @property
     def is_file(self) -> bool:
@@ -176,9 +180,10 @@ def _entry_for(dir_entry: os.DirEntry[str], rel: str, real_root: str, problems: 
         problems.append(Problem(rel, f"cannot stat: {exc.strerror}"))
         return None
     kind = stat.S_IFMT(st.st_mode)
-    if kind in (stat.S_IFREG, stat.S_IFDIR):
-        size = st.st_size if kind == stat.S_IFREG else 0
-        return SourceEntry(rel, st.st_mode, size, st.st_mtime_ns)
+    if kind == stat.S_IFREG:
+        return SourceEntry(rel, st.st_mode, st.st_size, st.st_mtime_ns, "", st.st_ino, st.st_ctime_ns)
+    if kind == stat.S_IFDIR:
+        return SourceEntry(rel, st.st_mode, 0, st.st_mtime_ns)
     if kind == stat.S_IFLNK:
         target = _inside_target(abs_path, real_root)
         if target is None:

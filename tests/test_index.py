@@ -77,7 +77,7 @@ def test_unknown_major_version_is_refused_with_its_number(tmp_path):
     data = bytearray(_write(tmp_path))
     struct.pack_into("<H", data, 8, 7)
     (tmp_path / INDEX_NAME).write_bytes(bytes(data))
-    with pytest.raises(FormatError, match=r"version 7\.0 is not supported"):
+    with pytest.raises(FormatError, match=r"version 7\.1 is not supported"):
         Index.load(tmp_path)
 
 

@@ -1,7 +1,9 @@
-"""Writes the golden v1 fixtures. Run once, when format v1 was made; NEVER re-run to "fix" a failing golden test:
-a failing golden test means the code no longer reads datasets that exist in the wild.
+"""Writes the golden fixtures of one format version, once, when that version was made; NEVER re-run to "fix" a
+failing golden test: a failing golden test means the code no longer reads datasets that exist in the wild. It
+refuses to overwrite a version that exists.
 
-    python tests/golden/make_golden.py
+    python tests/golden/make_golden.py v1      # format 1.0: a dataset and one blob per codec
+    python tests/golden/make_golden.py v1.1    # format 1.1: a dataset with large files stored in blocks
 """
 
 from __future__ import annotations
@@ -64,11 +66,7 @@ def _manifest(root: Path) -> dict[str, dict]:
     return result
 
 
-def main() -> None:
-    out = HERE / "v1"
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir()
+def _write_v1(out: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "src"
         src.mkdir()
@@ -86,6 +84,43 @@ def main() -> None:
     for spec in CODEC_SPECS:
         codec = codec_from_spec(spec, dictionary=dictionary if spec.startswith("zstd-dict") else None)
         (out / "codecs" / f"{spec.replace(':', '_')}.blob").write_bytes(codec.encode(raw))
+
+
+def _blocks_tree(root: Path) -> None:
+    """v1's tree plus files stored in blocks of 4 KiB (above 8 KiB): compressible, random (blocks stored raw),
+    text, one exactly on a block boundary, and one in the replicated group."""
+    _source_tree(root)
+    rng = np.random.default_rng(2025)
+    (root / "large").mkdir()
+    (root / "large" / "field.f32").write_bytes(np.cumsum(rng.standard_normal(9000)).astype(np.float32).tobytes())
+    (root / "large" / "noise.bin").write_bytes(rng.integers(0, 256, 3 * 4096 + 100, dtype=np.uint8).tobytes())
+    (root / "large" / "exact.bin").write_bytes(bytes(range(256)) * 64)  # 4 blocks exactly
+    (root / "large" / "log.txt").write_text("".join(f"step {i} loss {1 / (i + 1):.6f}\n" for i in range(700)))
+    (root / "val" / "a" / "big_val.txt").write_text("validation " * 1500)
+    for path in sorted(root.rglob("*"), reverse=True):
+        os.utime(path, ns=(FIXED_MTIME_NS, FIXED_MTIME_NS), follow_symlinks=False)
+    os.utime(root, ns=(FIXED_MTIME_NS, FIXED_MTIME_NS))
+
+
+def _write_v1_1(out: Path) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "src"
+        src.mkdir()
+        _blocks_tree(src)
+        pack(src, out / "dataset", PackOptions(codec="zstd-dict:3", chunk_size=8192, replicate=("val/**",),
+                                              block_size=4096, blocks_above=8192, workers=1))
+        (out / "manifest.json").write_text(json.dumps(_manifest(src), indent=1, sort_keys=True) + "\n")
+
+
+def main() -> None:
+    writers = {"v1": _write_v1, "v1.1": _write_v1_1}
+    if len(sys.argv) != 2 or sys.argv[1] not in writers:
+        sys.exit(f"usage: make_golden.py {{{'|'.join(writers)}}}")
+    out = HERE / sys.argv[1]
+    if out.exists():
+        sys.exit(f"{out} exists: golden fixtures are written once and never regenerated")
+    out.mkdir()
+    writers[sys.argv[1]](out)
 
 
 if __name__ == "__main__":

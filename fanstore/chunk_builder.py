@@ -1,0 +1,200 @@
+"""Places compressed blobs into chunk files in plan order and journals each chunk once it is safely on disk.
+
+chunk_writer.py writes one chunk file; this decides which chunk each blob goes to: the open chunk, unless the
+blob would take it past the chunk size or belongs to another group. A file stored in blocks may span chunks: a
+chunk can close between two of its blocks, so a journaled position is a (file, block) pair, and a resumed pack
+continues from inside the file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from .codec_plan import NONE_ROW
+from .compress import WHOLE_FILE, BlockLayout, CompressedBatch, Skipped
+from .chunk_writer import ChunkWriter
+from .format import FLAG_BLOCKED, NO_CHUNK
+from .journal import ChunkRecord, PackJournal
+from .walk import Problem, SourceEntry
+
+_EMPTY_CHECKSUM = xxhash.xxh3_64_intdigest(b"")
+
+
+class _BlockedFile:
+    """The file stored in blocks whose blocks are being placed: where its first block went, its stored bytes."""
+
+    __slots__ = ("number", "first_chunk", "codec", "stored")
+
+    def __init__(self, number: int, first_chunk: int, codec: int) -> None:
+        self.number, self.first_chunk, self.codec, self.stored = number, first_chunk, codec, 0
+
+
+class ChunkBuilder:
+    """Feeds batches of blobs into chunk files; `files_done`, `raw_done`, `stored_done` and `problems` say how
+    far it got."""
+
+    def __init__(self, dest: Path, journal: PackJournal, chunk_size: int, files: list[SourceEntry],
+                 file_groups: list[int], layout: BlockLayout, finished: list[ChunkRecord]) -> None:
+        self.dest = dest
+        self.journal = journal
+        self.chunk_size = chunk_size
+        self.files = files
+        self.file_groups = file_groups
+        self.layout = layout
+        self.records = list(finished)
+        self.next_chunk = len(finished)
+        last = finished[-1] if finished else None
+        # The open chunk's first plan position; plan files before next_number are accounted for.
+        self.first_file, self.first_block = (last.end_file, last.end_block) if last else (0, 0)
+        self.next_number = self.first_file
+        self.writer: ChunkWriter | None = None
+        self.rows: list[list[Any]] = []
+        self.blocks: list[list[int]] = []
+        self.problems: list[list[str]] = []
+        self.files_done = sum(len(r.files) for r in finished)
+        self.raw_done = sum(row[1] for r in finished for row in r.files)
+        self.stored_done = sum(row[6] for r in finished for row in r.files)
+        self.skipped: list[Problem] = [Problem(path, reason) for r in finished for path, reason in r.problems]
+        self._skipped_blocked: set[int] = set()  # files in blocks that were skipped after some blocks went out
+        self._blocked: _BlockedFile | None = None
+        # Where compressing resumes: after the journaled chunks, inside a file in blocks, or past it if that file
+        # was skipped part way.
+        self.resume_from = (self.first_file, self.first_block)
+        if self.first_block:
+            path = files[self.first_file].path
+            if any(problem.path == path for problem in self.skipped):
+                self._skipped_blocked.add(self.first_file)
+                self.next_number = self.first_file + 1
+                self.resume_from = (self.first_file + 1, 0)
+            else:
+                self._blocked = self._resume_blocked_file(finished)
+
+    def _resume_blocked_file(self, finished: list[ChunkRecord]) -> _BlockedFile:
+        """The file a resumed pack continues inside of: its first block's chunk and stored bytes so far."""
+        number = self.first_file
+        placed = [(r.chunk_id, row) for r in finished for row in r.blocks if row[0] == number]
+        first_chunk, first_row = placed[0]
+        blocked = _BlockedFile(number, first_chunk, first_row[4])
+        blocked.stored = sum(row[3] for _, row in placed)
+        return blocked
+
+    def add_batch(self, batch: CompressedBatch) -> None:
+        """Record a batch's files and blocks and append their blobs, copying each run of blobs bound for one
+        chunk at once (they lie back to back in `batch.blobs`)."""
+        files, file_groups = self.files, self.file_groups
+        run_start = run_end = 0  # blobs[run_start:run_end] belong to the open chunk but are not appended yet
+        for result in batch.results:
+            if type(result) is not tuple:
+                self._append_run(batch.blobs[run_start:run_end])
+                run_start = run_end
+                self._skip(result)  # type: ignore[arg-type]
+                continue
+            number, block, blob_offset, stored_len, codec, checksum, raw_size = result
+            if number in self._skipped_blocked:  # a later batch of a file already skipped: drop its blobs
+                self._append_run(batch.blobs[run_start:run_end])
+                run_start = run_end = blob_offset + stored_len
+                continue
+            if number != self.next_number:
+                self._account_empty_files(number)
+            writer = self.writer
+            group = file_groups[number]
+            pending = run_end - run_start
+            overflows = writer is not None and writer.size + pending + stored_len > self.chunk_size
+            if writer is not None and (writer.group != group or overflows):
+                self._append_run(batch.blobs[run_start:run_end])
+                self._close_chunk(number, max(block, 0))
+                writer, pending = None, 0
+            if writer is None:
+                writer = self.writer = ChunkWriter(self.dest, self.next_chunk, group)
+            if pending == 0:
+                run_start = run_end = blob_offset
+            offset = writer.size + pending
+            run_end += stored_len
+            self.raw_done += raw_size
+            self.stored_done += stored_len
+            entry = files[number]
+            if block == WHOLE_FILE:
+                self.rows.append([entry.path, raw_size, entry.mtime_ns, entry.mode, writer.chunk_id, offset,
+                                  stored_len, codec, checksum, 0])
+                self._file_done(number)
+                continue
+            self.blocks.append([number, block, offset, stored_len, codec, checksum])
+            if block == 0:
+                self._blocked = _BlockedFile(number, writer.chunk_id, codec)
+            blocked = self._blocked
+            if blocked is None or blocked.number != number:
+                raise RuntimeError(f"block {block} of plan file {number} arrived out of order")
+            blocked.stored += stored_len
+            if block == self.layout.blocks_of(entry.size) - 1:
+                # offset: the file's first row in the blocks section, known once the index orders the files
+                self.rows.append([entry.path, entry.size, entry.mtime_ns, entry.mode, blocked.first_chunk, 0,
+                                  blocked.stored, blocked.codec, 0, FLAG_BLOCKED])
+                self._blocked = None
+                self._file_done(number)
+        self._append_run(batch.blobs[run_start:run_end])
+
+    def _file_done(self, number: int) -> None:
+        self.next_number = number + 1
+        self.files_done += 1
+
+    def _account_empty_files(self, upto: int) -> None:
+        """Empty files have no blob and no task; they are recorded where the plan passes them."""
+        while self.next_number < upto:
+            entry = self.files[self.next_number]
+            if entry.size == 0:
+                self.rows.append([entry.path, 0, entry.mtime_ns, entry.mode, NO_CHUNK, 0, 0, NONE_ROW,
+                                  _EMPTY_CHECKSUM, 0])
+                self.files_done += 1
+            self.next_number += 1
+
+    def _append_run(self, blobs: memoryview) -> None:
+        if len(blobs):
+            if self.writer is None:
+                raise RuntimeError("blobs to append but no chunk is open")
+            self.writer.append(blobs)
+
+    def _skip(self, skipped: Skipped) -> None:
+        number = skipped.number
+        if number in self._skipped_blocked:
+            return  # another batch of the same file found the same change
+        self._account_empty_files(number)
+        self.problems.append([skipped.problem.path, skipped.problem.reason])
+        self.skipped.append(skipped.problem)
+        if self.layout.blocks_of(self.files[number].size):
+            # Its blocks already written stay in their chunks, unreferenced; the rest are dropped as they come.
+            self._skipped_blocked.add(number)
+            self.blocks = [row for row in self.blocks if row[0] != number]
+            self._blocked = None
+        self.next_number = number + 1
+
+    def _close_chunk(self, end_file: int, end_block: int) -> None:
+        if self.writer is None:
+            raise RuntimeError("no chunk is open")
+        size = self.writer.finish()
+        record = ChunkRecord(self.writer.chunk_id, self.writer.group, size, self.first_file, end_file,
+                             self.first_block, end_block, self.rows, self.blocks, self.problems)
+        self.journal.record_chunk(record)
+        self.records.append(record)
+        self.writer = None
+        self.next_chunk += 1
+        self.first_file, self.first_block = end_file, end_block
+        self.rows, self.blocks, self.problems = [], [], []
+
+    def close_all(self) -> list[ChunkRecord]:
+        """Finish the last chunk; trailing empty files and skips go in a record with no chunk file."""
+        self._account_empty_files(len(self.files))
+        if self.writer is not None:
+            self._close_chunk(len(self.files), 0)
+        if self.rows or self.problems:
+            self.records.append(ChunkRecord(NO_CHUNK, 0, 0, self.first_file, len(self.files), self.first_block, 0,
+                                            self.rows, [], self.problems))
+            self.rows, self.problems = [], []
+        return self.records
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.abort()
+            self.writer = None
