@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from .errors import UsageError
+from .index_check import link_target_problem
 
 
 class SourceEntry(NamedTuple):
@@ -185,7 +186,7 @@ def _entry_for(dir_entry: os.DirEntry[str], rel: str, real_root: str, problems: 
     if kind == stat.S_IFDIR:
         return SourceEntry(rel, st.st_mode, 0, st.st_mtime_ns)
     if kind == stat.S_IFLNK:
-        target = _inside_target(abs_path, real_root)
+        target = _inside_target(abs_path, rel, real_root)
         if target is None:
             problems.append(Problem(rel, f"symlink to {os.readlink(abs_path)!r} leaves SRC; skipped"))
             return None
@@ -195,17 +196,23 @@ def _entry_for(dir_entry: os.DirEntry[str], rel: str, real_root: str, problems: 
     return None
 
 
-def _inside_target(link_path: str, real_root: str) -> str | None:
-    """The link's target as a relative path when it stays inside SRC, else None (absolute ones are rewritten)."""
+def _inside_target(link_path: str, rel: str, real_root: str) -> str | None:
+    """The link's target in a form that cannot leave the dataset (index_check.link_target_problem's), or None
+    when it points outside SRC or is not UTF-8.
+
+    A target already in that form is kept as written. Any other that resolves inside SRC (absolute, or leaving
+    SRC and coming back in, or with an inner '..') is rewritten relative to where it resolves: from the link's
+    directory up to a common ancestor, then down through real directories only.
+    """
     target = os.readlink(link_path)
+    try:
+        encoded = target.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
     link_dir = os.path.realpath(os.path.dirname(link_path))
     resolved = os.path.realpath(os.path.join(link_dir, target))
     if resolved != real_root and not resolved.startswith(real_root + os.sep):
         return None
-    try:
-        target.encode("utf-8")
-    except UnicodeEncodeError:
-        return None
-    if os.path.isabs(target):
-        return os.path.relpath(resolved, link_dir)
-    return target
+    if link_target_problem(encoded, rel.count("/")) is None:
+        return target
+    return os.path.relpath(resolved, link_dir)

@@ -1,0 +1,102 @@
+"""Symlinks stay inside the dataset, whatever their text said in SRC; and the pack reads only the files the walk
+saw: one swapped for a symlink, a fifo or another file, or rewritten at the same size, is skipped with a reason."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from fanstore import PackOptions, open_dataset, pack
+from fanstore.walk import walk_source
+
+
+@pytest.fixture
+def linked_tree(tmp_path) -> Path:
+    """Links whose text leaves SRC and comes back, climbs through a symlinked directory, or has inner '..'."""
+    src = tmp_path / "src"
+    (src / "a" / "b").mkdir(parents=True)
+    (src / "data").mkdir()
+    (src / "data" / "labels.txt").write_text("labels\n")
+    (src / "a" / "b" / "deep.txt").write_text("deep\n")
+    os.symlink("../../../src/data/labels.txt", src / "a" / "b" / "out_and_back")   # leaves SRC, comes back
+    os.symlink("../../a/../data/labels.txt", src / "a" / "b" / "inner_dotdot")     # an inner '..'
+    os.symlink(str(src / "a" / "b" / "deep.txt"), src / "data" / "absolute")       # absolute, inside
+    os.symlink("../data/labels.txt", src / "a" / "plain")                          # already safe: kept
+    os.symlink("a/b", src / "to_b")                                                # a symlinked directory
+    os.symlink("../../data", src / "a" / "b" / "data_dir")
+    os.symlink("../..", src / "a" / "b" / "root")                                  # the root itself
+    os.symlink("../../../elsewhere", src / "a" / "b" / "leaves")                   # leaves: skipped
+    (tmp_path / "elsewhere").write_text("outside\n")
+    return src
+
+
+def test_links_are_stored_in_a_form_that_stays_inside(linked_tree, tmp_path):
+    summary = pack(linked_tree, tmp_path / "ds", PackOptions(workers=1))
+    assert [p.path for p in summary.problems] == ["a/b/leaves"]
+    with open_dataset(tmp_path / "ds") as ds:
+        assert ds.readlink("a/b/out_and_back") == "../../data/labels.txt"
+        assert ds.readlink("a/b/inner_dotdot") == "../../data/labels.txt"
+        assert ds.readlink("data/absolute") == "../a/b/deep.txt"
+        assert ds.readlink("a/plain") == "../data/labels.txt"  # already in the safe form: kept as written
+        assert ds.readlink("a/b/root") == "../.."
+        for link in ("a/b/out_and_back", "a/b/inner_dotdot", "a/plain", "to_b/data_dir/labels.txt"):
+            assert ds.read(link) == b"labels\n", link
+        assert ds.read("data/absolute") == b"deep\n"
+        assert ds.listdir("to_b/root/a") == ["b", "plain"]
+
+
+def test_the_mount_resolves_every_link_inside_it(linked_tree, tmp_path):
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("/dev/fuse is missing on this machine: FUSE mounts cannot be tested")
+    pytest.importorskip("pyfuse3", reason="pyfuse3 is not installed (needs libfuse3-dev to build)")
+    pack(linked_tree, tmp_path / "ds", PackOptions(workers=1))
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    run_cli("mount", str(tmp_path / "ds"), str(mnt), "--log", str(tmp_path / "log"), check=True)
+    try:
+        links = [p for p in mnt.rglob("*") if p.is_symlink()]
+        assert len(links) == 7
+        for link in links:
+            assert os.path.realpath(link).startswith(str(mnt) + os.sep) or os.path.realpath(link) == str(mnt), link
+        assert (mnt / "a" / "b" / "out_and_back").read_text() == "labels\n"
+        assert (mnt / "to_b" / "data_dir" / "labels.txt").read_text() == "labels\n"
+    finally:
+        run_cli("umount", str(mnt), check=True)
+
+
+@pytest.fixture
+def walked(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("swap_link", "swap_fifo", "swap_file", "same_size", "untouched"):
+        (src / name).write_bytes(name.encode() * 100)
+    return src, walk_source(src)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_files_swapped_or_rewritten_after_the_walk_are_skipped(walked, tmp_path, workers):
+    src, tree = walked
+    (src / "swap_link").unlink()
+    os.symlink("untouched", src / "swap_link")
+    (src / "swap_fifo").unlink()
+    os.mkfifo(src / "swap_fifo")  # opened without blocking, then refused: no reader waits for a writer
+    replacement = src / "replacement"
+    replacement.write_bytes(b"swap_file" * 100)
+    os.replace(replacement, src / "swap_file")  # same name, same size, another inode
+    time.sleep(0.01)
+    (src / "same_size").write_bytes(b"SAME_SIZE" * 100)  # rewritten in place: same size, new mtime and ctime
+    started = time.monotonic()
+    summary = pack(src, tmp_path / f"ds{workers}", PackOptions(workers=workers), tree=tree)
+    assert time.monotonic() - started < 30
+    reasons = {p.path: p.reason for p in summary.problems}
+    assert reasons == {"swap_link": "became a symlink during the pack",
+                       "swap_fifo": "is no longer a regular file",
+                       "swap_file": "was replaced by another file during the pack",
+                       "same_size": "changed during the pack (modified since the walk)"}
+    with open_dataset(tmp_path / f"ds{workers}") as ds:
+        assert ds.listdir("") == ["untouched"]
+        assert ds.read("untouched") == b"untouched" * 100
