@@ -167,7 +167,8 @@ def _check_types_and_tree(refuse: _Refuse, columns: _Columns) -> None:
         raise refuse("entries[0]", "is not the root directory (an empty path, its own parent)")
     parents = columns.parent[1:]
     # Breadth-first order: a parent comes before its children, and parents never decrease.
-    wrong = (parents >= np.arange(1, columns.count, dtype=np.uint32)) | (kind[parents] != stat.S_IFDIR)
+    wrong = parents >= np.arange(1, columns.count, dtype=np.uint32)
+    wrong |= kind[np.where(wrong, 0, parents)] != stat.S_IFDIR  # indexed only once known to be in range
     wrong[1:] |= parents[1:] < parents[:-1]
     if wrong.any():
         bad = int(np.argmax(wrong)) + 1

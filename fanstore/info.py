@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import stat
+from typing import Any, Callable
 
 import numpy as np
 
@@ -64,23 +65,31 @@ def describe_dataset(ds: Dataset) -> str:
             f"  {names[number]:<{width}}  {len(chosen):,} files, {format_bytes(c_raw)} -> "
             f"{format_bytes(c_stored)} ({c_raw / c_stored if c_stored else 1.0:.2f}x)"
         )
-    pack_meta = index.meta.get("pack", {})
-    if pack_meta:
-        lines.append("")
-        lines.append(
-            f"packed with   --codec {pack_meta['codec']} --chunk-size {pack_meta['chunk_size']}"
-            + "".join(f" --replicate {p}" for p in pack_meta.get("replicate", []))
-        )
-        skipped = pack_meta.get("skipped", [])
-        lines.append(f"skipped      {len(skipped)} path(s)" + (":" if skipped else ""))
-        lines.extend(f"  {s['path']}: {s['reason']}" for s in skipped[:50])
-        if len(skipped) > 50:
-            lines.append(f"  ... and {len(skipped) - 50} more")
-    selection = index.meta.get("selection")
-    if selection:
-        lines.append("")
-        lines.extend(_describe_selection(selection))
+    for key, describe in (("pack", _describe_pack), ("selection", _describe_selection)):
+        if index.meta.get(key):
+            lines.append("")
+            lines.extend(_described_meta(key, index.meta[key], describe))
     return "\n".join(lines)
+
+
+def _described_meta(key: str, record: Any, describe: Callable[[Any], list[str]]) -> list[str]:
+    """Lines for one `meta` record. The metadata is informational (no read depends on it): a record not as
+    fanstore writes it is shown as such, never an error."""
+    try:
+        return describe(record)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        return [f"meta.{key}      not as fanstore writes it ({type(exc).__name__}: {exc}); it is informational only"]
+
+
+def _describe_pack(pack_meta: dict) -> list[str]:
+    lines = [f"packed with   --codec {pack_meta['codec']} --chunk-size {pack_meta['chunk_size']}"
+             + "".join(f" --replicate {p}" for p in pack_meta.get("replicate", []))]
+    skipped = pack_meta.get("skipped", [])
+    lines.append(f"skipped      {len(skipped)} path(s)" + (":" if skipped else ""))
+    lines.extend(f"  {s['path']}: {s['reason']}" for s in skipped[:50])
+    if len(skipped) > 50:
+        lines.append(f"  ... and {len(skipped) - 50} more")
+    return lines
 
 
 def _describe_selection(selection: dict) -> list[str]:

@@ -1,0 +1,379 @@
+"""Crafted indexes: a dataset from someone else is refused at open with one line naming the field, or served; it
+never raises anything but a fanstore error, never hangs, never reaches outside the dataset.
+
+Each crafted index is rewritten with a valid checksum, so the body checksum cannot be what catches it: the checks
+at open (fanstore/index_check.py) must. The fuzz tests mutate one field at a time of a real packed index (entry
+fields, path bytes, block rows, chunk rows, the table of contents); the cases below are one per class of defect.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import signal
+import stat
+import struct
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import assert_one_line_error, make_tree, run_cli
+from fanstore import FanstoreError, PackOptions, open_dataset, pack
+from fanstore.format import (ENTRY_DTYPE, INDEX_HEADER, INDEX_HEADER_LEN, INDEX_MAGIC, INDEX_NAME, SECTION_ALIGN,
+                             chunk_file_name)
+from fanstore.index import _parse_index
+from fanstore.info import describe_dataset
+from fanstore.verify import verify_dataset
+
+TOC_ROOM = 1 << 16  # the TOC is padded to a fixed room, so a mutated TOC leaves the sections where they were
+HANG_SECONDS = 20
+
+
+@pytest.fixture(scope="module")
+def original(tmp_path_factory) -> tuple[Path, dict[str, Any], dict[str, np.ndarray]]:
+    """A real dataset with every kind of entry: files whole and in blocks (some blocks raw), empty files, empty
+    directories, symlinks, two groups, a dictionary."""
+    root = tmp_path_factory.mktemp("crafted")
+    src = make_tree(root / "src")
+    (src / "large.bin").write_bytes(bytes(range(256)) * 200 + os.urandom(20_000))
+    (src / "xy").write_text("a two-byte name, to be crafted into '..'")
+    dest = root / "ds"
+    pack(src, dest, PackOptions(codec="zstd-dict:3", chunk_size=32 * 1024, replicate=("val/**",), block_size=4096,
+                                blocks_above=16 * 1024, workers=1))
+    toc, sections = _parse_index(dest / INDEX_NAME, (dest / INDEX_NAME).read_bytes())
+    return dest, toc, {name: np.array(array) for name, array in sections.items()}
+
+
+def craft(dataset: Path, out: Path, toc: dict[str, Any], sections: dict[str, np.ndarray],
+          mutate_toc: Callable[[dict[str, Any]], None] | None = None) -> Path:
+    """A copy of `dataset` whose index holds `sections` and `toc` (then `mutate_toc`), with a valid checksum."""
+    if not out.exists():
+        (out / "chunks").mkdir(parents=True)
+        for chunk in sorted((dataset / "chunks").iterdir()):
+            os.link(chunk, out / "chunks" / chunk.name)
+    toc = copy.deepcopy(toc)
+    cursor = INDEX_HEADER_LEN + TOC_ROOM
+    body_parts = []
+    for name, array in sections.items():
+        toc["sections"][name].update(offset=cursor, count=len(array))
+        data = array.tobytes()
+        padding = -len(data) % SECTION_ALIGN
+        body_parts.append(data + bytes(padding))
+        cursor += len(data) + padding
+    if mutate_toc is not None:
+        mutate_toc(toc)
+    toc_bytes = json.dumps(toc).encode("utf-8", "surrogatepass")
+    if len(toc_bytes) > TOC_ROOM:
+        toc_bytes = toc_bytes[:TOC_ROOM]
+    body = toc_bytes + b" " * (TOC_ROOM - len(toc_bytes)) + b"".join(body_parts)
+    header = INDEX_HEADER.pack(INDEX_MAGIC, 1, 1, INDEX_HEADER_LEN, TOC_ROOM, len(body), xxhash.xxh3_64_intdigest(body))
+    (out / INDEX_NAME).write_bytes(header + body)
+    return out
+
+
+def _raise_hang(signum: int, frame: object) -> None:
+    raise TimeoutError(f"a crafted index kept the reader busy for {HANG_SECONDS} s")
+
+
+def exercise(dataset: Path) -> str:
+    """Open a dataset and use every read path on it. Returns 'refused' or 'served'; any exception that is not a
+    fanstore error, or a hang, fails the caller."""
+    previous = signal.signal(signal.SIGALRM, _raise_hang)
+    signal.alarm(HANG_SECONDS)
+    try:
+        try:
+            ds = open_dataset(dataset)
+        except FanstoreError:
+            return "refused"
+        with ds:
+            _use_everything(ds)
+        return "served"
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _use_everything(ds) -> None:
+    """Every public read call, each allowed to fail with a fanstore error (a crafted rename, say, leaves a name the
+    hash table does not find: PathNotFound), and each tried whatever the others did."""
+    def tolerant(call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except FanstoreError:
+            return None
+
+    tolerant(lambda: describe_dataset(ds))
+    tolerant(lambda: verify_dataset(ds))
+    for dirpath, dirnames, filenames in tolerant(lambda: list(ds.walk())) or []:
+        tolerant(lambda: ds.listdir(dirpath))
+        for name in dirnames + filenames:
+            path = f"{dirpath}/{name}" if dirpath else name
+            tolerant(lambda: ds.stat(path, follow_symlinks=False))
+            tolerant(lambda: ds.stat(path))
+            tolerant(lambda: ds.readlink(path))
+            tolerant(lambda: ds.read(path))
+            handle = tolerant(lambda: ds.open(path))
+            if handle is not None:
+                with handle:
+                    for offset in (0, 1, 4095, 4096, 5000, 10**6):
+                        handle.seek(offset)
+                        tolerant(lambda: handle.read(300))
+                    handle.seek(0)
+                    tolerant(handle.readline)
+    for entry in range(len(ds.index.entries)):
+        tolerant(lambda: ds.stat_entry(entry))
+        tolerant(lambda: ds.reader.read(entry))
+    for name in ("labels.txt", "cats/img_001.png", "../etc/passwd", "/", "", "large.bin"):
+        tolerant(lambda: ds.read(name))
+
+
+ENTRY_FIELDS = [name for name in ENTRY_DTYPE.names]
+SPECIAL_U64 = [0, 1, 2, 31, 32, 255, 4095, 4096, 2**16 - 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**48, 2**48 + 1,
+               2**63 - 1, 2**63, 2**64 - 1]
+FILE_TYPES = [stat.S_IFIFO | 0o644, stat.S_IFCHR | 0o600, stat.S_IFBLK | 0o600, stat.S_IFSOCK | 0o755, 0,
+              stat.S_IFDIR | 0o755, stat.S_IFREG | 0o644, stat.S_IFLNK | 0o777, 0o170000 | 0o777]
+
+
+def _value_for(field: str) -> st.SearchStrategy[int]:
+    info = np.iinfo(ENTRY_DTYPE[field])
+    specials = [v for v in SPECIAL_U64 if info.min <= v <= info.max] + [info.max, info.min]
+    if field == "mode":
+        specials += FILE_TYPES
+    return st.one_of(st.sampled_from(specials), st.integers(int(info.min), int(info.max)))
+
+
+# CI runs a fixed set of examples; FANSTORE_FUZZ_EXAMPLES=N runs N random ones per test, for a longer hunt.
+_LONG_FUZZ = int(os.environ.get("FANSTORE_FUZZ_EXAMPLES", "0"))
+FUZZ_SETTINGS = settings(max_examples=_LONG_FUZZ or 250, deadline=None, derandomize=not _LONG_FUZZ,
+                         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@FUZZ_SETTINGS
+@given(data=st.data())
+def test_fuzz_entry_fields(original, tmp_path_factory, data):
+    dataset, toc, sections = original
+    entries = sections["entries"].copy()
+    entry = data.draw(st.integers(0, len(entries) - 1), label="entry")
+    field = data.draw(st.sampled_from(ENTRY_FIELDS), label="field")
+    entries[field][entry] = data.draw(_value_for(field), label="value")
+    out = craft(dataset, tmp_path_factory.mktemp("entry"), toc, {**sections, "entries": entries})
+    exercise(out)
+
+
+@FUZZ_SETTINGS
+@given(data=st.data())
+def test_fuzz_path_bytes(original, tmp_path_factory, data):
+    dataset, toc, sections = original
+    paths = sections["paths"].copy()
+    for _ in range(data.draw(st.integers(1, 3), label="bytes changed")):
+        at = data.draw(st.integers(0, len(paths) - 1), label="at")
+        paths[at] = data.draw(st.sampled_from([0, ord("/"), ord("."), 0xFF, 0xC3, 0x80, ord("a")]), label="byte")
+    out = craft(dataset, tmp_path_factory.mktemp("paths"), toc, {**sections, "paths": paths})
+    exercise(out)
+
+
+@FUZZ_SETTINGS
+@given(data=st.data())
+def test_fuzz_blocks_chunks_and_hash_order(original, tmp_path_factory, data):
+    dataset, toc, sections = original
+    name = data.draw(st.sampled_from(["blocks", "chunks", "hash_order", "path_hash"]), label="section")
+    array = sections[name].copy()
+    row = data.draw(st.integers(0, len(array) - 1), label="row")
+    if array.dtype.names:
+        field = data.draw(st.sampled_from([f for f in array.dtype.names if f != "reserved"]), label="field")
+        info = np.iinfo(array.dtype[field])
+        array[field][row] = data.draw(st.one_of(st.sampled_from([v for v in SPECIAL_U64 if v <= info.max]),
+                                                st.integers(0, int(info.max))), label="value")
+    else:
+        array[row] = data.draw(st.integers(0, int(np.iinfo(array.dtype).max)), label="value")
+    out = craft(dataset, tmp_path_factory.mktemp(name), toc, {**sections, name: array})
+    exercise(out)
+
+
+_JSON_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.text(max_size=12),
+                         st.lists(st.integers(0, 3), max_size=3), st.dictionaries(st.text(max_size=4),
+                                                                                  st.integers(0, 9), max_size=2))
+
+
+def _toc_paths(value: Any, prefix: tuple = ()) -> list[tuple]:
+    """Every key path into a TOC (dict keys and list indices), to pick one to change or delete."""
+    found = [prefix] if prefix else []
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            found += _toc_paths(inner, prefix + (key,))
+    elif isinstance(value, list):
+        for index, inner in enumerate(value[:4]):
+            found += _toc_paths(inner, prefix + (index,))
+    return found
+
+
+@FUZZ_SETTINGS
+@given(data=st.data())
+def test_fuzz_table_of_contents(original, tmp_path_factory, data):
+    dataset, toc, sections = original
+    key_paths = [p for p in _toc_paths(toc) if p[0] != "meta" or len(p) < 3]
+    where = data.draw(st.sampled_from(key_paths), label="key path")
+    delete = data.draw(st.booleans(), label="delete")
+    value = data.draw(_JSON_VALUES, label="value")
+
+    def mutate(crafted: dict[str, Any]) -> None:
+        parent = crafted
+        for key in where[:-1]:
+            parent = parent[key]
+        if delete and isinstance(parent, dict):
+            parent.pop(where[-1], None)
+        else:
+            parent[where[-1]] = value
+
+    out = craft(dataset, tmp_path_factory.mktemp("toc"), toc, sections, mutate)
+    exercise(out)
+
+
+def test_the_unchanged_craft_is_served(original, tmp_path):
+    """The crafting itself keeps a dataset valid: what the fuzz tests refuse, their mutation caused."""
+    dataset, toc, sections = original
+    assert exercise(craft(dataset, tmp_path / "same", toc, sections)) == "served"
+
+
+def _entry_of(sections: dict[str, np.ndarray], path: str) -> int:
+    entries, blob = sections["entries"], sections["paths"].tobytes()
+    for number, row in enumerate(entries):
+        if blob[int(row["path_off"]): int(row["path_off"]) + int(row["path_len"])] == path.encode():
+            return number
+    raise KeyError(path)
+
+
+def _set(field: str, value: int, path: str = "labels.txt") -> Callable:
+    def change(sections: dict[str, np.ndarray]) -> None:
+        sections["entries"][field][_entry_of(sections, path)] = value
+    return change
+
+
+def _set_path(path: str, new: bytes) -> Callable:
+    """Overwrite a path's bytes in place (same length)."""
+    def change(sections: dict[str, np.ndarray]) -> None:
+        row = sections["entries"][_entry_of(sections, path)]
+        start = int(row["path_off"])
+        sections["paths"][start: start + len(new)] = np.frombuffer(new, dtype=np.uint8)
+    return change
+
+
+def _set_link(path: str, target: bytes) -> Callable:
+    def change(sections: dict[str, np.ndarray]) -> None:
+        entry = _entry_of(sections, path)
+        sections["entries"]["offset"][entry] = len(sections["paths"])
+        sections["entries"]["stored_len"][entry] = sections["entries"]["size"][entry] = len(target)
+        sections["paths"] = np.concatenate((sections["paths"], np.frombuffer(target, dtype=np.uint8)))
+    return change
+
+
+def _swap_hash_order(sections: dict[str, np.ndarray]) -> None:
+    sections["hash_order"][1] = sections["hash_order"][0]
+
+
+def _block_field(field: str, value: int) -> Callable:
+    def change(sections: dict[str, np.ndarray]) -> None:
+        sections["blocks"][field][3] = value
+    return change
+
+
+# One crafted index per class of defect, with the words its refusal must contain.
+CRAFTED = {
+    "a fifo entry": (_set("mode", stat.S_IFIFO | 0o644), "entries[", "is a fifo"),
+    "a device entry": (_set("mode", stat.S_IFCHR | 0o644), "is a character device"),
+    "a name '..'": (_set_path("xy", b".."), "'..'"),
+    "a name '.'": (_set_path("xy", b".y"), "previous sibling"),  # '.y' sorts before its siblings
+    "a name with '/' inside": (_set_path("labels.txt", b"lab/ls.txt"), "path"),
+    "a NUL in a path": (_set_path("labels.txt", b"lab\0ls.txt"), "NUL"),
+    "a path not UTF-8": (_set_path("labels.txt", b"lab\xffls.txt"), "UTF-8"),
+    "two entries with one path": (_set_path("random.bin", b"labels.txt"), "previous sibling"),
+    "a path outside its parent": (_set_path("train/cat/img_001.png", b"train/dog/img_001.png"), "parent"),
+    "a parent that is a file": (_set("parent", 3, "train/cat"), "parent"),
+    "a blob past its chunk's end": (_set("offset", 2**40), "outside chunk"),
+    "a size of 2**63": (_set("size", 2**63), "size"),
+    "a size its stored bytes cannot hold": (_set("size", 2**40), "cannot hold"),
+    "a chunk id out of range": (_set("chunk", 4000), "names no chunk"),
+    "a codec row out of range": (_set("codec", 200), "names no codec"),
+    "an unknown flag": (_set("flags", 0x80), "unknown bits"),
+    "hash order not a permutation": (_swap_hash_order, "permutation"),
+    "a symlink climbing out": (_set_link("cats", b"../../../etc"), "leaves the dataset"),
+    "an absolute symlink": (_set_link("latest.npy", b"/etc/passwd"), "absolute"),
+    "a symlink with an inner '..'": (_set_link("latest.npy", b"train/../../x"), "not normalized"),
+    "a block past its chunk": (_block_field("offset", 2**50), "outside chunk"),
+    "a block of a wrong codec row": (_block_field("codec", 99), "names no codec"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CRAFTED))
+def test_each_crafted_index_is_refused_naming_the_field(original, tmp_path, case):
+    dataset, toc, sections = original
+    change, *needles = CRAFTED[case]
+    crafted_sections = {name: array.copy() for name, array in sections.items()}
+    change(crafted_sections)
+    out = craft(dataset, tmp_path / "crafted", toc, crafted_sections)
+    with pytest.raises(FanstoreError) as refused:
+        open_dataset(out)
+    for needle in needles:
+        assert needle in str(refused.value), str(refused.value)
+    assert str(out / INDEX_NAME) in str(refused.value)
+    for command in ("info", "verify"):
+        assert_one_line_error(run_cli(command, str(out), timeout=60), *needles)
+
+
+TOC_CASES = {
+    "not an object": (lambda toc: toc.clear() or toc.update({"x": [1]}), "format"),
+    "no sections": (lambda toc: toc.pop("sections"), "sections"),
+    "a codec row of the wrong type": (lambda toc: toc["codecs"].__setitem__(1, "zstd"), "codecs[1]"),
+    "a dictionary naming no section": (lambda toc: toc["codecs"][1].__setitem__("dictionary", "dict.9"),
+                                       "names no dictionary"),
+    "a section outside the file": (lambda toc: toc["sections"]["entries"].__setitem__("offset", 2**40), "outside"),
+    "a section over another": (lambda toc: toc["sections"]["paths"].__setitem__(
+        "offset", toc["sections"]["entries"]["offset"]), "overlaps"),
+    "a block size of 0": (lambda toc: toc.__setitem__("block_size", 0), "block_size"),
+    "another layout for entries": (lambda toc: toc["sections"]["entries"].__setitem__("dtype", "<u8"), "layout"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TOC_CASES))
+def test_each_crafted_table_of_contents_is_refused(original, tmp_path, case):
+    dataset, toc, sections = original
+    mutate, needle = TOC_CASES[case]
+    out = craft(dataset, tmp_path / "crafted", toc, sections, mutate)
+    with pytest.raises(FanstoreError, match=re.escape(needle)):
+        open_dataset(out)
+
+
+def test_header_fields_are_checked(original, tmp_path):
+    dataset, toc, sections = original
+    out = craft(dataset, tmp_path / "crafted", toc, sections)
+    data = bytearray((out / INDEX_NAME).read_bytes())
+    for offset, fmt, value, needle in ((12, "<I", 63, "header length"), (12, "<I", 2**31, "header length"),
+                                       (16, "<Q", 2**40, "runs past"), (24, "<Q", 5, "truncated")):
+        crafted = bytearray(data)
+        struct.pack_into(fmt, crafted, offset, value)
+        if needle == "runs past":  # keep the checksum valid: this is the TOC length, inside the checked body
+            struct.pack_into("<Q", crafted, 32, xxhash.xxh3_64_intdigest(bytes(crafted[INDEX_HEADER_LEN:])))
+        (out / INDEX_NAME).write_bytes(bytes(crafted))
+        with pytest.raises(FanstoreError, match=needle):
+            open_dataset(out)
+
+
+def test_a_mount_of_a_crafted_index_is_refused_in_one_line(original, tmp_path):
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("/dev/fuse is missing on this machine: FUSE mounts cannot be tested")
+    dataset, toc, sections = original
+    crafted_sections = {name: array.copy() for name, array in sections.items()}
+    _set_link("cats", b"../../../etc")(crafted_sections)
+    out = craft(dataset, tmp_path / "crafted", toc, crafted_sections)
+    (tmp_path / "mnt").mkdir()
+    assert_one_line_error(run_cli("mount", str(out), str(tmp_path / "mnt"), "--log", str(tmp_path / "log")),
+                          "symlink target", "leaves the dataset")
+    assert not os.path.ismount(tmp_path / "mnt")
+    assert chunk_file_name(0)  # the chunks themselves were never the problem
