@@ -126,10 +126,10 @@ def pack_chunk_header(chunk_id: int, group: int) -> bytes:
 def check_chunk_header(header: bytes, chunk_id: int, what: Path | str) -> None:
     """A chunk file must say it is one, in a version we read, with the id the index expects."""
     if len(header) < CHUNK_HEADER_LEN:
-        raise FormatError(f"{what}: chunk file is truncated (no header)")
+        raise FormatError(f"{what}: chunk {chunk_id} is truncated (no header)")
     magic, major, minor, found_id, _group = CHUNK_HEADER.unpack(header[:CHUNK_HEADER_LEN])
     if magic != CHUNK_MAGIC:
-        raise FormatError(f"{what}: not a fanstore chunk file (bad magic)")
+        raise FormatError(f"{what}: chunk {chunk_id} is not a fanstore chunk file (bad magic)")
     check_version(major, minor, what)
     if found_id != chunk_id:
         raise FormatError(f"{what}: holds chunk {found_id}, the index expects chunk {chunk_id}")

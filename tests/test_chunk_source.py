@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from chunk_source_contract import ChunkSourceContract
 from fanstore import open_dataset
-from fanstore.chunk_source import LocalChunkSource
-from fanstore.errors import ChunkCorrupt
+from conftest import REPO
+from fanstore.chunk_source import LocalChunkSource, default_max_open_chunks
+from fanstore.errors import ChunkCorrupt, ChunkUnavailable
 from fanstore.format import chunk_file_name
 
 
@@ -35,3 +40,108 @@ def test_chunk_with_a_wrong_header_is_refused(tmp_path):
     first.write_bytes(b"JUNKJUNK" + swapped[8:])
     with LocalChunkSource(dest, sizes) as source, pytest.raises(ChunkCorrupt, match="not a fanstore chunk"):
         source.read(0, 32, 4)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def packed_chunks(tmp_path):
+    from conftest import make_tree
+    from fanstore import PackOptions, pack
+
+    dest = tmp_path / "ds"
+    pack(make_tree(tmp_path / "src"), dest, PackOptions(chunk_size=16 * 1024, workers=1))
+    with open_dataset(dest) as ds:
+        return dest, ds.index.chunks["size"].copy()
+
+
+@pytest.mark.parametrize("damage", ["directory", "fifo", "wrong_header", "truncated", "missing", "unreadable"])
+def test_failed_opens_leak_no_descriptor_and_say_what_failed(packed_chunks, damage):
+    dest, sizes = packed_chunks
+    path = dest / chunk_file_name(1)
+    data = path.read_bytes()
+    path.unlink()
+    if damage == "directory":
+        path.mkdir()
+    elif damage == "fifo":
+        os.mkfifo(path)  # opened without blocking, then refused
+    elif damage == "wrong_header":
+        path.write_bytes(b"JUNKJUNK" + data[8:])
+    elif damage == "truncated":
+        path.write_bytes(data[:-3])
+    elif damage == "unreadable":
+        path.symlink_to(path)  # a loop: ELOOP, as a disk error would be
+    expected = ChunkCorrupt if damage in ("wrong_header", "truncated") else ChunkUnavailable
+    with LocalChunkSource(dest, sizes) as source:
+        before = _open_fds()
+        for _ in range(50):
+            with pytest.raises(expected, match="chunk 1"):
+                source.read(1, 40, 10)
+        assert _open_fds() == before
+        assert source.read(0, 40, 10) == (dest / chunk_file_name(0)).read_bytes()[40:50]  # others still read
+
+
+def test_a_closed_dataset_is_unavailable_not_corrupt(packed_chunks):
+    dest, _ = packed_chunks
+    ds = open_dataset(dest)
+    path = next(iter(ds.files()))
+    ds.read(path)
+    ds.close()
+    with pytest.raises(ChunkUnavailable, match="closed"):
+        ds.read(path)
+
+
+def test_open_chunk_files_stay_within_their_bound(packed_chunks):
+    dest, sizes = packed_chunks
+    assert len(sizes) >= 6
+    with LocalChunkSource(dest, sizes, max_open=2) as source:
+        before = _open_fds()
+        for _ in range(3):
+            for chunk in range(len(sizes)):
+                assert source.read(chunk, 0, 8) == b"FANSTCHK"
+                assert _open_fds() - before <= 2
+    assert default_max_open_chunks() >= 8
+
+
+def test_too_many_open_files_is_unavailable_and_passes(packed_chunks, tmp_path):
+    """Out of descriptors, the source gives back its own and tries again; when none can be had at all, the read
+    is unavailable (a later one may work), never called corruption."""
+    dest, _ = packed_chunks
+    code = f"""
+import os, resource, sys
+sys.path.insert(0, {str(REPO)!r})
+from fanstore import open_dataset
+from fanstore.errors import ChunkUnavailable
+ds = open_dataset({str(dest)!r})
+paths = list(ds.files())
+for path in paths:  # opens every chunk
+    ds.read(path)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir('/proc/self/fd')) + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+held = []
+try:
+    while True:
+        held.append(os.open('/dev/null', os.O_RDONLY))
+except OSError:
+    pass
+ds.reader.source._evict_idle(keep=0)  # every chunk closed, and the freed descriptors taken by others
+while True:
+    try:
+        held.append(os.open('/dev/null', os.O_RDONLY))
+    except OSError:
+        break
+try:
+    ds.read(paths[0])
+    print("read")
+except ChunkUnavailable as exc:
+    print("unavailable:", exc)
+for fd in held:
+    os.close(fd)
+print("after:", len(ds.read(paths[0])))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    first, after = proc.stdout.splitlines()
+    assert first.startswith("unavailable:") and "Too many open files" in first and "corrupt" not in first
+    assert after.startswith("after:")

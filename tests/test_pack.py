@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import dataset_digest, dir_bytes, make_tree, run_cli, tree_digest
-from fanstore import PackOptions, open_dataset, pack
+from fanstore import FanstoreError, PackOptions, open_dataset, pack
 from fanstore.errors import PathNotFound
 from fanstore.format import CHUNK_HEADER_LEN, NO_CHUNK
 
@@ -48,10 +48,29 @@ def test_walk_and_listdir_match_os(source_tree, tmp_path):
         assert ds.listdir("") == sorted(os.listdir(source_tree), key=lambda n: n.encode())
         with pytest.raises(PathNotFound):
             ds.read("train/cat/missing.png")
-        with pytest.raises(IsADirectoryError):
-            ds.read("train")
-        with pytest.raises(NotADirectoryError):
-            ds.listdir("labels.txt")
+
+
+def test_misuse_of_the_api_raises_fanstore_errors_that_refine_builtins(source_tree, tmp_path):
+    """Callers catch FanstoreError for everything, or the builtin they already handle."""
+    os.symlink("loop_b", source_tree / "loop_a")
+    os.symlink("loop_a", source_tree / "loop_b")
+    pack(source_tree, tmp_path / "ds", PackOptions(workers=1))
+    with open_dataset(tmp_path / "ds") as ds:
+        for call, builtin in ((lambda: ds.read("train"), IsADirectoryError),
+                              (lambda: ds.open("train"), IsADirectoryError),
+                              (lambda: ds.listdir("labels.txt"), NotADirectoryError),
+                              (lambda: ds.readlink("labels.txt"), OSError),
+                              (lambda: ds.read("loop_a"), OSError),
+                              (lambda: ds.read("nowhere/x"), FileNotFoundError),
+                              (lambda: ds.reader.read_block(ds.index.lookup("labels.txt"), 0), ValueError)):
+            with pytest.raises(FanstoreError) as caught:
+                call()
+            assert isinstance(caught.value, builtin)
+        with ds.open("labels.txt") as f:
+            with pytest.raises(ValueError, match="whence"):
+                f.seek(0, 3)
+            with pytest.raises(ValueError, match="negative"):
+                f.seek(-1)
 
 
 def test_open_gives_a_seekable_read_only_file(source_tree, tmp_path):
