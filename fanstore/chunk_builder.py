@@ -18,6 +18,7 @@ from .compress import WHOLE_FILE, BlockLayout, CompressedBatch, Skipped
 from .chunk_writer import ChunkWriter
 from .format import FLAG_BLOCKED, NO_CHUNK
 from .journal import ChunkRecord, PackJournal
+from .pause import pause_point
 from .walk import Problem, SourceEntry
 
 _EMPTY_CHECKSUM = xxhash.xxh3_64_intdigest(b"")
@@ -180,6 +181,7 @@ class ChunkBuilder:
         self.records.append(record)
         self.writer = None
         self.next_chunk += 1
+        pause_point(f"chunk:{self.next_chunk}")
         self.first_file, self.first_block = end_file, end_block
         self.rows, self.blocks, self.problems = [], [], []
 

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from .format import chunk_file_name, pack_chunk_header
-from .index import fsync_dir
+from .index import fsync_dir, naming_the_file
 
 PARTIAL_SUFFIX = ".partial"
 WRITE_BUFFER = 4 << 20  # bytes gathered before one write; a multiple of any device block size
@@ -56,7 +56,7 @@ class ChunkWriter:
 
     def _write_out(self, length: int) -> None:
         done = 0
-        with memoryview(self._buffer) as whole:
+        with naming_the_file(self.partial_path), memoryview(self._buffer) as whole:
             while done < length:
                 with whole[done:length] as rest:
                     done += os.write(self._fd, rest)
@@ -68,8 +68,10 @@ class ChunkWriter:
             self._buffer[self._filled : padded] = bytes(padded - self._filled)
             self._write_out(padded)
             if padded != self._filled:
-                os.ftruncate(self._fd, self.size)
-        os.fsync(self._fd)
+                with naming_the_file(self.partial_path):
+                    os.ftruncate(self._fd, self.size)
+        with naming_the_file(self.partial_path):
+            os.fsync(self._fd)
         self._close()
         os.replace(self.partial_path, self.final_path)
         fsync_dir(self.final_path.parent)

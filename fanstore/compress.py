@@ -14,11 +14,13 @@ compressing a small file; that serial work, not compression, was what two worker
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import mmap
 import multiprocessing
 import os
 import pickle
+import signal
 import stat
 import threading
 from collections import deque
@@ -34,6 +36,7 @@ from .kinds import HEAD_BYTES, file_kind
 from .walk import Problem
 
 _BATCH_FILES = 256
+_PR_SET_PDEATHSIG = 1  # prctl option, <linux/prctl.h>
 _BATCH_BYTES = 8 << 20  # raw bytes of a batch, and the size of a slot (a blob is never larger than its raw bytes)
 _BATCHES_PER_WORKER = 4
 
@@ -298,8 +301,10 @@ class WorkerPool:
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
-        start_method = "fork" if threading.active_count() == 1 and os.name == "posix" else "forkserver"
-        self.executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(start_method))
+        forked = threading.active_count() == 1 and os.name == "posix"
+        self.executor = ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("fork" if forked else "forkserver"),
+            initializer=_die_with_parent, initargs=(os.getpid() if forked else None,))
         for _ in range(workers):
             self.executor.submit(_warm_up)  # starts every process now
 
@@ -329,6 +334,19 @@ _worker_slots: memoryview | None = None
 
 def _warm_up() -> None:
     return None
+
+
+def _die_with_parent(parent_pid: int | None) -> None:
+    """Have the kernel kill this worker when its parent dies (Linux), so a packer killed with SIGKILL leaves no
+    worker behind; a forked worker whose packer died before this ran exits now. A worker of the forkserver dies
+    with the forkserver, which exits when the packer goes."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return  # no prctl (not Linux): workers still end when the pool is shut down
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)
 
 
 def _load_job(token: str, job_path: str, slots_path: str) -> BlobCompressor:

@@ -6,6 +6,7 @@ Python object per file: lookups hash the path and binary-search a sorted hash ar
 
 from __future__ import annotations
 
+import contextlib
 import json
 import operator
 import os
@@ -386,12 +387,25 @@ def write_index_atomically(dataset_dir: Path, index_bytes: bytes) -> None:
     """The index is the dataset's commit record: written to a temporary name, synced, then renamed."""
     final = dataset_dir / INDEX_NAME
     partial = dataset_dir / (INDEX_NAME + ".partial")
-    with open(partial, "wb") as out:
-        out.write(index_bytes)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(partial, final)
-    fsync_dir(dataset_dir)
+    with naming_the_file(partial):
+        with open(partial, "wb") as out:
+            out.write(index_bytes)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(partial, final)
+        fsync_dir(dataset_dir)
+
+
+@contextlib.contextmanager
+def naming_the_file(path: Path) -> Iterator[None]:
+    """An OSError while writing `path` names it: a write or fsync that fails (ENOSPC) does not say which file it
+    was writing, and "disk full" should."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from None
 
 
 def fsync_dir(directory: Path) -> None:

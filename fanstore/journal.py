@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import PackError
-from .index import fsync_dir
+from .index import fsync_dir, naming_the_file
 
 JOURNAL_DIR = ".fanstore-pack"
 STATE_FILE = "state.json"
@@ -110,9 +110,10 @@ def _write_json_atomically(path: Path, value: Any) -> None:
 
 def _write_atomically(path: Path, data: bytes) -> None:
     partial = path.with_name(path.name + ".partial")
-    with open(partial, "wb") as out:
-        out.write(data)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(partial, path)
-    fsync_dir(path.parent)
+    with naming_the_file(partial):
+        with open(partial, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(partial, path)
+        fsync_dir(path.parent)

@@ -10,7 +10,6 @@ import errno
 import json
 import operator
 import os
-import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,16 +22,16 @@ import xxhash
 from compressors import CodecError, codec_from_spec
 
 from .chunk_builder import ChunkBuilder
-from .chunk_writer import PARTIAL_SUFFIX
 from .codec_plan import ANY_KIND, CodecPlan, build_codec_plan
+from .dest import check_src_and_dest, discard_unrecorded_chunks, prepare_dest
 from .compress import BlockLayout, PlanFiles, Skipped, WorkerPool, compress_in_order
 from .errors import PackError, UsageError
-from .format import (BLOCK_DTYPE, CHUNK_DIR, CHUNK_DTYPE, FLAG_BLOCKED, INDEX_NAME, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE,
-                     NO_CHUNK)
+from .format import BLOCK_DTYPE, CHUNK_DTYPE, FLAG_BLOCKED, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, NO_CHUNK
 from .groups import GroupPlan
 from .index import EntryRecord, IndexLayout, write_index_atomically
-from .journal import JOURNAL_DIR, ChunkRecord, PackJournal
+from .journal import ChunkRecord, PackJournal
 from .kinds import OTHER
+from .pause import pause_point
 from .walk import Problem, SourceEntry, SourceTree, walk_source
 
 if TYPE_CHECKING:
@@ -122,6 +121,7 @@ def pack(
     """Pack SRC into the dataset directory DEST. `tree` is a walk of SRC the caller already made."""
     started = time.monotonic()
     _check_options(options)
+    check_src_and_dest(Path(src), Path(dest))
     workers = _worker_count(options.workers)
     # Workers hand blobs back through memfd shared memory (Linux); elsewhere this process compresses alone.
     pool = WorkerPool(workers) if workers > 1 and hasattr(os, "memfd_create") else None
@@ -139,7 +139,6 @@ def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: Sour
     groups = GroupPlan(options.replicate)
     if tree is None:
         tree = walk_source(src_path, pool.executor if pool is not None else None)
-    _check_dest_outside_src(src_path, dest_path)
     if options.strict and tree.problems:
         raise PackError(f"--strict: {tree.problems[0]} ({len(tree.problems)} path(s) cannot be packed)")
     # Files in (group, path) order: a chunk holds one group only, and the replicated group comes last. The walk
@@ -154,16 +153,17 @@ def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: Sour
     del by_group, in_order
     fingerprint = _fingerprint(tree, options)
     journal = PackJournal(dest_path)
-    _prepare_dest(dest_path, journal, fingerprint, options)
-
+    prepare_dest(dest_path, journal, fingerprint, options.force)
+    pause_point("walked")
     selection = _selection(options, src_path, tree, journal)
     spec_by_kind = {ANY_KIND: options.codec} if selection is None else _spec_by_kind(selection)
     plan = build_codec_plan(spec_by_kind, groups, files, file_groups, src_path, journal)
     if not journal.exists():
         journal.start({"fingerprint": fingerprint, "options": options.output_defining(), "codecs": plan.rows,
                        "selection": selection.to_json() if selection is not None else None})
+    pause_point("planned")
     finished = journal.finished_chunks()
-    _discard_unrecorded_chunks(dest_path, len(finished))
+    discard_unrecorded_chunks(dest_path, len(finished))
     builder = ChunkBuilder(dest_path, journal, options.chunk_size, files, file_groups, options.block_layout,
                            finished)
     start_file, start_block = builder.resume_from
@@ -198,6 +198,7 @@ def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: Sour
             layout = background.submit(_index_layout, tree)
         report()
         summary = _summarise(records, tree.problems)
+        pause_point("index")
         _write_index(dest_path, tree, layout, records, files, plan, groups, options, summary, selection)
         background.shutdown(wait=True)  # its thread is idle by now: pack() leaves no thread behind
     except OSError as exc:
@@ -249,53 +250,6 @@ def _check_options(options: PackOptions) -> None:
 
 def _worker_count(workers: int) -> int:
     return workers or len(os.sched_getaffinity(0))
-
-
-def _check_dest_outside_src(src: Path, dest: Path) -> None:
-    real_src, real_dest = os.path.realpath(src), os.path.realpath(dest)
-    if real_dest == real_src or real_dest.startswith(real_src + os.sep):
-        raise UsageError(f"DEST {str(dest)!r} is inside SRC {str(src)!r}; choose a directory outside it")
-
-
-def _prepare_dest(dest: Path, journal: PackJournal, fingerprint: str, options: PackOptions) -> None:
-    """Fresh DEST, or the journal of the same pack to resume; anything else is refused (or cleared by --force)."""
-    if dest.exists() and not dest.is_dir():
-        raise UsageError(f"DEST {str(dest)!r} exists and is not a directory")
-    ours = {INDEX_NAME, CHUNK_DIR, JOURNAL_DIR, INDEX_NAME + ".partial"}
-    present = set(os.listdir(dest)) if dest.is_dir() else set()
-    if present - ours:
-        raise UsageError(
-            f"DEST {str(dest)!r} is not empty and is not a fanstore dataset; choose an empty or new directory"
-        )
-    if options.force:
-        for name in present:
-            target = dest / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
-    elif INDEX_NAME in present:
-        raise UsageError(f"DEST {str(dest)!r} already holds a fanstore dataset; pass --force to replace it")
-    elif journal.exists():
-        previous = journal.state()
-        if previous.get("fingerprint") != fingerprint:
-            raise UsageError(
-                f"DEST {str(dest)!r} holds an interrupted pack of other files or options "
-                f"({json.dumps(previous.get('options'))}); run that command to resume it, or pass --force"
-            )
-    elif present:
-        for name in present:
-            target = dest / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
-    try:
-        (dest / CHUNK_DIR).mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"DEST {str(dest)!r} cannot be created: {exc.strerror}") from None
-
-
-def _discard_unrecorded_chunks(dest: Path, finished: int) -> None:
-    """Chunk files past the journal (a crash between publishing a chunk and journaling it) are rewritten."""
-    for path in (dest / CHUNK_DIR).iterdir():
-        stem = path.name.split(".")[0]
-        if path.name.endswith(PARTIAL_SUFFIX) or not stem.isdigit() or int(stem) >= finished:
-            path.unlink()
 
 
 def _fingerprint(tree: SourceTree, options: PackOptions) -> str:

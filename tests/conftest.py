@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -103,3 +105,41 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> N
     assert len(errors) == 1, proc.stderr
     for needle in needles:
         assert needle in errors[0], errors[0]
+
+
+class PausedPack:
+    """A real fanstore-pack process that stops at a pause point (fanstore/pause.py): `wait` returns once it is
+    there, so a test kills it, or fills its disk, at exactly that moment and not whenever a poll happens to look."""
+
+    def __init__(self, src: Path, dest: Path, args: list[str], event: str, pause_dir: Path) -> None:
+        self.event = event
+        self.dir = pause_dir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for name in ("paused", "resume"):
+            (self.dir / name).unlink(missing_ok=True)
+        code = "import sys; from fanstore.cli import pack_main; sys.exit(pack_main())"
+        env = {**os.environ, "PYTHONPATH": str(REPO), "FANSTORE_PAUSE_AT": event, "FANSTORE_PAUSE_DIR": str(self.dir)}
+        self.proc = subprocess.Popen([sys.executable, "-c", code, str(src), str(dest), *args], env=env, cwd=REPO,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+
+    def wait(self, timeout: float = 180) -> "PausedPack":
+        deadline = time.monotonic() + timeout
+        while not (self.dir / "paused").exists():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the pack ended ({self.proc.returncode}) before pausing at {self.event}: "
+                                     f"{self.proc.stderr.read()}")
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise AssertionError(f"the pack did not reach {self.event} in {timeout} s")
+            time.sleep(0.01)
+        return self
+
+    def resume(self) -> subprocess.CompletedProcess:
+        (self.dir / "resume").write_text("")
+        out, err = self.proc.communicate(timeout=300)
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out, err)
+
+    def kill_group(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.communicate(timeout=60)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_one_line_error, dir_bytes, make_tree, run_cli
+from conftest import PausedPack, assert_one_line_error, dir_bytes, make_tree, run_cli
 from fanstore import PackError, PackOptions, open_dataset, pack
 from fanstore.walk import walk_source
 
@@ -51,8 +52,71 @@ def test_dest_with_unrelated_files_is_refused_even_with_force(source_tree, tmp_p
     dest.mkdir()
     (dest / "thesis.tex").write_text("precious")
     for extra in ([], ["--force"]):
-        assert_one_line_error(run_cli("fanstore-pack", str(source_tree), str(dest), *extra), "not empty")
+        assert_one_line_error(run_cli("fanstore-pack", str(source_tree), str(dest), *extra), "thesis.tex",
+                              "did not write")
     assert (dest / "thesis.tex").read_text() == "precious"
+
+
+def _user_files_under_fanstore_names(dest: Path, elsewhere: Path) -> None:
+    """Things a user might keep under the names fanstore uses, none of them written by fanstore."""
+    if "chunks_link" in dest.name:
+        elsewhere.mkdir()
+        (elsewhere / "00000000.fsc").write_bytes(b"FANSTCHK" + b"\0" * 40)  # looks like ours, lies elsewhere
+        os.symlink(elsewhere, dest / "chunks")
+    elif "chunks_dir" in dest.name:
+        (dest / "chunks").mkdir()
+        (dest / "chunks" / "notes.txt").write_text("my notes")
+    elif "index_text" in dest.name:
+        (dest / "fanstore.index").write_text("my own index of papers")
+    elif "chunk_named" in dest.name:
+        (dest / "chunks").mkdir()
+        (dest / "chunks" / "00000000.fsc").write_text("not a chunk at all")
+    elif "journal" in dest.name:
+        (dest / ".fanstore-pack").mkdir()
+        (dest / ".fanstore-pack" / "state.json").write_text('{"mine": true}')
+
+
+@pytest.mark.parametrize("case", ["chunks_link", "chunks_dir", "index_text", "chunk_named", "journal"])
+def test_user_files_under_fanstore_names_are_never_deleted(source_tree, tmp_path, case):
+    dest = tmp_path / case
+    dest.mkdir()
+    _user_files_under_fanstore_names(dest, tmp_path / "elsewhere")
+    before = {p: p.read_bytes() for p in [*dest.rglob("*"), *(tmp_path / "elsewhere").rglob("*")] if p.is_file()}
+    for extra in ([], ["--force"]):
+        assert_one_line_error(run_cli("fanstore-pack", str(source_tree), str(dest), "--quiet", *extra),
+                              "did not write")
+    assert {p: p.read_bytes() for p in before} == before
+
+
+def test_src_inside_dest_is_refused_even_with_force(tmp_path):
+    """`fanstore-pack t/chunks t`: writing t/chunks would destroy the source."""
+    top = tmp_path / "t"
+    make_tree(top / "chunks")
+    before = dir_bytes(top)
+    for extra in ([], ["--force"]):
+        assert_one_line_error(run_cli("fanstore-pack", str(top / "chunks"), str(top), *extra), "SRC",
+                              "inside DEST")
+    assert dir_bytes(top) == before
+
+
+def test_leftovers_of_a_pack_killed_at_its_start_are_cleared(source_tree, tmp_path):
+    """An empty chunks/ and the journal's dictionaries, all fanstore's own: cleared without --force."""
+    dest = tmp_path / "ds"
+    (dest / "chunks").mkdir(parents=True)
+    (dest / ".fanstore-pack").mkdir()
+    (dest / ".fanstore-pack" / "dict.0.zdict").write_bytes(b"\x37\xa4\x30\xec" + b"x" * 100)
+    run_cli("fanstore-pack", str(source_tree), str(dest), "--quiet", check=True)
+    with open_dataset(dest) as ds:
+        assert ds.read("labels.txt") == (source_tree / "labels.txt").read_bytes()
+
+
+def test_a_journal_of_another_version_is_refused_then_replaced_with_force(source_tree, tmp_path):
+    dest = tmp_path / "ds"
+    (dest / "chunks").mkdir(parents=True)
+    (dest / ".fanstore-pack").mkdir()
+    (dest / ".fanstore-pack" / "state.json").write_text('{"journal_version": 1, "fingerprint": "x"}')
+    assert_one_line_error(run_cli("fanstore-pack", str(source_tree), str(dest)), "journal version 1", "--force")
+    run_cli("fanstore-pack", str(source_tree), str(dest), "--force", "--quiet", check=True)
 
 
 @pytest.mark.parametrize(
@@ -176,6 +240,34 @@ def test_disk_full_stops_cleanly_and_resumes(tmp_path):
         assert not (small / "ds" / "fanstore.index").exists()
         assert not list((small / "ds" / "chunks").glob("*.partial"))
         subprocess.run(["mount", "-o", "remount,size=8m", str(small)], check=True)
+        resumed = run_cli("fanstore-pack", str(src), str(small / "ds"), *args, check=True)
+        assert "chunks kept from the interrupted run" in resumed.stdout
+        assert dir_bytes(small / "ds") == dir_bytes(reference)
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="needs root to mount a small tmpfs that can fill up")
+def test_disk_full_while_writing_the_index_names_the_index(tmp_path):
+    """The pack pauses once every chunk is written; the disk is then filled, so only the index can hit ENOSPC."""
+    src = make_tree(tmp_path / "src")
+    reference = tmp_path / "reference"
+    args = ["--codec", "lz4", "--chunk-size", "64KiB", "--workers", "1", "--quiet"]
+    run_cli("fanstore-pack", str(src), str(reference), *args, check=True)
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        paused = PausedPack(src, small / "ds", args, "index", tmp_path / "pause").wait()
+        with open(small / "filler", "wb", buffering=0) as filler, contextlib.suppress(OSError):
+            while True:
+                filler.write(b"\1" * 4096)
+        full = paused.resume()
+        assert_one_line_error(full, "disk full", "fanstore.index.partial", "resume")
+        assert not (small / "ds" / "fanstore.index").exists()
+        (small / "filler").unlink()
         resumed = run_cli("fanstore-pack", str(src), str(small / "ds"), *args, check=True)
         assert "chunks kept from the interrupted run" in resumed.stdout
         assert dir_bytes(small / "ds") == dir_bytes(reference)

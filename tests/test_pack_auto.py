@@ -5,17 +5,13 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_one_line_error, dataset_digest, run_cli, tree_digest
+from conftest import PausedPack, assert_one_line_error, dataset_digest, run_cli, tree_digest
 from fanstore import open_dataset
 from fanstore.journal import JOURNAL_DIR, STATE_FILE
 from fanstore.kinds import HEAD_BYTES, file_kind
@@ -131,26 +127,13 @@ def test_budget_and_auto_go_together(mixed_tree: Path, tmp_path: Path, arguments
 RESUME_ARGS = ["--codec", "auto", "--budget", "0", "--chunk-size", "64KiB", "--workers", "2", "--quiet"]
 
 
-def _start_pack(src: Path, dest: Path) -> subprocess.Popen:
-    code = "import sys; from fanstore.cli import pack_main; sys.exit(pack_main())"
-    return subprocess.Popen([sys.executable, "-c", code, str(src), str(dest), *RESUME_ARGS],
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-
-
 def test_a_killed_auto_pack_resumes_with_the_journaled_selection(tmp_path: Path) -> None:
     # Budget 0 picks the strongest (slowest) encoders and two workers take a while to start: the pack is still
     # compressing when the journal, written right after the selection, appears.
     src = build_mixed_tree(tmp_path / "src", scale=3)
     dest = tmp_path / "ds"
     state = dest / JOURNAL_DIR / STATE_FILE
-    proc = _start_pack(src, dest)
-    deadline = time.monotonic() + 60
-    while not state.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert proc.poll() is None, "the pack finished before it could be killed; make the test tree larger"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    PausedPack(src, dest, RESUME_ARGS, "planned", tmp_path / "pause").wait().kill_group()  # selection journaled
     assert not (dest / "fanstore.index").exists(), "an interrupted pack must not look complete"
     journaled = json.loads(state.read_text())["selection"]
     assert set(journaled["choices"]) == KINDS

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import REPO, dir_bytes, run_cli
+from conftest import PausedPack, dir_bytes, run_cli
 
 ARGS = ["--codec", "zstd-dict:19", "--chunk-size", "256KiB", "--replicate", "val/**", "--workers", "2", "--quiet"]
 
@@ -40,60 +38,82 @@ def reference(big_tree, tmp_path_factory) -> dict[str, bytes]:
     return dir_bytes(dest)
 
 
-def _start_pack(src: Path, dest: Path) -> subprocess.Popen:
-    code = "import sys; from fanstore.cli import pack_main; sys.exit(pack_main())"
-    return subprocess.Popen([sys.executable, "-c", code, str(src), str(dest), *ARGS],
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+def _descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (the forkserver's workers are grandchildren)."""
+    children: dict[int, list[int]] = {}
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_file.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(stat_file.parent.name))
+    found, pending = set(), [pid]
+    while pending:
+        for child in children.get(pending.pop(), []):
+            found.add(child)
+            pending.append(child)
+    return found
 
 
-def _chunks_written(dest: Path) -> int:
-    chunk_dir = dest / "chunks"
-    return sum(1 for p in chunk_dir.iterdir() if p.suffix == ".fsc") if chunk_dir.is_dir() else 0
+def _gone_within(pids: set[int], seconds: float) -> set[int]:
+    deadline = time.monotonic() + seconds
+    alive = set(pids)
+    while alive and time.monotonic() < deadline:
+        alive = {pid for pid in alive if Path(f"/proc/{pid}").exists()
+                 and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"}
+        time.sleep(0.05)
+    return alive
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-
-
-@pytest.mark.parametrize("kill_after_chunks", [0, 1, 5, 20])
-def test_sigkill_then_resume_is_byte_identical(big_tree, reference, tmp_path, kill_after_chunks):
+@pytest.mark.parametrize("event", ["walked", "planned", "chunk:1", "chunk:5", "chunk:20", "index"])
+def test_sigkill_then_resume_is_byte_identical(big_tree, reference, tmp_path, event):
     dest = tmp_path / "ds"
-    proc = _start_pack(big_tree, dest)
-    deadline = time.monotonic() + 60
-    while _chunks_written(dest) < kill_after_chunks and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.005)
-    if kill_after_chunks == 0:
-        time.sleep(0.3)  # mid-walk or mid-dictionary-training
-    assert proc.poll() is None, "the pack finished before it could be killed; make the test tree larger"
-    _kill_group(proc)
+    PausedPack(big_tree, dest, ARGS, event, tmp_path / "pause").wait().kill_group()
     assert not (dest / "fanstore.index").exists(), "an interrupted pack must not look complete"
     resumed = run_cli("fanstore-pack", str(big_tree), str(dest), *ARGS, check=True)
     assert "packed" in resumed.stdout
-    if kill_after_chunks >= 5:
-        assert "chunks kept from the interrupted run" in resumed.stdout
+    if event.startswith("chunk:") or event == "index":
+        kept = int(event.split(":")[1]) if ":" in event else len(list((dest / "chunks").iterdir()))
+        assert f"{kept} chunks kept from the interrupted run" in resumed.stdout
     assert dir_bytes(dest) == reference
 
 
 def test_killed_twice_then_resumed(big_tree, reference, tmp_path):
     dest = tmp_path / "ds"
-    for target in (3, 12):
-        proc = _start_pack(big_tree, dest)
-        while _chunks_written(dest) < target and proc.poll() is None:
-            time.sleep(0.005)
-        _kill_group(proc)
+    for event in ("chunk:3", "chunk:12"):
+        PausedPack(big_tree, dest, ARGS, event, tmp_path / "pause").wait().kill_group()
     run_cli("fanstore-pack", str(big_tree), str(dest), *ARGS, check=True)
     assert dir_bytes(dest) == reference
 
 
 def test_resume_with_other_options_is_refused(big_tree, tmp_path):
     dest = tmp_path / "ds"
-    proc = _start_pack(big_tree, dest)
-    while _chunks_written(dest) < 2 and proc.poll() is None:
-        time.sleep(0.005)
-    _kill_group(proc)
+    PausedPack(big_tree, dest, ARGS, "chunk:2", tmp_path / "pause").wait().kill_group()
     other = run_cli("fanstore-pack", str(big_tree), str(dest), "--codec", "lz4", "--quiet")
     assert other.returncode != 0 and "interrupted pack" in other.stderr and "Traceback" not in other.stderr
     forced = run_cli("fanstore-pack", str(big_tree), str(dest), "--codec", "lz4", "--quiet", "--force")
     assert forced.returncode == 0, forced.stderr
+
+
+def test_workers_die_with_a_packer_killed_by_sigkill(big_tree, tmp_path):
+    """Only the packer is killed (not its process group): its workers must not outlive it."""
+    paused = PausedPack(big_tree, tmp_path / "ds", ARGS, "chunk:2", tmp_path / "pause").wait()
+    workers = _descendants(paused.proc.pid)
+    assert len(workers) >= 2, workers
+    os.kill(paused.proc.pid, signal.SIGKILL)
+    paused.proc.communicate(timeout=60)
+    assert _gone_within(workers, 10) == set()
+
+
+def test_sigterm_stops_the_packer_and_its_workers_resumably(big_tree, reference, tmp_path):
+    dest = tmp_path / "ds"
+    paused = PausedPack(big_tree, dest, ARGS, "chunk:2", tmp_path / "pause").wait()
+    workers = _descendants(paused.proc.pid)
+    os.kill(paused.proc.pid, signal.SIGTERM)
+    _, err = paused.proc.communicate(timeout=60)
+    assert paused.proc.returncode == 130 and "Traceback" not in err
+    assert "interrupted; run the same command again to resume" in err
+    assert _gone_within(workers, 10) == set()
+    run_cli("fanstore-pack", str(big_tree), str(dest), *ARGS, check=True)
+    assert dir_bytes(dest) == reference

@@ -1,0 +1,145 @@
+"""What a pack may do to DEST: write into it, and delete only what fanstore itself wrote there.
+
+DEST holds nothing, a finished dataset, or an interrupted pack (its journal). Before deleting anything, every
+file under fanstore's names is identified by its content too (the index's and chunks' magic numbers, the
+journal's own files), without following a symlink; a DEST holding anything else is refused, --force or not,
+naming the file: `fanstore-pack SRC ~` must never cost a home directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import stat
+from pathlib import Path
+from typing import Callable
+
+from .chunk_writer import PARTIAL_SUFFIX
+from .errors import UsageError
+from .format import CHUNK_DIR, CHUNK_MAGIC, INDEX_MAGIC, INDEX_NAME
+from .journal import JOURNAL_DIR, STATE_FILE, JournalError, PackJournal
+
+_CHUNK_NAME = re.compile(r"[0-9]{8}\.fsc(\.partial)?\Z")
+_JOURNAL_NAME = re.compile(r"(state\.json|chunk-[0-9]{8}\.json|dict\.[0-9]+(\.[a-z]+)?\.zdict)(\.partial)?\Z")
+
+
+def check_src_and_dest(src: Path, dest: Path) -> None:
+    """Neither may hold the other: a pack writes and deletes under DEST, and must not read what it writes."""
+    real_src, real_dest = os.path.realpath(src), os.path.realpath(dest)
+    if real_dest == real_src or real_dest.startswith(real_src + os.sep):
+        raise UsageError(f"DEST {str(dest)!r} is inside SRC {str(src)!r}; choose a directory outside it")
+    if real_src.startswith(real_dest + os.sep):
+        raise UsageError(f"SRC {str(src)!r} is inside DEST {str(dest)!r}, where the pack writes and may delete; "
+                         "choose a DEST outside SRC")
+
+
+def prepare_dest(dest: Path, journal: PackJournal, fingerprint: str, force: bool) -> None:
+    """A new or empty DEST, or the journal of this very pack to resume; a finished dataset or another pack's
+    journal only with --force; anything fanstore did not write, never."""
+    if dest.is_symlink() and not dest.is_dir():
+        raise UsageError(f"DEST {str(dest)!r} is a symlink to something that is not a directory")
+    if dest.exists() and not dest.is_dir():
+        raise UsageError(f"DEST {str(dest)!r} exists and is not a directory")
+    present = set(os.listdir(dest)) if dest.is_dir() else set()
+    foreign = _foreign_files(dest, present)
+    if foreign:
+        more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
+        raise UsageError(f"DEST {str(dest)!r} holds {str(foreign[0])!r}{more}, which fanstore did not write; "
+                         "fanstore-pack never deletes what it did not write: choose an empty or new directory, "
+                         "or move those files away")
+    chunk_files = (dest / CHUNK_DIR).is_dir() and any(True for _ in os.scandir(dest / CHUNK_DIR))
+    if INDEX_NAME in present:
+        if not force:
+            raise UsageError(f"DEST {str(dest)!r} already holds a fanstore dataset; pass --force to replace it")
+        _remove_ours(dest, present)
+    elif journal.exists():
+        try:
+            previous = journal.state()
+        except JournalError:  # another journal version, or damaged: replaced only on request
+            if not force:
+                raise
+            previous = None
+        if previous is not None and previous.get("fingerprint") == fingerprint:
+            pass  # the same pack: resume it
+        elif force:
+            _remove_ours(dest, present)
+        else:
+            raise UsageError(
+                f"DEST {str(dest)!r} holds an interrupted pack of other files or options "
+                f"({json.dumps(previous.get('options'))}); run that command to resume it, or pass --force"
+            )
+    elif chunk_files and not force:
+        raise UsageError(f"DEST {str(dest)!r} holds fanstore chunk files but no index or journal (a copy, or a "
+                         "pack from elsewhere); pass --force to replace them")
+    else:
+        _remove_ours(dest, present)  # at most an empty chunks/ and dictionaries of a pack killed at its start
+    try:
+        (dest / CHUNK_DIR).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"DEST {str(dest)!r} cannot be created: {exc.strerror}") from None
+
+
+def discard_unrecorded_chunks(dest: Path, finished: int) -> None:
+    """Chunk files past the journal (a crash between publishing a chunk and journaling it) are written again.
+    Only chunk files are there: prepare_dest refused anything else."""
+    for path in (dest / CHUNK_DIR).iterdir():
+        stem = path.name.split(".")[0]
+        if path.name.endswith(PARTIAL_SUFFIX) or int(stem) >= finished:
+            path.unlink()
+
+
+def _foreign_files(dest: Path, present: set[str]) -> list[Path]:
+    """Everything under DEST that fanstore did not write, by name and by content."""
+    foreign = [dest / name for name in sorted(present - {INDEX_NAME, INDEX_NAME + PARTIAL_SUFFIX, CHUNK_DIR,
+                                                         JOURNAL_DIR})]
+    for name, magic in ((INDEX_NAME, INDEX_MAGIC), (INDEX_NAME + PARTIAL_SUFFIX, INDEX_MAGIC)):
+        if name in present and not _written_by_us(dest / name, magic, torn_ok=name.endswith(PARTIAL_SUFFIX)):
+            foreign.append(dest / name)
+    if CHUNK_DIR in present:
+        foreign += _foreign_in(dest / CHUNK_DIR, _CHUNK_NAME,
+                               lambda path: _written_by_us(path, CHUNK_MAGIC, torn_ok=path.name.endswith(".partial")))
+    if JOURNAL_DIR in present:
+        foreign += _foreign_in(dest / JOURNAL_DIR, _JOURNAL_NAME, _journal_file)
+    return foreign
+
+
+def _foreign_in(directory: Path, names: re.Pattern[str], ours: Callable[[Path], bool]) -> list[Path]:
+    """A directory of fanstore's: a real directory (not a symlink to elsewhere) holding only its files."""
+    if directory.is_symlink() or not directory.is_dir():
+        return [directory]
+    return [directory / entry.name for entry in sorted(os.scandir(directory), key=lambda e: e.name)
+            if not names.match(entry.name) or not ours(directory / entry.name)]
+
+
+def _written_by_us(path: Path, magic: bytes, torn_ok: bool) -> bool:
+    """A regular file (not a symlink) starting with fanstore's magic; a `.partial` one may also be empty or
+    zero-filled, as a pack killed mid-write leaves it."""
+    try:
+        info = os.lstat(path)
+        if not stat.S_ISREG(info.st_mode):
+            return False
+        with open(path, "rb") as file:
+            head = file.read(len(magic))
+    except OSError:
+        return False
+    return head == magic or (torn_ok and head.strip(b"\0") == b"")
+
+
+def _journal_file(path: Path) -> bool:
+    if path.name != STATE_FILE:
+        return stat.S_ISREG(os.lstat(path).st_mode)  # chunk records, dictionaries and partials: named as ours
+    try:
+        return os.path.isfile(path) and not path.is_symlink() and "journal_version" in json.loads(path.read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def _remove_ours(dest: Path, present: set[str]) -> None:
+    for name in present:
+        target = dest / name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        else:
+            target.unlink()
