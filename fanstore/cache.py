@@ -17,6 +17,7 @@ from typing import Callable, Hashable
 class CacheStats:
     hits: int = 0
     misses: int = 0
+    waits: int = 0  # requests that waited for another's load of the same key instead of loading it again
     evictions: int = 0
     bytes_held: int = 0
     entries_held: int = 0
@@ -50,6 +51,7 @@ class DecodedCache:
                 self._stats.misses += 1
             else:
                 owner = False
+                self._stats.waits += 1
         if not owner:
             return pending.result()
         try:
@@ -107,5 +109,5 @@ class DecodedCache:
 
     def stats(self) -> CacheStats:
         with self._lock:
-            return CacheStats(self._stats.hits, self._stats.misses, self._stats.evictions, self._stats.bytes_held,
-                              len(self._values))
+            return CacheStats(self._stats.hits, self._stats.misses, self._stats.waits, self._stats.evictions,
+                              self._stats.bytes_held, len(self._values))

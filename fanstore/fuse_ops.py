@@ -8,8 +8,10 @@ served whole leaves the decoded cache: the kernel's page cache holds it, and a s
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
+import json
 import logging
 import os
 import stat
@@ -36,6 +38,10 @@ BLOCKS_READ_AHEAD = 2
 INLINE_DECODE_BYTES = 256 * 1024
 _DROPPED_MODE_BITS = stat.S_ISUID | stat.S_ISGID
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+# The daemon's counters, read from the mount point's root (`getfattr -n user.fanstore.stats MP`): for operators,
+# and for tests that must wait until prefetch has caught up. Not listed, as CephFS's virtual attributes are not,
+# so tools that copy attributes do not copy it.
+STATS_XATTR = b"user.fanstore.stats"
 
 
 def _read_only() -> pyfuse3.FUSEError:
@@ -202,7 +208,14 @@ class FanstoreOperations(pyfuse3.Operations):
         return self._statfs
 
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        if inode == pyfuse3.ROOT_INODE and name == STATS_XATTR:
+            return json.dumps(self.stats()).encode()
         raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+
+    def stats(self) -> dict[str, Any]:
+        """The daemon's counters, as `getfattr -n user.fanstore.stats MOUNTPOINT` shows them."""
+        prefetch = self.prefetcher.stats() if self.prefetcher is not None else {"pending": 0, "decoded": 0}
+        return {"cache": dataclasses.asdict(self.cache.stats()), "prefetch": prefetch}
 
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> Sequence[bytes]:
         return []

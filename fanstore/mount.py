@@ -233,8 +233,8 @@ def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, rea
         if prefetcher is not None:
             prefetcher.close()
         stats = cache.stats()
-        log.info("unmounted %s; cache: %d hits, %d misses, %d evictions, %d bytes held", mountpoint, stats.hits,
-                 stats.misses, stats.evictions, stats.bytes_held)
+        log.info("unmounted %s; cache: %d hits, %d misses, %d waits, %d evictions, %d bytes held", mountpoint,
+                 stats.hits, stats.misses, stats.waits, stats.evictions, stats.bytes_held)
         _close_fuse(pyfuse3, mountpoint)
         ds.close()
     return 0

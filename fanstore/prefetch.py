@@ -80,6 +80,7 @@ class Prefetcher:
         self._scheduled: set[CacheKey] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self._decoded = 0
 
     def accessed(self, entry: int) -> None:
         """The reader opened `entry`: queue decoding of the next `depth` files not cached yet."""
@@ -104,6 +105,12 @@ class Prefetcher:
         finally:
             with self._lock:
                 self._scheduled.discard(key)
+                self._decoded += 1
+
+    def stats(self) -> dict[str, int]:
+        """Decodes queued or running now, and done so far."""
+        with self._lock:
+            return {"pending": len(self._scheduled), "decoded": self._decoded}
 
     def close(self) -> None:
         with self._lock:

@@ -46,32 +46,44 @@ def test_peek_never_loads():
     assert cache.peek(1) == b"\x01" * 5 and cache.stats().hits == 1
 
 
-def test_concurrent_gets_share_one_load():
-    calls: list[int] = []
-    started = threading.Event()
+def _until(condition, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen in {timeout} s")
+        time.sleep(0.001)
 
-    def slow_load(key: int) -> bytes:
+
+def test_concurrent_gets_share_one_load():
+    """The loader is held until the seven other threads are known to wait for it: no timing assumption."""
+    calls: list[int] = []
+    release = threading.Event()
+
+    def held_load(key: int) -> bytes:
         calls.append(key)
-        started.set()
-        time.sleep(0.2)
+        release.wait(timeout=60)
         return b"x" * 10
 
-    cache = DecodedCache(100, slow_load)
+    cache = DecodedCache(100, held_load)
     results: list[bytes] = []
     threads = [threading.Thread(target=lambda: results.append(cache.get(7))) for _ in range(8)]
     for thread in threads:
         thread.start()
+    _until(lambda: cache.stats().waits == 7, "seven threads waiting for one load")
+    release.set()
     for thread in threads:
         thread.join()
     assert calls == [7] and results == [b"x" * 10] * 8
+    assert (cache.stats().misses, cache.stats().waits) == (1, 7)
 
 
 def test_a_failed_load_reaches_every_waiter_and_is_not_cached():
     attempts: list[int] = []
+    release = threading.Event()
 
     def failing(key: int) -> bytes:
         attempts.append(key)
-        time.sleep(0.1)
+        release.wait(timeout=60)
         raise OSError("corrupt")
 
     cache = DecodedCache(100, failing)
@@ -86,6 +98,8 @@ def test_a_failed_load_reaches_every_waiter_and_is_not_cached():
     threads = [threading.Thread(target=get) for _ in range(4)]
     for thread in threads:
         thread.start()
+    _until(lambda: cache.stats().waits == 3, "three threads waiting for the failing load")
+    release.set()
     for thread in threads:
         thread.join()
     assert len(errors) == 4 and attempts == [3]
