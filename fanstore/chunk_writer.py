@@ -16,9 +16,8 @@ import os
 from pathlib import Path
 
 from .format import chunk_file_name, pack_chunk_header
-from .index import fsync_dir, naming_the_file
+from .durable import PARTIAL_SUFFIX, fsync_dir, naming_the_file
 
-PARTIAL_SUFFIX = ".partial"
 WRITE_BUFFER = 4 << 20  # bytes gathered before one write; a multiple of any device block size
 _DIRECT_ALIGN = 4096
 

@@ -16,7 +16,7 @@ import stat
 from pathlib import Path
 from typing import Callable
 
-from .chunk_writer import PARTIAL_SUFFIX
+from .durable import PARTIAL_SUFFIX
 from .errors import UsageError
 from .format import CHUNK_DIR, CHUNK_MAGIC, INDEX_MAGIC, INDEX_NAME
 from .journal import JOURNAL_DIR, STATE_FILE, JournalError, PackJournal

@@ -6,7 +6,6 @@ Python object per file: lookups hash the path and binary-search a sorted hash ar
 
 from __future__ import annotations
 
-import contextlib
 import json
 import operator
 import os
@@ -17,6 +16,7 @@ from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 import numpy as np
 import xxhash
 
+from .durable import write_atomically
 from .errors import DatasetNotFound, FormatError, PathNotFound
 from .format import (
     BLOCK_DTYPE,
@@ -384,33 +384,5 @@ def _align(n: int) -> int:
 
 
 def write_index_atomically(dataset_dir: Path, index_bytes: bytes) -> None:
-    """The index is the dataset's commit record: written to a temporary name, synced, then renamed."""
-    final = dataset_dir / INDEX_NAME
-    partial = dataset_dir / (INDEX_NAME + ".partial")
-    with naming_the_file(partial):
-        with open(partial, "wb") as out:
-            out.write(index_bytes)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(partial, final)
-        fsync_dir(dataset_dir)
-
-
-@contextlib.contextmanager
-def naming_the_file(path: Path) -> Iterator[None]:
-    """An OSError while writing `path` names it: a write or fsync that fails (ENOSPC) does not say which file it
-    was writing, and "disk full" should."""
-    try:
-        yield
-    except OSError as exc:
-        if exc.filename is not None:
-            raise
-        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from None
-
-
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """The index is the dataset's commit record: a directory without it is not a dataset."""
+    write_atomically(dataset_dir / INDEX_NAME, index_bytes)

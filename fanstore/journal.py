@@ -7,14 +7,13 @@ only after its file is complete and synced; a chunk file with no record is disca
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import PackError
-from .index import fsync_dir, naming_the_file
+from .durable import write_atomically
 
 JOURNAL_DIR = ".fanstore-pack"
 STATE_FILE = "state.json"
@@ -73,7 +72,7 @@ class PackJournal:
 
     def save_dictionary(self, name: str, data: bytes) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        _write_atomically(self.dir / f"{name}.zdict", data)
+        write_atomically(self.dir / f"{name}.zdict", data)
 
     def load_dictionary(self, name: str) -> bytes | None:
         path = self.dir / f"{name}.zdict"
@@ -88,7 +87,7 @@ class PackJournal:
         _write_json_atomically(self.dir / f"chunk-{record.chunk_id:08d}.json", fields)
 
     def finished_chunks(self) -> list[ChunkRecord]:
-        """Records of chunks 0..k-1 with no gap; a torn record (crash mid-write) cannot exist, see _write_atomically."""
+        """Records of chunks 0..k-1 with no gap; a torn record (crash mid-write) cannot exist, see durable.write_atomically."""
         records = []
         while True:
             path = self.dir / f"chunk-{len(records):08d}.json"
@@ -105,15 +104,4 @@ class PackJournal:
 
 
 def _write_json_atomically(path: Path, value: Any) -> None:
-    _write_atomically(path, json.dumps(value, sort_keys=True, separators=(",", ":")).encode("utf-8"))
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    partial = path.with_name(path.name + ".partial")
-    with naming_the_file(partial):
-        with open(partial, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(partial, path)
-        fsync_dir(path.parent)
+    write_atomically(path, json.dumps(value, sort_keys=True, separators=(",", ":")).encode("utf-8"))

@@ -143,3 +143,12 @@ class PausedPack:
     def kill_group(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.communicate(timeout=60)
+
+
+def wait_until(condition, what: str, timeout: float = 60) -> None:
+    """Poll `condition` until it holds: the barrier tests use in place of sleeping and hoping."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        time.sleep(0.002)

@@ -222,45 +222,45 @@ def test_files_that_vanish_or_change_size_during_the_pack(source_tree, tmp_path)
         pack(source_tree, tmp_path / "strict", PackOptions(workers=1, strict=True), tree=tree)
 
 
-@pytest.mark.skipif(not IS_ROOT, reason="needs root to mount a small tmpfs that can fill up")
-def test_disk_full_stops_cleanly_and_resumes(tmp_path):
-    src = make_tree(tmp_path / "src")
-    (src / "more.bin").write_bytes(os.urandom(600_000))
-    reference = tmp_path / "reference"
-    pack(src, reference, PackOptions(codec="lz4", chunk_size=64 * 1024, workers=1))
-    small = tmp_path / "small"
-    small.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(small)], capture_output=True)
+@contextlib.contextmanager
+def small_disk(path: Path, size: str):
+    """A tmpfs of `size` at `path` that fills up, unmounted afterwards whatever happens."""
+    if not IS_ROOT:
+        pytest.skip("needs root to mount a small tmpfs that can fill up")
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
     try:
-        args = ["--codec", "lz4", "--chunk-size", "64KiB", "--workers", "1", "--quiet"]
-        full = run_cli("fanstore-pack", str(src), str(small / "ds"), *args)
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=False)
+
+
+SMALL_PACK = ["--codec", "lz4", "--chunk-size", "64KiB", "--workers", "1", "--quiet"]
+
+
+def test_disk_full_stops_cleanly_and_resumes(tmp_path):
+    src = make_tree(tmp_path / "src")
+    (src / "more.bin").write_bytes(os.urandom(600_000))
+    run_cli("fanstore-pack", str(src), str(tmp_path / "reference"), *SMALL_PACK, check=True)
+    with small_disk(tmp_path / "small", "400k") as small:
+        full = run_cli("fanstore-pack", str(src), str(small / "ds"), *SMALL_PACK)
         assert_one_line_error(full, "disk full", "resume")
         assert not (small / "ds" / "fanstore.index").exists()
         assert not list((small / "ds" / "chunks").glob("*.partial"))
         subprocess.run(["mount", "-o", "remount,size=8m", str(small)], check=True)
-        resumed = run_cli("fanstore-pack", str(src), str(small / "ds"), *args, check=True)
+        resumed = run_cli("fanstore-pack", str(src), str(small / "ds"), *SMALL_PACK, check=True)
         assert "chunks kept from the interrupted run" in resumed.stdout
-        assert dir_bytes(small / "ds") == dir_bytes(reference)
-    finally:
-        subprocess.run(["umount", str(small)], check=False)
+        assert dir_bytes(small / "ds") == dir_bytes(tmp_path / "reference")
 
 
-@pytest.mark.skipif(not IS_ROOT, reason="needs root to mount a small tmpfs that can fill up")
 def test_disk_full_while_writing_the_index_names_the_index(tmp_path):
     """The pack pauses once every chunk is written; the disk is then filled, so only the index can hit ENOSPC."""
     src = make_tree(tmp_path / "src")
-    reference = tmp_path / "reference"
-    args = ["--codec", "lz4", "--chunk-size", "64KiB", "--workers", "1", "--quiet"]
-    run_cli("fanstore-pack", str(src), str(reference), *args, check=True)
-    small = tmp_path / "small"
-    small.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
-        paused = PausedPack(src, small / "ds", args, "index", tmp_path / "pause").wait()
+    run_cli("fanstore-pack", str(src), str(tmp_path / "reference"), *SMALL_PACK, check=True)
+    with small_disk(tmp_path / "small", "2m") as small:
+        paused = PausedPack(src, small / "ds", SMALL_PACK, "index", tmp_path / "pause").wait()
         with open(small / "filler", "wb", buffering=0) as filler, contextlib.suppress(OSError):
             while True:
                 filler.write(b"\1" * 4096)
@@ -268,11 +268,9 @@ def test_disk_full_while_writing_the_index_names_the_index(tmp_path):
         assert_one_line_error(full, "disk full", "fanstore.index.partial", "resume")
         assert not (small / "ds" / "fanstore.index").exists()
         (small / "filler").unlink()
-        resumed = run_cli("fanstore-pack", str(src), str(small / "ds"), *args, check=True)
+        resumed = run_cli("fanstore-pack", str(src), str(small / "ds"), *SMALL_PACK, check=True)
         assert "chunks kept from the interrupted run" in resumed.stdout
-        assert dir_bytes(small / "ds") == dir_bytes(reference)
-    finally:
-        subprocess.run(["umount", str(small)], check=False)
+        assert dir_bytes(small / "ds") == dir_bytes(tmp_path / "reference")
 
 
 def test_missing_dataset_for_verify_and_info(tmp_path):

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
+from conftest import wait_until
 from fanstore.cache import DecodedCache
 
 
@@ -46,14 +46,6 @@ def test_peek_never_loads():
     assert cache.peek(1) == b"\x01" * 5 and cache.stats().hits == 1
 
 
-def _until(condition, what: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen in {timeout} s")
-        time.sleep(0.001)
-
-
 def test_concurrent_gets_share_one_load():
     """The loader is held until the seven other threads are known to wait for it: no timing assumption."""
     calls: list[int] = []
@@ -69,7 +61,7 @@ def test_concurrent_gets_share_one_load():
     threads = [threading.Thread(target=lambda: results.append(cache.get(7))) for _ in range(8)]
     for thread in threads:
         thread.start()
-    _until(lambda: cache.stats().waits == 7, "seven threads waiting for one load")
+    wait_until(lambda: cache.stats().waits == 7, "seven threads waiting for one load")
     release.set()
     for thread in threads:
         thread.join()
@@ -98,7 +90,7 @@ def test_a_failed_load_reaches_every_waiter_and_is_not_cached():
     threads = [threading.Thread(target=get) for _ in range(4)]
     for thread in threads:
         thread.start()
-    _until(lambda: cache.stats().waits == 3, "three threads waiting for the failing load")
+    wait_until(lambda: cache.stats().waits == 3, "three threads waiting for the failing load")
     release.set()
     for thread in threads:
         thread.join()

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_one_line_error, make_tree, run_cli, tree_digest
+from conftest import REPO, assert_one_line_error, make_tree, run_cli, tree_digest, wait_until
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.format import CHUNK_HEADER_LEN, chunk_file_name
 from fanstore.errors import UsageError
@@ -538,14 +538,6 @@ def _daemon_stats(mountpoint: Path) -> dict:
     return json.loads(os.getxattr(mountpoint, "user.fanstore.stats"))
 
 
-def _until(condition, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout} s")
-        time.sleep(0.005)
-
-
 def test_the_stats_attribute_is_readable_and_not_listed(mounted):
     _, mnt = mounted
     (mnt / "labels.txt").read_bytes()
@@ -567,7 +559,7 @@ def test_prefetch_decodes_ahead_in_directory_and_list_order(packed, tmp_path):
         with Mounted(ds, tmp_path / "mnt", *args) as mount:
             for rel in order:
                 (mount.mountpoint / rel).read_bytes()
-                _until(lambda: _daemon_stats(mount.mountpoint)["prefetch"]["pending"] == 0, "prefetch caught up")
+                wait_until(lambda: _daemon_stats(mount.mountpoint)["prefetch"]["pending"] == 0, "prefetch caught up")
             stats = _daemon_stats(mount.mountpoint)
         assert f"{stats['cache']['hits']} hits" in mount.log.read_text()  # the unmount line says the same
         return stats["cache"]["hits"]

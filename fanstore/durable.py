@@ -1,0 +1,44 @@
+"""Writes that survive a crash and say what failed: a file appears under its name only whole and synced, and an
+OS error while writing names the file (a failed write or fsync, ENOSPC say, does not say which file it was)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Iterator
+
+PARTIAL_SUFFIX = ".partial"
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """`data` in `path`, written under a temporary name, synced, renamed, and the rename synced: a reader (or a
+    resumed pack) sees the whole file or none."""
+    partial = path.with_name(path.name + PARTIAL_SUFFIX)
+    with naming_the_file(partial):
+        with open(partial, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(partial, path)
+        fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def naming_the_file(path: Path) -> Iterator[None]:
+    """An OSError raised inside names `path` if it named no file itself."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from None
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or a new file in `directory` durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
