@@ -339,7 +339,13 @@ def _warm_up() -> None:
 def _die_with_parent(parent_pid: int | None) -> None:
     """Have the kernel kill this worker when its parent dies (Linux), so a packer killed with SIGKILL leaves no
     worker behind; a forked worker whose packer died before this ran exits now. A worker of the forkserver dies
-    with the forkserver, which exits when the packer goes."""
+    with the forkserver, which exits when the packer goes.
+
+    Ctrl-C reaches the whole process group: the packer decides what to do (it shuts the pool down), so workers
+    ignore SIGINT; and SIGTERM, which the executor sends to workers of a broken pool, ends a worker quietly
+    rather than through the handler a forked worker inherits from the packer's CLI."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)

@@ -12,6 +12,7 @@ import operator
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -23,8 +24,8 @@ from compressors import CodecError, codec_from_spec
 
 from .chunk_builder import ChunkBuilder
 from .codec_plan import ANY_KIND, CodecPlan, build_codec_plan
-from .dest import check_src_and_dest, discard_unrecorded_chunks, prepare_dest
 from .compress import BlockLayout, PlanFiles, Skipped, WorkerPool, compress_in_order
+from .dest import check_src_and_dest, discard_unrecorded_chunks, prepare_dest
 from .errors import PackError, UsageError
 from .format import BLOCK_DTYPE, CHUNK_DTYPE, FLAG_BLOCKED, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, NO_CHUNK
 from .groups import GroupPlan
@@ -127,6 +128,9 @@ def pack(
     pool = WorkerPool(workers) if workers > 1 and hasattr(os, "memfd_create") else None
     try:
         summary = _pack_with(Path(src), Path(dest), options, tree, progress, pool)
+    except BrokenProcessPool:  # from the walk or from compressing: the pool cannot go on
+        raise PackError("a worker process died (killed, or out of memory); finished chunks are kept: run the same "
+                        "command again to resume") from None
     finally:
         if pool is not None:
             pool.close()

@@ -117,3 +117,27 @@ def test_sigterm_stops_the_packer_and_its_workers_resumably(big_tree, reference,
     assert _gone_within(workers, 10) == set()
     run_cli("fanstore-pack", str(big_tree), str(dest), *ARGS, check=True)
     assert dir_bytes(dest) == reference
+
+
+def test_a_worker_killed_mid_pack_is_one_line_and_resumable(tmp_path):
+    """More batches than are in flight, so the packer still needs its pool after one worker is killed."""
+    src = tmp_path / "src"
+    rng = np.random.default_rng(5)
+    for i in range(4000):
+        folder = src / f"part_{i % 20:02d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"row_{i:05d}.txt").write_text(" ".join(map(str, rng.integers(0, 1000, 300))))
+    args = ["--codec", "zstd:3", "--chunk-size", "64KiB", "--workers", "2", "--quiet"]
+    run_cli("fanstore-pack", str(src), str(tmp_path / "reference"), *args, check=True)
+    dest = tmp_path / "ds"
+    paused = PausedPack(src, dest, args, "chunk:1", tmp_path / "pause").wait()
+    worker = min(_descendants(paused.proc.pid))
+    os.kill(worker, signal.SIGKILL)
+    failed = paused.resume()
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr
+    assert [line for line in failed.stderr.splitlines() if line.strip()] == [
+        "fanstore-pack: error: a worker process died (killed, or out of memory); finished chunks are kept: run the "
+        "same command again to resume"]
+    resumed = run_cli("fanstore-pack", str(src), str(dest), *args, check=True)
+    assert "chunks kept from the interrupted run" in resumed.stdout
+    assert dir_bytes(dest) == dir_bytes(tmp_path / "reference")
