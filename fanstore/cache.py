@@ -18,6 +18,7 @@ class CacheStats:
     hits: int = 0
     misses: int = 0
     waits: int = 0  # requests that waited for another's load of the same key instead of loading it again
+    loaded_bytes: int = 0  # bytes the misses loaded (decoded): what the reads cost
     evictions: int = 0
     bytes_held: int = 0
     entries_held: int = 0
@@ -63,6 +64,7 @@ class DecodedCache:
             raise
         with self._lock:
             del self._loading[key]
+            self._stats.loaded_bytes += len(value)
             self._insert(key, value)
         pending.set_result(value)
         return value
@@ -109,5 +111,5 @@ class DecodedCache:
 
     def stats(self) -> CacheStats:
         with self._lock:
-            return CacheStats(self._stats.hits, self._stats.misses, self._stats.waits, self._stats.evictions,
-                              self._stats.bytes_held, len(self._values))
+            return CacheStats(self._stats.hits, self._stats.misses, self._stats.waits, self._stats.loaded_bytes,
+                              self._stats.evictions, self._stats.bytes_held, len(self._values))

@@ -549,6 +549,43 @@ def test_the_stats_attribute_is_readable_and_not_listed(mounted):
         os.getxattr(mnt / "labels.txt", "user.fanstore.stats")
 
 
+def test_a_large_file_is_read_a_block_at_a_time_within_the_cache(tmp_path):
+    """A 48 MiB array stored in 1 MiB blocks, through a mount with a 4 MiB cache: whole reads stay byte-exact
+    with the daemon's memory near its cache, and a random 4 KiB read decodes about one block."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = np.cumsum(np.random.default_rng(4).standard_normal(12 << 20)).astype(np.float32).tobytes()
+    (src / "array.f32").write_bytes(data)
+    pack(src, tmp_path / "ds", PackOptions(codec="zstd:3", workers=1))
+    with Mounted(tmp_path / "ds", tmp_path / "mnt", "--cache-size", "4MiB") as mount:
+        path = mount.mountpoint / "array.f32"
+        before = _rss(mount.pid)
+        peak = before
+        for _ in range(2):
+            with open(path, "rb") as f:
+                read = hashlib.sha256()
+                while chunk := f.read(1 << 20):
+                    read.update(chunk)
+                    peak = max(peak, _rss(mount.pid))
+            assert read.hexdigest() == hashlib.sha256(data).hexdigest()
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the next pass must come from the daemon again
+            os.close(fd)
+        assert peak - before < (4 << 20) + (24 << 20), f"RSS grew {(peak - before) >> 20} MiB for a 48 MiB file"
+        loaded = _daemon_stats(mount.mountpoint)["cache"]["loaded_bytes"]
+        rng = random.Random(6)
+        reads = 200
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for _ in range(reads):
+                offset = rng.randrange(len(data) - 4096)
+                assert os.pread(fd, 4096, offset) == data[offset:offset + 4096]
+        finally:
+            os.close(fd)
+        decoded = _daemon_stats(mount.mountpoint)["cache"]["loaded_bytes"] - loaded
+        assert decoded <= 1.5 * reads * (1 << 20), f"{decoded >> 20} MiB decoded for {reads} random 4 KiB reads"
+
+
 def test_prefetch_decodes_ahead_in_directory_and_list_order(packed, tmp_path):
     _, ds = packed
     small = sorted(f"train/cat/{name}" for name in os.listdir(packed[0] / "train" / "cat"))
