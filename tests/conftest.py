@@ -145,6 +145,23 @@ class PausedPack:
         self.proc.communicate(timeout=60)
 
 
+@pytest.fixture
+def paused_pack(tmp_path):
+    """Starts PausedPacks and waits for them to pause; any still running when the test ends (it failed before
+    resuming or killing one) is killed with its workers, so no paused pack outlives its test."""
+    started: list[PausedPack] = []
+
+    def start(src: Path, dest: Path, args: list[str], event: str) -> PausedPack:
+        paused = PausedPack(src, dest, args, event, tmp_path / f"pause-{len(started)}")
+        started.append(paused)
+        return paused.wait()
+
+    yield start
+    for paused in started:
+        if paused.proc.poll() is None:
+            paused.kill_group()
+
+
 def wait_until(condition, what: str, timeout: float = 60) -> None:
     """Poll `condition` until it holds: the barrier tests use in place of sleeping and hoping."""
     deadline = time.monotonic() + timeout

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PausedPack, assert_one_line_error, dir_bytes, make_tree, run_cli
+from conftest import assert_one_line_error, dir_bytes, make_tree, run_cli
 from fanstore import PackError, PackOptions, open_dataset, pack
 from fanstore.walk import walk_source
 
@@ -234,7 +234,7 @@ def small_disk(path: Path, size: str):
     try:
         yield path
     finally:
-        subprocess.run(["umount", str(path)], check=False)
+        subprocess.run(["umount", "-l", str(path)], check=False)  # -l: even if a failed test left it busy
 
 
 SMALL_PACK = ["--codec", "lz4", "--chunk-size", "64KiB", "--workers", "1", "--quiet"]
@@ -255,12 +255,12 @@ def test_disk_full_stops_cleanly_and_resumes(tmp_path):
         assert dir_bytes(small / "ds") == dir_bytes(tmp_path / "reference")
 
 
-def test_disk_full_while_writing_the_index_names_the_index(tmp_path):
+def test_disk_full_while_writing_the_index_names_the_index(tmp_path, paused_pack):
     """The pack pauses once every chunk is written; the disk is then filled, so only the index can hit ENOSPC."""
     src = make_tree(tmp_path / "src")
     run_cli("fanstore-pack", str(src), str(tmp_path / "reference"), *SMALL_PACK, check=True)
     with small_disk(tmp_path / "small", "2m") as small:
-        paused = PausedPack(src, small / "ds", SMALL_PACK, "index", tmp_path / "pause").wait()
+        paused = paused_pack(src, small / "ds", SMALL_PACK, "index")
         with open(small / "filler", "wb", buffering=0) as filler, contextlib.suppress(OSError):
             while True:
                 filler.write(b"\1" * 4096)

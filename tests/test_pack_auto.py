@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import PausedPack, assert_one_line_error, dataset_digest, run_cli, tree_digest
+from conftest import assert_one_line_error, dataset_digest, run_cli, tree_digest
 from fanstore import open_dataset
 from fanstore.journal import JOURNAL_DIR, STATE_FILE
 from fanstore.kinds import HEAD_BYTES, file_kind
@@ -127,13 +127,13 @@ def test_budget_and_auto_go_together(mixed_tree: Path, tmp_path: Path, arguments
 RESUME_ARGS = ["--codec", "auto", "--budget", "0", "--chunk-size", "64KiB", "--workers", "2", "--quiet"]
 
 
-def test_a_killed_auto_pack_resumes_with_the_journaled_selection(tmp_path: Path) -> None:
+def test_a_killed_auto_pack_resumes_with_the_journaled_selection(tmp_path: Path, paused_pack) -> None:
     # Budget 0 picks the strongest (slowest) encoders and two workers take a while to start: the pack is still
     # compressing when the journal, written right after the selection, appears.
     src = build_mixed_tree(tmp_path / "src", scale=3)
     dest = tmp_path / "ds"
     state = dest / JOURNAL_DIR / STATE_FILE
-    PausedPack(src, dest, RESUME_ARGS, "planned", tmp_path / "pause").wait().kill_group()  # selection journaled
+    paused_pack(src, dest, RESUME_ARGS, "planned").kill_group()  # selection journaled
     assert not (dest / "fanstore.index").exists(), "an interrupted pack must not look complete"
     journaled = json.loads(state.read_text())["selection"]
     assert set(journaled["choices"]) == KINDS

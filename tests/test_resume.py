@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import PausedPack, dir_bytes, run_cli
+from conftest import dir_bytes, run_cli
 
 ARGS = ["--codec", "zstd-dict:19", "--chunk-size", "256KiB", "--replicate", "val/**", "--workers", "2", "--quiet"]
 
@@ -67,9 +67,9 @@ def _gone_within(pids: set[int], seconds: float) -> set[int]:
 
 
 @pytest.mark.parametrize("event", ["walked", "planned", "chunk:1", "chunk:5", "chunk:20", "index"])
-def test_sigkill_then_resume_is_byte_identical(big_tree, reference, tmp_path, event):
+def test_sigkill_then_resume_is_byte_identical(big_tree, reference, tmp_path, event, paused_pack):
     dest = tmp_path / "ds"
-    PausedPack(big_tree, dest, ARGS, event, tmp_path / "pause").wait().kill_group()
+    paused_pack(big_tree, dest, ARGS, event).kill_group()
     assert not (dest / "fanstore.index").exists(), "an interrupted pack must not look complete"
     resumed = run_cli("fanstore-pack", str(big_tree), str(dest), *ARGS, check=True)
     assert "packed" in resumed.stdout
@@ -79,26 +79,26 @@ def test_sigkill_then_resume_is_byte_identical(big_tree, reference, tmp_path, ev
     assert dir_bytes(dest) == reference
 
 
-def test_killed_twice_then_resumed(big_tree, reference, tmp_path):
+def test_killed_twice_then_resumed(big_tree, reference, tmp_path, paused_pack):
     dest = tmp_path / "ds"
     for event in ("chunk:3", "chunk:12"):
-        PausedPack(big_tree, dest, ARGS, event, tmp_path / "pause").wait().kill_group()
+        paused_pack(big_tree, dest, ARGS, event).kill_group()
     run_cli("fanstore-pack", str(big_tree), str(dest), *ARGS, check=True)
     assert dir_bytes(dest) == reference
 
 
-def test_resume_with_other_options_is_refused(big_tree, tmp_path):
+def test_resume_with_other_options_is_refused(big_tree, tmp_path, paused_pack):
     dest = tmp_path / "ds"
-    PausedPack(big_tree, dest, ARGS, "chunk:2", tmp_path / "pause").wait().kill_group()
+    paused_pack(big_tree, dest, ARGS, "chunk:2").kill_group()
     other = run_cli("fanstore-pack", str(big_tree), str(dest), "--codec", "lz4", "--quiet")
     assert other.returncode != 0 and "interrupted pack" in other.stderr and "Traceback" not in other.stderr
     forced = run_cli("fanstore-pack", str(big_tree), str(dest), "--codec", "lz4", "--quiet", "--force")
     assert forced.returncode == 0, forced.stderr
 
 
-def test_workers_die_with_a_packer_killed_by_sigkill(big_tree, tmp_path):
+def test_workers_die_with_a_packer_killed_by_sigkill(big_tree, tmp_path, paused_pack):
     """Only the packer is killed (not its process group): its workers must not outlive it."""
-    paused = PausedPack(big_tree, tmp_path / "ds", ARGS, "chunk:2", tmp_path / "pause").wait()
+    paused = paused_pack(big_tree, tmp_path / "ds", ARGS, "chunk:2")
     workers = _descendants(paused.proc.pid)
     assert len(workers) >= 2, workers
     os.kill(paused.proc.pid, signal.SIGKILL)
@@ -106,9 +106,9 @@ def test_workers_die_with_a_packer_killed_by_sigkill(big_tree, tmp_path):
     assert _gone_within(workers, 10) == set()
 
 
-def test_sigterm_stops_the_packer_and_its_workers_resumably(big_tree, reference, tmp_path):
+def test_sigterm_stops_the_packer_and_its_workers_resumably(big_tree, reference, tmp_path, paused_pack):
     dest = tmp_path / "ds"
-    paused = PausedPack(big_tree, dest, ARGS, "chunk:2", tmp_path / "pause").wait()
+    paused = paused_pack(big_tree, dest, ARGS, "chunk:2")
     workers = _descendants(paused.proc.pid)
     os.kill(paused.proc.pid, signal.SIGTERM)
     _, err = paused.proc.communicate(timeout=60)
@@ -119,7 +119,7 @@ def test_sigterm_stops_the_packer_and_its_workers_resumably(big_tree, reference,
     assert dir_bytes(dest) == reference
 
 
-def test_a_worker_killed_mid_pack_is_one_line_and_resumable(tmp_path):
+def test_a_worker_killed_mid_pack_is_one_line_and_resumable(tmp_path, paused_pack):
     """More batches than are in flight, so the packer still needs its pool after one worker is killed."""
     src = tmp_path / "src"
     rng = np.random.default_rng(5)
@@ -130,7 +130,7 @@ def test_a_worker_killed_mid_pack_is_one_line_and_resumable(tmp_path):
     args = ["--codec", "zstd:3", "--chunk-size", "64KiB", "--workers", "2", "--quiet"]
     run_cli("fanstore-pack", str(src), str(tmp_path / "reference"), *args, check=True)
     dest = tmp_path / "ds"
-    paused = PausedPack(src, dest, args, "chunk:1", tmp_path / "pause").wait()
+    paused = paused_pack(src, dest, args, "chunk:1")
     worker = min(_descendants(paused.proc.pid))
     os.kill(worker, signal.SIGKILL)
     failed = paused.resume()
