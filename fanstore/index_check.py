@@ -194,7 +194,7 @@ def _check_paths(refuse: _Refuse, columns: _Columns, paths: np.ndarray) -> None:
     if len(zero):
         raise refuse(_field(_entry_at(starts, int(zero[0])), "path"), "contains a NUL byte")
     try:
-        blob.tobytes().decode("utf-8")
+        str(memoryview(blob), "utf-8")  # decoded in place, not from a copy
     except UnicodeDecodeError as exc:
         raise refuse(_field(_entry_at(starts, exc.start), "path"), "is not valid UTF-8") from None
     padded = np.concatenate((blob, np.zeros(8, dtype=np.uint8)))  # any string's next 8 bytes can be read
