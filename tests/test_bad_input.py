@@ -110,6 +110,19 @@ def test_leftovers_of_a_pack_killed_at_its_start_are_cleared(source_tree, tmp_pa
         assert ds.read("labels.txt") == (source_tree / "labels.txt").read_bytes()
 
 
+def test_chunk_files_without_index_or_journal_are_replaced_only_with_force(source_tree, tmp_path):
+    run_cli("fanstore-pack", str(source_tree), str(tmp_path / "first"), "--quiet", check=True)
+    dest = tmp_path / "copy"
+    (dest / "chunks").mkdir(parents=True)
+    for chunk in (tmp_path / "first" / "chunks").iterdir():
+        shutil.copy(chunk, dest / "chunks" / chunk.name)  # fanstore's chunks, copied without their index
+    before = dir_bytes(dest)
+    assert_one_line_error(run_cli("fanstore-pack", str(source_tree), str(dest)), "chunk files", "--force")
+    assert dir_bytes(dest) == before
+    run_cli("fanstore-pack", str(source_tree), str(dest), "--force", "--quiet", check=True)
+    assert dir_bytes(dest) == dir_bytes(tmp_path / "first")
+
+
 def test_a_journal_of_another_version_is_refused_then_replaced_with_force(source_tree, tmp_path):
     dest = tmp_path / "ds"
     (dest / "chunks").mkdir(parents=True)
