@@ -58,7 +58,7 @@ from bench_pack import (  # noqa: E402  (bench_pack puts this checkout first on 
 
 from fanstore.api import Dataset  # noqa: E402
 from fanstore.index import Index  # noqa: E402
-from fanstore.kinds import HEAD_BYTES, JPEG, NPY, PNG, TEXT, file_kind  # noqa: E402
+from compressors.kinds import HEAD_BYTES, JPEG, NPY, PNG, TEXT, file_kind  # noqa: E402
 from fanstore.units import parse_rate  # noqa: E402
 from selector import Selection  # noqa: E402
 from selector.measure import MB, READ_PATH_BATCH_FILES, read_path_batches  # noqa: E402

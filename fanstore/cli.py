@@ -126,21 +126,23 @@ def _run_pack(args: argparse.Namespace) -> int:
 
 
 def _run_select(args: argparse.Namespace) -> int:
-    from selector import Budget, select_codecs
+    from selector import SelectionError
     from selector.report import format_selection, plot_selection
 
     from .groups import GroupPlan
+    from .pack import select_for
     from .walk import walk_source
 
-    GroupPlan(tuple(args.replicate))  # validates the patterns before the long part
+    groups = GroupPlan(tuple(args.replicate))  # validates the patterns before the long part
     options = _selection_options(args)
-    tree = walk_source(args.src)
-    selection = select_codecs(Path(args.src), Budget(options["budget"], options["prefetch_threads"]),
-                              fraction=options["sample"], seed=options["seed"], replicate=tuple(args.replicate),
-                              tree=tree)
+    selection = select_for(Path(args.src), walk_source(args.src), groups, options["budget"],
+                           options["prefetch_threads"], options["sample"], options["seed"])
     print(format_selection(selection))
     if args.plot:
-        plot_selection(selection, Path(args.plot))
+        try:
+            plot_selection(selection, Path(args.plot))
+        except SelectionError as exc:
+            raise UsageError(str(exc)) from None
         print(f"plot written to {args.plot}")
     return 0
 

@@ -19,10 +19,10 @@ from compressors import (
     codec_from_spec,
     train_dictionary,
 )
+from compressors.kinds import HEAD_BYTES, file_kind
 
 from .groups import GroupPlan
 from .journal import PackJournal
-from .kinds import HEAD_BYTES, file_kind
 from .walk import SourceEntry
 
 ANY_KIND = "*"

@@ -31,8 +31,9 @@ from typing import Iterator, NamedTuple, Sequence
 
 import xxhash
 
+from compressors.kinds import HEAD_BYTES, file_kind
+
 from .codec_plan import NONE_ROW, CodecPlan
-from .kinds import HEAD_BYTES, file_kind
 from .walk import Problem
 
 _BATCH_FILES = 256

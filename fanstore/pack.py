@@ -21,6 +21,7 @@ import numpy as np
 import xxhash
 
 from compressors import CodecError, codec_from_spec
+from compressors.kinds import OTHER
 
 from .chunk_builder import ChunkBuilder
 from .codec_plan import ANY_KIND, CodecPlan, build_codec_plan
@@ -31,7 +32,6 @@ from .format import BLOCK_DTYPE, CHUNK_DTYPE, FLAG_BLOCKED, MAX_BLOCK_SIZE, MIN_
 from .groups import GroupPlan
 from .index import EntryRecord, IndexLayout, write_index_atomically
 from .journal import ChunkRecord, PackJournal
-from .kinds import OTHER
 from .pause import pause_point
 from .walk import Problem, SourceEntry, SourceTree, walk_source
 
@@ -159,7 +159,7 @@ def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: Sour
     journal = PackJournal(dest_path)
     prepare_dest(dest_path, journal, fingerprint, options.force)
     pause_point("walked")
-    selection = _selection(options, src_path, tree, journal)
+    selection = _selection(options, src_path, tree, groups, journal)
     spec_by_kind = {ANY_KIND: options.codec} if selection is None else _spec_by_kind(selection)
     plan = build_codec_plan(spec_by_kind, groups, files, file_groups, src_path, journal)
     if not journal.exists():
@@ -267,17 +267,33 @@ def _fingerprint(tree: SourceTree, options: PackOptions) -> str:
     return digest.hexdigest()
 
 
-def _selection(options: PackOptions, src: Path, tree: SourceTree, journal: PackJournal) -> Selection | None:
+def _selection(options: PackOptions, src: Path, tree: SourceTree, groups: GroupPlan,
+               journal: PackJournal) -> Selection | None:
     """With --codec auto, the selector's choice; a resumed pack reuses the journaled one (timings vary)."""
     if options.codec != AUTO_CODEC:
         return None
-    from selector import Budget, Selection, select_codecs  # measuring codecs is only needed here
+    from selector import Selection, SelectionError
 
     if journal.exists() and journal.state().get("selection"):
-        return Selection.from_json(journal.state()["selection"])
-    budget = Budget(options.budget, options.prefetch_threads)
-    return select_codecs(src, budget, fraction=options.sample, seed=options.seed, replicate=options.replicate,
-                         tree=tree)
+        try:
+            return Selection.from_json(journal.state()["selection"])
+        except (SelectionError, KeyError, TypeError) as exc:
+            raise PackError(f"{journal.dir}: the journaled codec selection cannot be read ({exc}); pass --force to "
+                            "start the pack afresh") from None
+    return select_for(src, tree, groups, options.budget, options.prefetch_threads, options.sample, options.seed)
+
+
+def select_for(src: Path, tree: SourceTree, groups: GroupPlan, budget: float, prefetch_threads: int,
+               fraction: float, seed: int) -> Selection:
+    """The selector's choice for a walked SRC (`budget` in bytes/s): fanstore walks and groups, the selector
+    samples and measures. Its errors become fanstore's one-line usage errors."""
+    from selector import Budget, SelectionError, select_codecs
+
+    try:
+        return select_codecs(src, Budget(budget, prefetch_threads), tree.files, groups.group_of, fraction=fraction,
+                             seed=seed, replicate=groups.replicate)
+    except SelectionError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _spec_by_kind(selection: Selection) -> dict[str, str]:

@@ -7,7 +7,8 @@ the most space while decoding fast enough for the training job.
     report.py   the table `fanstore select` prints, and the ratio/throughput plot
 
 `select_codecs` runs the three steps; its `Selection` is what `fanstore-pack --codec auto` packs with and records
-in the dataset's metadata.
+in the dataset's metadata. The selector knows nothing of fanstore: its caller walks SRC and says which group each
+file is in, and reports a SelectionError as its own.
 """
 
 from __future__ import annotations
@@ -15,12 +16,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
-from fanstore.errors import UsageError
-from fanstore.groups import GroupPlan
-from fanstore.walk import SourceTree, walk_source
-
+from .errors import SelectionError
 from .measure import Measurement, candidate_specs, measure_kind
 from .policy import MIN_SAVING, Budget, Choice, choose
 from .sample import (
@@ -29,11 +27,12 @@ from .sample import (
     check_fraction,
     check_max_bytes,
     check_seed,
+    SourceFile,
     draw_sample,
     estimated_kind_bytes,
 )
 
-__all__ = ["Budget", "Choice", "Measurement", "Selection", "select_codecs"]
+__all__ = ["Budget", "Choice", "Measurement", "Selection", "SelectionError", "SourceFile", "select_codecs"]
 
 SELECTION_VERSION = 1
 
@@ -89,7 +88,7 @@ class Selection:
     def from_json(cls, record: dict[str, Any]) -> Selection:
         """The Selection `to_json` recorded (a resumed pack reuses it rather than measure again)."""
         if record.get("version") != SELECTION_VERSION:
-            raise UsageError(f"selection record has version {record.get('version')!r}, expected {SELECTION_VERSION}")
+            raise SelectionError(f"selection record has version {record.get('version')!r}, expected {SELECTION_VERSION}")
         measurements = [Measurement.from_json(m) for m in record["measurements"]]
         by_key = {(m.kind, m.spec): m for m in measurements}
         choices = {
@@ -114,30 +113,30 @@ class Selection:
         )
 
 
+def _one_group(path: str) -> int:
+    return 0
+
+
 def select_codecs(
     src: Path,
     budget: Budget,
+    files: Sequence[SourceFile],
+    group_of: Callable[[str], int] = _one_group,
     fraction: float = DEFAULT_FRACTION,
     seed: int = 0,
     replicate: tuple[str, ...] = (),
-    tree: SourceTree | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> Selection:
-    """Sample SRC, measure every candidate per kind, and choose per kind for `budget`.
-
-    `tree` is SRC's walk when the caller has it (the packer does), to avoid walking twice. Bad arguments raise
-    UsageError naming the option.
-    """
+    """Sample `files` (SRC's regular files, as the caller walked them), measure every candidate per kind, and
+    choose per kind for `budget`. `group_of` gives a file's group, so the sample is stratified by group too;
+    `replicate`, the patterns behind it, is recorded. Bad arguments raise SelectionError naming the option."""
     started = time.perf_counter()
     if not isinstance(budget, Budget):
-        raise UsageError(f"--budget: expected a selector.Budget, got {budget!r}")
+        raise SelectionError(f"--budget: expected a selector.Budget, got {budget!r}")
     fraction = check_fraction(fraction)
     seed = check_seed(seed)
     max_bytes = check_max_bytes(max_bytes)
-    groups = GroupPlan(tuple(replicate))
-    if tree is None:
-        tree = walk_source(src)
-    sample = draw_sample(Path(src), tree.files, groups.group_of, fraction=fraction, max_bytes=max_bytes, seed=seed)
+    sample = draw_sample(Path(src), files, group_of, fraction=fraction, max_bytes=max_bytes, seed=seed)
     measurements: list[Measurement] = []
     choices: dict[str, Choice] = {}
     for kind in sorted({sample_file.kind for sample_file in sample}):

@@ -29,9 +29,9 @@ from compressors import (
     codec_from_spec,
     train_dictionary,
 )
-from fanstore.errors import UsageError
-from fanstore.kinds import NPY, OTHER
+from compressors.kinds import NPY, OTHER
 
+from .errors import SelectionError
 from .sample import SampleFile
 
 MB = 1e6  # throughputs are in MB/s of raw bytes, as budgets are usually given
@@ -131,7 +131,7 @@ def measure_kind(
     the bytes it was given (a broken codec must not be chosen).
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise UsageError(f"repeats: decode passes must be a positive integer, got {repeats!r}")
+        raise SelectionError(f"repeats: decode passes must be a positive integer, got {repeats!r}")
     files = [f for f in files if f.data]
     if not files:
         return []

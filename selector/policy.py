@@ -10,8 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from fanstore.errors import UsageError
-
+from .errors import SelectionError
 from .measure import MB, Measurement
 
 NONE_SPEC = "none"
@@ -34,10 +33,10 @@ class Budget:
     def __post_init__(self) -> None:
         rate = self.bytes_per_s
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate < 0:
-            raise UsageError(f"--budget: must be a finite throughput of 0 or more bytes/s, got {rate!r}")
+            raise SelectionError(f"--budget: must be a finite throughput of 0 or more bytes/s, got {rate!r}")
         threads = self.prefetch_threads
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
-            raise UsageError(f"--prefetch-threads: must be an integer of 0 or more, got {threads!r}")
+            raise SelectionError(f"--prefetch-threads: must be an integer of 0 or more, got {threads!r}")
 
     @property
     def required_decode_mbps(self) -> float:

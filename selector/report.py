@@ -10,9 +10,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fanstore.errors import UsageError
-from fanstore.units import format_bytes
-
+from .errors import SelectionError
 from .measure import Measurement
 from .policy import meets
 from .sample import MIN_FILES, MIN_SAMPLE_BYTES, MIN_STRATUM_BYTES
@@ -23,15 +21,20 @@ if TYPE_CHECKING:
 _COLUMNS = ("", "spec", "ratio", "saving", "decode MB/s", "encode MB/s", "meets budget", "sample")
 
 
+def _size(count: float) -> str:
+    """A byte count at a glance, in the units `fanstore select` prints (KiB below one MiB)."""
+    return f"{count / 2**20:,.1f} MiB" if count >= 2**20 else f"{count / 2**10:,.1f} KiB"
+
+
 def format_selection(selection: Selection) -> str:
     """A header (budget, K, sample, time), then per kind a table of every measured setting and the choice."""
     budget = selection.budget
     lines = [
         f"codec selection: {budget.describe()}",
         f"prefetch threads K={budget.prefetch_threads}; sample: {selection.sample_files} files, "
-        f"{format_bytes(selection.sample_bytes)} (--sample {selection.fraction:.1%} of SRC, but at least "
-        f"{format_bytes(MIN_SAMPLE_BYTES)}, and per kind {MIN_FILES} files and up to "
-        f"{format_bytes(MIN_STRATUM_BYTES)} if it has them; at most {format_bytes(selection.max_bytes)})"
+        f"{_size(selection.sample_bytes)} (--sample {selection.fraction:.1%} of SRC, but at least "
+        f"{_size(MIN_SAMPLE_BYTES)}, and per kind {MIN_FILES} files and up to "
+        f"{_size(MIN_STRATUM_BYTES)} if it has them; at most {_size(selection.max_bytes)})"
         f", seed {selection.seed}; measured in {selection.seconds:.1f} s",
         f"a codec must save at least {selection.min_saving:.0%} to be chosen; '*' marks the choice",
     ]
@@ -42,14 +45,14 @@ def format_selection(selection: Selection) -> str:
         kind_bytes = max((m.raw_bytes for m in rows), default=0)
         in_src = selection.kind_bytes.get(kind)
         lines.append("")
-        lines.append(f"{kind}: {kind_files} files, {format_bytes(kind_bytes)} sampled"
-                     + (f" of about {format_bytes(in_src)} in SRC" if in_src else ""))
+        lines.append(f"{kind}: {kind_files} files, {_size(kind_bytes)} sampled"
+                     + (f" of about {_size(in_src)} in SRC" if in_src else ""))
         table = [_COLUMNS]
         for m in sorted(rows, key=lambda m: (-m.ratio, -m.decode_mbps, m.spec)):
             partial = "" if m.raw_bytes >= kind_bytes else f"{m.files} files"
             table.append((
                 "*" if m.spec == choice.spec else "",
-                m.spec + (f" (dict {format_bytes(m.dict_bytes)})" if m.dict_bytes else ""),
+                m.spec + (f" (dict {_size(m.dict_bytes)})" if m.dict_bytes else ""),
                 f"{m.ratio:.2f}",
                 f"{m.saving:.1%}",
                 f"{m.decode_mbps:,.0f}",
@@ -76,14 +79,14 @@ def format_selection(selection: Selection) -> str:
 
 def plot_selection(selection: Selection, path: Path) -> None:
     """Ratio against decode throughput (log x) per kind: every setting, the Pareto front, the required decode
-    throughput and the choice. Needs matplotlib (UsageError naming --plot if it is missing)."""
+    throughput and the choice. Needs matplotlib (SelectionError naming --plot if it is missing)."""
     try:
         from matplotlib.figure import Figure  # the object API: no pyplot, no global backend switch
     except ImportError:
-        raise UsageError("--plot needs matplotlib, which is not installed: pip install matplotlib") from None
+        raise SelectionError("--plot needs matplotlib, which is not installed: pip install matplotlib") from None
     kinds = sorted(selection.choices)
     if not kinds:
-        raise UsageError("--plot: nothing to plot, the sample is empty")
+        raise SelectionError("--plot: nothing to plot, the sample is empty")
     columns = min(len(kinds), 3)
     rows = math.ceil(len(kinds) / columns)
     figure = Figure(figsize=(5.5 * columns, 4.5 * rows), layout="constrained")
@@ -116,7 +119,7 @@ def plot_selection(selection: Selection, path: Path) -> None:
     try:
         figure.savefig(path, dpi=120)
     except (OSError, ValueError) as exc:
-        raise UsageError(f"--plot: cannot write {str(path)!r}: {exc}") from None
+        raise SelectionError(f"--plot: cannot write {str(path)!r}: {exc}") from None
 
 
 def pareto_front(measurements: list[Measurement]) -> list[Measurement]:

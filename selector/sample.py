@@ -18,13 +18,13 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import xxhash
 
-from fanstore.errors import UsageError
-from fanstore.kinds import HEAD_BYTES, file_kind
-from fanstore.walk import SourceEntry
+from compressors.kinds import HEAD_BYTES, file_kind
+
+from .errors import SelectionError
 
 DEFAULT_FRACTION = 0.02
 DEFAULT_MAX_BYTES = 48 << 20
@@ -58,35 +58,45 @@ class SampleFile:
 
 
 def check_fraction(fraction: float) -> float:
-    """The sample fraction as a float in (0, 1], or UsageError naming --sample."""
+    """The sample fraction as a float in (0, 1], or SelectionError naming --sample."""
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-        raise UsageError(f"--sample: the sample fraction must be more than 0 and at most 1 (100%), got {fraction!r}")
+        raise SelectionError(f"--sample: the sample fraction must be more than 0 and at most 1 (100%), got {fraction!r}")
     return float(fraction)
 
 
 def check_max_bytes(max_bytes: int) -> int:
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-        raise UsageError(f"max_bytes: the sample size cap must be a positive number of bytes, got {max_bytes!r}")
+        raise SelectionError(f"max_bytes: the sample size cap must be a positive number of bytes, got {max_bytes!r}")
     return max_bytes
 
 
 def check_seed(seed: int) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
-        raise UsageError(f"--seed: must be an integer from 0 to 2**64-1, got {seed!r}")
+        raise SelectionError(f"--seed: must be an integer from 0 to 2**64-1, got {seed!r}")
     return seed
 
 
 # (seeded xxh3 of the path, path, entry), sorted by the hash alone: comparing whole tuples costs twice as much on a
 # million files, and two equal 64-bit hashes (odds 1 in 10^7 for a million files) keep the input order, which
 # walk_source sorts by path.
-_Ranked = tuple[int, str, SourceEntry]
+_Ranked = tuple[int, str, "SourceFile"]
 _BY_HASH = operator.itemgetter(0)
 _Stratum = tuple[int, str]  # (group, extension) before the sniff, (group, kind) after it
 
 
+class SourceFile(Protocol):
+    """A file of SRC as the caller walked it: its path relative to SRC, '/'-separated, and its size."""
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def size(self) -> int: ...
+
+
 def draw_sample(
     root: Path,
-    files: Sequence[SourceEntry],
+    files: Sequence[SourceFile],
     group_of: Callable[[str], int],
     fraction: float = DEFAULT_FRACTION,
     max_bytes: int = DEFAULT_MAX_BYTES,

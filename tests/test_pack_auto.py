@@ -14,7 +14,7 @@ import pytest
 from conftest import assert_one_line_error, dataset_digest, run_cli, tree_digest
 from fanstore import open_dataset
 from fanstore.journal import JOURNAL_DIR, STATE_FILE
-from fanstore.kinds import HEAD_BYTES, file_kind
+from compressors.kinds import HEAD_BYTES, file_kind
 
 KINDS = {"jpeg", "npy", "text"}
 

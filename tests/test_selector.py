@@ -17,10 +17,10 @@ import pytest
 
 from fanstore.errors import UsageError
 from fanstore.groups import GroupPlan
-from fanstore.kinds import HEAD_BYTES, file_kind
+from compressors.kinds import HEAD_BYTES, file_kind
 from fanstore.units import parse_fraction, parse_rate
 from fanstore.walk import walk_source
-from selector import Budget, Selection, select_codecs
+from selector import Budget, Selection, SelectionError, select_codecs
 from selector.measure import Measurement, candidate_specs, is_slow_spec, measure_kind
 from selector.policy import MIN_SAVING, NONE_SPEC, choose
 from selector.report import format_selection, pareto_front, plot_selection
@@ -156,7 +156,7 @@ def test_slow_settings_are_measured_on_a_prefix() -> None:
 
 
 def test_bad_repeats_is_refused() -> None:
-    with pytest.raises(UsageError, match="repeats"):
+    with pytest.raises(SelectionError, match="repeats"):
         measure_kind("text", [SampleFile("a.txt", "text", 0, b"abc")], ["lz4"], repeats=0)
 
 
@@ -232,7 +232,8 @@ def test_the_same_seed_gives_the_same_sample_and_choices(tree_root: Path) -> Non
     first = draw_sample(tree_root, files, GROUPS.group_of, fraction=0.3, seed=11)
     second = draw_sample(tree_root, list(reversed(files)), GROUPS.group_of, fraction=0.3, seed=11)
     assert [(f.path, f.kind, f.group, f.data) for f in first] == [(f.path, f.kind, f.group, f.data) for f in second]
-    selections = [select_codecs(tree_root, Budget(0), fraction=0.3, seed=11, replicate=REPLICATE) for _ in range(2)]
+    selections = [select_codecs(tree_root, Budget(0), files, GROUPS.group_of, fraction=0.3, seed=11,
+                                replicate=REPLICATE) for _ in range(2)]
     assert selections[0].sample_files == selections[1].sample_files == len(first)
     assert selections[0].sample_bytes == selections[1].sample_bytes
     assert selections[0].codec_by_kind() == selections[1].codec_by_kind()
@@ -279,7 +280,7 @@ def test_large_files_are_sampled_by_their_first_bytes(tree_root: Path) -> None:
 
 def test_an_empty_tree_selects_nothing(tmp_path: Path) -> None:
     (tmp_path / "only_empty").write_bytes(b"")
-    selection = select_codecs(tmp_path, Budget(800e6))
+    selection = select_codecs(tmp_path, Budget(800e6), walk_source(tmp_path).files)
     assert selection.choices == {} and selection.sample_files == 0 and selection.codec_by_kind() == {}
     assert "sample is empty" in format_selection(selection)
 
@@ -288,10 +289,10 @@ def test_an_empty_tree_selects_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("fraction", [0, -0.1, 1.5, float("nan"), "2%", True])
 def test_a_bad_sample_fraction_names_the_option(tree_root: Path, fraction: object) -> None:
-    with pytest.raises(UsageError, match="--sample"):
+    with pytest.raises(SelectionError, match="--sample"):
         draw_sample(tree_root, [], GROUPS.group_of, fraction=fraction)  # type: ignore[arg-type]
-    with pytest.raises(UsageError, match="--sample"):
-        select_codecs(tree_root, Budget(0), fraction=fraction)  # type: ignore[arg-type]
+    with pytest.raises(SelectionError, match="--sample"):
+        select_codecs(tree_root, Budget(0), [], fraction=fraction)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("arguments", "option"), [
@@ -299,7 +300,7 @@ def test_a_bad_sample_fraction_names_the_option(tree_root: Path, fraction: objec
     ((1e9, -1), "--prefetch-threads"), ((1e9, 1.5), "--prefetch-threads"),
 ])
 def test_a_bad_budget_names_the_option(arguments: tuple, option: str) -> None:
-    with pytest.raises(UsageError, match=option):
+    with pytest.raises(SelectionError, match=option):
         Budget(*arguments)
 
 
@@ -319,7 +320,8 @@ def test_bad_command_line_values_name_the_option(tree_root: Path) -> None:
 
 @pytest.fixture(scope="module")
 def selection(tree_root: Path) -> Selection:
-    return select_codecs(tree_root, Budget(400e6, prefetch_threads=2), fraction=0.5, replicate=REPLICATE)
+    return select_codecs(tree_root, Budget(400e6, prefetch_threads=2), walk_source(tree_root).files, GROUPS.group_of,
+                         fraction=0.5, replicate=REPLICATE)
 
 
 def test_selection_round_trips_through_json(selection: Selection) -> None:
@@ -354,7 +356,7 @@ def test_the_plot_is_drawn(selection: Selection, tmp_path: Path) -> None:
 def test_the_plot_without_matplotlib_is_a_clear_error(selection: Selection, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # what an uninstalled package looks like to import
-    with pytest.raises(UsageError, match="matplotlib"):
+    with pytest.raises(SelectionError, match="matplotlib"):
         plot_selection(selection, tmp_path / "never.png")
 
 

@@ -1,7 +1,7 @@
 """What kind of data a file holds, from its name and first bytes: codecs are chosen per kind.
 
 The packer calls this on every file it compresses and the selector on every sampled file, so both always agree.
-It lives in fanstore, beside walk and groups, so the selector can use it without importing the packer.
+It lives here, below both: the selector knows nothing of fanstore, and the read side never imports the selector.
 """
 
 from __future__ import annotations
