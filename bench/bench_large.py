@@ -146,7 +146,7 @@ def stored_bytes(dataset: Path, rel: str, blocked: bool) -> int:
 
     with fanstore.open_dataset(dataset) as ds:
         entry = ds.resolve(rel)
-        if ds.reader.is_blocked(entry) != blocked or (blocked and ds.reader.block_size != BLOCK_SIZE):
+        if bool(ds.index.block_count(entry)) != blocked or (blocked and ds.reader.block_size != BLOCK_SIZE):
             raise SystemExit(f"bench_large: {dataset}: {rel} is not stored {'in blocks' if blocked else 'whole'}")
         return int(ds.index.entries[entry]["stored_len"])
 
@@ -251,7 +251,7 @@ def open_api(dataset: str) -> None:
 
     def counted_whole(entry: int) -> bytes:
         data = read_whole(entry)  # a file stored in blocks is counted block by block, through counted_block
-        _decoded_bytes[0] += 0 if reader.is_blocked(entry) else len(data)
+        _decoded_bytes[0] += 0 if reader.index.block_count(entry) else len(data)
         return data
 
     reader.read_block, reader.read = counted_block, counted_whole  # type: ignore[method-assign]

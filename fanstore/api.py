@@ -48,7 +48,7 @@ class BlobFile(io.RawIOBase):
         self._reader = reader
         self._entry = entry
         self._size = int(reader.index.entries[entry]["size"])
-        blocked = reader.is_blocked(entry)
+        blocked = reader.index.block_count(entry) > 0
         self._part_size = reader.block_size if blocked else max(1, self._size)
         self._load_part = (lambda part: reader.read_block(entry, part)) if blocked else (
             lambda part: reader.read(entry))
@@ -90,7 +90,7 @@ class BlobFile(io.RawIOBase):
 
     def readall(self) -> bytes:
         self._checkClosed()
-        if self._pos == 0 and not self._reader.is_blocked(self._entry):
+        if self._pos == 0 and not self._reader.index.block_count(self._entry):
             self._pos = self._size
             return self._reader.read(self._entry)
         parts = []

@@ -261,7 +261,7 @@ class FanstoreOperations(pyfuse3.Operations):
         block_size = self._block_size
         first, last = off // block_size, (end - 1) // block_size
         if self.prefetcher is not None and self._read_end.get(entry) == off:
-            for ahead in range(last + 1, min(last + 1 + BLOCKS_READ_AHEAD, self._block_count(entry))):
+            for ahead in range(last + 1, min(last + 1 + BLOCKS_READ_AHEAD, self.index.block_count(entry))):
                 self.prefetcher.prefetch((entry, ahead))
         self._read_end[entry] = end
         parts = []
@@ -273,9 +273,6 @@ class FanstoreOperations(pyfuse3.Operations):
             start = block * block_size
             parts.append(memoryview(data)[max(off, start) - start : end - start])
         return parts[0] if len(parts) == 1 else b"".join(parts)
-
-    def _block_count(self, entry: int) -> int:
-        return -(-int(self._size[entry]) // self._block_size)
 
     def _loader_for(self, entry: int, off: int, size: int) -> Callable[[int], bytes]:
         """A file that goes out whole in one reply is the kernel's to keep from then on (keep_cache), so it is

@@ -21,6 +21,7 @@ from .errors import DatasetNotFound, FormatError, PathNotFound
 from .format import (
     BLOCK_DTYPE,
     CHUNK_DTYPE,
+    FLAG_BLOCKED,
     ENTRY_DTYPE,
     FORMAT_MAJOR,
     FORMAT_MINOR,
@@ -86,6 +87,7 @@ class Index:
         self.block_size: int = int(toc.get("block_size", 0)) if "blocks" in sections else 0
         # Column views (no copies) for the lookup path, which reads two fields of a few entries per call.
         self._path_off = self.entries["path_off"]
+        self._flags = self.entries["flags"]
         self._path_len = self.entries["path_len"]
         # Derived once here so listdir need not search: children of entry i are first_child[i]..first_child[i+1].
         self._first_child = (
@@ -138,6 +140,17 @@ class Index:
     def children(self, entry: int) -> range:
         """Entry numbers of a directory's children, in name order (empty for files and symlinks)."""
         return range(int(self._first_child[entry]), int(self._first_child[entry + 1]))
+
+    def block_count(self, entry: int) -> int:
+        """How many blocks a file is stored in (format 1.1); 0 for a file stored whole."""
+        if not self._flags[entry] & FLAG_BLOCKED:
+            return 0
+        return -(-int(self.entries["size"][entry]) // self.block_size)
+
+    def block_rows(self, entry: int) -> range:
+        """The rows of `blocks` that hold a file's blocks, in block order (empty for a file stored whole)."""
+        first = int(self.entries["offset"][entry]) if self._flags[entry] & FLAG_BLOCKED else 0
+        return range(first, first + self.block_count(entry))
 
     def link_target(self, entry: int) -> str:
         rec = self.entries[entry]

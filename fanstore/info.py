@@ -125,9 +125,8 @@ def _describe_chunk_files(ds: Dataset) -> list[str]:
     np.add.at(files_in, index.entries["chunk"][whole], 1)
     blocked = np.flatnonzero(index.entries["flags"] & FLAG_BLOCKED)
     for entry in blocked:  # a file stored in blocks is lost with any chunk holding one of its blocks
-        first = int(index.entries["offset"][entry])
-        count = -(-int(index.entries["size"][entry]) // index.block_size)
-        np.add.at(files_in, np.unique(index.blocks["chunk"][first : first + count]), 1)
+        rows = index.block_rows(int(entry))
+        np.add.at(files_in, np.unique(index.blocks["chunk"][rows.start : rows.stop]), 1)
     lines = [f"chunk files  {len(problems):,} of {len(index.chunks):,} cannot be read; their files fail:"]
     for chunk, problem in sorted(problems.items()):
         lines.append(f"  {chunk_file_name(chunk)}: {int(files_in[chunk]):,} file(s): {problem}")

@@ -45,16 +45,6 @@ class Reader:
         self.block_size = index.block_size
         self._entries = index.entries
         self._blocks = index.blocks
-        self._flags = index.entries["flags"]  # a column view: the per-read test costs no row unpacking
-
-    def is_blocked(self, entry: int) -> bool:
-        return bool(self._flags[entry] & FLAG_BLOCKED)
-
-    def block_count(self, entry: int) -> int:
-        """How many blocks a file is stored in; 0 for a file stored whole."""
-        if not self._flags[entry] & FLAG_BLOCKED:
-            return 0
-        return -(-int(self._entries[entry]["size"]) // self.block_size)
 
     def read(self, entry: int) -> bytes:
         """The original bytes of a regular file, whole."""
@@ -64,7 +54,7 @@ class Reader:
         if size == 0:
             return b""
         if flags & FLAG_BLOCKED:
-            return b"".join(self.read_block(entry, block) for block in range(self.block_count(entry)))
+            return b"".join(self.read_block(entry, block) for block in range(self.index.block_count(entry)))
         stored = self._fetch(entry, -1, chunk, offset, stored_len, checksum)
         return self._decode(entry, -1, stored, codec, size, chunk, offset)
 
@@ -94,10 +84,10 @@ class Reader:
         return self._fetch(entry, block, chunk, offset, stored_len, checksum)
 
     def _block_row(self, entry: int, block: int) -> tuple:
-        count = self.block_count(entry)
-        if not 0 <= block < count:
-            raise UsageError(f"{self.index.path_of(entry)!r} has no block {block} (it is stored in {count})")
-        return self._blocks[int(self._entries[entry]["offset"]) + block].item()
+        rows = self.index.block_rows(entry)
+        if not 0 <= block < len(rows):
+            raise UsageError(f"{self.index.path_of(entry)!r} has no block {block} (it is stored in {len(rows)})")
+        return self._blocks[rows[block]].item()
 
     def _where(self, entry: int, block: int) -> str:
         return self.index.path_of(entry) + (f" (block {block})" if block >= 0 else "")

@@ -38,7 +38,7 @@ def verify_dataset(ds: Dataset, progress: Callable[[int], None] | None = None) -
     reader = ds.reader
     for entry in ds.index.iter_files():
         try:
-            blocks = reader.block_count(entry)
+            blocks = ds.index.block_count(entry)
             if blocks:
                 report.raw_bytes += sum(len(reader.read_block(entry, block)) for block in range(blocks))
             else:

@@ -63,12 +63,12 @@ def test_every_file_reads_back_and_only_large_ones_are_blocked(tree, packed):
             size = path.stat().st_size
             assert ds.read(path.name) == path.read_bytes(), path.name
             assert bool(ds.index.entries[entry]["flags"] & FLAG_BLOCKED) == (size > ABOVE), path.name
-            assert ds.reader.block_count(entry) == (-(-size // BLOCK) if size > ABOVE else 0)
+            assert ds.index.block_count(entry) == (-(-size // BLOCK) if size > ABOVE else 0)
         codecs = {ds.index.codecs[int(c)]["spec"] for c in ds.index.blocks["codec"]}
         assert codecs == {"none", "zstd:3"}  # random blocks stored as they are, the others compressed
         many = ds.index.lookup("many_chunks.bin")
         first = int(ds.index.entries[many]["offset"])
-        chunks = set(ds.index.blocks["chunk"][first : first + ds.reader.block_count(many)].tolist())
+        chunks = set(ds.index.blocks["chunk"][first : first + ds.index.block_count(many)].tolist())
         assert len(chunks) > 1  # a file in blocks may span chunks
     assert run_cli("verify", str(packed)).returncode == 0
 
@@ -117,7 +117,7 @@ def test_a_read_decodes_only_the_blocks_it_touches(tree, packed):
             f.seek(0)
             while f.read(1000):
                 pass
-            assert decoded == list(range(ds.reader.block_count(ds.index.lookup("many_chunks.bin"))))
+            assert decoded == list(range(ds.index.block_count(ds.index.lookup("many_chunks.bin"))))
 
 
 def test_same_bytes_whatever_the_worker_count(tree, packed, tmp_path):
@@ -184,5 +184,5 @@ def test_packing_a_large_file_needs_a_few_blocks_of_memory_not_the_file(tmp_path
     with open_dataset(tmp_path / "ds") as ds, ds.open("huge.bin") as f:
         f.seek(123_456_789 - 5)
         assert f.read(34) == b"\0" * 5 + b"a needle in the haystack" + b"\0" * 5
-        assert ds.reader.block_count(ds.index.lookup("huge.bin")) == 1024
+        assert ds.index.block_count(ds.index.lookup("huge.bin")) == 1024
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 < 1 << 30  # this test did not read it whole

@@ -51,7 +51,7 @@ def test_golden_blocks_read_one_at_a_time():
     """The 1.1 fixture's large files are stored in 4 KiB blocks, some raw (random bytes), some compressed."""
     with open_dataset(GOLDEN.parent / "v1.1" / "dataset") as ds:
         assert ds.index.block_size == 4096
-        blocked = {ds.index.path_of(e) for e in ds.index.iter_files() if ds.reader.is_blocked(e)}
+        blocked = {ds.index.path_of(e) for e in ds.index.iter_files() if ds.index.block_count(e)}
         assert blocked == {"field.npy", "large/field.f32", "large/noise.bin", "large/exact.bin", "large/log.txt",
                            "val/a/big_val.txt"}
         # the replicated group is too small to train a dictionary on: zstd:3 there
