@@ -12,13 +12,14 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from pathlib import Path
 from types import TracebackType
+from typing import Callable
 
 import numpy as np
 
 from .errors import ChunkCorrupt, ChunkUnavailable, FormatError
 from .format import CHUNK_HEADER_LEN, check_chunk_header, chunk_file_name
 
-__all__ = ["ChunkSource", "ChunkUnavailable", "LocalChunkSource", "default_max_open_chunks"]
+__all__ = ["ChunkSource", "ChunkUnavailable", "FallbackChunkSource", "LocalChunkSource", "default_max_open_chunks"]
 
 
 class ChunkSource(ABC):
@@ -28,6 +29,11 @@ class ChunkSource(ABC):
     def read(self, chunk_id: int, offset: int, length: int) -> bytes:
         """Exactly `length` bytes at `offset` of chunk `chunk_id`. ChunkUnavailable when they cannot be had now,
         ChunkCorrupt when the chunk is not what the index says; both name the chunk."""
+
+    def may_block(self, chunks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """For each blob (chunk, offset), whether reading it may wait on something slow (another node, a deadline):
+        the mount reads those off its event loop. Asked once at open, so a read decides by a lookup."""
+        return np.zeros(len(chunks), dtype=bool)
 
     def close(self) -> None:
         """Release what the source holds open; reads after close raise ChunkUnavailable."""
@@ -189,3 +195,30 @@ class LocalChunkSource(ChunkSource):
         with self._lock:
             self._closed = True
             self._evict_idle(keep=0)
+
+
+class FallbackChunkSource(ChunkSource):
+    """Reads from `primary`, and from `fallback` whatever `primary` cannot give now (ChunkUnavailable): a peer node
+    first, the shared file system when the peer is slow or gone. A corrupt answer is not retried elsewhere: the
+    reader verifies the bytes it gets, whichever source gave them."""
+
+    def __init__(self, primary: ChunkSource, fallback: ChunkSource,
+                 on_fallback: Callable[[ChunkUnavailable, int], None] | None = None) -> None:
+        self.primary = primary
+        self.fallback = fallback
+        self._on_fallback = on_fallback
+
+    def read(self, chunk_id: int, offset: int, length: int) -> bytes:
+        try:
+            return self.primary.read(chunk_id, offset, length)
+        except ChunkUnavailable as exc:
+            if self._on_fallback is not None:
+                self._on_fallback(exc, length)
+            return self.fallback.read(chunk_id, offset, length)
+
+    def may_block(self, chunks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        return self.primary.may_block(chunks, offsets) | self.fallback.may_block(chunks, offsets)
+
+    def close(self) -> None:
+        self.primary.close()
+        self.fallback.close()

@@ -17,12 +17,14 @@ import os
 import stat
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
+import numpy as np
 import pyfuse3
 import trio
 
 from .cache import DecodedCache
+from .chunk_source import ChunkSource
 from .errors import ChunkCorrupt, ChunkUnavailable, FanstoreError, fuse_errno_of
-from .format import FLAG_BLOCKED
+from .format import FLAG_BLOCKED, NO_CHUNK
 from .index import Index
 from .prefetch import Prefetcher
 
@@ -36,6 +38,9 @@ BLOCKS_READ_AHEAD = 2
 # A blob this small decodes (tens of microseconds) faster than a hand-off to a thread and back wakes the loop, so
 # it is decoded on the event loop itself; larger ones go to the decode threads, where they overlap.
 INLINE_DECODE_BYTES = 256 * 1024
+# Threads that wait for blobs from other nodes: mostly waiting, so more of them than cores, which keeps several
+# requests in flight per peer.
+FETCH_THREADS = 16
 _DROPPED_MODE_BITS = stat.S_ISUID | stat.S_ISGID
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 # The daemon's counters, read from the mount point's root (`getfattr -n user.fanstore.stats MP`): for operators,
@@ -46,6 +51,17 @@ STATS_XATTR = b"user.fanstore.stats"
 
 def _read_only() -> pyfuse3.FUSEError:
     return pyfuse3.FUSEError(errno.EROFS)
+
+
+def _may_block(index: Index, source: ChunkSource | None) -> np.ndarray:
+    """One flag per entry: its blob is one the source says may be slow to come (see ChunkSource.may_block)."""
+    flags = np.zeros(len(index.entries), dtype=bool)
+    if source is None:
+        return flags
+    entries = index.entries
+    whole = (entries["chunk"] != NO_CHUNK) & ((entries["flags"] & FLAG_BLOCKED) == 0)
+    flags[whole] = source.may_block(entries["chunk"][whole], entries["offset"][whole])
+    return flags
 
 
 def kernel_holds_flags(index: Index) -> bytearray:
@@ -109,7 +125,8 @@ class FanstoreOperations(pyfuse3.Operations):
 
     def __init__(self, index: Index, cache: DecodedCache, prefetcher: Prefetcher | None, decode_threads: int,
                  keep_cache: bool = True, timeout: float = KERNEL_CACHE_TIMEOUT,
-                 kernel_holds: bytearray | None = None) -> None:
+                 kernel_holds: bytearray | None = None, source: ChunkSource | None = None,
+                 fetch_threads: int = FETCH_THREADS) -> None:
         super().__init__()
         self.index = index
         self.cache = cache
@@ -127,6 +144,11 @@ class FanstoreOperations(pyfuse3.Operations):
         self._served: dict[int, int] = {}
         self._kernel_holds = kernel_holds if kernel_holds is not None else kernel_holds_flags(index)
         self._decode_limiter = trio.CapacityLimiter(max(1, decode_threads))
+        # Files whose blob may take long to come (from another node) are read off the event loop, by threads of
+        # their own: waiting on a slow peer must not hold the threads that decode local files.
+        self._may_block = _may_block(index, source)
+        self._fetch_limiter = trio.CapacityLimiter(max(1, fetch_threads))
+        self._blocks_limiter = self._fetch_limiter if self._may_block.any() else self._decode_limiter
         self._uid, self._gid = os.getuid(), os.getgid()
         self._reported: set[tuple[str, object]] = set()
         self.initialized = trio.Event()
@@ -242,7 +264,9 @@ class FanstoreOperations(pyfuse3.Operations):
         data = self.cache.peek(fh)
         if data is None:
             load = self._loader_for(fh, off, size)
-            if self._stored_len[fh] <= INLINE_DECODE_BYTES:
+            if self._may_block[fh]:
+                data = await trio.to_thread.run_sync(load, fh, limiter=self._fetch_limiter)
+            elif self._stored_len[fh] <= INLINE_DECODE_BYTES:
                 data = load(fh)
             else:
                 data = await trio.to_thread.run_sync(load, fh, limiter=self._decode_limiter)
@@ -269,7 +293,7 @@ class FanstoreOperations(pyfuse3.Operations):
             key = (entry, block)
             data = self.cache.peek(key)
             if data is None:
-                data = await trio.to_thread.run_sync(self.cache.get, key, limiter=self._decode_limiter)
+                data = await trio.to_thread.run_sync(self.cache.get, key, limiter=self._blocks_limiter)
             start = block * block_size
             parts.append(memoryview(data)[max(off, start) - start : end - start])
         return parts[0] if len(parts) == 1 else b"".join(parts)

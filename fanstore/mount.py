@@ -22,9 +22,9 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
-from .api import open_dataset
+from .api import Dataset, open_dataset
 from .cache import DecodedCache
 from .daemon_tuning import install_fast_session_loop, keep_freed_memory
 from .errors import FanstoreError, UsageError
@@ -173,6 +173,23 @@ def fuse_answer(mountpoint: Path, timeout: float = PROBE_TIMEOUT) -> int | None:
 
 def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, ready_fd: int | None = None) -> int:
     """Serve until unmounted or signalled. `ready_fd` gets one line, `ok` or the error, once the mount answers."""
+    try:
+        check_mountpoint(mountpoint)
+        ds = open_dataset(dataset)
+    except FanstoreError as exc:
+        _report_ready(ready_fd, f"error: {exc}")
+        raise
+    with ds:
+        return serve_dataset(ds, mountpoint, options, ready_fd=ready_fd)
+
+
+def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd: int | None = None,
+                  while_mounted: Callable[[threading.Event], int] | None = None) -> int:
+    """Mount `ds` at `mountpoint` and serve until unmounted or signalled; the caller closes `ds`.
+
+    `while_mounted(stop)`, when given, runs in a thread once the kernel has the mount; the mount ends when it
+    returns, and its result is returned. SIGTERM or SIGINT sets `stop`, and ends the mount once it returns.
+    """
     import pyfuse3
     import trio
 
@@ -180,8 +197,6 @@ def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, rea
         kernel_holds_flags
 
     try:
-        check_mountpoint(mountpoint)
-        ds = open_dataset(dataset)
         index = ds.index
         capacity = options.cache_size if options.cache_size is not None else int(
             available_memory() * DEFAULT_CACHE_FRACTION)
@@ -200,7 +215,7 @@ def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, rea
         operations = FanstoreOperations(
             index, cache, prefetcher, options.decode_threads or 2 * cores, keep_cache=options.keep_cache,
             timeout=options.kernel_timeout if options.kernel_timeout is not None else KERNEL_CACHE_TIMEOUT,
-            kernel_holds=kernel_holds)
+            kernel_holds=kernel_holds, source=ds.reader.source)
         if options.fast_session_loop:
             install_fast_session_loop()
         fuse_options = set(pyfuse3.default_options) | {"ro", "fsname=fanstore", "subtype=fanstore"}
@@ -214,41 +229,51 @@ def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, rea
         _report_ready(ready_fd, f"error: {exc}")
         raise
 
-    async def set_read_ahead_after_init() -> None:
+    stop = threading.Event()
+    outcome: list[int] = []
+
+    async def after_init() -> None:
         await operations.initialized.wait()
-        set_read_ahead(mountpoint, options.read_ahead_kib)
+        if options.read_ahead_kib > 0:
+            set_read_ahead(mountpoint, options.read_ahead_kib)
+        if while_mounted is not None:
+            outcome.append(await trio.to_thread.run_sync(while_mounted, stop))
+            pyfuse3.terminate()
 
     async def serve() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_unmount_on_signal)
-            if options.read_ahead_kib > 0:
-                nursery.start_soon(set_read_ahead_after_init)
+            nursery.start_soon(_unmount_on_signal, stop, while_mounted is None)
+            nursery.start_soon(after_init)
             _report_ready(ready_fd, "ok")
             await pyfuse3.main()
+            stop.set()  # unmounted from outside: a while_mounted still running is told to end
             nursery.cancel_scope.cancel()
 
     try:
         trio.run(serve)
     finally:
+        stop.set()
         if prefetcher is not None:
             prefetcher.close()
         stats = cache.stats()
         log.info("unmounted %s; cache: %d hits, %d misses, %d waits, %d evictions, %d bytes held", mountpoint,
                  stats.hits, stats.misses, stats.waits, stats.evictions, stats.bytes_held)
         _close_fuse(pyfuse3, mountpoint)
-        ds.close()
-    return 0
+    return outcome[0] if outcome else 0
 
 
-async def _unmount_on_signal() -> None:
+async def _unmount_on_signal(stop: threading.Event, terminate: bool) -> None:
+    """SIGTERM or SIGINT sets `stop`; the mount ends here unless a `while_mounted` ends it once it sees `stop`."""
     import pyfuse3
     import trio
 
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
             log.info("signal %d: unmounting", signum)
-            pyfuse3.terminate()
-            return
+            stop.set()
+            if terminate:
+                pyfuse3.terminate()
+                return
 
 
 def _close_fuse(pyfuse3: object, mountpoint: Path) -> None:
