@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from .errors import FanstoreError, UsageError
 from .units import format_bytes, parse_size
@@ -211,6 +211,39 @@ def _run_mount(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_serve(args: argparse.Namespace) -> int:
+    import logging
+    import math
+
+    from .mount import MountOptions
+    from .serve.node import ServeOptions, run
+    from .serve.transport import PeerOptions
+
+    for option, value in (("--peer-timeout", args.peer_timeout), ("--peer-retry", args.peer_retry)):
+        if not 0 < value < math.inf:
+            raise UsageError(f"{option}: must be more than 0 seconds, got {value}")
+    if args.max_in_flight < 1:
+        raise UsageError(f"--max-in-flight: must be 1 or more requests, got {args.max_in_flight}")
+    if args.prefetch < 0:
+        raise UsageError(f"--prefetch: must be 0 or more files, got {args.prefetch}")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s fanstore: %(message)s", stream=sys.stderr)
+    mount = MountOptions(
+        cache_size=parse_size(args.cache_size, "--cache-size") if args.cache_size else None,
+        prefetch=args.prefetch,
+        prefetch_list=Path(args.prefetch_list) if args.prefetch_list else None,
+        # Any file may come from another node, so any is worth fetching ahead, small ones included.
+        prefetch_min_size=0 if args.prefetch_list else None,
+        prefetch_threads=args.prefetch_threads,
+        allow_other=args.allow_other,
+    )
+    options = ServeOptions(
+        dest=Path(args.dest), mountpoint=args.mountpoint, local_dir=args.local_dir, command=tuple(args.job_command),
+        stats=args.stats, ready_file=args.ready_file,
+        peer=PeerOptions(timeout=args.peer_timeout, retry_after=args.peer_retry, max_in_flight=args.max_in_flight),
+        mount=mount, progress=not args.quiet)
+    return run(options)
+
+
 def _run_umount(args: argparse.Namespace) -> int:
     from .mount import resolve_mountpoint, unmount
 
@@ -269,7 +302,47 @@ def _build_parser() -> argparse.ArgumentParser:
     demo_parser.add_argument("--scale", type=int, default=1, help="grow the demo dataset (default 1)")
     demo_parser.add_argument("--no-mount", action="store_true", help="read through the Python API only")
     demo_parser.set_defaults(run=_run_demo)
+    _add_serve_parser(commands)
     return parser
+
+
+def _add_serve_parser(commands: Any) -> None:
+    serve_parser = commands.add_parser(
+        "serve", help="under mpiexec or srun (one rank per node): stage, mount everywhere, run -- COMMAND",
+        usage="mpiexec -n N fanstore serve DEST MOUNTPOINT --local-dir DIR [options] [-- COMMAND ...]",
+        description="Spread DEST's chunks over the job's nodes (replicated groups on every node), stage each "
+                    "node's share into --local-dir, and mount the whole dataset at MOUNTPOINT on every node; files "
+                    "stored on another node come from it over MPI. With -- COMMAND, run COMMAND on every rank once "
+                    "all are mounted (FANSTORE_MOUNT, FANSTORE_RANK, FANSTORE_SIZE in its environment), then "
+                    "unmount and exit with the worst status; without, serve until SIGTERM. {rank} in MOUNTPOINT, "
+                    "--local-dir and --ready-file gives each rank its own path (several ranks on one host).")
+    serve_parser.add_argument("dest", metavar="DEST", help="the packed dataset, on the shared file system")
+    serve_parser.add_argument("mountpoint", metavar="MOUNTPOINT", help="an existing empty directory on each node")
+    serve_parser.add_argument("--local-dir", required=True, metavar="DIR",
+                              help="node-local storage for this node's chunks (e.g. $TMPDIR or /dev/shm/...); "
+                                   "chunks verified there by an earlier job are not staged again")
+    serve_parser.add_argument("--stats", action="store_true",
+                              help="print each rank's counters at the end, and the job's totals on rank 0")
+    serve_parser.add_argument("--ready-file", metavar="FILE",
+                              help="without COMMAND: written once every rank is mounted (default MOUNTPOINT.ready)")
+    serve_parser.add_argument("--peer-timeout", type=float, default=5.0, metavar="SECONDS",
+                              help="a peer that does not answer a request in this time is skipped for a while and "
+                                   "its files read from DEST (default 5)")
+    serve_parser.add_argument("--peer-retry", type=float, default=30.0, metavar="SECONDS",
+                              help="how long a peer that missed a deadline is skipped (default 30)")
+    serve_parser.add_argument("--max-in-flight", type=int, default=8, metavar="K",
+                              help="requests outstanding to one peer at a time (default 8)")
+    serve_parser.add_argument("--prefetch-list", metavar="FILE",
+                              help="the epoch's reading order, one path a line: files are fetched and decoded ahead")
+    serve_parser.add_argument("--prefetch", type=int, default=8, metavar="N",
+                              help="files fetched and decoded ahead of the reader (default 8; 0 turns it off)")
+    serve_parser.add_argument("--prefetch-threads", type=int, default=8, metavar="K",
+                              help="threads fetching and decoding ahead (default 8)")
+    serve_parser.add_argument("--cache-size", metavar="SIZE",
+                              help="decoded cache of each mount (default: a quarter of available memory)")
+    serve_parser.add_argument("--allow-other", action="store_true", help="let other users read the mounts")
+    serve_parser.add_argument("--quiet", action="store_true", help="no staging progress bar")
+    serve_parser.set_defaults(run=_run_serve, job_command=[])
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -278,7 +351,13 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 def _run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    job_command: list[str] = []
+    if argv[:1] == ["serve"] and "--" in argv:  # everything after `--` is the job's command, options and all
+        split = argv.index("--")
+        argv, job_command = argv[:split], argv[split + 1 :]
     args = parser.parse_args(argv)
+    if job_command:
+        args.job_command = job_command
     args.argv = argv  # a background mount re-runs itself with the same arguments
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:

@@ -1,0 +1,383 @@
+"""One rank of `fanstore serve`: start MPI, stage, mount the whole dataset, run the job's command, report.
+
+    place (every rank alone) -> check every rank can start (agreed) -> watchdog -> stage (collective)
+    -> transport thread -> mount (local | peer -> DEST) -> all mounted (Ibarrier) -> COMMAND or ready file
+    -> all done (Iallreduce of the worst status) -> unmount -> counters to rank 0 -> stop MPI
+
+One process per node holds MPI, the mount and the command's parent. MPI is called by one thread at a time: the
+main thread until the transport starts, then the transport's thread alone, so MPI_THREAD_SERIALIZED is all this
+needs (checked at start). Every wait after start-up is non-blocking and polled (polling.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from ..api import Dataset
+from ..chunk_source import LocalChunkSource
+from ..durable import write_atomically
+from ..errors import ChunkCorrupt, ChunkUnavailable, FanstoreError, UsageError
+from ..index import Index
+from ..mount import MountOptions, check_mountpoint, fuse_answer, fuse_mounted_at, resolve_mountpoint, \
+    serve_dataset, unmount
+from ..units import format_bytes
+from . import watchdog
+from .placement import BlobTable, Placement, place
+from .polling import wait_all
+from .sources import PeerChunkSource, PlacedChunkSource
+from .staging import StagingError, StagingReport, Stager
+from .transport import PeerOptions, PeerTransport, RequestRefused
+
+log = logging.getLogger("fanstore.serve")
+
+AGREE_TIMEOUT = 600.0  # seconds the final agreement waits after a signal before the rank leaves without it
+STOP_GRACE = 10.0  # seconds a COMMAND gets between SIGTERM and SIGKILL
+
+
+class ServeError(FanstoreError):
+    """`fanstore serve` cannot start or go on on this rank; the message names the rank and the host."""
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    dest: Path
+    mountpoint: str  # `{rank}` is replaced by the rank
+    local_dir: str
+    command: tuple[str, ...] = ()
+    stats: bool = False
+    ready_file: str | None = None  # default MOUNTPOINT.ready
+    peer: PeerOptions = PeerOptions()
+    mount: MountOptions = field(default_factory=MountOptions)
+    progress: bool = True
+
+
+def start_mpi() -> Any:
+    """The MPI module, initialised at the thread level this design needs; ServeError when it cannot be had."""
+    try:
+        import mpi4py
+    except ImportError:
+        raise UsageError("fanstore serve needs mpi4py: pip install 'fanstore[mpi]' (on a cluster, build it against "
+                         "the site's MPI; see README, Run on a cluster)") from None
+    mpi4py.rc.thread_level = "serialized"
+    mpi4py.rc.finalize = False  # finalised here, and only once every rank agreed to end (see run)
+    from mpi4py import MPI
+
+    if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+        raise ServeError(f"the MPI library gives thread level {MPI.Query_thread()}; fanstore serve needs "
+                         f"MPI_THREAD_SERIALIZED ({MPI.THREAD_SERIALIZED}): one thread serves peers while others "
+                         f"read (use an MPI built with thread support)")
+    return MPI
+
+
+def format_for_rank(template: str, rank: int, option: str) -> Path:
+    try:
+        return Path(template.format(rank=rank))
+    except (KeyError, IndexError, ValueError) as exc:
+        raise UsageError(f"{option} {template!r}: only {{rank}} may appear in braces ({exc})") from None
+
+
+def agree(comm: Any, problem: str | None) -> None:
+    """Every rank says whether it can go on; if one cannot, all stop (ServeError, quiet on the others: the rank at
+    fault prints its own reason)."""
+    from mpi4py import MPI
+
+    mine = np.array([1 if problem else 0], dtype=np.int8)
+    everyone = np.zeros(comm.Get_size(), dtype=np.int8)
+    wait_all([comm.Iallgather([mine, MPI.INT8_T], [everyone, MPI.INT8_T])])
+    if problem:
+        raise ServeError(problem)
+    failed = np.flatnonzero(everyone)
+    if len(failed):
+        raise StagingError(f"rank {failed[0]} cannot start (see its message); stopping", quiet=comm.Get_rank() != 0)
+
+
+def shm_files_mapped() -> list[str]:
+    """MPICH's /dev/shm files this process maps: what a killed job leaves behind unless someone removes them."""
+    paths = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.rstrip("\n").split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+            if path.startswith("/dev/shm/") and not path.endswith("(deleted)"):
+                paths.add(path)
+    return sorted(paths)
+
+
+def start_watchdog(mountpoint: Path, ready_file: Path, log_path: Path) -> int:
+    """Start the watchdog (watchdog.py) in a session of its own; return the pipe end this process keeps open."""
+    read_end, write_end = os.pipe()
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+    try:
+        subprocess.Popen([sys.executable, "-I", "-S", watchdog.__file__, str(read_end), str(mountpoint),
+                          str(ready_file), *shm_files_mapped()],
+                         pass_fds=(read_end,), stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
+                         start_new_session=True)
+    finally:
+        os.close(read_end)
+        os.close(log_fd)
+    return write_end
+
+
+def clear_stale_mount(mountpoint: Path) -> None:
+    """A mount left at `mountpoint` by a killed daemon (ENOTCONN) is removed; a live or hung one is an error."""
+    if fuse_mounted_at(mountpoint) and fuse_answer(mountpoint) != 0:
+        log.warning("%s: clearing a stale mount left by an earlier job", mountpoint)
+        unmount(mountpoint)
+        deadline = time.monotonic() + 5
+        while fuse_mounted_at(mountpoint) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    check_mountpoint(mountpoint)
+
+
+class RequestChecker:
+    """Serves peers' requests from this rank's directory, only for whole blobs it holds (verified)."""
+
+    def __init__(self, rank: int, placement: Placement, blobs: BlobTable, local: LocalChunkSource,
+                 chunk_count: int, unverified: set[int]) -> None:
+        self._rank = rank
+        self._placement = placement
+        self._blobs = blobs
+        self._local = local
+        self._chunk_count = chunk_count
+        self._unverified = unverified
+
+    def __call__(self, peer: int, chunk: int, offset: int, length: int) -> bytes:
+        if not 0 <= chunk < self._chunk_count:
+            raise RequestRefused(f"chunk {chunk} is not in the dataset")
+        if not self._placement.is_local(self._rank, chunk, offset):
+            raise RequestRefused(f"chunk {chunk} at {offset} is not stored on rank {self._rank}")
+        rows = self._blobs.in_range(chunk, offset, offset + 1)
+        if rows.stop - rows.start != 1 or int(self._blobs.offset[rows.start]) != offset \
+                or int(self._blobs.stored_len[rows.start]) != length:
+            raise RequestRefused(f"chunk {chunk}: no blob of {length} bytes at offset {offset}")
+        if chunk in self._unverified:
+            raise ChunkUnavailable(f"chunk {chunk} was not staged whole on rank {self._rank}", chunk_id=chunk)
+        blob = self._local.read(chunk, offset, length)
+        if xxhash.xxh3_64_intdigest(blob) != int(self._blobs.checksum[rows.start]):
+            raise ChunkCorrupt(f"chunk {chunk} at {offset}: checksum mismatch on rank {self._rank}", chunk_id=chunk)
+        return blob
+
+
+class Lifecycle:
+    """What runs while the mount is up: wait for every rank's mount, run COMMAND (or write the ready file and wait
+    for a signal), then agree with every rank on the job's status."""
+
+    def __init__(self, transport: PeerTransport, options: ServeOptions, mountpoint: Path, ready_file: Path) -> None:
+        self.transport = transport
+        self.options = options
+        self.mountpoint = mountpoint
+        self.ready_file = ready_file
+        self.agreed = False
+
+    def __call__(self, stop: threading.Event) -> int:
+        from mpi4py import MPI
+
+        mounted = self.transport.collective(lambda comm: (comm.Ibarrier(), lambda: None))
+        if not _wait(mounted, stop):
+            return 128 + signal.SIGTERM
+        status = self._run_command(stop) if self.options.command else self._wait_for_signal(stop)
+        mine = np.array([status], dtype=np.int32)
+        worst = np.zeros(1, dtype=np.int32)
+        everyone = self.transport.collective(lambda comm: (
+            comm.Iallreduce([mine, MPI.INT32_T], [worst, MPI.INT32_T], op=MPI.MAX), lambda: int(worst[0])))
+        try:
+            worst_status = everyone.result(timeout=None if not stop.is_set() else AGREE_TIMEOUT)
+        except Exception:  # noqa: BLE001 - a timeout or the transport gone: leave without the others
+            return status if status else 1
+        self.agreed = True
+        return worst_status
+
+    def _run_command(self, stop: threading.Event) -> int:
+        rank, size = self.transport.rank, self.transport.size
+        env = dict(os.environ, FANSTORE_MOUNT=str(self.mountpoint), FANSTORE_RANK=str(rank),
+                   FANSTORE_SIZE=str(size))
+        try:
+            command = subprocess.Popen(list(self.options.command), env=env)
+        except OSError as exc:
+            print(f"fanstore serve: rank {rank}: cannot run {self.options.command[0]!r}: {exc.strerror}",
+                  file=sys.stderr, flush=True)
+            return 127
+        while True:
+            try:
+                code = command.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                if stop.is_set():
+                    command.terminate()
+                    try:
+                        code = command.wait(timeout=STOP_GRACE)
+                    except subprocess.TimeoutExpired:
+                        command.kill()
+                        code = command.wait()
+                    break
+        return code if code >= 0 else 128 - code
+
+    def _wait_for_signal(self, stop: threading.Event) -> int:
+        # The mount point, and the process serving it (to signal it, or to find it in a listing).
+        write_atomically(self.ready_file, f"{self.mountpoint}\n{os.getpid()}\n".encode())
+        try:
+            stop.wait()
+        finally:
+            try:
+                self.ready_file.unlink()
+            except FileNotFoundError:
+                pass
+        return 0
+
+
+def _wait(future: Any, stop: threading.Event) -> bool:
+    while not stop.is_set():
+        try:
+            future.result(timeout=0.2)
+            return True
+        except TimeoutError:
+            continue
+    return False
+
+
+def run(options: ServeOptions) -> int:
+    """Serve on this rank until the job ends; the exit status is the worst of every rank's COMMAND."""
+    mpi = start_mpi()
+    comm = mpi.COMM_WORLD.Dup()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    host = socket.gethostname()
+    index = Index.load(options.dest)
+    placement = place(index, size)
+    mountpoint = resolve_mountpoint(format_for_rank(options.mountpoint, rank, "MOUNTPOINT").absolute())
+    local_dir = format_for_rank(options.local_dir, rank, "--local-dir").absolute()
+    ready_file = format_for_rank(options.ready_file, rank, "--ready-file").absolute() if options.ready_file else \
+        mountpoint.with_name(mountpoint.name + ".ready")
+    problem = None
+    try:
+        clear_stale_mount(mountpoint)
+        local_dir.mkdir(parents=True, exist_ok=True)
+        ready_file.unlink(missing_ok=True)  # left by a killed job: a batch script waiting for it must wait for us
+    except (FanstoreError, OSError) as exc:
+        problem = f"rank {rank} on {host}: {exc}"
+    agree(comm, problem)
+    keep_alive = start_watchdog(mountpoint, ready_file, local_dir / "fanstore-watchdog.log")
+
+    bar = _progress_bar(rank, options.progress)
+    report = Stager(comm, index, placement, options.dest, local_dir, progress=bar).run()
+    if bar is not None:
+        bar(-1, -1)
+    sizes = index.chunks["size"]
+    local = LocalChunkSource(local_dir, sizes)
+    unverified = set(report.unverified_chunks)
+    transport = PeerTransport(comm, RequestChecker(rank, placement, BlobTable.of(index), local, len(sizes),
+                                                   unverified), options.peer)
+    transport.start()
+    source = PlacedChunkSource(rank, placement, local, PeerChunkSource(transport, placement),
+                               LocalChunkSource(options.dest, sizes), direct=unverified)
+    lifecycle = Lifecycle(transport, options, mountpoint, ready_file)
+    try:
+        with Dataset(index, source) as dataset:
+            status = serve_dataset(dataset, mountpoint, options.mount, while_mounted=lifecycle)
+    except FanstoreError as exc:
+        print(f"fanstore serve: rank {rank} on {host}: {exc}", file=sys.stderr, flush=True)
+        status = 1
+    if lifecycle.agreed:
+        _report_stats(transport, source, report, options.stats, rank, size, host)
+        transport.collective(lambda comm: (comm.Ibarrier(), lambda: None)).result()
+    transport.stop()
+    if lifecycle.agreed:
+        comm.Free()
+        mpi.Finalize()
+        os.write(keep_alive, watchdog.CLEAN_EXIT)
+    os.close(keep_alive)
+    return status
+
+
+def _progress_bar(rank: int, enabled: bool) -> Any:
+    """Rank 0's staging bar (its own share; every rank stages at once), or None."""
+    if rank != 0 or not enabled or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    bar = tqdm(total=0, unit="B", unit_scale=True, desc="staging", leave=False)
+
+    def update(done: int, total: int) -> None:
+        if done < 0:
+            bar.close()
+            return
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    return update
+
+
+def rank_stats(transport: PeerTransport, source: PlacedChunkSource, report: StagingReport) -> dict[str, Any]:
+    peers = {str(peer): asdict(counters) for peer, counters in enumerate(transport.counters)
+             if peer != transport.rank}
+    return {"rank": transport.rank, "host": transport.host, "local": asdict(source.counters), "peers": peers,
+            "staging": asdict(report)}
+
+
+def _report_stats(transport: PeerTransport, source: PlacedChunkSource, report: StagingReport, show: bool,
+                  rank: int, size: int, host: str) -> None:
+    """Each rank's counters on its own lines; rank 0 adds the job's totals (counters sent to it over MPI)."""
+    from mpi4py import MPI
+
+    mine = rank_stats(transport, source, report)
+    if not show:
+        return
+    _say(_format_rank(mine))
+    encoded = np.frombuffer(json.dumps(mine).encode(), dtype=np.uint8)
+    lengths = np.zeros(size, dtype=np.int64)
+    transport.collective(lambda comm: (comm.Iallgather([np.array([len(encoded)], dtype=np.int64), MPI.INT64_T],
+                                                       [lengths, MPI.INT64_T]), lambda: None)).result()
+    gathered = np.zeros(int(lengths.sum()), dtype=np.uint8)
+    displacements = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    transport.collective(lambda comm: (comm.Igatherv([encoded, MPI.BYTE],
+                                                     [gathered, (lengths, displacements), MPI.BYTE], root=0),
+                                       lambda: None)).result()
+    if rank == 0:
+        ranks = [json.loads(gathered[d : d + n].tobytes()) for d, n in zip(displacements, lengths)]
+        _say(_format_totals(ranks))
+
+
+def _say(text: str) -> None:
+    """Lines in one write, so mpiexec does not interleave them with another rank's."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (text + "\n").encode())
+
+
+def _format_rank(stats: dict[str, Any]) -> str:
+    local, staging = stats["local"], stats["staging"]
+    lines = [f"rank {stats['rank']} ({stats['host']}): reads from local chunks {local['local']} "
+             f"({format_bytes(local['local_bytes'])})"]
+    for peer, counters in stats["peers"].items():
+        lines.append(f"  from rank {peer}: {counters['fetched']} ({format_bytes(counters['fetched_bytes'])}), "
+                     f"to rank {peer}: {counters['served']} ({format_bytes(counters['served_bytes'])}), "
+                     f"failed {counters['failed']}, refused {counters['refused']}")
+    lines.append(f"  from DEST (fallback): {local['fallback']} ({format_bytes(local['fallback_bytes'])})")
+    lines.append(f"  staging: {format_bytes(staging['dest_bytes'])} from DEST, "
+                 f"{format_bytes(staging['received_bytes'])} from peers, {format_bytes(staging['sent_bytes'])} to "
+                 f"peers, {format_bytes(staging['reused_bytes'])} reused, {staging['seconds']:.1f} s"
+                 + (f", {staging['bad_blobs']} bad blobs" if staging["bad_blobs"] else ""))
+    return "\n".join(lines)
+
+
+def _format_totals(ranks: list[dict[str, Any]]) -> str:
+    staged = sum(r["staging"]["dest_bytes"] for r in ranks)
+    fallback = sum(r["local"]["fallback_bytes"] for r in ranks)
+    local = sum(r["local"]["local"] for r in ranks)
+    remote = sum(c["fetched"] for r in ranks for c in r["peers"].values())
+    remote_bytes = sum(c["fetched_bytes"] for r in ranks for c in r["peers"].values())
+    return (f"job ({len(ranks)} ranks): reads {local} local, {remote} from peers ({format_bytes(remote_bytes)}), "
+            f"{sum(r['local']['fallback'] for r in ranks)} from DEST; bytes read from DEST: "
+            f"{format_bytes(staged)} staging ({staged} B), {format_bytes(fallback)} during the epochs ({fallback} B)")

@@ -1,0 +1,87 @@
+"""The chunk sources of a rank under `fanstore serve`: its local directory, its peers, and DEST behind them.
+
+    PlacedChunkSource -> local directory            (blobs this rank stores, replicated ones included)
+                      -> FallbackChunkSource(PeerChunkSource -> the owning rank over MPI,
+                                             DEST            -> when the peer is skipped or misses its deadline)
+
+The read path above them (Reader, cache, mount, API) is the single-node one; it never knows which answered.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..chunk_source import ChunkSource, FallbackChunkSource
+from ..errors import ChunkUnavailable
+from .placement import NO_OWNER, Placement
+from .transport import PeerTransport
+
+
+class PeerChunkSource(ChunkSource):
+    """Blobs stored on other ranks, asked of their owner over the transport."""
+
+    def __init__(self, transport: PeerTransport, placement: Placement) -> None:
+        self._transport = transport
+        self._placement = placement
+        self._rank = transport.rank
+
+    def read(self, chunk_id: int, offset: int, length: int) -> bytes:
+        owner = self._placement.owner(chunk_id, offset)
+        if owner == NO_OWNER or owner == self._rank:
+            raise ChunkUnavailable(f"chunk {chunk_id} at {offset} is not stored by another rank", chunk_id=chunk_id)
+        return self._transport.fetch(owner, chunk_id, offset, length)
+
+    def may_block(self, chunks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        return np.ones(len(chunks), dtype=bool)
+
+
+@dataclass
+class SourceCounters:
+    """Reads of this rank by where their stored bytes came from (peers are counted by the transport)."""
+
+    local: int = 0
+    local_bytes: int = 0
+    fallback: int = 0  # blobs read from DEST because their peer could not give them
+    fallback_bytes: int = 0
+
+
+class PlacedChunkSource(ChunkSource):
+    """Sends each read where the placement puts its blob: this rank's directory, or the remote path."""
+
+    def __init__(self, rank: int, placement: Placement, local: ChunkSource, peers: PeerChunkSource,
+                 dest: ChunkSource, direct: set[int] | frozenset[int] = frozenset()) -> None:
+        self._rank = rank
+        self._dest = dest
+        self._direct = frozenset(direct)  # chunks staged with a fault: read from DEST, whatever it gives
+        self._placement = placement
+        self._local = local
+        self._remote = FallbackChunkSource(peers, dest, on_fallback=self._count_fallback)
+        self.counters = SourceCounters()
+        self._lock = threading.Lock()
+
+    def read(self, chunk_id: int, offset: int, length: int) -> bytes:
+        if chunk_id in self._direct:
+            return self._dest.read(chunk_id, offset, length)
+        if self._placement.is_local(self._rank, chunk_id, offset):
+            data = self._local.read(chunk_id, offset, length)
+            with self._lock:
+                self.counters.local += 1
+                self.counters.local_bytes += length
+            return data
+        return self._remote.read(chunk_id, offset, length)
+
+    def _count_fallback(self, _reason: ChunkUnavailable, length: int) -> None:
+        with self._lock:
+            self.counters.fallback += 1
+            self.counters.fallback_bytes += length
+
+    def may_block(self, chunks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        return np.fromiter((int(c) in self._direct or not self._placement.is_local(self._rank, int(c), int(o)) for c, o in zip(chunks, offsets)),
+                           dtype=bool, count=len(chunks))
+
+    def close(self) -> None:
+        self._local.close()
+        self._remote.close()

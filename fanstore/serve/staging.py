@@ -1,0 +1,426 @@
+"""Staging: each rank copies what the placement gives it from DEST into its local directory, verified.
+
+A rank's local directory mirrors DEST's chunk files by name, as sparse files of the chunks' sizes holding the
+rank's bytes (its pieces, every replicated chunk, and the header of each): the single-node LocalChunkSource reads
+them unchanged, and the placement guarantees no read reaches a hole. Spread pieces are read from DEST by their
+rank alone; each replicated chunk is read from DEST by one rank (Placement.replicated_reader), which sends it to
+the others over MPI: every stored byte leaves the shared file system once per job. Every blob is checked against
+its checksum as it arrives. A manifest lists the ranges verified, so a job restarted on the same nodes stages only
+what its directory lacks (what it holds is checked again, locally, first).
+
+Every wait here is a Testsome or an Improbe between sleeps (polling.py): staging runs while other ranks are still
+reading DEST, and must not spin their cores.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import xxhash
+
+from ..durable import write_atomically
+from ..errors import FanstoreError
+from ..format import CHUNK_HEADER_LEN, INDEX_NAME, chunk_file_name
+from ..index import Index
+from ..units import format_bytes
+from .placement import BlobTable, Placement
+from .polling import Backoff, wait_all
+
+log = logging.getLogger("fanstore.serve")
+
+MANIFEST_NAME = "fanstore-staged.json"
+MANIFEST_VERSION = 1
+SPAN_BYTES = 8 << 20  # one read from DEST, one message to a peer: whole blobs, about this many bytes
+SENDS_IN_FLIGHT = 4  # spans a rank is sending at once, each to every rank that lacks it
+TAG_STAGE = 2
+SPAN_HEADER = struct.Struct("<IIQ")  # chunk, flags, start; the span's bytes follow
+SPAN_MISSING = 1  # the sender could not read the span: nothing follows, and the receiver leaves a hole
+
+
+class StagingError(FanstoreError):
+    """This rank's local directory cannot take its share, or another rank's cannot (`quiet`: that rank says why)."""
+
+    def __init__(self, message: str, quiet: bool = False) -> None:
+        super().__init__(message)
+        self.quiet = quiet
+
+
+@dataclass
+class StagingReport:
+    """What staging did on one rank, as --stats prints it."""
+
+    reused_bytes: int = 0  # verified in the local directory already (a restarted job)
+    dest_bytes: int = 0  # read from DEST
+    received_bytes: int = 0  # replicated bytes from peers
+    sent_bytes: int = 0  # replicated bytes sent to peers
+    written_bytes: int = 0
+    bad_blobs: int = 0  # blobs whose checksum did not match; their files will fail to read, the rest not
+    unreadable: list[str] = field(default_factory=list)  # DEST chunk files that could not be read
+    unverified_chunks: list[int] = field(default_factory=list)  # staged with a fault: read from DEST instead
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Bytes [start, end) of a chunk moved in one read and one message: whole blobs (and the header from 0)."""
+
+    chunk: int
+    start: int
+    end: int
+
+
+def dataset_identity(dest: Path) -> str:
+    """What tells one packed dataset from another: the checksum of its index file."""
+    with open(dest / INDEX_NAME, "rb") as index_file:
+        return f"{xxhash.xxh3_64_intdigest(index_file.read()):016x}"
+
+
+def spans_of(blobs: BlobTable, chunk: int, start: int, end: int, span_bytes: int = SPAN_BYTES) -> list[Span]:
+    """[start, end) of `chunk` cut at blob boundaries into spans of about `span_bytes` (a larger blob alone)."""
+    rows = blobs.in_range(chunk, start, end)
+    offsets = blobs.offset[rows].astype(np.int64)
+    spans = []
+    span_start = start
+    for offset in offsets.tolist():
+        if offset - span_start >= span_bytes:
+            spans.append(Span(chunk, span_start, offset))
+            span_start = offset
+    if end > span_start:
+        spans.append(Span(chunk, span_start, end))
+    return spans
+
+
+class LocalDirectory:
+    """A rank's local directory: sparse chunk files under DEST's names, and the manifest of verified ranges."""
+
+    def __init__(self, path: Path, chunk_sizes: np.ndarray) -> None:
+        self.path = path
+        self._sizes = [int(size) for size in chunk_sizes]
+        self._fds: dict[int, int] = {}
+
+    def chunk_path(self, chunk: int) -> Path:
+        return self.path / chunk_file_name(chunk)
+
+    def read_manifest(self, identity: str) -> dict[int, list[tuple[int, int]]]:
+        """Ranges this directory holds verified for the dataset `identity`; nothing for another dataset."""
+        try:
+            manifest = json.loads((self.path / MANIFEST_NAME).read_text())
+            if manifest.get("version") != MANIFEST_VERSION or manifest.get("dataset") != identity:
+                return {}
+            return {int(chunk): [(int(a), int(b)) for a, b in ranges] for chunk, ranges in manifest["chunks"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return {}
+
+    def write_manifest(self, identity: str, ranges: dict[int, list[tuple[int, int]]]) -> None:
+        manifest = {"version": MANIFEST_VERSION, "dataset": identity,
+                    "chunks": {str(chunk): sorted(spans) for chunk, spans in sorted(ranges.items())}}
+        write_atomically(self.path / MANIFEST_NAME, json.dumps(manifest).encode())
+
+    def forget_manifest(self) -> None:
+        """Staging is about to change the directory: until it ends, nothing in it counts as verified."""
+        try:
+            (self.path / MANIFEST_NAME).unlink()
+        except FileNotFoundError:
+            pass
+
+    def read(self, span: Span) -> bytes | None:
+        """The span's bytes as the local file holds them, or None when the file is missing or short."""
+        try:
+            with open(self.chunk_path(span.chunk), "rb") as chunk_file:
+                if os.fstat(chunk_file.fileno()).st_size != self._sizes[span.chunk]:
+                    return None
+                data = os.pread(chunk_file.fileno(), span.end - span.start, span.start)
+        except OSError:
+            return None
+        return data if len(data) == span.end - span.start else None
+
+    def open_for_staging(self, chunk: int, keep: bool) -> None:
+        """Open a chunk file to write into; unless it holds ranges to `keep`, start it empty (a sparse file of the
+        chunk's size), so no byte of an earlier dataset stays behind in its holes."""
+        path = self.chunk_path(chunk)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        if not keep:
+            os.ftruncate(fd, 0)
+        os.ftruncate(fd, self._sizes[chunk])
+        self._fds[chunk] = fd
+
+    def write(self, chunk: int, start: int, data: bytes | memoryview) -> None:
+        written = os.pwrite(self._fds[chunk], data, start)
+        while written < len(data):
+            written += os.pwrite(self._fds[chunk], memoryview(data)[written:], start + written)
+
+    def close(self, sync: bool = True) -> None:
+        for fd in self._fds.values():
+            try:
+                if sync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        self._fds.clear()
+
+
+def check_span(blobs: BlobTable, span: Span, data: bytes | memoryview) -> list[int]:
+    """Offsets of the blobs in `span` whose bytes in `data` do not match their checksum."""
+    rows = blobs.in_range(span.chunk, span.start, span.end)
+    view = memoryview(data)
+    bad = []
+    for offset, length, checksum in zip(blobs.offset[rows].tolist(), blobs.stored_len[rows].tolist(),
+                                        blobs.checksum[rows].tolist()):
+        at = offset - span.start
+        if xxhash.xxh3_64_intdigest(view[at : at + length]) != checksum:
+            bad.append(offset)
+    return bad
+
+
+class Stager:
+    """Stages one rank's share; `run()` returns once every rank's share is in place (collectively)."""
+
+    def __init__(self, comm: Any, index: Index, placement: Placement, dest: Path, local_dir: Path,
+                 progress: Callable[[int, int], None] | None = None) -> None:
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.index = index
+        self.placement = placement
+        self.dest = dest
+        self.local = LocalDirectory(local_dir, index.chunks["size"])
+        self.blobs = BlobTable.of(index)
+        self.report = StagingReport()
+        self._progress = progress
+        self._sizes = [int(size) for size in index.chunks["size"]]
+        self._readers = placement.replicated_readers()
+        self._replicated = frozenset(placement.replicated_chunks)
+        self._identity = ""
+        self._verified: dict[int, list[tuple[int, int]]] = {}
+        self._unverified: set[int] = set()  # chunks with a bad or missing span: not recorded in the manifest
+
+    # --- what to do -------------------------------------------------------------------------------------------
+
+    def _share(self) -> list[Span]:
+        """This rank's ranges: its pieces (each with the chunk's header) and every replicated chunk whole."""
+        share = []
+        for piece in self.placement.pieces(self.rank):
+            if piece.start > 0:
+                share.append(Span(piece.chunk, 0, CHUNK_HEADER_LEN))
+            share.append(Span(piece.chunk, piece.start, piece.end))
+        share.extend(Span(chunk, 0, self._sizes[chunk]) for chunk in self.placement.replicated_chunks)
+        return share
+
+    def _reusable(self, share: list[Span], identity: str) -> set[Span]:
+        """Ranges of the share that the manifest lists and that still check: not staged again."""
+        held = self.local.read_manifest(identity)
+        reusable = set()
+        for span in share:
+            if not any(a <= span.start and span.end <= b for a, b in held.get(span.chunk, [])):
+                continue
+            data = self.local.read(span)
+            if data is not None and not check_span(self.blobs, span, data):
+                reusable.add(span)
+        return reusable
+
+    def run(self) -> StagingReport:
+        from mpi4py import MPI
+
+        started = time.monotonic()
+        identity = self._identity = dataset_identity(self.dest)
+        share = self._share()
+        reusable = self._reusable(share, identity)
+        missing = [span for span in share if span not in reusable]
+        self.report.reused_bytes = sum(span.end - span.start for span in reusable)
+        for span in reusable:
+            self._verified.setdefault(span.chunk, []).append((span.start, span.end))
+        self._check_capacity(missing)
+
+        # Which replicated chunks each rank lacks, so a chunk goes only where it is missing.
+        replicated = self.placement.replicated_chunks
+        lacks_mine = np.array([Span(c, 0, self._sizes[c]) not in reusable for c in replicated], dtype=np.uint8)
+        lacks = np.zeros((self.size, len(replicated)), dtype=np.uint8)
+        wait_all([self.comm.Iallgather([lacks_mine, MPI.BYTE], [lacks, MPI.BYTE])])
+        position = {chunk: i for i, chunk in enumerate(replicated)}
+
+        if missing:
+            self.local.forget_manifest()
+        keep = {span.chunk for span in reusable}
+        for chunk in sorted({span.chunk for span in missing}):
+            self.local.open_for_staging(chunk, keep=chunk in keep)
+
+        own_spans = [s for span in missing if span.chunk not in position
+                     for s in spans_of(self.blobs, span.chunk, span.start, span.end)]
+        to_send = []  # (span, ranks to send it to, whether this rank needs it too)
+        expected = 0  # spans to receive
+        for chunk in replicated:
+            receivers = [r for r in range(self.size) if lacks[r, position[chunk]]]
+            if not receivers:
+                continue
+            reader = self._readers[chunk]
+            spans = spans_of(self.blobs, chunk, 0, self._sizes[chunk])
+            if reader == self.rank:
+                to_send.extend((span, [r for r in receivers if r != self.rank], self.rank in receivers)
+                               for span in spans)
+            elif self.rank in receivers:
+                expected += len(spans)
+        total = (sum(span.end - span.start for span, _, _ in to_send)
+                 + sum(s.end - s.start for s in own_spans)
+                 + sum(span.end - span.start for span in missing if span.chunk in position
+                       and self._readers[span.chunk] != self.rank))
+        self._move(own_spans, to_send, expected, total)
+        self.local.close()
+        self._record(missing)
+        self.report.seconds = time.monotonic() - started
+        return self.report
+
+    def _check_capacity(self, missing: list[Span]) -> None:
+        """Every rank checks its directory's free space before anything is copied; if one cannot take its share,
+        no rank copies anything, and that rank says why in one line."""
+        from mpi4py import MPI
+
+        needed = sum(span.end - span.start for span in missing)
+        try:
+            self.local.path.mkdir(parents=True, exist_ok=True)
+            info = os.statvfs(self.local.path)
+            free = info.f_bavail * info.f_frsize
+            problem = "" if needed <= free else "not enough space"
+        except OSError as exc:
+            free, problem = 0, f"cannot use it: {exc.strerror}"
+        mine = np.array([needed, free, 1 if problem else 0], dtype=np.int64)
+        everyone = np.zeros((self.size, 3), dtype=np.int64)
+        wait_all([self.comm.Iallgather([mine, MPI.INT64_T], [everyone, MPI.INT64_T])])
+        if problem:
+            raise StagingError(f"rank {self.rank} on {socket.gethostname()}: --local-dir {self.local.path}: {problem}: "
+                               f"needs {format_bytes(needed)} ({needed} bytes), {format_bytes(free)} free")
+        failed = [r for r in range(self.size) if everyone[r, 2]]
+        if failed:
+            raise StagingError(f"rank {failed[0]} cannot stage its share (see its message); nothing was copied",
+                               quiet=self.rank != 0)
+
+    # --- moving the bytes -------------------------------------------------------------------------------------
+
+    def _move(self, own_spans: list[Span], to_send: list, expected: int, total: int) -> None:
+        from mpi4py import MPI
+
+        done_bytes = 0
+        sending: list[tuple[list[Any], bytes]] = []  # MPI requests of one span, and the buffer they send
+        received = 0
+        backoff = Backoff()
+        status = MPI.Status()
+        own = list(own_spans)
+        send_queue = list(to_send)
+        while own or send_queue or sending or received < expected:
+            progressed = False
+            if own:  # this rank's own pieces, a span per round so peers waiting on our sends are not held up
+                span = own.pop(0)
+                data = self._read_dest(span)
+                if data is not None:
+                    self._check_and_write(span, data)
+                done_bytes += span.end - span.start
+                progressed = True
+            if send_queue and len(sending) < SENDS_IN_FLIGHT:
+                span, receivers, needed_here = send_queue.pop(0)
+                data = self._read_replicated(span)
+                if data is not None and needed_here:
+                    self._check_and_write(span, data)
+                message = SPAN_HEADER.pack(span.chunk, 0 if data is not None else SPAN_MISSING, span.start) + (
+                    data if data is not None else b"")
+                requests = [self.comm.Isend([message, MPI.BYTE], dest=r, tag=TAG_STAGE) for r in receivers]
+                self.report.sent_bytes += (len(message) - SPAN_HEADER.size) * len(receivers)
+                sending.append((requests, message))
+                done_bytes += span.end - span.start
+                progressed = True
+            if sending:
+                still = []
+                for requests, message in sending:
+                    if not MPI.Request.Testall(requests):
+                        still.append((requests, message))
+                progressed |= len(still) < len(sending)
+                sending = still
+            while received < expected:
+                incoming = self.comm.Improbe(MPI.ANY_SOURCE, TAG_STAGE, status)
+                if incoming is None:
+                    break
+                buffer = bytearray(status.Get_count(MPI.BYTE))
+                incoming.Recv([buffer, MPI.BYTE])
+                received += 1
+                done_bytes += self._receive(status.Get_source(), buffer)
+                progressed = True
+            if self._progress is not None:
+                self._progress(done_bytes, total)
+            if progressed:
+                backoff.progressed()
+            else:
+                backoff.sleep()
+
+    def _read_dest(self, span: Span) -> bytes | None:
+        path = self.dest / chunk_file_name(span.chunk)
+        try:
+            with open(path, "rb", buffering=0) as chunk_file:
+                data = os.pread(chunk_file.fileno(), span.end - span.start, span.start)
+        except OSError as exc:
+            self._unreadable(span.chunk, f"{path}: {exc.strerror}")
+            return None
+        self.report.dest_bytes += len(data)
+        if len(data) != span.end - span.start:
+            self._unreadable(span.chunk, f"{path}: shorter than the index says (truncated)")
+            return None
+        return data
+
+    def _read_replicated(self, span: Span) -> bytes | None:
+        """A replicated span this rank sends: from its own verified copy when it has one, else from DEST."""
+        if any(a <= span.start and span.end <= b for a, b in self._verified.get(span.chunk, [])):
+            data = self.local.read(span)
+            if data is not None:
+                return data
+        return self._read_dest(span)
+
+    def _unreadable(self, chunk: int, reason: str) -> None:
+        self._unverified.add(chunk)
+        if reason not in self.report.unreadable:
+            self.report.unreadable.append(reason)
+            log.error("staging: %s; the files in that chunk will fail to read", reason)
+
+    def _receive(self, source: int, message: bytearray) -> int:
+        if len(message) < SPAN_HEADER.size:
+            log.error("staging: rank %d sent a malformed span (%d bytes): dropped", source, len(message))
+            return 0
+        chunk, flags, start = SPAN_HEADER.unpack_from(message)
+        if chunk not in self._replicated:
+            log.error("staging: rank %d sent a span of chunk %d, not a replicated chunk: dropped", source, chunk)
+            return 0
+        if flags & SPAN_MISSING:
+            self._unreadable(chunk, f"rank {source} could not read {chunk_file_name(chunk)} from the dataset")
+            return 0
+        data = memoryview(message)[SPAN_HEADER.size:]
+        span = Span(chunk, start, start + len(data))
+        if span.end > self._sizes[chunk]:
+            log.error("staging: rank %d sent bytes past the end of chunk %d: dropped", source, chunk)
+            return 0
+        self.report.received_bytes += len(data)
+        self._check_and_write(span, data)
+        return len(data)
+
+    def _check_and_write(self, span: Span, data: bytes | memoryview) -> None:
+        bad = check_span(self.blobs, span, data)
+        if bad:
+            self.report.bad_blobs += len(bad)
+            self._unverified.add(span.chunk)
+            log.error("staging: %s: %d blob(s) do not match their checksum (first at offset %d); the files they hold "
+                      "will fail to read, the rest not", self.dest / chunk_file_name(span.chunk), len(bad), bad[0])
+        self.local.write(span.chunk, span.start, data)
+        self.report.written_bytes += len(data)
+
+    def _record(self, missing: list[Span]) -> None:
+        """The manifest: every range staged here and verified, plus those reused."""
+        for span in missing:
+            if span.chunk not in self._unverified:
+                self._verified.setdefault(span.chunk, []).append((span.start, span.end))
+        self.local.write_manifest(self._identity, self._verified)
+        self.report.unverified_chunks = sorted(self._unverified)

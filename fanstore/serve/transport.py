@@ -1,0 +1,400 @@
+"""Stored blobs between ranks over MPI, from one thread that owns MPI once the job has started.
+
+A reader thread asks `fetch(peer, chunk, offset, length)` and waits on its own event; the MPI thread posts the
+reply's Irecv, sends the 32-byte request, and polls everything in flight with Testsome and a backing-off sleep
+(polling.Backoff): no blocking MPI call after start-up, so an idle rank costs a few percent of a core. Requests
+from peers are found with Improbe, checked by the node's `RequestServer`, and answered from local chunks.
+
+Faults cost a deadline, never a hang: a request not answered in `timeout` seconds is cancelled, the peer is
+skipped for `retry_after` seconds (its queued requests fail at once, so readers fall back to the shared file
+system), and a reply that arrives after its request was given up is received and dropped. At most
+`max_in_flight` requests go to one peer at a time, so a stalled peer holds a few slots, not all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from ..errors import ChunkCorrupt, ChunkError, ChunkUnavailable, FanstoreError
+from .polling import BUSY_LONGEST_SLEEP, Backoff
+
+log = logging.getLogger("fanstore.serve")
+
+TAG_REQUEST = 1
+FIRST_REPLY_TAG = 16  # reply tags run from here to the library's TAG_UB, then wrap
+REQUEST = struct.Struct("<4sIIIQQ")  # magic, reply tag, chunk, reserved, offset, length
+REQUEST_MAGIC = b"FSRQ"
+REPLY_HEADER = struct.Struct("<4sI")  # magic, status; the blob (status OK) or a UTF-8 reason follows
+REPLY_MAGIC = b"FSRP"
+OK, REFUSED, UNAVAILABLE, CORRUPT = 0, 1, 2, 3
+_STATUS_NAMES = {REFUSED: "refused", UNAVAILABLE: "could not read", CORRUPT: "found corrupt"}
+# How much longer than `timeout` a reply we send may take to be received before it is cancelled: the requester
+# gave up on it by then.
+_SEND_GRACE = 4.0
+
+
+class RequestRefused(FanstoreError):
+    """A peer's request names bytes this rank does not serve (a chunk it does not hold, a range that is not one of
+    its blobs): refused and logged, never read."""
+
+
+class RequestServer(Protocol):
+    def __call__(self, peer: int, chunk: int, offset: int, length: int) -> bytes:
+        """The stored blob a peer asks for, checked; RequestRefused or a ChunkError otherwise."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerOptions:
+    timeout: float = 5.0  # seconds a peer gets to answer one request
+    retry_after: float = 30.0  # seconds a peer that missed a deadline is skipped
+    max_in_flight: int = 8  # requests outstanding to one peer
+
+
+@dataclass
+class PeerCounters:
+    """What went between this rank and one peer, as --stats prints it."""
+
+    fetched: int = 0  # blobs this rank got from the peer
+    fetched_bytes: int = 0
+    served: int = 0  # blobs this rank sent to the peer
+    served_bytes: int = 0
+    failed: int = 0  # requests of ours that timed out, were refused or found the peer skipped
+    refused: int = 0  # malformed requests from the peer
+
+
+@dataclass(eq=False)
+class _Fetch:
+    peer: int
+    chunk: int
+    offset: int
+    length: int
+    done: threading.Event = field(default_factory=threading.Event)
+    result: bytes | None = None
+    error: ChunkError | None = None
+    deadline: float = 0.0
+    tag: int = 0
+    buffer: bytearray | None = None
+    receive: Any = None
+    send: Any = None
+
+    def finish(self, result: bytes | None = None, error: ChunkError | None = None) -> None:
+        self.result, self.error = result, error
+        self.buffer = None
+        self.done.set()
+
+
+@dataclass
+class _Peer:
+    queued: deque = field(default_factory=deque)
+    in_flight: list = field(default_factory=list)
+    skip_until: float = 0.0
+    reported: bool = False
+
+
+class PeerTransport:
+    """Fetches from peers and serves them, on `comm` (a duplicate of the job's communicator, ours alone)."""
+
+    def __init__(self, comm: Any, serve_request: RequestServer, options: PeerOptions = PeerOptions()) -> None:
+        from mpi4py import MPI
+
+        self._mpi = MPI
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.options = options
+        self.counters = [PeerCounters() for _ in range(self.size)]
+        self._serve_request = serve_request
+        self._peers = [_Peer() for _ in range(self.size)]
+        self._tag_limit = int(comm.Get_attr(MPI.TAG_UB))
+        self._next_tag = FIRST_REPLY_TAG
+        self._submitted: deque[_Fetch | tuple[Callable[[Any], tuple[Any, Callable[[], Any]]], Future]] = deque()
+        self._requests: list[Any] = []  # MPI requests being polled, with what to do when each completes
+        self._on_complete: list[Callable[[Any], None]] = []
+        self._send_deadlines: dict[int, float] = {}  # id(request) of replies we send -> when to give up on them
+        self._abandoned: dict[tuple[int, int], float] = {}  # (peer, tag) of given-up requests -> forget when
+        self._backoff = Backoff()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fanstore-mpi", daemon=True)
+        self._failure: BaseException | None = None
+        self.host = socket.gethostname()
+
+    # --- the readers' side ------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def fetch(self, peer: int, chunk: int, offset: int, length: int) -> bytes:
+        """The stored blob at `offset` of `chunk`, from rank `peer`; ChunkUnavailable when the peer cannot give it
+        in time (the caller then reads it elsewhere)."""
+        request = _Fetch(peer, chunk, offset, length)
+        self._submitted.append(request)
+        self._backoff.wake()
+        # The MPI thread ends every request by its deadline; this wait only guards against that thread being gone.
+        if not request.done.wait(self.options.timeout * (1 + self.options.max_in_flight) + 5):
+            raise ChunkUnavailable(f"rank {peer}: no answer for chunk {chunk} (the MPI thread has stopped)",
+                                   chunk_id=chunk)
+        if request.error is not None:
+            raise request.error
+        return request.result  # type: ignore[return-value]
+
+    def collective(self, start: Callable[[Any], tuple[Any, Callable[[], Any]]]) -> Future:
+        """Run a non-blocking collective in the MPI thread: `start(comm)` returns (request, result function); the
+        future gets the result once the request completes, while peers go on being served."""
+        future: Future = Future()
+        self._submitted.append((start, future))
+        self._backoff.wake()
+        return future
+
+    def stop(self) -> None:
+        """End the MPI thread; requests still waiting fail as unavailable, and every MPI request is cancelled."""
+        self._stopping.set()
+        self._backoff.wake()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    # --- the MPI thread ---------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                progressed = self._take_submitted()
+                progressed |= self._start_fetches()
+                progressed |= self._poll_requests()
+                progressed |= self._receive_messages()
+                self._enforce_deadlines()
+                if progressed:
+                    self._backoff.progressed()
+                    continue
+                self._backoff.sleep(BUSY_LONGEST_SLEEP if self._busy() else None)
+        except BaseException as exc:  # noqa: BLE001 - a bug here must fail reads, not hang them
+            self._failure = exc
+            log.exception("the MPI thread failed; peers are no longer served or asked")
+        finally:
+            self._shut_down()
+
+    def _busy(self) -> bool:
+        return any(peer.in_flight for peer in self._peers)
+
+    def _take_submitted(self) -> bool:
+        progressed = False
+        while self._submitted:
+            item = self._submitted.popleft()
+            progressed = True
+            if isinstance(item, _Fetch):
+                self._queue_fetch(item)
+            else:
+                start, future = item
+                try:
+                    request, result = start(self.comm)
+                except Exception as exc:  # noqa: BLE001 - the caller gets it
+                    future.set_exception(exc)
+                    continue
+                self._poll(request, lambda _status, result=result, future=future: self._settle(future, result))
+        return progressed
+
+    @staticmethod
+    def _settle(future: Future, result: Callable[[], Any]) -> None:
+        try:
+            future.set_result(result())
+        except Exception as exc:  # noqa: BLE001 - the caller gets it
+            future.set_exception(exc)
+
+    def _queue_fetch(self, request: _Fetch) -> None:
+        peer = self._peers[request.peer] if 0 <= request.peer < self.size else None
+        if peer is None or request.peer == self.rank:
+            self.counters[self.rank].failed += 1
+            request.finish(error=ChunkUnavailable(f"rank {request.peer} is not a peer of rank {self.rank}",
+                                                  chunk_id=request.chunk))
+            return
+        if peer.skip_until > time.monotonic():
+            self.counters[request.peer].failed += 1
+            request.finish(error=self._skipped_error(request))
+            return
+        request.deadline = time.monotonic() + self.options.timeout
+        peer.queued.append(request)
+
+    def _skipped_error(self, request: _Fetch) -> ChunkUnavailable:
+        return ChunkUnavailable(f"rank {request.peer} is skipped for now: it missed a deadline of "
+                                f"{self.options.timeout:g} s", chunk_id=request.chunk)
+
+    def _start_fetches(self) -> bool:
+        started = False
+        for number, peer in enumerate(self._peers):
+            while peer.queued and len(peer.in_flight) < self.options.max_in_flight:
+                self._send_fetch(number, peer.queued.popleft())
+                started = True
+        return started
+
+    def _send_fetch(self, peer: int, request: _Fetch) -> None:
+        request.tag = self._take_tag()
+        request.buffer = bytearray(REPLY_HEADER.size + request.length)
+        # The reply's receive is posted before the request leaves, so the reply never waits unexpected.
+        request.receive = self.comm.Irecv([request.buffer, self._mpi.BYTE], source=peer, tag=request.tag)
+        message = REQUEST.pack(REQUEST_MAGIC, request.tag, request.chunk, 0, request.offset, request.length)
+        request.send = self.comm.Isend([message, self._mpi.BYTE], dest=peer, tag=TAG_REQUEST)
+        self._peers[peer].in_flight.append(request)
+        self._poll(request.send, lambda _status: None)
+        self._poll(request.receive, lambda status, request=request: self._fetched(request, status))
+
+    def _take_tag(self) -> int:
+        tag = self._next_tag
+        self._next_tag = tag + 1 if tag < self._tag_limit else FIRST_REPLY_TAG
+        return tag
+
+    def _fetched(self, request: _Fetch, status: Any) -> None:
+        peer = self._peers[request.peer]
+        if request not in peer.in_flight:  # given up already: its receive was cancelled, or came in just then
+            return
+        peer.in_flight.remove(request)
+        counters = self.counters[request.peer]
+        count = status.Get_count(self._mpi.BYTE)
+        buffer = request.buffer
+        magic, code = REPLY_HEADER.unpack_from(buffer) if count >= REPLY_HEADER.size else (b"", -1)
+        if magic == REPLY_MAGIC and code == OK and count == REPLY_HEADER.size + request.length:
+            counters.fetched += 1
+            counters.fetched_bytes += request.length
+            request.finish(result=bytes(memoryview(buffer)[REPLY_HEADER.size:count]))
+            return
+        counters.failed += 1
+        if magic == REPLY_MAGIC and code in _STATUS_NAMES:
+            reason = bytes(buffer[REPLY_HEADER.size:count]).decode("utf-8", "replace")
+            message = f"rank {request.peer} {_STATUS_NAMES[code]} chunk {request.chunk} at {request.offset}: {reason}"
+        else:
+            message = f"rank {request.peer} sent a malformed reply ({count} bytes) for chunk {request.chunk}"
+        request.finish(error=ChunkUnavailable(message, chunk_id=request.chunk))
+
+    def _enforce_deadlines(self) -> None:
+        now = time.monotonic()
+        for number, peer in enumerate(self._peers):
+            late = [request for request in list(peer.in_flight) + list(peer.queued) if request.deadline < now]
+            if late:
+                self._give_up_on(number, now)
+        for request in [request for request in self._requests if id(request) in self._send_deadlines]:
+            if self._send_deadlines[id(request)] < now:
+                del self._send_deadlines[id(request)]
+                request.Cancel()  # stays polled until the cancel completes
+        for key in [key for key, forget_at in self._abandoned.items() if forget_at < now]:
+            del self._abandoned[key]
+
+    def _give_up_on(self, number: int, now: float) -> None:
+        """A request to `number` is past its deadline: cancel everything in flight to it, fail everything queued,
+        and skip it for a while."""
+        peer = self._peers[number]
+        peer.skip_until = now + self.options.retry_after
+        if not peer.reported:
+            peer.reported = True
+            log.warning("rank %d: no answer within %g s; reading its files from the dataset directory for %g s",
+                        number, self.options.timeout, self.options.retry_after)
+        error = ChunkUnavailable(f"rank {number} did not answer within {self.options.timeout:g} s")
+        for request in peer.in_flight:
+            for mpi_request in (request.receive, request.send):
+                if mpi_request is not None:
+                    mpi_request.Cancel()
+            self._abandoned[(number, request.tag)] = now + 10 * self.options.retry_after
+            self.counters[number].failed += 1
+            request.finish(error=ChunkUnavailable(str(error), chunk_id=request.chunk))
+        for request in peer.queued:
+            self.counters[number].failed += 1
+            request.finish(error=ChunkUnavailable(str(error), chunk_id=request.chunk))
+        peer.in_flight.clear()
+        peer.queued.clear()
+
+    def _poll(self, request: Any, on_complete: Callable[[Any], None]) -> None:
+        self._requests.append(request)
+        self._on_complete.append(on_complete)
+
+    def _poll_requests(self) -> bool:
+        if not self._requests:
+            return False
+        statuses = [self._mpi.Status() for _ in self._requests]
+        done = self._mpi.Request.Testsome(self._requests, statuses)
+        if not done:
+            return False
+        finished = set(done)
+        callbacks = [(self._on_complete[i], statuses[i]) for i in done]
+        for i in done:
+            self._send_deadlines.pop(id(self._requests[i]), None)
+        self._requests = [r for i, r in enumerate(self._requests) if i not in finished]
+        self._on_complete = [c for i, c in enumerate(self._on_complete) if i not in finished]
+        for on_complete, status in callbacks:
+            if not status.Is_cancelled():
+                on_complete(status)
+        return True
+
+    def _receive_messages(self) -> bool:
+        """Take every message no posted receive matched: requests from peers, and replies given up on."""
+        status = self._mpi.Status()
+        received = False
+        while True:
+            message = self.comm.Improbe(self._mpi.ANY_SOURCE, self._mpi.ANY_TAG, status)
+            if message is None:
+                return received
+            received = True
+            source, tag, count = status.Get_source(), status.Get_tag(), status.Get_count(self._mpi.BYTE)
+            buffer = bytearray(count)
+            message.Recv([buffer, self._mpi.BYTE])
+            if tag == TAG_REQUEST:
+                self._answer(source, buffer)
+            elif (source, tag) in self._abandoned:
+                del self._abandoned[(source, tag)]
+            else:
+                self.counters[source].refused += 1
+                log.warning("rank %d sent an unexpected message (tag %d, %d bytes): dropped", source, tag, count)
+
+    def _answer(self, source: int, message: bytearray) -> None:
+        counters = self.counters[source]
+        if len(message) != REQUEST.size or message[:4] != REQUEST_MAGIC:
+            counters.refused += 1
+            log.warning("rank %d sent a malformed request (%d bytes): dropped", source, len(message))
+            return
+        _, tag, chunk, _, offset, length = REQUEST.unpack(message)
+        if not FIRST_REPLY_TAG <= tag <= self._tag_limit:
+            counters.refused += 1
+            log.warning("rank %d sent a request with reply tag %d: dropped", source, tag)
+            return
+        try:
+            blob = self._serve_request(source, chunk, offset, length)
+            reply = REPLY_HEADER.pack(REPLY_MAGIC, OK) + blob
+            counters.served += 1
+            counters.served_bytes += len(blob)
+        except RequestRefused as exc:
+            counters.refused += 1
+            log.warning("rank %d: request refused: %s", source, exc)
+            reply = REPLY_HEADER.pack(REPLY_MAGIC, REFUSED) + str(exc).encode()
+        except ChunkCorrupt as exc:
+            reply = REPLY_HEADER.pack(REPLY_MAGIC, CORRUPT) + str(exc).encode()
+        except ChunkError as exc:
+            reply = REPLY_HEADER.pack(REPLY_MAGIC, UNAVAILABLE) + str(exc).encode()
+        send = self.comm.Isend([reply, self._mpi.BYTE], dest=source, tag=tag)
+        self._send_deadlines[id(send)] = time.monotonic() + _SEND_GRACE * self.options.timeout
+        self._poll(send, lambda _status, reply=reply: None)  # the closure keeps the buffer alive until sent
+
+    def _shut_down(self) -> None:
+        error_text = "the MPI thread has stopped" if self._failure is None else f"the MPI thread failed: " \
+            f"{self._failure!r}"
+        for number, peer in enumerate(self._peers):
+            for request in list(peer.in_flight) + list(peer.queued):
+                request.finish(error=ChunkUnavailable(f"rank {number}: {error_text}", chunk_id=request.chunk))
+            peer.in_flight.clear()
+            peer.queued.clear()
+        while self._submitted:
+            item = self._submitted.popleft()
+            if isinstance(item, _Fetch):
+                item.finish(error=ChunkUnavailable(f"rank {item.peer}: {error_text}", chunk_id=item.chunk))
+            else:
+                item[1].set_exception(ChunkUnavailable(error_text))
+        for request in self._requests:
+            try:
+                request.Cancel()
+            except Exception:  # noqa: BLE001 - a request already complete or freed
+                pass
+        self._requests.clear()
+        self._on_complete.clear()

@@ -1,0 +1,78 @@
+"""A rank's watchdog: when the rank dies, however it dies, its mount and its MPI shared-memory files go too.
+
+A launcher that ends a job SIGKILLs every rank's process group (mpiexec does when one rank dies); no handler runs,
+so the kernel is left with a FUSE mount whose daemon is gone (every access: ENOTCONN) and MPICH with its
+/dev/shm files. The rank starts this script in a session of its own, which the launcher does not kill, holding
+the write end of a pipe: when the rank is gone the read end sees end-of-file, and the watchdog lazily unmounts
+the mount point (if still mounted) and removes the rank's ready file and the shared-memory files it had mapped. Its output goes to
+a file, never the rank's stdout: a process holding that open keeps mpiexec waiting.
+
+Run as a script (`python -I -S watchdog.py`), importing only the standard library, so it starts in milliseconds.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+CLEAN_EXIT = b"clean exit"
+_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
+def fuse_mounted(mountpoint: str) -> bool:
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as mountinfo:
+        for line in mountinfo:
+            fields = line.split()
+            fs_type = fields[fields.index("-") + 1]
+            where = _OCTAL_ESCAPE.sub(lambda m: chr(int(m[1], 8)), fields[4])
+            if where == mountpoint and (fs_type == "fuse" or fs_type.startswith("fuse.")):
+                return True
+    return False
+
+
+def clean_up(mountpoint: str, ready_file: str, shm_files: list[str]) -> None:
+    if fuse_mounted(mountpoint):
+        tool = shutil.which("fusermount3") or shutil.which("fusermount")
+        command = [tool, "-u", "-z", mountpoint] if tool else ["umount", "-l", mountpoint]
+        done = subprocess.run(command, capture_output=True, text=True)
+        print(f"{time.strftime('%H:%M:%S')} rank gone: unmounted {mountpoint}" if done.returncode == 0 else
+              f"rank gone: {' '.join(command)} failed: {done.stderr.strip()}", flush=True)
+    for path in [ready_file, *shm_files]:
+        try:
+            os.unlink(path)
+            print(f"rank gone: removed {path}", flush=True)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            print(f"rank gone: cannot remove {path}: {exc.strerror}", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    """watchdog.py FD MOUNTPOINT READY_FILE [SHM_FILE ...]: wait for end-of-file on FD, then clean up. A rank
+    that ends normally writes CLEAN_EXIT first: it removed its ready file, MPI its shared-memory files (and other
+    ranks may still be finishing with them)."""
+    fd, mountpoint, ready_file, shm_files = int(argv[0]), argv[1], argv[2], argv[3:]
+    said = b""
+    while True:
+        try:
+            data = os.read(fd, 4096)
+            said += data
+            if not data:
+                break
+        except InterruptedError:
+            continue
+        except OSError:
+            break
+    if said == CLEAN_EXIT:
+        clean_up(mountpoint, ready_file, [])
+    else:
+        clean_up(mountpoint, ready_file, shm_files)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
