@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from pathlib import Path
 from types import TracebackType
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -34,6 +34,10 @@ class ChunkSource(ABC):
         """For each blob (chunk, offset), whether reading it may wait on something slow (another node, a deadline):
         the mount reads those off its event loop. Asked once at open, so a read decides by a lookup."""
         return np.zeros(len(chunks), dtype=bool)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters worth showing an operator (where reads came from), or nothing."""
+        return {}
 
     def close(self) -> None:
         """Release what the source holds open; reads after close raise ChunkUnavailable."""

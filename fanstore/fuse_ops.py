@@ -146,6 +146,7 @@ class FanstoreOperations(pyfuse3.Operations):
         self._decode_limiter = trio.CapacityLimiter(max(1, decode_threads))
         # Files whose blob may take long to come (from another node) are read off the event loop, by threads of
         # their own: waiting on a slow peer must not hold the threads that decode local files.
+        self._source = source
         self._may_block = _may_block(index, source)
         self._fetch_limiter = trio.CapacityLimiter(max(1, fetch_threads))
         self._blocks_limiter = self._fetch_limiter if self._may_block.any() else self._decode_limiter
@@ -237,7 +238,11 @@ class FanstoreOperations(pyfuse3.Operations):
     def stats(self) -> dict[str, Any]:
         """The daemon's counters, as `getfattr -n user.fanstore.stats MOUNTPOINT` shows them."""
         prefetch = self.prefetcher.stats() if self.prefetcher is not None else {"pending": 0, "decoded": 0}
-        return {"cache": dataclasses.asdict(self.cache.stats()), "prefetch": prefetch}
+        stats = {"cache": dataclasses.asdict(self.cache.stats()), "prefetch": prefetch}
+        source = self._source.stats() if self._source is not None else {}
+        if source:
+            stats["source"] = source
+        return stats
 
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> Sequence[bytes]:
         return []

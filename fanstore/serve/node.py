@@ -11,6 +11,7 @@ needs (checked at start). Every wait after start-up is non-blocking and polled (
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -250,6 +251,7 @@ def _wait(future: Any, stop: threading.Event) -> bool:
 
 def run(options: ServeOptions) -> int:
     """Serve on this rank until the job ends; the exit status is the worst of every rank's COMMAND."""
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack: what a stuck rank waits on
     mpi = start_mpi()
     comm = mpi.COMM_WORLD.Dup()
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -321,10 +323,7 @@ def _progress_bar(rank: int, enabled: bool) -> Any:
 
 
 def rank_stats(transport: PeerTransport, source: PlacedChunkSource, report: StagingReport) -> dict[str, Any]:
-    peers = {str(peer): asdict(counters) for peer, counters in enumerate(transport.counters)
-             if peer != transport.rank}
-    return {"rank": transport.rank, "host": transport.host, "local": asdict(source.counters), "peers": peers,
-            "staging": asdict(report)}
+    return {"rank": transport.rank, "host": transport.host, "reads": source.stats(), "staging": asdict(report)}
 
 
 def _report_stats(transport: PeerTransport, source: PlacedChunkSource, report: StagingReport, show: bool,
@@ -357,10 +356,10 @@ def _say(text: str) -> None:
 
 
 def _format_rank(stats: dict[str, Any]) -> str:
-    local, staging = stats["local"], stats["staging"]
+    local, staging = stats["reads"], stats["staging"]
     lines = [f"rank {stats['rank']} ({stats['host']}): reads from local chunks {local['local']} "
              f"({format_bytes(local['local_bytes'])})"]
-    for peer, counters in stats["peers"].items():
+    for peer, counters in local["peers"].items():
         lines.append(f"  from rank {peer}: {counters['fetched']} ({format_bytes(counters['fetched_bytes'])}), "
                      f"to rank {peer}: {counters['served']} ({format_bytes(counters['served_bytes'])}), "
                      f"failed {counters['failed']}, refused {counters['refused']}")
@@ -374,10 +373,10 @@ def _format_rank(stats: dict[str, Any]) -> str:
 
 def _format_totals(ranks: list[dict[str, Any]]) -> str:
     staged = sum(r["staging"]["dest_bytes"] for r in ranks)
-    fallback = sum(r["local"]["fallback_bytes"] for r in ranks)
-    local = sum(r["local"]["local"] for r in ranks)
-    remote = sum(c["fetched"] for r in ranks for c in r["peers"].values())
-    remote_bytes = sum(c["fetched_bytes"] for r in ranks for c in r["peers"].values())
+    fallback = sum(r["reads"]["fallback_bytes"] for r in ranks)
+    local = sum(r["reads"]["local"] for r in ranks)
+    remote = sum(c["fetched"] for r in ranks for c in r["reads"]["peers"].values())
+    remote_bytes = sum(c["fetched_bytes"] for r in ranks for c in r["reads"]["peers"].values())
     return (f"job ({len(ranks)} ranks): reads {local} local, {remote} from peers ({format_bytes(remote_bytes)}), "
-            f"{sum(r['local']['fallback'] for r in ranks)} from DEST; bytes read from DEST: "
+            f"{sum(r['reads']['fallback'] for r in ranks)} from DEST; bytes read from DEST: "
             f"{format_bytes(staged)} staging ({staged} B), {format_bytes(fallback)} during the epochs ({fallback} B)")

@@ -10,7 +10,8 @@ The read path above them (Reader, cache, mount, API) is the single-node one; it 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -24,7 +25,7 @@ class PeerChunkSource(ChunkSource):
     """Blobs stored on other ranks, asked of their owner over the transport."""
 
     def __init__(self, transport: PeerTransport, placement: Placement) -> None:
-        self._transport = transport
+        self.transport = transport
         self._placement = placement
         self._rank = transport.rank
 
@@ -32,7 +33,7 @@ class PeerChunkSource(ChunkSource):
         owner = self._placement.owner(chunk_id, offset)
         if owner == NO_OWNER or owner == self._rank:
             raise ChunkUnavailable(f"chunk {chunk_id} at {offset} is not stored by another rank", chunk_id=chunk_id)
-        return self._transport.fetch(owner, chunk_id, offset, length)
+        return self.transport.fetch(owner, chunk_id, offset, length)
 
     def may_block(self, chunks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         return np.ones(len(chunks), dtype=bool)
@@ -58,6 +59,7 @@ class PlacedChunkSource(ChunkSource):
         self._direct = frozenset(direct)  # chunks staged with a fault: read from DEST, whatever it gives
         self._placement = placement
         self._local = local
+        self._peers = peers
         self._remote = FallbackChunkSource(peers, dest, on_fallback=self._count_fallback)
         self.counters = SourceCounters()
         self._lock = threading.Lock()
@@ -81,6 +83,14 @@ class PlacedChunkSource(ChunkSource):
     def may_block(self, chunks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         return np.fromiter((int(c) in self._direct or not self._placement.is_local(self._rank, int(c), int(o)) for c, o in zip(chunks, offsets)),
                            dtype=bool, count=len(chunks))
+
+    def stats(self) -> dict[str, Any]:
+        """Reads by where they came from: this rank's directory, each peer, DEST when a peer could not answer."""
+        with self._lock:
+            counters = asdict(self.counters)
+        counters["peers"] = {str(peer): asdict(peer_counters) for peer, peer_counters
+                             in enumerate(self._peers.transport.counters) if peer != self._rank}
+        return counters
 
     def close(self) -> None:
         self._local.close()

@@ -118,10 +118,14 @@ class PeerTransport:
         self._submitted: deque[_Fetch | tuple[Callable[[Any], tuple[Any, Callable[[], Any]]], Future]] = deque()
         self._requests: list[Any] = []  # MPI requests being polled, with what to do when each completes
         self._on_complete: list[Callable[[Any], None]] = []
+        self._collectives: list[Future] = []
+        self._collective_callbacks: set[Callable[[Any], None]] = set()
         self._send_deadlines: dict[int, float] = {}  # id(request) of replies we send -> when to give up on them
         self._abandoned: dict[tuple[int, int], float] = {}  # (peer, tag) of given-up requests -> forget when
         self._backoff = Backoff()
         self._stopping = threading.Event()
+        self._stopped = threading.Event()  # the MPI thread has ended: fetches fail at once
+        self._stopped_reason = "the MPI thread has stopped"
         self._thread = threading.Thread(target=self._run, name="fanstore-mpi", daemon=True)
         self._failure: BaseException | None = None
         self.host = socket.gethostname()
@@ -135,6 +139,8 @@ class PeerTransport:
         """The stored blob at `offset` of `chunk`, from rank `peer`; ChunkUnavailable when the peer cannot give it
         in time (the caller then reads it elsewhere)."""
         request = _Fetch(peer, chunk, offset, length)
+        if self._stopped.is_set():
+            raise ChunkUnavailable(f"rank {peer}: {self._stopped_reason}", chunk_id=chunk)
         self._submitted.append(request)
         self._backoff.wake()
         # The MPI thread ends every request by its deadline; this wait only guards against that thread being gone.
@@ -197,7 +203,12 @@ class PeerTransport:
                 except Exception as exc:  # noqa: BLE001 - the caller gets it
                     future.set_exception(exc)
                     continue
-                self._poll(request, lambda _status, result=result, future=future: self._settle(future, result))
+                def settle(_status: Any, result: Callable[[], Any] = result, future: Future = future) -> None:
+                    self._settle(future, result)
+
+                self._collective_callbacks.add(settle)
+                self._collectives.append(future)
+                self._poll(request, settle)
         return progressed
 
     @staticmethod
@@ -296,7 +307,7 @@ class PeerTransport:
         error = ChunkUnavailable(f"rank {number} did not answer within {self.options.timeout:g} s")
         for request in peer.in_flight:
             for mpi_request in (request.receive, request.send):
-                if mpi_request is not None:
+                if mpi_request:  # a completed request is MPI_REQUEST_NULL, which is false and cannot be cancelled
                     mpi_request.Cancel()
             self._abandoned[(number, request.tag)] = now + 10 * self.options.retry_after
             self.counters[number].failed += 1
@@ -380,6 +391,8 @@ class PeerTransport:
     def _shut_down(self) -> None:
         error_text = "the MPI thread has stopped" if self._failure is None else f"the MPI thread failed: " \
             f"{self._failure!r}"
+        self._stopped_reason = error_text
+        self._stopped.set()
         for number, peer in enumerate(self._peers):
             for request in list(peer.in_flight) + list(peer.queued):
                 request.finish(error=ChunkUnavailable(f"rank {number}: {error_text}", chunk_id=request.chunk))
@@ -391,10 +404,11 @@ class PeerTransport:
                 item.finish(error=ChunkUnavailable(f"rank {item.peer}: {error_text}", chunk_id=item.chunk))
             else:
                 item[1].set_exception(ChunkUnavailable(error_text))
-        for request in self._requests:
-            try:
+        for request, on_complete in zip(self._requests, self._on_complete):
+            if request and on_complete not in self._collective_callbacks:  # a collective cannot be cancelled
                 request.Cancel()
-            except Exception:  # noqa: BLE001 - a request already complete or freed
-                pass
+        for future in self._collectives:
+            if not future.done():
+                future.set_exception(ChunkUnavailable(error_text))
         self._requests.clear()
         self._on_complete.clear()

@@ -1,0 +1,315 @@
+"""`fanstore serve` for real: `mpiexec -n 3` on this machine, each rank with its own mount and local directory.
+
+Every test runs the real launcher, real MPI and real FUSE mounts, and checks what a training job would see
+(every file byte for byte) and what the job leaves behind (no mount, no process, no /dev/shm file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO, tree_digest, wait_until
+from fanstore import PackOptions, pack
+from fanstore.mount import fuse_mounted_at, fuse_unavailable_reason, unmount
+
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+
+
+def _mpi_unavailable_reason() -> str | None:
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "mpi4py is not installed (scripts/setup installs it with the mpich wheel)"
+    if not MPIEXEC.exists() and shutil.which("mpiexec") is None:
+        return "no mpiexec (scripts/setup installs the mpich wheel)"
+    return None
+
+
+_REASON = fuse_unavailable_reason() or _mpi_unavailable_reason()
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"needs FUSE and MPI: {_REASON}")
+RANKS = 3
+
+
+def make_serve_tree(root: Path) -> Path:
+    """A training set (spread) and a validation set (replicated), files of several sizes, one large enough to be
+    stored in blocks, an empty file and a symlink."""
+    rng = np.random.default_rng(11)
+    for group, count in (("train", 120), ("val", 24)):
+        for i in range(count):
+            folder = root / group / ("cat" if i % 2 else "dog")
+            folder.mkdir(parents=True, exist_ok=True)
+            size = (4096, 30_000, 131_072)[i % 3]
+            (folder / f"img_{i:03d}.bin").write_bytes(rng.integers(0, 16, size, np.uint8).tobytes())
+    (root / "train" / "big.bin").write_bytes(rng.integers(0, 4, 5 << 20, np.uint8).tobytes())
+    (root / "train" / "empty.txt").write_bytes(b"")
+    os.symlink("train/cat", root / "cats")
+    return root
+
+
+@pytest.fixture(scope="module")
+def served_dataset(tmp_path_factory) -> tuple[Path, Path]:
+    base = tmp_path_factory.mktemp("serve")
+    src = make_serve_tree(base / "src")
+    dest = base / "dest"
+    pack(src, dest, PackOptions(codec="zstd:3", chunk_size=256 * 1024, replicate=("val/**",), workers=1,
+                                blocks_above=4 << 20, block_size=1 << 20))
+    return src, dest
+
+
+class Job:
+    """A real `mpiexec -n 3 fanstore serve` in its own session, cleaned up whatever the test does."""
+
+    def __init__(self, tmp_path: Path, dest: Path, *options: str, command: list[str] | None = None,
+                 local: str | None = None) -> None:
+        self.tmp = tmp_path
+        self.mountpoints = [tmp_path / f"mp{rank}" for rank in range(RANKS)]
+        for mountpoint in self.mountpoints:
+            try:
+                mountpoint.mkdir()
+            except FileExistsError:  # a stat could fail with ENOTCONN: a stale mount a test left on purpose
+                pass
+        self.local = local or str(tmp_path / "local{rank}")
+        argv = [str(MPIEXEC), "-n", str(RANKS), sys.executable, "-m", "fanstore", "serve", str(dest),
+                str(tmp_path / "mp{rank}"), "--local-dir", self.local, "--quiet", *options]
+        if command:
+            argv += ["--", *command]
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                     start_new_session=True)
+
+    def ready_files(self) -> list[Path]:
+        return [mountpoint.with_name(mountpoint.name + ".ready") for mountpoint in self.mountpoints]
+
+    def wait_ready(self, timeout: float = 60) -> list[int]:
+        """Wait for every rank's ready file; the pid of each rank's serving process."""
+        wait_until(lambda: all(f.exists() for f in self.ready_files()) or self.proc.poll() is not None,
+                   "every rank mounted", timeout)
+        if self.proc.poll() is not None:
+            raise AssertionError(f"the job ended ({self.proc.returncode}): {self.proc.communicate()}")
+        return [int(f.read_text().split()[1]) for f in self.ready_files()]
+
+    def finish(self, timeout: float = 120) -> tuple[int, str, str]:
+        out, err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, out, err
+
+    def clean_up(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        for mountpoint in self.mountpoints:
+            if fuse_mounted_at(mountpoint):
+                unmount(mountpoint)
+
+
+@pytest.fixture
+def jobs():
+    started: list[Job] = []
+    yield started
+    for job in started:
+        job.clean_up()
+
+
+def _shm_files() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("mpich_shm_")}
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline and int(pid) != os.getpid():
+            found.append(f"{pid}: {cmdline}")
+    return found
+
+
+def _assert_nothing_left(job: Job) -> None:
+    wait_until(lambda: not any(fuse_mounted_at(mp) for mp in job.mountpoints), "every mount gone", 5)
+    wait_until(lambda: not _processes_mentioning(str(job.tmp)), "every rank and watchdog gone", 5)
+    assert not any(f.exists() for f in job.ready_files())
+
+
+# What every rank runs as the job's command: the replicated files first (each must be read from this rank's own
+# directory, never a peer), then every file compared with the source, byte for byte.
+RANK_CHECK = r"""
+import json, os, sys
+src, mount, rank = sys.argv[1], os.environ["FANSTORE_MOUNT"], os.environ["FANSTORE_RANK"]
+assert os.environ["FANSTORE_SIZE"] == "3"
+def stats():
+    return json.loads(os.getxattr(mount, "user.fanstore.stats"))["source"]
+val = sorted(os.path.join(d, f) for d, _, fs in os.walk(os.path.join(mount, "val")) for f in fs)
+for path in val:
+    open(path, "rb").read()
+after_val = stats()
+fetched = sum(peer["fetched"] for peer in after_val["peers"].values())
+problems = []
+if fetched or after_val["fallback"] or after_val["local"] != len(val):
+    problems.append(f"replicated files not all local: {after_val}")
+for d, dirs, files in os.walk(src):
+    for name in dirs + files:
+        original = os.path.join(d, name)
+        served = os.path.join(mount, os.path.relpath(original, src))
+        if os.path.islink(original):
+            same = os.path.islink(served) and os.readlink(served) == os.readlink(original)
+        elif os.path.isdir(original):
+            same = os.path.isdir(served)
+        else:
+            with open(original, "rb") as a, open(served, "rb") as b:
+                same = a.read() == b.read()
+        if not same:
+            problems.append(f"differs: {served}")
+extra = sorted(set(os.listdir(mount)) - set(os.listdir(src)))
+if extra:
+    problems.append(f"extra entries: {extra}")
+print(f"rank {rank}: " + ("ok" if not problems else "; ".join(problems[:5])), flush=True)
+sys.exit(1 if problems else 0)
+"""
+
+
+def test_every_rank_sees_every_file_and_replicated_files_are_local(served_dataset, tmp_path, jobs):
+    src, dest = served_dataset
+    script = tmp_path / "check_rank.py"
+    script.write_text(RANK_CHECK)
+    shm_before = _shm_files()
+    job = Job(tmp_path, dest, "--stats", command=[sys.executable, str(script), str(src)])
+    jobs.append(job)
+    code, out, err = job.finish()
+    assert code == 0, out + err
+    assert sorted(line for line in out.splitlines() if line.endswith(": ok")) == [f"rank {r}: ok" for r in range(3)]
+    totals = [line for line in out.splitlines() if line.startswith("job (3 ranks)")]
+    assert len(totals) == 1, out
+    staged = int(re.search(r"bytes read from DEST: .* staging \((\d+) B\)", totals[0])[1])
+    chunk_bytes = sum(p.stat().st_size for p in (dest / "chunks").iterdir())
+    # Every stored byte once (a piece that starts inside a chunk also copies that chunk's 32-byte header).
+    assert chunk_bytes <= staged <= chunk_bytes + 32 * RANKS * 2, totals[0]
+    assert "0 B during the epochs (0 B)" in totals[0]
+    assert "Traceback" not in err, err
+    _assert_nothing_left(job)
+    assert _shm_files() <= shm_before
+
+    # A job restarted on the same nodes finds its chunks verified in place: nothing is read from DEST.
+    rerun = Job(tmp_path, dest, "--stats", command=["true"])
+    jobs.append(rerun)
+    code, out, err = rerun.finish()
+    assert code == 0, out + err
+    assert "bytes read from DEST: 0 B staging (0 B)" in out, out
+    _assert_nothing_left(rerun)
+
+
+def test_command_status_is_the_worst_of_every_rank(served_dataset, tmp_path, jobs):
+    _, dest = served_dataset
+    job = Job(tmp_path, dest, command=["sh", "-c", 'exit $((FANSTORE_RANK * 3))'])
+    jobs.append(job)
+    code, out, err = job.finish()
+    assert code == 6, out + err
+    _assert_nothing_left(job)
+
+
+def test_a_stopped_peer_costs_a_deadline_not_a_read(served_dataset, tmp_path, jobs):
+    src, dest = served_dataset
+    job = Job(tmp_path, dest, "--peer-timeout", "1", "--stats")
+    jobs.append(job)
+    pids = job.wait_ready()
+    os.kill(pids[2], signal.SIGSTOP)
+    try:
+        outcome: list[object] = []
+
+        def read_everything() -> None:
+            try:
+                outcome.append(tree_digest(job.mountpoints[0]) == tree_digest(src))
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                outcome.append(exc)
+
+        started = time.monotonic()
+        reader = threading.Thread(target=read_everything, daemon=True)
+        reader.start()
+        reader.join(60)
+        elapsed = time.monotonic() - started
+        assert outcome == [True], outcome
+        stats = json.loads(os.getxattr(job.mountpoints[0], "user.fanstore.stats"))["source"]
+    finally:
+        os.kill(pids[2], signal.SIGCONT)
+    # One deadline (1 s) for the first request to rank 2; every later one is read from DEST at once.
+    assert elapsed < 15, elapsed
+    assert stats["fallback"] > 0 and stats["peers"]["2"]["failed"] > 0, stats
+    assert stats["peers"]["1"]["fetched"] > 0 and stats["peers"]["1"]["failed"] == 0, stats
+    os.killpg(job.proc.pid, signal.SIGTERM)
+    code, out, err = job.finish()
+    assert code == 0, out + err
+    assert "no answer within 1 s" in err, err
+    _assert_nothing_left(job)
+
+
+def test_a_killed_job_leaves_no_mount_process_or_shared_memory(served_dataset, tmp_path, jobs):
+    _, dest = served_dataset
+    shm_before = _shm_files()
+    job = Job(tmp_path, dest)
+    jobs.append(job)
+    pids = job.wait_ready()
+    assert _shm_files() - shm_before, "MPICH made no /dev/shm file: nothing to check"
+    os.kill(pids[1], signal.SIGKILL)  # mpiexec then SIGKILLs the others: no handler runs anywhere
+    job.proc.wait(30)
+    _assert_nothing_left(job)
+    wait_until(lambda: _shm_files() <= shm_before, "MPICH's /dev/shm files removed", 5)
+
+
+def test_a_stale_mount_from_a_killed_job_is_cleared(served_dataset, tmp_path, jobs):
+    _, dest = served_dataset
+    first = Job(tmp_path, dest)
+    jobs.append(first)
+    pids = first.wait_ready()
+    # Kill a rank and mpiexec at once, and the watchdogs too: the mounts stay behind, stale.
+    watchdogs = [p for p in _processes_mentioning("watchdog.py") if str(tmp_path) in p]
+    for line in watchdogs:
+        os.kill(int(line.split(":")[0]), signal.SIGKILL)
+    os.killpg(first.proc.pid, signal.SIGKILL)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    first.proc.wait(30)
+    wait_until(lambda: not _processes_mentioning(str(tmp_path / "mp{rank}")), "ranks gone", 10)
+    assert any(fuse_mounted_at(mp) for mp in first.mountpoints), "no stale mount was left to clear"
+    second = Job(tmp_path, dest, command=["sh", "-c", 'test -f "$FANSTORE_MOUNT/train/big.bin"'])
+    jobs.append(second)
+    code, out, err = second.finish()
+    assert code == 0, out + err
+    _assert_nothing_left(second)
+
+
+def test_a_local_dir_too_small_is_one_line_before_anything_is_copied(served_dataset, tmp_path, jobs):
+    _, dest = served_dataset
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        job = Job(tmp_path, dest, command=["true"], local=str(small / "local{rank}"))
+        jobs.append(job)
+        code, out, err = job.finish()
+        copied = [p for p in small.rglob("*.fsc")]
+    finally:
+        subprocess.run(["umount", "-l", str(small)])
+    assert code != 0
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if "not enough space" in line]
+    assert len(lines) == RANKS, err  # every rank's own line: they all share the one small directory
+    assert re.search(r"rank \d on \S+: --local-dir \S+: not enough space: needs .* \(\d+ bytes\), .* free", lines[0])
+    assert copied == []
+    _assert_nothing_left(job)
