@@ -6,12 +6,13 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from chunk_source_contract import ChunkSourceContract
 from fanstore import open_dataset
 from conftest import REPO
-from fanstore.chunk_source import LocalChunkSource, default_max_open_chunks
+from fanstore.chunk_source import FallbackChunkSource, LocalChunkSource, default_max_open_chunks
 from fanstore.errors import ChunkCorrupt, ChunkUnavailable
 from fanstore.format import chunk_file_name
 
@@ -22,6 +23,40 @@ class TestLocalChunkSource(ChunkSourceContract):
         with open_dataset(dataset) as ds:
             sizes = ds.index.chunks["size"].copy()
         return lambda: LocalChunkSource(dataset, sizes)
+
+
+class TestFallbackChunkSource(ChunkSourceContract):
+    """A primary that cannot give anything (its directory holds no chunk), the dataset behind it: every read
+    comes through the fallback, and unknown chunks and reads past the end still name the chunk."""
+
+    @pytest.fixture
+    def make_source(self, dataset, tmp_path):
+        with open_dataset(dataset) as ds:
+            sizes = ds.index.chunks["size"].copy()
+        empty = tmp_path / "nothing_staged"
+        empty.mkdir()
+        return lambda: FallbackChunkSource(LocalChunkSource(empty, sizes), LocalChunkSource(dataset, sizes))
+
+
+def test_fallback_counts_what_it_could_not_have_from_the_primary(tmp_path):
+    from conftest import make_tree
+    from fanstore import PackOptions, pack
+
+    dest = tmp_path / "ds"
+    pack(make_tree(tmp_path / "src"), dest, PackOptions(chunk_size=16 * 1024, workers=1))
+    with open_dataset(dest) as ds:
+        sizes = ds.index.chunks["size"].copy()
+    partial = tmp_path / "partial"
+    (partial / "chunks").mkdir(parents=True)
+    (partial / chunk_file_name(0)).write_bytes((dest / chunk_file_name(0)).read_bytes())
+    fell_back: list[tuple[int, int]] = []
+    source = FallbackChunkSource(LocalChunkSource(partial, sizes), LocalChunkSource(dest, sizes),
+                                 on_fallback=lambda exc, length: fell_back.append((exc.chunk_id, length)))
+    with open_dataset(dest, source=source) as ds:
+        for path in ds.files():
+            assert ds.read(path) == (tmp_path / "src" / path).read_bytes()
+    assert fell_back and all(chunk != 0 for chunk, _ in fell_back)
+    assert not source.may_block(np.array([0, 1]), np.array([32, 32])).any()
 
 
 def test_chunk_with_a_wrong_header_is_refused(tmp_path):

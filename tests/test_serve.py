@@ -313,3 +313,19 @@ def test_a_local_dir_too_small_is_one_line_before_anything_is_copied(served_data
     assert re.search(r"rank \d on \S+: --local-dir \S+: not enough space: needs .* \(\d+ bytes\), .* free", lines[0])
     assert copied == []
     _assert_nothing_left(job)
+
+
+def test_malformed_peer_requests_are_refused_without_harm(served_dataset, tmp_path):
+    _, dest = served_dataset
+    script = Path(__file__).with_name("serve_malformed_peer.py")
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
+    done = subprocess.run([str(MPIEXEC), "-n", "3", sys.executable, str(script), str(dest), str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    seen = {line["rank"]: line for line in map(json.loads, done.stdout.splitlines())}
+    assert set(seen[2]["replies"].values()) == {"as expected"}, seen[2]
+    assert seen[0]["refused_from_2"] == 9 and seen[0]["served_to_2"] == 1, seen[0]
+    assert seen[0]["peer_served"] and seen[1]["peer_served"], seen
+    # Each malformed request is one log line naming the peer, never a traceback.
+    assert "Traceback" not in done.stderr, done.stderr
+    assert len([line for line in done.stderr.splitlines() if "rank 2" in line]) == 9, done.stderr
