@@ -3,14 +3,17 @@ is stored by exactly one node, replicated chunks by all, and no node stores much
 
 from __future__ import annotations
 
+import signal
 import stat
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import make_tree
+from conftest import assert_one_line_error, make_tree, run_cli
 from fanstore import PackOptions, UsageError, pack
+from fanstore.cli import EXIT_DOES_NOT_FIT, main
 from fanstore.format import CHUNK_DTYPE, CHUNK_HEADER_LEN, ENTRY_DTYPE, NO_CHUNK
 from fanstore.index import Index
 from fanstore.serve.placement import MAX_NODES, NO_OWNER, BlobTable, Piece, Placement, place
@@ -236,3 +239,58 @@ def test_ranks_outside_the_placement_are_refused(mixed):
             placement.pieces(rank)
         with pytest.raises(UsageError, match="0 to 2"):
             placement.stored_bytes(rank)
+
+
+@pytest.fixture
+def plan_cli(capsys):
+    """`fanstore plan ARGS` run in this process (faster than a fresh interpreter), as a CompletedProcess."""
+    previous = signal.getsignal(signal.SIGTERM)  # the command line installs its own; this process keeps pytest's
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        code = main(["plan", *map(str, args)])
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["fanstore", "plan", *args], code, out, err)
+
+    yield run
+    signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--nodes", "0"], "--nodes"), (["--nodes", "4097"], "--nodes"), (["--nodes", "x"], "--nodes"),
+    (["--nodes", "4", "--local-capacity", "lots"], "--local-capacity"),
+    (["--nodes", "4", "--local-capacity", "0"], "--local-capacity"),
+])
+def test_plan_bad_options_are_one_line(plan_cli, mixed, args, needle):
+    assert_one_line_error(plan_cli(mixed, *args), needle)
+
+
+def test_plan_of_no_dataset_is_one_line(plan_cli, tmp_path):
+    assert_one_line_error(plan_cli(tmp_path / "absent", "--nodes", "2"), "no such dataset")
+
+
+def test_plan_reports_shares_and_whether_they_fit(plan_cli, equal_chunks):
+    placement = place(Index.load(equal_chunks), NODES)
+    fullest = max(placement.stored_bytes(rank) for rank in range(NODES))
+    report = plan_cli(equal_chunks, "--nodes", NODES)
+    assert report.returncode == 0 and report.stderr == ""
+    lines = dict(line.split(None, 1) for line in report.stdout.splitlines())
+    assert lines["nodes"] == str(NODES)
+    assert lines["chunks"].startswith(f"{SPREAD_CHUNKS + 3}: {SPREAD_CHUNKS} spread, 3 replicated; "
+                                      f"{len(placement.split_chunks)} split between nodes")
+    assert f"max/mean {spread_ratio(placement):.3f}" in lines["spread"]
+    assert lines["capacity"].startswith("not checked")
+    fits = plan_cli(equal_chunks, "--nodes", NODES, "--local-capacity", fullest)
+    assert fits.returncode == 0 and "capacity     fits: the fullest node stores" in fits.stdout
+    over = plan_cli(equal_chunks, "--nodes", NODES, "--local-capacity", fullest - 1)
+    assert over.returncode == EXIT_DOES_NOT_FIT
+    capacity = [line for line in over.stdout.splitlines() if line.startswith("capacity")]
+    assert len(capacity) == 1 and "does not fit" in capacity[0] and "1 B over" in capacity[0]
+
+
+def test_plan_through_the_real_command_line(equal_chunks):
+    fits = run_cli("plan", str(equal_chunks), "--nodes", "4", "--local-capacity", "1GiB")
+    assert fits.returncode == 0 and "fits" in fits.stdout, fits.stderr
+    too_small = run_cli("plan", str(equal_chunks), "--nodes", "4", "--local-capacity", "64KiB")
+    assert too_small.returncode == EXIT_DOES_NOT_FIT and "does not fit" in too_small.stdout
+    assert too_small.stderr == ""
+    assert "Exit status" in run_cli("plan", "--help").stdout
