@@ -1,4 +1,4 @@
-"""Command line: `fanstore-pack` and `fanstore {pack,select,verify,info,mount,umount,demo}`.
+"""Command line: `fanstore-pack` and `fanstore {pack,select,verify,info,plan,mount,umount,demo}`.
 
 Every expected failure is a FanstoreError and ends as one line on stderr and a non-zero exit, never a traceback.
 """
@@ -10,12 +10,16 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .errors import FanstoreError, UsageError
 from .units import format_bytes, parse_size
 
+if TYPE_CHECKING:
+    from .serve.placement import Placement
+
 EXIT_FAILURE = 1
+EXIT_DOES_NOT_FIT = 3  # `fanstore plan`: distinct from an error, so a batch script can try more nodes
 EXIT_INTERRUPTED = 130
 _WARNINGS_SHOWN = 20
 
@@ -172,6 +176,65 @@ def _run_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_plan(args: argparse.Namespace) -> int:
+    from .index import Index
+    from .serve.placement import MAX_NODES, place
+
+    try:
+        nodes = int(args.nodes)
+    except ValueError:
+        raise UsageError(f"--nodes: cannot read {args.nodes!r} as a number of nodes (1 to {MAX_NODES})") from None
+    capacity = parse_size(args.local_capacity, "--local-capacity") if args.local_capacity is not None else None
+    index = Index.load(args.dest)
+    placement = place(index, nodes)
+    lines, fits = _describe_plan(args.dest, len(index.chunks), placement, capacity)
+    print("\n".join(lines))
+    return 0 if fits else EXIT_DOES_NOT_FIT
+
+
+def _describe_plan(dest: str, chunk_count: int, placement: Placement, capacity: int | None) -> tuple[list[str], bool]:
+    """`fanstore plan`'s report, and whether the fullest node's share fits in `capacity` (True when not given)."""
+    nodes = placement.nodes
+    spread = [placement.spread_bytes(rank) for rank in range(nodes)]
+    total = [placement.stored_bytes(rank) for rank in range(nodes)]
+    split = set(placement.split_chunks)
+    split_pieces = sum(piece.chunk in split for rank in range(nodes) for piece in placement.pieces(rank))
+    replicated = len(placement.replicated_chunks)
+    empty = sum(share == 0 for share in spread)
+    lines = [
+        f"dataset      {dest}",
+        f"nodes        {nodes:,}",
+        f"chunks       {chunk_count:,}: {chunk_count - replicated:,} spread, {replicated:,} replicated; "
+        f"{len(split):,} split between nodes ({split_pieces:,} pieces)",
+        f"spread       per node {_spread_of(spread)}" + (f"; {empty:,} nodes store none" if empty else ""),
+        f"replicated   {format_bytes(placement.replicated_bytes)} on every node",
+        f"total        per node {_spread_of(total)}",
+    ]
+    fullest = max(total)
+    fits = capacity is None or fullest <= capacity
+    if capacity is None:
+        lines.append("capacity     not checked (--local-capacity SIZE checks it)")
+    elif fits:
+        lines.append(f"capacity     fits: the fullest node stores {format_bytes(fullest)} of "
+                     f"{format_bytes(capacity)} ({fullest / capacity:.0%})")
+    else:
+        over = sum(share > capacity for share in total)
+        lines.append(f"capacity     does not fit: the fullest node stores {format_bytes(fullest)}, "
+                     f"{format_bytes(fullest - capacity)} over {format_bytes(capacity)} ({over:,} of {nodes:,} "
+                     f"nodes over)")
+    lines.append(f"staging      {format_bytes(placement.staging_read_bytes())} read from DEST (each stored byte once; "
+                 f"a replicated chunk by one node, which sends it on)")
+    return lines, fits
+
+
+def _spread_of(shares: list[int]) -> str:
+    """Max, mean and min of per-node byte counts, and max/mean: how far the fullest node is from an even share."""
+    mean = sum(shares) / len(shares)
+    ratio = f"{max(shares) / mean:.3f}" if mean else "-"
+    return (f"max {format_bytes(max(shares))}, mean {format_bytes(mean)}, min {format_bytes(min(shares))}, "
+            f"max/mean {ratio}")
+
+
 def _run_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -270,6 +333,17 @@ def _build_parser() -> argparse.ArgumentParser:
     info_parser = commands.add_parser("info", help="version, groups, codecs, counts, sizes and ratio")
     info_parser.add_argument("dest", metavar="DEST")
     info_parser.set_defaults(run=_run_info)
+    plan_parser = commands.add_parser(
+        "plan", help="what each node of an N-node job stores, and whether it fits its local storage",
+        description="Print, from the index alone, how an N-node job places the dataset: bytes stored per node, "
+                    "replicated bytes, chunks split between nodes, bytes read from DEST to stage the job.",
+        epilog=f"Exit status: 0 when every node's share fits in --local-capacity (or none is given), "
+               f"{EXIT_DOES_NOT_FIT} when the fullest node's does not, {EXIT_FAILURE} (or 2, argparse's) on an error.")
+    plan_parser.add_argument("dest", metavar="DEST")
+    plan_parser.add_argument("--nodes", required=True, metavar="N", help="nodes in the job, 1 to 4096")
+    plan_parser.add_argument("--local-capacity", metavar="SIZE",
+                             help="local storage each node has for the dataset, e.g. 1.5TiB")
+    plan_parser.set_defaults(run=_run_plan)
     mount_parser = commands.add_parser("mount", help="show the dataset as a read-only directory (FUSE)")
     mount_parser.add_argument("dest", metavar="DEST")
     mount_parser.add_argument("mountpoint", metavar="MOUNTPOINT")

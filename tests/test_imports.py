@@ -1,6 +1,6 @@
 """Every data-loader worker imports fanstore and opens the dataset, so the read side must import light, and the
-layering that keeps it light must hold: the selector knows nothing of fanstore, and in fanstore only the packer
-and the command line use the selector.
+layering that keeps it light must hold: the selector knows nothing of fanstore, in fanstore only the packer and the
+command line use the selector, and the read path knows nothing of the serving layer (fanstore/serve/) or MPI.
 
 Import checks run in fresh interpreters: this process has long since imported everything.
 """
@@ -27,9 +27,13 @@ NOT_FOR_READING = (
     "selector",
     "blosc",
     "lz4",
+    "fanstore.serve",
+    "mpi4py",
 )
 # The only fanstore modules that may import the selector: the packer (--codec auto) and the command line.
 USES_THE_SELECTOR = ("pack", "cli")
+# The only modules of fanstore/ (not fanstore/serve/) that may import the serving layer: the command line (`plan`).
+USES_THE_SERVING_LAYER = ("cli",)
 
 
 def fresh_modules(code: str) -> set[str]:
@@ -51,14 +55,17 @@ def loaded(modules: set[str], packages: tuple[str, ...]) -> list[str]:
 
 
 def imported_names(path: Path) -> set[str]:
-    """Every absolute module a source file imports, at module level or inside functions."""
+    """Every module a source file imports, at module level or inside functions, relative imports spelled in full."""
+    package = path.relative_to(REPO).parent.parts
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module is not None:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = list(package[: len(package) - node.level + 1]) if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names)
     return names
 
 
@@ -107,3 +114,21 @@ def test_only_the_packer_and_the_command_line_import_the_selector():
         if path.stem not in USES_THE_SELECTOR:
             selector_imports = loaded(imported_names(path), ("selector",))
             assert selector_imports == [], f"{path.relative_to(REPO)} imports {selector_imports}"
+
+
+def test_the_read_path_knows_nothing_of_the_serving_layer_or_mpi():
+    for path in sorted((REPO / "fanstore").glob("*.py")):
+        names = imported_names(path)
+        assert loaded(names, ("mpi4py",)) == [], f"{path.relative_to(REPO)} imports mpi4py"
+        if path.stem not in USES_THE_SERVING_LAYER:
+            assert loaded(names, ("fanstore.serve",)) == [], f"{path.relative_to(REPO)} imports the serving layer"
+    assert loaded(fresh_modules("import fanstore.cli"), ("fanstore.serve", "mpi4py")) == []
+
+
+def test_placement_needs_no_mpi():
+    # Every rank computes the placement before MPI is up, and `fanstore plan` runs where there is no MPI at all.
+    for name in ("__init__.py", "placement.py"):
+        assert loaded(imported_names(REPO / "fanstore" / "serve" / name), ("mpi4py",)) == [], name
+    assert loaded(fresh_modules("import fanstore.serve.placement"), ("mpi4py",)) == []
+    # The package imports none of its modules: `import fanstore.serve.placement` brings placement alone.
+    assert loaded(fresh_modules("import fanstore.serve"), ("fanstore.serve",)) == ["fanstore.serve"]
