@@ -54,6 +54,7 @@ def _demo_in(workdir: Path, scale: int, mount: bool) -> int:
         mount_rows, mount_bad = _demo_mount(dataset, workdir / "mnt", source, paths, expected)
         rows += mount_rows
         bad += mount_bad
+        bad += _demo_serve(dataset, workdir / "serve", source)
 
     total = summary.raw_bytes
     print()
@@ -104,6 +105,58 @@ def _demo_mount(
     rows = [("fanstore mount, 1st epoch (decode)", first_epoch),
             ("fanstore mount, 2nd epoch (kernel cache)", second_epoch)]
     return rows, bad
+
+
+# What each rank of the demo job runs on its mount: every original file compared with what the mount gives.
+_RANK_CHECK = """
+import os, sys
+source, mount, rank = sys.argv[1], os.environ["FANSTORE_MOUNT"], os.environ["FANSTORE_RANK"]
+files = [os.path.relpath(os.path.join(d, f), source) for d, _, fs in os.walk(source) for f in fs]
+differ = []
+for path in files:
+    with open(os.path.join(source, path), "rb") as original, open(os.path.join(mount, path), "rb") as served:
+        if original.read() != served.read():
+            differ.append(path)
+print(f"  rank {rank} of {os.environ['FANSTORE_SIZE']}: read {len(files)} files at {mount}, {len(differ)} differ",
+      flush=True)
+sys.exit(1 if differ else 0)
+"""
+
+
+def _demo_serve(dataset: Path, workdir: Path, source: Path) -> list[str]:
+    """Serve the dataset with two ranks on this machine, as on two nodes: each stages its share, mounts the whole
+    dataset and checks every file through it; the job's counters show what came from where."""
+    import shutil
+    import subprocess
+    import sys
+
+    from .mount import fuse_unavailable_reason
+
+    mpiexec = Path(sys.executable).with_name("mpiexec")
+    mpiexec_path = str(mpiexec) if mpiexec.exists() else shutil.which("mpiexec")
+    try:
+        import mpi4py  # noqa: F401
+        reason = fuse_unavailable_reason() or (None if mpiexec_path else "no mpiexec on PATH")
+    except ImportError:
+        reason = "mpi4py is not installed (pip install 'fanstore[mpi]' mpich)"
+    if reason is not None:
+        print(f"\nskipping fanstore serve: {reason}")
+        return []
+    for rank in range(2):
+        (workdir / f"mnt{rank}").mkdir(parents=True, exist_ok=True)
+    command = [mpiexec_path, "-n", "2", sys.executable, "-m", "fanstore", "serve", str(dataset),
+               str(workdir / "mnt{rank}"), "--local-dir", str(workdir / "local{rank}"), "--stats", "--quiet",
+               "--", sys.executable, "-c", _RANK_CHECK, str(source)]
+    print(f"\nserving on 2 ranks, as on 2 nodes: mpiexec -n 2 fanstore serve {dataset} {workdir}/mnt{{rank}} "
+          f"--local-dir {workdir}/local{{rank}} --stats -- CHECK")
+    done = subprocess.run(command, capture_output=True, text=True)
+    checks = sorted(line for line in done.stdout.splitlines() if line.startswith("  rank "))
+    counters = [line for line in done.stdout.splitlines() if not line.startswith("  rank ")]
+    print("\n".join(checks + [f"  {line}" for line in counters]))
+    if done.returncode != 0:
+        print(done.stderr.strip())
+        return [f"fanstore serve (exit status {done.returncode})"]
+    return []
 
 
 def _compare(paths: list[str], expected: list[str], read: Callable[[str], bytes], source: Path) -> list[str]:
