@@ -294,8 +294,6 @@ def _run_serve(args: argparse.Namespace) -> int:
         cache_size=parse_size(args.cache_size, "--cache-size") if args.cache_size else None,
         prefetch=args.prefetch,
         prefetch_list=Path(args.prefetch_list) if args.prefetch_list else None,
-        # Any file may come from another node, so any is worth fetching ahead, small ones included.
-        prefetch_min_size=0 if args.prefetch_list else None,
         prefetch_threads=args.prefetch_threads,
         allow_other=args.allow_other,
     )

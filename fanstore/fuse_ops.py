@@ -53,7 +53,7 @@ def _read_only() -> pyfuse3.FUSEError:
     return pyfuse3.FUSEError(errno.EROFS)
 
 
-def _may_block(index: Index, source: ChunkSource | None) -> np.ndarray:
+def may_block_flags(index: Index, source: ChunkSource | None) -> np.ndarray:
     """One flag per entry: its blob is one the source says may be slow to come (see ChunkSource.may_block)."""
     flags = np.zeros(len(index.entries), dtype=bool)
     if source is None:
@@ -126,7 +126,7 @@ class FanstoreOperations(pyfuse3.Operations):
     def __init__(self, index: Index, cache: DecodedCache, prefetcher: Prefetcher | None, decode_threads: int,
                  keep_cache: bool = True, timeout: float = KERNEL_CACHE_TIMEOUT,
                  kernel_holds: bytearray | None = None, source: ChunkSource | None = None,
-                 fetch_threads: int = FETCH_THREADS) -> None:
+                 fetch_threads: int = FETCH_THREADS, may_block: np.ndarray | None = None) -> None:
         super().__init__()
         self.index = index
         self.cache = cache
@@ -147,7 +147,7 @@ class FanstoreOperations(pyfuse3.Operations):
         # Files whose blob may take long to come (from another node) are read off the event loop, by threads of
         # their own: waiting on a slow peer must not hold the threads that decode local files.
         self._source = source
-        self._may_block = _may_block(index, source)
+        self._may_block = may_block if may_block is not None else may_block_flags(index, source)
         self._fetch_limiter = trio.CapacityLimiter(max(1, fetch_threads))
         self._blocks_limiter = self._fetch_limiter if self._may_block.any() else self._decode_limiter
         self._uid, self._gid = os.getuid(), os.getgid()

@@ -194,7 +194,7 @@ def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd
     import trio
 
     from .fuse_ops import INLINE_DECODE_BYTES, KERNEL_CACHE_TIMEOUT, FanstoreOperations, PrefetchView, \
-        kernel_holds_flags
+        kernel_holds_flags, may_block_flags
 
     try:
         index = ds.index
@@ -208,14 +208,15 @@ def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd
         min_size = INLINE_DECODE_BYTES if options.prefetch_min_size is None else options.prefetch_min_size
         # Read even when no prefetcher is made: a list that is wrong is an error whatever the dataset holds.
         order_list = read_prefetch_list(index, options.prefetch_list) if options.prefetch_list else None
+        slow = may_block_flags(index, ds.reader.source)  # files another node stores: always worth fetching ahead
         # No prefetcher at all when no file is big enough to be worth one: each open would only look for work.
-        if options.prefetch > 0 and bool((index.entries["stored_len"] >= min_size).any()):
-            prefetcher = Prefetcher(PrefetchView(cache, kernel_holds), FileOrder(index, order_list, min_size),
+        if options.prefetch > 0 and bool(((index.entries["stored_len"] >= min_size) | slow).any()):
+            prefetcher = Prefetcher(PrefetchView(cache, kernel_holds), FileOrder(index, order_list, min_size, slow),
                                     options.prefetch, options.prefetch_threads or cores)
         operations = FanstoreOperations(
             index, cache, prefetcher, options.decode_threads or 2 * cores, keep_cache=options.keep_cache,
             timeout=options.kernel_timeout if options.kernel_timeout is not None else KERNEL_CACHE_TIMEOUT,
-            kernel_holds=kernel_holds, source=ds.reader.source)
+            kernel_holds=kernel_holds, source=ds.reader.source, may_block=slow)
         if options.fast_session_loop:
             install_fast_session_loop()
         fuse_options = set(pyfuse3.default_options) | {"ro", "fsname=fanstore", "subtype=fanstore"}

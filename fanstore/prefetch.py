@@ -29,13 +29,18 @@ class FileOrder:
     """For an entry, the next `count` entries after it (in the list, else in its directory), keeping the files
     worth decoding ahead, as cache keys: a file stored in blocks is decoded ahead by its first block only."""
 
-    def __init__(self, index: Index, prefetch_list: list[int] | None = None, min_stored_bytes: int = 0) -> None:
+    def __init__(self, index: Index, prefetch_list: list[int] | None = None, min_stored_bytes: int = 0,
+                 slow: np.ndarray | None = None) -> None:
         self._index = index
         entries = index.entries
-        # Worth decoding ahead: regular files whose blob is at least min_stored_bytes. Smaller ones decode on the
-        # reader's own request faster than a prefetch thread can be handed them (see fuse_ops.INLINE_DECODE_BYTES).
+        # Worth decoding ahead: regular files whose blob is at least min_stored_bytes, or whose blob is slow to come
+        # (`slow`: from another node). Smaller local ones decode on the reader's own request faster than a prefetch
+        # thread can be handed them (see fuse_ops.INLINE_DECODE_BYTES); a remote one waits on the network.
+        large_or_slow = entries["stored_len"] >= min_stored_bytes
+        if slow is not None:
+            large_or_slow = large_or_slow | slow
         self._worth_prefetching = (((entries["mode"] & 0o170000) == stat.S_IFREG) & (entries["size"] > 0)
-                                   & (entries["stored_len"] >= min_stored_bytes))
+                                   & large_or_slow)
         self._list = np.asarray(prefetch_list if prefetch_list is not None else [], dtype=np.int64)
         self._position = np.full(len(entries), -1, dtype=np.int64)
         # A path listed twice keeps its first position.

@@ -330,7 +330,8 @@ class PeerTransport:
         if not done:
             return False
         finished = set(done)
-        callbacks = [(self._on_complete[i], statuses[i]) for i in done]
+        # MPI_Testsome fills statuses in completion order: the k-th status is that of request done[k].
+        callbacks = [(self._on_complete[i], statuses[k]) for k, i in enumerate(done)]
         for i in done:
             self._send_deadlines.pop(id(self._requests[i]), None)
         self._requests = [r for i, r in enumerate(self._requests) if i not in finished]
