@@ -126,6 +126,7 @@ sys.exit(1 if differ else 0)
 def _demo_serve(dataset: Path, workdir: Path, source: Path) -> list[str]:
     """Serve the dataset with two ranks on this machine, as on two nodes: each stages its share, mounts the whole
     dataset and checks every file through it; the job's counters show what came from where."""
+    import importlib.util
     import shutil
     import subprocess
     import sys
@@ -134,11 +135,10 @@ def _demo_serve(dataset: Path, workdir: Path, source: Path) -> list[str]:
 
     mpiexec = Path(sys.executable).with_name("mpiexec")
     mpiexec_path = str(mpiexec) if mpiexec.exists() else shutil.which("mpiexec")
-    try:
-        import mpi4py  # noqa: F401
-        reason = fuse_unavailable_reason() or (None if mpiexec_path else "no mpiexec on PATH")
-    except ImportError:
+    if importlib.util.find_spec("mpi4py") is None:  # found, not imported: the ranks import it, this process not
         reason = "mpi4py is not installed (pip install 'fanstore[mpi]' mpich)"
+    else:
+        reason = fuse_unavailable_reason() or (None if mpiexec_path else "no mpiexec on PATH")
     if reason is not None:
         print(f"\nskipping fanstore serve: {reason}")
         return []
