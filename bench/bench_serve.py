@@ -1,0 +1,835 @@
+"""bench_serve: under `mpiexec -n 3 fanstore serve` on this one machine, how fast is a dataset staged, and how fast
+does each rank read files stored on itself, on every rank (replicated) and on another rank, beside a plain
+directory and the Python API, and what do the ranks cost when idle?
+
+One run, one table (and a staging table): three datasets, each packed with a chunk size that makes chunks
+outnumber the ranks many times over, with val/ replicated (--replicate 'val/**'):
+
+  demo      fanstore's demo training set (fanstore/demo_data.py, scale 1; codec zstd-dict:9, as `fanstore demo`);
+  128 KiB   generated files of 128 KiB in train/ and val/ (codec lz4, bytes as bench_read makes them);
+  4 KiB     generated files of 4 KiB, likewise.
+
+The epoch. Every file with a blob is read once per mount, in one order that every rank follows: the replicated
+files, then the files stored on rank 0, on rank 1, on rank 2 (placement.place(index, 3)), each group shuffled
+(seeded). For rank r the group of rank r is its local files and the two other groups its remote files; the
+order is also the --prefetch-list, so prefetch follows the reader exactly. One rank reads at a time (one reader
+process, open + read all + close per file), the other ranks serving it, as they would another node; its
+`user.fanstore.stats` counters are read before and after, to check each read came from where the placement says.
+
+Ways of reading, each the same epoch, split the same way for each rank:
+
+  plain            the original directory, warm in the page cache: the ceiling of any reader;
+  api              fanstore.open_dataset(DEST).read(path), DEST warm: no FUSE, no peers;
+  prefetch off     a fresh job, `fanstore serve ... --prefetch 0`;
+  prefetch-list    a fresh job, `fanstore serve ... --prefetch-list EPOCH` (its defaults: 8 files ahead, 8 threads).
+
+Each job gets fresh mounts, so every read through a mount is a first read (the mounts keep the kernel's page cache).
+The first job of each placement stages from scratch, with the page cache dropped first (echo 3 >
+/proc/sys/vm/drop_caches, as root) so DEST is read from disk; its --stats give each rank's staging seconds and the
+bytes read from DEST, compared with `cp -r DEST/chunks` into a fresh directory on the same file system, then an
+fsync of each copy (staging fsyncs each chunk file), also from a dropped cache. The second job finds every chunk
+verified in its local directory. Once every rank is mounted, before any read, each rank's CPU time
+(/proc/PID/stat utime + stime, all its threads) is sampled over a few seconds of idling.
+
+Placement: 'taskset -c 0' = mpiexec, every rank and the reader on CPU 0; 'unpinned' = both CPUs, the scheduler's
+choice. Every figure is one run: on this 2-CPU virtual machine runs vary by up to 30%.
+
+Usage: python bench/bench_serve.py [--quick] [--pinned-only] [--cache DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import multiprocessing.pool
+import os
+import platform
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+sys.path.insert(0, str(REPO))  # measure this checkout, not some installed fanstore
+
+from bench_read import PINNED, UNPINNED, Placement, back_memory, file_bytes, print_table, warm  # noqa: E402
+from machine_load import OtherLoad, wait_for_quiet  # noqa: E402
+
+from fanstore.format import CHUNK_HEADER_LEN, NO_CHUNK  # noqa: E402
+from fanstore.mount import fuse_mounted_at, fuse_unavailable_reason  # noqa: E402
+
+KIB, MIB = 1024, 1 << 20
+RANKS = 3
+MPIEXEC_BESIDE_PYTHON = Path(sys.executable).parent / "mpiexec"
+GENERATED = {  # label: (file size, train files, val files, chunk size)
+    "128 KiB": (128 * KIB, 1500, 150, 1 * MIB),
+    "4 KiB": (4 * KIB, 3000, 300, 64 * KIB),
+}
+QUICK_DIVISOR = 5
+MIN_FILES = 10  # per group of the epoch, when --quick reads only part of the demo's
+GENERATED_CODEC = "lz4"
+GENERATED_VERSION = "bench_serve files v1"
+DEMO_LABEL, DEMO_SCALE, DEMO_CHUNK_SIZE = "demo", 1, 128 * KIB
+REPLICATE = "val/**"
+FILES_PER_DIR = 1000
+SEED = 20240611
+IDLE_SECONDS, QUICK_IDLE_SECONDS = 5.0, 3.0
+IDLE_SETTLE = 1.0  # seconds after every rank is mounted before idle CPU is sampled
+READY_TIMEOUT = 600.0  # seconds for staging and mounting
+STOP_TIMEOUT = 120.0  # seconds for a job to unmount and print its --stats after SIGTERM
+QUIET_BUSY, QUIET_MAX_WAIT = 0.10, 5.0  # before each timing: wait until the CPUs are < 10% busy (at most 5 s)
+NOISY_OTHERS = 0.10  # other processes' CPU use (cores) above which a row is flagged as disturbed
+BACKED_SLACK = 256 * MIB  # memory touched before each timing beyond twice the files' bytes (bench_read.back_memory)
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+STATS_XATTR = "user.fanstore.stats"
+CLASSES = ("local", "replicated", "remote")
+
+TARGET_DATASET = "128 KiB"
+TARGET_REMOTE_OFF = 0.70  # remote files/s as a share of local files/s, --prefetch 0
+TARGET_REMOTE_LIST = 0.90  # the same with --prefetch-list
+TARGET_IDLE = 0.05  # of a core, per rank
+
+CONFIGS = (("prefetch off", ("--prefetch", "0")), ("prefetch-list", ("--prefetch-list",)))
+STAGING_LINE = re.compile(r"^  staging: (?P<dest>.+?) from DEST, (?P<peers>.+?) from peers, .+? reused, "
+                          r"(?P<seconds>[\d.]+) s", re.M)
+TOTALS_LINE = re.compile(r"^job \(\d+ ranks\): .*bytes read from DEST: .* staging \((?P<staging>\d+) B\), "
+                         r".* during the epochs \((?P<epochs>\d+) B\)", re.M)
+
+
+_STARTED = time.monotonic()
+
+
+def progress(message: str) -> None:
+    print(f"{time.monotonic() - _STARTED:6.1f} s  {message}", file=sys.stderr, flush=True)
+
+
+# --- inputs ------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class DataSet:
+    label: str
+    src: Path  # the plain directory
+    dest: Path  # the packed dataset
+    codec: str
+    chunk_size: int
+    segments: tuple[tuple[str, tuple[str, ...]], ...]  # the epoch: ("replicated" | "rank R", paths), in order
+    raw_bytes: int  # of the files in the epoch
+    chunk_bytes: int  # of every chunk file: what staging must read from DEST, once
+    chunks: int
+    replicated_chunks: int
+    split_pieces: int  # pieces that start inside a chunk: staged with that chunk's 32-byte header too
+    staging_expected: int  # placement.staging_read_bytes()
+    local_dir_bytes: int  # what the ranks' local directories hold together (replicated chunks on each)
+    left_out: int  # files not in the epoch: empty (no blob), or stored in blocks on several ranks
+
+    def segment_paths(self) -> list[tuple[str, ...]]:
+        return [paths for _, paths in self.segments]
+
+    def files(self) -> int:
+        return sum(len(paths) for _, paths in self.segments)
+
+
+def run(command: Sequence[str | Path], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([str(c) for c in command], capture_output=True, text=True, **kwargs)
+    if done.returncode != 0:
+        raise SystemExit(f"bench_serve: {' '.join(map(str, command))} failed: {done.stderr.strip()[-500:]}")
+    return done
+
+
+def fanstore_pack(src: Path, dest: Path, codec: str, chunk_size: int) -> None:
+    run([sys.executable, "-m", "fanstore", "pack", src, dest, "--codec", codec, "--chunk-size", str(chunk_size),
+         "--replicate", REPLICATE, "--quiet", "--force"], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def build_generated(cache: Path, label: str, size: int, train: int, val: int, chunk_size: int) -> tuple[Path, Path]:
+    """Files of one size in train/ and val/, and their dataset: made once, reused while the marker matches."""
+    base = cache / f"serve-{size}-{train}-{val}-{chunk_size}"
+    src, dest, marker = base / "files", base / "dataset", base / "complete"
+    if not marker.exists() or marker.read_text() != f"{GENERATED_VERSION} {GENERATED_CODEC}\n":
+        progress(f"[{label}] generating {train + val:,} files into {base} (once) ...")
+        shutil.rmtree(base, ignore_errors=True)
+        rng = np.random.default_rng(size * 7919 + train)
+        for group, count in (("train", train), ("val", val)):
+            for i in range(count):
+                path = src / group / f"d{i // FILES_PER_DIR:03d}" / f"f{i:06d}.bin"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(file_bytes(rng, size))
+                os.utime(path, ns=(1_700_000_000 * 10**9,) * 2)
+        fanstore_pack(src, dest, GENERATED_CODEC, chunk_size)
+        marker.write_text(f"{GENERATED_VERSION} {GENERATED_CODEC}\n")
+    return src, dest
+
+
+def build_demo(cache: Path) -> tuple[Path, Path, str]:
+    """The demo training set and its dataset, packed as `fanstore demo` packs it but in small chunks."""
+    from fanstore.demo import DEMO_CODEC
+    from fanstore.demo_data import build_demo_tree
+
+    base = cache / f"serve-demo-{DEMO_SCALE}-{DEMO_CHUNK_SIZE}"
+    src, dest, marker = base / "files", base / "dataset", base / "complete"
+    if not marker.exists() or marker.read_text() != f"{GENERATED_VERSION} {DEMO_CODEC}\n":
+        progress(f"[{DEMO_LABEL}] building the demo training set into {base} (once) ...")
+        shutil.rmtree(base, ignore_errors=True)
+        build_demo_tree(src, scale=DEMO_SCALE)
+        fanstore_pack(src, dest, DEMO_CODEC, DEMO_CHUNK_SIZE)
+        marker.write_text(f"{GENERATED_VERSION} {DEMO_CODEC}\n")
+    return src, dest, DEMO_CODEC
+
+
+def describe(label: str, src: Path, dest: Path, codec: str, chunk_size: int, divisor: int = 1) -> DataSet:
+    """The epoch and the staging expectations of a packed dataset, from its index and its 3-rank placement; with
+    `divisor`, the epoch reads that share of each group (--quick on a dataset it does not generate)."""
+    from fanstore.format import FLAG_BLOCKED
+    from fanstore.index import Index
+    from fanstore.serve.placement import NO_OWNER, place
+
+    index = Index.load(dest)
+    placement = place(index, RANKS)
+    entries = index.entries
+    replicated = set(placement.replicated_chunks)
+    groups: dict[str, list[str]] = {"replicated": [], **{f"rank {r}": [] for r in range(RANKS)}}
+    raw_bytes = left_out = 0
+    for entry in index.iter_files():
+        if int(entries["chunk"][entry]) == NO_CHUNK:
+            left_out += 1
+            continue
+        if entries["flags"][entry] & FLAG_BLOCKED:
+            rows = index.block_rows(entry)
+            blobs = list(zip(index.blocks["chunk"][rows.start:rows.stop].tolist(),
+                             index.blocks["offset"][rows.start:rows.stop].tolist()))
+        else:
+            blobs = [(int(entries["chunk"][entry]), int(entries["offset"][entry]))]
+        owners = {NO_OWNER if chunk in replicated else placement.owner(chunk, offset) for chunk, offset in blobs}
+        if len(owners) != 1:
+            left_out += 1
+            continue
+        owner = owners.pop()
+        groups["replicated" if owner == NO_OWNER else f"rank {owner}"].append(index.path_of(entry))
+    rng = random.Random(SEED)
+    for name, paths in groups.items():
+        rng.shuffle(paths)
+        del paths[max(min(len(paths), MIN_FILES), len(paths) // divisor):]
+        raw_bytes += sum(int(entries["size"][index.lookup(rel)]) for rel in paths)
+    chunk_files = sorted((dest / "chunks").iterdir())
+    pieces = [piece for rank in range(RANKS) for piece in placement.pieces(rank)]
+    return DataSet(
+        label, src, dest, codec, chunk_size, tuple((name, tuple(paths)) for name, paths in groups.items()),
+        raw_bytes, sum(p.stat().st_size for p in chunk_files), len(chunk_files), len(replicated),
+        sum(1 for piece in pieces if piece.start > 0), placement.staging_read_bytes(),
+        sum(placement.stored_bytes(rank) for rank in range(RANKS)), left_out)
+
+
+# --- readers -----------------------------------------------------------------------------------------------------
+
+_api_dataset: Any = None
+
+
+def _start_reader(dest: str | None) -> None:
+    """A reader process ends on SIGTERM as any process does (the pool's terminate); with `dest`, it opens the
+    dataset for the API before the clock starts."""
+    global _api_dataset  # one per reader process
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+    if dest is not None:
+        import fanstore
+
+        _api_dataset = fanstore.open_dataset(dest)
+
+
+def _read_segments(root: str | None, segments: list[tuple[str, ...]]) -> list[tuple[float, int]]:
+    """What a data-loader worker does per sample (open, read it all, close; or the API's read), timed per segment:
+    (seconds, bytes) of each."""
+    timings = []
+    for paths in segments:
+        total = 0
+        started = time.perf_counter()
+        if root is None:
+            for rel in paths:
+                total += len(_api_dataset.read(rel))
+        else:
+            for rel in paths:
+                with open(os.path.join(root, rel), "rb") as f:
+                    total += len(f.read())
+        timings.append((time.perf_counter() - started, total))
+    return timings
+
+
+@contextlib.contextmanager
+def reader_process(placement: Placement, api_dest: Path | None = None) -> Iterator[multiprocessing.pool.Pool]:
+    """One reader process, started before timing, placed as asked (it inherits this process's affinity)."""
+    before = os.sched_getaffinity(0)
+    if placement.cpus is not None:
+        os.sched_setaffinity(0, placement.cpus)
+    try:
+        with multiprocessing.get_context("fork").Pool(1, _start_reader, (api_dest and str(api_dest),)) as pool:
+            pool.apply(abs, (0,))  # up, and the API's dataset open
+            yield pool
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+@dataclass(slots=True)
+class Epoch:
+    """One pass of one reader over the epoch: seconds and files of each segment, what other processes used, and
+    (through a mount) the rank's read counters over the pass."""
+
+    seconds: dict[str, float]
+    files: dict[str, int]
+    others: float  # cores
+    sources: dict[str, int] = field(default_factory=dict)  # local, fetched, fallback: reads during the pass
+
+    def rate(self, segments: list[str]) -> float:
+        return sum(self.files[s] for s in segments) / sum(self.seconds[s] for s in segments)
+
+
+def timed_epoch(pool: multiprocessing.pool.Pool, root: Path | None, data: DataSet) -> Epoch:
+    wait_for_quiet(QUIET_BUSY, QUIET_MAX_WAIT)
+    back_memory(2 * data.raw_bytes + BACKED_SLACK)
+    with OtherLoad() as others:
+        started = time.perf_counter()
+        timings = pool.apply(_read_segments, (None if root is None else str(root), data.segment_paths()))
+        wall = time.perf_counter() - started
+    if os.environ.get("DBG_OTHERS"):
+        for key in others._last:
+            if key not in others._ours and others._last[key] - others._baseline.get(key, 0):
+                try:
+                    cmd = open(f"/proc/{key[0]}/cmdline").read()[:120]
+                except OSError:
+                    cmd = "gone"
+                print("OTHER", key, others._last[key] - others._baseline.get(key, 0), cmd, file=sys.stderr)
+    names = [name for name, _ in data.segments]
+    expected = [sum((data.src / rel).stat().st_size for rel in paths) for _, paths in data.segments]
+    if [total for _, total in timings] != expected:
+        raise SystemExit(f"bench_serve: [{data.label}] read {[t for _, t in timings]} bytes by segment "
+                         f"from {root or 'the API'}, expected {expected}")
+    return Epoch({name: seconds for name, (seconds, _) in zip(names, timings)},
+                 {name: len(paths) for name, paths in data.segments}, others.cpu_seconds / wall)
+
+
+def class_segments(rank: int) -> dict[str, list[str]]:
+    """The epoch's segments that are, for `rank`, its local, replicated and remote files."""
+    return {"local": [f"rank {rank}"], "replicated": ["replicated"],
+            "remote": [f"rank {r}" for r in range(RANKS) if r != rank]}
+
+
+# --- the job -----------------------------------------------------------------------------------------------------
+
+def mpiexec_command() -> str | None:
+    return str(MPIEXEC_BESIDE_PYTHON) if MPIEXEC_BESIDE_PYTHON.exists() else shutil.which("mpiexec")
+
+
+def cpu_ticks(pid: int) -> int:
+    """utime + stime of a process, every thread of it, in clock ticks."""
+    with open(f"/proc/{pid}/stat") as stat_file:
+        text = stat_file.read()
+    fields = text[text.rindex(")") + 2 :].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids of processes whose command line holds `text` (this bench's work directory: ranks, watchdogs)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline and int(pid) != os.getpid():
+            found.append(int(pid))
+    return found
+
+
+@dataclass(slots=True)
+class JobReport:
+    """What one job's --stats said: each rank's staging seconds and bytes from DEST, and the job's totals."""
+
+    staging_seconds: list[float]
+    staging_dest: list[str]
+    staging_bytes: int  # read from DEST while staging, the whole job
+    epoch_bytes: int  # read from DEST after staging (fallback reads), the whole job
+    idle_cpu: list[float] = field(default_factory=list)  # share of a core, per rank
+
+
+class ServeJob:
+    """`mpiexec -n 3 fanstore serve DEST MP{rank} --local-dir LOCAL{rank} --stats` without a command, in a session
+    of its own; whatever happens, on exit the session is gone, the mounts are gone, and so is every process that
+    names the work directory (the ranks' watchdogs)."""
+
+    def __init__(self, data: DataSet, workdir: Path, placement: Placement, options: Sequence[str], name: str) -> None:
+        self.workdir = workdir
+        self.mountpoints = [workdir / f"mp{rank}" for rank in range(RANKS)]
+        for mountpoint in self.mountpoints:
+            mountpoint.mkdir(exist_ok=True)
+        self.log = workdir / f"{name}.log"
+        self.out = workdir / f"{name}.out"
+        argv = [str(mpiexec_command()), "-n", str(RANKS), sys.executable, "-m", "fanstore", "serve", str(data.dest),
+                str(workdir / "mp{rank}"), "--local-dir", str(workdir / "local{rank}"), "--stats", "--quiet",
+                *options]
+        with open(self.out, "wb") as out, open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(placement.wrap(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=log,
+                                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                                         start_new_session=True)
+        self.tree: dict[int, int] = {}  # the job's processes once every rank is up: pid -> start time
+
+    def __enter__(self) -> "ServeJob":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def ready_files(self) -> list[Path]:
+        return [mountpoint.with_name(mountpoint.name + ".ready") for mountpoint in self.mountpoints]
+
+    def wait_ready(self) -> list[int]:
+        """Wait until every rank is mounted; the pid of each rank's serving process (line 2 of its ready file)."""
+        deadline = time.monotonic() + READY_TIMEOUT
+        while not all(f.exists() for f in self.ready_files()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"bench_serve: the job did not mount on every rank (exit {self.proc.poll()}): "
+                                 f"{self.log.read_text()[-1500:]}")
+            time.sleep(0.05)
+        self.tree = process_tree(self.proc.pid)
+        return [int(f.read_text().split()[1]) for f in self.ready_files()]
+
+    def stop(self) -> JobReport:
+        """SIGTERM to the job's session, as a batch system ends a job; the --stats it prints as it ends."""
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            raise SystemExit(f"bench_serve: the job did not end within {STOP_TIMEOUT:g} s of SIGTERM") from None
+        out = self.out.read_text()
+        totals = TOTALS_LINE.search(out)
+        blocks = [block for block in re.split(r"^(?=rank \d+ )", out, flags=re.M) if block.startswith("rank ")]
+        staging = {int(block.split()[1]): STAGING_LINE.search(block) for block in blocks}
+        if self.proc.returncode != 0 or totals is None or sorted(staging) != list(range(RANKS)) \
+                or not all(staging.values()):
+            raise SystemExit(f"bench_serve: the job ended with {self.proc.returncode} and no --stats totals:\n{out}"
+                             f"\n{self.log.read_text()[-1500:]}")
+        return JobReport([float(staging[r]["seconds"]) for r in range(RANKS)],
+                         [staging[r]["dest"] for r in range(RANKS)], int(totals["staging"]), int(totals["epochs"]))
+
+    def close(self) -> None:
+        """End whatever is left of the job: mpiexec gets SIGTERM (it passes it on to the ranks), then every process
+        it started (hydra's proxy and each rank run in sessions of their own) is killed by pid; the mounts are
+        removed, and the ranks' watchdogs, which end once their rank is gone, are waited for."""
+        started = dict(self.tree)
+        if self.proc.poll() is None:  # not reaped yet, so the pid is still mpiexec's
+            started.update(process_tree(self.proc.pid))
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        for pid, start in started.items():
+            if process_start(pid) == start:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.wait()
+        unmount_all(self.mountpoints)
+        deadline = time.monotonic() + 10
+        while (left := processes_mentioning(str(self.workdir))) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for pid in left:  # would be watchdogs stuck on something: ours, started by this job's ranks
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for ready in self.ready_files():
+            ready.unlink(missing_ok=True)
+
+
+def process_start(pid: int) -> int | None:
+    """A process's start time (clock ticks after boot), which tells it from a later process given the same pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat_file:
+            text = stat_file.read()
+    except OSError:
+        return None
+    return int(text[text.rindex(")") + 2 :].split()[19])
+
+
+def process_tree(root: int) -> dict[int, int]:
+    """`root` and every process below it, pid -> start time."""
+    children: dict[int, list[int]] = {}
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/stat") as stat_file:
+                text = stat_file.read()
+        except OSError:
+            continue
+        children.setdefault(int(text[text.rindex(")") + 2 :].split()[1]), []).append(int(name))
+    tree, pending = [root], [root]
+    while pending:
+        for child in children.get(pending.pop(), []):
+            tree.append(child)
+            pending.append(child)
+    return {pid: start for pid in tree if (start := process_start(pid)) is not None}
+
+
+def unmount_all(mountpoints: Sequence[Path]) -> None:
+    for mountpoint in mountpoints:
+        if fuse_mounted_at(mountpoint):
+            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
+
+
+def mounted_under(directory: Path) -> list[Path]:
+    """FUSE mounts at or below `directory`, from /proc/self/mountinfo."""
+    found = []
+    with open("/proc/self/mountinfo") as mountinfo:
+        for line in mountinfo:
+            fields = line.split()
+            where = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])
+            fs_type = fields[fields.index("-") + 1]
+            if fs_type.startswith("fuse") and (where == str(directory) or where.startswith(f"{directory}/")):
+                found.append(Path(where))
+    return found
+
+
+def source_counts(mountpoint: Path) -> dict[str, int]:
+    """The rank's reads so far by where their blobs came from: its local directory, its peers, DEST."""
+    source = json.loads(os.getxattr(mountpoint, STATS_XATTR))["source"]
+    return {"local": source["local"], "fetched": sum(peer["fetched"] for peer in source["peers"].values()),
+            "fallback": source["fallback"]}
+
+
+def idle_cpu(pids: list[int], seconds: float) -> list[float]:
+    """Each process's CPU use over `seconds` of wall time, as a share of one core."""
+    time.sleep(IDLE_SETTLE)
+    before = [cpu_ticks(pid) for pid in pids]
+    started = time.monotonic()
+    time.sleep(seconds)
+    after = [cpu_ticks(pid) for pid in pids]
+    wall = time.monotonic() - started
+    return [(b - a) / os.sysconf("SC_CLK_TCK") / wall for a, b in zip(before, after)]
+
+
+def drop_caches() -> bool:
+    """Empty the page cache (root only); False when it could not be done."""
+    os.sync()
+    try:
+        DROP_CACHES.write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+# --- measuring ---------------------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Run:
+    """Everything measured for one dataset under one placement."""
+
+    data: DataSet
+    placement: str
+    epochs: dict[str, list[Epoch]] = field(default_factory=dict)  # way of reading -> one Epoch per rank
+    jobs: dict[str, JobReport] = field(default_factory=dict)  # config -> its job's report
+    copy_seconds: tuple[float, float] = (0.0, 0.0)  # cp alone, cp then fsync of each copy
+    cold: bool = False  # the page cache was dropped before staging and before cp
+
+
+def copy_chunks(data: DataSet, workdir: Path) -> tuple[float, float, bool]:
+    """Seconds to `cp -r DEST/chunks` into a fresh directory on this file system, and to fsync every copy after."""
+    target = workdir / "cp-chunks"
+    shutil.rmtree(target, ignore_errors=True)
+    cold = drop_caches()
+    started = time.perf_counter()
+    run(["cp", "-r", data.dest / "chunks", target])
+    copied = time.perf_counter() - started
+    for path in sorted(target.iterdir()):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    synced = time.perf_counter() - started
+    shutil.rmtree(target)
+    return copied, synced, cold
+
+
+def serve_epochs(data: DataSet, workdir: Path, placement: Placement, config: str, options: Sequence[str],
+                 idle_seconds: float | None) -> tuple[list[Epoch], JobReport]:
+    """One fresh job: (idle CPU,) each rank's epoch through its own mount, one rank at a time; its --stats."""
+    with ServeJob(data, workdir, placement, options, f"{data.label.replace(' ', '')}-{config}") as job:
+        progress(f"[{data.label}, {placement.label}] {config}: starting the job ...")
+        pids = job.wait_ready()
+        if idle_seconds:
+            progress(f"[{data.label}, {placement.label}] {config}: every rank mounted; idle CPU ...")
+        idle = idle_cpu(pids, idle_seconds) if idle_seconds else []
+        epochs = []
+        for rank, mountpoint in enumerate(job.mountpoints):
+            progress(f"[{data.label}, {placement.label}] {config}: rank {rank} reads ...")
+            with reader_process(placement) as pool:
+                before = source_counts(mountpoint)
+                epoch = timed_epoch(pool, mountpoint, data)
+                after = source_counts(mountpoint)
+            epoch.sources = {key: after[key] - before[key] for key in after}
+            epochs.append(epoch)
+        progress(f"[{data.label}, {placement.label}] {config}: stopping the job ...")
+        report = job.stop()
+    report.idle_cpu = idle
+    return epochs, report
+
+
+def measure(data: DataSet, workdir: Path, placement: Placement, idle_seconds: float, epoch_list: Path) -> Run:
+    result = Run(data, placement.label)
+    progress(f"[{data.label}, {placement.label}] cp of the chunk files ...")
+    copied, synced, cold = copy_chunks(data, workdir)
+    result.copy_seconds = (copied, synced)
+    progress(f"[{data.label}, {placement.label}] plain and api ...")
+    warm(data.src)
+    with reader_process(placement) as pool:
+        result.epochs["plain"] = [timed_epoch(pool, data.src, data)]
+    warm(data.dest)
+    with reader_process(placement, api_dest=data.dest) as pool:
+        result.epochs["api"] = [timed_epoch(pool, None, data)]
+    for rank in range(RANKS):
+        shutil.rmtree(workdir / f"local{rank}", ignore_errors=True)
+    for number, (config, options) in enumerate(CONFIGS):
+        if number == 0:
+            result.cold = drop_caches() and cold  # staging reads DEST from disk, as it would a shared file system
+        if config == "prefetch-list":
+            options = (*options, str(epoch_list))
+        epochs, report = serve_epochs(data, workdir, placement, config, options,
+                                      idle_seconds if number == 0 else None)
+        result.epochs[config] = epochs
+        result.jobs[config] = report
+    return result
+
+
+# --- report ------------------------------------------------------------------------------------------------------
+
+def sources_as_placed(epoch: Epoch, data: DataSet, rank: int) -> str:
+    """Whether the rank's reads came from where the placement says: local and replicated files from its directory,
+    remote ones from peers (once each), none from DEST."""
+    files = {name: len(paths) for name, paths in data.segments}
+    local = sum(files[s] for s in class_segments(rank)["local"] + class_segments(rank)["replicated"])
+    remote = sum(files[s] for s in class_segments(rank)["remote"])
+    got = epoch.sources
+    if got == {"local": local, "fetched": remote, "fallback": 0}:
+        return "yes"
+    return f"NO: {got['local']} local/{local}, {got['fetched']} fetched/{remote}, {got['fallback']} from DEST"
+
+
+def epoch_rows(runs: list[Run]) -> list[list[str]]:
+    rows = []
+    for result in runs:
+        for way, epochs in result.epochs.items():
+            for rank in range(RANKS):
+                epoch = epochs[rank] if len(epochs) == RANKS else epochs[0]
+                classes = class_segments(rank)
+                local, replicated, remote = (epoch.rate(classes[c]) for c in CLASSES)
+                megabytes = result.data.raw_bytes / 1e6 / sum(epoch.seconds.values())
+                checked = sources_as_placed(epoch, result.data, rank) if epoch.sources else ""
+                flag = " !" if epoch.others > NOISY_OTHERS else ""
+                rows.append([result.data.label, result.placement, way, str(rank), f"{local:,.0f}",
+                             f"{replicated:,.0f}", f"{remote:,.0f}", f"{remote / local:.0%}", f"{megabytes:,.0f}",
+                             f"{epoch.others:.2f}{flag}", checked])
+    return rows
+
+
+def staging_ok(result: Run) -> tuple[bool, str]:
+    data, report = result.data, result.jobs[CONFIGS[0][0]]
+    ceiling = data.chunk_bytes + CHUNK_HEADER_LEN * data.split_pieces
+    ok = report.staging_bytes == data.staging_expected and data.chunk_bytes <= report.staging_bytes <= ceiling
+    return ok, (f"{report.staging_bytes:,} B read for {data.chunk_bytes:,} B of chunk files + "
+                f"{data.split_pieces} split-piece headers (at most {ceiling:,} B; placement expects "
+                f"{data.staging_expected:,} B)")
+
+
+def staging_rows(runs: list[Run]) -> list[list[str]]:
+    rows = []
+    for result in runs:
+        data = result.data
+        first, second = (result.jobs[config] for config, _ in CONFIGS)
+        seconds = max(first.staging_seconds)
+        rate = f"{data.chunk_bytes / 1e6 / seconds:,.0f}" if seconds > 0 else "> " + \
+            f"{data.chunk_bytes / 1e6 / 0.05:,.0f} (< 0.05 s)"
+        copied, synced = result.copy_seconds
+        ok, _ = staging_ok(result)
+        epoch_bytes = "/".join(f"{result.jobs[config].epoch_bytes:,}" for config, _ in CONFIGS)
+        rows.append([data.label, result.placement, f"{data.files():,}", f"{data.chunks} ({data.replicated_chunks} r)",
+                     f"{data.chunk_bytes / 1e6:,.1f}", f"{data.local_dir_bytes / 1e6:,.1f}",
+                     " ".join(f"{s:.1f}" for s in first.staging_seconds), rate,
+                     f"{data.chunk_bytes / 1e6 / copied:,.0f}", f"{data.chunk_bytes / 1e6 / synced:,.0f}",
+                     f"{first.staging_bytes:,}" + (" ok" if ok else " FAIL"), f"{second.staging_bytes:,}",
+                     epoch_bytes, " ".join(f"{c:.1%}" for c in first.idle_cpu)])
+    return rows
+
+
+def aggregate_ratio(result: Run, config: str) -> float:
+    """Remote files/s over local files/s of a job's epochs, every rank's files and seconds summed."""
+    epochs = result.epochs[config]
+    totals = {}
+    for name in ("local", "remote"):
+        files = sum(epochs[r].files[s] for r in range(RANKS) for s in class_segments(r)[name])
+        seconds = sum(epochs[r].seconds[s] for r in range(RANKS) for s in class_segments(r)[name])
+        totals[name] = files / seconds
+    return totals["remote"] / totals["local"]
+
+
+def target_lines(runs: list[Run]) -> list[str]:
+    lines = []
+    for result in runs:
+        where = f"{result.data.label:>7}, {result.placement:<12}"
+        if result.data.label == TARGET_DATASET:
+            for config, target in (("prefetch off", TARGET_REMOTE_OFF), ("prefetch-list", TARGET_REMOTE_LIST)):
+                ratio = aggregate_ratio(result, config)
+                lines.append(f"{'PASS' if ratio >= target else 'FAIL'}  remote >= {target:.0%} of local files/s, "
+                             f"{config:<13}  {where}: {ratio:.0%} (every rank's files and seconds summed)")
+        epoch_bytes = [result.jobs[config].epoch_bytes for config, _ in CONFIGS]
+        lines.append(f"{'PASS' if not any(epoch_bytes) else 'FAIL'}  0 B from DEST during the epochs "
+                     f"               {where}: {' and '.join(f'{b:,} B' for b in epoch_bytes)} (both jobs)")
+        ok, detail = staging_ok(result)
+        lines.append(f"{'PASS' if ok else 'FAIL'}  each stored byte read from DEST once        {where}: {detail}")
+        idle = result.jobs[CONFIGS[0][0]].idle_cpu
+        lines.append(f"{'PASS' if max(idle) <= TARGET_IDLE else 'FAIL'}  idle CPU per rank <= {TARGET_IDLE:.0%} of a "
+                     f"core              {where}: {', '.join(f'{c:.1%}' for c in idle)}")
+    return lines
+
+
+def machine_lines() -> list[str]:
+    with open("/proc/cpuinfo") as cpuinfo:
+        model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
+    with open("/proc/meminfo") as meminfo:
+        memory = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemTotal:"))
+    return [f"machine: {os.cpu_count()} CPUs ({model}), this process may use {sorted(os.sched_getaffinity(0))}; "
+            f"{memory / 2**30:.1f} GiB memory; Linux {platform.release()}, Python {platform.python_version()}"]
+
+
+def print_report(runs: list[Run], idle_seconds: float, notes: list[str]) -> None:
+    import mpi4py
+    from mpi4py import MPI
+
+    print()
+    print("bench_serve: `mpiexec -n 3 fanstore serve DEST MP{rank} --local-dir LOCAL{rank} --stats` on one machine, "
+          "each rank with its own mount; one rank reads the whole epoch at a time while the others serve it")
+    for line in machine_lines():
+        print(line)
+    print(f"MPI: {MPI.Get_library_version().splitlines()[0].strip()}, mpi4py {mpi4py.__version__}, "
+          f"mpiexec {mpiexec_command()}")
+    print("placement: 'taskset -c 0' = mpiexec, every rank and the reader on CPU 0; 'unpinned' = both CPUs, the "
+          "scheduler's choice. One run per figure: on this 2-CPU VM runs vary by up to 30%")
+    for result in runs[:: max(1, len({r.placement for r in runs}))]:
+        data = result.data
+        print(f"{data.label}: {data.files():,} files in the epoch ({sum(len(p) for n, p in data.segments if n == 'replicated'):,} "
+              f"replicated; rank 0/1/2 store {'/'.join(str(len(p)) for n, p in data.segments if n != 'replicated')}), "
+              f"{data.raw_bytes / 1e6:,.1f} MB, codec {data.codec}, --chunk-size {data.chunk_size // KIB} KiB: "
+              f"{data.chunks} chunks, {data.chunk_bytes / 1e6:,.1f} MB"
+              + (f"; {data.left_out} file(s) left out (empty)" if data.left_out else ""))
+    for note in notes:
+        print(f"note: {note}")
+    print()
+    print("epochs: files/s of open + read all + close per file (api: Dataset.read), one reader process; local = "
+          "files stored on this rank, replicated = val/ (on every rank), remote = stored on the other two ranks; "
+          "every read through a mount is its first (fresh job per way); MB/s = whole epoch; others = cores other "
+          f"processes used meanwhile ('!' above {NOISY_OTHERS}); as placed = the rank's counters say local and "
+          "replicated files came from its directory, remote ones from peers, none from DEST. plain and api: one "
+          "pass, split for each rank as its mount's passes are")
+    print_table(["dataset", "placement", "reader", "rank", "local files/s", "replicated", "remote", "remote/local",
+                 "MB/s", "others", "as placed"], epoch_rows(runs), left=4)
+    print()
+    print("staging (the first job, page cache dropped first" + ("" if all(r.cold for r in runs) else
+          ": NOT dropped (not root), DEST was warm") + "): seconds per rank from --stats (0.1 s resolution); MB/s = "
+          "chunk files' bytes / the slowest rank's seconds; cp = `cp -r DEST/chunks` to a fresh directory on the "
+          "same file system, +fsync = then fsync each copy; DEST B = bytes read from DEST while staging "
+          "(job totals), restart = the same in the second job (chunks verified in place); epochs B = bytes from "
+          f"DEST during each job's epochs; idle = each rank's CPU over {idle_seconds:g} s once mounted, before any read")
+    print_table(["dataset", "placement", "files", "chunks", "stored MB", "local dirs MB", "staging s", "MB/s",
+                 "cp MB/s", "+fsync", "DEST B staging", "restart", "epochs B", "idle CPU/rank"],
+                staging_rows(runs), left=2)
+    print()
+    print("targets")
+    for line in target_lines(runs):
+        print(f"  {line}")
+
+
+# --- main --------------------------------------------------------------------------------------------------------
+
+def missing_requirements() -> list[str]:
+    missing = []
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        missing.append("mpi4py (scripts/setup installs it with the mpich wheel)")
+    if mpiexec_command() is None:
+        missing.append("mpiexec (scripts/setup installs the mpich wheel)")
+    reason = fuse_unavailable_reason()
+    if reason is not None:
+        missing.append(f"FUSE: {reason}")
+    missing += [f"{tool} (util-linux, coreutils)" for tool in ("taskset", "cp") if shutil.which(tool) is None]
+    return missing
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(f"bench_serve: signal {signum}: cleaning up")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help=f"1/{QUICK_DIVISOR} of the generated files, "
+                                                             "pinned only, a shorter idle sample")
+    parser.add_argument("--pinned-only", action="store_true", help="only the 'taskset -c 0' placement")
+    parser.add_argument("--only", help="comma-separated datasets to run: demo,128 KiB,4 KiB (development)")
+    parser.add_argument("--cache", type=Path, default=BENCH_DIR / ".cache", help="where inputs are made once")
+    args = parser.parse_args(argv)
+    missing = missing_requirements()
+    if missing:
+        print(f"bench_serve: missing {'; '.join(missing)}", file=sys.stderr)
+        return 2
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _exit_on_signal)
+    notes = []
+    if os.geteuid() != 0:
+        notes.append("not root: the page cache cannot be dropped; staging and cp read DEST warm")
+    placements = [PINNED] if args.quick or args.pinned_only else [PINNED, UNPINNED]
+    idle_seconds = QUICK_IDLE_SECONDS if args.quick else IDLE_SECONDS
+    divisor = QUICK_DIVISOR if args.quick else 1
+    cache = args.cache.resolve()
+    cache.mkdir(parents=True, exist_ok=True)
+    only = set(args.only.split(",")) if args.only else None
+    sets = []
+    if only is None or DEMO_LABEL in only:
+        src, dest, codec = build_demo(cache)
+        sets.append(describe(DEMO_LABEL, src, dest, codec, DEMO_CHUNK_SIZE, divisor))
+    for label, (size, train, val, chunk_size) in GENERATED.items():
+        if only is None or label in only:
+            src, dest = build_generated(cache, label, size, train // divisor, val // divisor, chunk_size)
+            sets.append(describe(label, src, dest, GENERATED_CODEC, chunk_size))
+    runs = []
+    workdir = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    try:
+        for data in sets:
+            epoch_list = workdir / f"epoch-{data.label.replace(' ', '')}.txt"
+            epoch_list.write_text("".join(f"{rel}\n" for paths in data.segment_paths() for rel in paths))
+            for placement in placements:
+                runs.append(measure(data, workdir, placement, idle_seconds, epoch_list))
+    finally:
+        left = mounted_under(workdir)
+        unmount_all(left)
+        for pid in processes_mentioning(str(workdir)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if mounted_under(workdir):
+            print(f"bench_serve: mounts left under {workdir}; not removing it", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print_report(runs, idle_seconds, notes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
