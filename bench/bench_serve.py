@@ -16,6 +16,10 @@ order is also the --prefetch-list, so prefetch follows the reader exactly. One r
 process, open + read all + close per file), the other ranks serving it, as they would another node; its
 `user.fanstore.stats` counters are read before and after, to check each read came from where the placement says.
 
+Beside each rank's files/s: wall milliseconds per file, and the CPU milliseconds per file that the reading rank's
+process used (local files) and that it and the two serving ranks used (remote files), sampled from /proc at each
+group's start and end: where a remote read's time goes, waiting or working.
+
 Ways of reading, each the same epoch, split the same way for each rank:
 
   plain            the original directory, warm in the page cache: the ceiling of any reader;
@@ -31,8 +35,13 @@ fsync of each copy (staging fsyncs each chunk file), also from a dropped cache. 
 verified in its local directory. Once every rank is mounted, before any read, each rank's CPU time
 (/proc/PID/stat utime + stime, all its threads) is sampled over a few seconds of idling.
 
-Placement: 'taskset -c 0' = mpiexec, every rank and the reader on CPU 0; 'unpinned' = both CPUs, the scheduler's
-choice. Every figure is one run: on this 2-CPU virtual machine runs vary by up to 30%.
+Placement: 'taskset -c 0' = mpiexec, every rank, the reader and cp on CPU 0; 'unpinned' = both CPUs, the
+scheduler's choice. Every figure is one run: on this 2-CPU virtual machine runs vary by up to 30%. Targets are
+printed last, PASS or FAIL. --quick: 1/5 of the generated files, 1/5 of each group of the demo's epoch, pinned
+only, 3 s of idling (about a minute).
+
+The bench cleans up whatever ends it: the job's processes (by pid), the mounts, the work directory; a helper
+started in a session of its own (this script with --reap) does it when the bench is killed outright.
 
 Usage: python bench/bench_serve.py [--quick] [--pinned-only] [--cache DIR]
 """
@@ -78,6 +87,7 @@ GENERATED = {  # label: (file size, train files, val files, chunk size)
     "4 KiB": (4 * KIB, 3000, 300, 64 * KIB),
 }
 QUICK_DIVISOR = 5
+FEW_FILES = 50  # a rank storing fewer of the epoch's files than this gets a note: its local figures are rough
 MIN_FILES = 10  # per group of the epoch, when --quick reads only part of the demo's
 GENERATED_CODEC = "lz4"
 GENERATED_VERSION = "bench_serve files v1"
@@ -102,8 +112,7 @@ TARGET_REMOTE_LIST = 0.90  # the same with --prefetch-list
 TARGET_IDLE = 0.05  # of a core, per rank
 
 CONFIGS = (("prefetch off", ("--prefetch", "0")), ("prefetch-list", ("--prefetch-list",)))
-STAGING_LINE = re.compile(r"^  staging: (?P<dest>.+?) from DEST, (?P<peers>.+?) from peers, .+? reused, "
-                          r"(?P<seconds>[\d.]+) s", re.M)
+STAGING_LINE = re.compile(r"^  staging: .+? from DEST, .+? from peers, .+? reused, (?P<seconds>[\d.]+) s", re.M)
 TOTALS_LINE = re.compile(r"^job \(\d+ ranks\): .*bytes read from DEST: .* staging \((?P<staging>\d+) B\), "
                          r".* during the epochs \((?P<epochs>\d+) B\)", re.M)
 
@@ -133,6 +142,7 @@ class DataSet:
     staging_expected: int  # placement.staging_read_bytes()
     local_dir_bytes: int  # what the ranks' local directories hold together (replicated chunks on each)
     left_out: int  # files not in the epoch: empty (no blob), or stored in blocks on several ranks
+    divisor: int  # the epoch reads 1/divisor of each group (1: every file)
 
     def segment_paths(self) -> list[tuple[str, ...]]:
         return [paths for _, paths in self.segments]
@@ -228,7 +238,7 @@ def describe(label: str, src: Path, dest: Path, codec: str, chunk_size: int, div
         label, src, dest, codec, chunk_size, tuple((name, tuple(paths)) for name, paths in groups.items()),
         raw_bytes, sum(p.stat().st_size for p in chunk_files), len(chunk_files), len(replicated),
         sum(1 for piece in pieces if piece.start > 0), placement.staging_read_bytes(),
-        sum(placement.stored_bytes(rank) for rank in range(RANKS)), left_out)
+        sum(placement.stored_bytes(rank) for rank in range(RANKS)), left_out, divisor)
 
 
 # --- readers -----------------------------------------------------------------------------------------------------
@@ -249,12 +259,14 @@ def _start_reader(dest: str | None) -> None:
         _api_dataset = fanstore.open_dataset(dest)
 
 
-def _read_segments(root: str | None, segments: list[tuple[str, ...]]) -> list[tuple[float, int]]:
+def _read_segments(root: str | None, segments: list[tuple[str, ...]], pids: list[int]
+                   ) -> list[tuple[float, int, list[int]]]:
     """What a data-loader worker does per sample (open, read it all, close; or the API's read), timed per segment:
-    (seconds, bytes) of each."""
+    (seconds, bytes, CPU ticks each of `pids` used meanwhile) of each."""
     timings = []
     for paths in segments:
         total = 0
+        ticks = [cpu_ticks(pid) for pid in pids]
         started = time.perf_counter()
         if root is None:
             for rel in paths:
@@ -263,7 +275,8 @@ def _read_segments(root: str | None, segments: list[tuple[str, ...]]) -> list[tu
             for rel in paths:
                 with open(os.path.join(root, rel), "rb") as f:
                     total += len(f.read())
-        timings.append((time.perf_counter() - started, total))
+        seconds = time.perf_counter() - started
+        timings.append((seconds, total, [cpu_ticks(pid) - before for pid, before in zip(pids, ticks)]))
     return timings
 
 
@@ -289,34 +302,35 @@ class Epoch:
     seconds: dict[str, float]
     files: dict[str, int]
     others: float  # cores
+    cpu: dict[str, list[float]]  # through a mount: CPU seconds of each rank's serving process, per segment
     sources: dict[str, int] = field(default_factory=dict)  # local, fetched, fallback: reads during the pass
 
     def rate(self, segments: list[str]) -> float:
         return sum(self.files[s] for s in segments) / sum(self.seconds[s] for s in segments)
 
+    def cpu_per_file(self, segments: list[str], ranks: list[int]) -> float:
+        """Milliseconds of CPU the processes of `ranks` used per file of `segments`."""
+        return 1e3 * sum(self.cpu[s][r] for s in segments for r in ranks) / sum(self.files[s] for s in segments)
 
-def timed_epoch(pool: multiprocessing.pool.Pool, root: Path | None, data: DataSet) -> Epoch:
+
+def timed_epoch(pool: multiprocessing.pool.Pool, root: Path | None, data: DataSet, pids: Sequence[int] = ()) -> Epoch:
+    """The reader's pass over the epoch, once the machine is quiet and memory backed (bench_read.back_memory);
+    `pids`: the ranks' serving processes, whose CPU is sampled at each segment's start and end."""
     wait_for_quiet(QUIET_BUSY, QUIET_MAX_WAIT)
     back_memory(2 * data.raw_bytes + BACKED_SLACK)
     with OtherLoad() as others:
         started = time.perf_counter()
-        timings = pool.apply(_read_segments, (None if root is None else str(root), data.segment_paths()))
+        timings = pool.apply(_read_segments, (None if root is None else str(root), data.segment_paths(), list(pids)))
         wall = time.perf_counter() - started
-    if os.environ.get("DBG_OTHERS"):
-        for key in others._last:
-            if key not in others._ours and others._last[key] - others._baseline.get(key, 0):
-                try:
-                    cmd = open(f"/proc/{key[0]}/cmdline").read()[:120]
-                except OSError:
-                    cmd = "gone"
-                print("OTHER", key, others._last[key] - others._baseline.get(key, 0), cmd, file=sys.stderr)
     names = [name for name, _ in data.segments]
     expected = [sum((data.src / rel).stat().st_size for rel in paths) for _, paths in data.segments]
-    if [total for _, total in timings] != expected:
-        raise SystemExit(f"bench_serve: [{data.label}] read {[t for _, t in timings]} bytes by segment "
+    if [total for _, total, _ in timings] != expected:
+        raise SystemExit(f"bench_serve: [{data.label}] read {[t for _, t, _ in timings]} bytes by segment "
                          f"from {root or 'the API'}, expected {expected}")
-    return Epoch({name: seconds for name, (seconds, _) in zip(names, timings)},
-                 {name: len(paths) for name, paths in data.segments}, others.cpu_seconds / wall)
+    tick = os.sysconf("SC_CLK_TCK")
+    return Epoch({name: seconds for name, (seconds, _, _) in zip(names, timings)},
+                 {name: len(paths) for name, paths in data.segments}, others.cpu_seconds / wall,
+                 {name: [t / tick for t in ticks] for name, (_, _, ticks) in zip(names, timings)})
 
 
 def class_segments(rank: int) -> dict[str, list[str]]:
@@ -339,25 +353,26 @@ def cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])
 
 
+def command_line(pid: int) -> bytes:
+    """A process's arguments, NUL-separated; empty once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def processes_mentioning(text: str) -> list[int]:
-    """Pids of processes whose command line holds `text` (this bench's work directory: ranks, watchdogs)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline and int(pid) != os.getpid():
-            found.append(int(pid))
-    return found
+    """Pids of processes whose command line holds `text` (this bench's work directory: mpiexec, the ranks, their
+    watchdogs)."""
+    return [int(pid) for pid in filter(str.isdigit, os.listdir("/proc"))
+            if text.encode() in command_line(int(pid)) and int(pid) != os.getpid()]
 
 
 @dataclass(slots=True)
 class JobReport:
-    """What one job's --stats said: each rank's staging seconds and bytes from DEST, and the job's totals."""
+    """What one job's --stats said: each rank's staging seconds, and the job's bytes from DEST."""
 
     staging_seconds: list[float]
-    staging_dest: list[str]
     staging_bytes: int  # read from DEST while staging, the whole job
     epoch_bytes: int  # read from DEST after staging (fallback reads), the whole job
     idle_cpu: list[float] = field(default_factory=list)  # share of a core, per rank
@@ -365,8 +380,8 @@ class JobReport:
 
 class ServeJob:
     """`mpiexec -n 3 fanstore serve DEST MP{rank} --local-dir LOCAL{rank} --stats` without a command, in a session
-    of its own; whatever happens, on exit the session is gone, the mounts are gone, and so is every process that
-    names the work directory (the ranks' watchdogs)."""
+    of its own; whatever happens, on exit every process of the job is gone, and so are the mounts and the ranks'
+    watchdogs."""
 
     def __init__(self, data: DataSet, workdir: Path, placement: Placement, options: Sequence[str], name: str) -> None:
         self.workdir = workdir
@@ -419,8 +434,8 @@ class ServeJob:
                 or not all(staging.values()):
             raise SystemExit(f"bench_serve: the job ended with {self.proc.returncode} and no --stats totals:\n{out}"
                              f"\n{self.log.read_text()[-1500:]}")
-        return JobReport([float(staging[r]["seconds"]) for r in range(RANKS)],
-                         [staging[r]["dest"] for r in range(RANKS)], int(totals["staging"]), int(totals["epochs"]))
+        return JobReport([float(staging[r]["seconds"]) for r in range(RANKS)], int(totals["staging"]),
+                         int(totals["epochs"]))
 
     def close(self) -> None:
         """End whatever is left of the job: mpiexec gets SIGTERM (it passes it on to the ranks), then every process
@@ -435,8 +450,8 @@ class ServeJob:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 pass
-        for pid, start in started.items():
-            if process_start(pid) == start:
+        for pid, start in started.items():  # the watchdogs excepted: they unmount once their rank is gone
+            if process_start(pid) == start and b"watchdog.py" not in command_line(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         if self.proc.poll() is None:
@@ -541,13 +556,13 @@ class Run:
     cold: bool = False  # the page cache was dropped before staging and before cp
 
 
-def copy_chunks(data: DataSet, workdir: Path) -> tuple[float, float, bool]:
+def copy_chunks(data: DataSet, workdir: Path, placement: Placement) -> tuple[float, float, bool]:
     """Seconds to `cp -r DEST/chunks` into a fresh directory on this file system, and to fsync every copy after."""
     target = workdir / "cp-chunks"
     shutil.rmtree(target, ignore_errors=True)
     cold = drop_caches()
     started = time.perf_counter()
-    run(["cp", "-r", data.dest / "chunks", target])
+    run(placement.wrap(["cp", "-r", str(data.dest / "chunks"), str(target)]))
     copied = time.perf_counter() - started
     for path in sorted(target.iterdir()):
         fd = os.open(path, os.O_RDONLY)
@@ -574,7 +589,7 @@ def serve_epochs(data: DataSet, workdir: Path, placement: Placement, config: str
             progress(f"[{data.label}, {placement.label}] {config}: rank {rank} reads ...")
             with reader_process(placement) as pool:
                 before = source_counts(mountpoint)
-                epoch = timed_epoch(pool, mountpoint, data)
+                epoch = timed_epoch(pool, mountpoint, data, pids)
                 after = source_counts(mountpoint)
             epoch.sources = {key: after[key] - before[key] for key in after}
             epochs.append(epoch)
@@ -587,7 +602,7 @@ def serve_epochs(data: DataSet, workdir: Path, placement: Placement, config: str
 def measure(data: DataSet, workdir: Path, placement: Placement, idle_seconds: float, epoch_list: Path) -> Run:
     result = Run(data, placement.label)
     progress(f"[{data.label}, {placement.label}] cp of the chunk files ...")
-    copied, synced, cold = copy_chunks(data, workdir)
+    copied, synced, cold = copy_chunks(data, workdir, placement)
     result.copy_seconds = (copied, synced)
     progress(f"[{data.label}, {placement.label}] plain and api ...")
     warm(data.src)
@@ -614,14 +629,16 @@ def measure(data: DataSet, workdir: Path, placement: Placement, idle_seconds: fl
 
 def sources_as_placed(epoch: Epoch, data: DataSet, rank: int) -> str:
     """Whether the rank's reads came from where the placement says: local and replicated files from its directory,
-    remote ones from peers (once each), none from DEST."""
+    remote ones from peers, none from DEST; and how many blobs were read twice."""
     files = {name: len(paths) for name, paths in data.segments}
-    local = sum(files[s] for s in class_segments(rank)["local"] + class_segments(rank)["replicated"])
-    remote = sum(files[s] for s in class_segments(rank)["remote"])
+    classes = class_segments(rank)
+    local = sum(files[s] for s in classes["local"] + classes["replicated"])
+    remote = sum(files[s] for s in classes["remote"])
     got = epoch.sources
-    if got == {"local": local, "fetched": remote, "fallback": 0}:
-        return "yes"
-    return f"NO: {got['local']} local/{local}, {got['fetched']} fetched/{remote}, {got['fallback']} from DEST"
+    twice = got["local"] - local + got["fetched"] - remote
+    if got["fallback"] or got["local"] < local or got["fetched"] < remote:
+        return f"NO: {got['local']} local/{local}, {got['fetched']} fetched/{remote}, {got['fallback']} from DEST"
+    return "yes" if not twice else f"yes, {twice} twice"
 
 
 def epoch_rows(runs: list[Run]) -> list[list[str]]:
@@ -635,8 +652,15 @@ def epoch_rows(runs: list[Run]) -> list[list[str]]:
                 megabytes = result.data.raw_bytes / 1e6 / sum(epoch.seconds.values())
                 checked = sources_as_placed(epoch, result.data, rank) if epoch.sources else ""
                 flag = " !" if epoch.others > NOISY_OTHERS else ""
+                cpu_local = cpu_remote = ""
+                if epoch.sources:
+                    peers = [r for r in range(RANKS) if r != rank]
+                    cpu_local = f"{epoch.cpu_per_file(classes['local'], [rank]):.2f}"
+                    cpu_remote = (f"{epoch.cpu_per_file(classes['remote'], [rank]):.2f}"
+                                  f"+{epoch.cpu_per_file(classes['remote'], peers):.2f}")
                 rows.append([result.data.label, result.placement, way, str(rank), f"{local:,.0f}",
                              f"{replicated:,.0f}", f"{remote:,.0f}", f"{remote / local:.0%}", f"{megabytes:,.0f}",
+                             f"{1e3 / local:.2f}", cpu_local, f"{1e3 / remote:.2f}", cpu_remote,
                              f"{epoch.others:.2f}{flag}", checked])
     return rows
 
@@ -683,21 +707,25 @@ def aggregate_ratio(result: Run, config: str) -> float:
 
 def target_lines(runs: list[Run]) -> list[str]:
     lines = []
+
+    def line(ok: bool, what: str, result: Run, detail: str) -> None:
+        lines.append(f"{'PASS' if ok else 'FAIL'}  {what:<47}  {result.data.label:>7}, {result.placement:<12}  "
+                     f"{detail}")
+
     for result in runs:
-        where = f"{result.data.label:>7}, {result.placement:<12}"
         if result.data.label == TARGET_DATASET:
             for config, target in (("prefetch off", TARGET_REMOTE_OFF), ("prefetch-list", TARGET_REMOTE_LIST)):
                 ratio = aggregate_ratio(result, config)
-                lines.append(f"{'PASS' if ratio >= target else 'FAIL'}  remote >= {target:.0%} of local files/s, "
-                             f"{config:<13}  {where}: {ratio:.0%} (every rank's files and seconds summed)")
+                line(ratio >= target, f"remote >= {target:.0%} of local files/s, {config}", result,
+                     f"{ratio:.0%} (every rank's files and seconds summed)")
         epoch_bytes = [result.jobs[config].epoch_bytes for config, _ in CONFIGS]
-        lines.append(f"{'PASS' if not any(epoch_bytes) else 'FAIL'}  0 B from DEST during the epochs "
-                     f"               {where}: {' and '.join(f'{b:,} B' for b in epoch_bytes)} (both jobs)")
+        line(not any(epoch_bytes), "0 B from DEST during the epochs", result,
+             f"{' and '.join(f'{b:,} B' for b in epoch_bytes)} (both jobs)")
         ok, detail = staging_ok(result)
-        lines.append(f"{'PASS' if ok else 'FAIL'}  each stored byte read from DEST once        {where}: {detail}")
+        line(ok, "each stored byte read from DEST once", result, detail)
         idle = result.jobs[CONFIGS[0][0]].idle_cpu
-        lines.append(f"{'PASS' if max(idle) <= TARGET_IDLE else 'FAIL'}  idle CPU per rank <= {TARGET_IDLE:.0%} of a "
-                     f"core              {where}: {', '.join(f'{c:.1%}' for c in idle)}")
+        line(max(idle) <= TARGET_IDLE, f"idle CPU per rank <= {TARGET_IDLE:.0%} of a core", result,
+             ", ".join(f"{c:.1%}" for c in idle))
     return lines
 
 
@@ -710,7 +738,18 @@ def machine_lines() -> list[str]:
             f"{memory / 2**30:.1f} GiB memory; Linux {platform.release()}, Python {platform.python_version()}"]
 
 
-def print_report(runs: list[Run], idle_seconds: float, notes: list[str]) -> None:
+def dataset_line(data: DataSet) -> str:
+    stored = "/".join(str(len(paths)) for name, paths in data.segments if name != "replicated")
+    replicated = sum(len(paths) for name, paths in data.segments if name == "replicated")
+    return (f"{data.label}: {data.files():,} files in the epoch ({replicated:,} replicated; ranks 0/1/2 store "
+            f"{stored}), {data.raw_bytes / 1e6:,.1f} MB; codec {data.codec}, --chunk-size {data.chunk_size // KIB} "
+            f"KiB: {data.chunks} chunks ({data.replicated_chunks} replicated, {data.split_pieces} split), "
+            f"{data.chunk_bytes / 1e6:,.1f} MB"
+            + (f"; {data.left_out} file(s) left out (empty)" if data.left_out else "")
+            + (f"; --quick: the epoch reads 1/{data.divisor} of each group" if data.divisor > 1 else ""))
+
+
+def print_report(sets: list[DataSet], runs: list[Run], idle_seconds: float, notes: list[str]) -> None:
     import mpi4py
     from mpi4py import MPI
 
@@ -721,15 +760,10 @@ def print_report(runs: list[Run], idle_seconds: float, notes: list[str]) -> None
         print(line)
     print(f"MPI: {MPI.Get_library_version().splitlines()[0].strip()}, mpi4py {mpi4py.__version__}, "
           f"mpiexec {mpiexec_command()}")
-    print("placement: 'taskset -c 0' = mpiexec, every rank and the reader on CPU 0; 'unpinned' = both CPUs, the "
+    print("placement: 'taskset -c 0' = mpiexec, every rank, the reader and cp on CPU 0; 'unpinned' = both CPUs, the "
           "scheduler's choice. One run per figure: on this 2-CPU VM runs vary by up to 30%")
-    for result in runs[:: max(1, len({r.placement for r in runs}))]:
-        data = result.data
-        print(f"{data.label}: {data.files():,} files in the epoch ({sum(len(p) for n, p in data.segments if n == 'replicated'):,} "
-              f"replicated; rank 0/1/2 store {'/'.join(str(len(p)) for n, p in data.segments if n != 'replicated')}), "
-              f"{data.raw_bytes / 1e6:,.1f} MB, codec {data.codec}, --chunk-size {data.chunk_size // KIB} KiB: "
-              f"{data.chunks} chunks, {data.chunk_bytes / 1e6:,.1f} MB"
-              + (f"; {data.left_out} file(s) left out (empty)" if data.left_out else ""))
+    for data in sets:
+        print(dataset_line(data))
     for note in notes:
         print(f"note: {note}")
     print()
@@ -737,17 +771,23 @@ def print_report(runs: list[Run], idle_seconds: float, notes: list[str]) -> None
           "files stored on this rank, replicated = val/ (on every rank), remote = stored on the other two ranks; "
           "every read through a mount is its first (fresh job per way); MB/s = whole epoch; others = cores other "
           f"processes used meanwhile ('!' above {NOISY_OTHERS}); as placed = the rank's counters say local and "
-          "replicated files came from its directory, remote ones from peers, none from DEST. plain and api: one "
-          "pass, split for each rank as its mount's passes are")
+          "replicated files came from its directory, remote ones from peers, none from DEST ('N twice': N blobs "
+          "read a second time, by a prefetch that started while the reader was loading the file itself). plain and "
+          "api: one pass, split for each rank as its mount's passes are. local ms, remote ms = wall milliseconds per "
+          "file; "
+          "CPU = milliseconds of CPU the reading rank's serving process used per local file; CPU+peers = the same "
+          "per remote file, and what the two serving ranks used (utime + stime, 10 ms ticks, sampled at each "
+          "group's start and end)")
     print_table(["dataset", "placement", "reader", "rank", "local files/s", "replicated", "remote", "remote/local",
-                 "MB/s", "others", "as placed"], epoch_rows(runs), left=4)
+                 "MB/s", "local ms", "CPU", "remote ms", "CPU+peers", "others", "as placed"], epoch_rows(runs), left=4)
     print()
     print("staging (the first job, page cache dropped first" + ("" if all(r.cold for r in runs) else
           ": NOT dropped (not root), DEST was warm") + "): seconds per rank from --stats (0.1 s resolution); MB/s = "
           "chunk files' bytes / the slowest rank's seconds; cp = `cp -r DEST/chunks` to a fresh directory on the "
           "same file system, +fsync = then fsync each copy; DEST B = bytes read from DEST while staging "
           "(job totals), restart = the same in the second job (chunks verified in place); epochs B = bytes from "
-          f"DEST during each job's epochs; idle = each rank's CPU over {idle_seconds:g} s once mounted, before any read")
+          f"DEST during each job's epochs; idle = each rank's CPU over {idle_seconds:g} s once mounted, before any "
+          "read")
     print_table(["dataset", "placement", "files", "chunks", "stored MB", "local dirs MB", "staging s", "MB/s",
                  "cp MB/s", "+fsync", "DEST B staging", "restart", "epochs B", "idle CPU/rank"],
                 staging_rows(runs), left=2)
@@ -762,7 +802,7 @@ def print_report(runs: list[Run], idle_seconds: float, notes: list[str]) -> None
 def missing_requirements() -> list[str]:
     missing = []
     try:
-        import mpi4py  # noqa: F401
+        import mpi4py  # noqa: F401 - only whether it imports
     except ImportError:
         missing.append("mpi4py (scripts/setup installs it with the mpich wheel)")
     if mpiexec_command() is None:
@@ -774,11 +814,65 @@ def missing_requirements() -> list[str]:
     return missing
 
 
+def clean_up(workdir: Path) -> None:
+    """Leave nothing of the work directory: the jobs that name it (mpiexec is asked first, so the ranks unmount
+    and print as they end), the ranks' watchdogs, any mount under it, then the directory itself."""
+    def ours() -> list[int]:  # the watchdogs are left to end on their own once their rank is gone
+        return [pid for pid in processes_mentioning(str(workdir)) if b"watchdog.py" not in command_line(pid)]
+
+    for pid in ours():
+        if command_line(pid).split(b"\0")[0].endswith(b"mpiexec"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while ours() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in ours():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    unmount_all(mounted_under(workdir))
+    deadline = time.monotonic() + 10
+    while processes_mentioning(str(workdir)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in processes_mentioning(str(workdir)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if mounted_under(workdir):
+        print(f"bench_serve: mounts left under {workdir}; not removing it", file=sys.stderr)
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def start_reaper(workdir: Path) -> subprocess.Popen[bytes]:
+    """This script again, in a session of its own, told the work directory on a pipe: when the pipe closes,
+    whatever ended this process (SIGKILL included), it cleans up. Its command line does not name the directory,
+    so clean_up never takes it for one of the job's processes."""
+    reaper = subprocess.Popen([sys.executable, __file__, "--reap"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                              stderr=None, start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    reaper.stdin.write(f"{workdir}\n".encode())  # type: ignore[union-attr]
+    reaper.stdin.flush()  # type: ignore[union-attr]
+    return reaper
+
+
+def reap() -> int:
+    """--reap: read the work directory, wait for end-of-file on stdin, clean up."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    workdir = Path(sys.stdin.buffer.readline().decode().strip())
+    while sys.stdin.buffer.read(4096):
+        pass
+    if workdir.is_absolute() and workdir.name.startswith("bench-serve-") and workdir.exists():
+        clean_up(workdir)
+    return 0
+
+
 def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(f"bench_serve: signal {signum}: cleaning up")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if list(sys.argv[1:] if argv is None else argv) == ["--reap"]:
+        return reap()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"1/{QUICK_DIVISOR} of the generated files, "
                                                              "pinned only, a shorter idle sample")
@@ -809,8 +903,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if only is None or label in only:
             src, dest = build_generated(cache, label, size, train // divisor, val // divisor, chunk_size)
             sets.append(describe(label, src, dest, GENERATED_CODEC, chunk_size))
+    for data in sets:
+        few = [name for name, paths in data.segments if name != "replicated" and len(paths) < FEW_FILES]
+        if few:
+            notes.append(f"{data.label}: {' and '.join(few)} each store fewer than {FEW_FILES} of the epoch's files "
+                         "(the placement balances bytes, not files): their 'local' figures are over those few files")
     runs = []
     workdir = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    reaper = start_reaper(workdir)
     try:
         for data in sets:
             epoch_list = workdir / f"epoch-{data.label.replace(' ', '')}.txt"
@@ -818,18 +918,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             for placement in placements:
                 runs.append(measure(data, workdir, placement, idle_seconds, epoch_list))
     finally:
-        left = mounted_under(workdir)
-        unmount_all(left)
-        for pid in processes_mentioning(str(workdir)):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        if mounted_under(workdir):
-            print(f"bench_serve: mounts left under {workdir}; not removing it", file=sys.stderr)
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
-    print_report(runs, idle_seconds, notes)
+        clean_up(workdir)
+        reaper.stdin.close()  # type: ignore[union-attr] - it finds nothing left to do, and ends
+        reaper.wait()
+    print_report(sets, runs, idle_seconds, notes)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("bench_serve: interrupted; cleaned up", file=sys.stderr)
+        sys.exit(130)
