@@ -38,9 +38,9 @@ from ..mount import MountOptions, check_mountpoint, fuse_answer, fuse_mounted_at
 from ..units import format_bytes
 from . import watchdog
 from .placement import BlobTable, Placement, place
-from .polling import wait_all
+from .polling import first_failed_rank
 from .sources import PeerChunkSource, PlacedChunkSource
-from .staging import StagingError, StagingReport, Stager
+from .staging import StagingReport, Stager
 from .transport import PeerOptions, PeerTransport, RequestRefused
 
 log = logging.getLogger("fanstore.serve")
@@ -91,27 +91,13 @@ def format_for_rank(template: str, rank: int, option: str) -> Path:
         raise UsageError(f"{option} {template!r}: only {{rank}} may appear in braces ({exc})") from None
 
 
-def agree(comm: Any, problem: str | None) -> None:
-    """Every rank says whether it can go on; if one cannot, all stop (ServeError, quiet on the others: the rank at
-    fault prints its own reason)."""
-    from mpi4py import MPI
-
-    mine = np.array([1 if problem else 0], dtype=np.int8)
-    everyone = np.zeros(comm.Get_size(), dtype=np.int8)
-    wait_all([comm.Iallgather([mine, MPI.INT8_T], [everyone, MPI.INT8_T])])
-    if problem:
-        raise ServeError(problem)
-    failed = np.flatnonzero(everyone)
-    if len(failed):
-        raise StagingError(f"rank {failed[0]} cannot start (see its message); stopping", quiet=comm.Get_rank() != 0)
-
-
 def shm_files_mapped() -> list[str]:
     """MPICH's /dev/shm files this process maps: what a killed job leaves behind unless someone removes them."""
     paths = set()
     with open("/proc/self/maps") as maps:
         for line in maps:
-            path = line.rstrip("\n").split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+            fields = line.split(maxsplit=5)  # address, perms, offset, device, inode[, path]
+            path = fields[5].rstrip("\n") if len(fields) == 6 else ""
             if path.startswith("/dev/shm/") and not path.endswith("(deleted)"):
                 paths.add(path)
     return sorted(paths)
@@ -269,7 +255,11 @@ def run(options: ServeOptions) -> int:
         ready_file.unlink(missing_ok=True)  # left by a killed job: a batch script waiting for it must wait for us
     except (FanstoreError, OSError) as exc:
         problem = f"rank {rank} on {host}: {exc}"
-    agree(comm, problem)
+    failed = first_failed_rank(comm, problem is not None)
+    if problem is not None:
+        raise ServeError(problem)
+    if failed is not None:
+        raise ServeError(f"rank {failed} cannot start (see its message); stopping")
     keep_alive = start_watchdog(mountpoint, ready_file, local_dir / "fanstore-watchdog.log")
 
     bar = _progress_bar(rank, options.progress)
@@ -292,7 +282,8 @@ def run(options: ServeOptions) -> int:
         print(f"fanstore serve: rank {rank} on {host}: {exc}", file=sys.stderr, flush=True)
         status = 1
     if lifecycle.agreed:
-        _report_stats(transport, source, report, options.stats, rank, size, host)
+        if options.stats:
+            _report_stats(transport, source, report)
         transport.collective(lambda comm: (comm.Ibarrier(), lambda: None)).result()
     transport.stop()
     if lifecycle.agreed:
@@ -326,14 +317,12 @@ def rank_stats(transport: PeerTransport, source: PlacedChunkSource, report: Stag
     return {"rank": transport.rank, "host": transport.host, "reads": source.stats(), "staging": asdict(report)}
 
 
-def _report_stats(transport: PeerTransport, source: PlacedChunkSource, report: StagingReport, show: bool,
-                  rank: int, size: int, host: str) -> None:
+def _report_stats(transport: PeerTransport, source: PlacedChunkSource, report: StagingReport) -> None:
     """Each rank's counters on its own lines; rank 0 adds the job's totals (counters sent to it over MPI)."""
     from mpi4py import MPI
 
+    rank, size = transport.rank, transport.size
     mine = rank_stats(transport, source, report)
-    if not show:
-        return
     _say(_format_rank(mine))
     encoded = np.frombuffer(json.dumps(mine).encode(), dtype=np.uint8)
     lengths = np.zeros(size, dtype=np.int64)

@@ -68,3 +68,16 @@ def wait_all(requests: Sequence[Any], on_idle: Callable[[], None] | None = None,
         if on_idle is not None:
             on_idle()
         backoff.sleep()
+
+
+def first_failed_rank(comm: Any, failing: bool) -> int | None:
+    """Every rank says whether it can go on (an Iallgather, polled); the lowest rank that cannot, or None. Used
+    before a step no rank may start alone, so that one rank's problem stops every rank, not just itself."""
+    import numpy as np
+    from mpi4py import MPI
+
+    mine = np.array([1 if failing else 0], dtype=np.int8)
+    everyone = np.zeros(comm.Get_size(), dtype=np.int8)
+    wait_all([comm.Iallgather([mine, MPI.INT8_T], [everyone, MPI.INT8_T])])
+    failed = np.flatnonzero(everyone)
+    return int(failed[0]) if len(failed) else None

@@ -20,6 +20,7 @@ import os
 import socket
 import struct
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -33,7 +34,7 @@ from ..format import CHUNK_HEADER_LEN, INDEX_NAME, chunk_file_name
 from ..index import Index
 from ..units import format_bytes
 from .placement import BlobTable, Placement
-from .polling import Backoff, wait_all
+from .polling import Backoff, first_failed_rank, wait_all
 
 log = logging.getLogger("fanstore.serve")
 
@@ -47,11 +48,7 @@ SPAN_MISSING = 1  # the sender could not read the span: nothing follows, and the
 
 
 class StagingError(FanstoreError):
-    """This rank's local directory cannot take its share, or another rank's cannot (`quiet`: that rank says why)."""
-
-    def __init__(self, message: str, quiet: bool = False) -> None:
-        super().__init__(message)
-        self.quiet = quiet
+    """This rank's local directory cannot take its share, or another rank's cannot (that rank says why)."""
 
 
 @dataclass
@@ -282,8 +279,6 @@ class Stager:
     def _check_capacity(self, missing: list[Span]) -> None:
         """Every rank checks its directory's free space before anything is copied; if one cannot take its share,
         no rank copies anything, and that rank says why in one line."""
-        from mpi4py import MPI
-
         needed = sum(span.end - span.start for span in missing)
         try:
             self.local.path.mkdir(parents=True, exist_ok=True)
@@ -292,16 +287,12 @@ class Stager:
             problem = "" if needed <= free else "not enough space"
         except OSError as exc:
             free, problem = 0, f"cannot use it: {exc.strerror}"
-        mine = np.array([needed, free, 1 if problem else 0], dtype=np.int64)
-        everyone = np.zeros((self.size, 3), dtype=np.int64)
-        wait_all([self.comm.Iallgather([mine, MPI.INT64_T], [everyone, MPI.INT64_T])])
+        failed = first_failed_rank(self.comm, bool(problem))
         if problem:
             raise StagingError(f"rank {self.rank} on {socket.gethostname()}: --local-dir {self.local.path}: {problem}: "
                                f"needs {format_bytes(needed)} ({needed} bytes), {format_bytes(free)} free")
-        failed = [r for r in range(self.size) if everyone[r, 2]]
-        if failed:
-            raise StagingError(f"rank {failed[0]} cannot stage its share (see its message); nothing was copied",
-                               quiet=self.rank != 0)
+        if failed is not None:
+            raise StagingError(f"rank {failed} cannot stage its share (see its message); nothing was copied")
 
     # --- moving the bytes -------------------------------------------------------------------------------------
 
@@ -313,19 +304,19 @@ class Stager:
         received = 0
         backoff = Backoff()
         status = MPI.Status()
-        own = list(own_spans)
-        send_queue = list(to_send)
+        own = deque(own_spans)
+        send_queue = deque(to_send)
         while own or send_queue or sending or received < expected:
             progressed = False
             if own:  # this rank's own pieces, a span per round so peers waiting on our sends are not held up
-                span = own.pop(0)
+                span = own.popleft()
                 data = self._read_dest(span)
                 if data is not None:
                     self._check_and_write(span, data)
                 done_bytes += span.end - span.start
                 progressed = True
             if send_queue and len(sending) < SENDS_IN_FLIGHT:
-                span, receivers, needed_here = send_queue.pop(0)
+                span, receivers, needed_here = send_queue.popleft()
                 data = self._read_replicated(span)
                 if data is not None and needed_here:
                     self._check_and_write(span, data)

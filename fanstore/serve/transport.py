@@ -120,7 +120,9 @@ class PeerTransport:
         self._on_complete: list[Callable[[Any], None]] = []
         self._collectives: list[Future] = []
         self._collective_callbacks: set[Callable[[Any], None]] = set()
-        self._send_deadlines: dict[int, float] = {}  # id(request) of replies we send -> when to give up on them
+        # Replies we send, by id(request): (the request, when to give up on it).
+        self._send_deadlines: dict[int, tuple[Any, float]] = {}
+        self._statuses: list[Any] = []  # reused by every Testsome: a turn of the loop allocates nothing
         self._abandoned: dict[tuple[int, int], float] = {}  # (peer, tag) of given-up requests -> forget when
         self._backoff = Backoff()
         self._stopping = threading.Event()
@@ -283,17 +285,21 @@ class PeerTransport:
         request.finish(error=ChunkUnavailable(message, chunk_id=request.chunk))
 
     def _enforce_deadlines(self) -> None:
+        """Runs every turn of the loop, so it looks at one request per peer: requests are queued, and sent, in the
+        order of their deadlines, so the oldest one in flight (else the oldest queued) is the first to expire."""
         now = time.monotonic()
         for number, peer in enumerate(self._peers):
-            late = [request for request in list(peer.in_flight) + list(peer.queued) if request.deadline < now]
-            if late:
+            oldest = peer.in_flight[0] if peer.in_flight else peer.queued[0] if peer.queued else None
+            if oldest is not None and oldest.deadline < now:
                 self._give_up_on(number, now)
-        for request in [request for request in self._requests if id(request) in self._send_deadlines]:
-            if self._send_deadlines[id(request)] < now:
-                del self._send_deadlines[id(request)]
-                request.Cancel()  # stays polled until the cancel completes
-        for key in [key for key, forget_at in self._abandoned.items() if forget_at < now]:
-            del self._abandoned[key]
+        if self._send_deadlines:
+            for key, (request, give_up_at) in list(self._send_deadlines.items()):
+                if give_up_at < now:
+                    del self._send_deadlines[key]
+                    request.Cancel()  # stays polled until the cancel completes
+        if self._abandoned:
+            for key in [key for key, forget_at in self._abandoned.items() if forget_at < now]:
+                del self._abandoned[key]
 
     def _give_up_on(self, number: int, now: float) -> None:
         """A request to `number` is past its deadline: cancel everything in flight to it, fail everything queued,
@@ -325,7 +331,9 @@ class PeerTransport:
     def _poll_requests(self) -> bool:
         if not self._requests:
             return False
-        statuses = [self._mpi.Status() for _ in self._requests]
+        statuses = self._statuses
+        while len(statuses) < len(self._requests):
+            statuses.append(self._mpi.Status())
         done = self._mpi.Request.Testsome(self._requests, statuses)
         if not done:
             return False
@@ -386,7 +394,7 @@ class PeerTransport:
         except ChunkError as exc:
             reply = REPLY_HEADER.pack(REPLY_MAGIC, UNAVAILABLE) + str(exc).encode()
         send = self.comm.Isend([reply, self._mpi.BYTE], dest=source, tag=tag)
-        self._send_deadlines[id(send)] = time.monotonic() + _SEND_GRACE * self.options.timeout
+        self._send_deadlines[id(send)] = (send, time.monotonic() + _SEND_GRACE * self.options.timeout)
         self._poll(send, lambda _status, reply=reply: None)  # the closure keeps the buffer alive until sent
 
     def _shut_down(self) -> None:
