@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, tree_digest, wait_until
+from conftest import REPO, assert_one_line_error, run_cli, tree_digest, wait_until
 from fanstore import PackOptions, pack
 from fanstore.mount import fuse_mounted_at, fuse_unavailable_reason, unmount
 
@@ -333,3 +333,19 @@ def test_malformed_peer_requests_are_refused_without_harm(served_dataset, tmp_pa
     # Each malformed request is one log line naming the peer, never a traceback.
     assert "Traceback" not in done.stderr, done.stderr
     assert len([line for line in done.stderr.splitlines() if "rank 2" in line]) == 9, done.stderr
+
+
+@pytest.mark.parametrize("option, value, needle", [
+    ("--peer-timeout", "0", "--peer-timeout"),
+    ("--peer-timeout", "nan", "--peer-timeout"),
+    ("--peer-retry", "-1", "--peer-retry"),
+    ("--max-in-flight", "0", "--max-in-flight"),
+    ("--prefetch", "-2", "--prefetch"),
+    ("--local-dir", str(Path("/tmp") / "fanstore-{host}"), "--local-dir"),
+])
+def test_bad_serve_options_are_one_line_naming_the_option(served_dataset, tmp_path, option, value, needle):
+    _, dest = served_dataset
+    (tmp_path / "mp").mkdir()
+    args = ["serve", str(dest), str(tmp_path / "mp"), "--local-dir", str(tmp_path / "local"), option, value]
+    assert_one_line_error(run_cli(*args, timeout=60), needle)
+    assert not fuse_mounted_at(tmp_path / "mp")
