@@ -347,5 +347,7 @@ def test_bad_serve_options_are_one_line_naming_the_option(served_dataset, tmp_pa
     _, dest = served_dataset
     (tmp_path / "mp").mkdir()
     args = ["serve", str(dest), str(tmp_path / "mp"), "--local-dir", str(tmp_path / "local"), option, value]
+    shm_before = _shm_files()
     assert_one_line_error(run_cli(*args, timeout=60), needle)
     assert not fuse_mounted_at(tmp_path / "mp")
+    assert _shm_files() <= shm_before  # MPI, if started, ended properly

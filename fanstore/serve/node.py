@@ -242,24 +242,26 @@ def run(options: ServeOptions) -> int:
     comm = mpi.COMM_WORLD.Dup()
     rank, size = comm.Get_rank(), comm.Get_size()
     host = socket.gethostname()
-    index = Index.load(options.dest)
-    placement = place(index, size)
-    mountpoint = resolve_mountpoint(format_for_rank(options.mountpoint, rank, "MOUNTPOINT").absolute())
-    local_dir = format_for_rank(options.local_dir, rank, "--local-dir").absolute()
-    ready_file = format_for_rank(options.ready_file, rank, "--ready-file").absolute() if options.ready_file else \
-        mountpoint.with_name(mountpoint.name + ".ready")
     problem = None
-    try:
+    try:  # every rank's problem goes through the agreement below: a rank must not leave the others waiting
+        index = Index.load(options.dest)
+        placement = place(index, size)
+        mountpoint = resolve_mountpoint(format_for_rank(options.mountpoint, rank, "MOUNTPOINT").absolute())
+        local_dir = format_for_rank(options.local_dir, rank, "--local-dir").absolute()
+        ready_file = format_for_rank(options.ready_file, rank, "--ready-file").absolute() if options.ready_file \
+            else mountpoint.with_name(mountpoint.name + ".ready")
         clear_stale_mount(mountpoint)
         local_dir.mkdir(parents=True, exist_ok=True)
         ready_file.unlink(missing_ok=True)  # left by a killed job: a batch script waiting for it must wait for us
     except (FanstoreError, OSError) as exc:
         problem = f"rank {rank} on {host}: {exc}"
     failed = first_failed_rank(comm, problem is not None)
-    if problem is not None:
-        raise ServeError(problem)
-    if failed is not None:
-        raise ServeError(f"rank {failed} cannot start (see its message); stopping")
+    if problem is not None or failed is not None:
+        # Every rank stops here together, so MPI can end properly: it then removes its /dev/shm files (no watchdog
+        # runs yet to do it).
+        comm.Free()
+        mpi.Finalize()
+        raise ServeError(problem or f"rank {failed} cannot start (see its message); stopping")
     keep_alive = start_watchdog(mountpoint, ready_file, local_dir / "fanstore-watchdog.log")
 
     bar = _progress_bar(rank, options.progress)
