@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .errors import FanstoreError, UsageError
+from .errors import FanstoreError, UsageError, say_line
 from .units import format_bytes, parse_size
 
 if TYPE_CHECKING:
@@ -435,7 +435,7 @@ def _run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None)
     try:
         return args.run(args)
     except FanstoreError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        say_line(f"{prog}: error: {exc}")
         return EXIT_FAILURE
     except KeyboardInterrupt:
         resumable = args.run is _run_pack

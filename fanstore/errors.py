@@ -8,6 +8,7 @@ answers for it (`fuse_errno`), so the mount translates any of them without a tab
 from __future__ import annotations
 
 import errno
+import sys
 
 
 class FanstoreError(Exception):
@@ -99,3 +100,10 @@ def fuse_errno_of(exc: BaseException) -> int:
     if isinstance(exc, OSError) and exc.errno:
         return exc.errno
     return errno.EIO
+
+
+def say_line(text: str) -> None:
+    """Print one line to stderr in a single write. print() writes the text and its newline separately, and under
+    mpiexec the lines of several ranks failing at once then run together on one line."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()

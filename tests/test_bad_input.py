@@ -323,3 +323,23 @@ def test_replicate_sets_read_as_globs():
         for pattern, (matching, other) in cases.items():
             regex = glob_to_regex(pattern)
             assert regex.match(matching) and not regex.match(other), pattern
+
+
+def test_an_error_line_leaves_in_one_write(monkeypatch):
+    """Under mpiexec the stderr of every rank is merged: a line and its newline written apart can be split by
+    another rank's line, so each error goes out whole in one write."""
+    import io
+    import sys
+
+    from fanstore.errors import say_line
+
+    writes: list[str] = []
+
+    class Recorder(io.StringIO):
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    say_line("fanstore: error: rank 1 on host: MOUNTPOINT '/x' does not exist")
+    assert writes == ["fanstore: error: rank 1 on host: MOUNTPOINT '/x' does not exist\n"]

@@ -31,7 +31,7 @@ import xxhash
 from ..api import Dataset
 from ..chunk_source import LocalChunkSource
 from ..durable import write_atomically
-from ..errors import ChunkCorrupt, ChunkUnavailable, FanstoreError, UsageError
+from ..errors import ChunkCorrupt, ChunkUnavailable, FanstoreError, UsageError, say_line
 from ..index import Index
 from ..mount import MountOptions, check_mountpoint, fuse_answer, fuse_mounted_at, resolve_mountpoint, \
     serve_dataset, unmount
@@ -194,8 +194,7 @@ class Lifecycle:
         try:
             command = subprocess.Popen(list(self.options.command), env=env)
         except OSError as exc:
-            print(f"fanstore serve: rank {rank}: cannot run {self.options.command[0]!r}: {exc.strerror}",
-                  file=sys.stderr, flush=True)
+            say_line(f"fanstore serve: rank {rank}: cannot run {self.options.command[0]!r}: {exc.strerror}")
             return 127
         while True:
             try:
@@ -281,7 +280,7 @@ def run(options: ServeOptions) -> int:
         with Dataset(index, source) as dataset:
             status = serve_dataset(dataset, mountpoint, options.mount, while_mounted=lifecycle)
     except FanstoreError as exc:
-        print(f"fanstore serve: rank {rank} on {host}: {exc}", file=sys.stderr, flush=True)
+        say_line(f"fanstore serve: rank {rank} on {host}: {exc}")
         status = 1
     if lifecycle.agreed:
         if options.stats:
