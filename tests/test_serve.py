@@ -72,10 +72,10 @@ class Job:
     """A real `mpiexec -n 3 fanstore serve` in its own session, cleaned up whatever the test does."""
 
     def __init__(self, tmp_path: Path, dest: Path, *options: str, command: list[str] | None = None,
-                 local: str | None = None) -> None:
+                 local: str | None = None, make_mountpoints: bool = True) -> None:
         self.tmp = tmp_path
         self.mountpoints = [tmp_path / f"mp{rank}" for rank in range(RANKS)]
-        for mountpoint in self.mountpoints:
+        for mountpoint in self.mountpoints if make_mountpoints else ():
             try:
                 mountpoint.mkdir()
             except FileExistsError:  # a stat could fail with ENOTCONN: a stale mount a test left on purpose
@@ -351,3 +351,17 @@ def test_bad_serve_options_are_one_line_naming_the_option(served_dataset, tmp_pa
     assert_one_line_error(run_cli(*args, timeout=60), needle)
     assert not fuse_mounted_at(tmp_path / "mp")
     assert _shm_files() <= shm_before  # MPI, if started, ended properly
+
+
+def test_ranks_failing_at_once_print_one_whole_line_each(served_dataset, tmp_path, jobs):
+    """Every rank fails at the same moment (no MOUNTPOINT): mpiexec merges their stderr, and each error stays one
+    line (print() writes a line's text and its newline apart, and the ranks' lines ran together)."""
+    _, dest = served_dataset
+    job = Job(tmp_path, dest, make_mountpoints=False)
+    jobs.append(job)
+    code, _, err = job.finish(timeout=60)
+    assert code != 0
+    lines = err.splitlines()
+    assert len(lines) == RANKS, err
+    assert all(line.startswith("fanstore: error: rank ") and line.endswith("create the directory first")
+               for line in lines), err
