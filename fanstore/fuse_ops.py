@@ -265,6 +265,7 @@ class FanstoreOperations(pyfuse3.Operations):
             # Not at open, which also comes for files the kernel still holds (a second epoch).
             self._kernel_holds[fh] = 0
             if self.prefetcher is not None:
+                self.prefetcher.withdraw(fh)
                 self.prefetcher.accessed(fh)
         data = self.cache.peek(fh)
         if data is None:

@@ -82,7 +82,8 @@ class Prefetcher:
         self._order = order
         self._depth = depth
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="fanstore-prefetch")
-        self._scheduled: set[CacheKey] = set()
+        self._scheduled: set[CacheKey] = set()  # queued or decoding now
+        self._waiting: set[CacheKey] = set()  # queued, not started: the reader may still take one over
         self._lock = threading.Lock()
         self._closed = False
         self._decoded = 0
@@ -100,9 +101,24 @@ class Prefetcher:
             if self._closed or key in self._scheduled or self._cache.contains(key):
                 return
             self._scheduled.add(key)
+            self._waiting.add(key)
         self._pool.submit(self._decode, key)
 
+    def withdraw(self, key: CacheKey) -> bool:
+        """The reader wants `key` now: a prefetch of it that has not started is dropped (the reader loads it
+        itself rather than wait behind the queue, and it is not loaded twice). False if none was waiting."""
+        with self._lock:
+            if key not in self._waiting:
+                return False
+            self._waiting.discard(key)
+            self._scheduled.discard(key)
+            return True
+
     def _decode(self, key: CacheKey) -> None:
+        with self._lock:
+            if key not in self._waiting:  # withdrawn by the reader
+                return
+            self._waiting.discard(key)
         try:
             self._cache.get(key)
         except Exception:  # noqa: BLE001 - a damaged file is reported when the reader itself reads it

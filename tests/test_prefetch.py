@@ -70,3 +70,34 @@ def test_the_prefetcher_decodes_the_next_files_into_the_cache(dataset):
         assert [cache.peek(e) for e in wanted] == [b"z" * 5000, b"z" * 20]
     finally:
         prefetcher.close()
+
+
+def test_a_file_the_reader_takes_over_is_not_prefetched_as_well(dataset):
+    """A prefetch still queued when the reader asks for its file is dropped: the file is loaded once, by the
+    reader, not a second time by a prefetch thread after it (a remote file would be fetched twice)."""
+    import threading
+
+    gate = threading.Event()
+    loads: list[int] = []
+
+    def load(entry):
+        gate.wait(10)
+        loads.append(entry)
+        return dataset.reader.read(entry)
+
+    cache = DecodedCache(1 << 20, load)
+    prefetcher = Prefetcher(cache, FileOrder(dataset.index), depth=3, threads=1)
+    b, e = dataset.index.lookup("d/b.bin"), dataset.index.lookup("d/e.bin")
+    try:
+        prefetcher.accessed(dataset.index.lookup("d/a.bin"))  # b runs (held at the gate), e waits behind it
+        assert prefetcher.withdraw(e) is True
+        assert prefetcher.withdraw(e) is False
+        gate.set()
+        assert cache.load_uncached(e) == b"z" * 20  # the reader's own load
+        deadline = time.monotonic() + 10
+        while prefetcher.stats()["pending"] and time.monotonic() < deadline:  # let the queue drain
+            time.sleep(0.01)
+    finally:
+        gate.set()
+        prefetcher.close()
+    assert sorted(loads) == sorted([b, e])  # b by the prefetch, e once, by the reader
