@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from ..errors import ChunkCorrupt, ChunkError, ChunkUnavailable, FanstoreError
-from .polling import BUSY_LONGEST_SLEEP, Backoff
+from .polling import Backoff, precise_sleeps
 
 log = logging.getLogger("fanstore.serve")
 
@@ -123,7 +123,9 @@ class PeerTransport:
         # Replies we send, by id(request): (the request, when to give up on it).
         self._send_deadlines: dict[int, tuple[Any, float]] = {}
         self._statuses: list[Any] = []  # reused by every Testsome: a turn of the loop allocates nothing
+        self._probe_status = MPI.Status()
         self._abandoned: dict[tuple[int, int], float] = {}  # (peer, tag) of given-up requests -> forget when
+        self._outstanding = 0  # our requests queued or in flight, to all peers
         self._backoff = Backoff()
         self._stopping = threading.Event()
         self._stopped = threading.Event()  # the MPI thread has ended: fetches fail at once
@@ -171,17 +173,20 @@ class PeerTransport:
     # --- the MPI thread ---------------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        precise_sleeps()
         try:
             while not self._stopping.is_set():
-                progressed = self._take_submitted()
-                progressed |= self._start_fetches()
+                progressed = bool(self._submitted) and self._take_submitted()
+                progressed |= self._outstanding > 0 and self._start_fetches()
                 progressed |= self._poll_requests()
                 progressed |= self._receive_messages()
-                self._enforce_deadlines()
+                busy = self._busy()
+                if busy or self._abandoned:
+                    self._enforce_deadlines()
                 if progressed:
                     self._backoff.progressed()
                     continue
-                self._backoff.sleep(BUSY_LONGEST_SLEEP if self._busy() else None)
+                self._backoff.sleep(self._backoff.linger_longest if busy else None)
         except BaseException as exc:  # noqa: BLE001 - a bug here must fail reads, not hang them
             self._failure = exc
             log.exception("the MPI thread failed; peers are no longer served or asked")
@@ -189,7 +194,9 @@ class PeerTransport:
             self._shut_down()
 
     def _busy(self) -> bool:
-        return any(peer.in_flight for peer in self._peers)
+        """A request of ours is queued or in flight, or a reply we send is: its completion is awaited closely and
+        its deadline watched."""
+        return bool(self._send_deadlines) or self._outstanding > 0
 
     def _take_submitted(self) -> bool:
         progressed = False
@@ -233,6 +240,7 @@ class PeerTransport:
             return
         request.deadline = time.monotonic() + self.options.timeout
         peer.queued.append(request)
+        self._outstanding += 1
 
     def _skipped_error(self, request: _Fetch) -> ChunkUnavailable:
         return ChunkUnavailable(f"rank {request.peer} is skipped for now: it missed a deadline of "
@@ -267,6 +275,7 @@ class PeerTransport:
         if request not in peer.in_flight:  # given up already: its receive was cancelled, or came in just then
             return
         peer.in_flight.remove(request)
+        self._outstanding -= 1
         counters = self.counters[request.peer]
         count = status.Get_count(self._mpi.BYTE)
         buffer = request.buffer
@@ -321,6 +330,7 @@ class PeerTransport:
         for request in peer.queued:
             self.counters[number].failed += 1
             request.finish(error=ChunkUnavailable(str(error), chunk_id=request.chunk))
+        self._outstanding -= len(peer.in_flight) + len(peer.queued)
         peer.in_flight.clear()
         peer.queued.clear()
 
@@ -351,7 +361,7 @@ class PeerTransport:
 
     def _receive_messages(self) -> bool:
         """Take every message no posted receive matched: requests from peers, and replies given up on."""
-        status = self._mpi.Status()
+        status = self._probe_status
         received = False
         while True:
             message = self.comm.Improbe(self._mpi.ANY_SOURCE, self._mpi.ANY_TAG, status)
