@@ -1,0 +1,178 @@
+"""Map-style torch Datasets over a packed dataset, read through the API: each DataLoader worker decodes its own
+files, in parallel, with no FUSE daemon between it and the chunks."""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+from typing import Any, Callable, Sequence
+
+from torch.utils.data import Dataset as TorchDataset
+
+from ..api import Dataset
+from .plan import EpochPlan
+from .reading import PREFETCH_BYTES, PREFETCH_THREADS, ProcessReading, open_source
+
+# The extensions torchvision's ImageFolder accepts (torchvision.datasets.folder.IMG_EXTENSIONS).
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+class FileDataset(TorchDataset):
+    """Item i is `transform(bytes of paths[i])`, or the bytes without a transform.
+
+    `source`: a packed dataset directory, or None under `fanstore serve` (the node's dataset: chunks on this node
+    read from its local directory, the others through the node's serve process). `paths`: dataset-relative paths;
+    every regular file, sorted, by default. Nothing is opened until the first item is read, in each process.
+    """
+
+    def __init__(self, source: str | os.PathLike[str] | None = None, paths: Sequence[str] | None = None,
+                 transform: Callable[[bytes], Any] | None = None, prefetch_bytes: int = PREFETCH_BYTES,
+                 prefetch_threads: int = PREFETCH_THREADS) -> None:
+        self.source = None if source is None else os.fspath(source)
+        self._paths = None if paths is None else [str(path) for path in paths]
+        self.transform = transform
+        self.prefetch_bytes = prefetch_bytes
+        self.prefetch_threads = prefetch_threads
+        self.plan: EpochPlan | None = None  # set by an EpochSampler, before the loader's workers start
+
+    # --- what travels to workers: the recipe, never the open dataset ------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_process_reading", None)
+        if state.get("_paths_listed"):  # listed from the index: each worker lists them again, pickles stay small
+            state["_paths"] = None
+        return state
+
+    def _reading(self) -> ProcessReading:
+        return ProcessReading.of(self, lambda: ProcessReading(self.source, self._paths, lambda: self.plan,
+                                                              self.prefetch_bytes, self.prefetch_threads))
+
+    @property
+    def paths(self) -> list[str]:
+        if self._paths is None:
+            self._paths = self._reading().paths()
+            self.__dict__["_paths_listed"] = True
+        return self._paths
+
+    @property
+    def dataset(self) -> Dataset:
+        """This process's open fanstore Dataset (listing, stat, open of any path)."""
+        return self._reading().dataset
+
+    def __len__(self) -> int:
+        return len(self._reading().entries)
+
+    def __getitem__(self, item: int) -> Any:
+        return self._item(self._reading().read_items([item])[0], item)
+
+    def __getitems__(self, items: list[int]) -> list[Any]:
+        """A whole batch (the DataLoader asks for it in one call): the worker sees where it is in the epoch."""
+        return [self._item(data, item) for data, item in zip(self._reading().read_items(items), items)]
+
+    def _item(self, data: bytes, item: int) -> Any:
+        return data if self.transform is None else self.transform(data)
+
+    def announce(self, order: Any) -> None:
+        """This rank's order for the coming epoch (item numbers): under `fanstore serve`, the node's serve process
+        fetches the files stored on other nodes ahead of the workers. Called by EpochSampler."""
+        if self.source is None:
+            self._reading().announce(order)
+
+    def prefetch_stats(self) -> dict[str, Any]:
+        """This process's counters of decoding ahead (see reading.PrefetchCounters)."""
+        return self._reading().stats()
+
+
+def pil_loader(data: bytes) -> Any:
+    """An image as torchvision's default loader gives it: a Pillow image, converted to RGB."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        return image.convert("RGB")
+
+
+class ImageFolder(FileDataset):
+    """torchvision's ImageFolder over a directory of the packed dataset: the same `classes`, `class_to_idx`,
+    `samples` (with dataset-relative paths) and `targets`; item i is (image, class index).
+
+    Classes are the directories right below `root`, sorted; a class holds every file with an image extension
+    below its directory, nested directories and links to directories included, in the order torchvision lists
+    them (directories sorted by path, then file names sorted). torchvision itself is not needed.
+    """
+
+    def __init__(self, source: str | os.PathLike[str] | None, root: str = "", transform: Callable | None = None,
+                 target_transform: Callable | None = None, loader: Callable[[bytes], Any] = pil_loader,
+                 prefetch_bytes: int = PREFETCH_BYTES, prefetch_threads: int = PREFETCH_THREADS) -> None:
+        self.root = root.strip("/")
+        with open_source(None if source is None else os.fspath(source)) as dataset:
+            self.classes, self.class_to_idx = find_classes(dataset, self.root)
+            self.samples = make_samples(dataset, self.root, self.class_to_idx)
+        super().__init__(source, [path for path, _ in self.samples], transform, prefetch_bytes, prefetch_threads)
+        self.targets = [target for _, target in self.samples]
+        self.imgs = self.samples
+        self.loader = loader
+        self.target_transform = target_transform
+
+    def _item(self, data: bytes, item: int) -> Any:
+        image = self.loader(data)
+        if self.transform is not None:
+            image = self.transform(image)
+        target = self.targets[item]
+        if self.target_transform is not None:
+            target = self.target_transform(target)
+        return image, target
+
+
+def _is_dir(dataset: Dataset, path: str) -> bool:
+    try:
+        return stat.S_ISDIR(dataset.stat(path).st_mode)
+    except (OSError, ValueError):  # a dangling link, a link loop
+        return False
+
+
+def find_classes(dataset: Dataset, root: str) -> tuple[list[str], dict[str, int]]:
+    classes = sorted(name for name in dataset.listdir(root) if _is_dir(dataset, _join(root, name)))
+    if not classes:
+        raise FileNotFoundError(f"ImageFolder: no class directories in {root or '/'!r} of the dataset")
+    return classes, {name: i for i, name in enumerate(classes)}
+
+
+def make_samples(dataset: Dataset, root: str, class_to_idx: dict[str, int]) -> list[tuple[str, int]]:
+    samples = []
+    for name in sorted(class_to_idx):
+        found = []
+        for folder, files in sorted(_walk_following_links(dataset, _join(root, name))):
+            found.extend((_join(folder, file), class_to_idx[name]) for file in sorted(files)
+                         if file.lower().endswith(IMG_EXTENSIONS))
+        if not found:
+            raise FileNotFoundError(f"ImageFolder: no image files for class {name!r} in {root or '/'!r} "
+                                    f"(extensions: {', '.join(IMG_EXTENSIONS)})")
+        samples.extend(found)
+    return samples
+
+
+def _walk_following_links(dataset: Dataset, top: str) -> list[tuple[str, list[str]]]:
+    """(directory, file names) below `top`, entering links to directories as os.walk(followlinks=True) does, but
+    never the same directory twice along one path (a link loop)."""
+    result = []
+    pending = [(top, frozenset())]
+    while pending:
+        folder, ancestors = pending.pop()
+        here = dataset.resolve(folder)
+        if here in ancestors:
+            continue
+        files = []
+        for name in dataset.listdir(folder):
+            path = _join(folder, name)
+            if _is_dir(dataset, path):
+                pending.append((path, ancestors | {here}))
+            else:
+                files.append(name)
+        result.append((folder, files))
+    return result
+
+
+def _join(folder: str, name: str) -> str:
+    return f"{folder}/{name}" if folder else name
