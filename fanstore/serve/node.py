@@ -36,7 +36,8 @@ from ..index import Index
 from ..mount import MountOptions, check_mountpoint, fuse_answer, fuse_mounted_at, resolve_mountpoint, \
     serve_dataset, unmount
 from ..units import format_bytes
-from . import watchdog
+from . import node_endpoint, watchdog
+from .node_endpoint import NodeEndpoint
 from .placement import BlobTable, Placement, place
 from .polling import first_failed_rank
 from .sources import PeerChunkSource, PlacedChunkSource
@@ -162,8 +163,10 @@ class Lifecycle:
     """What runs while the mount is up: wait for every rank's mount, run COMMAND (or write the ready file and wait
     for a signal), then agree with every rank on the job's status."""
 
-    def __init__(self, transport: PeerTransport, options: ServeOptions, mountpoint: Path, ready_file: Path) -> None:
+    def __init__(self, transport: PeerTransport, options: ServeOptions, mountpoint: Path, ready_file: Path,
+                 endpoint: Path) -> None:
         self.transport = transport
+        self.endpoint = endpoint
         self.options = options
         self.mountpoint = mountpoint
         self.ready_file = ready_file
@@ -190,7 +193,7 @@ class Lifecycle:
     def _run_command(self, stop: threading.Event) -> int:
         rank, size = self.transport.rank, self.transport.size
         env = dict(os.environ, FANSTORE_MOUNT=str(self.mountpoint), FANSTORE_RANK=str(rank),
-                   FANSTORE_SIZE=str(size))
+                   FANSTORE_SIZE=str(size), **{node_endpoint.ENVIRONMENT: str(self.endpoint)})
         try:
             command = subprocess.Popen(list(self.options.command), env=env)
         except OSError as exc:
@@ -212,8 +215,9 @@ class Lifecycle:
         return code if code >= 0 else 128 - code
 
     def _wait_for_signal(self, stop: threading.Event) -> int:
-        # The mount point, and the process serving it (to signal it, or to find it in a listing).
-        write_atomically(self.ready_file, f"{self.mountpoint}\n{os.getpid()}\n".encode())
+        # The mount point, the process serving it (to signal it, or to find it in a listing), and the socket of
+        # the node's readers (fanstore.torch: FANSTORE_SERVE_SOCKET).
+        write_atomically(self.ready_file, f"{self.mountpoint}\n{os.getpid()}\n{self.endpoint}\n".encode())
         try:
             stop.wait()
         finally:
@@ -275,16 +279,20 @@ def run(options: ServeOptions) -> int:
     transport.start()
     source = PlacedChunkSource(rank, placement, local, PeerChunkSource(transport, placement),
                                LocalChunkSource(options.dest, sizes), direct=unverified)
-    lifecycle = Lifecycle(transport, options, mountpoint, ready_file)
+    endpoint = NodeEndpoint(local_dir, {"dest": str(Path(options.dest).absolute()), "local_dir": str(local_dir),
+                                        "rank": rank, "size": size, "direct": sorted(unverified)},
+                            source, BlobTable.of(index), len(sizes))
+    lifecycle = Lifecycle(transport, options, mountpoint, ready_file, endpoint.path)
     try:
         with Dataset(index, source) as dataset:
             status = serve_dataset(dataset, mountpoint, options.mount, while_mounted=lifecycle)
     except FanstoreError as exc:
         say_line(f"fanstore serve: rank {rank} on {host}: {exc}")
         status = 1
+    endpoint.close()
     if lifecycle.agreed:
         if options.stats:
-            _report_stats(transport, source, report)
+            _report_stats(transport, source, report, endpoint.stats())
         transport.collective(lambda comm: (comm.Ibarrier(), lambda: None)).result()
     transport.stop()
     if lifecycle.agreed:
@@ -314,16 +322,19 @@ def _progress_bar(rank: int, enabled: bool) -> Any:
     return update
 
 
-def rank_stats(transport: PeerTransport, source: PlacedChunkSource, report: StagingReport) -> dict[str, Any]:
-    return {"rank": transport.rank, "host": transport.host, "reads": source.stats(), "staging": asdict(report)}
+def rank_stats(transport: PeerTransport, source: PlacedChunkSource, report: StagingReport,
+               readers: dict[str, int] | None = None) -> dict[str, Any]:
+    return {"rank": transport.rank, "host": transport.host, "reads": source.stats(), "staging": asdict(report),
+            "node_readers": readers or {}}
 
 
-def _report_stats(transport: PeerTransport, source: PlacedChunkSource, report: StagingReport) -> None:
+def _report_stats(transport: PeerTransport, source: PlacedChunkSource, report: StagingReport,
+                  readers: dict[str, int]) -> None:
     """Each rank's counters on its own lines; rank 0 adds the job's totals (counters sent to it over MPI)."""
     from mpi4py import MPI
 
     rank, size = transport.rank, transport.size
-    mine = rank_stats(transport, source, report)
+    mine = rank_stats(transport, source, report, readers)
     _say(_format_rank(mine))
     encoded = np.frombuffer(json.dumps(mine).encode(), dtype=np.uint8)
     lengths = np.zeros(size, dtype=np.int64)
@@ -354,6 +365,10 @@ def _format_rank(stats: dict[str, Any]) -> str:
                      f"to rank {peer}: {counters['served']} ({format_bytes(counters['served_bytes'])}), "
                      f"failed {counters['failed']}, refused {counters['refused']}")
     lines.append(f"  from DEST (fallback): {local['fallback']} ({format_bytes(local['fallback_bytes'])})")
+    readers = stats.get("node_readers") or {}
+    if readers.get("asked"):
+        lines.append(f"  fanstore.torch readers on this node: asked {readers['asked']} remote blobs, "
+                     f"{readers['ahead_hits']} of them fetched ahead ({readers['fetched_ahead']} fetched ahead)")
     lines.append(f"  staging: {format_bytes(staging['dest_bytes'])} from DEST, "
                  f"{format_bytes(staging['received_bytes'])} from peers, {format_bytes(staging['sent_bytes'])} to "
                  f"peers, {format_bytes(staging['reused_bytes'])} reused, {staging['seconds']:.1f} s"

@@ -1,0 +1,141 @@
+"""A reader's side of a `fanstore serve` node (fanstore.torch workers): chunks this node stores are read from its
+local directory, the others through the node's serve process (node_endpoint), never through FUSE.
+
+Imports nothing of MPI: a DataLoader worker is not an MPI process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..api import Dataset
+from ..chunk_source import ChunkSource, LocalChunkSource
+from ..errors import ChunkCorrupt, ChunkUnavailable, UsageError
+from ..format import FLAG_BLOCKED
+from ..index import Index
+from .node_endpoint import (CORRUPT, ENVIRONMENT, HELLO, OK, PLAN, PLAN_ROW, READ, REPLY, REPLY_MAGIC, REQUEST,
+                            REQUEST_MAGIC)
+from .placement import NO_OWNER, Placement, place
+
+
+class NodeConnection:
+    """One socket to the serve process per thread (requests and replies alternate on a socket)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._local = threading.local()
+
+    def _socket(self) -> socket.socket:
+        connection = getattr(self._local, "socket", None)
+        if connection is None:
+            connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                connection.connect(self.path)
+            except OSError as exc:
+                connection.close()
+                raise ChunkUnavailable(f"{self.path}: cannot reach the node's serve process: {exc.strerror}") \
+                    from None
+            self._local.socket = connection
+        return connection
+
+    def ask(self, kind: int, chunk: int = 0, offset: int = 0, length: int = 0, payload: bytes = b"") -> \
+            tuple[int, bytes]:
+        connection = self._socket()
+        try:
+            connection.sendall(REQUEST.pack(REQUEST_MAGIC, kind, chunk, offset, length) + payload)
+            header = _receive(connection, REPLY.size)
+            magic, status, size = REPLY.unpack(header)
+            if magic != REPLY_MAGIC:
+                raise ConnectionError("a malformed reply")
+            return status, _receive(connection, size)
+        except OSError as exc:
+            self._local.socket = None
+            connection.close()
+            raise ChunkUnavailable(f"{self.path}: the node's serve process did not answer: {exc}") from None
+
+
+def _receive(connection: socket.socket, size: int) -> bytes:
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    got = 0
+    while got < size:
+        count = connection.recv_into(view[got:])
+        if count == 0:
+            raise ConnectionError("the serve process closed the connection")
+        got += count
+    return bytes(buffer)
+
+
+class NodeChunkSource(ChunkSource):
+    """A served dataset as one reader of the node sees it: local chunks, the node's serve process for the others,
+    DEST for chunks the node could not stage whole."""
+
+    def __init__(self, connection: NodeConnection, rank: int, placement: Placement, local: ChunkSource,
+                 dest: ChunkSource, direct: frozenset[int]) -> None:
+        self._connection = connection
+        self._rank = rank
+        self._placement = placement
+        self._local = local
+        self._dest = dest
+        self._direct = direct
+
+    def read(self, chunk_id: int, offset: int, length: int) -> bytes:
+        if chunk_id in self._direct:
+            return self._dest.read(chunk_id, offset, length)
+        if self._placement.is_local(self._rank, chunk_id, offset):
+            return self._local.read(chunk_id, offset, length)
+        status, payload = self._connection.ask(READ, chunk_id, offset, length)
+        if status == OK:
+            return payload
+        reason = payload.decode("utf-8", "replace")
+        if status == CORRUPT:
+            raise ChunkCorrupt(reason, chunk_id=chunk_id)
+        raise ChunkUnavailable(reason, chunk_id=chunk_id)
+
+    def announce(self, index: Index, entries: np.ndarray) -> None:
+        """The files this rank reads next, in order: the serve process fetches their remote blobs ahead."""
+        rows = index.entries[entries]
+        rows = rows[(rows["flags"] & FLAG_BLOCKED) == 0]  # large files are read block by block, as they come
+        rows = rows[rows["stored_len"] > 0]
+        remote = [i for i, (chunk, offset) in enumerate(zip(rows["chunk"].tolist(), rows["offset"].tolist()))
+                  if chunk not in self._direct and self._placement.owner(chunk, offset) not in (NO_OWNER, self._rank)]
+        plan = np.zeros(len(remote), dtype=PLAN_ROW)
+        plan["chunk"], plan["offset"], plan["length"] = (rows["chunk"][remote], rows["offset"][remote],
+                                                         rows["stored_len"][remote])
+        status, payload = self._connection.ask(PLAN, length=len(plan), payload=plan.tobytes())
+        if status != OK:
+            raise ChunkUnavailable(f"the node's serve process refused the plan: {payload.decode('utf-8', 'replace')}")
+
+    def stats(self) -> dict[str, Any]:
+        return {"socket": self._connection.path}
+
+    def close(self) -> None:
+        self._local.close()
+        self._dest.close()
+
+
+def open_served_dataset(socket_path: str | None = None) -> Dataset:
+    """The dataset of the `fanstore serve` node this process runs on (found through FANSTORE_SERVE_SOCKET)."""
+    path = socket_path or os.environ.get(ENVIRONMENT)
+    if not path:
+        raise UsageError(f"no dataset given and {ENVIRONMENT} is not set: pass a packed dataset directory, or run "
+                         f"under `fanstore serve ... -- COMMAND` (or set {ENVIRONMENT} to the node's socket, "
+                         f"the third line of its ready file)")
+    connection = NodeConnection(path)
+    status, payload = connection.ask(HELLO)
+    if status != OK:
+        raise UsageError(f"{path}: the node's serve process refused to describe its dataset")
+    node = json.loads(payload)
+    index = Index.load(node["dest"])
+    sizes = index.chunks["size"]
+    source = NodeChunkSource(connection, int(node["rank"]), place(index, int(node["size"])),
+                             LocalChunkSource(Path(node["local_dir"]), sizes), LocalChunkSource(node["dest"], sizes),
+                             frozenset(int(c) for c in node["direct"]))
+    return Dataset(index, source)

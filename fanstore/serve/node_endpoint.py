@@ -1,0 +1,220 @@
+"""The serve process's door for the training job's own readers on this node (fanstore.torch workers).
+
+A reader reads chunks this node stores straight from its local directory; for the others it asks the serve process
+here, over a Unix socket in that directory, and gets the stored blob (still compressed: the reader verifies and
+decodes it, in parallel with the other workers). An epoch's plan (the remote blobs in the order the sampler
+drew) makes the serve process fetch them ahead from their owners, bounded in bytes.
+
+Wire format, little-endian. A request: REQUEST (magic FSNQ, kind, chunk, offset, length) and, for PLAN, `length`
+rows of (chunk, offset, length) as int64. A reply: REPLY (magic FSNP, status, payload length) and the payload:
+the blob, the node's description (HELLO, JSON), its readers' counters (STATS, JSON), or a UTF-8 reason (status
+not OK).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import socketserver
+import struct
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from ..chunk_source import ChunkSource
+from ..errors import ChunkCorrupt, ChunkError
+from .placement import BlobTable
+
+log = logging.getLogger("fanstore.serve")
+
+SOCKET_NAME = "fanstore-node.sock"
+ENVIRONMENT = "FANSTORE_SERVE_SOCKET"  # set for COMMAND; a job started otherwise sets it from the ready file
+REQUEST = struct.Struct("<4sIIQQ")  # magic, kind, chunk, offset, length (PLAN: rows that follow)
+REPLY = struct.Struct("<4sIQ")  # magic, status, payload length
+REQUEST_MAGIC, REPLY_MAGIC = b"FSNQ", b"FSNP"
+HELLO, READ, PLAN, STATS = 1, 2, 3, 4
+OK, REFUSED, UNAVAILABLE, CORRUPT = 0, 1, 2, 3
+PLAN_ROW = np.dtype([("chunk", "<i8"), ("offset", "<i8"), ("length", "<i8")])
+MAX_PLAN_ROWS = 1 << 26
+AHEAD_BYTES = 256 << 20  # remote blobs fetched ahead and not read yet, at most
+AHEAD_THREADS = 8
+
+
+class BlobsAhead:
+    """Remote blobs of the current plan, fetched in plan order by a few threads, held until read once."""
+
+    def __init__(self, fetch: Callable[[int, int, int], bytes], capacity: int = AHEAD_BYTES,
+                 threads: int = AHEAD_THREADS) -> None:
+        self._fetch = fetch
+        self._capacity = capacity
+        self._held: OrderedDict[tuple[int, int], bytes] = OrderedDict()
+        self._held_bytes = 0
+        self._reserved = 0  # bytes being fetched now
+        self._plan: list[tuple[int, int, int]] = []
+        self._next = 0
+        self._generation = 0
+        self._changed = threading.Condition()
+        self._closed = False
+        self.hits = self.fetched = 0
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="fanstore-node-ahead")
+        for _ in range(threads):
+            self._pool.submit(self._work)
+
+    def replace_plan(self, rows: np.ndarray) -> None:
+        with self._changed:
+            self._plan = [(int(r["chunk"]), int(r["offset"]), int(r["length"])) for r in rows]
+            self._next = 0
+            self._generation += 1
+            self._held.clear()
+            self._held_bytes = 0
+            self._changed.notify_all()
+
+    def take(self, chunk: int, offset: int) -> bytes | None:
+        """The blob if it was fetched ahead (it is then forgotten: each is read once an epoch), else None."""
+        with self._changed:
+            blob = self._held.pop((chunk, offset), None)
+            if blob is not None:
+                self._held_bytes -= len(blob)
+                self.hits += 1
+                self._changed.notify_all()
+            return blob
+
+    def _work(self) -> None:
+        while True:
+            with self._changed:
+                while not self._closed and (self._next >= len(self._plan)
+                                            or self._held_bytes + self._reserved >= self._capacity):
+                    self._changed.wait()
+                if self._closed:
+                    return
+                chunk, offset, length = self._plan[self._next]
+                self._next += 1
+                generation = self._generation
+                self._reserved += length  # so that the threads together stay within the capacity
+            try:
+                blob: bytes | None = self._fetch(chunk, offset, length)
+            except ChunkError:
+                blob = None  # the reader meets the error itself when it asks, and reports it
+            with self._changed:
+                self._reserved -= length
+                if blob is not None and generation == self._generation:
+                    self._held[(chunk, offset)] = blob
+                    self._held_bytes += len(blob)
+                    self.fetched += 1
+                self._changed.notify_all()
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+        self._pool.shutdown(wait=True)
+
+
+class NodeEndpoint:
+    """Serves HELLO, READ and PLAN to this node's readers from a thread per connection."""
+
+    def __init__(self, local_dir: Path, description: dict[str, Any], source: ChunkSource, blobs: BlobTable,
+                 chunk_count: int) -> None:
+        self.path = local_dir / SOCKET_NAME
+        self._hello = json.dumps(description).encode()
+        self._source = source
+        self._blobs = blobs
+        self._chunk_count = chunk_count
+        self.ahead = BlobsAhead(self._read_checked)
+        self.asked = 0
+        self.path.unlink(missing_ok=True)  # left by a killed job
+        endpoint = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                endpoint._serve(self.request)
+
+        self._server = socketserver.ThreadingUnixStreamServer(str(self.path), Handler)
+        self._server.daemon_threads = True
+        os.chmod(self.path, 0o600)  # this user's readers only
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.5},
+                                        name="fanstore-node-endpoint", daemon=True)
+        self._thread.start()
+
+    def _serve(self, connection: socket.socket) -> None:
+        stream = connection.makefile("rb")
+        try:
+            while True:
+                header = stream.read(REQUEST.size)
+                if len(header) < REQUEST.size:
+                    return
+                magic, kind, chunk, offset, length = REQUEST.unpack(header)
+                if magic != REQUEST_MAGIC:
+                    log.warning("a local reader sent a malformed request: connection closed")
+                    return
+                if kind == PLAN:
+                    if length > MAX_PLAN_ROWS:
+                        self._reply(connection, REFUSED, f"a plan of {length} rows is too long".encode())
+                        return
+                    raw = stream.read(length * PLAN_ROW.itemsize)
+                    if len(raw) < length * PLAN_ROW.itemsize:
+                        return
+                    self.ahead.replace_plan(np.frombuffer(raw, dtype=PLAN_ROW))
+                    self._reply(connection, OK, b"")
+                elif kind == HELLO:
+                    self._reply(connection, OK, self._hello)
+                elif kind == STATS:
+                    self._reply(connection, OK, json.dumps(self.stats()).encode())
+                elif kind == READ:
+                    self._answer_read(connection, chunk, offset, length)
+                else:
+                    self._reply(connection, REFUSED, f"unknown request kind {kind}".encode())
+        except OSError:
+            return  # the reader went away
+        finally:
+            stream.close()
+            connection.close()
+
+    def stats(self) -> dict[str, int]:
+        """The node's readers: blobs they asked for, blobs fetched ahead, and how many of their reads found one."""
+        return {"asked": self.asked, "fetched_ahead": self.ahead.fetched, "ahead_hits": self.ahead.hits}
+
+    def _answer_read(self, connection: socket.socket, chunk: int, offset: int, length: int) -> None:
+        self.asked += 1
+        blob = self.ahead.take(chunk, offset)
+        try:
+            if blob is None or len(blob) != length:
+                blob = self._read_checked(chunk, offset, length)
+        except _Refused as exc:
+            self._reply(connection, REFUSED, str(exc).encode())
+        except ChunkCorrupt as exc:
+            self._reply(connection, CORRUPT, str(exc).encode())
+        except ChunkError as exc:
+            self._reply(connection, UNAVAILABLE, str(exc).encode())
+        else:
+            self._reply(connection, OK, blob)
+
+    def _read_checked(self, chunk: int, offset: int, length: int) -> bytes:
+        """Whole blobs of the dataset only: a reader's request never reads outside one."""
+        if not 0 <= chunk < self._chunk_count:
+            raise _Refused(f"chunk {chunk} is not in the dataset")
+        rows = self._blobs.in_range(chunk, offset, offset + 1)
+        if rows.stop - rows.start != 1 or int(self._blobs.offset[rows.start]) != offset \
+                or int(self._blobs.stored_len[rows.start]) != length:
+            raise _Refused(f"chunk {chunk}: no blob of {length} bytes at offset {offset}")
+        return self._source.read(chunk, offset, length)
+
+    @staticmethod
+    def _reply(connection: socket.socket, status: int, payload: bytes) -> None:
+        connection.sendall(REPLY.pack(REPLY_MAGIC, status, len(payload)) + payload)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self.ahead.close()
+        self.path.unlink(missing_ok=True)
+
+
+class _Refused(ChunkError):
+    """A request for bytes that are not one blob of the dataset."""

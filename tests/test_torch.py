@@ -1,0 +1,161 @@
+"""fanstore.torch: Datasets that read a packed dataset without FUSE, in DataLoader workers, with and without the
+EpochSampler's decoding ahead; and under a real `mpiexec -n 2 fanstore serve`."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+from fanstore import PackOptions, pack
+
+torch = pytest.importorskip("torch", reason="torch is not installed (scripts/setup installs torch==2.13.0+cpu)")
+from torch.utils.data import DataLoader, RandomSampler  # noqa: E402
+
+from fanstore.torch import EpochSampler, FileDataset, ImageFolder  # noqa: E402
+
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def make_image_tree(root: Path) -> None:
+    """Classes with nested folders, upper-case extensions, a file that is not an image, a link to a folder."""
+    from PIL import Image
+
+    rng = np.random.default_rng(5)
+    layout = {"cat": ["a.png", "b.JPG", "sub/c.png", "sub/deeper/d.png", "notes.txt"],
+              "dog": ["z.png", "a_b/e.png", "a.png"], "emu": ["only.webp"]}
+    for label, names in layout.items():
+        for name in names:
+            path = root / "train" / label / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if name.endswith(".txt"):
+                path.write_text("not an image")
+                continue
+            image = Image.fromarray(rng.integers(0, 255, (8, 8, 3), np.uint8))
+            buffer = io.BytesIO()
+            image.save(buffer, format={"png": "PNG", "jpg": "JPEG", "webp": "WEBP"}[name.rsplit(".", 1)[1].lower()])
+            path.write_bytes(buffer.getvalue())
+    (root / "extra").mkdir()
+    (root / "extra" / "x.png").write_bytes((root / "train" / "dog" / "z.png").read_bytes())
+    os.symlink("../../extra", root / "train" / "emu" / "linked")
+    (root / "train" / "README").write_text("a file beside the classes")
+
+
+def torchvision_samples(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
+    """What torchvision's ImageFolder lists (datasets.folder.find_classes and make_dataset), relative to root."""
+    classes = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
+    samples = []
+    for index, name in enumerate(classes):
+        for folder, _, files in sorted(os.walk(root / name, followlinks=True)):
+            for file in sorted(files):
+                if file.lower().endswith(IMG_EXTENSIONS):
+                    samples.append((os.path.relpath(os.path.join(folder, file), root.parent), index))
+    return classes, samples
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> tuple[Path, Path]:
+    base = tmp_path_factory.mktemp("torch")
+    src = base / "src"
+    rng = np.random.default_rng(3)
+    for i in range(60):
+        path = src / "files" / f"d{i % 3}" / f"f{i:03d}.bin"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(rng.integers(0, 8, 1000 + 97 * i, np.uint8).tobytes())
+    make_image_tree(src)
+    pack(src, base / "dest", PackOptions(codec="zstd:3", chunk_size=16 * 1024, workers=1))
+    return src, base / "dest"
+
+
+def test_file_dataset_lists_every_regular_file_sorted_and_opens_nothing_until_used(packed, tmp_path):
+    src, dest = packed
+    dataset = FileDataset(dest)
+    assert "_process_reading" not in vars(dataset)
+    expected = sorted(str(p.relative_to(src)) for p in src.rglob("*") if p.is_file() and not p.is_symlink())
+    assert dataset.paths == expected and len(dataset) == len(expected)
+    assert len(pickle.dumps(dataset)) < 1000  # the recipe travels, not the paths or the index
+    never_opened = FileDataset(tmp_path / "nowhere")  # nothing is opened yet, so nothing fails yet
+    with pytest.raises(Exception, match="nowhere"):
+        len(never_opened)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_every_item_is_the_original_bytes_in_two_workers(packed, context):
+    src, dest = packed
+    paths = [f"files/d{i % 3}/f{i:03d}.bin" for i in range(60)]
+    dataset = FileDataset(dest, paths=paths)
+    loader = DataLoader(dataset, batch_size=7, num_workers=2, collate_fn=list, multiprocessing_context=context)
+    got = [data for batch in loader for data in batch]
+    assert got == [(src / path).read_bytes() for path in paths]
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_image_folder_matches_torchvision_classes_samples_and_labels(packed, context):
+    src, dest = packed
+    classes, samples = torchvision_samples(src / "train")
+    dataset = ImageFolder(dest, "train")
+    assert dataset.classes == classes == ["cat", "dog", "emu"]
+    assert dataset.class_to_idx == {name: i for i, name in enumerate(classes)}
+    assert dataset.samples == samples and dataset.targets == [label for _, label in samples]
+    assert "train/emu/linked/x.png" in [path for path, _ in dataset.samples]
+    loader = DataLoader(dataset, batch_size=3, num_workers=2, collate_fn=list, multiprocessing_context=context)
+    items = [item for batch in loader for item in batch]
+    from PIL import Image
+
+    for (image, label), (path, expected_label) in zip(items, samples, strict=True):
+        with Image.open(src / path) as original:
+            assert image.tobytes() == original.convert("RGB").tobytes() and label == expected_label
+
+
+def test_epoch_sampler_decodes_ahead_exactly_the_files_read_next(packed):
+    src, dest = packed
+    paths = [f"files/d{i % 3}/f{i:03d}.bin" for i in range(60)]
+    dataset = FileDataset(dest, paths=paths)
+    sampler = EpochSampler(RandomSampler(dataset, generator=torch.Generator().manual_seed(7)), dataset)
+    loader = DataLoader(dataset, batch_size=6, sampler=sampler, num_workers=0, collate_fn=list)
+    for epoch in range(2):
+        before = dataset.prefetch_stats()
+        got = [data for batch in loader for data in batch]
+        stats = dataset.prefetch_stats()
+        assert sorted(got) == sorted((src / path).read_bytes() for path in paths)
+        ahead, used, missed = (stats[k] - before[k] for k in ("ahead", "used", "missed"))
+        # Only the first batch of an epoch is read before the plan says what comes; every other file was decoded
+        # ahead, and every file decoded ahead was read.
+        assert (ahead, used, missed) == (54, 54, 6), stats
+
+
+def test_without_the_sampler_every_file_is_read_when_asked(packed):
+    src, dest = packed
+    dataset = FileDataset(dest, paths=["files/d0/f000.bin", "files/d1/f001.bin"])
+    assert [dataset[0], dataset[1]] == [(src / "files/d0/f000.bin").read_bytes(), (src / "files/d1/f001.bin").read_bytes()]
+    assert dataset.prefetch_stats()["ahead"] == 0
+
+
+def test_a_few_training_steps_under_mpiexec_fanstore_serve(packed, tmp_path):
+    from test_serve import _REASON, MPIEXEC
+
+    if _REASON is not None:
+        pytest.skip(f"needs FUSE and MPI: {_REASON}")
+    src, dest = packed
+    for rank in range(2):
+        (tmp_path / f"mp{rank}").mkdir()
+    job = Path(__file__).with_name("serve_torch_job.py")
+    done = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "fanstore", "serve", str(dest),
+                           str(tmp_path / "mp{rank}"), "--local-dir", str(tmp_path / "local{rank}"), "--quiet",
+                           "--", sys.executable, str(job), str(src)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = {line["rank"]: line for line in map(json.loads, done.stdout.splitlines())}
+    assert set(results) == {0, 1}
+    for result in results.values():
+        assert result["bad"] == 0 and result["read"] == result["expected"] > 0, result
+        assert result["refused"] == "refused" and result["steps"] == 3 and np.isfinite(result["loss"]), result
+        assert result["remote_ahead"] > 0, result  # the node fetched remote blobs ahead of the workers
