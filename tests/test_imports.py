@@ -132,3 +132,23 @@ def test_placement_needs_no_mpi():
     assert loaded(fresh_modules("import fanstore.serve.placement"), ("mpi4py",)) == []
     # The package imports none of its modules: `import fanstore.serve.placement` brings placement alone.
     assert loaded(fresh_modules("import fanstore.serve"), ("fanstore.serve",)) == ["fanstore.serve"]
+
+
+def test_fanstore_torch_reads_without_the_packer_or_mpi(tmp_path):
+    """A DataLoader worker imports fanstore.torch and reads: neither the packer nor MPI may come with it. Under
+    serve it reaches the node through node_client, which imports nothing of MPI (a worker is no MPI process)."""
+    import pytest
+
+    pytest.importorskip("torch", reason="torch is not installed (scripts/setup installs torch==2.13.0+cpu)")
+    dest = tmp_path / "ds"
+    pack(make_tree(tmp_path / "src"), dest, PackOptions(codec="zstd:3"))
+    read = (f"from fanstore.torch import FileDataset\n"
+            f"assert FileDataset({str(dest)!r}, paths=['labels.txt'])[0].startswith(b'train/x/img_000.png')\n")
+    unwanted = ("fanstore.pack", "fanstore.compress", "selector", "fanstore.serve", "mpi4py")
+    assert loaded(fresh_modules(read), unwanted) == []
+    client = fresh_modules("import fanstore.serve.node_client")
+    assert loaded(client, ("mpi4py", "fanstore.serve.transport", "fanstore.serve.node")) == []
+    for path in sorted((REPO / "fanstore" / "torch").glob("*.py")):
+        serving = loaded(imported_names(path), ("fanstore.serve",))
+        assert set(serving) <= {"fanstore.serve", "fanstore.serve.node_client",
+                                "fanstore.serve.node_client.open_served_dataset"}, path.relative_to(REPO)
