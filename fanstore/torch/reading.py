@@ -66,6 +66,7 @@ class ProcessReading:
         self._threads = prefetch_threads
         self._pool: ThreadPoolExecutor | None = None  # started with the first plan
         self._ahead: dict[int, int] = {}  # entries queued or decoded ahead, not read yet -> their size
+        self._ahead_bytes = 0
         self._lock = threading.Lock()
         self.counters = PrefetchCounters()
 
@@ -88,8 +89,9 @@ class ProcessReading:
 
     def _read(self, entry: int) -> bytes:
         with self._lock:
-            ahead = self._ahead.pop(entry, None) is not None
-        if not ahead:
+            size = self._ahead.pop(entry, None)
+            self._ahead_bytes -= size or 0
+        if size is None:
             self.counters.missed += 1
             return self.dataset.reader.read(entry)
         if self._cache.peek(entry) is None:
@@ -127,9 +129,10 @@ class ProcessReading:
                 with self._lock:
                     if entry in self._ahead:
                         continue
-                    if sum(self._ahead.values()) + int(sizes[entry]) > self._cache.capacity:
+                    if self._ahead_bytes + int(sizes[entry]) > self._cache.capacity:
                         return
                     self._ahead[entry] = int(sizes[entry])
+                    self._ahead_bytes += int(sizes[entry])
                 self.counters.ahead += 1
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(max(1, self._threads), thread_name_prefix="fanstore-prefetch")
@@ -140,7 +143,7 @@ class ProcessReading:
             self._cache.get(entry)
         except Exception:  # noqa: BLE001 - the reader meets the same error when it reads the file, and reports it
             with self._lock:
-                self._ahead.pop(entry, None)
+                self._ahead_bytes -= self._ahead.pop(entry, 0)
 
     def announce(self, order: np.ndarray) -> None:
         """Hand the epoch's order to the node's serve process (a served dataset only)."""
