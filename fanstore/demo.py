@@ -1,12 +1,14 @@
 """`fanstore demo`: the whole job on a built-in dataset: build it, pack it, read every file back and check it,
-through the Python API and through a real mount, run an unchanged training loop on the mount, and show what the
-pack saved and how fast each way reads beside the plain directory."""
+through the Python API and through a real mount, run an unchanged training loop on the mount, train a small CNN
+with PyTorch (when it is installed) from the original directory, through fanstore.torch and through the mount, and
+show what the pack saved and how fast each way reads beside the plain directory."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -19,6 +21,8 @@ from .units import format_bytes
 DEMO_CODEC = "zstd-dict:9"
 DEMO_REPLICATE = ("val/**",)
 _READ_ROUNDS = 3
+# Where torch is missing, the demo says how to get it: the CPU build, which scripts/setup installs (torch==2.13.0+cpu).
+TORCH_INSTALL = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
 
 
 def run_demo(workdir: str | os.PathLike[str] | None = None, scale: int = 1, mount: bool = True) -> int:
@@ -50,11 +54,14 @@ def _demo_in(workdir: Path, scale: int, mount: bool) -> int:
     plain_seconds = _best_time(lambda: [(source / p).read_bytes() for p in paths])
     rows = [("plain directory (warm)", plain_seconds), ("fanstore API (decompress)", api_seconds)]
 
+    train_with_torch = partial(_demo_torch, source, dataset)
     if mount:
-        mount_rows, mount_bad = _demo_mount(dataset, workdir / "mnt", source, paths, expected)
+        mount_rows, mount_bad = _demo_mount(dataset, workdir / "mnt", source, paths, expected, train_with_torch)
         rows += mount_rows
         bad += mount_bad
         bad += _demo_serve(dataset, workdir / "serve", source)
+    else:
+        bad += train_with_torch(None)
 
     total = summary.raw_bytes
     print()
@@ -70,15 +77,17 @@ def _demo_in(workdir: Path, scale: int, mount: bool) -> int:
 
 
 def _demo_mount(
-    dataset: Path, mountpoint: Path, source: Path, paths: list[str], expected: list[str]
+    dataset: Path, mountpoint: Path, source: Path, paths: list[str], expected: list[str],
+    while_mounted: Callable[[Path | None], list[str]],
 ) -> tuple[list[tuple[str, float]], list[str]]:
-    """Mount the dataset, check every file through it, time two epochs, and train on it as on the original."""
+    """Mount the dataset, check every file through it, time two epochs, and train on it as on the original;
+    `while_mounted(mountpoint)` runs before the unmount, or `while_mounted(None)` if there is no mount."""
     from .mount import fuse_unavailable_reason, mount_background, resolve_mountpoint, unmount, wait_for_exit
 
     reason = fuse_unavailable_reason()
     if reason is not None:
         print(f"skipping the mount: {reason}")
-        return [], []
+        return [], while_mounted(None)
     mountpoint.mkdir(exist_ok=True)
     mountpoint = resolve_mountpoint(mountpoint)  # as the CLI does: mountinfo, which unmount reads, lists it so
     log = mountpoint.parent / "mount.log"
@@ -99,12 +108,43 @@ def _demo_mount(
             print(f"  {name:<20} {result.train_images:,} train + {result.val_images:,} val images, "
                   f"accuracy {result.accuracy:.1%}, model {result.centroid_digest}, "
                   f"{time.perf_counter() - started:.2f} s")
+        bad += while_mounted(mountpoint)
     finally:
         unmount(mountpoint)
         wait_for_exit(pid)  # the daemon leaves once the kernel lets go; then the work directory can go
     rows = [("fanstore mount, 1st epoch (decode)", first_epoch),
             ("fanstore mount, 2nd epoch (kernel cache)", second_epoch)]
     return rows, bad
+
+
+def _demo_torch(source: Path, dataset: Path, mountpoint: Path | None) -> list[str]:
+    """Train the same small CNN, same seed, from the original directory, through fanstore.torch and through the
+    mount (if any). Every reader must give the same accuracy and weights; returns a mismatch line if not."""
+    try:  # the only module of the demo that imports torch
+        from .demo_torch import TrainingSettings, table_header, table_row, train_three_ways
+    except ModuleNotFoundError as missing:
+        if missing.name != "torch":
+            raise
+        print(f"\nskipping the PyTorch run: torch is not installed; for the CPU build: {TORCH_INSTALL}")
+        return []
+
+    settings = TrainingSettings()
+    print(f"\nPyTorch: a 2-layer CNN, seed {settings.seed}, {settings.epochs} epochs of batches of "
+          f"{settings.batch_size}, num_workers={settings.num_workers}, {len(os.sched_getaffinity(0))} cores; "
+          "the same run from each reader "
+          "(fanstore/demo_torch.py).\n"
+          "s (wait): an epoch's seconds, and those the loop spent waiting in next(loader). The original and the "
+          "mount\nare read from the page cache; fanstore.torch decodes every file in every epoch.")
+    print(table_header(settings))
+    results = []
+    for result in train_three_ways(source, dataset, mountpoint, settings):
+        print(table_row(result), flush=True)
+        results.append(result)
+    if len({(result.accuracy, result.weights_digest) for result in results}) > 1:
+        print("the readers gave different models")
+        return ["PyTorch run: the readers gave different accuracies or weights"]
+    print("same accuracy and weights from every reader")
+    return []
 
 
 # What each rank of the demo job runs on its mount: every original file compared with what the mount gives.

@@ -29,11 +29,14 @@ NOT_FOR_READING = (
     "lz4",
     "fanstore.serve",
     "mpi4py",
+    "torch",
 )
 # The only fanstore modules that may import the selector: the packer (--codec auto) and the command line.
 USES_THE_SELECTOR = ("pack", "cli")
 # The only modules of fanstore/ (not fanstore/serve/) that may import the serving layer: the command line (`plan`).
 USES_THE_SERVING_LAYER = ("cli",)
+# The only module of fanstore/ that may import torch (besides the fanstore.torch package): the demo's PyTorch run.
+USES_TORCH = ("demo_torch",)
 
 
 def fresh_modules(code: str) -> set[str]:
@@ -123,6 +126,14 @@ def test_the_read_path_knows_nothing_of_the_serving_layer_or_mpi():
         if path.stem not in USES_THE_SERVING_LAYER:
             assert loaded(names, ("fanstore.serve",)) == [], f"{path.relative_to(REPO)} imports the serving layer"
     assert loaded(fresh_modules("import fanstore.cli"), ("fanstore.serve", "mpi4py")) == []
+
+
+def test_only_fanstore_torch_and_the_demos_pytorch_run_import_torch():
+    # `fanstore demo` runs without torch: it looks for torch and imports demo_torch only when it is there.
+    for path in sorted((REPO / "fanstore").glob("*.py")):
+        if path.stem not in USES_TORCH:
+            assert loaded(imported_names(path), ("torch",)) == [], f"{path.relative_to(REPO)} imports torch"
+    assert loaded(fresh_modules("import fanstore.cli, fanstore.demo"), ("torch", "fanstore.torch")) == []
 
 
 def test_placement_needs_no_mpi():
