@@ -159,3 +159,17 @@ def test_a_few_training_steps_under_mpiexec_fanstore_serve(packed, tmp_path):
         assert result["bad"] == 0 and result["read"] == result["expected"] > 0, result
         assert result["refused"] == "refused" and result["steps"] == 3 and np.isfinite(result["loss"]), result
         assert result["remote_ahead"] > 0, result  # the node fetched remote blobs ahead of the workers
+
+
+def test_an_empty_class_is_refused_unless_allowed(tmp_path):
+    src = tmp_path / "src"
+    (src / "val" / "empty").mkdir(parents=True)
+    (src / "val" / "full").mkdir()
+    (src / "val" / "full" / "a.png").write_bytes(b"not decoded by listing")
+    pack(src, tmp_path / "dest", PackOptions(codec="none", workers=1))
+    with pytest.raises(FileNotFoundError, match="'empty'"):
+        ImageFolder(tmp_path / "dest", "val")
+    with ImageFolder(tmp_path / "dest", "val", allow_empty=True) as dataset:
+        assert dataset.classes == ["empty", "full"] and dataset.samples == [("val/full/a.png", 1)]
+        assert len(dataset) == 1
+    assert "_process_reading" not in vars(dataset)

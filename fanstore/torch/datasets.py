@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import stat
+import weakref
 from typing import Any, Callable, Sequence
 
 from torch.utils.data import Dataset as TorchDataset
@@ -46,8 +47,14 @@ class FileDataset(TorchDataset):
         return state
 
     def _reading(self) -> ProcessReading:
-        return ProcessReading.of(self, lambda: ProcessReading(self.source, self._paths, lambda: self.plan,
-                                                              self.prefetch_bytes, self.prefetch_threads))
+        holder = weakref.ref(self)  # the reading looks the plan up each batch, without keeping the dataset alive
+
+        def plan() -> EpochPlan | None:
+            dataset = holder()
+            return None if dataset is None else dataset.plan
+
+        return ProcessReading.of(self, lambda: ProcessReading(self.source, self._paths, plan, self.prefetch_bytes,
+                                                              self.prefetch_threads))
 
     @property
     def paths(self) -> list[str]:
@@ -84,6 +91,18 @@ class FileDataset(TorchDataset):
         """This process's counters of decoding ahead (see reading.PrefetchCounters)."""
         return self._reading().stats()
 
+    def close(self) -> None:
+        """Close what this process opened (reopened on the next read); workers close theirs when they exit."""
+        reading = self.__dict__.pop("_process_reading", None)
+        if reading is not None and reading.pid == os.getpid():
+            reading.close()
+
+    def __enter__(self) -> "FileDataset":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
 
 def pil_loader(data: bytes) -> Any:
     """An image as torchvision's default loader gives it: a Pillow image, converted to RGB."""
@@ -99,16 +118,18 @@ class ImageFolder(FileDataset):
 
     Classes are the directories right below `root`, sorted; a class holds every file with an image extension
     below its directory, nested directories and links to directories included, in the order torchvision lists
-    them (directories sorted by path, then file names sorted). torchvision itself is not needed.
+    them (directories sorted by path, then file names sorted). A class without images is an error unless
+    `allow_empty` (as in torchvision). torchvision itself is not needed.
     """
 
     def __init__(self, source: str | os.PathLike[str] | None, root: str = "", transform: Callable | None = None,
                  target_transform: Callable | None = None, loader: Callable[[bytes], Any] = pil_loader,
-                 prefetch_bytes: int = PREFETCH_BYTES, prefetch_threads: int = PREFETCH_THREADS) -> None:
+                 allow_empty: bool = False, prefetch_bytes: int = PREFETCH_BYTES,
+                 prefetch_threads: int = PREFETCH_THREADS) -> None:
         self.root = root.strip("/")
         with open_source(None if source is None else os.fspath(source)) as dataset:
             self.classes, self.class_to_idx = find_classes(dataset, self.root)
-            self.samples = make_samples(dataset, self.root, self.class_to_idx)
+            self.samples = make_samples(dataset, self.root, self.class_to_idx, allow_empty)
         super().__init__(source, [path for path, _ in self.samples], transform, prefetch_bytes, prefetch_threads)
         self.targets = [target for _, target in self.samples]
         self.imgs = self.samples
@@ -139,14 +160,15 @@ def find_classes(dataset: Dataset, root: str) -> tuple[list[str], dict[str, int]
     return classes, {name: i for i, name in enumerate(classes)}
 
 
-def make_samples(dataset: Dataset, root: str, class_to_idx: dict[str, int]) -> list[tuple[str, int]]:
+def make_samples(dataset: Dataset, root: str, class_to_idx: dict[str, int],
+                 allow_empty: bool = False) -> list[tuple[str, int]]:
     samples = []
     for name in sorted(class_to_idx):
         found = []
         for folder, files in sorted(_walk_following_links(dataset, _join(root, name))):
             found.extend((_join(folder, file), class_to_idx[name]) for file in sorted(files)
                          if file.lower().endswith(IMG_EXTENSIONS))
-        if not found:
+        if not found and not allow_empty:
             raise FileNotFoundError(f"ImageFolder: no image files for class {name!r} in {root or '/'!r} "
                                     f"(extensions: {', '.join(IMG_EXTENSIONS)})")
         samples.extend(found)
