@@ -173,3 +173,26 @@ def test_an_empty_class_is_refused_unless_allowed(tmp_path):
         assert dataset.classes == ["empty", "full"] and dataset.samples == [("val/full/a.png", 1)]
         assert len(dataset) == 1
     assert "_process_reading" not in vars(dataset)
+
+
+class CountersProbe(FileDataset):
+    """Each item is (worker id, that worker's prefetch counters once the item's batch was read)."""
+
+    def _item(self, data: bytes, item: int):
+        from torch.utils.data import get_worker_info
+
+        return get_worker_info().id, {k: v for k, v in self.prefetch_stats().items() if k != "cache"}
+
+
+@pytest.mark.parametrize("context", ["fork", "forkserver"])
+def test_each_worker_decodes_ahead_exactly_its_own_next_batches(packed, context):
+    """DataLoader hands batch k to worker k mod 2: each worker decodes its own next batches from the published
+    plan, and reads every one of them; only its first batch of the epoch was not known ahead."""
+    _, dest = packed
+    paths = [f"files/d{i % 3}/f{i:03d}.bin" for i in range(60)]
+    dataset = CountersProbe(dest, paths=paths)
+    sampler = EpochSampler(RandomSampler(dataset, generator=torch.Generator().manual_seed(2)), dataset)
+    loader = DataLoader(dataset, batch_size=5, sampler=sampler, num_workers=2, collate_fn=list,
+                        multiprocessing_context=context)
+    last = {worker: counters for batch in loader for worker, counters in batch}
+    assert last == {w: {"ahead": 25, "used": 25, "waited": last[w]["waited"], "missed": 5} for w in (0, 1)}, last
