@@ -157,14 +157,25 @@ def test_bad_block_options_are_one_line(tree, tmp_path):
         assert_one_line_error(run_cli("fanstore-pack", str(tree), str(tmp_path / "ds"), option, value), option)
 
 
-def _peak_rss_of(command: list[str]) -> tuple[int, subprocess.CompletedProcess]:
+# Runs argv[2:] and writes the largest RSS any process of it reached to argv[1]. A process started straight from
+# pytest would inherit pytest's high-water RSS (Linux keeps the largest RSS across exec, and a vfork child shares
+# its parent's memory until then): with torch imported at collection, pytest holds several hundred MiB. This small
+# launcher's own RSS is all the command can inherit.
+_PEAK_RSS_LAUNCHER = """
+import os, subprocess, sys
+child = subprocess.Popen(sys.argv[2:])
+_, status, usage = os.wait4(child.pid, 0)
+open(sys.argv[1], "w").write(str(usage.ru_maxrss * 1024))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def _peak_rss_of(command: list[str], tmp_path: Path) -> tuple[int, subprocess.CompletedProcess]:
     """Run `command` and return the largest RSS any process of it reached (workers included), in bytes."""
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
-    _, status, usage = os.wait4(proc.pid, 0)
-    out, err = proc.stdout.read(), proc.stderr.read()
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return usage.ru_maxrss * 1024, subprocess.CompletedProcess(command, proc.returncode, out, err)
+    report = tmp_path / "peak-rss"
+    done = subprocess.run([sys.executable, "-c", _PEAK_RSS_LAUNCHER, str(report), *command], capture_output=True,
+                          text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return int(report.read_text()), done
 
 
 def test_packing_a_large_file_needs_a_few_blocks_of_memory_not_the_file(tmp_path):
@@ -178,7 +189,7 @@ def test_packing_a_large_file_needs_a_few_blocks_of_memory_not_the_file(tmp_path
         f.write(b"a needle in the haystack")
     code = "import sys; from fanstore.cli import pack_main; sys.exit(pack_main())"
     peak, done = _peak_rss_of([sys.executable, "-c", code, str(src), str(tmp_path / "ds"), "--workers", "2",
-                               "--quiet"])
+                               "--quiet"], tmp_path)
     assert done.returncode == 0, done.stderr
     assert peak < 200 << 20, f"peak RSS {peak >> 20} MiB while packing a 1 GiB file"
     with open_dataset(tmp_path / "ds") as ds, ds.open("huge.bin") as f:
