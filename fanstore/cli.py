@@ -405,7 +405,8 @@ def _add_serve_parser(commands: Any) -> None:
     serve_parser.add_argument("--max-in-flight", type=int, default=8, metavar="K",
                               help="requests outstanding to one peer at a time (default 8)")
     serve_parser.add_argument("--prefetch-list", metavar="FILE",
-                              help="the epoch's reading order, one path a line: files are fetched and decoded ahead")
+                              help="the epoch's reading order, one path a line: files are fetched and decoded ahead "
+                                   "({rank} is replaced by the rank: each its own order)")
     serve_parser.add_argument("--prefetch", type=int, default=8, metavar="N",
                               help="files fetched and decoded ahead of the reader (default 8; 0 turns it off)")
     serve_parser.add_argument("--prefetch-threads", type=int, default=8, metavar="K",

@@ -201,8 +201,12 @@ def test_every_rank_sees_every_file_and_replicated_files_are_local(served_datase
     _assert_nothing_left(job)
     assert _shm_files() <= shm_before
 
-    # A job restarted on the same nodes finds its chunks verified in place: nothing is read from DEST.
-    rerun = Job(tmp_path, dest, "--stats", command=["true"])
+    # A job restarted on the same nodes finds its chunks verified in place: nothing is read from DEST. Each rank
+    # takes its own epoch order ({rank} in --prefetch-list).
+    files = sorted(str(p.relative_to(src)) for p in src.rglob("*.bin"))
+    for rank in range(RANKS):
+        (tmp_path / f"epoch{rank}.txt").write_text("\n".join(files[rank::RANKS]) + "\n")
+    rerun = Job(tmp_path, dest, "--stats", "--prefetch-list", str(tmp_path / "epoch{rank}.txt"), command=["true"])
     jobs.append(rerun)
     code, out, err = rerun.finish()
     assert code == 0, out + err
@@ -342,6 +346,7 @@ def test_malformed_peer_requests_are_refused_without_harm(served_dataset, tmp_pa
     ("--max-in-flight", "0", "--max-in-flight"),
     ("--prefetch", "-2", "--prefetch"),
     ("--local-dir", str(Path("/tmp") / "fanstore-{host}"), "--local-dir"),
+    ("--prefetch-list", str(Path("/tmp") / "no-such-epoch-{rank}.txt"), "no-such-epoch-0.txt"),
 ])
 def test_bad_serve_options_are_one_line_naming_the_option(served_dataset, tmp_path, option, value, needle):
     _, dest = served_dataset

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +253,12 @@ def run(options: ServeOptions) -> int:
         local_dir = format_for_rank(options.local_dir, rank, "--local-dir").absolute()
         ready_file = format_for_rank(options.ready_file, rank, "--ready-file").absolute() if options.ready_file \
             else mountpoint.with_name(mountpoint.name + ".ready")
+        mount_options = options.mount
+        if mount_options.prefetch_list is not None:  # each rank its own epoch order: a DistributedSampler's share
+            prefetch_list = format_for_rank(str(mount_options.prefetch_list), rank, "--prefetch-list").absolute()
+            if not prefetch_list.is_file():
+                raise UsageError(f"--prefetch-list: {str(prefetch_list)!r} is not a file")
+            mount_options = replace(mount_options, prefetch_list=prefetch_list)
         clear_stale_mount(mountpoint)
         local_dir.mkdir(parents=True, exist_ok=True)
         ready_file.unlink(missing_ok=True)  # left by a killed job: a batch script waiting for it must wait for us
@@ -285,7 +291,7 @@ def run(options: ServeOptions) -> int:
     lifecycle = Lifecycle(transport, options, mountpoint, ready_file, endpoint.path)
     try:
         with Dataset(index, source) as dataset:
-            status = serve_dataset(dataset, mountpoint, options.mount, while_mounted=lifecycle)
+            status = serve_dataset(dataset, mountpoint, mount_options, while_mounted=lifecycle)
     except FanstoreError as exc:
         say_line(f"fanstore serve: rank {rank} on {host}: {exc}")
         status = 1
