@@ -196,3 +196,34 @@ def test_each_worker_decodes_ahead_exactly_its_own_next_batches(packed, context)
                         multiprocessing_context=context)
     last = {worker: counters for batch in loader for worker, counters in batch}
     assert last == {w: {"ahead": 25, "used": 25, "waited": last[w]["waited"], "missed": 5} for w in (0, 1)}, last
+
+
+def test_no_dataset_outside_serve_is_one_clear_error(monkeypatch):
+    from fanstore.errors import UsageError
+
+    monkeypatch.delenv("FANSTORE_SERVE_SOCKET", raising=False)
+    with pytest.raises(UsageError, match="FANSTORE_SERVE_SOCKET"):
+        len(FileDataset(None))
+
+
+def test_a_reader_whose_serve_process_is_gone_reads_remote_files_from_dest(packed, tmp_path):
+    """The socket leads nowhere (the node's serve process died): files stored here still come from the local
+    directory, the others from DEST, logged once, never a failed read."""
+    from fanstore import open_dataset
+    from fanstore.chunk_source import LocalChunkSource
+    from fanstore.serve.node_client import NodeChunkSource, NodeConnection
+    from fanstore.serve.placement import place
+
+    src, dest = packed
+    with open_dataset(dest) as plain:
+        index = plain.index
+    sizes = index.chunks["size"]
+    placement = place(index, 2)
+    source = NodeChunkSource(NodeConnection(str(tmp_path / "gone.sock")), 0, placement,
+                             LocalChunkSource(dest, sizes), LocalChunkSource(dest, sizes), frozenset())
+    paths = [f"files/d{i % 3}/f{i:03d}.bin" for i in range(60)]
+    with open_dataset(dest, source=source) as dataset:
+        assert [dataset.read(path) for path in paths] == [(src / path).read_bytes() for path in paths]
+    remote = sum(1 for path in paths if not placement.is_local(0, int(index.entries["chunk"][index.lookup(path)]),
+                                                                 int(index.entries["offset"][index.lookup(path)])))
+    assert source.fallbacks == remote > 0

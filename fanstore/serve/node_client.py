@@ -7,6 +7,7 @@ Imports nothing of MPI: a DataLoader worker is not an MPI process.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -16,13 +17,15 @@ from typing import Any
 import numpy as np
 
 from ..api import Dataset
-from ..chunk_source import ChunkSource, LocalChunkSource
+from ..chunk_source import ChunkSource, FallbackChunkSource, LocalChunkSource
 from ..errors import ChunkCorrupt, ChunkUnavailable, UsageError
 from ..format import FLAG_BLOCKED
 from ..index import Index
 from .node_endpoint import (CORRUPT, ENVIRONMENT, HELLO, OK, PLAN, PLAN_ROW, READ, REPLY, REPLY_MAGIC, REQUEST,
                             REQUEST_MAGIC)
 from .placement import NO_OWNER, Placement, place
+
+log = logging.getLogger("fanstore.serve")
 
 
 class NodeConnection:
@@ -73,9 +76,26 @@ def _receive(connection: socket.socket, size: int) -> bytes:
     return bytes(buffer)
 
 
+class NodeServeSource(ChunkSource):
+    """Blobs asked of the node's serve process (which gets each from its owner over MPI, or from DEST)."""
+
+    def __init__(self, connection: NodeConnection) -> None:
+        self.connection = connection
+
+    def read(self, chunk_id: int, offset: int, length: int) -> bytes:
+        status, payload = self.connection.ask(READ, chunk_id, offset, length)
+        if status == OK:
+            return payload
+        reason = payload.decode("utf-8", "replace")
+        if status == CORRUPT:
+            raise ChunkCorrupt(reason, chunk_id=chunk_id)
+        raise ChunkUnavailable(reason, chunk_id=chunk_id)
+
+
 class NodeChunkSource(ChunkSource):
-    """A served dataset as one reader of the node sees it: local chunks, the node's serve process for the others,
-    DEST for chunks the node could not stage whole."""
+    """A served dataset as one reader of the node sees it: local chunks, the node's serve process for the others
+    (DEST when it cannot be reached: the job goes on reading, slower, rather than fail), DEST for chunks the node
+    could not stage whole."""
 
     def __init__(self, connection: NodeConnection, rank: int, placement: Placement, local: ChunkSource,
                  dest: ChunkSource, direct: frozenset[int]) -> None:
@@ -85,19 +105,22 @@ class NodeChunkSource(ChunkSource):
         self._local = local
         self._dest = dest
         self._direct = direct
+        self._remote = FallbackChunkSource(NodeServeSource(connection), dest, on_fallback=self._fell_back)
+        self._reported = False
+        self.fallbacks = 0
 
     def read(self, chunk_id: int, offset: int, length: int) -> bytes:
         if chunk_id in self._direct:
             return self._dest.read(chunk_id, offset, length)
         if self._placement.is_local(self._rank, chunk_id, offset):
             return self._local.read(chunk_id, offset, length)
-        status, payload = self._connection.ask(READ, chunk_id, offset, length)
-        if status == OK:
-            return payload
-        reason = payload.decode("utf-8", "replace")
-        if status == CORRUPT:
-            raise ChunkCorrupt(reason, chunk_id=chunk_id)
-        raise ChunkUnavailable(reason, chunk_id=chunk_id)
+        return self._remote.read(chunk_id, offset, length)
+
+    def _fell_back(self, reason: ChunkUnavailable, _length: int) -> None:
+        self.fallbacks += 1
+        if not self._reported:
+            self._reported = True
+            log.warning("%s; reading such files from the dataset directory", reason)
 
     def announce(self, index: Index, entries: np.ndarray) -> None:
         """The files this rank reads next, in order: the serve process fetches their remote blobs ahead."""
@@ -114,7 +137,7 @@ class NodeChunkSource(ChunkSource):
             raise ChunkUnavailable(f"the node's serve process refused the plan: {payload.decode('utf-8', 'replace')}")
 
     def stats(self) -> dict[str, Any]:
-        return {"socket": self._connection.path}
+        return {"socket": self._connection.path, "fallbacks": self.fallbacks}
 
     def close(self) -> None:
         self._local.close()
