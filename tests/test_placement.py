@@ -294,3 +294,13 @@ def test_plan_through_the_real_command_line(equal_chunks):
     assert too_small.returncode == EXIT_DOES_NOT_FIT and "does not fit" in too_small.stdout
     assert too_small.stderr == ""
     assert "Exit status" in run_cli("plan", "--help").stdout
+
+
+def test_a_request_must_name_exactly_one_blob():
+    from fanstore.serve.placement import BlobTable
+
+    blobs = BlobTable(np.array([0, 0, 1]), np.array([32, 132, 32]), np.array([100, 50, 7]), np.array([1, 2, 3]), 2)
+    assert [blobs.blob_row(0, 32, 100), blobs.blob_row(0, 132, 50), blobs.blob_row(1, 32, 7)] == [0, 1, 2]
+    for chunk, offset, length in [(0, 33, 99), (0, 32, 150), (0, 32, 99), (0, 0, 32), (1, 39, 1), (2, 32, 7),
+                                  (-1, 32, 100), (0, -68, 100), (0, 182, 0)]:
+        assert blobs.blob_row(chunk, offset, length) is None, (chunk, offset, length)

@@ -147,14 +147,13 @@ class RequestChecker:
             raise RequestRefused(f"chunk {chunk} is not in the dataset")
         if not self._placement.is_local(self._rank, chunk, offset):
             raise RequestRefused(f"chunk {chunk} at {offset} is not stored on rank {self._rank}")
-        rows = self._blobs.in_range(chunk, offset, offset + 1)
-        if rows.stop - rows.start != 1 or int(self._blobs.offset[rows.start]) != offset \
-                or int(self._blobs.stored_len[rows.start]) != length:
+        row = self._blobs.blob_row(chunk, offset, length)
+        if row is None:
             raise RequestRefused(f"chunk {chunk}: no blob of {length} bytes at offset {offset}")
         if chunk in self._unverified:
             raise ChunkUnavailable(f"chunk {chunk} was not staged whole on rank {self._rank}", chunk_id=chunk)
         blob = self._local.read(chunk, offset, length)
-        if xxhash.xxh3_64_intdigest(blob) != int(self._blobs.checksum[rows.start]):
+        if xxhash.xxh3_64_intdigest(blob) != int(self._blobs.checksum[row]):
             raise ChunkCorrupt(f"chunk {chunk} at {offset}: checksum mismatch on rank {self._rank}", chunk_id=chunk)
         return blob
 

@@ -199,9 +199,7 @@ class NodeEndpoint:
         """Whole blobs of the dataset only: a reader's request never reads outside one."""
         if not 0 <= chunk < self._chunk_count:
             raise _Refused(f"chunk {chunk} is not in the dataset")
-        rows = self._blobs.in_range(chunk, offset, offset + 1)
-        if rows.stop - rows.start != 1 or int(self._blobs.offset[rows.start]) != offset \
-                or int(self._blobs.stored_len[rows.start]) != length:
+        if self._blobs.blob_row(chunk, offset, length) is None:
             raise _Refused(f"chunk {chunk}: no blob of {length} bytes at offset {offset}")
         return self._source.read(chunk, offset, length)
 

@@ -78,6 +78,16 @@ class BlobTable:
     def __len__(self) -> int:
         return len(self.chunk)
 
+    def blob_row(self, chunk: int, offset: int, length: int) -> int | None:
+        """The row of the blob of `length` bytes at `offset` of `chunk`; None when no blob is exactly there (what a
+        request from a peer or a local reader must name: never part of a blob, two blobs, or bytes between)."""
+        if not 0 <= chunk < len(self._rows) - 1 or offset < 0:
+            return None
+        rows = self.in_range(chunk, offset, offset + 1)
+        if rows.stop - rows.start != 1 or int(self.stored_len[rows.start]) != length:
+            return None
+        return rows.start
+
     def in_range(self, chunk: int, start: int, end: int) -> slice:
         """Rows of the blobs of `chunk` that start in [start, end). For a Piece these are exactly the blobs it holds,
         each whole: placement cuts a chunk only where no blob spans the cut."""
