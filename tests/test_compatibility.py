@@ -28,7 +28,8 @@ GOLDEN = Path(__file__).resolve().parent / "golden" / "v1.1"
 FUTURE_MINOR = 9
 FUTURE_HEADER_LEN = 72  # a later minor version grew the header by 8 bytes
 # A typed section a later writer adds for its own use: a reader that does not know it reads on without it.
-FUTURE_ROWS = np.array([(1, 2, b""), (3, 4, b""), (5, 6, b"")], dtype=[("when", "<i8"), ("what", "<u4"), ("spare", "V4")])
+FUTURE_ROWS = np.array([(1, 2, b""), (3, 4, b""), (5, 6, b"")],
+                       dtype=[("when", "<i8"), ("what", "<u4"), ("spare", "V4")])
 
 
 def write_future_dataset(out: Path, extra_sections: dict[str, tuple[np.ndarray, dict[str, Any]]],
