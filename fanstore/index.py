@@ -21,6 +21,7 @@ from .errors import DatasetNotFound, FormatError, PathNotFound
 from .format import (
     BLOCK_DTYPE,
     CHUNK_DTYPE,
+    DICTIONARY_PREFIX,
     FLAG_BLOCKED,
     ENTRY_DTYPE,
     FORMAT_MAJOR,
@@ -79,7 +80,7 @@ class Index:
         self.groups: list[dict[str, Any]] = toc["groups"]
         self.codecs: list[dict[str, Any]] = toc["codecs"]
         self.dictionaries: dict[str, bytes] = {
-            name: sections[name].tobytes() for name in toc["sections"] if name.startswith("dict.")
+            name: sections[name].tobytes() for name in toc["sections"] if name.startswith(DICTIONARY_PREFIX)
         }
         self.meta: dict[str, Any] = toc.get("meta", {})
         # Files stored in blocks (format 1.1): their blocks' locations, `block_size` raw bytes each but the last.

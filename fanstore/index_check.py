@@ -17,6 +17,7 @@ import numpy as np
 from .errors import FormatError
 from .format import (
     CHUNK_HEADER_LEN,
+    DICTIONARY_PREFIX,
     ENTRY_DTYPE,
     FLAG_BLOCKED,
     FORMAT_MAJOR,
@@ -77,7 +78,7 @@ def check_toc(path: Path, toc: Any, version: str) -> None:
         if not (isinstance(row, dict) and _is_int(row.get("id")) and isinstance(row.get("spec"), str)):
             raise refuse(f"codecs[{number}]", "needs an integer id and a spec string")
         dictionary = row.get("dictionary")
-        if dictionary is not None and (not isinstance(dictionary, str) or not dictionary.startswith("dict.")
+        if dictionary is not None and (not isinstance(dictionary, str) or not dictionary.startswith(DICTIONARY_PREFIX)
                                        or dictionary not in sections):
             raise refuse(f"codecs[{number}].dictionary", f"{dictionary!r} names no dictionary section")
     if codecs[0].get("spec") != "none":
