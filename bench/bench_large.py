@@ -42,7 +42,6 @@ import ctypes
 import io
 import multiprocessing.pool
 import os
-import platform
 import re
 import shutil
 import signal
@@ -62,7 +61,7 @@ REPO = BENCH_DIR.parent
 sys.path.insert(0, str(REPO))  # measure this checkout, not some installed fanstore
 
 from bench_read import UNPINNED, Placement, back_memory, print_table, reader_pool  # noqa: E402
-from machine_load import OtherLoad, wait_for_quiet  # noqa: E402
+from machine_load import OtherLoad, machine_lines, wait_for_quiet  # noqa: E402
 
 from fanstore.mount import wait_for_exit  # noqa: E402
 from fanstore.units import parse_size  # noqa: E402
@@ -663,19 +662,6 @@ def target_lines(rows: list[Row], run: Run) -> list[str]:
     return lines
 
 
-def machine_lines() -> list[str]:
-    with open("/proc/cpuinfo") as cpuinfo:
-        model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
-    return [f"machine: {os.cpu_count()} CPUs ({model}), {meminfo_bytes('MemTotal') / 2**30:.1f} GiB memory, "
-            f"Linux {platform.release()}, Python {platform.python_version()}"]
-
-
-def meminfo_bytes(name: str) -> int:
-    """A figure of /proc/meminfo (MemTotal, ...) in bytes."""
-    with open("/proc/meminfo") as meminfo:
-        return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith(name + ":"))
-
-
 def print_report(rows: list[Row], run: Run, codec: str, notes: list[str]) -> None:
     inputs = run.inputs
     print()
@@ -695,7 +681,8 @@ def print_report(rows: list[Row], run: Run, codec: str, notes: list[str]) -> Non
           f"repeat{'s' if run.repeats > 1 else ''} (speeds), the worst (memory); spread = (max - min) / median MB/s, "
           "sequential/random")
     print("cache: before every repeat the page cache is dropped (echo 1 > /proc/sys/vm/drop_caches), "
-          f"{mib(2 * inputs.size + BACKED_SLACK)} MiB of memory touched (this VM hands idle memory back to its host) "
+          f"{mib(2 * inputs.size + BACKED_SLACK)} MiB of memory touched (a virtual machine may hand idle memory "
+          "back to its host) "
           f"and the CPUs left < {QUIET_BUSY:.0%} busy; a mount repeat runs on a fresh mount, its file fadvise(DONTNEED)"
           "-ed by the reader before the clock starts")
     print("placement 'reader 0, daemon 1': the reader process on CPU 0 (sched_setaffinity, as taskset -c 0), the "
@@ -738,9 +725,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     preads = args.preads or (QUICK_PREADS if args.quick else PREADS)
     limit = args.phase_limit or (QUICK_PHASE_LIMIT if args.quick else PHASE_LIMIT)
     repeats = args.repeats or (1 if args.quick else REPEATS)
-    missing = [tool for tool in ("taskset", "fusermount3") if shutil.which(tool) is None]
-    if missing or not os.path.exists("/dev/fuse") or os.cpu_count() < 2:
-        raise SystemExit(f"bench_large: needs /dev/fuse, two CPUs and {', '.join(missing) or 'taskset, fusermount3'}")
+    missing = [f"{tool} (Debian: {package})" for tool, package in (("taskset", "util-linux"), ("fusermount3", "fuse3"))
+               if shutil.which(tool) is None]
+    missing += [] if os.path.exists("/dev/fuse") else ["/dev/fuse"]
+    missing += [] if len(os.sched_getaffinity(0)) >= 2 else ["a second CPU (it pins the reader and the daemon apart)"]
+    if missing:
+        raise SystemExit(f"bench_large: missing {', '.join(missing)}; it installs nothing")
     notes = []
     if not drop_page_cache():
         notes.append("cannot write /proc/sys/vm/drop_caches (not root): every phase reads its files WARM from the "

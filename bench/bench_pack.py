@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))  # measure this checkout, not some installed fanst
 
 from fanstore.format import CHUNK_DTYPE, CHUNK_HEADER_LEN  # noqa: E402
 from fanstore.index import EntryRecord, build_index_bytes, write_index_atomically  # noqa: E402
-from machine_load import OtherLoad, wait_for_quiet  # noqa: E402
+from machine_load import OtherLoad, machine_lines, wait_for_quiet  # noqa: E402
 from synthetic_tree import TreeShape, class_names, write_tree  # noqa: E402
 
 GENERATED_VERSION = "bench_pack synthetic tree v1"
@@ -603,8 +603,10 @@ def print_report(datasets: list[Dataset], results: list[DatasetResult], index: I
     print("bench_pack: pack speed, stored size per codec vs tar|zstd and mksquashfs, 1M-file index open cost")
     print("packer: python -m fanstore pack SRC DEST --codec C --workers N --quiet (the real CLI of this checkout); "
           "seconds are wall time of the whole command, startup included")
-    print(f"machine: {os.cpu_count()} CPUs, this process may use {sorted(os.sched_getaffinity(0))}; "
-          "codec and baseline rows run on both pinned CPUs (--workers 2, zstd -T0, mksquashfs all processors)")
+    for line in machine_lines():
+        print(line)
+    print("placement: codec and baseline rows run on the CPUs of the --workers 2 row, the first two this process "
+          "may use (--workers 2, zstd -T0, mksquashfs all processors)")
     print("cache: warm; page cache not dropped, every source tree was read once before timing")
     for dataset in datasets:
         print(f"dataset {dataset.name}: {dataset.root}: {dataset.files:,} files, {mib(dataset.raw_bytes)} "

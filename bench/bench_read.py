@@ -51,7 +51,7 @@ REPO = BENCH_DIR.parent
 sys.path.insert(0, str(REPO))  # measure this checkout, not some installed fanstore
 
 from fanstore.mount import READ_AHEAD_KIB, fuse_mounted_at, read_ahead_setting  # noqa: E402
-from machine_load import OtherLoad, wait_for_quiet  # noqa: E402
+from machine_load import OtherLoad, machine_lines, wait_for_quiet  # noqa: E402
 
 KIB = 1024
 SIZES = {"4 KiB": (4 * KIB, 20_000), "128 KiB": (128 * KIB, 2_000), "2 MiB": (2048 * KIB, 150)}
@@ -489,15 +489,18 @@ def print_report(sets: dict[str, FileSet], cells: list[Cell], levers: dict[str, 
     print()
     print("bench_read: files/s and MB/s of open + read all + close per file; reader processes each read an "
           "interleaved, disjoint share; epoch 1 = first pass after a fresh mount, epoch 2 = the next pass")
-    print(f"machine: {os.cpu_count()} CPUs; placement 'taskset -c 0' = file system daemon and all readers on CPU 0, "
-          "'unpinned' = both CPUs, the scheduler's choice")
+    for line in machine_lines():
+        print(line)
+    print(f"placement: 'taskset -c 0' = file system daemon and all readers on CPU 0, 'unpinned' = the "
+          f"{len(os.sched_getaffinity(0))} CPUs this process may use, the scheduler's choice")
     print(f"fanstore: `fanstore mount --foreground`, codec {CODEC}, defaults (keep_cache, 1-day entry/attr timeouts, "
           f"read-ahead {READ_AHEAD_KIB} KiB where root may set it, prefetch 8); `squashfuse -f IMAGE` and "
           "`ratarmount -f TAR` with their defaults; every daemon is a child of this process")
     print("files: " + "; ".join(f"{f.label}: {len(f.paths):,} files, {f.total_bytes / 1e6:,.0f} MB"
                                 for f in sets.values()))
     print(f"each cell: median of {repeats} fresh mounts (backing files read, {BACKED_SLACK >> 20} MiB + twice the "
-          "files' bytes of memory touched just before each: this VM gives idle memory back to its host); spread = "
+          "files' bytes of memory touched just before each: a virtual machine may give idle memory back to its host); "
+          "spread = "
           "(max - min) / median of epoch-1 files/s; e1/RAM = epoch-1 files/s as a share of ram-fuse's; "
           f"others = cores other processes used during the timing ('!' above {NOISY_OTHERS})")
     for note in notes:
@@ -531,9 +534,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     repeats = args.repeats or (1 if args.quick else REPEATS)
     missing = [t for t in ("mksquashfs", "squashfuse", "fusermount3", "taskset", "tar") if shutil.which(t) is None]
-    if missing or not os.path.exists("/dev/fuse"):
-        raise SystemExit(f"bench_read: missing {', '.join(missing) or '/dev/fuse'}: apt-get install -y fuse3 "
-                         "squashfs-tools squashfuse util-linux")
+    missing += [] if os.path.exists("/dev/fuse") else ["/dev/fuse"]
+    if missing:
+        raise SystemExit(f"bench_read: missing {', '.join(missing)}; it installs nothing (Debian: apt-get install -y "
+                         "fuse3 squashfs-tools squashfuse util-linux tar)")
     notes = []
     systems = ["plain", "api", "fanstore", "ram-fuse", "squashfuse", "ratarmount"]
     if ratarmount_command() is None:

@@ -9,6 +9,7 @@ Processes that start and end between two samples are missed, so the figure is a 
 from __future__ import annotations
 
 import os
+import platform
 import threading
 import time
 from types import TracebackType
@@ -114,3 +115,20 @@ class OtherLoad:
                 self._ours.add(key)  # kernel threads do our I/O as much as anyone's: not counted
             self._last[key] = ticks
         return table
+
+
+def machine_lines() -> list[str]:
+    """The machine a benchmark measured, for its header: its CPUs (and those this process may use), its memory,
+    kernel and Python. Read from the machine, never assumed: results from another machine read differently."""
+    with open("/proc/cpuinfo") as cpuinfo:
+        model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
+    usable = sorted(os.sched_getaffinity(0))
+    return [f"machine: {os.cpu_count()} CPUs ({model}), this process may use {len(usable)}: {usable}; "
+            f"{meminfo_bytes('MemTotal') / 2**30:.1f} GiB memory, {meminfo_bytes('MemAvailable') / 2**30:.1f} GiB "
+            f"available at the start; Linux {platform.release()}, Python {platform.python_version()}"]
+
+
+def meminfo_bytes(name: str) -> int:
+    """A figure of /proc/meminfo (MemTotal, ...) in bytes."""
+    with open("/proc/meminfo") as meminfo:
+        return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith(name + ":"))

@@ -1,4 +1,8 @@
-"""The Python API: `open_dataset(DEST)` gives a read-only view of a packed dataset, no FUSE needed."""
+"""The Python API: `open_dataset(DEST)` gives a read-only view of a packed dataset, no FUSE needed.
+
+It keeps no decoded cache: every read fetches, verifies and decodes again (a BlobFile keeps only the part it
+decoded last). Decoded bytes are kept where reads repeat or run ahead: the mount's DecodedCache, fanstore.torch.
+"""
 
 from __future__ import annotations
 

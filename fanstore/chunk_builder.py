@@ -9,7 +9,6 @@ continues from inside the file.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import xxhash
 
@@ -17,7 +16,7 @@ from .codec_plan import NONE_ROW
 from .compress import WHOLE_FILE, BlockLayout, CompressedBatch, Skipped
 from .chunk_writer import ChunkWriter
 from .format import FLAG_BLOCKED, NO_CHUNK
-from .journal import ChunkRecord, PackJournal
+from .journal import BlockRow, ChunkRecord, FileRow, PackJournal
 from .pause import pause_point
 from .walk import Problem, SourceEntry
 
@@ -52,13 +51,13 @@ class ChunkBuilder:
         self.first_file, self.first_block = (last.end_file, last.end_block) if last else (0, 0)
         self.next_number = self.first_file
         self.writer: ChunkWriter | None = None
-        self.rows: list[list[Any]] = []
-        self.blocks: list[list[int]] = []
-        self.problems: list[list[str]] = []
+        self.rows: list[FileRow] = []
+        self.blocks: list[BlockRow] = []
+        self.problems: list[Problem] = []
         self.files_done = sum(len(r.files) for r in finished)
-        self.raw_done = sum(row[1] for r in finished for row in r.files)
-        self.stored_done = sum(row[6] for r in finished for row in r.files)
-        self.skipped: list[Problem] = [Problem(path, reason) for r in finished for path, reason in r.problems]
+        self.raw_done = sum(row.size for r in finished for row in r.files)
+        self.stored_done = sum(row.stored_len for r in finished for row in r.files)
+        self.skipped: list[Problem] = [problem for r in finished for problem in r.problems]
         self._skipped_blocked: set[int] = set()  # files in blocks that were skipped after some blocks went out
         self._blocked: _BlockedFile | None = None
         # Where compressing resumes: after the journaled chunks, inside a file in blocks, or past it if that file
@@ -76,10 +75,10 @@ class ChunkBuilder:
     def _resume_blocked_file(self, finished: list[ChunkRecord]) -> _BlockedFile:
         """The file a resumed pack continues inside of: its first block's chunk and stored bytes so far."""
         number = self.first_file
-        placed = [(r.chunk_id, row) for r in finished for row in r.blocks if row[0] == number]
+        placed = [(r.chunk_id, row) for r in finished for row in r.blocks if row.file == number]
         first_chunk, first_row = placed[0]
-        blocked = _BlockedFile(number, first_chunk, first_row[4])
-        blocked.stored = sum(row[3] for _, row in placed)
+        blocked = _BlockedFile(number, first_chunk, first_row.codec)
+        blocked.stored = sum(row.stored_len for _, row in placed)
         return blocked
 
     def add_batch(self, batch: CompressedBatch) -> None:
@@ -118,11 +117,11 @@ class ChunkBuilder:
             self.stored_done += stored_len
             entry = files[number]
             if block == WHOLE_FILE:
-                self.rows.append([entry.path, raw_size, entry.mtime_ns, entry.mode, writer.chunk_id, offset,
-                                  stored_len, codec, checksum, 0])
+                self.rows.append(FileRow(entry.path, raw_size, entry.mtime_ns, entry.mode, writer.chunk_id, offset,
+                                         stored_len, codec, checksum, 0))
                 self._file_done(number)
                 continue
-            self.blocks.append([number, block, offset, stored_len, codec, checksum])
+            self.blocks.append(BlockRow(number, block, offset, stored_len, codec, checksum))
             if block == 0:
                 self._blocked = _BlockedFile(number, writer.chunk_id, codec)
             blocked = self._blocked
@@ -131,8 +130,8 @@ class ChunkBuilder:
             blocked.stored += stored_len
             if block == self.layout.blocks_of(entry.size) - 1:
                 # offset: the file's first row in the blocks section, known once the index orders the files
-                self.rows.append([entry.path, entry.size, entry.mtime_ns, entry.mode, blocked.first_chunk, 0,
-                                  blocked.stored, blocked.codec, 0, FLAG_BLOCKED])
+                self.rows.append(FileRow(entry.path, entry.size, entry.mtime_ns, entry.mode, blocked.first_chunk, 0,
+                                         blocked.stored, blocked.codec, 0, FLAG_BLOCKED))
                 self._blocked = None
                 self._file_done(number)
         self._append_run(batch.blobs[run_start:run_end])
@@ -146,8 +145,8 @@ class ChunkBuilder:
         while self.next_number < upto:
             entry = self.files[self.next_number]
             if entry.size == 0:
-                self.rows.append([entry.path, 0, entry.mtime_ns, entry.mode, NO_CHUNK, 0, 0, NONE_ROW,
-                                  _EMPTY_CHECKSUM, 0])
+                self.rows.append(FileRow(entry.path, 0, entry.mtime_ns, entry.mode, NO_CHUNK, 0, 0, NONE_ROW,
+                                         _EMPTY_CHECKSUM, 0))
                 self.files_done += 1
             self.next_number += 1
 
@@ -162,12 +161,12 @@ class ChunkBuilder:
         if number in self._skipped_blocked:
             return  # another batch of the same file found the same change
         self._account_empty_files(number)
-        self.problems.append([skipped.problem.path, skipped.problem.reason])
+        self.problems.append(skipped.problem)
         self.skipped.append(skipped.problem)
         if self.layout.blocks_of(self.files[number].size):
             # Its blocks already written stay in their chunks, unreferenced; the rest are dropped as they come.
             self._skipped_blocked.add(number)
-            self.blocks = [row for row in self.blocks if row[0] != number]
+            self.blocks = [row for row in self.blocks if row.file != number]
             self._blocked = None
         self.next_number = number + 1
 

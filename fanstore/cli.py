@@ -34,7 +34,9 @@ def _add_pack_arguments(parser: argparse.ArgumentParser) -> None:
                              f"bitshuffle] | auto (measure and choose per file kind; see --budget) "
                              f"(default {DEFAULT_CODEC})")
     parser.add_argument("--chunk-size", default=str(DEFAULT_CHUNK_SIZE), metavar="SIZE",
-                        help="target chunk file size, e.g. 64MiB (default); a larger file gets a chunk of its own")
+                        help="a chunk file closes before the next stored blob (a file stored whole, or one block) "
+                             "would take it past SIZE, e.g. 64MiB (default); a blob larger than SIZE gets a chunk "
+                             "of its own")
     parser.add_argument("--replicate", action="append", default=[], metavar="GLOB",
                         help="files matching GLOB (e.g. 'val/**') go to the group stored on every node; repeatable")
     parser.add_argument("--block-size", default=str(DEFAULT_BLOCK_SIZE), metavar="SIZE",
@@ -117,8 +119,10 @@ def _run_pack(args: argparse.Namespace) -> int:
     for problem in summary.problems[:_WARNINGS_SHOWN]:
         print(f"warning: skipped {problem}", file=sys.stderr)
     if len(summary.problems) > _WARNINGS_SHOWN:
+        from .info import all_skipped_command
+
         print(f"warning: ... and {len(summary.problems) - _WARNINGS_SHOWN} more skipped "
-              f"(`fanstore info {args.dest}` lists them all)", file=sys.stderr)
+              f"({all_skipped_command(args.dest)} lists them all)", file=sys.stderr)
     reused = f", {summary.reused_chunks} chunks kept from the interrupted run" if summary.reused_chunks else ""
     print(
         f"packed {summary.files:,} files into {summary.chunks} chunks{reused}: "
@@ -172,7 +176,7 @@ def _run_info(args: argparse.Namespace) -> int:
     from .info import describe_dataset
 
     with open_dataset(args.dest) as ds:
-        print(describe_dataset(ds))
+        print(describe_dataset(ds, all_skipped=args.all_skipped))
     return 0
 
 
@@ -330,6 +334,8 @@ def _build_parser() -> argparse.ArgumentParser:
     verify_parser.set_defaults(run=_run_verify)
     info_parser = commands.add_parser("info", help="version, groups, codecs, counts, sizes and ratio")
     info_parser.add_argument("dest", metavar="DEST")
+    info_parser.add_argument("--all-skipped", action="store_true",
+                             help="list every path the pack skipped (by default the first 50, and how many more)")
     info_parser.set_defaults(run=_run_info)
     plan_parser = commands.add_parser(
         "plan", help="what each node of an N-node job stores, and whether it fits its local storage",
@@ -349,7 +355,9 @@ def _build_parser() -> argparse.ArgumentParser:
     mount_parser.add_argument("--cache-size", metavar="SIZE",
                               help="memory for decoded files, e.g. 4GiB (default: a quarter of available RAM)")
     mount_parser.add_argument("--prefetch", type=int, default=8, metavar="N",
-                              help="decode the next N files ahead of the reader (default 8; 0: off)")
+                              help="after each file opened, decode ahead those of the next N files (in "
+                                   "--prefetch-list order, else directory order) stored in at least "
+                                   "--prefetch-min-size bytes (default 8; 0: off)")
     mount_parser.add_argument("--prefetch-min-size", metavar="SIZE",
                               help="prefetch only files stored in at least SIZE bytes (default 256KiB: smaller ones "
                                    "decode on request faster than a thread is handed them)")
@@ -408,7 +416,8 @@ def _add_serve_parser(commands: Any) -> None:
                               help="the epoch's reading order, one path a line: files are fetched and decoded ahead "
                                    "({rank} is replaced by the rank: each its own order)")
     serve_parser.add_argument("--prefetch", type=int, default=8, metavar="N",
-                              help="files fetched and decoded ahead of the reader (default 8; 0 turns it off)")
+                              help="after each file opened, fetch and decode ahead those of the next N files that "
+                                   "are stored on another node or in at least 256KiB (default 8; 0 turns it off)")
     serve_parser.add_argument("--prefetch-threads", type=int, default=8, metavar="K",
                               help="threads fetching and decoding ahead (default 8)")
     serve_parser.add_argument("--cache-size", metavar="SIZE",

@@ -61,14 +61,15 @@ def prepare_dest(dest: Path, journal: PackJournal, fingerprint: str, force: bool
             if not force:
                 raise
             previous = None
-        if previous is not None and previous.get("fingerprint") == fingerprint:
+        if previous is not None and previous.fingerprint == fingerprint:
             pass  # the same pack: resume it
         elif force:
             _remove_ours(dest, present)
         else:
             raise UsageError(
                 f"DEST {str(dest)!r} holds an interrupted pack of other files or options "
-                f"({json.dumps(previous.get('options'))}); run that command to resume it, or pass --force"
+                f"({json.dumps(previous.options if previous is not None else None)}); run that command to resume "
+                "it, or pass --force"
             )
     elif chunk_files and not force:
         raise UsageError(f"DEST {str(dest)!r} holds fanstore chunk files but no index or journal (a copy, or a "

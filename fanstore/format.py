@@ -7,6 +7,7 @@ change to this file and to docs/FORMAT.md, and the golden fixture test tells whe
 
 from __future__ import annotations
 
+import re
 import struct
 from pathlib import Path
 
@@ -93,6 +94,14 @@ REQUIRED_SECTIONS = {
 OPTIONAL_SECTIONS = {
     "blocks": BLOCK_DTYPE,
 }
+# Byte sections holding zstd dictionaries, named by the codec table's `dictionary` (dict.N, or dict.N.KIND).
+DICTIONARY_PREFIX = "dict."
+BYTES_DTYPE = np.dtype("u1")
+
+# A layout tag (a section's `dtype` in the TOC): numpy's type string, or `name:type` fields joined by ','. A type is
+# a byte order, a kind whose size counts bytes, and that size; records have no padding (docs/FORMAT.md, Sections).
+_LAYOUT_TYPE = re.compile(r"[<>|=][biufcSV]([1-9][0-9]{0,8})\Z")
+_LAYOUT_FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 # Bounds no honest index exceeds: a crafted one that does is refused at open, before a field can size a
 # buffer or index an array.
@@ -103,6 +112,38 @@ MAX_NAME_BYTES = 255
 MAX_EXPANSION = 1 << 16
 MIN_BLOCK_SIZE = 4096
 MAX_BLOCK_SIZE = 1 << 30  # a block's stored length is a u32
+
+
+def known_section_dtype(name: str) -> np.dtype | None:
+    """The layout this reader expects of a section, or None for a section it does not know: one a later minor
+    version added, which it skips unless the index marks it required."""
+    known = REQUIRED_SECTIONS.get(name) or OPTIONAL_SECTIONS.get(name)
+    if known is not None:
+        return known
+    return BYTES_DTYPE if name.startswith(DICTIONARY_PREFIX) else None
+
+
+def layout_tag(dtype: np.dtype) -> str:
+    """The stable text form of a dtype stored beside each section, so a layout change is caught on open."""
+    if dtype.names:
+        return ",".join(f"{name}:{dtype.fields[name][0].str}" for name in dtype.names)
+    return dtype.str
+
+
+def layout_itemsize(tag: str) -> int | None:
+    """Bytes per element of a layout tag, or None if the tag is not one: all a reader needs to know of a section
+    it skips, to check that the section lies inside the index and overlaps no other."""
+    whole = _LAYOUT_TYPE.match(tag)
+    if whole:
+        return int(whole.group(1))
+    total = 0
+    for field in tag.split(","):
+        name, colon, field_type = field.partition(":")
+        typed = _LAYOUT_TYPE.match(field_type)
+        if not colon or not _LAYOUT_FIELD_NAME.match(name) or not typed:
+            return None
+        total += int(typed.group(1))
+    return total
 
 
 def chunk_file_name(chunk_id: int) -> str:

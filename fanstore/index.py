@@ -21,6 +21,7 @@ from .errors import DatasetNotFound, FormatError, PathNotFound
 from .format import (
     BLOCK_DTYPE,
     CHUNK_DTYPE,
+    DICTIONARY_PREFIX,
     FLAG_BLOCKED,
     ENTRY_DTYPE,
     FORMAT_MAJOR,
@@ -31,13 +32,13 @@ from .format import (
     INDEX_MAGIC,
     INDEX_NAME,
     NO_CHUNK,
-    OPTIONAL_SECTIONS,
     ORDER_DTYPE,
     REQUIRED_SECTIONS,
     SECTION_ALIGN,
     check_version,
+    layout_tag,
 )
-from .index_check import check_arrays, check_section_layout, check_toc
+from .index_check import check_arrays, check_section_layout, check_toc, section_layouts
 
 _hash_path = xxhash.xxh3_64_intdigest
 
@@ -79,7 +80,7 @@ class Index:
         self.groups: list[dict[str, Any]] = toc["groups"]
         self.codecs: list[dict[str, Any]] = toc["codecs"]
         self.dictionaries: dict[str, bytes] = {
-            name: sections[name].tobytes() for name in toc["sections"] if name.startswith("dict.")
+            name: sections[name].tobytes() for name in toc["sections"] if name.startswith(DICTIONARY_PREFIX)
         }
         self.meta: dict[str, Any] = toc.get("meta", {})
         # Files stored in blocks (format 1.1): their blocks' locations, `block_size` raw bytes each but the last.
@@ -216,32 +217,17 @@ def _parse_index(path: Path, data: bytes) -> tuple[dict[str, Any], dict[str, np.
     except (ValueError, RecursionError):
         raise FormatError(f"{path}: index table of contents is not valid JSON") from None
     check_toc(path, toc, f"{major}.{minor}")
-    itemsizes = {}
-    for name, where in toc["sections"].items():
-        dtype = _section_dtype(name)
-        if where["dtype"] != _dtype_tag(dtype):
-            raise FormatError(f"{path}: section {name!r} has layout {where['dtype']}, expected {_dtype_tag(dtype)}")
-        itemsizes[name] = dtype.itemsize
+    # Sections a later minor version added are bounded by their layout tags, then skipped (or refused if required).
+    known, itemsizes = section_layouts(path, toc["sections"], f"{major}.{minor}")
     check_section_layout(path, toc["sections"], itemsizes, header_len + toc_len, len(data))
     missing = sorted(set(REQUIRED_SECTIONS) - set(toc["sections"]))
     if missing:
         raise FormatError(f"{path}: index lacks section(s) {', '.join(missing)}")
-    sections = {name: np.frombuffer(data, dtype=_section_dtype(name), count=where["count"], offset=where["offset"])
-                for name, where in toc["sections"].items()}
+    sections = {name: np.frombuffer(data, dtype=dtype, count=toc["sections"][name]["count"],
+                                    offset=toc["sections"][name]["offset"])
+                for name, dtype in known.items()}
     check_arrays(path, toc, sections)
     return toc, sections
-
-
-def _section_dtype(name: str) -> np.dtype:
-    """The element layout a section of this name must have: the known ones', else bytes (dictionaries)."""
-    return REQUIRED_SECTIONS.get(name) or OPTIONAL_SECTIONS.get(name) or np.dtype("u1")
-
-
-def _dtype_tag(dtype: np.dtype) -> str:
-    """A stable text form of a dtype, stored beside each section so a layout change is caught on open."""
-    if dtype.names:
-        return ",".join(f"{name}:{dtype.fields[name][0].str}" for name in dtype.names)
-    return dtype.str
 
 
 def _bfs_order(records: list[EntryRecord]) -> list[EntryRecord]:
@@ -359,7 +345,7 @@ def _serialise(
             "groups": groups,
             "codecs": codecs,
             "sections": {
-                name: {"offset": offsets.get(name, 0), "count": len(arr), "dtype": _dtype_tag(arr.dtype)}
+                name: {"offset": offsets.get(name, 0), "count": len(arr), "dtype": layout_tag(arr.dtype)}
                 for name, arr in arrays.items()
             },
             "meta": meta,

@@ -17,8 +17,11 @@ import numpy as np
 from .errors import FormatError
 from .format import (
     CHUNK_HEADER_LEN,
+    DICTIONARY_PREFIX,
     ENTRY_DTYPE,
     FLAG_BLOCKED,
+    FORMAT_MAJOR,
+    FORMAT_MINOR,
     KNOWN_FLAGS,
     MAX_BLOCK_SIZE,
     MAX_EXPANSION,
@@ -27,6 +30,9 @@ from .format import (
     MAX_PATH_BYTES,
     MIN_BLOCK_SIZE,
     NO_CHUNK,
+    known_section_dtype,
+    layout_itemsize,
+    layout_tag,
 )
 
 _S_IFMT = 0o170000
@@ -72,15 +78,17 @@ def check_toc(path: Path, toc: Any, version: str) -> None:
         if not (isinstance(row, dict) and _is_int(row.get("id")) and isinstance(row.get("spec"), str)):
             raise refuse(f"codecs[{number}]", "needs an integer id and a spec string")
         dictionary = row.get("dictionary")
-        if dictionary is not None and (not isinstance(dictionary, str) or not dictionary.startswith("dict.")
+        if dictionary is not None and (not isinstance(dictionary, str) or not dictionary.startswith(DICTIONARY_PREFIX)
                                        or dictionary not in sections):
             raise refuse(f"codecs[{number}].dictionary", f"{dictionary!r} names no dictionary section")
     if codecs[0].get("spec") != "none":
         raise refuse("codecs[0]", f"is {codecs[0].get('spec')!r}; row 0 is always 'none'")
     for name, where in sections.items():
         if not (isinstance(where, dict) and _is_int(where.get("offset")) and _is_int(where.get("count"))
-                and isinstance(where.get("dtype"), str) and where["offset"] >= 0 and where["count"] >= 0):
-            raise refuse(f"sections[{name!r}]", "needs a non-negative offset and count and a dtype")
+                and isinstance(where.get("dtype"), str) and where["offset"] >= 0 and where["count"] >= 0
+                and isinstance(where.get("required", False), bool)):
+            raise refuse(f"sections[{name!r}]", "needs a non-negative offset and count, a dtype and, if marked "
+                                                "required, true or false")
     if not isinstance(toc.get("meta", {}), dict):
         raise refuse("meta", "must be an object")
     if "blocks" in sections:
@@ -88,6 +96,31 @@ def check_toc(path: Path, toc: Any, version: str) -> None:
         if not _is_int(block_size) or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
             raise refuse("block_size", f"{block_size!r} is not a block size from {MIN_BLOCK_SIZE} to "
                                        f"{MAX_BLOCK_SIZE} bytes")
+
+
+def section_layouts(path: Path, sections: dict[str, Any], version: str) -> tuple[dict[str, np.dtype],
+                                                                                  dict[str, int]]:
+    """The dtype of each section this reader knows, checked against the layout the index records, and the element
+    size of every section. A section it does not know (a later minor version's) is skipped, unless marked required:
+    reading on without it would misread the dataset (docs/FORMAT.md, Versioning)."""
+    known: dict[str, np.dtype] = {}
+    itemsizes: dict[str, int] = {}
+    for name, where in sections.items():
+        dtype = known_section_dtype(name)
+        if dtype is not None:
+            if where["dtype"] != layout_tag(dtype):
+                raise FormatError(f"{path}: section {name!r} has layout {where['dtype']}, expected {layout_tag(dtype)}")
+            known[name], itemsizes[name] = dtype, dtype.itemsize
+            continue
+        if where.get("required", False):
+            raise FormatError(f"{path}: section {name!r} is required to read this version {version} index and this "
+                              f"fanstore (format {FORMAT_MAJOR}.{FORMAT_MINOR}) does not know it: read the dataset "
+                              "with a newer fanstore")
+        itemsize = layout_itemsize(where["dtype"])
+        if itemsize is None:
+            raise _Refuse(path)(f"sections[{name!r}].dtype", f"{where['dtype']!r} is not a layout tag")
+        itemsizes[name] = itemsize
+    return known, itemsizes
 
 
 def check_section_layout(path: Path, sections: dict[str, Any], itemsizes: dict[str, int], body_start: int,

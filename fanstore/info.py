@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import stat
+from functools import partial
 from typing import Any, Callable
 
 import numpy as np
@@ -12,8 +13,11 @@ from .format import FLAG_BLOCKED, FORMAT_MAJOR, FORMAT_MINOR, NO_CHUNK, chunk_fi
 from .units import format_bytes
 from .verify import chunk_problems
 
+SKIPPED_SHOWN = 50  # skipped paths `fanstore info` lists unless asked for all
 
-def describe_dataset(ds: Dataset) -> str:
+
+def describe_dataset(ds: Dataset, all_skipped: bool = False) -> str:
+    """`fanstore info`'s report; it lists the first SKIPPED_SHOWN skipped paths, or every one with `all_skipped`."""
     index = ds.index
     entries = index.entries
     kinds = entries["mode"] & 0o170000
@@ -65,7 +69,8 @@ def describe_dataset(ds: Dataset) -> str:
             f"  {names[number]:<{width}}  {len(chosen):,} files, {format_bytes(c_raw)} -> "
             f"{format_bytes(c_stored)} ({c_raw / c_stored if c_stored else 1.0:.2f}x)"
         )
-    for key, describe in (("pack", _describe_pack), ("selection", _describe_selection)):
+    describe_pack = partial(_describe_pack, dataset=str(ds.path), shown=None if all_skipped else SKIPPED_SHOWN)
+    for key, describe in (("pack", describe_pack), ("selection", _describe_selection)):
         if index.meta.get(key):
             lines.append("")
             lines.extend(_described_meta(key, index.meta[key], describe))
@@ -81,15 +86,21 @@ def _described_meta(key: str, record: Any, describe: Callable[[Any], list[str]])
         return [f"meta.{key}      not as fanstore writes it ({type(exc).__name__}: {exc}); it is informational only"]
 
 
-def _describe_pack(pack_meta: dict) -> list[str]:
+def _describe_pack(pack_meta: dict, dataset: str, shown: int | None) -> list[str]:
+    """The pack's options and the paths it skipped: the first `shown`, then how many more and how to see them."""
     lines = [f"packed with   --codec {pack_meta['codec']} --chunk-size {pack_meta['chunk_size']}"
              + "".join(f" --replicate {p}" for p in pack_meta.get("replicate", []))]
     skipped = pack_meta.get("skipped", [])
     lines.append(f"skipped      {len(skipped)} path(s)" + (":" if skipped else ""))
-    lines.extend(f"  {s['path']}: {s['reason']}" for s in skipped[:50])
-    if len(skipped) > 50:
-        lines.append(f"  ... and {len(skipped) - 50} more")
+    lines.extend(f"  {s['path']}: {s['reason']}" for s in skipped[:shown])
+    if shown is not None and len(skipped) > shown:
+        lines.append(f"  ... and {len(skipped) - shown} more: {all_skipped_command(dataset)} lists them all")
     return lines
+
+
+def all_skipped_command(dataset: str) -> str:
+    """The command that lists every path a pack skipped, as the messages that leave some out name it."""
+    return f"`fanstore info {dataset} --all-skipped`"
 
 
 def _describe_selection(selection: dict) -> list[str]:

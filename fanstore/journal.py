@@ -10,14 +10,56 @@ import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
-from .errors import PackError
 from .durable import write_atomically
+from .errors import PackError
+from .walk import Problem
 
 JOURNAL_DIR = ".fanstore-pack"
 STATE_FILE = "state.json"
-JOURNAL_VERSION = 2  # 2: plan positions are (file, block) pairs, and chunk records list their blocks
+# 2: plan positions are (file, block) pairs, and chunk records list their blocks.
+# 3: the state and every row are named records (chunk records hold one named column per field), not positional.
+JOURNAL_VERSION = 3
+
+
+@dataclass(frozen=True, slots=True)
+class JournalState:
+    """What a pack is: a resume goes on only with the same fingerprint (source listing and output-defining
+    options), and reuses the codec selection of the interrupted run (measured speeds differ from run to run)."""
+
+    fingerprint: str
+    options: dict[str, Any]
+    codecs: list[dict[str, Any]]
+    selection: dict[str, Any] | None = None
+
+
+class FileRow(NamedTuple):
+    """A file finished in a chunk, with the entry fields the index will record (a named tuple: a pack makes one
+    per file). For a file stored in blocks: its first block's chunk and codec, its blocks' total stored length,
+    offset and checksum 0 (the index gives it the row of its first block)."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    mode: int
+    chunk: int
+    offset: int
+    stored_len: int
+    codec: int
+    checksum: int
+    flags: int
+
+
+class BlockRow(NamedTuple):
+    """One block of a file stored in blocks, written into a chunk: `file` is the file's number in the plan."""
+
+    file: int
+    block: int
+    offset: int
+    stored_len: int
+    codec: int
+    checksum: int
 
 
 @dataclass(slots=True)
@@ -32,12 +74,12 @@ class ChunkRecord:
     end_file: int
     first_block: int = 0
     end_block: int = 0
-    # [path, size, mtime_ns, mode, chunk, offset, stored_len, codec, checksum, flags] per file finished here
-    files: list[list[Any]] = field(default_factory=list)
-    # [plan number, block, offset, stored_len, codec, checksum] per block written into this chunk
-    blocks: list[list[int]] = field(default_factory=list)
-    # [path, reason] per skipped file
-    problems: list[list[str]] = field(default_factory=list)
+    files: list[FileRow] = field(default_factory=list)  # the files finished in this range
+    blocks: list[BlockRow] = field(default_factory=list)  # the blocks written into this chunk
+    problems: list[Problem] = field(default_factory=list)  # the files of this range skipped
+
+
+_RECORD_SCALARS = ("chunk_id", "group", "size", "first_file", "end_file", "first_block", "end_block")
 
 
 class JournalError(PackError):
@@ -51,11 +93,13 @@ class PackJournal:
     def exists(self) -> bool:
         return (self.dir / STATE_FILE).is_file()
 
-    def start(self, state: dict[str, Any]) -> None:
+    def start(self, state: JournalState) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        _write_json_atomically(self.dir / STATE_FILE, {"journal_version": JOURNAL_VERSION, **state})
+        fields = {"fingerprint": state.fingerprint, "options": state.options, "codecs": state.codecs,
+                  "selection": state.selection}
+        _write_json_atomically(self.dir / STATE_FILE, {"journal_version": JOURNAL_VERSION, **fields})
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> JournalState:
         """The journal's state, refused with one line if this fanstore did not write it in this version."""
         path = self.dir / STATE_FILE
         try:
@@ -68,7 +112,12 @@ class PackJournal:
             raise JournalError(f"{path}: the interrupted pack was journaled by another fanstore (journal version "
                                f"{version!r}, this one resumes version {JOURNAL_VERSION}); pass --force to start "
                                "the pack afresh")
-        return state
+        del state["journal_version"]
+        try:
+            return JournalState(**state)
+        except TypeError as exc:
+            raise JournalError(f"{path}: the interrupted pack's journal is damaged ({exc}); pass --force to start "
+                               "the pack afresh") from None
 
     def save_dictionary(self, name: str, data: bytes) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -79,28 +128,52 @@ class PackJournal:
         return path.read_bytes() if path.is_file() else None
 
     def record_chunk(self, record: ChunkRecord) -> None:
-        # By hand, not dataclasses.asdict: that deep-copies every file row, seconds per GB of small files.
-        fields = {"chunk_id": record.chunk_id, "group": record.group, "size": record.size,
-                  "first_file": record.first_file, "end_file": record.end_file,
-                  "first_block": record.first_block, "end_block": record.end_block, "files": record.files,
-                  "blocks": record.blocks, "problems": record.problems}
+        """Written as named columns, one list per field: as cheap as positional rows (a journal holds a row per
+        packed file), and a field can be neither misplaced nor mistaken for another."""
+        fields: dict[str, Any] = {name: getattr(record, name) for name in _RECORD_SCALARS}
+        fields["files"] = _columns(FileRow._fields, record.files)
+        fields["blocks"] = _columns(BlockRow._fields, record.blocks)
+        fields["problems"] = _columns(("path", "reason"), [(p.path, p.reason) for p in record.problems])
         _write_json_atomically(self.dir / f"chunk-{record.chunk_id:08d}.json", fields)
 
     def finished_chunks(self) -> list[ChunkRecord]:
-        """Records of chunks 0..k-1 with no gap; a torn record (crash mid-write) cannot exist, see durable.write_atomically."""
+        """Records of chunks 0..k-1 with no gap; a torn record (crash mid-write) cannot exist (durable.py)."""
         records = []
         while True:
             path = self.dir / f"chunk-{len(records):08d}.json"
             if not path.is_file():
                 return records
             try:
-                records.append(ChunkRecord(**json.loads(path.read_text())))
+                fields = json.loads(path.read_text())
+                if not isinstance(fields, dict) or set(fields) != {*_RECORD_SCALARS, "files", "blocks", "problems"}:
+                    raise ValueError("not a chunk record")
+                records.append(ChunkRecord(
+                    **{name: fields[name] for name in _RECORD_SCALARS},
+                    files=_rows(FileRow._fields, fields["files"], FileRow._make),
+                    blocks=_rows(BlockRow._fields, fields["blocks"], BlockRow._make),
+                    problems=_rows(("path", "reason"), fields["problems"], lambda row: Problem(*row))))
             except (OSError, ValueError, TypeError) as exc:
                 raise JournalError(f"{path}: the interrupted pack's journal is damaged ({exc}); pass --force to "
                                    "start the pack afresh") from None
 
     def remove(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _columns(names: tuple[str, ...], rows: Sequence[Sequence[Any]]) -> dict[str, list[Any]]:
+    """Rows as one list per named field."""
+    return {name: list(column) for name, column in zip(names, zip(*rows))} if rows else {name: [] for name in names}
+
+
+def _rows(names: tuple[str, ...], columns: Any, make: Callable[[Iterable[Any]], Any]) -> list[Any]:
+    """The rows of named columns, which must be exactly `names`, each a list of the same length."""
+    if not isinstance(columns, dict) or set(columns) != set(names):
+        raise ValueError(f"columns {sorted(columns) if isinstance(columns, dict) else columns!r}, expected "
+                         f"{sorted(names)}")
+    lists = [columns[name] for name in names]
+    if not all(isinstance(column, list) and len(column) == len(lists[0]) for column in lists):
+        raise ValueError(f"columns {list(names)} are not lists of one length")
+    return [make(row) for row in zip(*lists)]
 
 
 def _write_json_atomically(path: Path, value: Any) -> None:

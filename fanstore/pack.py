@@ -31,7 +31,7 @@ from .errors import PackError, UsageError
 from .format import BLOCK_DTYPE, CHUNK_DTYPE, FLAG_BLOCKED, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, NO_CHUNK
 from .groups import GroupPlan
 from .index import EntryRecord, IndexLayout, write_index_atomically
-from .journal import ChunkRecord, PackJournal
+from .journal import BlockRow, ChunkRecord, FileRow, JournalState, PackJournal
 from .pause import pause_point
 from .walk import Problem, SourceEntry, SourceTree, walk_source
 
@@ -163,8 +163,8 @@ def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: Sour
     spec_by_kind = {ANY_KIND: options.codec} if selection is None else _spec_by_kind(selection)
     plan = build_codec_plan(spec_by_kind, groups, files, file_groups, src_path, journal)
     if not journal.exists():
-        journal.start({"fingerprint": fingerprint, "options": options.output_defining(), "codecs": plan.rows,
-                       "selection": selection.to_json() if selection is not None else None})
+        journal.start(JournalState(fingerprint, options.output_defining(), plan.rows,
+                                   selection.to_json() if selection is not None else None))
     pause_point("planned")
     finished = journal.finished_chunks()
     discard_unrecorded_chunks(dest_path, len(finished))
@@ -222,9 +222,9 @@ def _summarise(records: list[ChunkRecord], walk_problems: list[Problem]) -> Pack
     summary = PackSummary(problems=list(walk_problems))
     for record in records:
         summary.files += len(record.files)
-        summary.raw_bytes += sum(row[1] for row in record.files)
-        summary.stored_bytes += sum(row[6] for row in record.files)
-        summary.problems.extend(Problem(path, reason) for path, reason in record.problems)
+        summary.raw_bytes += sum(row.size for row in record.files)
+        summary.stored_bytes += sum(row.stored_len for row in record.files)
+        summary.problems.extend(record.problems)
         summary.chunks += record.chunk_id != NO_CHUNK
     summary.problems.sort(key=lambda p: p.path)
     return summary
@@ -274,9 +274,10 @@ def _selection(options: PackOptions, src: Path, tree: SourceTree, groups: GroupP
         return None
     from selector import Selection, SelectionError
 
-    if journal.exists() and journal.state().get("selection"):
+    journaled = journal.state().selection if journal.exists() else None
+    if journaled:
         try:
-            return Selection.from_json(journal.state()["selection"])
+            return Selection.from_json(journaled)
         except (SelectionError, KeyError, TypeError) as exc:
             raise PackError(f"{journal.dir}: the journaled codec selection cannot be read ({exc}); pass --force to "
                             "start the pack afresh") from None
@@ -323,23 +324,26 @@ def _write_index(
 ) -> None:
     """`layout` is the tree's layout, built while the files were compressed; it is built again without the files
     that turned out not to be packable during the pack (they vanished or changed), which is rare."""
-    rows = [row for record in records for row in record.files]  # rows as ChunkRecord.files describes them
-    packed = frozenset(row[0] for row in rows)
+    rows = [row for record in records for row in record.files]
+    packed = frozenset(row.path for row in rows)
     if len(packed) == len(tree.files):
         index_layout = layout.result()
     else:
         index_layout = _index_layout(tree, frozenset(e.path for e in tree.files) - packed)
-    blocks = _blocks_table(index_layout, records, rows, files, options.block_layout)
+    blocks, first_block_rows = _blocks_table(index_layout, records, rows, files, options.block_layout)
 
-    def column(at: int) -> Iterator[int]:
-        return map(operator.itemgetter(at), rows)
+    def column(name: str) -> Iterator[int]:
+        return map(operator.attrgetter(name), rows)
 
-    index_layout.place_blobs([row[0] for row in rows], chunk=column(4), offset=column(5), stored_len=column(6),
-                             codec=column(7), checksum=column(8), flags=column(9))
+    # A file stored in blocks: its offset is its first row in the blocks section.
+    offsets = (first_block_rows.get(row.path, row.offset) for row in rows)
+    index_layout.place_blobs([row.path for row in rows], chunk=column("chunk"), offset=offsets,
+                             stored_len=column("stored_len"), codec=column("codec"), checksum=column("checksum"),
+                             flags=column("flags"))
     chunk_rows = [r for r in records if r.chunk_id != NO_CHUNK]
     chunks = np.zeros(len(chunk_rows), dtype=CHUNK_DTYPE)
     for r in chunk_rows:  # blobs in the chunk: whole files, and blocks
-        whole = sum(1 for row in r.files if row[4] == r.chunk_id and not row[9] & FLAG_BLOCKED)
+        whole = sum(1 for row in r.files if row.chunk == r.chunk_id and not row.flags & FLAG_BLOCKED)
         chunks[r.chunk_id] = (r.size, r.group, whole + len(r.blocks))
     meta = {
         "pack": {
@@ -357,30 +361,32 @@ def _write_index(
     write_index_atomically(dest, index_bytes)
 
 
-def _blocks_table(index_layout: IndexLayout, records: list[ChunkRecord], rows: list[list[Any]],
-                  files: list[SourceEntry], block_layout: BlockLayout) -> np.ndarray | None:
-    """The `blocks` section: the blocks of each file stored in blocks, files in entry order. Sets each such
-    file's row offset (in `rows`) to its first block's row. None when no file is stored in blocks."""
-    blocked_rows = sorted((row for row in rows if row[9] & FLAG_BLOCKED), key=lambda r: index_layout.entry_of(r[0]))
+def _blocks_table(index_layout: IndexLayout, records: list[ChunkRecord], rows: list[FileRow],
+                  files: list[SourceEntry], block_layout: BlockLayout) -> tuple[np.ndarray | None, dict[str, int]]:
+    """The `blocks` section (None when no file is stored in blocks): the blocks of each file stored in blocks,
+    files in entry order; and each such file's first row in it, by path."""
+    blocked_rows = sorted((row for row in rows if row.flags & FLAG_BLOCKED),
+                          key=lambda row: index_layout.entry_of(row.path))
     if not blocked_rows:
-        return None
+        return None, {}
     number_of = {files[n].path: n for n in range(len(files)) if block_layout.blocks_of(files[n].size)}
-    placed: dict[int, list[tuple[int, list[int]]]] = {}
+    placed: dict[int, list[tuple[int, BlockRow]]] = {}
     for record in records:
         for block_row in record.blocks:
-            placed.setdefault(block_row[0], []).append((record.chunk_id, block_row))
-    table = np.zeros(sum(block_layout.blocks_of(row[1]) for row in blocked_rows), dtype=BLOCK_DTYPE)
+            placed.setdefault(block_row.file, []).append((record.chunk_id, block_row))
+    table = np.zeros(sum(block_layout.blocks_of(row.size) for row in blocked_rows), dtype=BLOCK_DTYPE)
+    first_rows: dict[str, int] = {}
     cursor = 0
     for row in blocked_rows:
-        file_blocks = sorted(placed[number_of[row[0]]], key=lambda placed_block: placed_block[1][1])
-        if [b[1][1] for b in file_blocks] != list(range(block_layout.blocks_of(row[1]))):
-            raise PackError(f"{row[0]}: its blocks in the journal are not the file's blocks 0..n-1; pass --force "
+        file_blocks = sorted(placed[number_of[row.path]], key=lambda chunk_and_block: chunk_and_block[1].block)
+        if [block.block for _, block in file_blocks] != list(range(block_layout.blocks_of(row.size))):
+            raise PackError(f"{row.path}: its blocks in the journal are not the file's blocks 0..n-1; pass --force "
                             "to pack afresh")
-        for chunk, (_, _, offset, stored_len, codec, checksum) in file_blocks:
-            table[cursor] = (offset, checksum, chunk, stored_len, codec, b"")
+        first_rows[row.path] = cursor
+        for chunk, block in file_blocks:
+            table[cursor] = (block.offset, block.checksum, chunk, block.stored_len, block.codec, b"")
             cursor += 1
-        row[5] = cursor - len(file_blocks)
-    return table
+    return table, first_rows
 
 
 def _global_error(exc: OSError, dest: Path) -> PackError:

@@ -14,11 +14,13 @@ from pathlib import Path
 import pytest
 
 from compressors import codec_from_spec
+from compressors.kinds import HEAD_BYTES, file_kind
 from fanstore import open_dataset
 from fanstore.verify import verify_dataset
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "v1"
-GOLDEN_DATASETS = {"v1": "1.0", "v1.1": "1.1"}  # fixture directory: the format version it was written in
+# fixture directory: the format version it was written in
+GOLDEN_DATASETS = {"v1": "1.0", "v1.1": "1.1", "v1.1-auto": "1.1"}
 SPECS = ["none", "zstd:3", "zstd:19", "lz4", "lz4:hc:9", "blosc:lz4:5:shuffle:4", "blosc:zstd:5:bitshuffle:4",
          "zstd-dict:3"]
 
@@ -30,7 +32,6 @@ def test_golden_dataset_reads_as_packed(fixture, version):
     with open_dataset(root / "dataset") as ds:
         assert ds.index.toc["version"] == version
         assert [g["name"] for g in ds.index.groups] == ["spread", "replicated"]
-        assert ds.index.codecs[1]["spec"] == "zstd-dict:3"
         seen = set()
         for dirpath, dirnames, filenames in ds.walk():
             for name in dirnames + filenames:
@@ -45,6 +46,51 @@ def test_golden_dataset_reads_as_packed(fixture, version):
                 data = ds.read(path)
                 assert len(data) == row["size"] and hashlib.sha256(data).hexdigest() == row["sha256"], path
         assert verify_dataset(ds).ok
+
+
+@pytest.mark.parametrize("fixture", ["v1", "v1.1"])
+def test_golden_dictionary_per_group(fixture):
+    """`--codec zstd-dict:3`: group 0's files use dict.0; the replicated group is too small to train one."""
+    with open_dataset(GOLDEN.parent / fixture / "dataset") as ds:
+        assert ds.index.codecs[1] == {"id": 4, "spec": "zstd-dict:3", "dictionary": "dict.0"}
+        assert sorted(ds.index.dictionaries) == ["dict.0"]
+
+
+def test_golden_auto_pack_has_a_dictionary_per_kind_and_group():
+    """The `--codec auto` fixture (1.1): each file's codec row is its kind's choice in its group, a zstd-dict choice
+    with the dictionary of that group and kind (dict.N.KIND), or plain zstd where a group had too few files of the
+    kind to train one; a text file is stored in blocks of that same row."""
+    with open_dataset(GOLDEN.parent / "v1.1-auto" / "dataset") as ds:
+        index = ds.index
+        assert sorted(index.dictionaries) == ["dict.0.npy", "dict.0.text", "dict.1.npy"]
+        choices = {kind: choice["spec"] for kind, choice in index.meta["selection"]["choices"].items()}
+        assert choices == {"jpeg": "zstd:19", "npy": "zstd-dict:3", "png": "none", "text": "zstd-dict:19"}
+        used = set()
+        for path in ds.files():
+            entry = index.lookup(path)
+            data = ds.read(path)
+            if not data:
+                continue
+            kind, group = file_kind(path, data[:HEAD_BYTES]), int(index.chunks["group"][index.entries["chunk"][entry]])
+            rows = {int(index.entries["codec"][entry])}
+            if index.block_count(entry):
+                rows = {int(row) for row in index.blocks["codec"][index.block_rows(entry).start:
+                                                                  index.block_rows(entry).stop]}
+            for row in rows - {0}:  # row 0: a file or block that would not shrink, stored as it is
+                codec = index.codecs[row]
+                if codec["dictionary"] is not None:
+                    assert (codec["spec"], codec["dictionary"]) == (choices[kind], f"dict.{group}.{kind}"), path
+                else:
+                    assert codec["spec"] == choices[kind].replace("zstd-dict", "zstd"), path
+                used.add((kind, group, codec["spec"], codec["dictionary"]))
+        assert ("text", 1, "zstd:19", None) in used  # val/ holds too few text files to train a dictionary
+        log = index.lookup("train/log.txt")
+        assert index.block_count(log) == 6 and index.codecs[int(index.blocks["codec"][index.block_rows(log)[2]])][
+            "dictionary"] == "dict.0.text"
+        whole = ds.read("train/log.txt")
+        with ds.open("train/log.txt") as f:
+            f.seek(2 * 4096 + 100)
+            assert f.read(50) == whole[2 * 4096 + 100 : 2 * 4096 + 150]
 
 
 def test_golden_blocks_read_one_at_a_time():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -10,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import dir_bytes, run_cli
+from conftest import assert_one_line_error, dir_bytes, run_cli
+from fanstore.journal import JOURNAL_DIR, JOURNAL_VERSION, STATE_FILE, BlockRow, FileRow
 
 ARGS = ["--codec", "zstd-dict:19", "--chunk-size", "256KiB", "--replicate", "val/**", "--workers", "2", "--quiet"]
 
@@ -94,6 +96,56 @@ def test_resume_with_other_options_is_refused(big_tree, tmp_path, paused_pack):
     assert other.returncode != 0 and "interrupted pack" in other.stderr and "Traceback" not in other.stderr
     forced = run_cli("fanstore-pack", str(big_tree), str(dest), "--codec", "lz4", "--quiet", "--force")
     assert forced.returncode == 0, forced.stderr
+
+
+def test_the_journal_is_named_records_with_a_version(big_tree, tmp_path, paused_pack):
+    """state.json names its fields and its version; each chunk record holds one named column per row field."""
+    dest = tmp_path / "ds"
+    paused_pack(big_tree, dest, ARGS, "chunk:2").kill_group()
+    state = json.loads((dest / JOURNAL_DIR / STATE_FILE).read_text())
+    assert set(state) == {"journal_version", "fingerprint", "options", "codecs", "selection"}
+    assert state["journal_version"] == JOURNAL_VERSION
+    record = json.loads((dest / JOURNAL_DIR / "chunk-00000001.json").read_text())
+    assert set(record["files"]) == set(FileRow._fields) and set(record["blocks"]) == set(BlockRow._fields)
+    assert set(record["problems"]) == {"path", "reason"}
+    lengths = {len(column) for column in record["files"].values()}
+    assert len(lengths) == 1 and lengths.pop() > 0
+
+
+@pytest.mark.parametrize("version", [JOURNAL_VERSION - 1, JOURNAL_VERSION + 1, str(JOURNAL_VERSION)])
+def test_a_journal_of_another_version_is_refused_in_one_line(big_tree, reference, tmp_path, paused_pack, version):
+    """A real interrupted pack whose journal says another version (an older fanstore's, with positional rows, a
+    newer one's, or a version of another type): resuming it is refused naming the file and both versions, and
+    nothing in DEST changes. (A state.json without a version is not fanstore's: test_bad_input.)"""
+    dest = tmp_path / "ds"
+    paused_pack(big_tree, dest, ARGS, "chunk:2").kill_group()
+    state_path = dest / JOURNAL_DIR / STATE_FILE
+    state = json.loads(state_path.read_text())
+    state["journal_version"] = version
+    state_path.write_text(json.dumps(state))
+    before = dir_bytes(dest)
+    assert_one_line_error(run_cli("fanstore-pack", str(big_tree), str(dest), *ARGS), str(state_path),
+                          f"journal version {version!r}", f"resumes version {JOURNAL_VERSION}", "--force")
+    assert dir_bytes(dest) == before
+    run_cli("fanstore-pack", str(big_tree), str(dest), *ARGS, "--force", check=True)
+    assert dir_bytes(dest) == reference
+
+
+@pytest.mark.parametrize("damage", ["a column missing", "columns of two lengths", "a positional row"])
+def test_a_damaged_chunk_record_is_refused_in_one_line(big_tree, tmp_path, paused_pack, damage):
+    dest = tmp_path / "ds"
+    paused_pack(big_tree, dest, ARGS, "chunk:2").kill_group()
+    record_path = dest / JOURNAL_DIR / "chunk-00000001.json"
+    record = json.loads(record_path.read_text())
+    if damage == "a column missing":
+        del record["files"]["stored_len"]
+    elif damage == "columns of two lengths":
+        record["files"]["checksum"].pop()
+    else:
+        record["files"] = [list(row) for row in zip(*(record["files"][name] for name in FileRow._fields))]
+    record_path.write_text(json.dumps(record))
+    assert_one_line_error(run_cli("fanstore-pack", str(big_tree), str(dest), *ARGS), str(record_path), "damaged",
+                          "--force")
 
 
 def test_workers_die_with_a_packer_killed_by_sigkill(big_tree, tmp_path, paused_pack):

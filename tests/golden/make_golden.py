@@ -4,6 +4,7 @@ refuses to overwrite a version that exists.
 
     python tests/golden/make_golden.py v1      # format 1.0: a dataset and one blob per codec
     python tests/golden/make_golden.py v1.1    # format 1.1: a dataset with large files stored in blocks
+    python tests/golden/make_golden.py v1.1-auto   # format 1.1: a --codec auto pack, per-kind dictionaries
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import stat
 import sys
 import tempfile
@@ -112,8 +112,52 @@ def _write_v1_1(out: Path) -> None:
         (out / "manifest.json").write_text(json.dumps(_manifest(src), indent=1, sort_keys=True) + "\n")
 
 
+def _auto_tree(root: Path) -> None:
+    """Several kinds in two groups, many small similar files of each, so that a --codec auto pack trains a
+    dictionary per kind (dict.N.KIND); a text file large enough to be stored in blocks."""
+    import io
+
+    from PIL import Image
+
+    rng = np.random.default_rng(2026)
+    for split, count in (("train", 20), ("val", 4)):
+        for label in ("a", "b"):
+            folder = root / split / label
+            folder.mkdir(parents=True)
+            for i in range(count):
+                record = {"id": i, "split": split, "class": label, "label": int(rng.integers(0, 10)),
+                          "weight": round(float(rng.random()), 4), "tags": ["golden", "fixture", label],
+                          "caption": f"sample {i} of class {label} in {split}"}
+                (folder / f"s{i:03d}.json").write_text(json.dumps(record, indent=1) + "\n")
+                wave = np.sin(np.linspace(0, rng.uniform(1, 6), 96)) * 50 + 300
+                np.save(folder / f"f{i:03d}.npy", wave.astype(np.float32))
+            y, x = np.mgrid[0:24, 0:24]
+            pixels = ((np.sin(x / 3 + rng.uniform()) + np.cos(y / 4)) * 60 + 128).clip(0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(folder / "mean.png")
+            jpeg = io.BytesIO()
+            Image.fromarray(np.stack([pixels] * 3, axis=-1)).save(jpeg, format="JPEG", quality=85)
+            (folder / "mean.jpg").write_bytes(jpeg.getvalue())
+    (root / "train" / "log.txt").write_text("".join(f"step {i} loss {1 / (i + 1):.6f}\n" for i in range(900)))
+    (root / "empty.txt").write_bytes(b"")
+    os.symlink("train/log.txt", root / "latest_log")
+    for path in sorted(root.rglob("*"), reverse=True):
+        os.utime(path, ns=(FIXED_MTIME_NS, FIXED_MTIME_NS), follow_symlinks=False)
+    os.utime(root, ns=(FIXED_MTIME_NS, FIXED_MTIME_NS))
+
+
+def _write_v1_1_auto(out: Path) -> None:
+    """Budget 0: the best ratio per kind, whatever this machine's speeds (they are recorded, not used)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "src"
+        src.mkdir()
+        _auto_tree(src)
+        pack(src, out / "dataset", PackOptions(codec="auto", budget=0.0, sample=1.0, chunk_size=8192,
+                                              replicate=("val/**",), block_size=4096, blocks_above=8192, workers=1))
+        (out / "manifest.json").write_text(json.dumps(_manifest(src), indent=1, sort_keys=True) + "\n")
+
+
 def main() -> None:
-    writers = {"v1": _write_v1, "v1.1": _write_v1_1}
+    writers = {"v1": _write_v1, "v1.1": _write_v1_1, "v1.1-auto": _write_v1_1_auto}
     if len(sys.argv) != 2 or sys.argv[1] not in writers:
         sys.exit(f"usage: make_golden.py {{{'|'.join(writers)}}}")
     out = HERE / sys.argv[1]
