@@ -35,8 +35,9 @@ fsync of each copy (staging fsyncs each chunk file), also from a dropped cache. 
 verified in its local directory. Once every rank is mounted, before any read, each rank's CPU time
 (/proc/PID/stat utime + stime, all its threads) is sampled over a few seconds of idling.
 
-Placement: 'taskset -c 0' = mpiexec, every rank, the reader and cp on CPU 0; 'unpinned' = both CPUs, the
-scheduler's choice. Every figure is one run: on this 2-CPU virtual machine runs vary by up to 30%. Targets are
+Placement: 'taskset -c 0' = mpiexec, every rank, the reader and cp on CPU 0; 'unpinned' = every CPU this process
+may use, the scheduler's choice. Every figure is one run: on the 2-CPU virtual machines this was written on, runs
+vary by up to 30%. Targets are
 printed last, PASS or FAIL. --quick: 1/5 of the generated files, 1/5 of each group of the demo's epoch, pinned
 only, 3 s of idling (about a minute).
 
@@ -760,8 +761,8 @@ def print_report(sets: list[DataSet], runs: list[Run], idle_seconds: float, note
         print(line)
     print(f"MPI: {MPI.Get_library_version().splitlines()[0].strip()}, mpi4py {mpi4py.__version__}, "
           f"mpiexec {mpiexec_command()}")
-    print("placement: 'taskset -c 0' = mpiexec, every rank, the reader and cp on CPU 0; 'unpinned' = both CPUs, the "
-          "scheduler's choice. One run per figure: on this 2-CPU VM runs vary by up to 30%")
+    print("placement: 'taskset -c 0' = mpiexec, every rank, the reader and cp on CPU 0; 'unpinned' = the CPUs above, "
+          "the scheduler's choice. One run per figure: runs of small-file reads vary by up to 30% on 2-CPU VMs")
     for data in sets:
         print(dataset_line(data))
     for note in notes:
