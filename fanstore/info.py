@@ -39,8 +39,8 @@ def describe_dataset(ds: Dataset, all_skipped: bool = False) -> str:
     ]
     blocked = int(np.count_nonzero(entries["flags"] & FLAG_BLOCKED))
     if blocked:
-        files = "large file" if blocked == 1 else "large files"
-        lines.append(f"blocks       {blocked:,} {files} in {len(index.blocks):,} blocks of "
+        noun = "large file" if blocked == 1 else "large files"
+        lines.append(f"blocks       {blocked:,} {noun} in {len(index.blocks):,} blocks of "
                      f"{format_bytes(index.block_size)}, each decodable alone")
     lines.extend(_describe_chunk_files(ds))
     lines.extend(["", "groups:"])
