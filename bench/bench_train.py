@@ -97,9 +97,8 @@ CODEC, CHUNK_SIZE = "lz4", 1 * MIB
 GENERATED_VERSION = "bench_train files v1"
 SEED = 20240611
 BATCH, WORKERS, EPOCHS = 32, 2, 3
-COMPUTE_MS = 8.0
 RANKS = 2
-QUIET_BUSY, QUIET_MAX_WAIT = 0.10, 5.0  # before each run: wait until the CPUs are < 10% busy (at most 5 s)
+QUIET_BUSY, QUIET_MAX_WAIT = 0.10, 3.0  # before each run: wait until the CPUs are < 10% busy (at most 3 s)
 NOISY_OTHERS = 0.10  # other processes' CPU use (cores) above which a row is flagged as disturbed
 BACKED_SLACK = 256 * MIB  # memory touched before each run beyond twice the files' bytes (bench_read.back_memory)
 READY_TIMEOUT = 300.0  # seconds for a mount, or a serve job's staging and mounting
@@ -301,10 +300,10 @@ def train(args: argparse.Namespace) -> int:
     daemon_cpu = cpu_seconds(daemon) - daemon_before if daemon else 0.0
     del batches, loader  # persistent workers end and are waited for: their CPU shows in RUSAGE_CHILDREN
     self_after, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    loop_cpu = (self_after.ru_utime + self_after.ru_stime - self_before.ru_utime - self_before.ru_stime
-                + children.ru_utime + children.ru_stime)
+    main_cpu = self_after.ru_utime + self_after.ru_stime - self_before.ru_utime - self_before.ru_stime
     Path(args.out.format(rank=rank)).write_text(json.dumps(
-        {"rank": rank, "epochs": epochs, "loop_cpu": loop_cpu, "daemon_cpu": daemon_cpu, "torch": torch.__version__}))
+        {"rank": rank, "epochs": epochs, "main_cpu": main_cpu, "workers_cpu": children.ru_utime + children.ru_stime,
+         "daemon_cpu": daemon_cpu, "torch": torch.__version__}))
     return 0
 
 
@@ -333,9 +332,12 @@ class Result:
         epochs = self.ranks[rank]["epochs"][first_epoch:]
         return sum(e["files"] for e in epochs) / sum(e["seconds"] for e in epochs)
 
-    def cpu_ms_per_file(self, rank: int) -> float:
+    def cpu_ms_per_file(self, rank: int) -> str:
+        """Milliseconds of CPU per file: the training process and its workers, + the daemon serving them."""
         figures = self.ranks[rank]
-        return 1e3 * (figures["loop_cpu"] + figures["daemon_cpu"]) / sum(e["files"] for e in figures["epochs"])
+        files = sum(e["files"] for e in figures["epochs"])
+        loop = f"{1e3 * (figures['main_cpu'] + figures['workers_cpu']) / files:.2f}"
+        return loop + (f"+{1e3 * figures['daemon_cpu'] / files:.2f}" if figures["daemon_cpu"] else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,7 +348,6 @@ class Setup:
     workdir: Path
     paths_file: Path
     prefetch_list: Path
-    compute_ms: float
     epochs: int
 
 
@@ -475,15 +476,14 @@ class ServeJob:
         unmount_all(self.mountpoints)
 
 
-def measure_way(setup: Setup, way: Way, placement: Placement, workers: int = WORKERS,
-                compute_ms: float | None = None) -> Result:
+def measure_way(setup: Setup, way: Way, placement: Placement, compute_ms: float, workers: int = WORKERS) -> Result:
     """One fresh run of the training loop for `way`: its mount or serve job made for it, its ranks at once."""
-    compute_ms = setup.compute_ms if compute_ms is None else compute_ms
     result = Result(way.label, placement.label, workers, compute_ms)
     if way.via == "serve" and way.reader != "files" and importlib.util.find_spec("fanstore.serve.node_client") is None:
-        result.unavailable = "not available: this checkout has no fanstore/serve/node_client.py"
+        result.unavailable = "not available (see the note)"
         return result
-    name = "-".join("".join(c for c in part if c.isalnum()) for part in (placement.label, way.label, f"{workers}w"))
+    name = "-".join("".join(c for c in part if c.isalnum()) for part in (placement.label, way.label, f"{workers}w",
+                                                                          f"{compute_ms:g}ms"))
     out, barrier = setup.workdir / f"{name}-rank{{rank}}.json", setup.workdir / f"{name}-barrier"
     barrier.mkdir()
     options = [setup.prefetch_list.as_posix() if option == LIST else option for option in way.options]
@@ -515,10 +515,18 @@ def measure_way(setup: Setup, way: Way, placement: Placement, workers: int = WOR
             wall = time.perf_counter() - started_at
     result.ranks = [json.loads(Path(str(out).format(rank=rank)).read_text()) for rank in range(way.ranks)]
     result.others = others.cpu_seconds / wall
+    progress(f"  data-wait {result.total_wait():.2f} s, " + ", ".join(
+        f"{result.files_per_second(rank):,.0f}" for rank in range(way.ranks)) + f" files/s, others {result.others:.2f}")
     return result
 
 
 # --- report ------------------------------------------------------------------------------------------------------
+
+def calibrated_compute_ms(plain: Result) -> float:
+    """The plain directory's loading time per batch with no compute (its 2 workers, epochs 2 and 3): a step of
+    that length keeps the plain loop balanced, data and compute each just keeping the other busy."""
+    return round(1e3 * BATCH / plain.files_per_second(0, 1), 1)
+
 
 def seconds_list(values: Sequence[float]) -> str:
     return " ".join(f"{v:.2f}" for v in values)
@@ -539,7 +547,7 @@ def way_rows(results: list[Result]) -> list[list[str]]:
             rows.append([result.way, result.placement, str(rank) if len(result.ranks) > 1 else "",
                          seconds_list(waits), f"{sum(waits):.2f}", share,
                          seconds_list([e["seconds"] for e in result.ranks[rank]["epochs"]]),
-                         f"{result.files_per_second(rank):,.0f}", f"{result.cpu_ms_per_file(rank):.2f}",
+                         f"{result.files_per_second(rank):,.0f}", result.cpu_ms_per_file(rank),
                          f"{result.others:.2f}{flag}"])
     return rows
 
@@ -549,7 +557,7 @@ def scaling_rows(scaling: list[tuple[Result, Result]]) -> list[list[str]]:
     for one, two in scaling:
         rate_one, rate_two = one.files_per_second(0, 1), two.files_per_second(0, 1)
         rows.append([one.way, one.placement, f"{rate_one:,.0f}", f"{rate_two:,.0f}", f"{rate_two / rate_one:.2f}x",
-                     f"{one.cpu_ms_per_file(0):.2f}", f"{two.cpu_ms_per_file(0):.2f}",
+                     one.cpu_ms_per_file(0), two.cpu_ms_per_file(0),
                      f"{one.others:.2f} / {two.others:.2f}"])
     return rows
 
@@ -597,21 +605,21 @@ def plot(results: list[Result], path: Path) -> None:
                          label="plain, its longest epoch")
         axes.set_xticks(np.arange(len(ways)), ways, rotation=25, ha="right", fontsize=8)
         axes.set_ylabel("data-wait per epoch (s)")
-        axes.set_title(f"{placement}: {ran[0].compute_ms:g} ms compute per batch of {BATCH}, {WORKERS} workers "
+        axes.set_title(f"{placement}: {mine[ways[0]].compute_ms:g} ms compute per batch of {BATCH}, {WORKERS} workers "
                        "(2-rank ways: the rank that waited longest)", fontsize=9)
         axes.legend(fontsize=8)
     figure.savefig(path, dpi=110)
 
 
-def print_report(setup: Setup, results: list[Result], scaling: list[tuple[Result, Result]], plot_path: Path,
-                 notes: list[str]) -> None:
+def print_report(setup: Setup, results: list[Result], scaling: list[tuple[Result, Result]], calibrated: bool,
+                 plot_path: Path, notes: list[str]) -> None:
     import mpi4py
     import torch
     from mpi4py import MPI
 
     data = setup.data
     print()
-    print(f"bench_train: a DataLoader loop with {setup.compute_ms:g} ms of compute (a sleep) per batch of {BATCH}, "
+    print(f"bench_train: a DataLoader loop with a fixed compute time (a sleep) per batch of {BATCH}, "
           f"{setup.epochs} shuffled epochs; data-wait = seconds blocked in next(iterator)")
     for line in machine_lines():
         print(line)
@@ -625,16 +633,18 @@ def print_report(setup: Setup, results: list[Result], scaling: list[tuple[Result
           "'unpinned' = everything where the scheduler puts it. One run per figure: on this 2-CPU VM runs vary by "
           "up to 30%")
     for one, two in scaling:
-        if one.way == BASELINE:
+        compute_ms = next((r.compute_ms for r in results if r.placement == one.placement), None)
+        if one.way == BASELINE and compute_ms is not None:
             per_batch = 1e3 * BATCH / two.files_per_second(0, 1)
-            print(f"calibration ({one.placement}): the plain directory's {WORKERS} workers load a batch in "
-                  f"{per_batch:.1f} ms with no compute; {setup.compute_ms:g} ms of compute is "
-                  f"{setup.compute_ms / per_batch:.2f}x that (1.00x: balanced)")
+            how = "calibrated: " if calibrated else "--compute-ms, "
+            print(f"compute ({one.placement}): {compute_ms:g} ms per batch ({how}{compute_ms / per_batch:.2f}x the "
+                  f"{per_batch:.1f} ms the plain directory's {WORKERS} workers took to load a batch with no compute, "
+                  "just before; 1.00x: balanced)")
     for note in notes:
         print(f"note: {note}")
     print()
     print("data-wait and epoch seconds of each epoch (e1 e2 e3), files/s over all epochs; vs plain = data-wait over "
-          "every epoch / plain's (same placement); CPU ms/file = the training process, its workers and the "
+          "every epoch / plain's (same placement); CPU ms/file = the training process and its workers, + the "
           "mount's daemon (serve: the rank's serve process, which also serves the other rank), per file; others = "
           f"cores other processes used meanwhile ('!' above {NOISY_OTHERS}); 2-rank ways: one row per rank, each "
           f"reading half of every epoch")
@@ -705,7 +715,7 @@ def child_main(argv: Sequence[str]) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--workers", type=int, default=WORKERS)
     parser.add_argument("--batch", type=int, default=BATCH)
-    parser.add_argument("--compute-ms", type=float, default=COMPUTE_MS)
+    parser.add_argument("--compute-ms", type=float, default=0.0)
     parser.add_argument("--epochs", type=int, default=EPOCHS)
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--daemon-pid", type=int, default=0, help="0: none; -1: this process's parent")
@@ -723,10 +733,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_FILES} files, workers pinned only")
     parser.add_argument("--pinned-only", action="store_true", help="only the 'workers pinned' placement")
-    parser.add_argument("--compute-ms", type=float, default=COMPUTE_MS, help="compute per batch (a sleep)")
+    parser.add_argument("--compute-ms", type=float, help="compute per batch (a sleep; default: calibrated, the "
+                                                          "plain directory's loading time per batch)")
     parser.add_argument("--plot", type=Path, help="the PNG (default: CACHE/bench_train.png)")
     parser.add_argument("--only", help="comma-separated ways to run, plain always included (development)")
-    parser.add_argument("--no-scaling", action="store_true", help="skip the pure data rate (development)")
     parser.add_argument("--cache", type=Path, default=BENCH_DIR / ".cache", help="where inputs are made once")
     args = parser.parse_args(argv)
     missing = missing_requirements()
@@ -747,6 +757,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         notes.append(f"the files are stored in about {FILE_SIZE * 0.43 / KIB:.0f} KiB, under the mount's default "
                      f"--prefetch-min-size ({INLINE_NOTE_BYTES // KIB} KiB): with it, the mount prefetches none of "
                      "them, --prefetch-list or not ('... --prefetch-min-size 0' is the list at work)")
+    if any(way.via == "serve" and way.reader != "files" for way in ways) \
+            and importlib.util.find_spec("fanstore.serve.node_client") is None:
+        notes.append("serve FileDataset(None): not available, this checkout has no fanstore/serve/node_client.py "
+                     "(FileDataset(None) imports open_served_dataset from it)")
     if len(data.paths) % (BATCH * RANKS):
         notes.append(f"{len(data.paths)} files: the last batch of each epoch is short")
     results: list[Result] = []
@@ -757,21 +771,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         paths_file, prefetch_list = workdir / "paths.txt", workdir / "epoch1.txt"
         paths_file.write_text("".join(f"{rel}\n" for rel in data.paths))
         prefetch_list.write_text("".join(f"{data.paths[i]}\n" for i in epoch_order(len(data.paths), 0)))
-        setup = Setup(data, workdir, paths_file, prefetch_list, args.compute_ms, EPOCHS)
+        setup = Setup(data, workdir, paths_file, prefetch_list, EPOCHS)
         for placement in placements:
-            for label, reader, via in () if args.no_scaling else SCALING:
+            for label, reader, via in SCALING:
                 progress(f"[{placement.label}] pure data rate: {label}, 1 and 2 workers ...")
                 way = Way(label, reader, via)
-                scaling.append((measure_way(setup, way, placement, 1, 0.0), measure_way(setup, way, placement, 2, 0.0)))
+                scaling.append((measure_way(setup, way, placement, 0.0, 1), measure_way(setup, way, placement, 0.0, 2)))
+            plain = next(two for one, two in scaling if one.way == BASELINE and one.placement == placement.label)
+            compute_ms = args.compute_ms if args.compute_ms is not None else calibrated_compute_ms(plain)
             for way in ways:
-                progress(f"[{placement.label}] {way.label} ...")
-                results.append(measure_way(setup, way, placement))
+                progress(f"[{placement.label}] {way.label}, {compute_ms:g} ms compute per batch ...")
+                results.append(measure_way(setup, way, placement, compute_ms))
     finally:
         clean_up(workdir)
         reaper.stdin.close()  # type: ignore[union-attr] - it finds nothing left to do, and ends
         reaper.wait()
     plot(results, plot_path)
-    print_report(setup, results, scaling, plot_path, notes)
+    print_report(setup, results, scaling, args.compute_ms is None, plot_path, notes)
     return 0
 
 
