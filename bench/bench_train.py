@@ -2,54 +2,56 @@
 epoch by epoch, when it reads the dataset through each of fanstore's faces, beside the plain directory?
 
 The loop. A DataLoader (batch_size 32, num_workers 2, persistent_workers, prefetch_factor 2, the default collate)
-over the generated dataset, sampled by DistributedSampler(shuffle=True, seed=SEED): a seeded shuffle that differs
-each epoch (set_epoch), the same for every way of reading; one process has num_replicas=1, the 2 ranks below
-each take their share. Each item is the file's bytes as a uint8 tensor (one copy, as a decode step makes). For
-each batch the loop sleeps a fixed compute time: the step runs on an accelerator and the host thread waits, so it
-leaves both CPUs to the workers. data-wait = time blocked in next(iterator), summed over an epoch (its first
-batch too: epoch 1's holds the workers' start); epoch = wall time of the epoch; files/s = files / epoch time, over
-the 3 epochs. The compute time (--compute-ms, 8 ms) is about what the plain directory's two workers take to load
-a batch on this machine: the plain loop is roughly balanced, data and compute each just keep the other busy; the
-report prints the ratio measured in the same run (the calibration line).
+sampled by DistributedSampler(shuffle=True, seed=SEED): a seeded shuffle, new each epoch (set_epoch), the same for
+every way of reading; one training process has num_replicas=1, the 2-rank ways below num_replicas=2. An item is
+the file's bytes as a uint8 tensor (one copy, as any decode step makes). For each batch the loop sleeps a fixed
+compute time: the step runs on an accelerator and the host thread waits, leaving both CPUs to the workers.
+data-wait = seconds blocked in next(iterator), summed over an epoch (its first batch too; epoch 1's includes the
+workers' start); epoch = the epoch's wall seconds; files/s = files / epoch seconds, over the 3 epochs.
 
-The data. Generated files of 128 KiB (bytes as bench_read makes them: lz4 stores them in about 43%), packed with
-`fanstore pack --codec lz4 --chunk-size 1MiB` (many chunks, so 2 ranks each store about half). Made once under
---cache; every way reads the same sorted list of paths, item i being path i.
+The compute time is calibrated in each run, for each placement: the plain directory's 2 workers, with no compute,
+take T ms to load a batch (epochs 2 and 3); the step then lasts T ms, so the plain loop is just balanced, data and
+compute each keeping the other busy (--compute-ms fixes it instead). That is also the pure data rate: the plain
+directory and FileDataset+EpochSampler with no compute, 1 worker and 2 workers, files/s over epochs 2 and 3.
 
-Ways of reading, each its own training process (this script with --child), each mount a fresh one:
+The data. 3,000 generated files of 128 KiB (bytes as bench_read makes them: lz4 stores them in about 43%),
+packed with `fanstore pack --codec lz4 --chunk-size 1MiB` (many chunks, so each of 2 ranks stores about half);
+made once under --cache. Every way reads the same sorted list of paths, item i being path i.
 
-  plain                     a Dataset that opens and reads each file of the original directory, warm in the page
-                            cache: the baseline;
-  mount --prefetch 0        the same Dataset over `fanstore mount DEST MP --foreground --prefetch 0`;
-  mount                     the mount's defaults (kernel read-ahead 1 MiB, --prefetch 8: the files after the one
-                            opened, in directory order; only files stored in 256 KiB or more, see the note);
-  mount --prefetch-list     --prefetch-list with epoch 1's order (written from the same seeded sampler);
-  ... --prefetch-min-size 0 the same, every file worth prefetching: the list actually used;
-  FileDataset               fanstore.torch.FileDataset(DEST, paths, transform), the sampler as is;
-  FileDataset+EpochSampler  the same, the sampler wrapped in EpochSampler: each worker decodes its next batches
-                            ahead;
-  plain, 2 ranks            two training processes at once, each its DistributedSampler share (num_replicas=2) of
-                            the plain directory: the baseline of the two rows below;
-  serve mount               `mpiexec -n 2 fanstore serve DEST MP{rank} --local-dir L{rank} -- python bench_train.py
-                            --child ...`: each rank reads its share through its own mount (half of its files stored
-                            on the other rank, fetched over MPI);
-  serve mount --prefetch-list  the same with --prefetch-list: epoch 1's whole order (each rank's own next files
-                            are every other line);
-  serve FileDataset(None)   FileDataset(None)+EpochSampler under serve: the node's served dataset, when this
-                            checkout has it (fanstore/serve/node_client.py), else a row saying it is not available.
+Ways of reading, each a training process of its own (this script with --child), each mount or job a fresh one:
 
-The mounts keep the kernel's page cache (keep_cache): a mount's epochs 2 and 3 read the files epoch 1 read from the
-page cache, as the plain directory does; FileDataset decodes every file every epoch. CPU ms/file = CPU time of the
-training process, its workers and (through a mount) the mount's daemon, from the first batch to the end, per file.
+  plain                      a Dataset that opens and reads each file of the original directory, warm in the page
+                             cache: the baseline;
+  mount --prefetch 0         the same Dataset over `fanstore mount DEST MP --foreground --prefetch 0`;
+  mount                      the mount's defaults (kernel read-ahead 1 MiB; --prefetch 8: the files after the one
+                             opened in directory order, those stored in 256 KiB or more);
+  mount --prefetch-list      --prefetch-list with epoch 1's order, drawn from the same seeded sampler;
+  mount --prefetch-list --prefetch-min-size 0   the same, every file worth prefetching (these files are stored in
+                             about 55 KiB: without it the mount prefetches none of them, list or not);
+  FileDataset                fanstore.torch.FileDataset(DEST, paths, transform), the sampler as is;
+  FileDataset+EpochSampler   the same, the sampler wrapped in EpochSampler: each worker decodes its next batches
+                             ahead;
+  plain, 2 ranks             two training processes at once, each its share of the plain directory: the baseline of
+                             the serve rows;
+  serve mount --prefetch 0   `mpiexec -n 2 fanstore serve DEST MP{rank} --local-dir L{rank} --prefetch 0 --
+                             python bench_train.py --child ...`: each rank reads its share through its own mount,
+                             half of its files stored on the other rank and fetched over MPI;
+  serve mount                the same, serve's defaults (--prefetch 8: remote files are always worth prefetching);
+  serve mount --prefetch-list  with epoch 1's whole order (a rank's own next files are every other line);
+  serve FileDataset(None)    FileDataset(None)+EpochSampler under serve, the node's served dataset, when this
+                             checkout has fanstore/serve/node_client.py; else a row saying it is not available.
 
-Then the pure data rate: FileDataset+EpochSampler with no compute, 1 worker and 2 workers (the plain directory
-beside it), files/s over epochs 2 and 3 (epoch 1 holds the workers' start).
+The mounts keep the kernel's page cache (keep_cache), so a mount's epochs 2 and 3 find the files its epoch 1 read
+in the page cache, as the plain directory does; FileDataset decodes every file every epoch. Under serve a rank's
+share changes each epoch, so it meets files its mount has not read yet. CPU ms/file = CPU time of the training
+process and its workers, + that of the daemon serving it (the mount's; the rank's serve process, which also serves
+the other rank), from the first batch to the end, per file.
 
-Placement: 'workers pinned' = DataLoader worker k on CPU k (worker_init_fn, sched_setaffinity), the training
-process and any daemon where the scheduler puts them; 'unpinned' = everything where the scheduler puts it. On this
-2-CPU VM runs vary by up to 30%, and other people's processes share the CPUs: before each run the bench waits (at
-most 5 s) for the CPUs to be under 10% busy, and 'others' is the cores other processes used meanwhile. Targets are
-printed last, PASS or FAIL, for each placement. --quick: 600 files, workers pinned only (about a minute).
+Placement: 'workers pinned' = DataLoader worker k on CPU k (worker_init_fn: sched_setaffinity), the training process
+and any daemon where the scheduler puts them; 'unpinned' = everything where the scheduler puts it. On this 2-CPU VM
+runs vary by up to 30%, and other people's processes share the CPUs: before each run the bench waits (at most 3 s)
+for the CPUs to be under 10% busy, and 'others' is the cores other processes used during it. Targets are printed
+last, PASS or FAIL, for each placement. --quick: 600 files, workers pinned only (about a minute).
 
 The bench cleans up whatever ends it: training processes, mount daemons, serve jobs (mpiexec's session, then each
 of its processes by pid), mounts, the work directory; a helper in a session of its own (this script with --reap)
@@ -138,7 +140,8 @@ WAYS = (
     Way("mount --prefetch 0", "files", "mount", ("--prefetch", "0")),
     Way("mount", "files", "mount"),
     Way("mount --prefetch-list", "files", "mount", ("--prefetch-list", LIST)),
-    Way("mount --prefetch-list --prefetch-min-size 0", "files", "mount", ("--prefetch-list", LIST, "--prefetch-min-size", "0")),
+    Way("mount --prefetch-list --prefetch-min-size 0", "files", "mount",
+        ("--prefetch-list", LIST, "--prefetch-min-size", "0")),
     Way("FileDataset", "fanstore", "api"),
     Way("FileDataset+EpochSampler", "fanstore-epoch", "api"),
     Way("plain, 2 ranks", "files", "plain", ranks=RANKS),
