@@ -100,7 +100,7 @@ GENERATED_VERSION = "bench_train files v1"
 SEED = 20240611
 BATCH, WORKERS, EPOCHS = 32, 2, 3
 RANKS = 2
-QUIET_BUSY, QUIET_MAX_WAIT = 0.10, 3.0  # before each run: wait until the CPUs are < 10% busy (at most 3 s)
+QUIET_BUSY, QUIET_MAX_WAIT = 0.10, 2.0  # before each run: wait until the CPUs are < 10% busy (at most 2 s)
 NOISY_OTHERS = 0.10  # other processes' CPU use (cores) above which a row is flagged as disturbed
 BACKED_SLACK = 256 * MIB  # memory touched before each run beyond twice the files' bytes (bench_read.back_memory)
 READY_TIMEOUT = 300.0  # seconds for a mount, or a serve job's staging and mounting
@@ -112,6 +112,7 @@ TARGET_WAIT_OVER_PLAIN = 1.10  # FileDataset+EpochSampler data-wait, 3 epochs, a
 TARGET_SCALING = 1.8  # FileDataset+EpochSampler files/s, 2 workers over 1, no compute
 
 LIST = "{prefetch_list}"  # in a way's options: the path of epoch 1's order
+PR_SET_PDEATHSIG = 1  # prctl: the signal a process gets when its parent ends
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,45 +354,62 @@ class Setup:
     paths_file: Path
     prefetch_list: Path
     epochs: int
+    launcher: Any  # multiprocessing's forkserver context, torch imported in its server
 
 
-def child_command(setup: Setup, reader: str, root: Path | None, out: Path, workers: int, compute_ms: float,
-                  placement: Placement, daemon_pid: int = 0, barrier: Path | None = None) -> list[str]:
-    command = [sys.executable, __file__, "--child", "--reader", reader, "--root", str(root or ""), "--paths",
-               str(setup.paths_file), "--out", str(out), "--workers", str(workers), "--batch", str(BATCH),
-               "--compute-ms", str(compute_ms), "--epochs", str(setup.epochs), "--seed", str(SEED),
-               "--daemon-pid", str(daemon_pid), "--barrier", str(barrier or "")]
-    return command + (["--pin-workers"] if placement.pin_workers else [])
+def child_args(setup: Setup, reader: str, root: Path | None, out: Path, workers: int, compute_ms: float,
+               placement: Placement, daemon_pid: int = 0, barrier: Path | None = None) -> list[str]:
+    """The arguments of one training run (`--child ...`)."""
+    args = ["--child", "--reader", reader, "--root", str(root or ""), "--paths", str(setup.paths_file), "--out",
+            str(out), "--workers", str(workers), "--batch", str(BATCH), "--compute-ms", str(compute_ms), "--epochs",
+            str(setup.epochs), "--seed", str(SEED), "--daemon-pid", str(daemon_pid), "--barrier", str(barrier or "")]
+    return args + (["--pin-workers"] if placement.pin_workers else [])
 
 
-def wait_children(children: list[subprocess.Popen[bytes]], logs: list[Path]) -> None:
-    """Wait for training processes; one that fails ends the bench with its log's end."""
-    deadline = time.monotonic() + RUN_TIMEOUT
-    for child, log in zip(children, logs):
-        try:
-            code = child.wait(max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            raise SystemExit(f"bench_train: a training run took over {RUN_TIMEOUT:g} s; see {log}") from None
-        if code != 0:
-            raise SystemExit(f"bench_train: a training run ended with {code}: {log.read_text()[-1500:]}")
+def _training_process(args: list[str], env: dict[str, str], log: str) -> None:
+    """A training run forked by the fork server, torch already imported (as in a fresh process after its
+    imports): its output to its log, the rank's environment, then `--child`'s loop. It dies with the server,
+    which ends with the bench."""
+    import ctypes
+    import multiprocessing
+
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    multiprocessing.set_start_method(None, force=True)  # DataLoader's workers start as in a fresh interpreter
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for target in (1, 2):
+        os.dup2(fd, target)
+    os.close(fd)
+    os.environ.update(env)
+    sys.exit(child_main(args))
 
 
 @contextlib.contextmanager
-def started(commands: list[list[str]], logs: list[Path], envs: list[dict[str, str]]
-            ) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Processes of this bench, each logging to its file; any left running on exit is killed."""
-    children: list[subprocess.Popen[bytes]] = []
+def training(setup: Setup, args: list[str], logs: list[Path], envs: list[dict[str, str]]) -> Iterator[list[Any]]:
+    """Training runs, one per rank, started at once (the ranks then wait for each other); any left running on
+    exit is killed."""
+    runs: list[Any] = []
     try:
-        for command, log, env in zip(commands, logs, envs):
-            with open(log, "wb") as log_file:
-                children.append(subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
-                                                 cwd=REPO, env=env))
-        yield children
+        for log, env in zip(logs, envs):
+            runs.append(setup.launcher.Process(target=_training_process, args=(args, env, str(log))))
+            runs[-1].start()
+        yield runs
     finally:
-        for child in children:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
+        for run_process in runs:
+            if run_process.is_alive():
+                run_process.kill()
+            run_process.join()
+
+
+def wait_training(runs: list[Any], logs: list[Path]) -> None:
+    """Wait for training runs; one that fails ends the bench with its log's end."""
+    deadline = time.monotonic() + RUN_TIMEOUT
+    for run_process, log in zip(runs, logs):
+        run_process.join(max(1.0, deadline - time.monotonic()))
+        if run_process.exitcode is None:
+            raise SystemExit(f"bench_train: a training run took over {RUN_TIMEOUT:g} s; see {log}")
+        if run_process.exitcode != 0:
+            raise SystemExit(f"bench_train: a training run ended with {run_process.exitcode}: "
+                             f"{log.read_text()[-1500:]}")
 
 
 @contextlib.contextmanager
@@ -399,26 +417,27 @@ def mounted(setup: Setup, options: Sequence[str], name: str) -> Iterator[tuple[P
     """`fanstore mount DEST MP --foreground OPTIONS`, fresh; (mount point, daemon pid). Always unmounted, the
     daemon gone, on exit."""
     warm(setup.data.dest)
-    mountpoint = setup.workdir / f"mp-{name}"
+    mountpoint, log = setup.workdir / f"mp-{name}", setup.workdir / f"{name}.mount.log"
     mountpoint.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with started([[sys.executable, "-m", "fanstore", "mount", str(setup.data.dest), str(mountpoint), "--foreground",
-                   *options]], [setup.workdir / f"{name}.mount.log"], [env]) as (daemon,):
+    with open(log, "wb") as log_file:
+        daemon = subprocess.Popen([sys.executable, "-m", "fanstore", "mount", str(setup.data.dest), str(mountpoint),
+                                   "--foreground", *options], stdin=subprocess.DEVNULL, stdout=log_file,
+                                  stderr=log_file, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT
+        while not fuse_mounted_at(mountpoint):
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"bench_train: the mount did not come up: {log.read_text()[-1000:]}")
+            time.sleep(0.02)
+        os.stat(mountpoint)  # answered: the kernel's INIT is done
+        yield mountpoint, daemon.pid
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
         try:
-            deadline = time.monotonic() + READY_TIMEOUT
-            while not fuse_mounted_at(mountpoint):
-                if daemon.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"bench_train: the mount did not come up; see {name}.mount.log: "
-                                     f"{(setup.workdir / f'{name}.mount.log').read_text()[-1000:]}")
-                time.sleep(0.02)
-            os.stat(mountpoint)  # answered: the kernel's INIT is done
-            yield mountpoint, daemon.pid
-        finally:
-            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
-            try:
-                daemon.wait(60)
-            except subprocess.TimeoutExpired:
-                pass  # `started` kills it
+            daemon.wait(60)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
     mountpoint.rmdir()
 
 
@@ -491,31 +510,30 @@ def measure_way(setup: Setup, way: Way, placement: Placement, compute_ms: float,
     out, barrier = setup.workdir / f"{name}-rank{{rank}}.json", setup.workdir / f"{name}-barrier"
     barrier.mkdir()
     options = [setup.prefetch_list.as_posix() if option == LIST else option for option in way.options]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     wait_for_quiet(QUIET_BUSY, QUIET_MAX_WAIT)
     back_memory(2 * setup.data.raw_bytes() + BACKED_SLACK)
-    if way.via == "serve":
-        command = child_command(setup, way.reader, None, out, workers, compute_ms, placement, -1, barrier)
-        with ServeJob(setup, options, command, name) as job, OtherLoad() as others:
+    logs = [setup.workdir / f"{name}-rank{rank}.log" for rank in range(way.ranks)]
+    envs = [{"FANSTORE_RANK": str(rank), "FANSTORE_SIZE": str(way.ranks)} for rank in range(way.ranks)]
+    if way.via == "serve":  # each rank's serve process starts the run: a fresh interpreter, which imports torch
+        args = child_args(setup, way.reader, None, out, workers, compute_ms, placement, -1, barrier)
+        with ServeJob(setup, options, [sys.executable, __file__, *args], name) as job, OtherLoad() as others:
             started_at = time.perf_counter()
             job.wait()
             wall = time.perf_counter() - started_at
     elif way.via == "mount":
         with mounted(setup, options, name) as (mountpoint, daemon):
-            command = child_command(setup, way.reader, mountpoint, out, workers, compute_ms, placement, daemon)
-            with OtherLoad() as others, started([command], [setup.workdir / f"{name}.log"], [env]) as children:
+            args = child_args(setup, way.reader, mountpoint, out, workers, compute_ms, placement, daemon)
+            with OtherLoad() as others, training(setup, args, logs, envs) as runs:
                 started_at = time.perf_counter()
-                wait_children(children, [setup.workdir / f"{name}.log"])
+                wait_training(runs, logs)
                 wall = time.perf_counter() - started_at
     else:
         root = setup.data.src if way.via == "plain" else setup.data.dest
         warm(root)
-        command = child_command(setup, way.reader, root, out, workers, compute_ms, placement, 0, barrier)
-        logs = [setup.workdir / f"{name}-rank{rank}.log" for rank in range(way.ranks)]
-        envs = [{**env, "FANSTORE_RANK": str(rank), "FANSTORE_SIZE": str(way.ranks)} for rank in range(way.ranks)]
-        with OtherLoad() as others, started([command] * way.ranks, logs, envs) as children:
+        args = child_args(setup, way.reader, root, out, workers, compute_ms, placement, 0, barrier)
+        with OtherLoad() as others, training(setup, args, logs, envs) as runs:
             started_at = time.perf_counter()
-            wait_children(children, logs)
+            wait_training(runs, logs)
             wall = time.perf_counter() - started_at
     result.ranks = [json.loads(Path(str(out).format(rank=rank)).read_text()) for rank in range(way.ranks)]
     result.others = others.cpu_seconds / wall
@@ -566,6 +584,13 @@ def scaling_rows(scaling: list[tuple[Result, Result]]) -> list[list[str]]:
     return rows
 
 
+def disturbed(*runs: Result) -> str:
+    """A warning for a target judged on runs other processes disturbed."""
+    noisy = [f"{r.others:.2f} cores during {r.way}, {r.workers} worker{'s' if r.workers > 1 else ''}" for r in runs
+             if r.others > NOISY_OTHERS]
+    return f"  (disturbed: others used {'; '.join(noisy)})" if noisy else ""
+
+
 def target_lines(results: list[Result], scaling: list[tuple[Result, Result]]) -> list[str]:
     lines = []
     by_key = {(r.way, r.placement): r for r in results}
@@ -575,13 +600,14 @@ def target_lines(results: list[Result], scaling: list[tuple[Result, Result]]) ->
             ratio = ours.total_wait() / plain.total_wait()
             lines.append(f"{'PASS' if ratio <= TARGET_WAIT_OVER_PLAIN else 'FAIL'}  {TARGET_WAY} data-wait <= "
                          f"{TARGET_WAIT_OVER_PLAIN:.2f}x plain's   {placement:<15} {ours.total_wait():.2f} s vs "
-                         f"{plain.total_wait():.2f} s over {len(ours.waits(0))} epochs: {ratio:.2f}x")
+                         f"{plain.total_wait():.2f} s over {len(ours.waits(0))} epochs: {ratio:.2f}x"
+                         + disturbed(plain, ours))
     for one, two in scaling:
         if one.way == TARGET_WAY:
             ratio = two.files_per_second(0, 1) / one.files_per_second(0, 1)
             lines.append(f"{'PASS' if ratio >= TARGET_SCALING else 'FAIL'}  {TARGET_WAY} files/s, 2 workers >= "
                          f"{TARGET_SCALING}x 1 worker  {one.placement:<15} {two.files_per_second(0, 1):,.0f} vs "
-                         f"{one.files_per_second(0, 1):,.0f} files/s, no compute: {ratio:.2f}x")
+                         f"{one.files_per_second(0, 1):,.0f} files/s, no compute: {ratio:.2f}x" + disturbed(one, two))
     return lines
 
 
@@ -602,15 +628,19 @@ def plot(results: list[Result], path: Path) -> None:
         for epoch in range(epochs):
             heights = [max(r.waits(rank)[epoch] for rank in range(len(r.ranks))) if (r := mine.get(way)) else 0.0
                        for way in ways]
-            axes.bar(np.arange(len(ways)) + (epoch - (epochs - 1) / 2) * width, heights, width,
-                     label=f"epoch {epoch + 1}")
+            bars = axes.bar(np.arange(len(ways)) + (epoch - (epochs - 1) / 2) * width, heights, width,
+                            label=f"epoch {epoch + 1}")
+            for bar, way in zip(bars, ways):
+                if way in mine and mine[way].others > NOISY_OTHERS:
+                    bar.set_hatch("///")
         if BASELINE in mine:
             axes.axhline(max(mine[BASELINE].waits(0)), color="grey", linestyle=":", linewidth=1,
                          label="plain, its longest epoch")
         axes.set_xticks(np.arange(len(ways)), ways, rotation=25, ha="right", fontsize=8)
         axes.set_ylabel("data-wait per epoch (s)")
         axes.set_title(f"{placement}: {mine[ways[0]].compute_ms:g} ms compute per batch of {BATCH}, {WORKERS} workers "
-                       "(2-rank ways: the rank that waited longest)", fontsize=9)
+                       f"(2-rank ways: the rank that waited longest; hatched: other processes used over "
+                       f"{NOISY_OTHERS:g} cores meanwhile)", fontsize=9)
         axes.legend(fontsize=8)
     figure.savefig(path, dpi=110)
 
@@ -681,6 +711,18 @@ def missing_requirements() -> list[str]:
     if reason is not None:
         missing.append(f"FUSE: {reason}")
     return missing
+
+
+def start_launcher() -> Any:
+    """multiprocessing's fork server with torch imported: each training run forks from it instead of importing
+    torch again (2 s of CPU here), and starts as a fresh process would after its imports."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    launcher = multiprocessing.get_context("forkserver")
+    launcher.set_forkserver_preload(["__main__", "torch", "torch.utils.data", "fanstore.torch"])
+    forkserver.ensure_running()
+    return launcher
 
 
 def start_reaper(workdir: Path) -> subprocess.Popen[bytes]:
@@ -777,7 +819,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         paths_file, prefetch_list = workdir / "paths.txt", workdir / "epoch1.txt"
         paths_file.write_text("".join(f"{rel}\n" for rel in data.paths))
         prefetch_list.write_text("".join(f"{data.paths[i]}\n" for i in epoch_order(len(data.paths), 0)))
-        setup = Setup(data, workdir, paths_file, prefetch_list, EPOCHS)
+        setup = Setup(data, workdir, paths_file, prefetch_list, EPOCHS, start_launcher())
         for placement in placements:
             for label, reader, via in SCALING:
                 progress(f"[{placement.label}] pure data rate: {label}, 1 and 2 workers ...")
