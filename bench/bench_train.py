@@ -110,6 +110,7 @@ INLINE_NOTE_BYTES = 256 * KIB  # fuse_ops.INLINE_DECODE_BYTES: the mount's defau
 
 TARGET_WAIT_OVER_PLAIN = 1.10  # FileDataset+EpochSampler data-wait, 3 epochs, at most this times plain's
 TARGET_SCALING = 1.8  # FileDataset+EpochSampler files/s, 2 workers over 1, no compute
+TARGET_TRIES = 3  # runs the targets are judged on: up to this many while other processes disturb them
 
 LIST = "{prefetch_list}"  # in a way's options: the path of epoch 1's order
 PR_SET_PDEATHSIG = 1  # prctl: the signal a process gets when its parent ends
@@ -325,6 +326,7 @@ class Result:
     ranks: list[dict[str, Any]] = field(default_factory=list)
     others: float = 0.0  # cores
     unavailable: str = ""  # why the way could not run here
+    tries: int = 1  # runs made to find one other processes left alone (see least_disturbed)
 
     def waits(self, rank: int) -> list[float]:
         return [e["wait"] for e in self.ranks[rank]["epochs"]]
@@ -499,14 +501,31 @@ class ServeJob:
         unmount_all(self.mountpoints)
 
 
-def measure_way(setup: Setup, way: Way, placement: Placement, compute_ms: float, workers: int = WORKERS) -> Result:
+def least_disturbed(setup: Setup, way: Way, placement: Placement, compute_ms: float, workers: int = WORKERS,
+                    tries: int = 1) -> Result:
+    """Up to `tries` runs of `way` while other processes disturb them (over NOISY_OTHERS cores): the least
+    disturbed. Given to the runs the targets are judged on, so a neighbour's burst does not decide them."""
+    best = measure_way(setup, way, placement, compute_ms, workers)
+    for attempt in range(1, tries):
+        if best.unavailable or best.others <= NOISY_OTHERS:
+            break
+        progress(f"  disturbed (others {best.others:.2f} cores): again")
+        again = measure_way(setup, way, placement, compute_ms, workers, attempt)
+        if again.others < best.others:
+            best = again
+        best.tries = attempt + 1
+    return best
+
+
+def measure_way(setup: Setup, way: Way, placement: Placement, compute_ms: float, workers: int = WORKERS,
+                attempt: int = 0) -> Result:
     """One fresh run of the training loop for `way`: its mount or serve job made for it, its ranks at once."""
     result = Result(way.label, placement.label, workers, compute_ms)
     if way.via == "serve" and way.reader != "files" and importlib.util.find_spec("fanstore.serve.node_client") is None:
         result.unavailable = "not available (see the note)"
         return result
     name = "-".join("".join(c for c in part if c.isalnum()) for part in (placement.label, way.label, f"{workers}w",
-                                                                          f"{compute_ms:g}ms"))
+                                                                          f"{compute_ms:g}ms", f"try{attempt}"))
     out, barrier = setup.workdir / f"{name}-rank{{rank}}.json", setup.workdir / f"{name}-barrier"
     barrier.mkdir()
     options = [setup.prefetch_list.as_posix() if option == LIST else option for option in way.options]
@@ -554,6 +573,12 @@ def seconds_list(values: Sequence[float]) -> str:
     return " ".join(f"{v:.2f}" for v in values)
 
 
+def others_cell(result: Result) -> str:
+    """Cores other processes used, '!' when they disturbed the run, and how many runs it took."""
+    flag = " !" if result.others > NOISY_OTHERS else ""
+    return f"{result.others:.2f}{flag}" + (f" ({result.tries} tries)" if result.tries > 1 else "")
+
+
 def way_rows(results: list[Result]) -> list[list[str]]:
     by_key = {(r.way, r.placement): r for r in results}
     rows = []
@@ -565,12 +590,11 @@ def way_rows(results: list[Result]) -> list[list[str]]:
         for rank in range(len(result.ranks)):
             waits = result.waits(rank)
             share = f"{sum(waits) / sum(baseline.waits(rank)):.2f}x" if baseline else ""
-            flag = " !" if result.others > NOISY_OTHERS else ""
             rows.append([result.way, result.placement, str(rank) if len(result.ranks) > 1 else "",
                          seconds_list(waits), f"{sum(waits):.2f}", share,
                          seconds_list([e["seconds"] for e in result.ranks[rank]["epochs"]]),
                          f"{result.files_per_second(rank):,.0f}", result.cpu_ms_per_file(rank),
-                         f"{result.others:.2f}{flag}"])
+                         others_cell(result)])
     return rows
 
 
@@ -579,8 +603,7 @@ def scaling_rows(scaling: list[tuple[Result, Result]]) -> list[list[str]]:
     for one, two in scaling:
         rate_one, rate_two = one.files_per_second(0, 1), two.files_per_second(0, 1)
         rows.append([one.way, one.placement, f"{rate_one:,.0f}", f"{rate_two:,.0f}", f"{rate_two / rate_one:.2f}x",
-                     one.cpu_ms_per_file(0), two.cpu_ms_per_file(0),
-                     f"{one.others:.2f} / {two.others:.2f}"])
+                     one.cpu_ms_per_file(0), two.cpu_ms_per_file(0), others_cell(one), others_cell(two)])
     return rows
 
 
@@ -593,21 +616,24 @@ def disturbed(*runs: Result) -> str:
 
 def target_lines(results: list[Result], scaling: list[tuple[Result, Result]]) -> list[str]:
     lines = []
+
+    def line(ok: bool, what: str, placement: str, detail: str) -> None:
+        lines.append(f"{'PASS' if ok else 'FAIL'}  {what:<62} {placement:<15} {detail}")
+
     by_key = {(r.way, r.placement): r for r in results}
     for placement in dict.fromkeys(r.placement for r in results):
         plain, ours = by_key.get((BASELINE, placement)), by_key.get((TARGET_WAY, placement))
         if plain and ours:
             ratio = ours.total_wait() / plain.total_wait()
-            lines.append(f"{'PASS' if ratio <= TARGET_WAIT_OVER_PLAIN else 'FAIL'}  {TARGET_WAY} data-wait <= "
-                         f"{TARGET_WAIT_OVER_PLAIN:.2f}x plain's   {placement:<15} {ours.total_wait():.2f} s vs "
-                         f"{plain.total_wait():.2f} s over {len(ours.waits(0))} epochs: {ratio:.2f}x"
-                         + disturbed(plain, ours))
+            line(ratio <= TARGET_WAIT_OVER_PLAIN, f"{TARGET_WAY} data-wait <= {TARGET_WAIT_OVER_PLAIN:.2f}x plain's",
+                 placement, f"{ours.total_wait():.2f} s vs {plain.total_wait():.2f} s over {len(ours.waits(0))} "
+                 f"epochs: {ratio:.3f}x" + disturbed(plain, ours))
     for one, two in scaling:
         if one.way == TARGET_WAY:
             ratio = two.files_per_second(0, 1) / one.files_per_second(0, 1)
-            lines.append(f"{'PASS' if ratio >= TARGET_SCALING else 'FAIL'}  {TARGET_WAY} files/s, 2 workers >= "
-                         f"{TARGET_SCALING}x 1 worker  {one.placement:<15} {two.files_per_second(0, 1):,.0f} vs "
-                         f"{one.files_per_second(0, 1):,.0f} files/s, no compute: {ratio:.2f}x" + disturbed(one, two))
+            line(ratio >= TARGET_SCALING, f"{TARGET_WAY} files/s, 2 workers >= {TARGET_SCALING}x 1 worker",
+                 one.placement, f"{two.files_per_second(0, 1):,.0f} vs {one.files_per_second(0, 1):,.0f} files/s, "
+                 f"no compute: {ratio:.3f}x" + disturbed(one, two))
     return lines
 
 
@@ -680,15 +706,16 @@ def print_report(setup: Setup, results: list[Result], scaling: list[tuple[Result
     print("data-wait and epoch seconds of each epoch (e1 e2 e3), files/s over all epochs; vs plain = data-wait over "
           "every epoch / plain's (same placement); CPU ms/file = the training process and its workers, + the "
           "mount's daemon (serve: the rank's serve process, which also serves the other rank), per file; others = "
-          f"cores other processes used meanwhile ('!' above {NOISY_OTHERS}); 2-rank ways: one row per rank, each "
-          f"reading half of every epoch")
+          f"cores other processes used meanwhile ('!' above {NOISY_OTHERS}; plain and {TARGET_WAY}, on which the "
+          f"targets are judged: the least disturbed of up to {TARGET_TRIES} runs); 2-rank ways: one row per rank, "
+          "each reading half of every epoch")
     print_table(["way", "placement", "rank", "data-wait e1 e2 e3 (s)", "total", "vs plain", "epoch e1 e2 e3 (s)",
                  "files/s", "CPU ms/file", "others"], way_rows(results), left=3)
     print()
-    print("pure data rate: no compute, files/s over epochs 2 and 3, 1 and 2 DataLoader workers; CPU ms/file as "
-          "above (1 worker / 2 workers); others: during the 1-worker / 2-worker run")
-    print_table(["way", "placement", "1 worker files/s", "2 workers", "2/1", "CPU ms/file 1w", "2w", "others"],
-                scaling_rows(scaling), left=2)
+    print("pure data rate: no compute, files/s over epochs 2 and 3, 1 and 2 DataLoader workers; CPU ms/file and "
+          f"others as above, each the least disturbed of up to {TARGET_TRIES} runs")
+    print_table(["way", "placement", "1 worker files/s", "2 workers", "2/1", "CPU ms/file 1w", "2w", "others 1w",
+                 "2w"], scaling_rows(scaling), left=2)
     print()
     print(f"plot: {plot_path}")
     print()
@@ -824,12 +851,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             for label, reader, via in SCALING:
                 progress(f"[{placement.label}] pure data rate: {label}, 1 and 2 workers ...")
                 way = Way(label, reader, via)
-                scaling.append((measure_way(setup, way, placement, 0.0, 1), measure_way(setup, way, placement, 0.0, 2)))
+                scaling.append((least_disturbed(setup, way, placement, 0.0, 1, TARGET_TRIES),
+                                least_disturbed(setup, way, placement, 0.0, 2, TARGET_TRIES)))
             plain = next(two for one, two in scaling if one.way == BASELINE and one.placement == placement.label)
             compute_ms = args.compute_ms if args.compute_ms is not None else calibrated_compute_ms(plain)
             for way in ways:
                 progress(f"[{placement.label}] {way.label}, {compute_ms:g} ms compute per batch ...")
-                results.append(measure_way(setup, way, placement, compute_ms))
+                tries = TARGET_TRIES if way.label in (BASELINE, TARGET_WAY) else 1
+                results.append(least_disturbed(setup, way, placement, compute_ms, tries=tries))
     finally:
         clean_up(workdir)
         reaper.stdin.close()  # type: ignore[union-attr] - it finds nothing left to do, and ends
