@@ -81,6 +81,8 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from multiprocessing.context import ForkServerContext
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -362,7 +364,7 @@ class Setup:
     paths_file: Path
     prefetch_list: Path
     epochs: int
-    launcher: Any  # multiprocessing's forkserver context, torch imported in its server
+    launcher: ForkServerContext  # torch imported in its server (start_launcher)
 
 
 def child_args(setup: Setup, reader: str, root: Path | None, out: Path, workers: int, compute_ms: float,
@@ -392,10 +394,11 @@ def _training_process(args: list[str], env: dict[str, str], log: str) -> None:
 
 
 @contextlib.contextmanager
-def training(setup: Setup, args: list[str], logs: list[Path], envs: list[dict[str, str]]) -> Iterator[list[Any]]:
+def training(setup: Setup, args: list[str], logs: list[Path], envs: list[dict[str, str]]
+             ) -> Iterator[list[BaseProcess]]:
     """Training runs, one per rank, started at once (the ranks then wait for each other); any left running on
     exit is killed."""
-    runs: list[Any] = []
+    runs: list[BaseProcess] = []
     try:
         for log, env in zip(logs, envs):
             runs.append(setup.launcher.Process(target=_training_process, args=(args, env, str(log))))
@@ -408,7 +411,7 @@ def training(setup: Setup, args: list[str], logs: list[Path], envs: list[dict[st
             run_process.join()
 
 
-def wait_training(runs: list[Any], logs: list[Path]) -> None:
+def wait_training(runs: list[BaseProcess], logs: list[Path]) -> None:
     """Wait for training runs; one that fails ends the bench with its log's end."""
     deadline = time.monotonic() + RUN_TIMEOUT
     for run_process, log in zip(runs, logs):
@@ -746,7 +749,7 @@ def missing_requirements() -> list[str]:
     return missing
 
 
-def start_launcher() -> Any:
+def start_launcher() -> ForkServerContext:
     """multiprocessing's fork server with torch imported: each training run forks from it instead of importing
     torch again (2 s of CPU here), and starts as a fresh process would after its imports."""
     import multiprocessing
