@@ -54,10 +54,10 @@ for the CPUs to be under 10% busy, and 'others' is the cores other processes use
 judged on (plain, FileDataset+EpochSampler, the pure data rate) is made again when others used over 0.1 cores, and
 the less disturbed of the two kept. Targets are printed last, PASS or FAIL, for each placement.
 
-Training runs fork from a multiprocessing fork server that has imported torch (a fresh process after its imports,
-without 2 s of imports per run; DataLoader's workers fork from it as usual); under serve each rank's command is a
-fresh interpreter, as in a job. The full run takes about 5 minutes (more when other processes keep the CPUs busy);
---quick, 600 files and workers pinned only, about a minute.
+Each training run is a fresh interpreter, as a job's is. (Forked from a fork server that had imported torch, runs
+started 2 s sooner, but their workers took twice the page faults per file, 61 against 33 for the plain directory,
+and read 10-30% slower: glibc's malloc state came with the fork.) The full run takes about 6 minutes, more when
+other processes keep the CPUs busy; --quick (600 files, workers pinned only, no second runs) about a minute and a half.
 
 The bench cleans up whatever ends it: training processes, mount daemons, serve jobs (mpiexec's session, then each
 of its processes by pid), mounts, the work directory; a helper in a session of its own (this script with --reap)
@@ -81,8 +81,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from multiprocessing.context import ForkServerContext
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -121,7 +119,6 @@ TARGET_SCALING = 1.8  # FileDataset+EpochSampler files/s, 2 workers over 1, no c
 TARGET_TRIES = 2  # runs the targets are judged on: up to this many while other processes disturb them
 
 LIST = "{prefetch_list}"  # in a way's options: the path of epoch 1's order
-PR_SET_PDEATHSIG = 1  # prctl: the signal a process gets when its parent ends
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,7 +314,8 @@ def train(args: argparse.Namespace) -> int:
     main_cpu = self_after.ru_utime + self_after.ru_stime - self_before.ru_utime - self_before.ru_stime
     Path(args.out.format(rank=rank)).write_text(json.dumps(
         {"rank": rank, "epochs": epochs, "main_cpu": main_cpu, "workers_cpu": children.ru_utime + children.ru_stime,
-         "daemon_cpu": daemon_cpu, "torch": torch.__version__}))
+         "daemon_cpu": daemon_cpu, "main_faults": self_after.ru_minflt - self_before.ru_minflt,
+         "workers_faults": children.ru_minflt, "torch": torch.__version__}))
     return 0
 
 
@@ -364,7 +362,6 @@ class Setup:
     paths_file: Path
     prefetch_list: Path
     epochs: int
-    launcher: ForkServerContext  # torch imported in its server (start_launcher)
 
 
 def child_args(setup: Setup, reader: str, root: Path | None, out: Path, workers: int, compute_ms: float,
@@ -376,51 +373,35 @@ def child_args(setup: Setup, reader: str, root: Path | None, out: Path, workers:
     return args + (["--pin-workers"] if placement.pin_workers else [])
 
 
-def _training_process(args: list[str], env: dict[str, str], log: str) -> None:
-    """A training run forked by the fork server, torch already imported (as in a fresh process after its
-    imports): its output to its log, the rank's environment, then `--child`'s loop. It dies with the server,
-    which ends with the bench."""
-    import ctypes
-    import multiprocessing
-
-    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    multiprocessing.set_start_method(None, force=True)  # DataLoader's workers start as in a fresh interpreter
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    for target in (1, 2):
-        os.dup2(fd, target)
-    os.close(fd)
-    os.environ.update(env)
-    sys.exit(child_main(args))
-
-
 @contextlib.contextmanager
-def training(setup: Setup, args: list[str], logs: list[Path], envs: list[dict[str, str]]
-             ) -> Iterator[list[BaseProcess]]:
-    """Training runs, one per rank, started at once (the ranks then wait for each other); any left running on
-    exit is killed."""
-    runs: list[BaseProcess] = []
+def training(args: list[str], logs: list[Path], envs: list[dict[str, str]]) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Training runs, one per rank, each a fresh interpreter (this script with `args`), started at once (the ranks
+    then wait for each other); any left running on exit is killed."""
+    runs: list[subprocess.Popen[bytes]] = []
     try:
         for log, env in zip(logs, envs):
-            runs.append(setup.launcher.Process(target=_training_process, args=(args, env, str(log))))
-            runs[-1].start()
+            with open(log, "wb") as log_file:
+                runs.append(subprocess.Popen([sys.executable, __file__, *args], stdin=subprocess.DEVNULL,
+                                             stdout=log_file, stderr=log_file, cwd=REPO,
+                                             env={**os.environ, "PYTHONPATH": str(REPO), **env}))
         yield runs
     finally:
         for run_process in runs:
-            if run_process.is_alive():
+            if run_process.poll() is None:
                 run_process.kill()
-            run_process.join()
+                run_process.wait()
 
 
-def wait_training(runs: list[BaseProcess], logs: list[Path]) -> None:
+def wait_training(runs: list[subprocess.Popen[bytes]], logs: list[Path]) -> None:
     """Wait for training runs; one that fails ends the bench with its log's end."""
     deadline = time.monotonic() + RUN_TIMEOUT
     for run_process, log in zip(runs, logs):
-        run_process.join(max(1.0, deadline - time.monotonic()))
-        if run_process.exitcode is None:
-            raise SystemExit(f"bench_train: a training run took over {RUN_TIMEOUT:g} s; see {log}")
-        if run_process.exitcode != 0:
-            raise SystemExit(f"bench_train: a training run ended with {run_process.exitcode}: "
-                             f"{log.read_text()[-1500:]}")
+        try:
+            code = run_process.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise SystemExit(f"bench_train: a training run took over {RUN_TIMEOUT:g} s; see {log}") from None
+        if code != 0:
+            raise SystemExit(f"bench_train: a training run ended with {code}: {log.read_text()[-1500:]}")
 
 
 @contextlib.contextmanager
@@ -551,7 +532,7 @@ def measure_way(setup: Setup, way: Way, placement: Placement, compute_ms: float,
     elif way.via == "mount":
         with mounted(setup, options, name) as (mountpoint, daemon):
             args = child_args(setup, way.reader, mountpoint, out, workers, compute_ms, placement, daemon)
-            with OtherLoad() as others, training(setup, args, logs, envs) as runs:
+            with OtherLoad() as others, training(args, logs, envs) as runs:
                 started_at = time.perf_counter()
                 wait_training(runs, logs)
                 wall = time.perf_counter() - started_at
@@ -559,7 +540,7 @@ def measure_way(setup: Setup, way: Way, placement: Placement, compute_ms: float,
         root = setup.data.src if way.via == "plain" else setup.data.dest
         warm(root)
         args = child_args(setup, way.reader, root, out, workers, compute_ms, placement, 0, barrier)
-        with OtherLoad() as others, training(setup, args, logs, envs) as runs:
+        with OtherLoad() as others, training(args, logs, envs) as runs:
             started_at = time.perf_counter()
             wait_training(runs, logs)
             wall = time.perf_counter() - started_at
@@ -681,7 +662,7 @@ def plot(results: list[Result], path: Path) -> None:
 
 
 def print_report(setup: Setup, results: list[Result], scaling: list[tuple[Result, Result]], calibrated: bool,
-                 plot_path: Path, notes: list[str]) -> None:
+                 target_tries: int, plot_path: Path, notes: list[str]) -> None:
     import mpi4py
     import torch
     from mpi4py import MPI
@@ -716,13 +697,13 @@ def print_report(setup: Setup, results: list[Result], scaling: list[tuple[Result
           "every epoch / plain's (same placement); CPU ms/file = the training process and its workers, + the "
           "mount's daemon (serve: the rank's serve process, which also serves the other rank), per file; others = "
           f"cores other processes used meanwhile ('!' above {NOISY_OTHERS}; plain and {TARGET_WAY}, on which the "
-          f"targets are judged: the least disturbed of up to {TARGET_TRIES} runs); 2-rank ways: one row per rank, "
+          f"targets are judged: the least disturbed of up to {target_tries} runs); 2-rank ways: one row per rank, "
           "each reading half of every epoch")
     print_table(["way", "placement", "rank", "data-wait e1 e2 e3 (s)", "total", "vs plain", "epoch e1 e2 e3 (s)",
                  "files/s", "CPU ms/file", "others"], way_rows(results), left=3)
     print()
     print("pure data rate: no compute, files/s over epochs 2 and 3, 1 and 2 DataLoader workers; CPU ms/file and "
-          f"others as above, each the least disturbed of up to {TARGET_TRIES} runs")
+          f"others as above, each the least disturbed of up to {target_tries} runs")
     print_table(["way", "placement", "1 worker files/s", "2 workers", "2/1", "CPU ms/file 1w", "2w", "others 1w",
                  "2w"], scaling_rows(scaling), left=2)
     print()
@@ -747,18 +728,6 @@ def missing_requirements() -> list[str]:
     if reason is not None:
         missing.append(f"FUSE: {reason}")
     return missing
-
-
-def start_launcher() -> ForkServerContext:
-    """multiprocessing's fork server with torch imported: each training run forks from it instead of importing
-    torch again (2 s of CPU here), and starts as a fresh process would after its imports."""
-    import multiprocessing
-    from multiprocessing import forkserver
-
-    launcher = multiprocessing.get_context("forkserver")
-    launcher.set_forkserver_preload(["__main__", "torch", "torch.utils.data", "fanstore.torch"])
-    forkserver.ensure_running()
-    return launcher
 
 
 def start_reaper(workdir: Path) -> subprocess.Popen[bytes]:
@@ -832,6 +801,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot_path = (args.plot or cache / "bench_train.png").resolve()
     data = build_dataset(cache, QUICK_FILES if args.quick else FILES)
     placements = [PINNED] if args.quick or args.pinned_only else [PINNED, UNPINNED]
+    target_tries = 1 if args.quick else TARGET_TRIES
     only = None if args.only is None else {BASELINE, BASELINE_RANKS, *args.only.split(",")}
     ways = [way for way in WAYS if only is None or way.label in only]
     notes = []
@@ -855,25 +825,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         paths_file, prefetch_list = workdir / "paths.txt", workdir / "epoch1.txt"
         paths_file.write_text("".join(f"{rel}\n" for rel in data.paths))
         prefetch_list.write_text("".join(f"{data.paths[i]}\n" for i in epoch_order(len(data.paths), 0)))
-        setup = Setup(data, workdir, paths_file, prefetch_list, EPOCHS, start_launcher())
+        setup = Setup(data, workdir, paths_file, prefetch_list, EPOCHS)
         for placement in placements:
             for label, reader, via in SCALING:
                 progress(f"[{placement.label}] pure data rate: {label}, 1 and 2 workers ...")
                 way = Way(label, reader, via)
-                scaling.append((least_disturbed(setup, way, placement, 0.0, 1, TARGET_TRIES),
-                                least_disturbed(setup, way, placement, 0.0, 2, TARGET_TRIES)))
+                scaling.append((least_disturbed(setup, way, placement, 0.0, 1, target_tries),
+                                least_disturbed(setup, way, placement, 0.0, 2, target_tries)))
             plain = next(two for one, two in scaling if one.way == BASELINE and one.placement == placement.label)
             compute_ms = args.compute_ms if args.compute_ms is not None else calibrated_compute_ms(plain)
             for way in ways:
                 progress(f"[{placement.label}] {way.label}, {compute_ms:g} ms compute per batch ...")
-                tries = TARGET_TRIES if way.label in (BASELINE, TARGET_WAY) else 1
+                tries = target_tries if way.label in (BASELINE, TARGET_WAY) else 1
                 results.append(least_disturbed(setup, way, placement, compute_ms, tries=tries))
     finally:
         clean_up(workdir)
         reaper.stdin.close()  # type: ignore[union-attr] - it finds nothing left to do, and ends
         reaper.wait()
     plot(results, plot_path)
-    print_report(setup, results, scaling, args.compute_ms is None, plot_path, notes)
+    print_report(setup, results, scaling, args.compute_ms is None, target_tries, plot_path, notes)
     return 0
 
 
