@@ -57,7 +57,8 @@ the less disturbed of the two kept. Targets are printed last, PASS or FAIL, for 
 Each training run is a fresh interpreter, as a job's is. (Forked from a fork server that had imported torch, runs
 started 2 s sooner, but their workers took twice the page faults per file, 61 against 33 for the plain directory,
 and read 10-30% slower: glibc's malloc state came with the fork.) The full run takes about 6 minutes, more when
-other processes keep the CPUs busy; --quick (600 files, workers pinned only, no second runs) about a minute and a half.
+other processes keep the CPUs busy. --quick: 600 files, workers pinned only, no second runs, no waiting for quiet
+CPUs; about a minute and a half, its figures rough (epochs of a few tenths of a second).
 
 The bench cleans up whatever ends it: training processes, mount daemons, serve jobs (mpiexec's session, then each
 of its processes by pid), mounts, the work directory; a helper in a session of its own (this script with --reap)
@@ -345,6 +346,11 @@ class Result:
         epochs = self.ranks[rank]["epochs"][first_epoch:]
         return sum(e["files"] for e in epochs) / sum(e["seconds"] for e in epochs)
 
+    def faults_per_file(self, rank: int) -> float:
+        """Page faults (minor) of the training process and its workers per file: on this VM, fresh memory costs."""
+        figures = self.ranks[rank]
+        return (figures["main_faults"] + figures["workers_faults"]) / sum(e["files"] for e in figures["epochs"])
+
     def cpu_ms_per_file(self, rank: int) -> str:
         """Milliseconds of CPU per file: the training process and its workers, + the daemon serving them."""
         figures = self.ranks[rank]
@@ -362,6 +368,7 @@ class Setup:
     paths_file: Path
     prefetch_list: Path
     epochs: int
+    quiet_wait: float  # seconds a run may wait for the CPUs to be quiet (wait_for_quiet)
 
 
 def child_args(setup: Setup, reader: str, root: Path | None, out: Path, workers: int, compute_ms: float,
@@ -519,7 +526,7 @@ def measure_way(setup: Setup, way: Way, placement: Placement, compute_ms: float,
     out, barrier = setup.workdir / f"{name}-rank{{rank}}.json", setup.workdir / f"{name}-barrier"
     barrier.mkdir()
     options = [setup.prefetch_list.as_posix() if option == LIST else option for option in way.options]
-    wait_for_quiet(QUIET_BUSY, QUIET_MAX_WAIT)
+    wait_for_quiet(QUIET_BUSY, setup.quiet_wait)
     back_memory(2 * setup.data.raw_bytes() + BACKED_SLACK)
     logs = [setup.workdir / f"{name}-rank{rank}.log" for rank in range(way.ranks)]
     envs = [{"FANSTORE_RANK": str(rank), "FANSTORE_SIZE": str(way.ranks)} for rank in range(way.ranks)]
@@ -593,7 +600,8 @@ def scaling_rows(scaling: list[tuple[Result, Result]]) -> list[list[str]]:
     for one, two in scaling:
         rate_one, rate_two = one.files_per_second(0, 1), two.files_per_second(0, 1)
         rows.append([one.way, one.placement, f"{rate_one:,.0f}", f"{rate_two:,.0f}", f"{rate_two / rate_one:.2f}x",
-                     one.cpu_ms_per_file(0), two.cpu_ms_per_file(0), others_cell(one), others_cell(two)])
+                     one.cpu_ms_per_file(0), two.cpu_ms_per_file(0), f"{one.faults_per_file(0):.0f}",
+                     f"{two.faults_per_file(0):.0f}", others_cell(one), others_cell(two)])
     return rows
 
 
@@ -661,6 +669,10 @@ def plot(results: list[Result], path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
+def tries_text(target_tries: int) -> str:
+    return f"the least disturbed of up to {target_tries} runs" if target_tries > 1 else "one run"
+
+
 def print_report(setup: Setup, results: list[Result], scaling: list[tuple[Result, Result]], calibrated: bool,
                  target_tries: int, plot_path: Path, notes: list[str]) -> None:
     import mpi4py
@@ -697,15 +709,16 @@ def print_report(setup: Setup, results: list[Result], scaling: list[tuple[Result
           "every epoch / plain's (same placement); CPU ms/file = the training process and its workers, + the "
           "mount's daemon (serve: the rank's serve process, which also serves the other rank), per file; others = "
           f"cores other processes used meanwhile ('!' above {NOISY_OTHERS}; plain and {TARGET_WAY}, on which the "
-          f"targets are judged: the least disturbed of up to {target_tries} runs); 2-rank ways: one row per rank, "
+          f"targets are judged: {tries_text(target_tries)}); 2-rank ways: one row per rank, "
           "each reading half of every epoch")
     print_table(["way", "placement", "rank", "data-wait e1 e2 e3 (s)", "total", "vs plain", "epoch e1 e2 e3 (s)",
                  "files/s", "CPU ms/file", "others"], way_rows(results), left=3)
     print()
     print("pure data rate: no compute, files/s over epochs 2 and 3, 1 and 2 DataLoader workers; CPU ms/file and "
-          f"others as above, each the least disturbed of up to {target_tries} runs")
-    print_table(["way", "placement", "1 worker files/s", "2 workers", "2/1", "CPU ms/file 1w", "2w", "others 1w",
-                 "2w"], scaling_rows(scaling), left=2)
+          "others as above; faults = minor page faults of the training process and its workers per file (a 128 KiB "
+          f"file is 32 pages); each {tries_text(target_tries)}")
+    print_table(["way", "placement", "1 worker files/s", "2 workers", "2/1", "CPU ms/file 1w", "2w", "faults 1w",
+                 "2w", "others 1w", "2w"], scaling_rows(scaling), left=2)
     print()
     print(f"plot: {plot_path}")
     print()
@@ -825,7 +838,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         paths_file, prefetch_list = workdir / "paths.txt", workdir / "epoch1.txt"
         paths_file.write_text("".join(f"{rel}\n" for rel in data.paths))
         prefetch_list.write_text("".join(f"{data.paths[i]}\n" for i in epoch_order(len(data.paths), 0)))
-        setup = Setup(data, workdir, paths_file, prefetch_list, EPOCHS)
+        setup = Setup(data, workdir, paths_file, prefetch_list, EPOCHS, 0.0 if args.quick else QUIET_MAX_WAIT)
         for placement in placements:
             for label, reader, via in SCALING:
                 progress(f"[{placement.label}] pure data rate: {label}, 1 and 2 workers ...")
