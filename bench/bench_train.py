@@ -716,7 +716,7 @@ def print_report(setup: Setup, results: list[Result], scaling: list[tuple[Result
     print()
     print("pure data rate: no compute, files/s over epochs 2 and 3, 1 and 2 DataLoader workers; CPU ms/file and "
           "others as above; faults = minor page faults of the training process and its workers per file (a 128 KiB "
-          f"file is 32 pages); each {tries_text(target_tries)}")
+          f"file is 32 pages); {tries_text(target_tries)} each")
     print_table(["way", "placement", "1 worker files/s", "2 workers", "2/1", "CPU ms/file 1w", "2w", "faults 1w",
                  "2w", "others 1w", "2w"], scaling_rows(scaling), left=2)
     print()
