@@ -795,7 +795,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["--child"]:
         return child_main(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK_FILES} files, workers pinned only")
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_FILES} files, workers pinned only, no second "
+                                                             "runs, no waiting for quiet CPUs")
     parser.add_argument("--pinned-only", action="store_true", help="only the 'workers pinned' placement")
     parser.add_argument("--compute-ms", type=float, help="compute per batch (a sleep; default: calibrated, the "
                                                           "plain directory's loading time per batch)")
@@ -816,6 +817,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     placements = [PINNED] if args.quick or args.pinned_only else [PINNED, UNPINNED]
     target_tries = 1 if args.quick else TARGET_TRIES
     only = None if args.only is None else {BASELINE, BASELINE_RANKS, *args.only.split(",")}
+    if only is not None and only - {way.label for way in WAYS}:
+        parser.error(f"--only: no way named {', '.join(sorted(only - {way.label for way in WAYS}))}")
     ways = [way for way in WAYS if only is None or way.label in only]
     notes = []
     stored_per_file = data.stored_bytes / len(data.paths)
