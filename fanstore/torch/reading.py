@@ -18,11 +18,18 @@ import numpy as np
 
 from ..api import Dataset, open_dataset
 from ..cache import DecodedCache
+from ..daemon_tuning import keep_freed_memory
 from .plan import EpochPlan
 
 PREFETCH_BATCHES = 2  # batches of its own a worker decodes ahead
 PREFETCH_BYTES = 64 << 20  # decoded bytes a worker holds ahead at most
 PREFETCH_THREADS = 2
+
+
+def _in_a_dataloader_worker() -> bool:
+    from torch.utils.data import get_worker_info
+
+    return get_worker_info() is not None
 
 
 def open_source(source: str | None) -> Dataset:
@@ -51,6 +58,10 @@ class ProcessReading:
     def __init__(self, source: str | None, paths: Sequence[str] | None, plan: Callable[[], EpochPlan | None],
                  prefetch_bytes: int, prefetch_threads: int) -> None:
         self.pid = os.getpid()
+        if _in_a_dataloader_worker():
+            # A worker decodes all day: glibc would map each decoded file afresh (files of 128 KiB and more) and
+            # fault it in page by page. The mount's daemon keeps freed buffers for reuse; so does a worker.
+            keep_freed_memory()
         self.dataset = open_source(source)
         index = self.dataset.index
         if paths is None:
