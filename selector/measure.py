@@ -70,7 +70,9 @@ _BLOSC_KINDS = (NPY, OTHER)
 @dataclasses.dataclass(frozen=True, slots=True)
 class Measurement:
     """One codec setting on one kind's sample. `files` and `raw_bytes` say what was measured (slow settings: a
-    prefix); `stored_bytes` counts files that did not shrink at their raw size, as the packer stores them."""
+    prefix); `stored_bytes` counts files that did not shrink at their raw size, as the packer stores them, and is
+    what `raw_bytes` would store in SRC's mix: each file weighted by the bytes of the tree it stands for
+    (SampleFile.weight), as the encode speed is too."""
 
     kind: str
     spec: str
@@ -261,14 +263,19 @@ def _measure(
     none = codec_from_spec("none")
     work: list[_DecodeWork] = []
     raw_files = 0
-    started = time.perf_counter()
+    clock = time.perf_counter
+    weighted_raw = weighted_stored = weighted_seconds = 0.0
     for sample_file, codec in zip(files, codecs):
+        started = clock()
         stored = codec.encode(sample_file.data)
+        seconds = clock() - started
         if len(stored) >= len(sample_file.data):
             stored, codec = sample_file.data, none
             raw_files += 1
         work.append((codec.decode, stored, len(sample_file.data)))
-    encode_seconds = time.perf_counter() - started
+        weighted_raw += sample_file.weight * len(sample_file.data)
+        weighted_stored += sample_file.weight * len(stored)
+        weighted_seconds += sample_file.weight * seconds
     # One untimed pass checks every file comes back intact and warms the per-thread decoders, as a running
     # reader's are; then the timed passes, each decoding the whole sample `loops` times.
     started = time.perf_counter()
@@ -282,13 +289,15 @@ def _measure(
     for _ in range(repeats):
         pass_seconds.append(sum(_timed_decode_pass(batches) for _ in range(loops)) / loops)
     raw_bytes = sum(len(sample_file.data) for sample_file in files)
+    if weighted_raw <= 0:  # every weight 0: an estimate rounded away; the sample's own mix then
+        weighted_raw, weighted_stored = raw_bytes, sum(len(stored) for _, stored, _ in work)
     return Measurement(
         kind=kind,
         spec=spec,
         files=len(files),
         raw_bytes=raw_bytes,
-        stored_bytes=sum(len(stored) for _, stored, _ in work),
-        encode_mbps=raw_bytes / MB / max(encode_seconds, _MIN_SECONDS),
+        stored_bytes=max(1, round(raw_bytes * weighted_stored / weighted_raw)),
+        encode_mbps=weighted_raw / MB / max(weighted_seconds, _MIN_SECONDS),
         decode_mbps=raw_bytes / MB / max(statistics.median(pass_seconds), _MIN_SECONDS),
         raw_files=raw_files,
         dict_bytes=dict_bytes,

@@ -8,14 +8,16 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from compressors import DICT_TRAIN_FILE_BYTES, DICT_TRAIN_FILES, DICT_TRAIN_TOTAL_BYTES
+from compressors import DICT_TRAIN_FILE_BYTES, DICT_TRAIN_FILES, DICT_TRAIN_TOTAL_BYTES, codec_from_spec
 from conftest import assert_one_line_error, run_cli
 from selector import Budget, DoesNotFit, Goal, Selection, SelectionError
 from selector.estimate import estimate_pack, io_seconds, training_bytes, usable_workers
-from selector.measure import Measurement
+from selector.measure import Measurement, measure_kind
 from selector.policy import NONE_SPEC, KindScale, choose, choose_to_fit, decimal_bytes, need_of
+from selector.sample import SampleFile
 
 RAW = 1_000_000  # bytes of every fed measurement's sample
 
@@ -138,10 +140,21 @@ def test_the_tolerance_rule_counts_dictionary_training() -> None:
 
 
 def test_near_equal_pack_times_keep_the_smaller_size() -> None:
-    # 5% apart in pack time is noise: the smaller stored size stays.
+    # 20% apart in pack time could be noise: the smaller stored size stays; twice as fast is not.
     first = measured("text", "zstd:6", 4.00, 500, encode_mbps=40)
-    second = measured("text", "zstd:9", 3.99, 500, encode_mbps=42)
-    assert choose("text", [first, second], Budget(0)).spec == "zstd:6"
+    assert choose("text", [first, measured("text", "zstd:9", 3.99, 500, encode_mbps=48)], Budget(0)).spec == "zstd:6"
+    assert choose("text", [first, measured("text", "zstd:9", 3.99, 500, encode_mbps=80)], Budget(0)).spec == "zstd:9"
+
+
+def test_a_kinds_ratio_weights_each_file_by_the_bytes_it_stands_for() -> None:
+    rng = np.random.default_rng(5)
+    text = SampleFile("a.log", "text", 0, b"the same line again\n" * 5000, weight=3.0)
+    noise = SampleFile("b.bin", "text", 0, rng.integers(0, 256, 100_000, np.uint8).tobytes(), weight=1.0)
+    m = measure_kind("text", [text, noise], ["zstd:3"], repeats=1)[0]
+    stored_text = len(codec_from_spec("zstd:3").encode(text.data))
+    weighted = (3 * stored_text + len(noise.data)) / (3 * len(text.data) + len(noise.data))
+    assert m.raw_bytes == len(text.data) + len(noise.data) and m.raw_files == 1
+    assert m.stored_bytes == round(m.raw_bytes * weighted)
 
 
 def test_pack_speed_is_a_hard_floor() -> None:
