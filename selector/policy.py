@@ -4,7 +4,8 @@ Default (no --fit): the most capacity whose decode still keeps up with the train
 on the read path, so one decoder must reach the budget; with K prefetch threads decoding ahead, K decoders share
 it, so each needs only budget / K and a stronger codec can pass. Pack time counts too: among the settings that meet
 the budget and store within --tolerance (default 1%) of the smallest, the one that packs the kind fastest wins
-(zstd at level 19 stores 1% less than at level 9 for ten times the pack time; a person waits for that pack).
+(zstd at level 19 stores 1% less than at level 9 for ten times the pack time; a person waits for that pack). Pack
+times within 25% of each other count as equal, and then the smaller size wins: timing noise must not decide.
 
 --fit SIZE: the fastest decode that still fits. It is a multiple-choice problem (one setting per kind, the sum of
 stored bytes bounded), solved greedily: every kind starts at its fastest-decoding setting (`none`: nothing
@@ -41,8 +42,10 @@ DEFAULT_TOLERANCE = 0.01
 # speed only when one is clearly faster; otherwise by the grid order (the cheaper encoder), so that timing noise
 # cannot flip the choice between two codecs that do the same work.
 _CLEARLY_FASTER = 1.25
-# Pack times within this factor of the fastest are timing noise: among them, the smaller stored size wins.
-_SAME_PACK_TIME = 1.10
+# Pack times within this factor of the fastest count as equal, as decode speeds do: among them the smaller stored
+# size wins, so that timing noise between two encoders doing about the same work (blosc with byte or bit shuffle,
+# zstd at neighbouring levels) rarely flips the choice.
+_SAME_PACK_TIME = _CLEARLY_FASTER
 MAX_NODES = 4096  # as fanstore's placement
 
 
