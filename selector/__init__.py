@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .errors import SelectionError
-from .estimate import PackEstimate, estimate_pack, kind_scales, training_bytes
+from .estimate import CpuClock, PackEstimate, estimate_pack, kind_scales, training_bytes
 from .measure import Measurement, candidate_specs, measure_kind
 from .policy import MIN_SAVING, Budget, Choice, DoesNotFit, Goal, KindScale, Need, choose, choose_to_fit, need_of
 from .sample import (
@@ -63,6 +63,7 @@ class Selection:
     tree_files: int = 0  # SRC's non-empty files and their bytes, as walked: the estimate's walk and I/O term
     tree_bytes: int = 0
     fixed_bytes: int = 0  # stored whatever the codecs (the index), counted against a total --fit
+    others_cores: float = 0.0  # cores other processes used while the selector measured (the estimate leaves them)
 
     def codec_by_kind(self) -> dict[str, str]:
         return {kind: self.choices[kind].spec for kind in sorted(self.choices)}
@@ -91,7 +92,8 @@ class Selection:
 
     def estimate(self) -> PackEstimate:
         """Predicted seconds of the pack with these choices (the selection itself not counted)."""
-        return estimate_pack(self.chosen(), self.scales_by_kind(), self.tree_files, self.tree_bytes, self.goal.workers)
+        return estimate_pack(self.chosen(), self.scales_by_kind(), self.tree_files, self.tree_bytes, self.goal.workers,
+                             self.others_cores)
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able and in a fixed key order (kinds sorted, measurements in measuring order)."""
@@ -106,6 +108,7 @@ class Selection:
                        "files": self.sample_files, "bytes": self.sample_bytes, "replicate": list(self.replicate),
                        "kind_bytes": dict(sorted(self.kind_bytes.items()))},
             "tree": {"files": self.tree_files, "bytes": self.tree_bytes, "fixed_bytes": self.fixed_bytes,
+                     "others_cores": round(self.others_cores, 3),
                      "kinds": {kind: {"replicated_bytes": scale.replicated_bytes, "groups": scale.groups,
                                       "train_bytes": scale.train_bytes}
                                for kind, scale in sorted(self.scales.items())}},
@@ -160,6 +163,7 @@ class Selection:
             tree_files=tree.get("files", 0),
             tree_bytes=tree.get("bytes", 0),
             fixed_bytes=tree.get("fixed_bytes", 0),
+            others_cores=tree.get("others_cores", 0.0),
         )
 
 
@@ -185,7 +189,7 @@ def select_codecs(
     stratified by group too; `replicated_groups` are the groups every node stores (for --nodes); `replicate`, the
     patterns behind them, is recorded; `fixed_bytes` (the index) count against a total --fit. Bad arguments raise
     SelectionError naming the option; a --fit that cannot be met raises DoesNotFit."""
-    started = time.perf_counter()
+    started, clock = time.perf_counter(), CpuClock.now()
     if not isinstance(budget, Budget):
         raise SelectionError(f"--budget: expected a selector.Budget, got {budget!r}")
     if not isinstance(goal, Goal):
@@ -224,4 +228,5 @@ def select_codecs(
         tree_files=len(non_empty),
         tree_bytes=sum(entry.size for entry in non_empty),
         fixed_bytes=fixed_bytes,
+        others_cores=CpuClock.now().others_since(clock),
     )

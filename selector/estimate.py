@@ -14,6 +14,10 @@ Pack time, for the person who waits for it, is three terms:
     IO_SECONDS_PER_MB per MB, measured on the 2-core development machine (page cache warm) and serial (the packing
     process does it, whatever the workers); see the constants.
 
+On a shared machine the pack gets the cores other processes leave: the selector measures how much CPU they used
+while it ran (Linux: /proc/stat less its own CPU time), and the estimate spreads compression over at most the
+cores left (at least one), and slows the serial terms when less than one core is left.
+
 The selection itself is not part of it: `fanstore pack --codec auto` has measured it by the time it prints the
 estimate.
 """
@@ -21,6 +25,7 @@ estimate.
 from __future__ import annotations
 
 import os
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
@@ -32,13 +37,15 @@ from .measure import MB, Measurement
 from .policy import KindScale
 from .sample import SampleFile, SourceFile
 
-# `fanstore pack --codec none --workers 2` on this project's 2-core development machine, warm page cache:
-# 114,001 generated files (1.25 GB) in 12.4 s, 6,284 files of site-packages (180 MB) in 1.45 s and 2,321
-# files (31 MB) in 0.4 s; the per-file cost (walk, open, stat, checksum, index row) dominates, and more workers
-# do not shorten it. A least-squares fit of the three, rounded.
-IO_SECONDS_PER_FILE = 75e-6
-IO_SECONDS_PER_MB = 3e-3
-IO_SECONDS_FIXED = 0.25  # worker start, index write
+# `fanstore pack --codec auto --fit 100GB --workers 2` (every kind `none`: nothing is compressed) on this project's
+# 2-core development machine, idle, warm page cache, after the selection: 114,001 generated files (1.25 GB) in
+# 7.4-7.8 s, 6,284 files of site-packages (180 MB) in 0.9-1.0 s, 2,321 files (31 MB) in 0.3-0.4 s. Copying bytes
+# into chunk files dominates (the packing process does it: more workers do not shorten it), then per-file work
+# (walk, open, stat, index row). Fitted to the three, rounded.
+IO_SECONDS_PER_FILE = 15e-6
+IO_SECONDS_PER_MB = 4.6e-3
+IO_SECONDS_FIXED = 0.05  # worker start, index write
+_MIN_SERIAL_SHARE = 0.25  # a busier machine than this is not worth estimating for
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,14 +56,48 @@ class PackEstimate:
     compress_seconds: float
     train_seconds: float
     io_seconds: float
+    others_cores: float = 0.0  # cores other processes used while the selector measured
 
     @property
     def seconds(self) -> float:
         return self.compress_seconds + self.train_seconds + self.io_seconds
 
     def describe(self) -> str:
+        busy = f"; other processes used {self.others_cores:.1f} cores meanwhile" if self.others_cores >= 0.1 else ""
         return (f"{self.seconds:,.1f} s with {self.workers} worker(s): compress {self.compress_seconds:,.1f} s, "
-                f"dictionaries {self.train_seconds:,.1f} s, walk and I/O {self.io_seconds:,.1f} s")
+                f"dictionaries {self.train_seconds:,.1f} s, walk and I/O {self.io_seconds:,.1f} s{busy}")
+
+
+@dataclass(frozen=True, slots=True)
+class CpuClock:
+    """A reading of the CPU time all processes and this one have used: two of them give the cores others used."""
+
+    wall: float
+    busy: float  # seconds all CPUs were busy, None-free: 0 where /proc/stat cannot be read
+    own: float
+
+    @classmethod
+    def now(cls) -> CpuClock:
+        times = os.times()
+        return cls(time.monotonic(), _busy_seconds(), times.user + times.system)
+
+    def others_since(self, earlier: CpuClock) -> float:
+        """Cores other processes used between `earlier` and this reading (0 where it cannot be known)."""
+        wall = self.wall - earlier.wall
+        if wall <= 0 or not self.busy or not earlier.busy:
+            return 0.0
+        return max(0.0, (self.busy - earlier.busy - (self.own - earlier.own)) / wall)
+
+
+def _busy_seconds() -> float:
+    """Seconds all CPUs have been busy since boot, from /proc/stat (0.0 where there is none)."""
+    try:
+        with open("/proc/stat") as stat_file:
+            fields = [int(value) for value in stat_file.readline().split()[1:8]]
+    except (OSError, ValueError):
+        return 0.0
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def usable_workers(workers: int) -> int:
@@ -71,16 +112,20 @@ def io_seconds(files: int, raw_bytes: int) -> float:
 
 
 def estimate_pack(chosen: Mapping[str, Measurement | None], scales: Mapping[str, KindScale], files: int,
-                  raw_bytes: int, workers: int) -> PackEstimate:
-    """The pack time of SRC (`files` non-empty files, `raw_bytes` in all) with these settings per kind."""
+                  raw_bytes: int, workers: int, others_cores: float = 0.0) -> PackEstimate:
+    """The pack time of SRC (`files` non-empty files, `raw_bytes` in all) with these settings per kind, on
+    `workers` workers of which other processes leave `others_cores` fewer cores."""
+    left = usable_workers(0) - others_cores
+    parallel = min(workers, max(1.0, left))
+    serial = min(1.0, max(_MIN_SERIAL_SHARE, left))
     compress = train = 0.0
     for kind, m in chosen.items():
         if m is None:
             continue
         scale = scales[kind]
-        compress += scale.raw_bytes / MB / max(m.encode_mbps, 1e-12) / workers
-        train += m.train_seconds_per_byte * scale.train_bytes
-    return PackEstimate(workers, compress, train, io_seconds(files, raw_bytes))
+        compress += scale.raw_bytes / MB / max(m.encode_mbps, 1e-12) / parallel
+        train += m.train_seconds_per_byte * scale.train_bytes / serial
+    return PackEstimate(workers, compress, train, io_seconds(files, raw_bytes) / serial, others_cores)
 
 
 def kind_scales(sample: Sequence[SampleFile], kind_bytes: Mapping[str, int], replicated_groups: frozenset[int],

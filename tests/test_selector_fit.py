@@ -181,12 +181,19 @@ def test_the_pack_time_estimate_adds_compression_training_and_io() -> None:
     scales = {"text": KindScale(100_000_000, train_bytes=4_000_000), "npy": KindScale(1_000_000_000)}
     estimate = estimate_pack({"text": text, "npy": npy, "png": None}, {**scales, "png": KindScale(5)}, 1000,
                              1_100_000_005, workers=2)
-    assert estimate.compress_seconds == pytest.approx((100 / 2 + 1000 / 500) / 2)
+    parallel = min(2, usable_workers(0))  # at most the cores of this machine
+    assert estimate.compress_seconds == pytest.approx((100 / 2 + 1000 / 500) / parallel)
     assert estimate.train_seconds == pytest.approx(2.0)
     assert estimate.io_seconds == pytest.approx(io_seconds(1000, 1_100_000_005))
     assert estimate.seconds == pytest.approx(estimate.compress_seconds + 2.0 + estimate.io_seconds)
     assert "with 2 worker(s)" in estimate.describe()
     assert 1 <= usable_workers(64) == usable_workers(0) and usable_workers(1) == 1
+    # Other processes leaving half a core: compression on one worker's worth, serial work at half speed.
+    busy = estimate_pack({"text": text, "npy": npy}, scales, 1000, 1_100_000_000, workers=2,
+                         others_cores=usable_workers(0) - 0.5)
+    assert busy.compress_seconds == pytest.approx(100 / 2 + 1000 / 500)
+    assert busy.train_seconds == pytest.approx(4.0) and busy.io_seconds == pytest.approx(2 * io_seconds(1000, 1.1e9))
+    assert "other processes used" in busy.describe()
 
 
 class _File:
