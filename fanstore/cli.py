@@ -210,8 +210,7 @@ def _predicted_beside_packed(summary: Any) -> str:
     from selector.policy import decimal_bytes
 
     selection = summary.selection
-    estimate, need = selection.estimate(), selection.need()
-    blobs = need.total - need.fixed
+    estimate, blobs = selection.estimate(), selection.predicted_blob_bytes()
     if not blobs or not estimate.seconds:
         return "no prediction: the selector's sample was empty"
     packing = summary.seconds - summary.selection_seconds

@@ -85,6 +85,12 @@ class Selection:
             stored += kind_raw / choice.measurement.ratio if choice.measurement is not None else kind_raw
         return raw / stored if stored else None
 
+    def predicted_blob_bytes(self) -> float:
+        """The stored bytes of SRC's files (what a pack reports as stored: no dictionaries, no index)."""
+        scales = self.scales_by_kind()
+        return sum(scales[kind].raw_bytes / (choice.measurement.ratio if choice.measurement is not None else 1.0)
+                   for kind, choice in self.choices.items())
+
     def need(self) -> Need:
         """Predicted stored bytes: the whole dataset's (blobs, dictionaries, the index) and, with --nodes, the
         replicated and spread parts one node stores."""
