@@ -184,11 +184,33 @@ def _run_pack(args: argparse.Namespace) -> int:
     print(_predicted_beside_packed(summary))
     if not options.fit:
         return 0
-    from .fit_check import check_fit
+    line, fits = _check_fit(Path(args.dest), options.fit, options.nodes, summary.selection.need().bytes)
+    print(line)
+    return 0 if fits else EXIT_DOES_NOT_FIT
 
-    check = check_fit(Path(args.dest), options.fit, options.nodes, round(summary.selection.need().bytes))
-    print(check.describe())
-    return 0 if check.fits else EXIT_DOES_NOT_FIT
+
+def _check_fit(dest: Path, capacity: int, nodes: int, predicted: float) -> tuple[str, bool]:
+    """The packed DEST measured against --fit, not predicted: the whole directory (chunk files and index), or with
+    --nodes the fullest node of the placement `fanstore plan` and `fanstore serve` use. One line, and whether it
+    fits; sizes in the decimal units the selector reports --fit in."""
+    from selector.policy import decimal_bytes
+
+    if nodes:
+        from .index import Index
+        from .serve.placement import place
+
+        placement = place(Index.load(dest), nodes)
+        stored = max(placement.stored_bytes(rank) for rank in range(nodes))
+        where = f"the fullest of {nodes:,} nodes stores"
+    else:
+        stored = sum(path.stat().st_size for path in dest.rglob("*") if path.is_file())
+        where = "DEST takes"
+    off = f"predicted {decimal_bytes(predicted)}, {stored / predicted - 1:+.1%}" if predicted else "not predicted"
+    if stored <= capacity:
+        return (f"fit: {where} {decimal_bytes(stored)} of --fit {decimal_bytes(capacity)} ({stored / capacity:.0%}; "
+                f"{off})"), True
+    return (f"does not fit: {where} {decimal_bytes(stored)}, {decimal_bytes(stored - capacity)} over --fit "
+            f"{decimal_bytes(capacity)} ({off})"), False
 
 
 def _announce_selection(selection: Any) -> None:
