@@ -16,6 +16,9 @@ from .errors import DoesNotFit, FanstoreError, UsageError, say_line
 from .units import format_bytes, parse_size
 
 if TYPE_CHECKING:
+    from selector import Selection
+
+    from .pack import PackSummary
     from .serve.placement import Placement
 
 EXIT_FAILURE = 1
@@ -213,7 +216,7 @@ def _check_fit(dest: Path, capacity: int, nodes: int, predicted: float) -> tuple
             f"{decimal_bytes(capacity)} ({off})"), False
 
 
-def _announce_selection(selection: Any) -> None:
+def _announce_selection(selection: Selection) -> None:
     """What --codec auto chose and predicts, printed before compressing starts: the person waiting sees how long."""
     from selector.policy import decimal_bytes
 
@@ -227,11 +230,13 @@ def _announce_selection(selection: Any) -> None:
     print(f"predicted: {decimal_bytes(need.total)} stored with the index{fit}; pack {estimate.describe()}", flush=True)
 
 
-def _predicted_beside_packed(summary: Any) -> str:
+def _predicted_beside_packed(summary: PackSummary) -> str:
     """The pack's time (the selection not counted) and stored bytes beside what the selection predicted."""
     from selector.policy import decimal_bytes
 
     selection = summary.selection
+    if selection is None:
+        return "no prediction: not packed with --codec auto"
     estimate, blobs = selection.estimate(), selection.predicted_blob_bytes()
     if not blobs or not estimate.seconds:
         return "no prediction: the selector's sample was empty"

@@ -36,7 +36,7 @@ from .pause import pause_point
 from .walk import Problem, SourceEntry, SourceTree, walk_source
 
 if TYPE_CHECKING:
-    from selector import Selection
+    from selector import Goal, Selection
 
 DEFAULT_CHUNK_SIZE = 64 << 20
 DEFAULT_CODEC = "zstd:3"
@@ -306,13 +306,13 @@ def _selection(options: PackOptions, src: Path, tree: SourceTree, groups: GroupP
                       _goal(options))
 
 
-def _goal(options: PackOptions) -> Any:
+def _goal(options: PackOptions) -> Goal:
     """The selector's Goal for these options (the selector's errors as fanstore's usage errors)."""
     return make_goal(options.fit, options.nodes, options.tolerance, options.pack_speed, options.workers)
 
 
 def make_goal(fit: int = 0, nodes: int = 0, tolerance: float = DEFAULT_TOLERANCE, pack_speed: float = 0.0,
-              workers: int = 0) -> Any:
+              workers: int = 0) -> Goal:
     """A selector.Goal from command-line values (sizes in bytes, --pack-speed in bytes/s, --workers 0: every core,
     capped at the cores); a bad value is a UsageError naming its option."""
     from selector import Goal, SelectionError
@@ -328,7 +328,7 @@ def make_goal(fit: int = 0, nodes: int = 0, tolerance: float = DEFAULT_TOLERANCE
 
 
 def select_for(src: Path, tree: SourceTree, groups: GroupPlan, budget: float, prefetch_threads: int,
-               fraction: float, seed: int, goal: Any = None) -> Selection:
+               fraction: float, seed: int, goal: Goal | None = None) -> Selection:
     """The selector's choice for a walked SRC (`budget` in bytes/s, `goal` a selector.Goal, default: no --fit):
     fanstore walks and groups, the selector samples and measures. Its errors become fanstore's one-line usage
     errors; a --fit that cannot be met, DoesNotFit."""
