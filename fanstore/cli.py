@@ -12,14 +12,17 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .errors import FanstoreError, UsageError, say_line
+from .errors import DoesNotFit, FanstoreError, UsageError, say_line
 from .units import format_bytes, parse_size
 
 if TYPE_CHECKING:
+    from selector import Selection
+
+    from .pack import PackSummary
     from .serve.placement import Placement
 
 EXIT_FAILURE = 1
-EXIT_DOES_NOT_FIT = 3  # `fanstore plan`: distinct from an error, so a batch script can try more nodes
+EXIT_DOES_NOT_FIT = 3  # `fanstore plan` and --fit: distinct from an error, so a batch script can try more nodes
 EXIT_INTERRUPTED = 130
 _WARNINGS_SHOWN = 20
 
@@ -49,37 +52,86 @@ def _add_pack_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strict", action="store_true", help="fail instead of skipping files that cannot be packed")
     parser.add_argument("--force", action="store_true", help="replace a dataset or interrupted pack already in DEST")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    _add_selection_arguments(parser, budget_required=False)
+    _add_selection_arguments(parser, auto_only=True)
 
 
-def _add_selection_arguments(parser: argparse.ArgumentParser, budget_required: bool) -> None:
-    parser.add_argument("--budget", required=budget_required, metavar="RATE",
-                        help="decode throughput the training job needs, e.g. 800MB/s (0: best ratio)"
-                             + ("" if budget_required else "; with --codec auto"))
+def _add_selection_arguments(parser: argparse.ArgumentParser, auto_only: bool) -> None:
+    with_auto = "; with --codec auto" if auto_only else ""
+    parser.add_argument("--budget", metavar="RATE",
+                        help="decode throughput the training job needs, e.g. 800MB/s (0: best ratio); with --fit, a "
+                             f"floor{with_auto}")
     parser.add_argument("--prefetch-threads", type=int, default=0, metavar="K",
                         help="K threads decode ahead of the reader, so each needs only budget/K (default 0: "
                              "decoding is on the read path)")
+    parser.add_argument("--fit", metavar="SIZE",
+                        help="capacity the dataset must fit in, e.g. 500GB: per kind, the settings that decode "
+                             "fastest while it still fits (with --nodes, what each node has)" + with_auto)
+    parser.add_argument("--nodes", metavar="N",
+                        help="with --fit: the dataset is served by N nodes, each storing the replicated groups and "
+                             "its share of the rest, so --fit is per node")
+    parser.add_argument("--tolerance", default="1%", metavar="FRACTION",
+                        help="without --fit: settings storing within FRACTION of the smallest count as equal, and "
+                             "the fastest to pack wins (default 1%%; 0: the smallest always)")
+    parser.add_argument("--pack-speed", metavar="RATE",
+                        help="each file kind must pack at RATE or more with the pack's workers, dictionary training "
+                             "included, e.g. 50MB/s (default: no floor)")
     parser.add_argument("--sample", default="2%", metavar="FRACTION",
                         help="share of the data the selector measures, e.g. 2%% (default; capped in bytes)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the selector's sample (default 0)")
 
 
-def _selection_options(args: argparse.Namespace) -> dict[str, object]:
+def _selection_options(args: argparse.Namespace) -> dict[str, Any]:
     from .pack import AUTO_CODEC
     from .units import parse_fraction, parse_rate
 
     if getattr(args, "codec", AUTO_CODEC) != AUTO_CODEC:
         for option, given in (("--budget", args.budget is not None), ("--prefetch-threads", args.prefetch_threads),
+                              ("--fit", args.fit is not None), ("--nodes", args.nodes is not None),
+                              ("--tolerance", args.tolerance != "1%"), ("--pack-speed", args.pack_speed is not None),
                               ("--sample", args.sample != "2%")):
             if given:
                 raise UsageError(f"{option} only applies with --codec auto")
         return {}
-    if args.budget is None:
-        raise UsageError("--codec auto needs --budget, the decode throughput the training job needs (e.g. 800MB/s)")
+    if args.budget is None and args.fit is None:
+        needs = "--codec auto needs" if hasattr(args, "codec") else "fanstore select needs"
+        raise UsageError(f"{needs} --budget, the decode throughput the training job needs (e.g. 800MB/s), or --fit, "
+                         "the capacity the dataset must fit in (e.g. 500GB), or both")
     if args.prefetch_threads < 0:
         raise UsageError(f"--prefetch-threads: must be 0 or more, got {args.prefetch_threads}")
-    return {"budget": parse_rate(args.budget, "--budget"), "prefetch_threads": args.prefetch_threads,
-            "sample": parse_fraction(args.sample, "--sample"), "seed": args.seed}
+    fit = parse_size(args.fit, "--fit") if args.fit is not None else 0
+    nodes = 0
+    if args.nodes is not None:
+        if not fit:
+            raise UsageError("--nodes only applies with --fit (the capacity each node has for the dataset)")
+        nodes = _parse_nodes(args.nodes)
+    return {"budget": parse_rate(args.budget, "--budget") if args.budget is not None else 0.0,
+            "prefetch_threads": args.prefetch_threads, "sample": parse_fraction(args.sample, "--sample"),
+            "seed": args.seed, "fit": fit, "nodes": nodes, "tolerance": _parse_tolerance(args.tolerance),
+            "pack_speed": parse_rate(args.pack_speed, "--pack-speed") if args.pack_speed is not None else 0.0}
+
+
+def _parse_nodes(text: str) -> int:
+    from .serve.placement import MAX_NODES
+
+    try:
+        nodes = int(text)
+    except ValueError:
+        raise UsageError(f"--nodes: cannot read {text!r} as a number of nodes (1 to {MAX_NODES})") from None
+    if not 1 <= nodes <= MAX_NODES:
+        raise UsageError(f"--nodes: must be a whole number from 1 to {MAX_NODES}, got {nodes}")
+    return nodes
+
+
+def _parse_tolerance(text: str) -> float:
+    """--tolerance as a fraction from 0 (unlike --sample, 0 is meaningful: the smallest stored size always wins)."""
+    from .units import parse_fraction
+
+    if str(text).strip().rstrip("%").strip() in ("0", "0.0"):
+        return 0.0
+    tolerance = parse_fraction(text, "--tolerance")
+    if tolerance >= 1:
+        raise UsageError(f"--tolerance: {text!r} must be less than 100% (e.g. 1%)")
+    return tolerance
 
 
 def _run_pack(args: argparse.Namespace) -> int:
@@ -112,7 +164,7 @@ def _run_pack(args: argparse.Namespace) -> int:
         bar.set_postfix_str(f"files {p.files_done}/{p.files_total} ratio {ratio:.2f}x", refresh=False)
 
     try:
-        summary = pack(args.src, args.dest, options, progress=show)
+        summary = pack(args.src, args.dest, options, progress=show, on_selection=_announce_selection)
     finally:
         if bar is not None:
             bar.close()
@@ -130,7 +182,69 @@ def _run_pack(args: argparse.Namespace) -> int:
         f"ratio {summary.ratio:.2f}x, {summary.seconds:.1f} s, {summary.mb_per_s:.1f} MB/s, "
         f"{len(summary.problems)} skipped"
     )
-    return 0
+    if summary.selection is None:
+        return 0
+    print(_predicted_beside_packed(summary))
+    if not options.fit:
+        return 0
+    line, fits = _check_fit(Path(args.dest), options.fit, options.nodes, summary.selection.need().bytes)
+    print(line)
+    return 0 if fits else EXIT_DOES_NOT_FIT
+
+
+def _check_fit(dest: Path, capacity: int, nodes: int, predicted: float) -> tuple[str, bool]:
+    """The packed DEST measured against --fit, not predicted: the whole directory (chunk files and index), or with
+    --nodes the fullest node of the placement `fanstore plan` and `fanstore serve` use. One line, and whether it
+    fits; sizes in the decimal units the selector reports --fit in."""
+    from selector.policy import decimal_bytes
+
+    if nodes:
+        from .index import Index
+        from .serve.placement import place
+
+        placement = place(Index.load(dest), nodes)
+        stored = max(placement.stored_bytes(rank) for rank in range(nodes))
+        where = f"the fullest of {nodes:,} nodes stores"
+    else:
+        stored = sum(path.stat().st_size for path in dest.rglob("*") if path.is_file())
+        where = "DEST takes"
+    off = f"predicted {decimal_bytes(predicted)}, {stored / predicted - 1:+.1%}" if predicted else "not predicted"
+    if stored <= capacity:
+        return (f"fit: {where} {decimal_bytes(stored)} of --fit {decimal_bytes(capacity)} ({stored / capacity:.0%}; "
+                f"{off})"), True
+    return (f"does not fit: {where} {decimal_bytes(stored)}, {decimal_bytes(stored - capacity)} over --fit "
+            f"{decimal_bytes(capacity)} ({off})"), False
+
+
+def _announce_selection(selection: Selection) -> None:
+    """What --codec auto chose and predicts, printed before compressing starts: the person waiting sees how long."""
+    from selector.policy import decimal_bytes
+
+    need, estimate = selection.need(), selection.estimate()
+    choices = ", ".join(f"{kind} {spec}" for kind, spec in selection.codec_by_kind().items()) or "nothing sampled"
+    print(f"codec selection ({selection.seconds:.1f} s): {choices}")
+    fit = ""
+    if selection.goal.fit_bytes:
+        fit = (f"; {need.describe()} of --fit {decimal_bytes(selection.goal.fit_bytes)} "
+               f"({need.bytes / selection.goal.fit_bytes:.0%})")
+    print(f"predicted: {decimal_bytes(need.total)} stored with the index{fit}; pack {estimate.describe()}", flush=True)
+
+
+def _predicted_beside_packed(summary: PackSummary) -> str:
+    """The pack's time (the selection not counted) and stored bytes beside what the selection predicted."""
+    from selector.policy import decimal_bytes
+
+    selection = summary.selection
+    if selection is None:
+        return "no prediction: not packed with --codec auto"
+    estimate, blobs = selection.estimate(), selection.predicted_blob_bytes()
+    if not blobs or not estimate.seconds:
+        return "no prediction: the selector's sample was empty"
+    packing = summary.seconds - summary.selection_seconds
+    resumed = f", resumed: {summary.reused_chunks} chunks were already packed" if summary.reused_chunks else ""
+    return (f"pack time {packing:.1f} s after the selection (predicted {estimate.seconds:.1f} s, "
+            f"{packing / estimate.seconds - 1:+.0%}{resumed}); stored {decimal_bytes(summary.stored_bytes)} "
+            f"(predicted {decimal_bytes(blobs)}, {summary.stored_bytes / blobs - 1:+.1%})")
 
 
 def _run_select(args: argparse.Namespace) -> int:
@@ -138,13 +252,14 @@ def _run_select(args: argparse.Namespace) -> int:
     from selector.report import format_selection, plot_selection
 
     from .groups import GroupPlan
-    from .pack import select_for
+    from .pack import make_goal, select_for
     from .walk import walk_source
 
     groups = GroupPlan(tuple(args.replicate))  # validates the patterns before the long part
     options = _selection_options(args)
+    goal = make_goal(options["fit"], options["nodes"], options["tolerance"], options["pack_speed"], args.workers)
     selection = select_for(Path(args.src), walk_source(args.src), groups, options["budget"],
-                           options["prefetch_threads"], options["sample"], options["seed"])
+                           options["prefetch_threads"], options["sample"], options["seed"], goal)
     print(format_selection(selection))
     if args.plot:
         try:
@@ -324,10 +439,15 @@ def _build_parser() -> argparse.ArgumentParser:
     pack_parser.set_defaults(run=_run_pack)
     select_parser = commands.add_parser("select", help="measure codecs on a sample of SRC and choose per file kind")
     select_parser.add_argument("src", metavar="SRC")
-    _add_selection_arguments(select_parser, budget_required=True)
+    _add_selection_arguments(select_parser, auto_only=False)
     select_parser.add_argument("--replicate", action="append", default=[], metavar="GLOB",
-                               help="as for fanstore-pack: the sample is stratified by group too")
-    select_parser.add_argument("--plot", metavar="FILE.png", help="draw ratio against decode throughput")
+                               help="as for fanstore-pack: the sample is stratified by group too (and with --nodes, "
+                                    "these files are on every node)")
+    select_parser.add_argument("--workers", type=int, default=0, metavar="N",
+                               help="compression processes the pack will use, for its estimated time (default: every "
+                                    "core)")
+    select_parser.add_argument("--plot", metavar="FILE.png",
+                               help="draw ratio against decode throughput, and stored size against pack time")
     select_parser.set_defaults(run=_run_select)
     verify_parser = commands.add_parser("verify", help="check and decode every file; list the bad ones")
     verify_parser.add_argument("dest", metavar="DEST")
@@ -444,6 +564,9 @@ def _run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         return args.run(args)
+    except DoesNotFit as exc:
+        say_line(f"{prog}: error: {exc}")
+        return EXIT_DOES_NOT_FIT
     except FanstoreError as exc:
         say_line(f"{prog}: error: {exc}")
         return EXIT_FAILURE

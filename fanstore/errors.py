@@ -27,6 +27,11 @@ class UsageError(FanstoreError, ValueError):
     fuse_errno = errno.EINVAL
 
 
+class DoesNotFit(UsageError):
+    """--fit cannot be met: the dataset (or one node's share) would not fit in the capacity given. The CLI exits
+    with its own status for it, as `fanstore plan` does, so a batch script can try more nodes."""
+
+
 class FormatError(FanstoreError, OSError):
     """A dataset file is not in a format this version can read (bad magic, unknown version, a field out of range)."""
 

@@ -27,7 +27,7 @@ from .chunk_builder import ChunkBuilder
 from .codec_plan import ANY_KIND, CodecPlan, build_codec_plan
 from .compress import BlockLayout, PlanFiles, Skipped, WorkerPool, compress_in_order
 from .dest import check_src_and_dest, discard_unrecorded_chunks, prepare_dest
-from .errors import PackError, UsageError
+from .errors import DoesNotFit, PackError, UsageError
 from .format import BLOCK_DTYPE, CHUNK_DTYPE, FLAG_BLOCKED, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, NO_CHUNK
 from .groups import GroupPlan
 from .index import EntryRecord, IndexLayout, write_index_atomically
@@ -36,7 +36,7 @@ from .pause import pause_point
 from .walk import Problem, SourceEntry, SourceTree, walk_source
 
 if TYPE_CHECKING:
-    from selector import Selection
+    from selector import Goal, Selection
 
 DEFAULT_CHUNK_SIZE = 64 << 20
 DEFAULT_CODEC = "zstd:3"
@@ -48,6 +48,10 @@ DEFAULT_CODEC = "zstd:3"
 DEFAULT_BLOCK_SIZE = 1 << 20
 DEFAULT_BLOCKS_ABOVE = 4 << 20
 AUTO_CODEC = "auto"
+DEFAULT_TOLERANCE = 0.01  # selector.policy.DEFAULT_TOLERANCE (the selector is imported only with --codec auto)
+# The index takes about this much per entry besides its path (64-byte record, name offsets), measured on the
+# generated bench tree (114,204 entries, 12.8 MB): a total --fit counts it.
+INDEX_BYTES_PER_ENTRY = 76
 PROGRESS_INTERVAL = 0.1  # seconds between progress callbacks: once per file costs more than packing a small file
 
 
@@ -66,6 +70,10 @@ class PackOptions:
     prefetch_threads: int = 0  # 0: decode on the read path; K: K threads decode ahead
     sample: float = 0.02
     seed: int = 0
+    fit: int = 0  # bytes the dataset must fit in (0: no --fit); with nodes, what each node has
+    nodes: int = 0
+    tolerance: float = DEFAULT_TOLERANCE  # stored sizes within this share of the smallest: the faster pack wins
+    pack_speed: float = 0.0  # bytes/s each kind must pack at (0: no floor)
 
     def output_defining(self) -> dict[str, Any]:
         """The options the output bytes depend on: a resume must use the same ones."""
@@ -74,7 +82,8 @@ class PackOptions:
                                     "blocks_above": self.blocks_above}
         if self.codec == AUTO_CODEC:
             defining.update(budget=self.budget, prefetch_threads=self.prefetch_threads, sample=self.sample,
-                            seed=self.seed)
+                            seed=self.seed, fit=self.fit, nodes=self.nodes, tolerance=self.tolerance,
+                            pack_speed=self.pack_speed)
         return defining
 
     @property
@@ -91,6 +100,8 @@ class PackSummary:
     reused_chunks: int = 0
     seconds: float = 0.0
     problems: list[Problem] = field(default_factory=list)
+    selection: Selection | None = None  # with --codec auto: what was chosen, and what it predicted
+    selection_seconds: float = 0.0  # spent selecting in this run (0 when a resumed pack reused the journaled one)
 
     @property
     def ratio(self) -> float:
@@ -118,8 +129,11 @@ def pack(
     options: PackOptions = PackOptions(),
     tree: SourceTree | None = None,
     progress: Callable[[PackProgress], None] | None = None,
+    on_selection: Callable[[Selection], None] | None = None,
 ) -> PackSummary:
-    """Pack SRC into the dataset directory DEST. `tree` is a walk of SRC the caller already made."""
+    """Pack SRC into the dataset directory DEST. `tree` is a walk of SRC the caller already made. With --codec
+    auto, `on_selection` is given the selection before compressing starts (its predictions, for the person who
+    waits)."""
     started = time.monotonic()
     _check_options(options)
     check_src_and_dest(Path(src), Path(dest))
@@ -127,7 +141,7 @@ def pack(
     # Workers hand blobs back through memfd shared memory (Linux); elsewhere this process compresses alone.
     pool = WorkerPool(workers) if workers > 1 and hasattr(os, "memfd_create") else None
     try:
-        summary = _pack_with(Path(src), Path(dest), options, tree, progress, pool)
+        summary = _pack_with(Path(src), Path(dest), options, tree, progress, on_selection, pool)
     except BrokenProcessPool:  # from the walk or from compressing: the pool cannot go on
         raise PackError("a worker process died (killed, or out of memory); finished chunks are kept: run the same "
                         "command again to resume") from None
@@ -139,7 +153,8 @@ def pack(
 
 
 def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: SourceTree | None,
-               progress: Callable[[PackProgress], None] | None, pool: WorkerPool | None) -> PackSummary:
+               progress: Callable[[PackProgress], None] | None,
+               on_selection: Callable[[Selection], None] | None, pool: WorkerPool | None) -> PackSummary:
     groups = GroupPlan(options.replicate)
     if tree is None:
         tree = walk_source(src_path, pool.executor if pool is not None else None)
@@ -159,7 +174,11 @@ def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: Sour
     journal = PackJournal(dest_path)
     prepare_dest(dest_path, journal, fingerprint, options.force)
     pause_point("walked")
+    selecting = time.monotonic()
     selection = _selection(options, src_path, tree, groups, journal)
+    selection_seconds = time.monotonic() - selecting
+    if selection is not None and on_selection is not None:
+        on_selection(selection)
     spec_by_kind = {ANY_KIND: options.codec} if selection is None else _spec_by_kind(selection)
     plan = build_codec_plan(spec_by_kind, groups, files, file_groups, src_path, journal)
     if not journal.exists():
@@ -215,6 +234,7 @@ def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: Sour
         background.shutdown(wait=False, cancel_futures=True)
     journal.remove()
     summary.reused_chunks = len(finished)
+    summary.selection, summary.selection_seconds = selection, selection_seconds
     return summary
 
 
@@ -245,6 +265,7 @@ def _check_options(options: PackOptions) -> None:
             raise UsageError(f"--prefetch-threads: must be 0 or more, got {options.prefetch_threads}")
         if options.budget < 0:
             raise UsageError(f"--budget: must be 0 or more bytes/s, got {options.budget}")
+        _goal(options)  # a bad --fit, --nodes, --tolerance or --pack-speed fails before anything is walked
         return
     try:
         codec_from_spec(options.codec)
@@ -281,20 +302,52 @@ def _selection(options: PackOptions, src: Path, tree: SourceTree, groups: GroupP
         except (SelectionError, KeyError, TypeError) as exc:
             raise PackError(f"{journal.dir}: the journaled codec selection cannot be read ({exc}); pass --force to "
                             "start the pack afresh") from None
-    return select_for(src, tree, groups, options.budget, options.prefetch_threads, options.sample, options.seed)
+    return select_for(src, tree, groups, options.budget, options.prefetch_threads, options.sample, options.seed,
+                      _goal(options))
+
+
+def _goal(options: PackOptions) -> Goal:
+    """The selector's Goal for these options (the selector's errors as fanstore's usage errors)."""
+    return make_goal(options.fit, options.nodes, options.tolerance, options.pack_speed, options.workers)
+
+
+def make_goal(fit: int = 0, nodes: int = 0, tolerance: float = DEFAULT_TOLERANCE, pack_speed: float = 0.0,
+              workers: int = 0) -> Goal:
+    """A selector.Goal from command-line values (sizes in bytes, --pack-speed in bytes/s, --workers 0: every core,
+    capped at the cores); a bad value is a UsageError naming its option."""
+    from selector import Goal, SelectionError
+    from selector.estimate import usable_workers
+
+    if workers < 0:
+        raise UsageError(f"--workers: must be 0 (all cores) or more, got {workers}")
+    try:
+        return Goal(fit_bytes=fit, nodes=nodes, tolerance=tolerance, pack_mbps=pack_speed / 1e6,
+                    workers=usable_workers(workers))
+    except SelectionError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def select_for(src: Path, tree: SourceTree, groups: GroupPlan, budget: float, prefetch_threads: int,
-               fraction: float, seed: int) -> Selection:
-    """The selector's choice for a walked SRC (`budget` in bytes/s): fanstore walks and groups, the selector
-    samples and measures. Its errors become fanstore's one-line usage errors."""
-    from selector import Budget, SelectionError, select_codecs
+               fraction: float, seed: int, goal: Goal | None = None) -> Selection:
+    """The selector's choice for a walked SRC (`budget` in bytes/s, `goal` a selector.Goal, default: no --fit):
+    fanstore walks and groups, the selector samples and measures. Its errors become fanstore's one-line usage
+    errors; a --fit that cannot be met, DoesNotFit."""
+    from selector import Budget, DoesNotFit as SelectorDoesNotFit, Goal, SelectionError, select_codecs
 
+    replicated = frozenset(number for number, group in enumerate(groups.table()) if group["replicated"])
     try:
         return select_codecs(src, Budget(budget, prefetch_threads), tree.files, groups.group_of, fraction=fraction,
-                             seed=seed, replicate=groups.replicate)
+                             seed=seed, replicate=groups.replicate, goal=goal if goal is not None else Goal(),
+                             replicated_groups=replicated, fixed_bytes=index_bytes_estimate(tree))
+    except SelectorDoesNotFit as exc:
+        raise DoesNotFit(str(exc)) from None
     except SelectionError as exc:
         raise UsageError(str(exc)) from None
+
+
+def index_bytes_estimate(tree: SourceTree) -> int:
+    """About what the index of SRC will take: INDEX_BYTES_PER_ENTRY per entry, plus its path."""
+    return sum(INDEX_BYTES_PER_ENTRY + len(entry.path.encode("utf-8", "surrogateescape")) for entry in tree.entries)
 
 
 def _spec_by_kind(selection: Selection) -> dict[str, str]:

@@ -1,14 +1,15 @@
 """Codec selection: measure every candidate codec on a sample of SRC and choose, per file kind, the one that saves
 the most space while decoding fast enough for the training job.
 
-    sample.py   a reproducible sample, stratified by group and file kind
-    measure.py  ratio, encode speed and decode throughput of each candidate, measured as the packer and reader work
-    policy.py   budget (sync, or K prefetch threads) -> choice per kind
-    report.py   the table `fanstore select` prints, and the ratio/throughput plot
+    sample.py    a reproducible sample, stratified by group and file kind
+    measure.py   ratio, encode speed and decode throughput of each candidate, measured as the packer and reader work
+    policy.py    budget (sync, or K prefetch threads), tolerance, --fit, --pack-speed -> choice per kind
+    estimate.py  what the pack will store and how long it will take, from the sample and the walk
+    report.py    the table `fanstore select` prints, and the decode and pack-time trade-off plots
 
-`select_codecs` runs the three steps; its `Selection` is what `fanstore-pack --codec auto` packs with and records
-in the dataset's metadata. The selector knows nothing of fanstore: its caller walks SRC and says which group each
-file is in, and reports a SelectionError as its own.
+`select_codecs` runs the steps; its `Selection` is what `fanstore-pack --codec auto` packs with and records in the
+dataset's metadata. The selector knows nothing of fanstore: its caller walks SRC, says which group each file is in
+and which groups are replicated, and reports a SelectionError as its own.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .errors import SelectionError
+from .estimate import CpuClock, PackEstimate, estimate_pack, kind_scales, training_bytes
 from .measure import Measurement, candidate_specs, measure_kind
-from .policy import MIN_SAVING, Budget, Choice, choose
+from .policy import MIN_SAVING, Budget, Choice, DoesNotFit, Goal, KindScale, Need, choose, choose_to_fit, need_of
 from .sample import (
     DEFAULT_FRACTION,
     DEFAULT_MAX_BYTES,
@@ -32,7 +34,8 @@ from .sample import (
     estimated_kind_bytes,
 )
 
-__all__ = ["Budget", "Choice", "Measurement", "Selection", "SelectionError", "SourceFile", "select_codecs"]
+__all__ = ["Budget", "Choice", "DoesNotFit", "Goal", "Measurement", "PackEstimate", "Selection", "SelectionError",
+           "SourceFile", "select_codecs"]
 
 SELECTION_VERSION = 1
 
@@ -54,9 +57,23 @@ class Selection:
     replicate: tuple[str, ...] = field(default_factory=tuple)
     # Per kind, its estimated bytes in SRC: the sample's own kind shares are not estimates (small kinds get a floor)
     kind_bytes: dict[str, int] = field(default_factory=dict)
+    goal: Goal = field(default_factory=Goal)
+    # Per kind, what scales its sample to SRC beyond kind_bytes: replicated bytes, groups, dictionary training bytes
+    scales: dict[str, KindScale] = field(default_factory=dict)
+    tree_files: int = 0  # SRC's non-empty files and their bytes, as walked: the estimate's walk and I/O term
+    tree_bytes: int = 0
+    fixed_bytes: int = 0  # stored whatever the codecs (the index), counted against a total --fit
+    others_cores: float = 0.0  # cores other processes used while the selector measured (the estimate leaves them)
 
     def codec_by_kind(self) -> dict[str, str]:
         return {kind: self.choices[kind].spec for kind in sorted(self.choices)}
+
+    def chosen(self) -> dict[str, Measurement | None]:
+        return {kind: choice.measurement for kind, choice in sorted(self.choices.items())}
+
+    def scales_by_kind(self) -> dict[str, KindScale]:
+        """Per chosen kind, its scale (a record without scales: its estimated bytes alone)."""
+        return {kind: self.scales.get(kind) or KindScale(self.kind_bytes.get(kind, 0)) for kind in self.choices}
 
     def predicted_ratio(self) -> float | None:
         """Raw / stored of the whole of SRC with these choices: each kind's predicted ratio, weighted by its
@@ -68,27 +85,58 @@ class Selection:
             stored += kind_raw / choice.measurement.ratio if choice.measurement is not None else kind_raw
         return raw / stored if stored else None
 
+    def predicted_blob_bytes(self) -> float:
+        """The stored bytes of SRC's files (what a pack reports as stored: no dictionaries, no index)."""
+        scales = self.scales_by_kind()
+        return sum(scales[kind].raw_bytes / (choice.measurement.ratio if choice.measurement is not None else 1.0)
+                   for kind, choice in self.choices.items())
+
+    def need(self) -> Need:
+        """Predicted stored bytes: the whole dataset's (blobs, dictionaries, the index) and, with --nodes, the
+        replicated and spread parts one node stores."""
+        return need_of(self.chosen(), self.scales_by_kind(), self.goal, self.fixed_bytes)
+
+    def estimate(self) -> PackEstimate:
+        """Predicted seconds of the pack with these choices (the selection itself not counted)."""
+        return estimate_pack(self.chosen(), self.scales_by_kind(), self.tree_files, self.tree_bytes, self.goal.workers,
+                             self.others_cores)
+
     def to_json(self) -> dict[str, Any]:
         """JSON-able and in a fixed key order (kinds sorted, measurements in measuring order)."""
+        need, estimate = self.need(), self.estimate()
         return {
             "version": SELECTION_VERSION,
             "budget": {"bytes_per_s": self.budget.bytes_per_s, "prefetch_threads": self.budget.prefetch_threads,
                        "required_decode_mbps": round(self.budget.required_decode_mbps, 3)},
+            "goal": {"fit_bytes": self.goal.fit_bytes, "nodes": self.goal.nodes, "tolerance": self.goal.tolerance,
+                     "pack_mbps": self.goal.pack_mbps, "workers": self.goal.workers},
             "sample": {"fraction": self.fraction, "seed": self.seed, "max_bytes": self.max_bytes,
                        "files": self.sample_files, "bytes": self.sample_bytes, "replicate": list(self.replicate),
                        "kind_bytes": dict(sorted(self.kind_bytes.items()))},
+            "tree": {"files": self.tree_files, "bytes": self.tree_bytes, "fixed_bytes": self.fixed_bytes,
+                     "others_cores": round(self.others_cores, 3),
+                     "kinds": {kind: {"replicated_bytes": scale.replicated_bytes, "groups": scale.groups,
+                                      "train_bytes": scale.train_bytes}
+                               for kind, scale in sorted(self.scales.items())}},
             "min_saving": self.min_saving,
             "seconds": round(self.seconds, 3),
             "choices": {kind: {"spec": choice.spec, "meets_budget": choice.meets_budget, "reason": choice.reason}
                         for kind, choice in sorted(self.choices.items())},
+            "predicted": {"stored_bytes": round(need.total), "need_bytes": round(need.bytes),
+                          "pack_seconds": round(estimate.seconds, 3),
+                          "compress_seconds": round(estimate.compress_seconds, 3),
+                          "train_seconds": round(estimate.train_seconds, 3),
+                          "io_seconds": round(estimate.io_seconds, 3)},
             "measurements": [m.to_json() for m in self.measurements],
         }
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> Selection:
-        """The Selection `to_json` recorded (a resumed pack reuses it rather than measure again)."""
+        """The Selection `to_json` recorded (a resumed pack reuses it rather than measure again). A record written
+        before goals were kept reads as what it was: no --fit, no tolerance."""
         if record.get("version") != SELECTION_VERSION:
-            raise SelectionError(f"selection record has version {record.get('version')!r}, expected {SELECTION_VERSION}")
+            raise SelectionError(f"selection record has version {record.get('version')!r}, expected "
+                                 f"{SELECTION_VERSION}")
         measurements = [Measurement.from_json(m) for m in record["measurements"]]
         by_key = {(m.kind, m.spec): m for m in measurements}
         choices = {
@@ -97,6 +145,12 @@ class Selection:
         }
         sample = record["sample"]
         budget = record["budget"]
+        goal = record.get("goal", {"tolerance": 0.0})
+        tree = record.get("tree", {})
+        kind_bytes = dict(sample.get("kind_bytes", {}))  # absent from records written before it was kept
+        scales = {kind: KindScale(kind_bytes.get(kind, 0), scale["replicated_bytes"], scale["groups"],
+                                  scale["train_bytes"])
+                  for kind, scale in tree.get("kinds", {}).items()}
         return cls(
             budget=Budget(budget["bytes_per_s"], budget["prefetch_threads"]),
             fraction=sample["fraction"],
@@ -109,7 +163,13 @@ class Selection:
             max_bytes=sample["max_bytes"],
             min_saving=record["min_saving"],
             replicate=tuple(sample["replicate"]),
-            kind_bytes=dict(sample.get("kind_bytes", {})),  # absent from records written before it was kept
+            kind_bytes=kind_bytes,
+            goal=Goal(**goal),
+            scales=scales,
+            tree_files=tree.get("files", 0),
+            tree_bytes=tree.get("bytes", 0),
+            fixed_bytes=tree.get("fixed_bytes", 0),
+            others_cores=tree.get("others_cores", 0.0),
         )
 
 
@@ -126,23 +186,37 @@ def select_codecs(
     seed: int = 0,
     replicate: tuple[str, ...] = (),
     max_bytes: int = DEFAULT_MAX_BYTES,
+    goal: Goal = Goal(),
+    replicated_groups: frozenset[int] = frozenset(),
+    fixed_bytes: int = 0,
 ) -> Selection:
     """Sample `files` (SRC's regular files, as the caller walked them), measure every candidate per kind, and
-    choose per kind for `budget`. `group_of` gives a file's group, so the sample is stratified by group too;
-    `replicate`, the patterns behind it, is recorded. Bad arguments raise SelectionError naming the option."""
-    started = time.perf_counter()
+    choose per kind for `budget` and `goal` (policy.py says how). `group_of` gives a file's group, so the sample is
+    stratified by group too; `replicated_groups` are the groups every node stores (for --nodes); `replicate`, the
+    patterns behind them, is recorded; `fixed_bytes` (the index) count against a total --fit. Bad arguments raise
+    SelectionError naming the option; a --fit that cannot be met raises DoesNotFit."""
+    started, clock = time.perf_counter(), CpuClock.now()
     if not isinstance(budget, Budget):
         raise SelectionError(f"--budget: expected a selector.Budget, got {budget!r}")
+    if not isinstance(goal, Goal):
+        raise SelectionError(f"--fit: expected a selector.Goal, got {goal!r}")
     fraction = check_fraction(fraction)
     seed = check_seed(seed)
     max_bytes = check_max_bytes(max_bytes)
     sample = draw_sample(Path(src), files, group_of, fraction=fraction, max_bytes=max_bytes, seed=seed)
+    kind_bytes = estimated_kind_bytes(sample)
+    scales = kind_scales(sample, kind_bytes, frozenset(replicated_groups), training_bytes(files, group_of))
     measurements: list[Measurement] = []
     choices: dict[str, Choice] = {}
     for kind in sorted({sample_file.kind for sample_file in sample}):
         kind_measurements = measure_kind(kind, [f for f in sample if f.kind == kind], candidate_specs(kind))
         measurements.extend(kind_measurements)
-        choices[kind] = choose(kind, kind_measurements, budget)
+        if not goal.fit_bytes:
+            choices[kind] = choose(kind, kind_measurements, budget, goal=goal, scale=scales.get(kind))
+    if goal.fit_bytes:
+        choices = choose_to_fit(measurements, {kind: scales[kind] for kind in sorted({m.kind for m in measurements})},
+                                budget, goal, fixed_bytes)
+    non_empty = [entry for entry in files if entry.size > 0]
     return Selection(
         budget=budget,
         fraction=fraction,
@@ -154,5 +228,11 @@ def select_codecs(
         seconds=time.perf_counter() - started,
         max_bytes=max_bytes,
         replicate=tuple(replicate),
-        kind_bytes=estimated_kind_bytes(sample),
+        kind_bytes=kind_bytes,
+        goal=goal,
+        scales=scales,
+        tree_files=len(non_empty),
+        tree_bytes=sum(entry.size for entry in non_empty),
+        fixed_bytes=fixed_bytes,
+        others_cores=CpuClock.now().others_since(clock),
     )

@@ -9,12 +9,12 @@ each file right after its stored bytes are checksummed, as `Reader.read` verifie
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import blosc
@@ -67,10 +67,12 @@ _BLOSC_SPECS = tuple(
 _BLOSC_KINDS = (NPY, OTHER)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Measurement:
     """One codec setting on one kind's sample. `files` and `raw_bytes` say what was measured (slow settings: a
-    prefix); `stored_bytes` counts files that did not shrink at their raw size, as the packer stores them."""
+    prefix); `stored_bytes` counts files that did not shrink at their raw size, as the packer stores them, and is
+    what `raw_bytes` would store in SRC's mix: each file weighted by the bytes of the tree it stands for
+    (SampleFile.weight), as the encode speed is too."""
 
     kind: str
     spec: str
@@ -81,10 +83,20 @@ class Measurement:
     decode_mbps: float
     raw_files: int = 0  # files stored as they are because the codec did not make them smaller
     dict_bytes: int = 0  # size of the trained dictionary (zstd-dict), stored once per dataset, not in stored_bytes
+    # zstd-dict: the seconds its two dictionaries took to train, and the bytes they were trained on. The packer
+    # trains one per group on up to DICT_TRAIN_TOTAL_BYTES, one after another, and at high levels that can take
+    # longer than compressing the whole kind: the pack-time estimate scales this figure to the packer's bytes.
+    train_seconds: float = 0.0
+    train_bytes: int = 0
 
     @property
     def ratio(self) -> float:
         return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+    @property
+    def train_seconds_per_byte(self) -> float:
+        """Seconds to train a dictionary per byte it is trained on (0 when the setting trains none)."""
+        return self.train_seconds / self.train_bytes if self.train_bytes else 0.0
 
     @property
     def saving(self) -> float:
@@ -92,9 +104,10 @@ class Measurement:
         return 1.0 - self.stored_bytes / self.raw_bytes if self.raw_bytes else 0.0
 
     def to_json(self) -> dict[str, Any]:
-        record = asdict(self)
+        record = dataclasses.asdict(self)
         record["encode_mbps"] = round(self.encode_mbps, 3)
         record["decode_mbps"] = round(self.decode_mbps, 3)
+        record["train_seconds"] = round(self.train_seconds, 4)
         return record
 
     @classmethod
@@ -141,10 +154,14 @@ def measure_kind(
     measurements = []
     with _single_threaded_blosc():
         for spec in specs:
-            codecs, dict_bytes = _codecs_for(spec, subsets[spec], dictionaries.get(spec))
+            trained = dictionaries.get(spec)
+            codecs, dict_bytes = _codecs_for(spec, subsets[spec], trained[:2] if trained else None)
             if codecs is None:
                 continue
-            measurements.append(_measure(kind, spec, subsets[spec], codecs, dict_bytes, repeats))
+            measurement = _measure(kind, spec, subsets[spec], codecs, dict_bytes, repeats)
+            if trained is not None:
+                measurement = dataclasses.replace(measurement, train_seconds=trained[2], train_bytes=trained[3])
+            measurements.append(measurement)
     return measurements
 
 
@@ -173,19 +190,25 @@ def _prefix(files: list[SampleFile], limit: int) -> list[SampleFile]:
 
 def _train_dictionaries(
     files_by_spec: dict[str, list[SampleFile]],
-) -> dict[str, tuple[bytes | None, bytes | None]]:
-    """Per zstd-dict spec, dictionaries trained on the even- and on the odd-numbered files (see `_codecs_for`).
+) -> dict[str, tuple[bytes | None, bytes | None, float, int]]:
+    """Per zstd-dict spec, dictionaries trained on the even- and on the odd-numbered files (see `_codecs_for`), the
+    seconds both trainings took and the bytes they were trained on (what the pack-time estimate scales).
 
     Training is the slowest step at high levels and zstd releases the GIL while training, so the dictionaries are
-    trained in threads, one per core; the result does not depend on it (training itself is single-threaded).
+    trained in threads, one per core; the result does not depend on it (training itself is single-threaded), and
+    each training is timed in its own thread, so on its own core.
     """
     jobs = [(spec, half, codec_from_spec(spec).level)  # type: ignore[attr-defined]
             for spec, files in files_by_spec.items() for half in (files[0::2], files[1::2])]
     if not jobs:
         return {}
     with ThreadPoolExecutor(max_workers=min(len(jobs), _usable_cores())) as pool:
-        trained = list(pool.map(lambda job: _train(job[1], job[2]), jobs))
-    return {spec: (trained[number], trained[number + 1]) for number, (spec, _, _) in enumerate(jobs) if number % 2 == 0}
+        trained = list(pool.map(lambda job: _timed_train(job[1], job[2]), jobs))
+    result = {}
+    for number in range(0, len(jobs), 2):
+        (even, even_seconds, even_bytes), (odd, odd_seconds, odd_bytes) = trained[number], trained[number + 1]
+        result[jobs[number][0]] = (even, odd, even_seconds + odd_seconds, even_bytes + odd_bytes)
+    return result
 
 
 def _usable_cores() -> int:
@@ -218,8 +241,8 @@ def _codecs_for(
     return codecs, max(len(trained_on_even), len(trained_on_odd))
 
 
-def _train(files: list[SampleFile], level: int) -> bytes | None:
-    """A dictionary trained the way the packer trains one, on these files."""
+def _timed_train(files: list[SampleFile], level: int) -> tuple[bytes | None, float, int]:
+    """A dictionary trained the way the packer trains one, on these files; the seconds it took and its input bytes."""
     samples: list[bytes] = []
     total = 0
     for sample_file in files[:DICT_TRAIN_FILES]:
@@ -227,7 +250,11 @@ def _train(files: list[SampleFile], level: int) -> bytes | None:
         total += len(samples[-1])
         if total >= DICT_TRAIN_TOTAL_BYTES:
             break
-    return train_dictionary(samples, level=level) if samples else None
+    if not samples:
+        return None, 0.0, 0
+    started = time.perf_counter()
+    dictionary = train_dictionary(samples, level=level)
+    return dictionary, time.perf_counter() - started, total
 
 
 def _measure(
@@ -236,14 +263,19 @@ def _measure(
     none = codec_from_spec("none")
     work: list[_DecodeWork] = []
     raw_files = 0
-    started = time.perf_counter()
+    clock = time.perf_counter
+    weighted_raw = weighted_stored = weighted_seconds = 0.0
     for sample_file, codec in zip(files, codecs):
+        started = clock()
         stored = codec.encode(sample_file.data)
+        seconds = clock() - started
         if len(stored) >= len(sample_file.data):
             stored, codec = sample_file.data, none
             raw_files += 1
         work.append((codec.decode, stored, len(sample_file.data)))
-    encode_seconds = time.perf_counter() - started
+        weighted_raw += sample_file.weight * len(sample_file.data)
+        weighted_stored += sample_file.weight * len(stored)
+        weighted_seconds += sample_file.weight * seconds
     # One untimed pass checks every file comes back intact and warms the per-thread decoders, as a running
     # reader's are; then the timed passes, each decoding the whole sample `loops` times.
     started = time.perf_counter()
@@ -257,13 +289,15 @@ def _measure(
     for _ in range(repeats):
         pass_seconds.append(sum(_timed_decode_pass(batches) for _ in range(loops)) / loops)
     raw_bytes = sum(len(sample_file.data) for sample_file in files)
+    if weighted_raw <= 0:  # every weight 0: an estimate rounded away; the sample's own mix then
+        weighted_raw, weighted_stored = raw_bytes, sum(len(stored) for _, stored, _ in work)
     return Measurement(
         kind=kind,
         spec=spec,
         files=len(files),
         raw_bytes=raw_bytes,
-        stored_bytes=sum(len(stored) for _, stored, _ in work),
-        encode_mbps=raw_bytes / MB / max(encode_seconds, _MIN_SECONDS),
+        stored_bytes=max(1, round(raw_bytes * weighted_stored / weighted_raw)),
+        encode_mbps=weighted_raw / MB / max(weighted_seconds, _MIN_SECONDS),
         decode_mbps=raw_bytes / MB / max(statistics.median(pass_seconds), _MIN_SECONDS),
         raw_files=raw_files,
         dict_bytes=dict_bytes,

@@ -1,13 +1,32 @@
-"""From measurements to a choice: the most capacity whose decode still keeps up with the training job.
+"""From measurements to a choice per file kind, in one of two modes.
 
-Synchronous reads decode on the read path, so one decoder must reach the budget; with K prefetch threads decoding
-ahead, K decoders share it, so each needs only budget / K and a stronger codec can pass.
+Default (no --fit): the most capacity whose decode still keeps up with the training job. Synchronous reads decode
+on the read path, so one decoder must reach the budget; with K prefetch threads decoding ahead, K decoders share
+it, so each needs only budget / K and a stronger codec can pass. Pack time counts too: among the settings that meet
+the budget and store within --tolerance (default 1%) of the smallest, the one that packs the kind fastest wins
+(zstd at level 19 stores 1% less than at level 9 for ten times the pack time; a person waits for that pack). Pack
+times within 25% of each other count as equal, and then the smaller size wins: timing noise must not decide.
+
+--fit SIZE: the fastest decode that still fits. It is a multiple-choice problem (one setting per kind, the sum of
+stored bytes bounded), solved greedily: every kind starts at its fastest-decoding setting (`none`: nothing
+decodes faster) and, while the predicted total exceeds SIZE, the kind whose next stronger setting saves the most
+bytes per second of decode time it adds (decode time = the kind's bytes in SRC / decode speed, one epoch, one
+thread) moves to it. Stronger settings are taken along each kind's front (the settings no faster one beats in
+stored size); once it fits, a kind that can step back to a faster decoder and still fit does so. When even the
+strongest setting of every kind does not fit, it fails in one line saying by how much. With --nodes N the size
+that must fit is one node's: its replicated bytes plus its share of the spread bytes (spread / N, rounded up; the
+placement balances spread bytes to within a few percent, which `fanstore plan` checks on the packed dataset).
+The 5% minimum saving of the default mode does not apply: a saving of 2% may be what makes the dataset fit.
+
+Floors apply in both modes: --budget (each decoder must reach budget / K) and --pack-speed (each kind must pack
+at that rate with the pack's workers, its dictionaries' training included, so the whole tree's compression does
+too). `none` always meets both; it is stored when nothing else does.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from .errors import SelectionError
@@ -17,10 +36,25 @@ NONE_SPEC = "none"
 # A codec must save at least this share of a kind's bytes to be worth decoding on every read: 1-3% on JPEGs buys
 # almost no capacity for CPU time the training job would rather spend on augmentation.
 MIN_SAVING = 0.05
+# Stored sizes within this share of the smallest count as equal, so that the faster pack wins (--tolerance).
+DEFAULT_TOLERANCE = 0.01
 # Equal stored sizes (zstd levels that set the same parameters produce the same bytes) are told apart by decode
 # speed only when one is clearly faster; otherwise by the grid order (the cheaper encoder), so that timing noise
 # cannot flip the choice between two codecs that do the same work.
 _CLEARLY_FASTER = 1.25
+# Pack times within this factor of the fastest count as equal, as decode speeds do: among them the smaller stored
+# size wins, so that timing noise between two encoders doing about the same work (blosc with byte or bit shuffle,
+# zstd at neighbouring levels) rarely flips the choice.
+_SAME_PACK_TIME = _CLEARLY_FASTER
+MAX_NODES = 4096  # as fanstore's placement
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +88,86 @@ class Budget:
 
 
 @dataclass(frozen=True, slots=True)
+class Goal:
+    """What the selection aims at besides the decode budget: a capacity to fit (--fit, per node with --nodes), the
+    capacity tolerance of the default mode, a floor on pack speed, and the workers the pack will compress with."""
+
+    fit_bytes: int = 0  # 0: no --fit (the default mode)
+    nodes: int = 0  # 0: --fit is the whole dataset; N: what one of N nodes stores
+    tolerance: float = DEFAULT_TOLERANCE
+    pack_mbps: float = 0.0  # --pack-speed; 0: no floor
+    workers: int = 1  # compression processes of the pack, at most the cores
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.fit_bytes) or self.fit_bytes < 0:
+            raise SelectionError(f"--fit: must be a size of 1 byte or more, got {self.fit_bytes!r}")
+        if not _is_int(self.nodes) or not 0 <= self.nodes <= MAX_NODES:
+            raise SelectionError(f"--nodes: must be a whole number from 1 to {MAX_NODES}, got {self.nodes!r}")
+        if self.nodes and not self.fit_bytes:
+            raise SelectionError("--nodes: only applies with --fit (the capacity each node has for the dataset)")
+        if not _is_number(self.tolerance) or not 0 <= self.tolerance < 1:
+            raise SelectionError(f"--tolerance: must be a fraction from 0 up to 100% (e.g. 1%), got "
+                                 f"{self.tolerance!r}")
+        if not _is_number(self.pack_mbps) or self.pack_mbps < 0:
+            raise SelectionError(f"--pack-speed: must be a finite throughput of 0 or more, got {self.pack_mbps!r}")
+        if not _is_int(self.workers) or self.workers < 1:
+            raise SelectionError(f"--workers: must be 1 or more, got {self.workers!r}")
+
+    def describe(self) -> str:
+        """One line: the mode, the floors besides the budget, and the workers the estimates assume."""
+        if self.fit_bytes:
+            where = f" on each of {self.nodes:,} nodes" if self.nodes else ""
+            mode = f"--fit {decimal_bytes(self.fit_bytes)}{where}: the fastest decode that fits"
+        else:
+            mode = (f"--tolerance {self.tolerance:.1%}: the fastest pack among settings storing within "
+                    f"{self.tolerance:.1%} of the smallest")
+        floor = f"; --pack-speed {self.pack_mbps:,.0f} MB/s per kind" if self.pack_mbps else ""
+        return f"{mode}{floor}; pack estimated with {self.workers} worker(s)"
+
+
+
+@dataclass(frozen=True, slots=True)
+class KindScale:
+    """How one kind of SRC scales a sample's measurement: its estimated bytes in SRC (of them, those in replicated
+    groups), the groups it is in, and the bytes the packer would train its dictionaries on."""
+
+    raw_bytes: int
+    replicated_bytes: int = 0
+    groups: int = 1
+    train_bytes: int = 0  # per zstd-dict choice, over its groups (and the fallback row's, for `other`)
+
+    def stored(self, m: Measurement | None) -> float:
+        """Predicted stored bytes of the kind, its dictionaries included."""
+        if m is None:
+            return float(self.raw_bytes)
+        return self.raw_bytes / m.ratio + (m.dict_bytes * self.groups if m.dict_bytes else 0)
+
+    def stored_replicated(self, m: Measurement | None) -> float:
+        return self.replicated_bytes / (m.ratio if m is not None else 1.0)
+
+    def stored_spread(self, m: Measurement | None) -> float:
+        return (self.raw_bytes - self.replicated_bytes) / (m.ratio if m is not None else 1.0)
+
+    def decode_seconds(self, m: Measurement | None) -> float:
+        """One thread decoding the whole kind once; 0 for `none` (nothing is decoded)."""
+        if m is None or m.spec == NONE_SPEC:
+            return 0.0
+        return self.raw_bytes / MB / max(m.decode_mbps, 1e-12)
+
+    def pack_seconds(self, m: Measurement | None, workers: int) -> float:
+        """Compressing the kind on `workers` processes at the measured encode speed, plus training its
+        dictionaries (in the packing process, one after another)."""
+        if m is None:
+            return 0.0
+        return (self.raw_bytes / MB / max(m.encode_mbps, 1e-12) / max(workers, 1)
+                + m.train_seconds_per_byte * self.train_bytes)
+
+    def pack_mbps(self, m: Measurement | None, workers: int) -> float:
+        seconds = self.pack_seconds(m, workers)
+        return self.raw_bytes / MB / seconds if seconds > 0 else math.inf
+
+
+@dataclass(frozen=True, slots=True)
 class Choice:
     """The codec chosen for a kind, the measurement behind it (None when `none` was not measured), and why."""
 
@@ -64,29 +178,97 @@ class Choice:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class Need:
+    """The bytes that must fit: the whole dataset's, or with --nodes one node's (replicated + spread / N)."""
+
+    total: float  # the whole dataset, dictionaries and `fixed` bytes included
+    replicated: float
+    spread: float
+    nodes: int
+    fixed: float = 0.0  # bytes stored whatever the codecs (index, chunk headers), counted in `total` only
+
+    @property
+    def bytes(self) -> float:
+        """What is compared with --fit: the total, or one node's replicated bytes plus its spread share."""
+        if self.nodes:
+            return self.replicated + math.ceil(self.spread / self.nodes)
+        return self.total
+
+    def describe(self) -> str:
+        if not self.nodes:
+            return decimal_bytes(self.bytes)
+        return (f"{decimal_bytes(self.bytes)} per node ({decimal_bytes(self.replicated)} replicated + "
+                f"{decimal_bytes(self.spread)} spread / {self.nodes:,})")
+
+
+class DoesNotFit(SelectionError):
+    """--fit cannot be met even with the strongest settings; the message says by how much."""
+
+
 def meets(measurement: Measurement, budget: Budget) -> bool:
     """Whether one decoder of this setting keeps up with the budget."""
     return budget.bytes_per_s == 0 or measurement.decode_mbps >= budget.required_decode_mbps
 
 
-def choose(kind: str, measurements: Sequence[Measurement], budget: Budget, min_saving: float = MIN_SAVING) -> Choice:
-    """The setting with the largest saving among those that meet the budget and save at least `min_saving`;
-    `none` (store as is) when there is none, with a reason saying what was missed and by how much.
+def meets_pack_speed(measurement: Measurement, scale: KindScale, goal: Goal) -> bool:
+    """Whether the kind packs at --pack-speed or more with this setting (always, without a floor)."""
+    return goal.pack_mbps == 0 or scale.pack_mbps(measurement, goal.workers) >= goal.pack_mbps
+
+
+def choose(
+    kind: str,
+    measurements: Sequence[Measurement],
+    budget: Budget,
+    min_saving: float = MIN_SAVING,
+    goal: Goal = Goal(),
+    scale: KindScale | None = None,
+) -> Choice:
+    """The default mode for one kind: among the settings that meet the floors and save at least `min_saving`, those
+    storing within the tolerance of the smallest, and of them the fastest to pack; `none` (store as is) when there is
+    none, with a reason saying what was missed and by how much. `scale` says what the kind costs to pack (without it,
+    the sample's own bytes: the fastest encoder wins).
 
     `none` is always allowed, even when its measured copy is slower than required: nothing decodes faster.
     """
     candidates = [m for m in measurements if m.kind == kind]
+    if scale is None:
+        scale = KindScale(max((m.raw_bytes for m in candidates), default=0))
     order = {m.spec: number for number, m in enumerate(candidates)}
     none_measurement = next((m for m in candidates if m.spec == NONE_SPEC), None)
     codecs = [m for m in candidates if m.spec != NONE_SPEC]
     fast_enough = [m for m in codecs if meets(m, budget)]
-    worthwhile = [m for m in fast_enough if m.saving >= min_saving]
+    packs_fast = [m for m in fast_enough if meets_pack_speed(m, scale, goal)]
+    worthwhile = [m for m in packs_fast if m.saving >= min_saving]
     if worthwhile:
-        best = _best(worthwhile, order)
-        return Choice(kind, best.spec, best, True, _chosen_reason(best, budget, len(fast_enough)))
+        best, smallest, near = _within_tolerance(worthwhile, order, goal, scale)
+        return Choice(kind, best.spec, best, True,
+                      _chosen_reason(best, smallest, near, budget, goal, scale, len(fast_enough)))
     none_meets = none_measurement is None or meets(none_measurement, budget)
-    return Choice(kind, NONE_SPEC, none_measurement, none_meets,
-                  _fallback_reason(codecs, fast_enough, none_measurement, budget, min_saving))
+    reason = _fallback_reason(codecs, fast_enough, none_measurement, budget, min_saving)
+    if fast_enough and not packs_fast:
+        quickest = max(fast_enough, key=lambda m: scale.pack_mbps(m, goal.workers))
+        reason = (f"--pack-speed not met: no codec that reaches the budget packs this kind at "
+                  f"{goal.pack_mbps:,.0f} MB/s; the fastest, {quickest.spec}, packs at "
+                  f"{scale.pack_mbps(quickest, goal.workers):,.0f} MB/s with {goal.workers} worker(s); files are "
+                  "stored as they are")
+    return Choice(kind, NONE_SPEC, none_measurement, none_meets, reason)
+
+
+def _within_tolerance(measurements: list[Measurement], order: dict[str, int], goal: Goal, scale: KindScale
+                      ) -> tuple[Measurement, Measurement, list[Measurement]]:
+    """(the choice, the smallest stored setting, the settings within tolerance of it). Among those within tolerance,
+    the fastest to pack; pack times within _SAME_PACK_TIME of it count as equal, and then the smaller stored size
+    wins, then `_best`'s rule (so two settings that do the same work are told apart without timing noise)."""
+    smallest = _best(measurements, order)
+    limit = smallest.stored_bytes * (1 + goal.tolerance) / smallest.raw_bytes if smallest.raw_bytes else 0
+    near = [m for m in measurements if m is smallest or m.stored_bytes / m.raw_bytes <= limit]
+    fastest = min(scale.pack_seconds(m, goal.workers) for m in near)
+    quick = [m for m in near if scale.pack_seconds(m, goal.workers) <= fastest * _SAME_PACK_TIME]
+    if smallest in quick:
+        return smallest, smallest, near
+    top_ratio = max(m.ratio for m in quick)
+    return _best([m for m in quick if m.ratio == top_ratio], order), smallest, near
 
 
 def _best(measurements: list[Measurement], order: dict[str, int]) -> Measurement:
@@ -100,12 +282,21 @@ def _best(measurements: list[Measurement], order: dict[str, int]) -> Measurement
     return best
 
 
-def _chosen_reason(best: Measurement, budget: Budget, fast_enough: int) -> str:
-    what = f"saves {best.saving:.1%} (ratio {best.ratio:.2f}), decodes at {best.decode_mbps:,.0f} MB/s"
+def _chosen_reason(best: Measurement, smallest: Measurement, near: list[Measurement], budget: Budget, goal: Goal,
+                   scale: KindScale, fast_enough: int) -> str:
+    what = (f"saves {best.saving:.1%} (ratio {best.ratio:.2f}), decodes at {best.decode_mbps:,.0f} MB/s, packs in "
+            f"{scale.pack_seconds(best, goal.workers):,.1f} s")
     if budget.bytes_per_s == 0:
-        return f"{what}: the best ratio, as there is no speed requirement"
-    return (f"{what}: the best ratio of the {fast_enough} codec setting(s) that reach "
-            f"{budget.required_decode_mbps:,.0f} MB/s")
+        pool = "the best ratio, as there is no speed requirement"
+    else:
+        pool = (f"the best ratio of the {fast_enough} codec setting(s) that reach "
+                f"{budget.required_decode_mbps:,.0f} MB/s")
+    if best is smallest:
+        if len(near) > 1:
+            pool += f", and the fastest to pack of the {len(near)} within {goal.tolerance:.1%} of it"
+        return f"{what}: {pool}"
+    return (f"{what}: within {goal.tolerance:.1%} of {pool} ({smallest.spec}, ratio {smallest.ratio:.2f}, "
+            f"{scale.pack_seconds(smallest, goal.workers):,.1f} s to pack), and the fastest to pack of the {len(near)}")
 
 
 def _fallback_reason(
@@ -136,3 +327,148 @@ def _fallback_reason(
                 f"enough, {best_fast.spec}, saves only {best_fast.saving:.1%}" + tail)
     return (f"not worth decoding: no codec saves {min_saving:.0%} or more of this kind (best: {best_fast.spec} "
             f"saves {best_fast.saving:.1%})" + tail)
+
+
+# --- --fit ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Front:
+    """One kind's settings that meet the floors, fastest decoder first, each storing less than every faster one;
+    `at` is the one currently chosen."""
+
+    kind: str
+    scale: KindScale
+    options: list[Measurement | None]  # None: `none` when it was not measured (stored as is, decodes nothing)
+    at: int = 0
+    moved: list[int] = field(default_factory=list)
+
+    @property
+    def current(self) -> Measurement | None:
+        return self.options[self.at]
+
+
+def need_of(chosen: dict[str, Measurement | None], scales: dict[str, KindScale], goal: Goal,
+            fixed_bytes: float = 0.0) -> Need:
+    """The bytes these settings store: the whole dataset's and, for --nodes, its replicated and spread parts."""
+    total = replicated = spread = 0.0
+    for kind, m in chosen.items():
+        scale = scales[kind]
+        total += scale.stored(m)
+        replicated += scale.stored_replicated(m)
+        spread += scale.stored_spread(m)
+    return Need(total + fixed_bytes, replicated, spread, goal.nodes, fixed_bytes)
+
+
+def choose_to_fit(
+    measurements: Sequence[Measurement],
+    scales: dict[str, KindScale],
+    budget: Budget,
+    goal: Goal,
+    fixed_bytes: float = 0.0,
+) -> dict[str, Choice]:
+    """The --fit mode (see the module docstring) over every kind in `scales`: per kind, the setting that decodes
+    fastest while the whole dataset (or one node's share) still fits in goal.fit_bytes. `fixed_bytes` (the index,
+    chunk headers) count against a total --fit. Raises DoesNotFit, one line saying by how much, when it cannot."""
+    if not goal.fit_bytes:
+        raise SelectionError("--fit: choose_to_fit needs a capacity to fit")
+    fronts = [_front(kind, [m for m in measurements if m.kind == kind], scales[kind], budget, goal)
+              for kind in sorted(scales)]
+
+    def need() -> Need:
+        return need_of({front.kind: front.current for front in fronts}, scales, goal, fixed_bytes)
+
+    strongest = need_of({front.kind: front.options[-1] for front in fronts}, scales, goal, fixed_bytes)
+    if strongest.bytes > goal.fit_bytes:
+        raise DoesNotFit(_shortfall(strongest, budget, goal))
+    moves = 0
+    while need().bytes > goal.fit_bytes:
+        front = max((f for f in fronts if f.at + 1 < len(f.options)), key=lambda f: _gain(f, goal))
+        front.at += 1
+        front.moved.append(moves)
+        moves += 1
+    # The last move may have saved more than was missing: step back any kind whose faster setting still fits,
+    # the most recently moved first.
+    stepped_back = True
+    while stepped_back:
+        stepped_back = False
+        for front in sorted((f for f in fronts if f.at), key=lambda f: -f.moved[-1]):
+            front.at -= 1
+            if need().bytes <= goal.fit_bytes:
+                front.moved.pop()
+                stepped_back = True
+                break
+            front.at += 1
+    final = need()
+    return {front.kind: _fit_choice(front, final, budget, goal) for front in fronts}
+
+
+def _front(kind: str, measurements: list[Measurement], scale: KindScale, budget: Budget, goal: Goal) -> _Front:
+    none_measurement = next((m for m in measurements if m.spec == NONE_SPEC), None)
+    allowed = [m for m in measurements
+               if m.spec != NONE_SPEC and meets(m, budget) and meets_pack_speed(m, scale, goal)]
+    order = {m.spec: number for number, m in enumerate(measurements)}
+    allowed.sort(key=lambda m: (scale.decode_seconds(m), scale.stored(m), scale.pack_seconds(m, goal.workers),
+                                order[m.spec]))
+    options: list[Measurement | None] = [none_measurement]
+    for m in allowed:
+        if scale.stored(m) < scale.stored(options[-1]):
+            options.append(m)
+    return _Front(kind, scale, options)
+
+
+def _gain(front: _Front, goal: Goal) -> tuple[float, float, str]:
+    """Bytes the next stronger setting saves (per node with --nodes) per second of decode time it adds; ties go to
+    the larger saving, then to the kind first in name order."""
+    current, stronger = front.current, front.options[front.at + 1]
+    scale = front.scale
+    if goal.nodes:
+        saved = (scale.stored_replicated(current) - scale.stored_replicated(stronger)
+                 + (scale.stored_spread(current) - scale.stored_spread(stronger)) / goal.nodes)
+    else:
+        saved = scale.stored(current) - scale.stored(stronger)
+    slower = scale.decode_seconds(stronger) - scale.decode_seconds(current)
+    rate = saved / slower if slower > 0 else math.inf
+    return rate, saved, _reverse(front.kind)
+
+
+def _reverse(text: str) -> str:
+    """A key that sorts names in reverse, so that max() prefers the first name on a tie."""
+    return "".join(chr(0x10FFFF - ord(c)) for c in text)
+
+
+def _fit_choice(front: _Front, final: Need, budget: Budget, goal: Goal) -> Choice:
+    m = front.current
+    spec = m.spec if m is not None else NONE_SPEC
+    meets_budget = m is None or m.spec != NONE_SPEC or meets(m, budget)
+    fits = f"{final.describe()} of --fit {decimal_bytes(goal.fit_bytes)}"
+    if front.at == 0:
+        what = "decodes fastest" if spec == NONE_SPEC else "decodes fastest of the settings that meet the floors"
+        reason = f"{what}, and the dataset fits ({fits})"
+    else:
+        faster = front.options[front.at - 1]
+        faster_spec = faster.spec if faster is not None else NONE_SPEC
+        saved = front.scale.stored(faster) - front.scale.stored(m)
+        reason = (f"saves {m.saving:.1%} (ratio {m.ratio:.2f}), decodes at {m.decode_mbps:,.0f} MB/s: needed to fit "
+                  f"({fits}); the faster {faster_spec} would store {decimal_bytes(saved)} more")
+    return Choice(front.kind, spec, m, meets_budget, reason)
+
+
+def _shortfall(strongest: Need, budget: Budget, goal: Goal) -> str:
+    where = f" --nodes {goal.nodes:,}" if goal.nodes else ""
+    over = strongest.bytes - goal.fit_bytes
+    floors = [text for text, given in ((f"--budget {budget.bytes_per_s / MB:,.0f} MB/s", budget.bytes_per_s),
+                                       (f"--pack-speed {goal.pack_mbps:,.0f} MB/s", goal.pack_mbps)) if given]
+    settings = "the strongest settings" + (f" that meet {' and '.join(floors)}" if floors else "")
+    return (f"--fit {decimal_bytes(goal.fit_bytes)}{where}: {settings} store {strongest.describe()}, "
+            f"{decimal_bytes(over)} ({over / goal.fit_bytes:.0%}) over")
+
+
+def decimal_bytes(count: float) -> str:
+    """A size in decimal units, as --fit and --budget are usually given: 10 GB, 12.3 GB, 950 MB."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(count) >= scale:
+            value = count / scale
+            text = f"{value:.3g}" if value < 1000 else f"{value:,.0f}"
+            return f"{text} {unit}"
+    return f"{count:.0f} B"

@@ -1,24 +1,27 @@
-"""What `fanstore select` shows: a table of candidates per kind with the choice marked, and a trade-off plot.
+"""What `fanstore select` shows: a table of candidates per kind with the choice marked, the predicted stored size
+and pack time of SRC, and the trade-off plots.
 
-The plot puts ratio against decode throughput per kind, with the budget line and the Pareto front (the settings no
-other setting beats on both), so the cost in capacity of a faster budget can be read off directly.
+Per kind, two plots side by side: ratio against decode throughput, with the budget line and the Pareto front (the
+settings no other setting beats on both), so the cost in capacity of a faster budget can be read off directly; and
+the kind's stored size in SRC against its estimated pack time, so the cost in waiting of the last percent of
+capacity can be too.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import SelectionError
-from .measure import Measurement
-from .policy import meets
+from .measure import MB, Measurement
+from .policy import NONE_SPEC, decimal_bytes, meets, meets_pack_speed
 from .sample import MIN_FILES, MIN_SAMPLE_BYTES, MIN_STRATUM_BYTES
 
 if TYPE_CHECKING:
     from . import Selection
 
-_COLUMNS = ("", "spec", "ratio", "saving", "decode MB/s", "encode MB/s", "meets budget", "sample")
+_COLUMNS = ("", "spec", "ratio", "saving", "decode MB/s", "encode MB/s", "stored", "pack s", "meets budget",
+            "sample")
 
 
 def _size(count: float) -> str:
@@ -36,8 +39,14 @@ def format_selection(selection: Selection) -> str:
         f"{_size(MIN_SAMPLE_BYTES)}, and per kind {MIN_FILES} files and up to "
         f"{_size(MIN_STRATUM_BYTES)} if it has them; at most {_size(selection.max_bytes)})"
         f", seed {selection.seed}; measured in {selection.seconds:.1f} s",
-        f"a codec must save at least {selection.min_saving:.0%} to be chosen; '*' marks the choice",
+        selection.goal.describe(),
+        ("a codec must save at least " f"{selection.min_saving:.0%} to be chosen; " if not selection.goal.fit_bytes
+         else "") + "'*' marks the choice; stored: predicted for the kind in SRC, dictionaries included; pack s: "
+        "its compression on the workers plus its dictionaries' training"
+        + ("; 'no: pack' = meets the budget, not --pack-speed" if selection.goal.pack_mbps else ""),
     ]
+    scales = selection.scales_by_kind()
+    workers = selection.goal.workers
     for kind in sorted(selection.choices):
         choice = selection.choices[kind]
         rows = [m for m in selection.measurements if m.kind == kind]
@@ -50,6 +59,7 @@ def format_selection(selection: Selection) -> str:
         table = [_COLUMNS]
         for m in sorted(rows, key=lambda m: (-m.ratio, -m.decode_mbps, m.spec)):
             partial = "" if m.raw_bytes >= kind_bytes else f"{m.files} files"
+            packs_fast = meets_pack_speed(m, scales[kind], selection.goal) or m.spec == NONE_SPEC
             table.append((
                 "*" if m.spec == choice.spec else "",
                 m.spec + (f" (dict {_size(m.dict_bytes)})" if m.dict_bytes else ""),
@@ -57,7 +67,9 @@ def format_selection(selection: Selection) -> str:
                 f"{m.saving:.1%}",
                 f"{m.decode_mbps:,.0f}",
                 f"{m.encode_mbps:,.0f}",
-                "yes" if meets(m, budget) else "no",
+                decimal_bytes(scales[kind].stored(m)),
+                f"{scales[kind].pack_seconds(m, workers):,.1f}",
+                ("yes" if packs_fast else "no: pack") if meets(m, budget) else "no",
                 partial,
             ))
         widths = [max(len(row[column]) for row in table) for column in range(len(_COLUMNS))]
@@ -71,15 +83,35 @@ def format_selection(selection: Selection) -> str:
         lines.append("the sample is empty: SRC has no non-empty files to measure")
     predicted = selection.predicted_ratio()
     if predicted is not None:
+        need, estimate = selection.need(), selection.estimate()
         lines.append("")
         lines.append(f"predicted for SRC with these choices: ratio {predicted:.2f} (saves {1 - 1 / predicted:.1%}), "
-                     "each kind's ratio weighted by its estimated bytes")
+                     "each kind's ratio weighted by its estimated bytes; stored "
+                     f"{decimal_bytes(need.total - need.fixed)}, {decimal_bytes(need.total)} with the index")
+        lines.append(f"estimated pack time of SRC ({selection.tree_files:,} files, "
+                     f"{decimal_bytes(selection.tree_bytes)}): {estimate.describe()}")
+        lines.extend(_fit_lines(selection))
     return "\n".join(lines)
 
 
+def _fit_lines(selection: Selection) -> list[str]:
+    goal = selection.goal
+    if not goal.fit_bytes:
+        return []
+    need = selection.need()
+    lines = [f"fits --fit {decimal_bytes(goal.fit_bytes)}: {need.describe()} ({need.bytes / goal.fit_bytes:.0%})"]
+    if goal.nodes:
+        lines.append(f"  per node: replicated bytes + spread bytes / {goal.nodes:,}, rounded up; the placement "
+                     "balances spread bytes to within a few percent, and chunk headers add a little: `fanstore plan "
+                     f"DEST --nodes {goal.nodes} --local-capacity {goal.fit_bytes}` checks the packed dataset")
+    return lines
+
+
 def plot_selection(selection: Selection, path: Path) -> None:
-    """Ratio against decode throughput (log x) per kind: every setting, the Pareto front, the required decode
-    throughput and the choice. Needs matplotlib (SelectionError naming --plot if it is missing)."""
+    """Per kind, side by side: ratio against decode throughput (log x) with the Pareto front and the required decode
+    throughput; and the kind's predicted stored size in SRC against its estimated pack time (log x), with the
+    tolerance band or the --pack-speed floor. The choice is starred in both. Needs matplotlib (SelectionError
+    naming --plot if it is missing)."""
     try:
         from matplotlib.figure import Figure  # the object API: no pyplot, no global backend switch
     except ImportError:
@@ -87,39 +119,76 @@ def plot_selection(selection: Selection, path: Path) -> None:
     kinds = sorted(selection.choices)
     if not kinds:
         raise SelectionError("--plot: nothing to plot, the sample is empty")
-    columns = min(len(kinds), 3)
-    rows = math.ceil(len(kinds) / columns)
-    figure = Figure(figsize=(5.5 * columns, 4.5 * rows), layout="constrained")
-    axes_grid = figure.subplots(rows, columns, squeeze=False)
-    required = selection.budget.required_decode_mbps
+    figure = Figure(figsize=(11, 4.5 * len(kinds)), layout="constrained")
+    axes_grid = figure.subplots(len(kinds), 2, squeeze=False)
     for number, kind in enumerate(kinds):
-        axes = axes_grid[number // columns][number % columns]
-        measurements = [m for m in selection.measurements if m.kind == kind]
-        choice = selection.choices[kind]
-        axes.scatter([m.decode_mbps for m in measurements], [m.ratio for m in measurements], s=18, color="tab:blue",
-                     label="settings")
-        for m in measurements:
-            axes.annotate(m.spec, (m.decode_mbps, m.ratio), fontsize=6, xytext=(3, 2), textcoords="offset points")
-        front = pareto_front(measurements)[::-1]  # by rising throughput: the best ratio at least this fast
-        axes.plot([m.decode_mbps for m in front], [m.ratio for m in front], color="tab:orange", drawstyle="steps-pre",
-                  label="Pareto front")
-        if required > 0:
-            axes.axvline(required, color="tab:red", linestyle="--", label=f"required {required:,.0f} MB/s")
-        if choice.measurement is not None:
-            axes.scatter([choice.measurement.decode_mbps], [choice.measurement.ratio], s=160, marker="*",
-                         color="tab:green", zorder=3, label=f"choice: {choice.spec}")
-        axes.set_xscale("log")
-        axes.set_xlabel("decode throughput, MB/s (one thread, log scale)")
-        axes.set_ylabel("compression ratio")
-        axes.set_title(kind)
-        axes.legend(fontsize=7, loc="best")
-    for number in range(len(kinds), rows * columns):
-        axes_grid[number // columns][number % columns].set_visible(False)
-    figure.suptitle(selection.budget.describe())
+        _plot_decode(axes_grid[number][0], selection, kind)
+        _plot_pack_time(axes_grid[number][1], selection, kind)
+    estimate, need = selection.estimate(), selection.need()
+    figure.suptitle(f"{selection.budget.describe()}\n{selection.goal.describe()}\npredicted: "
+                    f"{decimal_bytes(need.total)} stored, pack {estimate.describe()}")
     try:
-        figure.savefig(path, dpi=120)
+        figure.savefig(path, dpi=100)
     except (OSError, ValueError) as exc:
         raise SelectionError(f"--plot: cannot write {str(path)!r}: {exc}") from None
+
+
+def _plot_decode(axes: Any, selection: Selection, kind: str) -> None:
+    measurements = [m for m in selection.measurements if m.kind == kind]
+    choice = selection.choices[kind]
+    required = selection.budget.required_decode_mbps
+    axes.scatter([m.decode_mbps for m in measurements], [m.ratio for m in measurements], s=18, color="tab:blue",
+                 label="settings")
+    for m in measurements:
+        axes.annotate(m.spec, (m.decode_mbps, m.ratio), fontsize=6, xytext=(3, 2), textcoords="offset points")
+    front = pareto_front(measurements)[::-1]  # by rising throughput: the best ratio at least this fast
+    axes.plot([m.decode_mbps for m in front], [m.ratio for m in front], color="tab:orange", drawstyle="steps-pre",
+              label="Pareto front")
+    if required > 0:
+        axes.axvline(required, color="tab:red", linestyle="--", label=f"required {required:,.0f} MB/s")
+    if choice.measurement is not None:
+        axes.scatter([choice.measurement.decode_mbps], [choice.measurement.ratio], s=160, marker="*",
+                     color="tab:green", zorder=3, label=f"choice: {choice.spec}")
+    axes.set_xscale("log")
+    axes.set_xlabel("decode throughput, MB/s (one thread, log scale)")
+    axes.set_ylabel("compression ratio")
+    axes.set_title(f"{kind}: ratio vs decode speed")
+    axes.legend(fontsize=7, loc="best")
+
+
+def _plot_pack_time(axes: Any, selection: Selection, kind: str) -> None:
+    """Capacity against waiting: the kind's stored MB in SRC against its pack seconds (compression on the workers,
+    dictionaries' training included); the walk and I/O, the same for every setting, are left out."""
+    measurements = [m for m in selection.measurements if m.kind == kind]
+    choice = selection.choices[kind]
+    scale = selection.scales_by_kind()[kind]
+    workers = selection.goal.workers
+    floor = 1e-3  # log scale: `none` packs in about no time
+
+    def point(m: Measurement) -> tuple[float, float]:
+        return max(scale.pack_seconds(m, workers), floor), scale.stored(m) / MB
+
+    points = [point(m) for m in measurements]
+    axes.scatter([x for x, _ in points], [y for _, y in points], s=18, color="tab:blue", label="settings")
+    for m, (x, y) in zip(measurements, points):
+        axes.annotate(m.spec, (x, y), fontsize=6, xytext=(3, 2), textcoords="offset points")
+    codecs = [m for m in measurements if m.spec != NONE_SPEC]
+    goal = selection.goal
+    if codecs and not goal.fit_bytes:
+        smallest = min(scale.stored(m) for m in codecs) / MB
+        axes.axhspan(smallest, smallest * (1 + goal.tolerance), color="tab:orange", alpha=0.25,
+                     label=f"within --tolerance {goal.tolerance:.1%} of the smallest")
+    if goal.pack_mbps and scale.raw_bytes:
+        axes.axvline(scale.raw_bytes / MB / goal.pack_mbps, color="tab:red", linestyle="--",
+                     label=f"--pack-speed {goal.pack_mbps:,.0f} MB/s")
+    if choice.measurement is not None:
+        x, y = point(choice.measurement)
+        axes.scatter([x], [y], s=160, marker="*", color="tab:green", zorder=3, label=f"choice: {choice.spec}")
+    axes.set_xscale("log")
+    axes.set_xlabel(f"estimated pack time of the kind, s ({workers} worker(s), dictionaries included; log scale)")
+    axes.set_ylabel(f"stored in SRC, MB (of {scale.raw_bytes / MB:,.1f} MB raw)")
+    axes.set_title(f"{kind}: capacity vs pack time")
+    axes.legend(fontsize=7, loc="best")
 
 
 def pareto_front(measurements: list[Measurement]) -> list[Measurement]:

@@ -12,6 +12,7 @@ not reshuffle the others.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 import os
@@ -51,6 +52,10 @@ class SampleFile:
     data: bytes
     file_size: int | None = None  # the whole file's size, more than len(data) when only its first bytes were read
     stratum_bytes: int | None = None  # estimated bytes of this file's (group, kind) stratum in the whole tree
+    # Bytes of the tree each of its sampled bytes stands for: its (group, extension, kind) cell's estimated bytes
+    # over the cell's sampled bytes. A kind mixes extensions in other shares than the tree does (every extension
+    # gets a floor of candidates), so its ratio is the weighted one (measure.py).
+    weight: float = 1.0
 
     @property
     def truncated(self) -> bool:
@@ -128,7 +133,7 @@ def draw_sample(
     target = min(max_bytes, total, max(math.ceil(fraction * total), MIN_SAMPLE_BYTES))
 
     candidates = _candidates(by_name, name_bytes, target, total, file_cap)
-    by_kind, kind_bytes = _sniff(root, candidates, name_bytes)
+    by_kind, kind_bytes, cell_bytes = _sniff(root, candidates, name_bytes)
     chosen = _allocate(by_kind, kind_bytes, target, max_bytes, file_cap)
 
     sample = []
@@ -138,6 +143,22 @@ def draw_sample(
         if data:
             kind = file_kind(entry.path, data[:HEAD_BYTES])
             sample.append(SampleFile(entry.path, kind, group, data, entry.size, kind_bytes.get((group, kind))))
+    return _weighted(sample, cell_bytes)
+
+
+def _weighted(sample: list[SampleFile], cell_bytes: dict[tuple[int, str, str], int]) -> list[SampleFile]:
+    """The sample with each file's weight: its (group, extension, kind) cell's estimated bytes in the tree over the
+    cell's bytes in the sample (1 for a cell the sniff did not see, which keeps its own share)."""
+    sampled: dict[tuple[int, str, str], int] = defaultdict(int)
+    for f in sample:
+        sampled[(f.group, _name_key(f.path), f.kind)] += len(f.data)
+    weighted = []
+    for f in sample:
+        cell = (f.group, _name_key(f.path), f.kind)
+        in_tree = cell_bytes.get(cell)
+        weight = in_tree / sampled[cell] if in_tree else 1.0
+        weighted.append(dataclasses.replace(f, weight=weight))
+    return weighted
     return sample
 
 
@@ -180,11 +201,13 @@ def _candidates(
 
 def _sniff(
     root: Path, candidates: dict[_Stratum, list[_Ranked]], name_bytes: dict[_Stratum, int]
-) -> tuple[dict[_Stratum, list[_Ranked]], dict[_Stratum, int]]:
-    """The candidates by (group, kind), in seeded order, and each such stratum's estimated bytes in the whole tree:
-    an extension stratum's bytes split between kinds as they are split among its sniffed candidates."""
+) -> tuple[dict[_Stratum, list[_Ranked]], dict[_Stratum, int], dict[tuple[int, str, str], int]]:
+    """The candidates by (group, kind), in seeded order, each such stratum's estimated bytes in the whole tree (an
+    extension stratum's bytes split between kinds as they are split among its sniffed candidates), and the same
+    per (group, extension, kind) cell."""
     by_kind: dict[_Stratum, list[_Ranked]] = defaultdict(list)
     kind_bytes: dict[_Stratum, int] = defaultdict(int)
+    cell_bytes: dict[tuple[int, str, str], int] = {}
     for (group, name), members in candidates.items():
         seen: dict[str, int] = defaultdict(int)
         for ranked in members:
@@ -196,10 +219,11 @@ def _sniff(
             seen[kind] += ranked[2].size
         seen_bytes = sum(seen.values())
         for kind, size in seen.items():
-            kind_bytes[(group, kind)] += name_bytes[(group, name)] * size // seen_bytes
+            cell_bytes[(group, name, kind)] = name_bytes[(group, name)] * size // seen_bytes
+            kind_bytes[(group, kind)] += cell_bytes[(group, name, kind)]
     for members in by_kind.values():  # candidates from several extension strata: back into the seeded order
         members.sort(key=_BY_HASH)
-    return by_kind, kind_bytes
+    return by_kind, kind_bytes, cell_bytes
 
 
 def _allocate(

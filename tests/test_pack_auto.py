@@ -102,6 +102,30 @@ def test_auto_pack_records_and_uses_a_choice_per_kind(mixed_tree: Path, auto_pac
             assert used in (chosen, "none"), (path, used, chosen)
 
 
+def test_auto_pack_prints_its_predictions_before_and_after(auto_pack) -> None:
+    _, proc = auto_pack
+    lines = proc.stdout.splitlines()
+    announced = next(number for number, line in enumerate(lines) if line.startswith("predicted: "))
+    packed = next(number for number, line in enumerate(lines) if line.startswith("packed "))
+    assert announced < packed, "the estimate is printed before the pack, for the person who waits"
+    assert "stored with the index; pack " in lines[announced] and "with 1 worker(s)" in lines[announced]
+    assert lines[packed + 1].startswith("pack time ") and "after the selection (predicted " in lines[packed + 1]
+
+
+def test_auto_pack_with_room_to_spare_on_each_node_stores_for_the_fastest_decode(mixed_tree: Path,
+                                                                                 tmp_path: Path) -> None:
+    dest = tmp_path / "ds"
+    proc = run_cli("fanstore-pack", str(mixed_tree), str(dest), "--codec", "auto", "--fit", "1GB", "--nodes", "2",
+                   "--replicate", "val/**", "--workers", "1", "--quiet", check=True)
+    assert "fit: the fullest of 2 nodes stores" in proc.stdout and "of --fit 1 GB" in proc.stdout
+    with open_dataset(dest) as ds:
+        selection = ds.index.meta["selection"]
+        assert {choice["spec"] for choice in selection["choices"].values()} == {"none"}
+        assert selection["goal"]["fit_bytes"] == 10**9 and selection["goal"]["nodes"] == 2
+        assert ds.index.meta["pack"]["fit"] == 10**9 and ds.index.meta["pack"]["nodes"] == 2
+        assert dataset_digest(ds) == tree_digest(mixed_tree)
+
+
 def test_info_shows_the_selection(auto_pack) -> None:
     dest, _ = auto_pack
     info = run_cli("info", str(dest), check=True).stdout

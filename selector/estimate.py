@@ -1,0 +1,179 @@
+"""What a pack with the chosen settings will store and how long it will take, predicted from the sample.
+
+Stored bytes: each kind's estimated bytes in SRC divided by its chosen setting's ratio on the sample, plus the
+dictionaries (one per group the kind is in).
+
+Pack time, for the person who waits for it, is three terms:
+
+  * compressing: each kind's bytes at its setting's measured encode speed, spread over the pack's workers (capped at
+    the cores this process may use: more workers than cores only take turns);
+  * training dictionaries: the packer trains one per group and zstd-dict kind (and one for the kinds the sample
+    lacked, when `other` got zstd-dict) on up to DICT_TRAIN_TOTAL_BYTES of file heads, one after another in the
+    packing process; the selector timed its own training per byte, and the packer's bytes are known from the walk;
+  * walking, reading, checksumming and writing: what `--codec none` costs, IO_SECONDS_PER_FILE per file plus
+    IO_SECONDS_PER_MB per MB, measured on the 2-core development machine (page cache warm) and serial (the packing
+    process does it, whatever the workers); see the constants.
+
+On a shared machine the pack gets the cores other processes leave: the selector measures how much CPU they used
+while it ran (Linux: /proc/stat less its own CPU time), and the estimate spreads compression over at most the
+cores left (at least one), and slows the serial terms when less than one core is left.
+
+The selection itself is not part of it: `fanstore pack --codec auto` has measured it by the time it prints the
+estimate.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+from compressors import DICT_TRAIN_FILE_BYTES, DICT_TRAIN_FILES, DICT_TRAIN_TOTAL_BYTES
+from compressors.kinds import OTHER
+
+from .measure import MB, Measurement
+from .policy import KindScale
+from .sample import SampleFile, SourceFile
+
+# `fanstore pack --codec auto --fit 100GB --workers 2` (every kind `none`: nothing is compressed) on this project's
+# 2-core development machine, idle, warm page cache, after the selection: 114,001 generated files (1.25 GB) in
+# 7.4-7.8 s, 6,284 files of site-packages (180 MB) in 0.9-1.0 s, 2,321 files (31 MB) in 0.3-0.4 s. Copying bytes
+# into chunk files dominates (the packing process does it: more workers do not shorten it), then per-file work
+# (walk, open, stat, index row). Fitted to the three, rounded.
+IO_SECONDS_PER_FILE = 15e-6
+IO_SECONDS_PER_MB = 4.6e-3
+IO_SECONDS_FIXED = 0.05  # worker start, index write
+_MIN_SERIAL_SHARE = 0.25  # a busier machine than this is not worth estimating for
+
+
+@dataclass(frozen=True, slots=True)
+class PackEstimate:
+    """The predicted seconds of a pack with the chosen settings (the selection not counted), term by term."""
+
+    workers: int
+    compress_seconds: float
+    train_seconds: float
+    io_seconds: float
+    others_cores: float = 0.0  # cores other processes used while the selector measured
+
+    @property
+    def seconds(self) -> float:
+        return self.compress_seconds + self.train_seconds + self.io_seconds
+
+    def describe(self) -> str:
+        busy = f"; other processes used {self.others_cores:.1f} cores meanwhile" if self.others_cores >= 0.1 else ""
+        return (f"{self.seconds:,.1f} s with {self.workers} worker(s): compress {self.compress_seconds:,.1f} s, "
+                f"dictionaries {self.train_seconds:,.1f} s, walk and I/O {self.io_seconds:,.1f} s{busy}")
+
+
+@dataclass(frozen=True, slots=True)
+class CpuClock:
+    """A reading of the CPU time all processes and this one have used: two of them give the cores others used."""
+
+    wall: float
+    busy: float  # seconds all CPUs were busy, None-free: 0 where /proc/stat cannot be read
+    own: float
+
+    @classmethod
+    def now(cls) -> CpuClock:
+        times = os.times()
+        return cls(time.monotonic(), _busy_seconds(), times.user + times.system)
+
+    def others_since(self, earlier: CpuClock) -> float:
+        """Cores other processes used between `earlier` and this reading (0 where it cannot be known)."""
+        wall = self.wall - earlier.wall
+        if wall <= 0 or not self.busy or not earlier.busy:
+            return 0.0
+        return max(0.0, (self.busy - earlier.busy - (self.own - earlier.own)) / wall)
+
+
+def _busy_seconds() -> float:
+    """Seconds all CPUs have been busy since boot, from /proc/stat (0.0 where there is none)."""
+    try:
+        with open("/proc/stat") as stat_file:
+            fields = [int(value) for value in stat_file.readline().split()[1:8]]
+    except (OSError, ValueError):
+        return 0.0
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def usable_workers(workers: int) -> int:
+    """The workers a pack compresses with (0: every core), at most the cores this process may run on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(workers or cores, cores))
+
+
+def io_seconds(files: int, raw_bytes: int) -> float:
+    """The pack's cost that no codec choice changes (see the constants)."""
+    return IO_SECONDS_FIXED + files * IO_SECONDS_PER_FILE + raw_bytes / MB * IO_SECONDS_PER_MB
+
+
+def estimate_pack(chosen: Mapping[str, Measurement | None], scales: Mapping[str, KindScale], files: int,
+                  raw_bytes: int, workers: int, others_cores: float = 0.0) -> PackEstimate:
+    """The pack time of SRC (`files` non-empty files, `raw_bytes` in all) with these settings per kind, on
+    `workers` workers of which other processes leave `others_cores` fewer cores."""
+    left = usable_workers(0) - others_cores
+    parallel = min(workers, max(1.0, left))
+    serial = min(1.0, max(_MIN_SERIAL_SHARE, left))
+    compress = train = 0.0
+    for kind, m in chosen.items():
+        if m is None:
+            continue
+        scale = scales[kind]
+        compress += scale.raw_bytes / MB / max(m.encode_mbps, 1e-12) / parallel
+        train += m.train_seconds_per_byte * scale.train_bytes / serial
+    return PackEstimate(workers, compress, train, io_seconds(files, raw_bytes) / serial, others_cores)
+
+
+def kind_scales(sample: Sequence[SampleFile], kind_bytes: Mapping[str, int], replicated_groups: frozenset[int],
+                training: Mapping[int, int]) -> dict[str, KindScale]:
+    """Per kind: its estimated bytes in SRC, those in replicated groups, its groups, and the bytes the packer would
+    train its dictionaries on: each group's training bytes (`training`) shared between kinds as their file heads
+    are (from the sample's strata); `other` also bears the fallback row's dictionary, trained on all of them."""
+    strata: dict[tuple[int, str], int] = {}
+    heads: dict[tuple[int, str], list[int]] = defaultdict(lambda: [0, 0])
+    for f in sample:
+        if f.stratum_bytes is not None:
+            strata[(f.group, f.kind)] = f.stratum_bytes
+        size = f.file_size if f.file_size is not None else len(f.data)
+        heads[(f.group, f.kind)][0] += min(size, DICT_TRAIN_FILE_BYTES)
+        heads[(f.group, f.kind)][1] += size
+    head_bytes = {key: strata[key] * head / size if size else 0 for key, (head, size) in heads.items() if key in strata}
+    group_heads: dict[int, float] = defaultdict(float)
+    for (group, _), value in head_bytes.items():
+        group_heads[group] += value
+    replicated: dict[str, int] = defaultdict(int)
+    groups: dict[str, int] = defaultdict(int)
+    train: dict[str, float] = defaultdict(float)
+    for (group, kind), stratum_bytes in strata.items():
+        groups[kind] += 1
+        if group in replicated_groups:
+            replicated[kind] += stratum_bytes
+        if group_heads[group]:
+            train[kind] += training.get(group, 0) * head_bytes.get((group, kind), 0) / group_heads[group]
+    if OTHER in kind_bytes:
+        train[OTHER] += sum(training.values())
+    return {kind: KindScale(raw, min(replicated[kind], raw), max(groups[kind], 1), round(train[kind]))
+            for kind, raw in kind_bytes.items()}
+
+
+def training_bytes(files: Sequence[SourceFile], group_of: Callable[[str], int]) -> dict[int, int]:
+    """Per group, the bytes of file heads the packer trains a dictionary of that group on (fanstore's codec plan):
+    every len/DICT_TRAIN_FILES-th non-empty file in path order, its first DICT_TRAIN_FILE_BYTES, until
+    DICT_TRAIN_TOTAL_BYTES are reached. Only the sizes are needed, not the files."""
+    sizes: dict[int, list[int]] = defaultdict(list)
+    for entry in files:
+        if entry.size > 0 and getattr(entry, "is_file", True):
+            sizes[group_of(entry.path)].append(entry.size)
+    result = {}
+    for group, members in sizes.items():
+        total = 0
+        for size in members[:: max(1, len(members) // DICT_TRAIN_FILES)]:
+            total += min(size, DICT_TRAIN_FILE_BYTES)
+            if total >= DICT_TRAIN_TOTAL_BYTES:
+                break
+        result[group] = total
+    return result

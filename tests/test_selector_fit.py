@@ -1,0 +1,303 @@
+"""The dual objective and pack time: --fit (total and per node), the tolerance rule, --pack-speed, the pack-time
+estimate, and their bad input. The policy is tested on measurements fed to it, never on timing in the test; the
+command line on a small tree, where only the options' handling is checked."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from compressors import DICT_TRAIN_FILE_BYTES, DICT_TRAIN_FILES, DICT_TRAIN_TOTAL_BYTES, codec_from_spec
+from conftest import assert_one_line_error, run_cli
+from selector import Budget, DoesNotFit, Goal, Selection, SelectionError
+from selector.estimate import estimate_pack, io_seconds, training_bytes, usable_workers
+from selector.measure import Measurement, measure_kind
+from selector.policy import NONE_SPEC, KindScale, choose, choose_to_fit, decimal_bytes, need_of
+from selector.sample import SampleFile
+
+RAW = 1_000_000  # bytes of every fed measurement's sample
+
+
+def measured(kind: str, spec: str, ratio: float, decode_mbps: float, encode_mbps: float = 100.0,
+             train_seconds: float = 0.0) -> Measurement:
+    """A measurement as measure_kind would give it, with these figures."""
+    return Measurement(kind, spec, 10, RAW, round(RAW / ratio), encode_mbps, decode_mbps,
+                       train_seconds=train_seconds, train_bytes=RAW if train_seconds else 0)
+
+
+def grid(kind: str) -> list[Measurement]:
+    """`none`, a fast weak codec and a slow strong one."""
+    return [measured(kind, NONE_SPEC, 1.0, 20_000, 5_000), measured(kind, "lz4", 2.0, 2_000, 500),
+            measured(kind, "zstd:19", 4.0, 400, 2)]
+
+
+SCALES = {"npy": KindScale(2_000_000_000), "text": KindScale(1_000_000_000)}
+MEASUREMENTS = grid("npy") + grid("text")
+
+
+def specs(choices: dict) -> dict[str, str]:
+    return {kind: choice.spec for kind, choice in choices.items()}
+
+
+# --- --fit -----------------------------------------------------------------------------------------------------------
+
+def test_a_fit_only_the_strongest_settings_meet_chooses_them() -> None:
+    strongest = 2_000_000_000 / 4 + 1_000_000_000 / 4
+    choices = choose_to_fit(MEASUREMENTS, SCALES, Budget(0), Goal(fit_bytes=round(strongest)))
+    assert specs(choices) == {"npy": "zstd:19", "text": "zstd:19"}
+    assert all("needed to fit" in choice.reason for choice in choices.values())
+
+
+def test_a_fit_everything_meets_chooses_the_fastest_decoder() -> None:
+    choices = choose_to_fit(MEASUREMENTS, SCALES, Budget(0), Goal(fit_bytes=10**12))
+    assert specs(choices) == {"npy": NONE_SPEC, "text": NONE_SPEC}
+    assert all("decodes fastest" in choice.reason and choice.meets_budget for choice in choices.values())
+
+
+def test_a_fit_moves_the_kind_that_saves_most_per_second_of_decoding_first() -> None:
+    # At none both kinds store 3 GB; lz4 saves 1 GB of npy for 1 s of decoding, 0.5 GB of text for 0.5 s: a tie
+    # in rate, so the larger saving goes first, and it is enough.
+    choices = choose_to_fit(MEASUREMENTS, SCALES, Budget(0), Goal(fit_bytes=2_100_000_000))
+    assert specs(choices) == {"npy": "lz4", "text": NONE_SPEC}
+    # Slower npy decoding makes text's step the better buy.
+    slow_npy = [m if m.spec != "lz4" or m.kind != "npy" else measured("npy", "lz4", 2.0, 500, 500)
+                for m in MEASUREMENTS]
+    choices = choose_to_fit(slow_npy, SCALES, Budget(0), Goal(fit_bytes=2_600_000_000))
+    assert specs(choices) == {"npy": NONE_SPEC, "text": "lz4"}
+
+
+def test_a_fit_steps_back_a_kind_the_last_move_made_unnecessary() -> None:
+    # text moves first (cheap step), then npy must jump; once npy is strong, text fits at none again.
+    scales = {"npy": KindScale(2_000_000_000), "text": KindScale(100_000_000)}
+    measurements = [measured("npy", NONE_SPEC, 1.0, 20_000), measured("npy", "zstd:19", 4.0, 400),
+                    measured("text", NONE_SPEC, 1.0, 20_000), measured("text", "lz4", 1.1, 10_000)]
+    choices = choose_to_fit(measurements, scales, Budget(0), Goal(fit_bytes=700_000_000))
+    assert specs(choices) == {"npy": "zstd:19", "text": NONE_SPEC}
+
+
+def test_an_impossible_fit_says_by_how_much_in_one_line() -> None:
+    scales = {"text": KindScale(24_600_000_000)}
+    measurements = [measured("text", NONE_SPEC, 1.0, 20_000), measured("text", "zstd:19", 2.0, 400)]
+    with pytest.raises(DoesNotFit) as caught:
+        choose_to_fit(measurements, scales, Budget(0), Goal(fit_bytes=10_000_000_000))
+    assert str(caught.value) == "--fit 10 GB: the strongest settings store 12.3 GB, 2.3 GB (23%) over"
+    with pytest.raises(DoesNotFit, match=r"that meet --budget 1,000 MB/s store 24.6 GB, .* over"):
+        choose_to_fit(measurements, scales, Budget(1e9), Goal(fit_bytes=10_000_000_000))
+
+
+def test_the_budget_is_a_floor_under_fit() -> None:
+    choices = choose_to_fit(MEASUREMENTS, SCALES, Budget(1e9), Goal(fit_bytes=1_600_000_000))
+    assert specs(choices) == {"npy": "lz4", "text": "lz4"}  # zstd:19 would fit better but decodes too slowly
+
+
+def test_per_node_fit_counts_replicated_bytes_on_every_node() -> None:
+    # 1 GB replicated and 4 GB spread on 4 nodes: 2 GB a node. Halving the replicated kind saves 0.5 GB a node for
+    # 1 s of decoding; halving the spread kind saves as much a node (2 GB / 4) for 4 s.
+    scales = {"text": KindScale(1_000_000_000, replicated_bytes=1_000_000_000), "npy": KindScale(4_000_000_000)}
+    measurements = [measured(kind, spec, ratio, speed) for kind in ("text", "npy")
+                    for spec, ratio, speed in ((NONE_SPEC, 1.0, 20_000), ("zstd:3", 2.0, 1_000))]
+    goal = Goal(fit_bytes=1_600_000_000, nodes=4)
+    choices = choose_to_fit(measurements, scales, Budget(0), goal)
+    assert specs(choices) == {"npy": NONE_SPEC, "text": "zstd:3"}
+    need = need_of({kind: choice.measurement for kind, choice in choices.items()}, scales, goal)
+    assert need.bytes == 500_000_000 + 1_000_000_000
+    assert need.describe() == "1.5 GB per node (500 MB replicated + 4 GB spread / 4)"
+    with pytest.raises(DoesNotFit, match=r"^--fit 900 MB --nodes 4: the strongest settings store 1 GB per node"):
+        choose_to_fit(measurements, scales, Budget(0), Goal(fit_bytes=900_000_000, nodes=4))
+
+
+def test_spread_bytes_round_up_per_node() -> None:
+    need = need_of({"text": None}, {"text": KindScale(10)}, Goal(fit_bytes=5, nodes=3))
+    assert need.bytes == 4  # ceil(10 / 3)
+
+
+# --- the tolerance rule and --pack-speed --------------------------------------------------------------------------
+
+def test_the_tolerance_rule_picks_the_faster_of_two_near_equal_settings() -> None:
+    strong_slow = measured("text", "zstd:19", 4.00, 500, encode_mbps=2)
+    near_fast = measured("text", "zstd:9", 3.97, 500, encode_mbps=40)  # stores 0.8% more
+    pair = [measured("text", NONE_SPEC, 1.0, 20_000), strong_slow, near_fast]
+    assert choose("text", pair, Budget(0)).spec == "zstd:9"
+    assert "the fastest to pack of the 2" in choose("text", pair, Budget(0)).reason
+    assert choose("text", pair, Budget(0), goal=Goal(tolerance=0)).spec == "zstd:19"
+    far_fast = measured("text", "zstd:9", 3.90, 500, encode_mbps=40)  # stores 2.6% more
+    assert choose("text", [strong_slow, far_fast], Budget(0)).spec == "zstd:19"
+    assert choose("text", [strong_slow, far_fast], Budget(0), goal=Goal(tolerance=0.03)).spec == "zstd:9"
+
+
+def test_the_tolerance_rule_counts_dictionary_training() -> None:
+    # zstd-dict:19 encodes faster than zstd:19 here, but training its dictionaries takes 20 s.
+    with_dict = measured("text", "zstd-dict:19", 4.00, 500, encode_mbps=3, train_seconds=0.02)
+    plain = measured("text", "zstd:19", 3.98, 500, encode_mbps=2)
+    scale = KindScale(10_000_000, train_bytes=1_000_000_000)
+    assert scale.pack_seconds(with_dict, 1) == pytest.approx(10 / 3 + 20)
+    assert choose("text", [with_dict, plain], Budget(0), scale=scale).spec == "zstd:19"
+    assert choose("text", [with_dict, plain], Budget(0), scale=KindScale(10_000_000)).spec == "zstd-dict:19"
+
+
+def test_near_equal_pack_times_keep_the_smaller_size() -> None:
+    # 20% apart in pack time could be noise: the smaller stored size stays; twice as fast is not.
+    first = measured("text", "zstd:6", 4.00, 500, encode_mbps=40)
+    assert choose("text", [first, measured("text", "zstd:9", 3.99, 500, encode_mbps=48)], Budget(0)).spec == "zstd:6"
+    assert choose("text", [first, measured("text", "zstd:9", 3.99, 500, encode_mbps=80)], Budget(0)).spec == "zstd:9"
+
+
+def test_a_kinds_ratio_weights_each_file_by_the_bytes_it_stands_for() -> None:
+    rng = np.random.default_rng(5)
+    text = SampleFile("a.log", "text", 0, b"the same line again\n" * 5000, weight=3.0)
+    noise = SampleFile("b.bin", "text", 0, rng.integers(0, 256, 100_000, np.uint8).tobytes(), weight=1.0)
+    m = measure_kind("text", [text, noise], ["zstd:3"], repeats=1)[0]
+    stored_text = len(codec_from_spec("zstd:3").encode(text.data))
+    weighted = (3 * stored_text + len(noise.data)) / (3 * len(text.data) + len(noise.data))
+    assert m.raw_bytes == len(text.data) + len(noise.data) and m.raw_files == 1
+    assert m.stored_bytes == round(m.raw_bytes * weighted)
+
+
+def test_pack_speed_is_a_hard_floor() -> None:
+    scale = KindScale(100_000_000)
+    pair = [measured("text", NONE_SPEC, 1.0, 20_000, 5_000), measured("text", "zstd:19", 4.0, 500, encode_mbps=2),
+            measured("text", "zstd:3", 3.0, 500, encode_mbps=150)]
+    goal = Goal(pack_mbps=50, tolerance=0)
+    assert choose("text", pair, Budget(0), goal=goal, scale=scale).spec == "zstd:3"
+    # Two workers pack zstd:3 at 300 MB/s, one at 150 MB/s.
+    assert choose("text", pair, Budget(0), goal=Goal(pack_mbps=200, workers=2), scale=scale).spec == "zstd:3"
+    none = choose("text", pair, Budget(0), goal=Goal(pack_mbps=200, workers=1), scale=scale)
+    assert none.spec == NONE_SPEC and "--pack-speed not met" in none.reason and "zstd:3" in none.reason
+    fit = choose_to_fit(pair, {"text": scale}, Budget(0), Goal(fit_bytes=40_000_000, pack_mbps=50))
+    assert specs(fit) == {"text": "zstd:3"}  # zstd:19 would store less, but packs at 2 MB/s
+    with pytest.raises(DoesNotFit, match="that meet --pack-speed 50 MB/s store 33.3 MB"):
+        choose_to_fit(pair, {"text": scale}, Budget(0), Goal(fit_bytes=30_000_000, pack_mbps=50))
+
+
+# --- the estimate --------------------------------------------------------------------------------------------------
+
+def test_the_pack_time_estimate_adds_compression_training_and_io() -> None:
+    text = measured("text", "zstd-dict:19", 4.0, 500, encode_mbps=2, train_seconds=0.5)  # 0.5 s per MB trained
+    npy = measured("npy", "lz4", 2.0, 2_000, encode_mbps=500)
+    scales = {"text": KindScale(100_000_000, train_bytes=4_000_000), "npy": KindScale(1_000_000_000)}
+    estimate = estimate_pack({"text": text, "npy": npy, "png": None}, {**scales, "png": KindScale(5)}, 1000,
+                             1_100_000_005, workers=2)
+    parallel = min(2, usable_workers(0))  # at most the cores of this machine
+    assert estimate.compress_seconds == pytest.approx((100 / 2 + 1000 / 500) / parallel)
+    assert estimate.train_seconds == pytest.approx(2.0)
+    assert estimate.io_seconds == pytest.approx(io_seconds(1000, 1_100_000_005))
+    assert estimate.seconds == pytest.approx(estimate.compress_seconds + 2.0 + estimate.io_seconds)
+    assert "with 2 worker(s)" in estimate.describe()
+    assert 1 <= usable_workers(64) == usable_workers(0) and usable_workers(1) == 1
+    # Other processes leaving half a core: compression on one worker's worth, serial work at half speed.
+    busy = estimate_pack({"text": text, "npy": npy}, scales, 1000, 1_100_000_000, workers=2,
+                         others_cores=usable_workers(0) - 0.5)
+    assert busy.compress_seconds == pytest.approx(100 / 2 + 1000 / 500)
+    assert busy.train_seconds == pytest.approx(4.0) and busy.io_seconds == pytest.approx(2 * io_seconds(1000, 1.1e9))
+    assert "other processes used" in busy.describe()
+
+
+class _File:
+    def __init__(self, path: str, size: int) -> None:
+        self.path, self.size, self.is_file = path, size, True
+
+
+def test_training_bytes_follow_the_packers_rule() -> None:
+    small = [_File(f"a/{n:05d}", 1000) for n in range(10)]
+    assert training_bytes(small, lambda path: 0) == {0: 10_000}
+    many = [_File(f"b/{n:06d}", DICT_TRAIN_FILE_BYTES * 2) for n in range(DICT_TRAIN_FILES * 3)]
+    in_val = [_File(f"val/{n}", 10) for n in range(3)]
+    found = training_bytes(many + in_val, lambda path: 1 if path.startswith("val/") else 0)
+    # Every third file's head, until the total reaches DICT_TRAIN_TOTAL_BYTES (the file that crosses it counts).
+    assert found == {0: math.ceil(DICT_TRAIN_TOTAL_BYTES / DICT_TRAIN_FILE_BYTES) * DICT_TRAIN_FILE_BYTES, 1: 30}
+
+
+def test_decimal_bytes() -> None:
+    assert [decimal_bytes(n) for n in (10e9, 12.3e9, 950e6, 1234, 12)] == ["10 GB", "12.3 GB", "950 MB", "1.23 kB",
+                                                                         "12 B"]
+
+
+# --- bad input -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("arguments", "option"), [
+    ({"fit_bytes": -1}, "--fit"), ({"fit_bytes": 1.5}, "--fit"), ({"nodes": 2}, "--nodes"),
+    ({"fit_bytes": 10, "nodes": 0.5}, "--nodes"), ({"fit_bytes": 10, "nodes": 5000}, "--nodes"),
+    ({"tolerance": -0.1}, "--tolerance"), ({"tolerance": 1.0}, "--tolerance"),
+    ({"tolerance": float("nan")}, "--tolerance"), ({"pack_mbps": -5}, "--pack-speed"),
+    ({"pack_mbps": float("inf")}, "--pack-speed"), ({"workers": 0}, "--workers"),
+])
+def test_a_bad_goal_names_the_option(arguments: dict, option: str) -> None:
+    with pytest.raises(SelectionError, match=option):
+        Goal(**arguments)
+
+
+@pytest.fixture(scope="module")
+def small_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("fit") / "src"
+    (root / "val").mkdir(parents=True)
+    for number in range(12):
+        (root / f"log_{number:02d}.txt").write_text(f"step {number} loss 0.{number:04d}\n" * 400)
+    (root / "val" / "labels.csv").write_text("path,label\n" + "img.jpg,3\n" * 500)
+    return root
+
+
+@pytest.mark.parametrize(("arguments", "option"), [
+    (["--fit", "lots"], "--fit"), (["--fit", "0"], "--fit"), (["--fit", "1GB", "--nodes", "x"], "--nodes"),
+    (["--fit", "1GB", "--nodes", "0"], "--nodes"), (["--fit", "1GB", "--nodes", "5000"], "--nodes"),
+    (["--budget", "1GB/s", "--nodes", "4"], "--nodes"), (["--budget", "1GB/s", "--tolerance", "150%"], "--tolerance"),
+    (["--budget", "1GB/s", "--tolerance", "some"], "--tolerance"),
+    (["--budget", "1GB/s", "--tolerance", "100%"], "--tolerance"),
+    (["--budget", "1GB/s", "--pack-speed", "fast"], "--pack-speed"),
+    (["--budget", "1GB/s", "--workers", "-1"], "--workers"), ([], "--fit"),
+])
+def test_bad_selection_options_are_one_line_errors(small_tree: Path, arguments: list[str], option: str) -> None:
+    assert_one_line_error(run_cli("select", str(small_tree), *arguments), option)
+
+
+@pytest.mark.parametrize("option", [["--fit", "1GB"], ["--tolerance", "2%"], ["--pack-speed", "10MB/s"],
+                                    ["--nodes", "2"]])
+def test_selection_options_need_codec_auto(small_tree: Path, tmp_path: Path, option: list[str]) -> None:
+    result = run_cli("fanstore-pack", str(small_tree), str(tmp_path / "ds"), *option, "--quiet")
+    assert_one_line_error(result, option[0])
+    assert "only applies with --codec auto" in result.stderr
+
+
+def test_an_impossible_fit_fails_in_one_line_with_its_own_status(small_tree: Path, tmp_path: Path) -> None:
+    result = run_cli("select", str(small_tree), "--fit", "1kB")
+    assert_one_line_error(result, "--fit")
+    assert result.returncode == 3
+    assert "--fit 1 kB: the strongest settings store" in result.stderr and "over" in result.stderr
+    packed = run_cli("fanstore-pack", str(small_tree), str(tmp_path / "ds"), "--codec", "auto", "--fit", "100B",
+                     "--nodes", "2", "--replicate", "val/**", "--quiet")
+    assert_one_line_error(packed, "--fit 100 B --nodes 2")
+    assert packed.returncode == 3 and "per node" in packed.stderr
+
+
+def test_select_shows_the_fit_and_the_pack_time(small_tree: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed: the test extra installs it")
+    plot = tmp_path / "tradeoff.png"
+    result = run_cli("select", str(small_tree), "--fit", "1GB", "--nodes", "3", "--replicate", "val/**",
+                     "--workers", "1", "--plot", str(plot), check=True)
+    assert "--fit 1 GB on each of 3 nodes: the fastest decode that fits" in result.stdout
+    assert "estimated pack time of SRC (13 files" in result.stdout and "with 1 worker(s)" in result.stdout
+    assert "fits --fit 1 GB:" in result.stdout and "per node" in result.stdout
+    assert "choice for text: none - decodes fastest" in result.stdout
+    assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+# --- the record ----------------------------------------------------------------------------------------------------
+
+def test_a_record_from_before_goals_reads_as_no_fit_no_tolerance(small_tree: Path) -> None:
+    from fanstore.walk import walk_source
+    from selector import select_codecs
+
+    selection = select_codecs(small_tree, Budget(0), walk_source(small_tree).files, goal=Goal(fit_bytes=10**9),
+                              fixed_bytes=1000)
+    record = json.loads(json.dumps(selection.to_json()))
+    again = Selection.from_json(record)
+    assert again.to_json() == record and again.goal == Goal(fit_bytes=10**9)
+    assert record["predicted"]["stored_bytes"] == round(selection.need().total)
+    for key in ("goal", "tree", "predicted"):
+        del record[key]
+    old = Selection.from_json(record)
+    assert old.goal.tolerance == 0 and old.goal.fit_bytes == 0 and old.codec_by_kind() == selection.codec_by_kind()
+    assert old.need().total == pytest.approx(selection.need().total - 1000, rel=0.01)  # no index, no dictionaries
