@@ -234,5 +234,5 @@ def select_codecs(
         tree_files=len(non_empty),
         tree_bytes=sum(entry.size for entry in non_empty),
         fixed_bytes=fixed_bytes,
-        others_cores=CpuClock.now().others_since(clock),
+        others_cores=round(CpuClock.now().others_since(clock), 3),  # as written to JSON: a reload predicts the same
     )
