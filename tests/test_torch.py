@@ -227,3 +227,22 @@ def test_a_reader_whose_serve_process_is_gone_reads_remote_files_from_dest(packe
     remote = sum(1 for path in paths if not placement.is_local(0, int(index.entries["chunk"][index.lookup(path)]),
                                                                  int(index.entries["offset"][index.lookup(path)])))
     assert source.fallbacks == remote > 0
+
+
+def test_plan_files_of_processes_that_are_gone_are_removed(tmp_path):
+    """A process that leaves by os._exit (a fork server's child, a killed job) runs no exit handler and leaves its
+    plan file: the next plan made on the machine removes it; a live process's file stays."""
+    from fanstore.torch.plan import EpochPlan
+
+    code = ("import os; from fanstore.torch.plan import EpochPlan; plan = EpochPlan.create(); plan.publish([1, 2]); "
+            "print(plan.path, flush=True); os._exit(0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    left = Path(done.stdout.strip())
+    assert left.exists()
+    mine = EpochPlan.create()
+    mine.publish([3])
+    assert not left.exists() and Path(mine.path).exists()
+    path = mine.path
+    del mine
+    assert not Path(path).exists()

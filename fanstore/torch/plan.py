@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 
 _SHM = Path("/dev/shm")
+_PREFIX = "fanstore-plan-"
 
 
 class EpochPlan:
@@ -32,9 +33,12 @@ class EpochPlan:
 
     @classmethod
     def create(cls) -> "EpochPlan":
-        """A plan file of this process's own, removed when the plan object is collected or the process exits."""
+        """A plan file of this process's own, removed when the plan object is collected or the process exits. A
+        process that ends without running its exit handlers (killed, or leaving by os._exit) leaves its files:
+        each new plan first removes those of processes that are gone."""
         folder = _SHM if _SHM.is_dir() and os.access(_SHM, os.W_OK) else Path(tempfile.gettempdir())
-        plan = cls(str(folder / f"fanstore-plan-{os.getpid()}-{uuid.uuid4().hex[:12]}.npy"))
+        _remove_orphans(folder)
+        plan = cls(str(folder / f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}.npy"))
         weakref.finalize(plan, _remove, plan.path, os.getpid())
         return plan
 
@@ -66,6 +70,27 @@ class EpochPlan:
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["path"])  # type: ignore[misc]
+
+
+def _remove_orphans(folder: Path) -> None:
+    """Remove plan files whose creating process no longer runs (its pid is in the name)."""
+    for path in folder.glob(f"{_PREFIX}*.npy*"):
+        pid = path.name[len(_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _running(int(pid)):
+            try:
+                path.unlink()
+            except OSError:  # removed meanwhile, or not ours to remove
+                pass
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _remove(path: str, owner: int) -> None:
