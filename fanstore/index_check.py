@@ -312,7 +312,9 @@ def _check_sibling_order(refuse: _Refuse, padded: np.ndarray, name_starts: np.nd
             raise refuse(_field(int(later[np.argmax(before > after)]), "path"), "is before its previous sibling in "
                                                                                 "name order")
         tied = before == after
-        ended = tied & ((left_before < 8) | (name_lens[earlier] - offset == 8))
+        # The same name: both end in this window, tied. (A name ending at a window's last byte, followed by a longer
+        # sibling that starts with it, is not a duplicate: the next window tells them apart.)
+        ended = tied & (name_lens[earlier] == name_lens[later]) & (name_lens[earlier] - offset <= 8)
         if ended.any():
             raise refuse(_field(int(later[np.argmax(ended)]), "path"), "has the same name as its previous sibling")
         later = later[tied]

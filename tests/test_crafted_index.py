@@ -377,3 +377,58 @@ def test_a_mount_of_a_crafted_index_is_refused_in_one_line(original, tmp_path):
                           "symlink target", "leaves the dataset")
     assert not os.path.ismount(tmp_path / "mnt")
     assert chunk_file_name(0)  # the chunks themselves were never the problem
+
+
+@pytest.mark.parametrize("name", ["abcdefgh", "abcdefghijklmnop", "a" * 24])
+def test_a_name_of_whole_8_byte_words_beside_a_longer_one_it_starts_is_not_a_duplicate(tmp_path, name):
+    """Names are compared 8 bytes at a time: one that ends exactly at a word's end, followed by a sibling that starts
+    with it ('filelock', 'filelock-4.2.12.dist-info'), was refused as a duplicate, so the pack could not be opened."""
+    from fanstore import PackOptions, open_dataset, pack
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for suffix in ("", "-1", "0"):
+        (src / f"{name}{suffix}").write_bytes(suffix.encode() or b"plain")
+    pack(src, tmp_path / "ds", PackOptions(codec="none", workers=1))
+    with open_dataset(tmp_path / "ds") as dataset:
+        assert dataset.listdir("") == sorted(f"{name}{suffix}" for suffix in ("", "-1", "0"))
+        assert dataset.read(name) == b"plain" and dataset.read(f"{name}-1") == b"-1"
+
+
+_NAME_TEXT = st.text(alphabet="ab-\u00e9", max_size=4)
+
+
+@st.composite
+def _sibling_names(draw: Callable[..., Any]) -> list[bytes]:
+    """Sibling names sharing a stem that often ends at an 8-byte word's edge, mostly sorted as a packer writes them,
+    sometimes with a duplicate or in any order."""
+    stem = draw(st.sampled_from(["", "a" * 7, "abcdefgh", "b" * 9, "filelock", "x" * 15, "y" * 16, "z" * 24]))
+    names = [(stem + draw(_NAME_TEXT)).encode() for _ in range(draw(st.integers(2, 6)))]
+    names = [name for name in names if name] or [b"a", b"b"]
+    how = draw(st.sampled_from(["sorted", "duplicate", "any"]))
+    if how == "sorted":
+        return sorted(set(names)) if len(set(names)) > 1 else [names[0], names[0] + b"a"]
+    if how == "duplicate":
+        names = sorted(names)
+        return names[:1] + names
+    return names
+
+
+@settings(max_examples=300, deadline=None)
+@given(encoded=_sibling_names())
+def test_sibling_order_is_checked_as_bytes_compare_whatever_the_name_lengths(encoded):
+    """The word-at-a-time check agrees with comparing names as bytes: siblings are accepted exactly when each name
+    sorts strictly after the one before, for names ending anywhere in or at the edge of an 8-byte word."""
+    from fanstore.index_check import _check_sibling_order, _Refuse
+
+    padded = np.frombuffer(b"".join(encoded) + bytes(8), dtype=np.uint8)
+    lens = np.array([0] + [len(e) for e in encoded], dtype=np.int64)  # entry 0 is the root: no name
+    starts = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int64)
+    parents = np.zeros(len(lens), dtype=np.int64)
+    in_order = all(a < b for a, b in zip(encoded, encoded[1:]))
+    try:
+        _check_sibling_order(_Refuse(Path("index")), padded, starts, lens, parents)
+    except FanstoreError as exc:
+        assert not in_order, f"{encoded} refused: {exc}"
+    else:
+        assert in_order, f"{encoded} accepted"
