@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import sys
+from typing import TextIO
 
 
 class FanstoreError(Exception):
@@ -107,8 +108,9 @@ def fuse_errno_of(exc: BaseException) -> int:
     return errno.EIO
 
 
-def say_line(text: str) -> None:
-    """Print one line to stderr in a single write. print() writes the text and its newline separately, and under
-    mpiexec the lines of several ranks failing at once then run together on one line."""
-    sys.stderr.write(text + "\n")
-    sys.stderr.flush()
+def say_line(text: str, stream: TextIO | None = None) -> None:
+    """Print one line (to stderr unless told) in a single write. print() writes the text and its newline separately,
+    and under mpiexec the lines of several ranks writing at once then run together on one line."""
+    stream = stream or sys.stderr
+    stream.write(text + "\n")
+    stream.flush()

@@ -21,6 +21,7 @@ from mpi4py import MPI  # noqa: E402
 import xxhash  # noqa: E402
 
 from fanstore.chunk_source import LocalChunkSource  # noqa: E402
+from fanstore.errors import say_line  # noqa: E402
 from fanstore.index import Index  # noqa: E402
 from fanstore.serve.node import RequestChecker  # noqa: E402
 from fanstore.serve.placement import BlobTable, place  # noqa: E402
@@ -88,7 +89,7 @@ def main(dest: Path, workdir: Path) -> None:
         seen = attack(comm, placement, blobs, sizes)
         wait_all([comm.Ibarrier()])  # the attack is over
         wait_all([comm.Ibarrier()])  # ranks 0 and 1 have served each other
-        print(json.dumps({"rank": 2, "replies": seen}), flush=True)
+        say_line(json.dumps({"rank": 2, "replies": seen}), sys.stdout)
         return
     local = LocalChunkSource(local_dir, sizes)
     transport = PeerTransport(comm, RequestChecker(rank, placement, blobs, local, len(sizes), set()),
@@ -100,8 +101,8 @@ def main(dest: Path, workdir: Path) -> None:
     transport.collective(lambda c: (c.Ibarrier(), lambda: None)).result()
     transport.stop()
     counters = transport.counters[2]
-    print(json.dumps({"rank": rank, "peer_served": xxhash.xxh3_64_intdigest(fetched) == checksum,
-                      "refused_from_2": counters.refused, "served_to_2": counters.served}), flush=True)
+    say_line(json.dumps({"rank": rank, "peer_served": xxhash.xxh3_64_intdigest(fetched) == checksum,
+                         "refused_from_2": counters.refused, "served_to_2": counters.served}), sys.stdout)
 
 
 if __name__ == "__main__":

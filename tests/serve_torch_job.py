@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from fanstore.errors import say_line
 from fanstore.serve.node_client import NodeConnection
 from fanstore.serve.node_endpoint import ENVIRONMENT, OK, READ, REFUSED, STATS
 from fanstore.torch import EpochSampler, FileDataset
@@ -50,8 +51,8 @@ def main() -> int:
     refused = "refused" if status == REFUSED else f"status {status}"
     status, payload = connection.ask(STATS)
     stats = json.loads(payload) if status == OK else {}
-    print(json.dumps({"rank": rank, "read": len(got), "expected": len(order), "bad": bad, "steps": steps,
-                      "loss": loss, "refused": refused, "remote_ahead": stats.get("ahead_hits", 0)}), flush=True)
+    say_line(json.dumps({"rank": rank, "read": len(got), "expected": len(order), "bad": bad, "steps": steps,
+                         "loss": loss, "refused": refused, "remote_ahead": stats.get("ahead_hits", 0)}), sys.stdout)
     return 0
 
 

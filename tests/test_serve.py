@@ -147,6 +147,7 @@ def _assert_nothing_left(job: Job) -> None:
 # directory, never a peer), then every file compared with the source, byte for byte.
 RANK_CHECK = r"""
 import json, os, sys
+from fanstore.errors import say_line
 src, mount, rank = sys.argv[1], os.environ["FANSTORE_MOUNT"], os.environ["FANSTORE_RANK"]
 assert os.environ["FANSTORE_SIZE"] == "3"
 def stats():
@@ -175,7 +176,7 @@ for d, dirs, files in os.walk(src):
 extra = sorted(set(os.listdir(mount)) - set(os.listdir(src)))
 if extra:
     problems.append(f"extra entries: {extra}")
-print(f"rank {rank}: " + ("ok" if not problems else "; ".join(problems[:5])), flush=True)
+say_line(f"rank {rank}: " + ("ok" if not problems else "; ".join(problems[:5])), sys.stdout)
 sys.exit(1 if problems else 0)
 """
 
