@@ -100,19 +100,22 @@ class Selection:
         return sum(scales[kind].raw_bytes / (choice.measurement.ratio if choice.measurement is not None else 1.0)
                    for kind, choice in self.choices.items())
 
-    def need(self) -> Need:
+    def need(self, chosen: dict[str, Measurement | None] | None = None) -> Need:
         """Predicted stored bytes: the whole dataset's (blobs, dictionaries, the index) and, with --nodes, the
         replicated and spread parts one node stores."""
-        return need_of(self.chosen(), self.scales_by_kind(), self.goal, self.fixed_bytes)
+        return need_of(chosen or self.chosen(), self.scales_by_kind(), self.goal, self.fixed_bytes)
 
-    def estimate(self) -> PackEstimate:
+    def estimate(self, chosen: dict[str, Measurement | None] | None = None) -> PackEstimate:
         """Predicted seconds of the pack with these choices (the selection itself not counted)."""
-        return estimate_pack(self.chosen(), self.scales_by_kind(), self.tree_files, self.tree_bytes, self.goal.workers,
-                             self.others_cores, self.cores)
+        return estimate_pack(chosen or self.chosen(), self.scales_by_kind(), self.tree_files, self.tree_bytes,
+                             self.goal.workers, self.others_cores, self.cores)
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-able and in a fixed key order (kinds sorted, measurements in measuring order)."""
-        need, estimate = self.need(), self.estimate()
+        """JSON-able and in a fixed key order (kinds sorted, measurements in measuring order). The predictions are
+        made from the measurements as recorded (rounded), so a record read back predicts exactly the same."""
+        recorded = {kind: Measurement.from_json(m.to_json()) if m is not None else None
+                    for kind, m in self.chosen().items()}
+        need, estimate = self.need(recorded), self.estimate(recorded)
         return {
             "version": SELECTION_VERSION,
             "budget": {"bytes_per_s": self.budget.bytes_per_s, "prefetch_threads": self.budget.prefetch_threads,
@@ -123,7 +126,7 @@ class Selection:
                        "files": self.sample_files, "bytes": self.sample_bytes, "replicate": list(self.replicate),
                        "kind_bytes": dict(sorted(self.kind_bytes.items()))},
             "tree": {"files": self.tree_files, "bytes": self.tree_bytes, "fixed_bytes": self.fixed_bytes,
-                     "others_cores": round(self.others_cores, 3), "cores": self.cores,
+                     "others_cores": self.others_cores, "cores": self.cores,
                      "kinds": {kind: {"replicated_bytes": scale.replicated_bytes, "groups": scale.groups,
                                       "train_bytes": scale.train_bytes}
                                for kind, scale in sorted(self.scales.items())}},
