@@ -65,7 +65,8 @@ def _add_selection_arguments(parser: argparse.ArgumentParser, auto_only: bool) -
                              "decoding is on the read path)")
     parser.add_argument("--fit", metavar="SIZE",
                         help="capacity the dataset must fit in, e.g. 500GB: per kind, the settings that decode "
-                             "fastest while it still fits (with --nodes, what each node has)" + with_auto)
+                             "fastest while it still fits (with --nodes, what each node has); exit status "
+                             f"{EXIT_DOES_NOT_FIT} when it cannot" + with_auto)
     parser.add_argument("--nodes", metavar="N",
                         help="with --fit: the dataset is served by N nodes, each storing the replicated groups and "
                              "its share of the rest, so --fit is per node")

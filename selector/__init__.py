@@ -20,7 +20,15 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .errors import SelectionError
-from .estimate import CpuClock, PackEstimate, estimate_pack, kind_scales, training_bytes
+from .estimate import (
+    CpuClock,
+    PackEstimate,
+    estimate_pack,
+    kind_scales,
+    sizes_by_group,
+    training_bytes,
+    usable_workers,
+)
 from .measure import Measurement, candidate_specs, measure_kind
 from .policy import MIN_SAVING, Budget, Choice, DoesNotFit, Goal, KindScale, Need, choose, choose_to_fit, need_of
 from .sample import (
@@ -64,6 +72,7 @@ class Selection:
     tree_bytes: int = 0
     fixed_bytes: int = 0  # stored whatever the codecs (the index), counted against a total --fit
     others_cores: float = 0.0  # cores other processes used while the selector measured (the estimate leaves them)
+    cores: int = 0  # cores the selector could use (0: unknown, this machine's): a record estimates the same anywhere
 
     def codec_by_kind(self) -> dict[str, str]:
         return {kind: self.choices[kind].spec for kind in sorted(self.choices)}
@@ -91,19 +100,22 @@ class Selection:
         return sum(scales[kind].raw_bytes / (choice.measurement.ratio if choice.measurement is not None else 1.0)
                    for kind, choice in self.choices.items())
 
-    def need(self) -> Need:
+    def need(self, chosen: dict[str, Measurement | None] | None = None) -> Need:
         """Predicted stored bytes: the whole dataset's (blobs, dictionaries, the index) and, with --nodes, the
         replicated and spread parts one node stores."""
-        return need_of(self.chosen(), self.scales_by_kind(), self.goal, self.fixed_bytes)
+        return need_of(chosen or self.chosen(), self.scales_by_kind(), self.goal, self.fixed_bytes)
 
-    def estimate(self) -> PackEstimate:
+    def estimate(self, chosen: dict[str, Measurement | None] | None = None) -> PackEstimate:
         """Predicted seconds of the pack with these choices (the selection itself not counted)."""
-        return estimate_pack(self.chosen(), self.scales_by_kind(), self.tree_files, self.tree_bytes, self.goal.workers,
-                             self.others_cores)
+        return estimate_pack(chosen or self.chosen(), self.scales_by_kind(), self.tree_files, self.tree_bytes,
+                             self.goal.workers, self.others_cores, self.cores)
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-able and in a fixed key order (kinds sorted, measurements in measuring order)."""
-        need, estimate = self.need(), self.estimate()
+        """JSON-able and in a fixed key order (kinds sorted, measurements in measuring order). The predictions are
+        made from the measurements as recorded (rounded), so a record read back predicts exactly the same."""
+        recorded = {kind: Measurement.from_json(m.to_json()) if m is not None else None
+                    for kind, m in self.chosen().items()}
+        need, estimate = self.need(recorded), self.estimate(recorded)
         return {
             "version": SELECTION_VERSION,
             "budget": {"bytes_per_s": self.budget.bytes_per_s, "prefetch_threads": self.budget.prefetch_threads,
@@ -114,7 +126,7 @@ class Selection:
                        "files": self.sample_files, "bytes": self.sample_bytes, "replicate": list(self.replicate),
                        "kind_bytes": dict(sorted(self.kind_bytes.items()))},
             "tree": {"files": self.tree_files, "bytes": self.tree_bytes, "fixed_bytes": self.fixed_bytes,
-                     "others_cores": round(self.others_cores, 3),
+                     "others_cores": self.others_cores, "cores": self.cores,
                      "kinds": {kind: {"replicated_bytes": scale.replicated_bytes, "groups": scale.groups,
                                       "train_bytes": scale.train_bytes}
                                for kind, scale in sorted(self.scales.items())}},
@@ -170,6 +182,7 @@ class Selection:
             tree_bytes=tree.get("bytes", 0),
             fixed_bytes=tree.get("fixed_bytes", 0),
             others_cores=tree.get("others_cores", 0.0),
+            cores=tree.get("cores", 0),
         )
 
 
@@ -205,7 +218,8 @@ def select_codecs(
     max_bytes = check_max_bytes(max_bytes)
     sample = draw_sample(Path(src), files, group_of, fraction=fraction, max_bytes=max_bytes, seed=seed)
     kind_bytes = estimated_kind_bytes(sample)
-    scales = kind_scales(sample, kind_bytes, frozenset(replicated_groups), training_bytes(files, group_of))
+    sizes = sizes_by_group(files, group_of)
+    scales = kind_scales(sample, kind_bytes, frozenset(replicated_groups), training_bytes(sizes))
     measurements: list[Measurement] = []
     choices: dict[str, Choice] = {}
     for kind in sorted({sample_file.kind for sample_file in sample}):
@@ -216,7 +230,6 @@ def select_codecs(
     if goal.fit_bytes:
         choices = choose_to_fit(measurements, {kind: scales[kind] for kind in sorted({m.kind for m in measurements})},
                                 budget, goal, fixed_bytes)
-    non_empty = [entry for entry in files if entry.size > 0]
     return Selection(
         budget=budget,
         fraction=fraction,
@@ -231,8 +244,9 @@ def select_codecs(
         kind_bytes=kind_bytes,
         goal=goal,
         scales=scales,
-        tree_files=len(non_empty),
-        tree_bytes=sum(entry.size for entry in non_empty),
+        tree_files=sum(map(len, sizes.values())),
+        tree_bytes=sum(map(sum, sizes.values())),
         fixed_bytes=fixed_bytes,
-        others_cores=round(CpuClock.now().others_since(clock), 3),  # as written to JSON: a reload predicts the same
+        others_cores=CpuClock.now().others_since(clock),
+        cores=usable_workers(0),
     )

@@ -33,7 +33,7 @@ def format_selection(selection: Selection) -> str:
     """A header (budget, K, sample, time), then per kind a table of every measured setting and the choice."""
     budget = selection.budget
     lines = [
-        f"codec selection: {budget.describe()}",
+        f"codec selection: {_budget_line(selection)}",
         f"prefetch threads K={budget.prefetch_threads}; sample: {selection.sample_files} files, "
         f"{_size(selection.sample_bytes)} (--sample {selection.fraction:.1%} of SRC, but at least "
         f"{_size(MIN_SAMPLE_BYTES)}, and per kind {MIN_FILES} files and up to "
@@ -94,6 +94,13 @@ def format_selection(selection: Selection) -> str:
     return "\n".join(lines)
 
 
+def _budget_line(selection: Selection) -> str:
+    """The budget, as the selection used it: under --fit without --budget there is no floor, not 'best ratio'."""
+    if selection.goal.fit_bytes and selection.budget.bytes_per_s == 0:
+        return "no decode floor (no --budget)"
+    return selection.budget.describe()
+
+
 def _fit_lines(selection: Selection) -> list[str]:
     goal = selection.goal
     if not goal.fit_bytes:
@@ -125,8 +132,9 @@ def plot_selection(selection: Selection, path: Path) -> None:
         _plot_decode(axes_grid[number][0], selection, kind)
         _plot_pack_time(axes_grid[number][1], selection, kind)
     estimate, need = selection.estimate(), selection.need()
-    figure.suptitle(f"{selection.budget.describe()}\n{selection.goal.describe()}\npredicted: "
-                    f"{decimal_bytes(need.total)} stored, pack {estimate.describe()}")
+    figure.suptitle(f"{_budget_line(selection)}\n{selection.goal.describe()}\npredicted: "
+                    f"{decimal_bytes(need.total)} stored, pack about {estimate.seconds:,.1f} s with "
+                    f"{estimate.workers} worker(s)", fontsize=9)
     try:
         figure.savefig(path, dpi=100)
     except (OSError, ValueError) as exc:
