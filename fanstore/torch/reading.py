@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ..api import Dataset, open_dataset
-from ..cache import DecodedCache
 from ..daemon_tuning import keep_freed_memory
 from .plan import EpochPlan
 
@@ -43,13 +42,34 @@ def open_source(source: str | None) -> Dataset:
 
 @dataclass
 class PrefetchCounters:
-    """How the reads of this process went: `ahead` files decoded before they were asked for, of which `used` were
-    then read; `waited` reads found their file still decoding; `missed` were decoded when asked."""
+    """How the reads of this process went: `ahead` files queued for decoding before they were asked for, of which
+    `used` were then read; `waited` of those were still decoding (or not started) when asked; `missed` files were
+    not known ahead and were decoded when asked."""
 
     ahead: int = 0
     used: int = 0
     waited: int = 0
     missed: int = 0
+
+
+@dataclass
+class _BatchAhead:
+    """One of this worker's next batches, decoded in one task: a task and a hand-over per batch, not per file,
+    cost little beside the decoding itself."""
+
+    entries: list[int]
+    size: int  # decoded bytes it holds once done
+    done: Future[dict[int, bytes]]
+
+
+def _decode_batch(read: Callable[[int], bytes], entries: list[int]) -> dict[int, bytes]:
+    decoded = {}
+    for entry in entries:
+        try:
+            decoded[entry] = read(entry)
+        except Exception:  # noqa: BLE001 - left out: the reader decodes it again, meets the error and reports it
+            pass
+    return decoded
 
 
 class ProcessReading:
@@ -69,14 +89,15 @@ class ProcessReading:
             self.entries = self.entries[np.argsort([index.path_of(int(e)) for e in self.entries], kind="stable")]
         else:
             self.entries = np.array([self.dataset.resolve(path) for path in paths], dtype=np.int64)
+        self._sizes = index.entries["size"]
         self._plan = plan  # the holder's plan, looked up each batch: an EpochSampler may come after the first read
         self._plan_serial = -1
         self._position = np.empty(0, dtype=np.int64)  # item -> its place in this epoch's order, -1 if absent
         self._order = np.empty(0, dtype=np.int64)
-        self._cache = DecodedCache(prefetch_bytes, self.dataset.reader.read)
+        self._capacity = prefetch_bytes
         self._threads = prefetch_threads
         self._pool: ThreadPoolExecutor | None = None  # started with the first plan
-        self._ahead: dict[int, int] = {}  # entries queued or decoded ahead, not read yet -> their size
+        self._ahead: dict[int, _BatchAhead] = {}  # place in the order of a batch's first item -> its decoding
         self._ahead_bytes = 0
         self._lock = threading.Lock()
         self.counters = PrefetchCounters()
@@ -94,67 +115,81 @@ class ProcessReading:
         return [self.dataset.index.path_of(int(entry)) for entry in self.entries]
 
     def read_items(self, items: Sequence[int]) -> list[bytes]:
-        """The bytes of each item, after queueing the decoding of what this worker reads next."""
-        self._look_ahead(items)
-        return [self._read(int(self.entries[item])) for item in items]
+        """The bytes of each item: from its batch's decoding ahead if there is one. This worker's next batches are
+        queued first, so they decode while this one is finished."""
+        entries = [int(self.entries[item]) for item in items]
+        with self._lock:  # bookkeeping only: decoding and waiting happen outside
+            position = self._position_of(items)
+            batch = self._ahead.pop(position, None) if position >= 0 else None
+            if batch is not None:
+                self._ahead_bytes -= batch.size
+            if position >= 0:
+                self._look_ahead(position, len(items))
+        decoded: dict[int, bytes] = {}
+        queued: set[int] = set()
+        if batch is not None:
+            queued = set(batch.entries)
+            if batch.done.cancel():  # not started yet: decoded here, now
+                self.counters.waited += len(queued)
+            else:
+                if not batch.done.done():
+                    self.counters.waited += len(queued)
+                decoded = batch.done.result()
+        used = sum(entry in queued for entry in entries)
+        self.counters.used += used
+        self.counters.missed += len(entries) - used
+        read = self.dataset.reader.read
+        return [decoded.pop(entry) if entry in decoded else read(entry) for entry in entries]
 
-    def _read(self, entry: int) -> bytes:
-        with self._lock:
-            size = self._ahead.pop(entry, None)
-            self._ahead_bytes -= size or 0
-        if size is None:
-            self.counters.missed += 1
-            return self.dataset.reader.read(entry)
-        if self._cache.peek(entry) is None:
-            self.counters.waited += 1
-        self.counters.used += 1
-        data = self._cache.get(entry)
-        self._cache.discard(entry)  # read once an epoch: holding it only takes room from the next ones
-        return data
-
-    def _look_ahead(self, items: Sequence[int]) -> None:
-        """Decode this worker's next batches of the epoch order. Workers take batches in turn (DataLoader sends
-        batch k to worker k mod num_workers), so this worker's next batch starts num_workers batches on."""
+    def _position_of(self, items: Sequence[int]) -> int:
+        """The place in the epoch's order of this batch's first item (-1: no plan, or not in it), the plan of a new
+        epoch taken up first."""
         plan = self._plan()
-        if plan is None or self._cache.capacity <= 0 or not len(items):
-            return
+        if plan is None or self._capacity <= 0 or not len(items):
+            return -1
         serial, order = plan.current()
         if serial != self._plan_serial:
+            self._drop_ahead()
             self._plan_serial, self._order = serial, order
             valid = (order >= 0) & (order < len(self.entries))
             self._position = np.full(len(self.entries), -1, dtype=np.int64)
             self._position[order[valid][::-1]] = np.flatnonzero(valid)[::-1]  # an item listed twice: its first place
         first = int(items[0])
-        position = int(self._position[first]) if 0 <= first < len(self._position) else -1
-        if position < 0:
-            return
+        return int(self._position[first]) if 0 <= first < len(self._position) else -1
+
+    def _look_ahead(self, position: int, batch_len: int) -> None:
+        """Queue the decoding of this worker's next batches of the epoch order. Workers take batches in turn
+        (DataLoader sends batch k to worker k mod num_workers), so this worker's next batch starts num_workers
+        batches on."""
+        for start in [start for start in self._ahead if start < position]:  # passed by: never read now
+            self._forget(self._ahead.pop(start))
         from torch.utils.data import get_worker_info
 
         info = get_worker_info()
-        stride = len(items) * (info.num_workers if info is not None else 1)
-        sizes = self.dataset.index.entries["size"]
+        stride = batch_len * (info.num_workers if info is not None else 1)
         for batch in range(1, PREFETCH_BATCHES + 1):
             start = position + batch * stride
-            for item in self._order[start : start + len(items)]:
-                entry = int(self.entries[int(item)])
-                with self._lock:
-                    if entry in self._ahead:
-                        continue
-                    if self._ahead_bytes + int(sizes[entry]) > self._cache.capacity:
-                        return
-                    self._ahead[entry] = int(sizes[entry])
-                    self._ahead_bytes += int(sizes[entry])
-                self.counters.ahead += 1
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(max(1, self._threads), thread_name_prefix="fanstore-prefetch")
-                self._pool.submit(self._decode_ahead, entry)
+            if start in self._ahead or start >= len(self._order):
+                continue
+            entries = [int(self.entries[int(item)]) for item in self._order[start : start + batch_len]]
+            size = int(self._sizes[entries].sum())
+            if self._ahead_bytes + size > self._capacity:
+                return
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max(1, self._threads), thread_name_prefix="fanstore-prefetch")
+            self._ahead[start] = _BatchAhead(entries, size,
+                                             self._pool.submit(_decode_batch, self.dataset.reader.read, entries))
+            self._ahead_bytes += size
+            self.counters.ahead += len(entries)
 
-    def _decode_ahead(self, entry: int) -> None:
-        try:
-            self._cache.get(entry)
-        except Exception:  # noqa: BLE001 - the reader meets the same error when it reads the file, and reports it
-            with self._lock:
-                self._ahead_bytes -= self._ahead.pop(entry, 0)
+    def _forget(self, batch: _BatchAhead) -> None:
+        batch.done.cancel()
+        self._ahead_bytes -= batch.size
+
+    def _drop_ahead(self) -> None:
+        for batch in self._ahead.values():
+            self._forget(batch)
+        self._ahead.clear()
 
     def announce(self, order: np.ndarray) -> None:
         """Hand the epoch's order to the node's serve process (a served dataset only)."""
@@ -164,9 +199,11 @@ class ProcessReading:
             announce(self.dataset.index, self.entries[valid])
 
     def stats(self) -> dict[str, Any]:
-        return {**asdict(self.counters), "cache": asdict(self._cache.stats())}
+        return {**asdict(self.counters), "held_bytes": self._ahead_bytes}
 
     def close(self) -> None:
+        with self._lock:
+            self._drop_ahead()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         self.dataset.close()
