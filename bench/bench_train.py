@@ -358,6 +358,12 @@ class Result:
         loop = f"{1e3 * (figures['main_cpu'] + figures['workers_cpu']) / files:.2f}"
         return loop + (f"+{1e3 * figures['daemon_cpu'] / files:.2f}" if figures["daemon_cpu"] else "")
 
+    def loop_share(self, rank: int) -> float:
+        """The training process's own part of the loop's CPU (receiving batches from its workers): CPU the workers
+        cannot have."""
+        figures = self.ranks[rank]
+        return figures["main_cpu"] / ((figures["main_cpu"] + figures["workers_cpu"]) or 1.0)
+
 
 @dataclass(frozen=True, slots=True)
 class Setup:
@@ -595,11 +601,18 @@ def way_rows(results: list[Result]) -> list[list[str]]:
     return rows
 
 
+def scaling_ceiling(two: Result) -> float:
+    """The most 2 workers can gain over 1 here when a worker is CPU-bound: the CPUs this bench may use, less the
+    training process's share of the loop's CPU, over one worker's one CPU (at most 2)."""
+    return min(2.0, len(os.sched_getaffinity(0)) * (1.0 - two.loop_share(0)))
+
+
 def scaling_rows(scaling: list[tuple[Result, Result]]) -> list[list[str]]:
     rows = []
     for one, two in scaling:
         rate_one, rate_two = one.files_per_second(0, 1), two.files_per_second(0, 1)
         rows.append([one.way, one.placement, f"{rate_one:,.0f}", f"{rate_two:,.0f}", f"{rate_two / rate_one:.2f}x",
+                     f"{100 * two.loop_share(0):.0f}%", f"{scaling_ceiling(two):.2f}x",
                      one.cpu_ms_per_file(0), two.cpu_ms_per_file(0), f"{one.faults_per_file(0):.0f}",
                      f"{two.faults_per_file(0):.0f}", others_cell(one), others_cell(two)])
     return rows
@@ -631,7 +644,7 @@ def target_lines(results: list[Result], scaling: list[tuple[Result, Result]]) ->
             ratio = two.files_per_second(0, 1) / one.files_per_second(0, 1)
             line(ratio >= TARGET_SCALING, f"{TARGET_WAY} files/s, 2 workers >= {TARGET_SCALING}x 1 worker",
                  one.placement, f"{two.files_per_second(0, 1):,.0f} vs {one.files_per_second(0, 1):,.0f} files/s, "
-                 f"no compute: {ratio:.3f}x" + disturbed(one, two))
+                 f"no compute: {ratio:.3f}x (ceiling here {scaling_ceiling(two):.2f}x)" + disturbed(one, two))
     return lines
 
 
@@ -715,10 +728,12 @@ def print_report(setup: Setup, results: list[Result], scaling: list[tuple[Result
                  "files/s", "CPU ms/file", "others"], way_rows(results), left=3)
     print()
     print("pure data rate: no compute, files/s over epochs 2 and 3, 1 and 2 DataLoader workers; CPU ms/file and "
-          "others as above; faults = minor page faults of the training process and its workers per file (a 128 KiB "
+          "others as above; loop 2w = the training process's own share of that CPU with 2 workers (receiving their "
+          "batches); ceiling = the most 2/1 can be here with CPU-bound workers, min(2, usable CPUs x (1 - loop "
+          "share)); faults = minor page faults of the training process and its workers per file (a 128 KiB "
           f"file is 32 pages); {tries_text(target_tries)} each")
-    print_table(["way", "placement", "1 worker files/s", "2 workers", "2/1", "CPU ms/file 1w", "2w", "faults 1w",
-                 "2w", "others 1w", "2w"], scaling_rows(scaling), left=2)
+    print_table(["way", "placement", "1 worker files/s", "2 workers", "2/1", "loop 2w", "ceiling", "CPU ms/file 1w",
+                 "2w", "faults 1w", "2w", "others 1w", "2w"], scaling_rows(scaling), left=2)
     print()
     print(f"plot: {plot_path}")
     print()
