@@ -3,6 +3,7 @@ stores with, is recorded in the index and shown by `fanstore info`, and survives
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import subprocess
@@ -11,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_one_line_error, dataset_digest, run_cli, tree_digest
-from fanstore import open_dataset
+from conftest import assert_one_line_error, dataset_digest, dir_bytes, run_cli, tree_digest
+from fanstore import PackOptions, open_dataset, pack
+from fanstore.errors import UsageError
 from fanstore.journal import JOURNAL_DIR, STATE_FILE
 from compressors.kinds import HEAD_BYTES, file_kind
 
@@ -144,6 +146,54 @@ def test_budget_and_auto_go_together(mixed_tree: Path, tmp_path: Path, arguments
     dest = tmp_path / "ds"
     assert_one_line_error(run_cli("fanstore-pack", str(mixed_tree), str(dest), *arguments, "--quiet"), "--budget")
     assert not dest.exists(), "a refused pack must not create DEST"
+
+
+REFUSALS = {
+    "does not fit": (["--codec", "auto", "--fit", "1kB"], "--fit 1 kB"),
+    "a seed the selector refuses": (["--codec", "auto", "--budget", "1GB/s", "--seed", "-1"], "--seed"),
+    "a bad codec": (["--codec", "zstd:99"], "--codec"),
+}
+
+
+@pytest.mark.parametrize("refusal", sorted(REFUSALS))
+@pytest.mark.parametrize("found", ["no DEST", "an empty DEST", "a dataset and --force"])
+def test_a_refused_pack_leaves_dest_as_it_found_it(mixed_tree: Path, tmp_path: Path, refusal: str,
+                                                   found: str) -> None:
+    """Whatever refuses the pack (the selection, --fit, an option), it refuses before its first write to DEST."""
+    arguments, needle = REFUSALS[refusal]
+    dest = tmp_path / "ds"
+    if found == "an empty DEST":
+        dest.mkdir()
+    elif found == "a dataset and --force":
+        run_cli("fanstore-pack", str(mixed_tree), str(dest), "--codec", "lz4", "--workers", "1", "--quiet",
+                check=True)
+        arguments = [*arguments, "--force"]
+    before = sorted(dest.rglob("*")) if dest.exists() else None
+    contents = dir_bytes(dest) if dest.exists() else None
+    assert_one_line_error(run_cli("fanstore-pack", str(mixed_tree), str(dest), *arguments, "--quiet"), needle)
+    if before is None:
+        assert not dest.exists(), "a refused pack must not create DEST"
+    else:
+        assert sorted(dest.rglob("*")) == before and dir_bytes(dest) == contents
+
+
+def test_what_appears_in_dest_during_the_selection_is_not_deleted(mixed_tree: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """DEST is checked before the selection and again before the first write: a file another process put there
+    meanwhile is refused, never deleted as if it were the pack's own."""
+    pack_module = importlib.import_module("fanstore.pack")  # the package's `pack` is the function
+    dest = tmp_path / "ds"
+    dest.mkdir()
+    select_for = pack_module.select_for
+
+    def select_while_another_process_writes(*args, **kwargs):
+        (dest / "theirs.txt").write_text("not fanstore's")
+        return select_for(*args, **kwargs)
+
+    monkeypatch.setattr(pack_module, "select_for", select_while_another_process_writes)
+    with pytest.raises(UsageError, match="theirs.txt"):
+        pack(mixed_tree, dest, PackOptions(codec="auto", budget=1e9, workers=1))
+    assert [path.name for path in dest.iterdir()] == ["theirs.txt"]
 
 
 # --- interrupted and resumed --------------------------------------------------------------------------------------
