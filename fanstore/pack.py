@@ -263,16 +263,30 @@ def _check_options(options: PackOptions) -> None:
         raise UsageError(f"--blocks-above: must be 0 or more bytes, got {options.blocks_above}")
     GroupPlan(options.replicate)  # a bad --replicate fails now, before worker processes start
     if options.codec == AUTO_CODEC:
-        if options.prefetch_threads < 0:
-            raise UsageError(f"--prefetch-threads: must be 0 or more, got {options.prefetch_threads}")
-        if options.budget < 0:
-            raise UsageError(f"--budget: must be 0 or more bytes/s, got {options.budget}")
-        _goal(options)  # a bad --fit, --nodes, --tolerance or --pack-speed fails before anything is walked
+        _check_selection_options(options)
         return
     try:
         codec_from_spec(options.codec)
     except CodecError as exc:
         raise UsageError(f"--codec: {exc}") from None
+
+
+def _check_selection_options(options: PackOptions) -> None:
+    """Every --codec auto option the selector would refuse, refused before anything is walked."""
+    from selector import Budget, SelectionError
+    from selector.sample import check_fraction, check_seed
+
+    if options.prefetch_threads < 0:
+        raise UsageError(f"--prefetch-threads: must be 0 or more, got {options.prefetch_threads}")
+    if options.budget < 0:
+        raise UsageError(f"--budget: must be 0 or more bytes/s, got {options.budget}")
+    try:
+        Budget(options.budget, options.prefetch_threads)
+        check_fraction(options.sample)
+        check_seed(options.seed)
+    except SelectionError as exc:
+        raise UsageError(str(exc)) from None
+    _goal(options)  # --fit, --nodes, --tolerance, --pack-speed
 
 
 def _worker_count(workers: int) -> int:

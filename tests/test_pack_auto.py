@@ -177,6 +177,18 @@ def test_a_refused_pack_leaves_dest_as_it_found_it(mixed_tree: Path, tmp_path: P
         assert sorted(dest.rglob("*")) == before and dir_bytes(dest) == contents
 
 
+@pytest.mark.parametrize(("options", "option"), [
+    ({"budget": float("inf")}, "--budget"), ({"budget": 1e9, "sample": 0.0}, "--sample"),
+    ({"budget": 1e9, "seed": -1}, "--seed"), ({"budget": 1e9, "seed": 1 << 64}, "--seed"),
+])
+def test_options_the_selector_would_refuse_are_refused_before_the_walk(tmp_path: Path, options: dict,
+                                                                       option: str) -> None:
+    """SRC does not exist: the option must be refused before the walk would find that out."""
+    with pytest.raises(UsageError, match=option):
+        pack(tmp_path / "never walked", tmp_path / "ds", PackOptions(codec="auto", workers=1, **options))
+    assert not (tmp_path / "ds").exists()
+
+
 def test_what_appears_in_dest_during_the_selection_is_not_deleted(mixed_tree: Path, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """DEST is checked before the selection and again before the first write: a file another process put there
