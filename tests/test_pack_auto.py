@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_one_line_error, dataset_digest, dir_bytes, run_cli, tree_digest
+from conftest import assert_one_line_error, dataset_digest, dir_bytes, python2_npy, run_cli, tree_digest
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.errors import UsageError
 from fanstore.journal import JOURNAL_DIR, STATE_FILE
@@ -146,6 +146,25 @@ def test_budget_and_auto_go_together(mixed_tree: Path, tmp_path: Path, arguments
     dest = tmp_path / "ds"
     assert_one_line_error(run_cli("fanstore-pack", str(mixed_tree), str(dest), *arguments, "--quiet"), "--budget")
     assert not dest.exists(), "a refused pack must not create DEST"
+
+
+@pytest.mark.parametrize("codec", [["--codec", "auto", "--budget", "0"], ["--codec", "blosc:zstd:5:shuffle:auto"]])
+def test_packing_npy_files_writes_nothing_to_stderr(tmp_path: Path, codec: list[str]) -> None:
+    """.npy files as numpy writes them today, as it wrote them on Python 2, and one with a torn header: blosc reads
+    their item size (while selecting, and in the workers while packing) without numpy's loader warnings."""
+    rng = np.random.default_rng(5)
+    src = tmp_path / "src"
+    src.mkdir()
+    for number in range(6):
+        field = np.cumsum(rng.standard_normal((32, 256)), axis=1).astype(np.float32)
+        np.save(src / f"field_{number}.npy", field)
+        (src / f"old_field_{number}.npy").write_bytes(python2_npy(field))
+    (src / "torn.npy").write_bytes(b"\x93NUMPY\x01\x00\x46\x00{'descr': '<f4', 'shape': ((((" + bytes(4096))
+    packed = run_cli("fanstore-pack", str(src), str(tmp_path / "ds"), *codec, "--workers", "2", "--quiet",
+                     check=True)
+    assert packed.stderr == ""
+    with open_dataset(tmp_path / "ds") as ds:
+        assert dataset_digest(ds) == tree_digest(src)
 
 
 REFUSALS = {
