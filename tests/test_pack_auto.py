@@ -167,6 +167,71 @@ def test_packing_npy_files_writes_nothing_to_stderr(tmp_path: Path, codec: list[
         assert dataset_digest(ds) == tree_digest(src)
 
 
+def build_record_tree(root: Path) -> Path:
+    """Many small similar files of two kinds, JSON records (`text`) and extensionless binary records (`other`):
+    what zstd dictionaries are for."""
+    rng = np.random.default_rng(3)
+    root.mkdir(parents=True)
+    for number in range(300):
+        record = {"id": number, "label": int(rng.integers(0, 10)), "score": round(float(rng.random()), 4)}
+        (root / f"record_{number:04d}.json").write_text(json.dumps(record, indent=2) + "\n" + "trailer line\n" * 5)
+        (root / f"blob_{number:04d}").write_bytes(b"\x00REC" + number.to_bytes(4, "little") + b"\x00\x01\x02" * 30
+                                                  + rng.integers(0, 4, 60, np.uint8).tobytes() + b"\x00end\x00" * 8)
+    return root
+
+
+def _pack_choosing(src: Path, dest: Path, specs: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An auto pack whose selection chooses `specs` per kind (kinds left out: as if the sample had lacked them)."""
+    from selector import Choice
+
+    pack_module = importlib.import_module("fanstore.pack")
+    select_for = pack_module.select_for
+
+    def choosing(*args, **kwargs):
+        selection = select_for(*args, **kwargs)
+        selection.choices = {kind: Choice(kind, spec, None, True, "chosen by the test") for kind, spec in specs.items()}
+        return selection
+
+    monkeypatch.setattr(pack_module, "select_for", choosing)
+    pack(src, dest, PackOptions(codec="auto", budget=0, workers=1))
+
+
+def _dictionaries_in_use(ds) -> set[str]:
+    """The dictionaries of the codec rows some file or block is stored with."""
+    index = ds.index
+    rows = {int(row) for row in index.entries["codec"][index.entries["size"] > 0]}
+    rows |= {int(row) for row in index.blocks["codec"]}
+    return {index.codecs[row]["dictionary"] for row in rows} - {None}
+
+
+def test_an_auto_pack_stores_no_dictionary_that_no_file_uses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every kind has a dictionary of its own: none is trained for the kinds the sample lacked, as there are none."""
+    src = build_record_tree(tmp_path / "src")
+    _pack_choosing(src, tmp_path / "ds", {"text": "zstd-dict:3", "other": "zstd-dict:19"}, monkeypatch)
+    with open_dataset(tmp_path / "ds") as ds:
+        assert sorted(ds.index.dictionaries) == ["dict.0.other", "dict.0.text"]
+        assert _dictionaries_in_use(ds) == set(ds.index.dictionaries)
+        assert dataset_digest(ds) == tree_digest(src)
+
+
+def test_kinds_the_sample_lacked_get_a_dictionary_trained_on_their_files(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The selection names `other` only: the JSON records take the row for kinds it lacked, `other`'s choice, with
+    dict.0 trained on them; and a single zstd-dict codec has every file use dict.0."""
+    src = build_record_tree(tmp_path / "src")
+    _pack_choosing(src, tmp_path / "auto", {"other": "zstd-dict:19"}, monkeypatch)
+    pack(src, tmp_path / "single", PackOptions(codec="zstd-dict:19", workers=1))
+    for name in ("auto", "single"):
+        with open_dataset(tmp_path / name) as ds:
+            expected = ["dict.0", "dict.0.other"] if name == "auto" else ["dict.0"]
+            assert sorted(ds.index.dictionaries) == expected, name
+            assert _dictionaries_in_use(ds) == set(expected)
+            json_rows = {int(ds.index.entries["codec"][ds.index.lookup(path)]) for path in ds.files()
+                         if path.endswith(".json")}
+            assert {ds.index.codecs[row]["dictionary"] for row in json_rows} == {"dict.0"}
+            assert dataset_digest(ds) == tree_digest(src)
+
+
 REFUSALS = {
     "does not fit": (["--codec", "auto", "--fit", "1kB"], "--fit 1 kB"),
     "a seed the selector refuses": (["--codec", "auto", "--budget", "1GB/s", "--seed", "-1"], "--seed"),
