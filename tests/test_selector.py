@@ -340,6 +340,38 @@ def test_selection_round_trips_through_json(selection: Selection) -> None:
         assert choice.measurement == (None if original is None else Measurement.from_json(original.to_json()))
 
 
+FORMAT_DOC = Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md"
+BY_KIND = ("choices", "tree.kinds")  # maps from kind to a record: documented as `choices.KIND.spec`
+
+
+def _recorded_keys(record: dict, prefix: str = "") -> set[str]:
+    """A record's keys as FORMAT.md names them: `budget.bytes_per_s`, `choices.KIND.spec`, `measurements[].spec`."""
+    keys = set()
+    for key, value in record.items():
+        path = f"{prefix}{key}"
+        if path in BY_KIND:
+            for kind_record in value.values():
+                keys |= _recorded_keys(kind_record, f"{path}.KIND.")
+        elif isinstance(value, dict) and path != "sample.kind_bytes":  # kind -> bytes: one documented key
+            keys |= _recorded_keys(value, f"{path}.")
+        elif isinstance(value, list) and value and isinstance(value[0], dict):
+            for element in value:
+                keys |= _recorded_keys(element, f"{path}[].")
+        else:
+            keys.add(path)
+    return keys
+
+
+def test_format_md_documents_every_key_of_the_record(selection: Selection) -> None:
+    """docs/FORMAT.md's `meta.selection` table names exactly the keys Selection.to_json writes."""
+    text = FORMAT_DOC.read_text()
+    section = text.split("### `meta.selection`", 1)[1].split("\n#", 1)[0]
+    documented = {line.split("`")[1] for line in section.splitlines() if line.startswith("| `")}
+    record = selection.to_json()
+    assert set(record["choices"]) and set(record["tree"]["kinds"]) and record["measurements"]
+    assert _recorded_keys(record) == documented
+
+
 def test_the_table_marks_each_choice(selection: Selection) -> None:
     text = format_selection(selection)
     assert "budget 400 MB/s" in text and "K=2" in text and "200 MB/s" in text
