@@ -1,5 +1,6 @@
-"""`fanstore-pack --codec auto` end to end, through the real CLI: the selector's choice per kind is what the pack
-stores with, is recorded in the index and shown by `fanstore info`, and survives a SIGKILL and a resume."""
+"""`fanstore-pack --codec auto` end to end, through the real CLI (or `pack()`, where a test fixes the selection): the
+selector's choice per kind is what the pack stores with, is recorded in the index and shown by `fanstore info`, and
+survives a SIGKILL and a resume; a refused pack leaves DEST as it found it."""
 
 from __future__ import annotations
 
@@ -148,6 +149,8 @@ def test_budget_and_auto_go_together(mixed_tree: Path, tmp_path: Path, arguments
     assert not dest.exists(), "a refused pack must not create DEST"
 
 
+# --- what the codecs store, and what they print -----------------------------------------------------------------------
+
 @pytest.mark.parametrize("codec", [["--codec", "auto", "--budget", "0"], ["--codec", "blosc:zstd:5:shuffle:auto"]])
 def test_packing_npy_files_writes_nothing_to_stderr(tmp_path: Path, codec: list[str]) -> None:
     """.npy files as numpy writes them today, as it wrote them on Python 2, and one with a torn header: blosc reads
@@ -231,6 +234,8 @@ def test_kinds_the_sample_lacked_get_a_dictionary_trained_on_their_files(tmp_pat
             assert {ds.index.codecs[row]["dictionary"] for row in json_rows} == {"dict.0"}
             assert dataset_digest(ds) == tree_digest(src)
 
+
+# --- refused packs ----------------------------------------------------------------------------------------------------
 
 REFUSALS = {
     "does not fit": (["--codec", "auto", "--fit", "1kB"], "--fit 1 kB"),
