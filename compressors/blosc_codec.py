@@ -13,8 +13,10 @@ alone, so a program that decodes from many threads of its own may want to set it
 
 from __future__ import annotations
 
+import ast
 import functools
-import io
+import re
+import struct
 import types
 from typing import Any
 
@@ -50,11 +52,9 @@ DEFAULT_TYPESIZE = 4  # what `auto` uses for anything that is not a .npy file: f
 _HEADER_SIZE = 16  # a blosc buffer starts with a 16-byte header holding its raw and stored sizes
 _NPY_MAGIC = b"\x93NUMPY"
 _NPY_MAX_HEADER = 10_000  # numpy's own limit on the header it will parse
-_NPY_HEADER_READERS = types.MappingProxyType({
-    1: npy_format.read_array_header_1_0,
-    2: npy_format.read_array_header_2_0,
-    3: npy_format.read_array_header_2_0,  # 3.0 is 2.0 with UTF-8 field names, which do not change the item size
-})
+# Per .npy major version: how the header's length is stored after the magic and version bytes, and its encoding.
+_NPY_HEADER_LENGTH = types.MappingProxyType({1: ("<H", "latin1"), 2: ("<I", "latin1"), 3: ("<I", "utf8")})
+_PYTHON2_LONG = re.compile(r"(?<=[0-9])[lL]\b")  # numpy on Python 2 wrote the shape's integers as longs: (64L,)
 
 
 class BloscCodec(SegmentedCodec):
@@ -153,17 +153,44 @@ class BloscCodec(SegmentedCodec):
 
 
 def auto_typesize(data: BytesLike) -> int:
-    """The element size `auto` shuffles with: the item size from a .npy header, else DEFAULT_TYPESIZE."""
-    view = memoryview(data).cast("B")
-    if bytes(view[: len(_NPY_MAGIC)]) != _NPY_MAGIC:
+    """The element size `auto` shuffles with: the item size from a .npy header, else DEFAULT_TYPESIZE.
+
+    The header is parsed here rather than by numpy's array loader: the loader warns on stderr about headers written
+    by Python 2 (advice to re-save the file, for whoever loads the array) and lets a tokenizer error escape from a
+    torn one; a codec that only needs the item size has no use for either."""
+    descr = _npy_descr(memoryview(data).cast("B"))
+    if descr is None:
         return DEFAULT_TYPESIZE
-    head = io.BytesIO(bytes(view[: len(_NPY_MAGIC) + 6 + _NPY_MAX_HEADER]))
     try:
-        major, _ = npy_format.read_magic(head)
-        read_header = _NPY_HEADER_READERS.get(major)
-        if read_header is None:
-            return DEFAULT_TYPESIZE
-        _, _, dtype = read_header(head, max_header_size=_NPY_MAX_HEADER)
-    except (ValueError, TypeError, KeyError, SyntaxError, EOFError):
-        return DEFAULT_TYPESIZE  # magic followed by something numpy cannot read: treat it as plain bytes
-    return dtype.itemsize if 1 <= dtype.itemsize <= MAX_TYPESIZE else DEFAULT_TYPESIZE
+        itemsize = npy_format.descr_to_dtype(descr).itemsize
+    except (ValueError, TypeError, KeyError, IndexError):
+        return DEFAULT_TYPESIZE  # a descr numpy cannot read: treat the file as plain bytes
+    return itemsize if 1 <= itemsize <= MAX_TYPESIZE else DEFAULT_TYPESIZE
+
+
+def _npy_descr(view: memoryview) -> Any:
+    """The `descr` of the .npy header `view` starts with (None when it does not start with one that reads): the
+    header is a Python dict literal, after the magic, two version bytes and the header's length."""
+    if bytes(view[: len(_NPY_MAGIC)]) != _NPY_MAGIC or len(view) < len(_NPY_MAGIC) + 2:
+        return None
+    layout = _NPY_HEADER_LENGTH.get(view[len(_NPY_MAGIC)])
+    if layout is None:
+        return None
+    length_format, encoding = layout
+    start = len(_NPY_MAGIC) + 2 + struct.calcsize(length_format)
+    if len(view) < start:
+        return None
+    (length,) = struct.unpack_from(length_format, view, len(_NPY_MAGIC) + 2)
+    if length > _NPY_MAX_HEADER or len(view) < start + length:
+        return None
+    try:
+        text = bytes(view[start : start + length]).decode(encoding)
+    except UnicodeDecodeError:
+        return None
+    for literal in (text, _PYTHON2_LONG.sub("", text)):
+        try:
+            header = ast.literal_eval(literal)
+        except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+            continue
+        return header.get("descr") if isinstance(header, dict) else None
+    return None

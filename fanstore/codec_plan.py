@@ -1,8 +1,10 @@
 """Which codec each file is compressed with: one spec for all, or one per file kind (what `--codec auto` chose).
 
 The plan is the codec table the index records (row 0 is always `none`) plus, per group, the row for each kind.
-`zstd-dict` trains one dictionary per group (and kind); a set too small to train on falls back to plain zstd at
-the same level. Dictionaries are journaled, so a resumed pack uses the very same ones.
+`zstd-dict` trains one dictionary per group (and kind), on a sample of the files that will use it: with kinds
+listed, the ANY_KIND row's dictionary is trained on the files of the kinds not listed only, so none is trained (and
+stored) when every file has a row of its own kind. A set too small to train on falls back to plain zstd at the
+same level. Dictionaries are journaled, so a resumed pack uses the very same ones.
 """
 
 from __future__ import annotations
@@ -76,9 +78,8 @@ def build_codec_plan(
                 if dictionary is None:
                     if samples_by_kind is None:
                         members = [f for f, g in zip(files, file_groups) if g == group and f.size > 0]
-                        samples_by_kind = _dictionary_samples(src, members, by_kind=len(spec_by_kind) > 1)
-                    samples = samples_by_kind.get(kind, []) if kind != ANY_KIND else samples_by_kind.get(ANY_KIND, [])
-                    dictionary = train_dictionary(samples, level=codec.level)
+                        samples_by_kind = _dictionary_samples(src, members, frozenset(spec_by_kind) - {ANY_KIND})
+                    dictionary = train_dictionary(samples_by_kind.get(kind, []), level=codec.level)
                     if dictionary is not None:
                         journal.save_dictionary(dictionary_name, dictionary)
                 if dictionary is not None:
@@ -90,11 +91,10 @@ def build_codec_plan(
     return plan
 
 
-def _dictionary_samples(src: Path, members: list[SourceEntry], by_kind: bool) -> dict[str, list[bytes]]:
-    """An evenly spaced, deterministic sample of a group's files, each cut to its first bytes, by kind.
-
-    Every sample also goes under ANY_KIND, the dictionary for kinds the plan does not name."""
-    samples: dict[str, list[bytes]] = {ANY_KIND: []}
+def _dictionary_samples(src: Path, members: list[SourceEntry], listed: frozenset[str]) -> dict[str, list[bytes]]:
+    """An evenly spaced, deterministic sample of a group's files, each cut to its first bytes, under the row that
+    will compress the file: its kind when `listed` names it, else ANY_KIND (every sample when none is listed)."""
+    samples: dict[str, list[bytes]] = {}
     if not members:
         return samples
     step = max(1, len(members) // DICT_TRAIN_FILES)
@@ -105,9 +105,8 @@ def _dictionary_samples(src: Path, members: list[SourceEntry], by_kind: bool) ->
                 sample = f.read(DICT_TRAIN_FILE_BYTES)
         except OSError:
             continue  # the compress step reports it
-        samples[ANY_KIND].append(sample)
-        if by_kind:
-            samples.setdefault(file_kind(entry.path, sample[:HEAD_BYTES]), []).append(sample)
+        kind = file_kind(entry.path, sample[:HEAD_BYTES]) if listed else ANY_KIND
+        samples.setdefault(kind if kind in listed else ANY_KIND, []).append(sample)
         total += len(sample)
         if total >= DICT_TRAIN_TOTAL_BYTES:
             break

@@ -4,6 +4,11 @@ DEST holds nothing, a finished dataset, or an interrupted pack (its journal). Be
 file under fanstore's names is identified by its content too (the index's and chunks' magic numbers, the
 journal's own files), without following a symlink; a DEST holding anything else is refused, --force or not,
 naming the file: `fanstore-pack SRC ~` must never cost a home directory.
+
+Deciding and doing are two steps: `check_dest` refuses or decides without writing, and the pack runs every other
+refusal of its own (the codec selection's too) before `prepare_dest` changes DEST. A refused pack leaves the file
+system as it found it: no DEST where there was none, and an existing one as it was (empty, or holding the dataset
+that --force would have replaced).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import os
 import re
 import shutil
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -35,9 +41,18 @@ def check_src_and_dest(src: Path, dest: Path) -> None:
                          "choose a DEST outside SRC")
 
 
-def prepare_dest(dest: Path, journal: PackJournal, fingerprint: str, force: bool) -> None:
+@dataclass(frozen=True, slots=True)
+class DestPlan:
+    """What a pack will do to DEST, decided before anything is written: resume the journal there, or remove the
+    names listed (all fanstore's own) and start afresh."""
+
+    resume: bool
+    remove: tuple[str, ...] = ()
+
+
+def check_dest(dest: Path, journal: PackJournal, fingerprint: str, force: bool) -> DestPlan:
     """A new or empty DEST, or the journal of this very pack to resume; a finished dataset or another pack's
-    journal only with --force; anything fanstore did not write, never."""
+    journal only with --force; anything fanstore did not write, never. Reads DEST, never writes it."""
     if dest.is_symlink() and not dest.is_dir():
         raise UsageError(f"DEST {str(dest)!r} is a symlink to something that is not a directory")
     if dest.exists() and not dest.is_dir():
@@ -49,12 +64,13 @@ def prepare_dest(dest: Path, journal: PackJournal, fingerprint: str, force: bool
         raise UsageError(f"DEST {str(dest)!r} holds {str(foreign[0])!r}{more}, which fanstore did not write; "
                          "fanstore-pack never deletes what it did not write: choose an empty or new directory, "
                          "or move those files away")
+    fresh = DestPlan(resume=False, remove=tuple(sorted(present)))
     chunk_files = (dest / CHUNK_DIR).is_dir() and any(True for _ in os.scandir(dest / CHUNK_DIR))
     if INDEX_NAME in present:
         if not force:
             raise UsageError(f"DEST {str(dest)!r} already holds a fanstore dataset; pass --force to replace it")
-        _remove_ours(dest, present)
-    elif journal.exists():
+        return fresh
+    if journal.exists():
         try:
             previous = journal.state()
         except JournalError:  # another journal version, or damaged: replaced only on request
@@ -62,20 +78,27 @@ def prepare_dest(dest: Path, journal: PackJournal, fingerprint: str, force: bool
                 raise
             previous = None
         if previous is not None and previous.fingerprint == fingerprint:
-            pass  # the same pack: resume it
-        elif force:
-            _remove_ours(dest, present)
-        else:
-            raise UsageError(
-                f"DEST {str(dest)!r} holds an interrupted pack of other files or options "
-                f"({json.dumps(previous.options if previous is not None else None)}); run that command to resume "
-                "it, or pass --force"
-            )
-    elif chunk_files and not force:
+            return DestPlan(resume=True)  # the same pack: resume it
+        if force:
+            return fresh
+        raise UsageError(
+            f"DEST {str(dest)!r} holds an interrupted pack of other files or options "
+            f"({json.dumps(previous.options if previous is not None else None)}); run that command to resume "
+            "it, or pass --force"
+        )
+    if chunk_files and not force:
         raise UsageError(f"DEST {str(dest)!r} holds fanstore chunk files but no index or journal (a copy, or a "
                          "pack from elsewhere); pass --force to replace them")
-    else:
-        _remove_ours(dest, present)  # at most an empty chunks/ and dictionaries of a pack killed at its start
+    return fresh  # at most an empty chunks/ and dictionaries of a pack killed at its start
+
+
+def prepare_dest(dest: Path, journal: PackJournal, fingerprint: str, force: bool, planned: DestPlan) -> None:
+    """Carry out what check_dest decided, the pack's first write to DEST. DEST is checked again first: time has
+    passed since (the codec selection), and what is deleted must be what was found to be fanstore's."""
+    if check_dest(dest, journal, fingerprint, force) != planned:
+        raise UsageError(f"DEST {str(dest)!r} changed while the pack was getting ready (is another process "
+                         "writing there?); nothing was written: run the same command again")
+    _remove_ours(dest, set(planned.remove))
     try:
         (dest / CHUNK_DIR).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -84,7 +107,7 @@ def prepare_dest(dest: Path, journal: PackJournal, fingerprint: str, force: bool
 
 def discard_unrecorded_chunks(dest: Path, finished: int) -> None:
     """Chunk files past the journal (a crash between publishing a chunk and journaling it) are written again.
-    Only chunk files are there: prepare_dest refused anything else."""
+    Only chunk files are there: check_dest refused anything else."""
     for path in (dest / CHUNK_DIR).iterdir():
         stem = path.name.split(".")[0]
         if path.name.endswith(PARTIAL_SUFFIX) or int(stem) >= finished:

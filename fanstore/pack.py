@@ -26,7 +26,7 @@ from compressors.kinds import OTHER
 from .chunk_builder import ChunkBuilder
 from .codec_plan import ANY_KIND, CodecPlan, build_codec_plan
 from .compress import BlockLayout, PlanFiles, Skipped, WorkerPool, compress_in_order
-from .dest import check_src_and_dest, discard_unrecorded_chunks, prepare_dest
+from .dest import check_dest, check_src_and_dest, discard_unrecorded_chunks, prepare_dest
 from .errors import DoesNotFit, PackError, UsageError
 from .format import BLOCK_DTYPE, CHUNK_DTYPE, FLAG_BLOCKED, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, NO_CHUNK
 from .groups import GroupPlan
@@ -172,11 +172,13 @@ def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: Sour
     del by_group, in_order
     fingerprint = _fingerprint(tree, options)
     journal = PackJournal(dest_path)
-    prepare_dest(dest_path, journal, fingerprint, options.force)
-    pause_point("walked")
+    dest_plan = check_dest(dest_path, journal, fingerprint, options.force)
     selecting = time.monotonic()
-    selection = _selection(options, src_path, tree, groups, journal)
+    selection = _selection(options, src_path, tree, groups, journal if dest_plan.resume else None)
     selection_seconds = time.monotonic() - selecting
+    # The first write to DEST: every refusal (bad options, DEST, the selection, --fit) has been raised above it.
+    prepare_dest(dest_path, journal, fingerprint, options.force, dest_plan)
+    pause_point("walked")
     if selection is not None and on_selection is not None:
         on_selection(selection)
     spec_by_kind = {ANY_KIND: options.codec} if selection is None else _spec_by_kind(selection)
@@ -261,16 +263,30 @@ def _check_options(options: PackOptions) -> None:
         raise UsageError(f"--blocks-above: must be 0 or more bytes, got {options.blocks_above}")
     GroupPlan(options.replicate)  # a bad --replicate fails now, before worker processes start
     if options.codec == AUTO_CODEC:
-        if options.prefetch_threads < 0:
-            raise UsageError(f"--prefetch-threads: must be 0 or more, got {options.prefetch_threads}")
-        if options.budget < 0:
-            raise UsageError(f"--budget: must be 0 or more bytes/s, got {options.budget}")
-        _goal(options)  # a bad --fit, --nodes, --tolerance or --pack-speed fails before anything is walked
+        _check_selection_options(options)
         return
     try:
         codec_from_spec(options.codec)
     except CodecError as exc:
         raise UsageError(f"--codec: {exc}") from None
+
+
+def _check_selection_options(options: PackOptions) -> None:
+    """Every --codec auto option the selector would refuse, refused before anything is walked."""
+    from selector import Budget, SelectionError
+    from selector.sample import check_fraction, check_seed
+
+    if options.prefetch_threads < 0:
+        raise UsageError(f"--prefetch-threads: must be 0 or more, got {options.prefetch_threads}")
+    if options.budget < 0:
+        raise UsageError(f"--budget: must be 0 or more bytes/s, got {options.budget}")
+    try:
+        Budget(options.budget, options.prefetch_threads)
+        check_fraction(options.sample)
+        check_seed(options.seed)
+    except SelectionError as exc:
+        raise UsageError(str(exc)) from None
+    _goal(options)  # --fit, --nodes, --tolerance, --pack-speed
 
 
 def _worker_count(workers: int) -> int:
@@ -289,18 +305,18 @@ def _fingerprint(tree: SourceTree, options: PackOptions) -> str:
 
 
 def _selection(options: PackOptions, src: Path, tree: SourceTree, groups: GroupPlan,
-               journal: PackJournal) -> Selection | None:
-    """With --codec auto, the selector's choice; a resumed pack reuses the journaled one (timings vary)."""
+               resumed: PackJournal | None) -> Selection | None:
+    """With --codec auto, the selector's choice; a resumed pack reuses the one in its journal (timings vary)."""
     if options.codec != AUTO_CODEC:
         return None
     from selector import Selection, SelectionError
 
-    journaled = journal.state().selection if journal.exists() else None
-    if journaled:
+    journaled = resumed.state().selection if resumed is not None else None
+    if resumed is not None and journaled:
         try:
             return Selection.from_json(journaled)
         except (SelectionError, KeyError, TypeError) as exc:
-            raise PackError(f"{journal.dir}: the journaled codec selection cannot be read ({exc}); pass --force to "
+            raise PackError(f"{resumed.dir}: the journaled codec selection cannot be read ({exc}); pass --force to "
                             "start the pack afresh") from None
     return select_for(src, tree, groups, options.budget, options.prefetch_threads, options.sample, options.seed,
                       _goal(options))

@@ -4,8 +4,8 @@ disk or look at DEST at exactly that moment, instead of polling the pack and rac
 With FANSTORE_PAUSE_AT set to an event and FANSTORE_PAUSE_DIR to a directory, the pack writes DIR/paused (holding
 the event's name) when the event comes, then waits until DIR/resume exists. Events, in order:
 
-    walked     SRC is walked and DEST is prepared; nothing is journaled yet
-    planned    codecs are chosen (dictionaries trained) and the journal is started
+    walked     SRC is walked, the codecs chosen (--codec auto) and DEST prepared; nothing is journaled yet
+    planned    dictionaries are trained and the journal is started
     chunk:N    N chunks are written and journaled
     index      every chunk is written; the index is not
 

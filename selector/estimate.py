@@ -7,9 +7,10 @@ Pack time, for the person who waits for it, is three terms:
 
   * compressing: each kind's bytes at its setting's measured encode speed, spread over the pack's workers (capped at
     the cores this process may use: more workers than cores only take turns);
-  * training dictionaries: the packer trains one per group and zstd-dict kind (and one for the kinds the sample
-    lacked, when `other` got zstd-dict) on up to DICT_TRAIN_TOTAL_BYTES of file heads, one after another in the
-    packing process; the selector timed its own training per byte, and the packer's bytes are known from the walk;
+  * training dictionaries: the packer trains one per group and zstd-dict kind on that kind's share of up to
+    DICT_TRAIN_TOTAL_BYTES of file heads, one after another in the packing process; the selector timed its own
+    training per byte, and the packer's bytes are known from the walk (kinds the sample lacked are not counted:
+    when `other` got zstd-dict the packer trains their dictionary on their own files, which the sample did not see);
   * walking, reading, checksumming and writing: what `--codec none` costs, IO_SECONDS_PER_FILE per file plus
     IO_SECONDS_PER_MB per MB, measured on the 2-core development machine (page cache warm) and serial (the packing
     process does it, whatever the workers); see the constants.
@@ -31,7 +32,6 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from compressors import DICT_TRAIN_FILE_BYTES, DICT_TRAIN_FILES, DICT_TRAIN_TOTAL_BYTES
-from compressors.kinds import OTHER
 
 from .measure import MB, Measurement
 from .policy import KindScale
@@ -132,7 +132,7 @@ def kind_scales(sample: Sequence[SampleFile], kind_bytes: Mapping[str, int], rep
                 training: Mapping[int, int]) -> dict[str, KindScale]:
     """Per kind: its estimated bytes in SRC, those in replicated groups, its groups, and the bytes the packer would
     train its dictionaries on: each group's training bytes (`training`) shared between kinds as their file heads
-    are (from the sample's strata); `other` also bears the fallback row's dictionary, trained on all of them."""
+    are (from the sample's strata)."""
     strata: dict[tuple[int, str], int] = {}
     heads: dict[tuple[int, str], list[int]] = defaultdict(lambda: [0, 0])
     for f in sample:
@@ -154,8 +154,6 @@ def kind_scales(sample: Sequence[SampleFile], kind_bytes: Mapping[str, int], rep
             replicated[kind] += stratum_bytes
         if group_heads[group]:
             train[kind] += training.get(group, 0) * head_bytes.get((group, kind), 0) / group_heads[group]
-    if OTHER in kind_bytes:
-        train[OTHER] += sum(training.values())
     return {kind: KindScale(raw, min(replicated[kind], raw), max(groups[kind], 1), round(train[kind]))
             for kind, raw in kind_bytes.items()}
 

@@ -134,7 +134,7 @@ class KindScale:
     raw_bytes: int
     replicated_bytes: int = 0
     groups: int = 1
-    train_bytes: int = 0  # per zstd-dict choice, over its groups (and the fallback row's, for `other`)
+    train_bytes: int = 0  # per zstd-dict choice, over its groups
 
     def stored(self, m: Measurement | None) -> float:
         """Predicted stored bytes of the kind, its dictionaries included."""

@@ -40,6 +40,15 @@ def make_tree(root: Path) -> Path:
     return root
 
 
+def python2_npy(array: np.ndarray) -> bytes:
+    """`array` as numpy on Python 2 saved it: a version 1.0 .npy whose header writes the shape's integers as longs,
+    `(64L, 256L)`, which Python 3 cannot read without filtering (numpy's loader then warns)."""
+    shape = "(" + "".join(f"{length}L, " for length in array.shape).rstrip(" ") + ")"
+    header = f"{{'descr': '{array.dtype.str}', 'fortran_order': False, 'shape': {shape}, }}"
+    header += " " * (-(10 + len(header) + 1) % 64) + "\n"  # the array starts at a multiple of 64 bytes
+    return b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode("latin1") + array.tobytes()
+
+
 @pytest.fixture
 def source_tree(tmp_path: Path) -> Path:
     return make_tree(tmp_path / "src")

@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from compressors.base import SEGMENT_SIZE
 from compressors.blosc_codec import BloscCodec, auto_typesize
 from compressors.lz4_codec import Lz4Codec
 from compressors.zstd_codec import ZstdDictCodec
+from conftest import python2_npy
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -452,6 +454,21 @@ def test_blosc_auto_typesize_reads_npy_headers() -> None:
     auto = codec_from_spec("blosc:lz4:5:shuffle:auto")
     assert auto.encode(floats64) == codec_from_spec("blosc:lz4:5:shuffle:8").encode(floats64)
     assert auto.encode(b"x" * 1000) == codec_from_spec("blosc:lz4:5:shuffle:4").encode(b"x" * 1000)
+
+
+def test_blosc_auto_typesize_reads_python2_and_torn_headers_without_a_word() -> None:
+    """numpy's loader warns about a Python 2 header and lets a tokenizer error out of a torn one: the item size is
+    read all the same, or the default taken, and nothing is written to stderr or raised."""
+    floats64 = np.linspace(0, 1, 5000)
+    torn = _npy_bytes(floats64)[:40] + b"((((" + _npy_bytes(floats64)[44:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert auto_typesize(python2_npy(floats64)) == 8
+        assert auto_typesize(python2_npy(np.zeros((3, 4), dtype=np.int16))) == 2
+        assert auto_typesize(torn) == 4
+        assert auto_typesize(b"\x93NUMPY\x01\x00\x08\x00'''abcd\n" + bytes(64)) == 4  # an open string
+        auto = codec_from_spec("blosc:lz4:5:shuffle:auto")
+        assert auto.decode(auto.encode(torn), len(torn)) == torn
 
 
 def test_threads_share_one_codec(codec: Codec) -> None:

@@ -1,8 +1,10 @@
-"""`fanstore-pack --codec auto` end to end, through the real CLI: the selector's choice per kind is what the pack
-stores with, is recorded in the index and shown by `fanstore info`, and survives a SIGKILL and a resume."""
+"""`fanstore-pack --codec auto` end to end, through the real CLI (or `pack()`, where a test fixes the selection): the
+selector's choice per kind is what the pack stores with, is recorded in the index and shown by `fanstore info`, and
+survives a SIGKILL and a resume; a refused pack leaves DEST as it found it."""
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import subprocess
@@ -11,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_one_line_error, dataset_digest, run_cli, tree_digest
-from fanstore import open_dataset
+from conftest import assert_one_line_error, dataset_digest, dir_bytes, python2_npy, run_cli, tree_digest
+from fanstore import PackOptions, open_dataset, pack
+from fanstore.errors import UsageError
 from fanstore.journal import JOURNAL_DIR, STATE_FILE
 from compressors.kinds import HEAD_BYTES, file_kind
 
@@ -144,6 +147,154 @@ def test_budget_and_auto_go_together(mixed_tree: Path, tmp_path: Path, arguments
     dest = tmp_path / "ds"
     assert_one_line_error(run_cli("fanstore-pack", str(mixed_tree), str(dest), *arguments, "--quiet"), "--budget")
     assert not dest.exists(), "a refused pack must not create DEST"
+
+
+# --- what the codecs store, and what they print -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("codec", [["--codec", "auto", "--budget", "0"], ["--codec", "blosc:zstd:5:shuffle:auto"]])
+def test_packing_npy_files_writes_nothing_to_stderr(tmp_path: Path, codec: list[str]) -> None:
+    """.npy files as numpy writes them today, as it wrote them on Python 2, and one with a torn header: blosc reads
+    their item size (while selecting, and in the workers while packing) without numpy's loader warnings."""
+    rng = np.random.default_rng(5)
+    src = tmp_path / "src"
+    src.mkdir()
+    for number in range(6):
+        field = np.cumsum(rng.standard_normal((32, 256)), axis=1).astype(np.float32)
+        np.save(src / f"field_{number}.npy", field)
+        (src / f"old_field_{number}.npy").write_bytes(python2_npy(field))
+    (src / "torn.npy").write_bytes(b"\x93NUMPY\x01\x00\x46\x00{'descr': '<f4', 'shape': ((((" + bytes(4096))
+    packed = run_cli("fanstore-pack", str(src), str(tmp_path / "ds"), *codec, "--workers", "2", "--quiet",
+                     check=True)
+    assert packed.stderr == ""
+    with open_dataset(tmp_path / "ds") as ds:
+        assert dataset_digest(ds) == tree_digest(src)
+
+
+def build_record_tree(root: Path) -> Path:
+    """Many small similar files of two kinds, JSON records (`text`) and extensionless binary records (`other`):
+    what zstd dictionaries are for."""
+    rng = np.random.default_rng(3)
+    root.mkdir(parents=True)
+    for number in range(300):
+        record = {"id": number, "label": int(rng.integers(0, 10)), "score": round(float(rng.random()), 4)}
+        (root / f"record_{number:04d}.json").write_text(json.dumps(record, indent=2) + "\n" + "trailer line\n" * 5)
+        (root / f"blob_{number:04d}").write_bytes(b"\x00REC" + number.to_bytes(4, "little") + b"\x00\x01\x02" * 30
+                                                  + rng.integers(0, 4, 60, np.uint8).tobytes() + b"\x00end\x00" * 8)
+    return root
+
+
+def _pack_choosing(src: Path, dest: Path, specs: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An auto pack whose selection chooses `specs` per kind (kinds left out: as if the sample had lacked them)."""
+    from selector import Choice
+
+    pack_module = importlib.import_module("fanstore.pack")
+    select_for = pack_module.select_for
+
+    def choosing(*args, **kwargs):
+        selection = select_for(*args, **kwargs)
+        selection.choices = {kind: Choice(kind, spec, None, True, "chosen by the test") for kind, spec in specs.items()}
+        return selection
+
+    monkeypatch.setattr(pack_module, "select_for", choosing)
+    pack(src, dest, PackOptions(codec="auto", budget=0, workers=1))
+
+
+def _dictionaries_in_use(ds) -> set[str]:
+    """The dictionaries of the codec rows some file or block is stored with."""
+    index = ds.index
+    rows = {int(row) for row in index.entries["codec"][index.entries["size"] > 0]}
+    rows |= {int(row) for row in index.blocks["codec"]}
+    return {index.codecs[row]["dictionary"] for row in rows} - {None}
+
+
+def test_an_auto_pack_stores_no_dictionary_that_no_file_uses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every kind has a dictionary of its own: none is trained for the kinds the sample lacked, as there are none."""
+    src = build_record_tree(tmp_path / "src")
+    _pack_choosing(src, tmp_path / "ds", {"text": "zstd-dict:3", "other": "zstd-dict:19"}, monkeypatch)
+    with open_dataset(tmp_path / "ds") as ds:
+        assert sorted(ds.index.dictionaries) == ["dict.0.other", "dict.0.text"]
+        assert _dictionaries_in_use(ds) == set(ds.index.dictionaries)
+        assert dataset_digest(ds) == tree_digest(src)
+
+
+def test_kinds_the_sample_lacked_get_a_dictionary_trained_on_their_files(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The selection names `other` only: the JSON records take the row for kinds it lacked, `other`'s choice, with
+    dict.0 trained on them; and a single zstd-dict codec has every file use dict.0."""
+    src = build_record_tree(tmp_path / "src")
+    _pack_choosing(src, tmp_path / "auto", {"other": "zstd-dict:19"}, monkeypatch)
+    pack(src, tmp_path / "single", PackOptions(codec="zstd-dict:19", workers=1))
+    for name in ("auto", "single"):
+        with open_dataset(tmp_path / name) as ds:
+            expected = ["dict.0", "dict.0.other"] if name == "auto" else ["dict.0"]
+            assert sorted(ds.index.dictionaries) == expected, name
+            assert _dictionaries_in_use(ds) == set(expected)
+            json_rows = {int(ds.index.entries["codec"][ds.index.lookup(path)]) for path in ds.files()
+                         if path.endswith(".json")}
+            assert {ds.index.codecs[row]["dictionary"] for row in json_rows} == {"dict.0"}
+            assert dataset_digest(ds) == tree_digest(src)
+
+
+# --- refused packs ----------------------------------------------------------------------------------------------------
+
+REFUSALS = {
+    "does not fit": (["--codec", "auto", "--fit", "1kB"], "--fit 1 kB"),
+    "a seed the selector refuses": (["--codec", "auto", "--budget", "1GB/s", "--seed", "-1"], "--seed"),
+    "a bad codec": (["--codec", "zstd:99"], "--codec"),
+}
+
+
+@pytest.mark.parametrize("refusal", sorted(REFUSALS))
+@pytest.mark.parametrize("found", ["no DEST", "an empty DEST", "a dataset and --force"])
+def test_a_refused_pack_leaves_dest_as_it_found_it(mixed_tree: Path, tmp_path: Path, refusal: str,
+                                                   found: str) -> None:
+    """Whatever refuses the pack (the selection, --fit, an option), it refuses before its first write to DEST."""
+    arguments, needle = REFUSALS[refusal]
+    dest = tmp_path / "ds"
+    if found == "an empty DEST":
+        dest.mkdir()
+    elif found == "a dataset and --force":
+        run_cli("fanstore-pack", str(mixed_tree), str(dest), "--codec", "lz4", "--workers", "1", "--quiet",
+                check=True)
+        arguments = [*arguments, "--force"]
+    before = sorted(dest.rglob("*")) if dest.exists() else None
+    contents = dir_bytes(dest) if dest.exists() else None
+    assert_one_line_error(run_cli("fanstore-pack", str(mixed_tree), str(dest), *arguments, "--quiet"), needle)
+    if before is None:
+        assert not dest.exists(), "a refused pack must not create DEST"
+    else:
+        assert sorted(dest.rglob("*")) == before and dir_bytes(dest) == contents
+
+
+@pytest.mark.parametrize(("options", "option"), [
+    ({"budget": float("inf")}, "--budget"), ({"budget": 1e9, "sample": 0.0}, "--sample"),
+    ({"budget": 1e9, "seed": -1}, "--seed"), ({"budget": 1e9, "seed": 1 << 64}, "--seed"),
+])
+def test_options_the_selector_would_refuse_are_refused_before_the_walk(tmp_path: Path, options: dict,
+                                                                       option: str) -> None:
+    """SRC does not exist: the option must be refused before the walk would find that out."""
+    with pytest.raises(UsageError, match=option):
+        pack(tmp_path / "never walked", tmp_path / "ds", PackOptions(codec="auto", workers=1, **options))
+    assert not (tmp_path / "ds").exists()
+
+
+def test_what_appears_in_dest_during_the_selection_is_not_deleted(mixed_tree: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """DEST is checked before the selection and again before the first write: a file another process put there
+    meanwhile is refused, never deleted as if it were the pack's own."""
+    pack_module = importlib.import_module("fanstore.pack")  # the package's `pack` is the function
+    dest = tmp_path / "ds"
+    dest.mkdir()
+    select_for = pack_module.select_for
+
+    def select_while_another_process_writes(*args, **kwargs):
+        (dest / "theirs.txt").write_text("not fanstore's")
+        return select_for(*args, **kwargs)
+
+    monkeypatch.setattr(pack_module, "select_for", select_while_another_process_writes)
+    with pytest.raises(UsageError, match="theirs.txt"):
+        pack(mixed_tree, dest, PackOptions(codec="auto", budget=1e9, workers=1))
+    assert [path.name for path in dest.iterdir()] == ["theirs.txt"]
 
 
 # --- interrupted and resumed --------------------------------------------------------------------------------------

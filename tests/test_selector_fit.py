@@ -15,7 +15,8 @@ import pytest
 from compressors import DICT_TRAIN_FILE_BYTES, DICT_TRAIN_FILES, DICT_TRAIN_TOTAL_BYTES, codec_from_spec
 from conftest import assert_one_line_error, run_cli
 from selector import Budget, DoesNotFit, Goal, Selection, SelectionError
-from selector.estimate import estimate_pack, io_seconds, sizes_by_group, training_bytes, usable_workers
+from selector.estimate import (estimate_pack, io_seconds, kind_scales, sizes_by_group, training_bytes,
+                               usable_workers)
 from selector.measure import Measurement, measure_kind
 from selector.policy import NONE_SPEC, KindScale, choose, choose_to_fit, decimal_bytes, need_of
 from selector.sample import SampleFile
@@ -211,6 +212,15 @@ def test_training_bytes_follow_the_packers_rule() -> None:
                                           lambda path: 1 if path.startswith("val/") else 0))
     # Every third file's head, until the total reaches DICT_TRAIN_TOTAL_BYTES (the file that crosses it counts).
     assert found == {0: math.ceil(DICT_TRAIN_TOTAL_BYTES / DICT_TRAIN_FILE_BYTES) * DICT_TRAIN_FILE_BYTES, 1: 30}
+
+
+def test_dictionary_training_is_charged_to_the_kinds_that_train() -> None:
+    # File heads 3:1 in one group: its training bytes are shared 3:1, and `other` bears no dictionary for the kinds
+    # the sample lacked (the packer trains that one on their own files only, and here there are none).
+    sample = [SampleFile("a.txt", "text", 0, b"x" * 300, stratum_bytes=3000),
+              SampleFile("b", "other", 0, b"y" * 100, stratum_bytes=1000)]
+    scales = kind_scales(sample, {"text": 3000, "other": 1000}, frozenset(), {0: 4000})
+    assert (scales["text"].train_bytes, scales["other"].train_bytes) == (3000, 1000)
 
 
 def test_decimal_bytes() -> None:
