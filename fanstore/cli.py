@@ -217,10 +217,16 @@ def _check_fit(dest: Path, capacity: int, nodes: int, predicted: float) -> tuple
             f"{decimal_bytes(capacity)} ({off})"), False
 
 
+def _warn_failed_codecs(selection: Selection) -> None:
+    for problem in selection.failed:
+        print(f"warning: codec {problem}; left out of the selection", file=sys.stderr)
+
+
 def _announce_selection(selection: Selection) -> None:
     """What --codec auto chose and predicts, printed before compressing starts: the person waiting sees how long."""
     from selector.policy import decimal_bytes
 
+    _warn_failed_codecs(selection)
     need, estimate = selection.need(), selection.estimate()
     choices = ", ".join(f"{kind} {spec}" for kind, spec in selection.codec_by_kind().items()) or "nothing sampled"
     print(f"codec selection ({selection.seconds:.1f} s): {choices}")
@@ -261,6 +267,7 @@ def _run_select(args: argparse.Namespace) -> int:
     goal = make_goal(options["fit"], options["nodes"], options["tolerance"], options["pack_speed"], args.workers)
     selection = select_for(Path(args.src), walk_source(args.src), groups, options["budget"],
                            options["prefetch_threads"], options["sample"], options["seed"], goal)
+    _warn_failed_codecs(selection)
     print(format_selection(selection))
     if args.plot:
         try:

@@ -73,6 +73,7 @@ class Selection:
     fixed_bytes: int = 0  # stored whatever the codecs (the index), counted against a total --fit
     others_cores: float = 0.0  # cores other processes used while the selector measured (the estimate leaves them)
     cores: int = 0  # cores the selector could use (0: unknown, this machine's): a record estimates the same anywhere
+    failed: tuple[str, ...] = ()  # settings left out because their codec failed on the sample, and why (not recorded)
 
     def codec_by_kind(self) -> dict[str, str]:
         return {kind: self.choices[kind].spec for kind in sorted(self.choices)}
@@ -221,9 +222,11 @@ def select_codecs(
     sizes = sizes_by_group(files, group_of)
     scales = kind_scales(sample, kind_bytes, frozenset(replicated_groups), training_bytes(sizes))
     measurements: list[Measurement] = []
+    failed: list[str] = []
     choices: dict[str, Choice] = {}
     for kind in sorted({sample_file.kind for sample_file in sample}):
-        kind_measurements = measure_kind(kind, [f for f in sample if f.kind == kind], candidate_specs(kind))
+        kind_measurements = measure_kind(kind, [f for f in sample if f.kind == kind], candidate_specs(kind),
+                                         on_failed=failed.append)
         measurements.extend(kind_measurements)
         if not goal.fit_bytes:
             choices[kind] = choose(kind, kind_measurements, budget, goal=goal, scale=scales.get(kind))
@@ -249,4 +252,5 @@ def select_codecs(
         fixed_bytes=fixed_bytes,
         others_cores=CpuClock.now().others_since(clock),
         cores=usable_workers(0),
+        failed=tuple(failed),
     )

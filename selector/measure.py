@@ -135,13 +135,15 @@ def is_slow_spec(spec: str) -> bool:
 
 
 def measure_kind(
-    kind: str, files: list[SampleFile], specs: Sequence[str], repeats: int = DEFAULT_REPEATS
+    kind: str, files: list[SampleFile], specs: Sequence[str], repeats: int = DEFAULT_REPEATS,
+    on_failed: Callable[[str], None] | None = None,
 ) -> list[Measurement]:
     """One Measurement per spec (in the order given) on `files`, the sample of one kind.
 
     A zstd-dict setting is left out when the sample is too small to train a dictionary on: the packer would then
-    use plain zstd at that level, which the grid measures anyway. Raises CodecError if a codec does not give back
-    the bytes it was given (a broken codec must not be chosen).
+    use plain zstd at that level, which the grid measures anyway. A setting whose codec fails on the sample (raises,
+    or does not give back the bytes it was given) is left out too, and `on_failed` told why: a broken codec must
+    not be chosen, and must not stop the others from being measured.
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise SelectionError(f"repeats: decode passes must be a positive integer, got {repeats!r}")
@@ -155,10 +157,15 @@ def measure_kind(
     with _single_threaded_blosc():
         for spec in specs:
             trained = dictionaries.get(spec)
-            codecs, dict_bytes = _codecs_for(spec, subsets[spec], trained[:2] if trained else None)
-            if codecs is None:
+            try:
+                codecs, dict_bytes = _codecs_for(spec, subsets[spec], trained[:2] if trained else None)
+                if codecs is None:
+                    continue
+                measurement = _measure(kind, spec, subsets[spec], codecs, dict_bytes, repeats)
+            except Exception as exc:  # noqa: BLE001 - a codec library's failure, of whatever type: the setting is out
+                if on_failed is not None:
+                    on_failed(f"{spec} on {kind} files: {exc if isinstance(exc, CodecError) else repr(exc)}")
                 continue
-            measurement = _measure(kind, spec, subsets[spec], codecs, dict_bytes, repeats)
             if trained is not None:
                 measurement = dataclasses.replace(measurement, train_seconds=trained[2], train_bytes=trained[3])
             measurements.append(measurement)
@@ -267,7 +274,10 @@ def _measure(
     weighted_raw = weighted_stored = weighted_seconds = 0.0
     for sample_file, codec in zip(files, codecs):
         started = clock()
-        stored = codec.encode(sample_file.data)
+        try:
+            stored = codec.encode(sample_file.data)
+        except Exception as exc:  # noqa: BLE001 - named with the file, for measure_kind to report
+            raise CodecError(f"encoding {sample_file.path!r} failed: {exc}") from exc
         seconds = clock() - started
         if len(stored) >= len(sample_file.data):
             stored, codec = sample_file.data, none
@@ -280,8 +290,12 @@ def _measure(
     # reader's are; then the timed passes, each decoding the whole sample `loops` times.
     started = time.perf_counter()
     for (decode, stored, raw_size), sample_file in zip(work, files):
-        if decode(stored, raw_size) != sample_file.data:
-            raise CodecError(f"{spec}: decoding {sample_file.path!r} did not give back its bytes")
+        try:
+            intact = decode(stored, raw_size) == sample_file.data
+        except Exception as exc:  # noqa: BLE001 - named with the file, for measure_kind to report
+            raise CodecError(f"decoding {sample_file.path!r} failed: {exc}") from exc
+        if not intact:
+            raise CodecError(f"decoding {sample_file.path!r} did not give back its bytes")
     check_seconds = time.perf_counter() - started
     loops = min(_MAX_LOOPS, max(1, math.ceil(MIN_PASS_SECONDS / max(check_seconds, _MIN_SECONDS))))
     batches = read_path_batches(work)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -416,3 +418,53 @@ def test_the_pareto_front_keeps_only_undominated_settings() -> None:
     points = [measurement("none", 1000, 9000.0), measurement("lz4", 800, 3000.0), measurement("slow", 900, 1000.0),
               measurement("zstd:19", 500, 800.0)]
     assert [m.spec for m in pareto_front(points)] == ["none", "lz4", "zstd:19"]
+
+
+def _wrong_bytes(self, block, raw_size):
+    return b"\0" * raw_size
+
+
+def _raises(self, *args):
+    raise ValueError("codec library failure")
+
+
+@pytest.mark.parametrize("method, broken, problem", [
+    ("_decode_block", _wrong_bytes, "did not give back its bytes"),
+    ("_decode_block", _raises, "decoding 'text/t0.txt' failed: codec library failure"),
+    ("encode", _raises, "encoding 'text/t0.txt' failed: codec library failure"),
+])
+def test_a_codec_that_fails_on_the_sample_is_left_out_and_named(monkeypatch, method, broken, problem) -> None:
+    """A codec library that raises, or gives back other bytes, on some file is not chosen, and the other settings
+    are still measured."""
+    from compressors.lz4_codec import Lz4Codec
+
+    monkeypatch.setattr(Lz4Codec, method, broken)
+    files = [SampleFile(f"text/t{i}.txt", "text", 0, b"the same words again and again %d\n" % i * 200) for i in range(3)]
+    failed: list[str] = []
+    measurements = measure_kind("text", files, ["lz4", "zstd:1", "lz4:hc:9"], on_failed=failed.append)
+    assert [m.spec for m in measurements] == ["zstd:1"]
+    assert len(failed) == 2 and all(problem in line for line in failed), failed
+    assert failed[0].startswith("lz4 on text files: ") and failed[1].startswith("lz4:hc:9 on text files: ")
+
+
+def test_select_and_an_auto_pack_go_on_without_a_failing_codec(tmp_path: Path) -> None:
+    """Through the command line: one warning line per setting left out, no traceback, and a pack that reads back."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(12):
+        (src / f"t{i:02d}.txt").write_bytes(b"words words more words %d\n" % i * 400)
+    launch = ("import sys; from compressors.lz4_codec import Lz4Codec; "
+              "Lz4Codec._decode_block = lambda self, block, raw_size: bytes(raw_size); "
+              "from fanstore.cli import main; sys.exit(main(sys.argv[1:]))")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    for args in (["select", str(src), "--budget", "100MB/s"],
+                 ["pack", str(src), str(tmp_path / "ds"), "--codec", "auto", "--budget", "100MB/s", "--workers", "1"]):
+        done = subprocess.run([sys.executable, "-c", launch, *args], capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "Traceback" not in done.stderr, done.stderr
+        warnings = [line for line in done.stderr.splitlines() if line.startswith("warning: codec lz4")]
+        assert warnings and all("left out of the selection" in line for line in warnings), done.stderr
+    from fanstore import open_dataset
+
+    with open_dataset(tmp_path / "ds") as dataset:
+        assert all(dataset.read(p.name) == p.read_bytes() for p in src.iterdir())
