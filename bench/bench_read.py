@@ -221,21 +221,33 @@ def mounted(system: str, files: FileSet, placement: Placement, workdir: Path,
         daemon = subprocess.Popen(placement.wrap(daemon_command(system, files, mountpoint, stats, extra)),
                                   stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=REPO)
     try:
-        deadline = time.monotonic() + MOUNT_TIMEOUT
-        while not fuse_mounted_at(mountpoint):
-            if daemon.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"bench_read: {system} did not mount; see {workdir / (system + '.log')}")
-            time.sleep(0.02)
-        os.stat(mountpoint)  # answered: the kernel's INIT is done
+        if not wait_until_mounted(mountpoint, daemon, MOUNT_TIMEOUT):
+            raise SystemExit(f"bench_read: {system} did not mount; see {workdir / (system + '.log')}")
         yield Mount(mountpoint, daemon, stats if system == "ram-fuse" else None)
     finally:
-        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
-        try:
-            daemon.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-            daemon.wait()
+        unmount_and_wait(mountpoint, daemon)
         os.rmdir(mountpoint)
+
+
+def wait_until_mounted(mountpoint: Path, daemon: subprocess.Popen[bytes], timeout: float) -> bool:
+    """True once the mount at `mountpoint` answers; False if its daemon exits first or `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not fuse_mounted_at(mountpoint):
+        if daemon.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    os.stat(mountpoint)  # answered: the kernel's INIT is done
+    return True
+
+
+def unmount_and_wait(mountpoint: Path, daemon: subprocess.Popen[bytes]) -> None:
+    """A lazy unmount, then the daemon's exit (killed if it is still there a minute later)."""
+    subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
+    try:
+        daemon.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        daemon.kill()
+        daemon.wait()
 
 
 def force_kernel_read_ahead(mount: Mount, kib: int = 128) -> None:

@@ -844,25 +844,26 @@ def clean_up(workdir: Path) -> None:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def start_reaper(workdir: Path) -> subprocess.Popen[bytes]:
-    """This script again, in a session of its own, told the work directory on a pipe: when the pipe closes,
-    whatever ended this process (SIGKILL included), it cleans up. Its command line does not name the directory,
-    so clean_up never takes it for one of the job's processes."""
-    reaper = subprocess.Popen([sys.executable, __file__, "--reap"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+def start_reaper(workdir: Path, script: str = __file__) -> subprocess.Popen[bytes]:
+    """`script --reap` (this bench, or another that cleans up the same way), in a session of its own, told the work
+    directory on a pipe: when the pipe closes, whatever ended this process (SIGKILL included), it cleans up. Its
+    command line does not name the directory, so clean_up never takes it for one of the job's processes."""
+    reaper = subprocess.Popen([sys.executable, script, "--reap"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                               stderr=None, start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     reaper.stdin.write(f"{workdir}\n".encode())  # type: ignore[union-attr]
     reaper.stdin.flush()  # type: ignore[union-attr]
     return reaper
 
 
-def reap() -> int:
-    """--reap: read the work directory, wait for end-of-file on stdin, clean up."""
+def reap(prefix: str = "bench-serve-") -> int:
+    """--reap: read the work directory, wait for end-of-file on stdin, clean up (only a work directory whose name
+    starts with `prefix`: a stray line must not remove anything else)."""
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     workdir = Path(sys.stdin.buffer.readline().decode().strip())
     while sys.stdin.buffer.read(4096):
         pass
-    if workdir.is_absolute() and workdir.name.startswith("bench-serve-") and workdir.exists():
+    if workdir.is_absolute() and workdir.name.startswith(prefix) and workdir.exists():
         clean_up(workdir)
     return 0
 

@@ -91,12 +91,13 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 sys.path.insert(0, str(REPO))  # measure this checkout, not some installed fanstore
 
-from bench_read import back_memory, file_bytes, print_table, warm  # noqa: E402
+from bench_read import back_memory, file_bytes, print_table, unmount_and_wait, wait_until_mounted, \
+    warm  # noqa: E402
 from bench_serve import clean_up, command_line, cpu_ticks, machine_lines, mpiexec_command, process_start, \
-    process_tree, unmount_all  # noqa: E402
+    process_tree, reap, start_reaper, unmount_all  # noqa: E402
 from machine_load import OtherLoad, wait_for_quiet  # noqa: E402
 
-from fanstore.mount import fuse_mounted_at, fuse_unavailable_reason  # noqa: E402
+from fanstore.mount import fuse_unavailable_reason  # noqa: E402
 
 KIB, MIB = 1024, 1 << 20
 FILE_SIZE = 128 * KIB
@@ -119,6 +120,7 @@ TARGET_WAIT_OVER_PLAIN = 1.10  # FileDataset+EpochSampler data-wait, 3 epochs, a
 TARGET_SCALING = 1.8  # FileDataset+EpochSampler files/s, 2 workers over 1, no compute
 TARGET_TRIES = 2  # runs the targets are judged on: up to this many while other processes disturb them
 
+WORKDIR_PREFIX = "bench-train-"  # what the reaper may remove
 LIST = "{prefetch_list}"  # in a way's options: the path of epoch 1's order
 
 
@@ -429,20 +431,11 @@ def mounted(setup: Setup, options: Sequence[str], name: str) -> Iterator[tuple[P
                                    "--foreground", *options], stdin=subprocess.DEVNULL, stdout=log_file,
                                   stderr=log_file, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
-        deadline = time.monotonic() + READY_TIMEOUT
-        while not fuse_mounted_at(mountpoint):
-            if daemon.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"bench_train: the mount did not come up: {log.read_text()[-1000:]}")
-            time.sleep(0.02)
-        os.stat(mountpoint)  # answered: the kernel's INIT is done
+        if not wait_until_mounted(mountpoint, daemon, READY_TIMEOUT):
+            raise SystemExit(f"bench_train: the mount did not come up: {log.read_text()[-1000:]}")
         yield mountpoint, daemon.pid
     finally:
-        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
-        try:
-            daemon.wait(60)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-            daemon.wait()
+        unmount_and_wait(mountpoint, daemon)
     mountpoint.rmdir()
 
 
@@ -758,29 +751,6 @@ def missing_requirements() -> list[str]:
     return missing
 
 
-def start_reaper(workdir: Path) -> subprocess.Popen[bytes]:
-    """This script again, in a session of its own, told the work directory on a pipe: when the pipe closes,
-    whatever ended this process (SIGKILL included), it cleans up (bench_serve.clean_up). Its command line does not
-    name the directory, so the clean-up never takes it for one of the bench's processes."""
-    reaper = subprocess.Popen([sys.executable, __file__, "--reap"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                              stderr=None, start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-    reaper.stdin.write(f"{workdir}\n".encode())  # type: ignore[union-attr]
-    reaper.stdin.flush()  # type: ignore[union-attr]
-    return reaper
-
-
-def reap() -> int:
-    """--reap: read the work directory, wait for end-of-file on stdin, clean up."""
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, signal.SIG_IGN)
-    workdir = Path(sys.stdin.buffer.readline().decode().strip())
-    while sys.stdin.buffer.read(4096):
-        pass
-    if workdir.is_absolute() and workdir.name.startswith("bench-train-") and workdir.exists():
-        clean_up(workdir)
-    return 0
-
-
 def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(f"bench_train: signal {signum}: cleaning up")
 
@@ -806,7 +776,7 @@ def child_main(argv: Sequence[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv == ["--reap"]:
-        return reap()
+        return reap(WORKDIR_PREFIX)
     if argv[:1] == ["--child"]:
         return child_main(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -850,8 +820,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         notes.append(f"{len(data.paths)} files: the last batch of each epoch is short")
     results: list[Result] = []
     scaling: list[tuple[Result, Result]] = []
-    workdir = Path(tempfile.mkdtemp(prefix="bench-train-"))
-    reaper = start_reaper(workdir)
+    workdir = Path(tempfile.mkdtemp(prefix=WORKDIR_PREFIX))
+    reaper = start_reaper(workdir, __file__)
     try:
         paths_file, prefetch_list = workdir / "paths.txt", workdir / "epoch1.txt"
         paths_file.write_text("".join(f"{rel}\n" for rel in data.paths))
