@@ -68,7 +68,7 @@ class Selection:
     goal: Goal = field(default_factory=Goal)
     # Per kind, what scales its sample to SRC beyond kind_bytes: replicated bytes, groups, dictionary training bytes
     scales: dict[str, KindScale] = field(default_factory=dict)
-    tree_files: int = 0  # SRC's non-empty files and their bytes, as walked: the estimate's walk and I/O term
+    tree_files: int = 0  # SRC's non-empty files and their bytes, as walked (the estimate's I/O terms)
     tree_bytes: int = 0
     fixed_bytes: int = 0  # stored whatever the codecs (the index), counted against a total --fit
     others_cores: float = 0.0  # cores other processes used while the selector measured (the estimate leaves them)
@@ -137,9 +137,11 @@ class Selection:
                         for kind, choice in sorted(self.choices.items())},
             "predicted": {"stored_bytes": round(need.total), "need_bytes": round(need.bytes),
                           "pack_seconds": round(estimate.seconds, 3),
-                          "compress_seconds": round(estimate.compress_seconds, 3),
+                          "walk_seconds": round(estimate.walk_seconds, 3),
                           "train_seconds": round(estimate.train_seconds, 3),
-                          "io_seconds": round(estimate.io_seconds, 3)},
+                          "read_seconds": round(estimate.read_seconds, 3),
+                          "compress_seconds": round(estimate.compress_seconds, 3),
+                          "write_seconds": round(estimate.write_seconds, 3)},
             "measurements": [m.to_json() for m in self.measurements],
         }
 

@@ -3,21 +3,22 @@
 Stored bytes: each kind's estimated bytes in SRC divided by its chosen setting's ratio on the sample, plus the
 dictionaries (one per group the kind is in).
 
-Pack time, for the person who waits for it, is three terms:
+Pack time, for the person who waits for it, follows how the packer works (fanstore/pack.py, compress.py):
 
-  * compressing: each kind's bytes at its setting's measured encode speed, spread over the pack's workers (capped at
-    the cores this process may use: more workers than cores only take turns);
+  * walking SRC before and writing the index after: the packing process, per file;
   * training dictionaries: the packer trains one per group and zstd-dict kind on that kind's share of up to
     DICT_TRAIN_TOTAL_BYTES of file heads, one after another in the packing process; the selector timed its own
     training per byte, and the packer's bytes are known from the walk (kinds the sample lacked are not counted:
     when `other` got zstd-dict the packer trains their dictionary on their own files, which the sample did not see);
-  * walking, reading, checksumming and writing: what `--codec none` costs, IO_SECONDS_PER_FILE per file plus
-    IO_SECONDS_PER_MB per MB, measured on the 2-core development machine (page cache warm) and serial (the packing
-    process does it, whatever the workers); see the constants.
+  * then two stages that overlap, so the slower one sets the time: the workers read, checksum and compress each
+    file (reading per file and per MB, compressing at each kind's measured encode speed, spread over the workers,
+    capped at the cores this process may use: more workers than cores only take turns), while the packing process
+    writes the stored bytes into chunk files (O_DIRECT, synced per chunk).
 
-On a shared machine the pack gets the cores other processes leave: the selector measures how much CPU they used
-while it ran (Linux: /proc/stat less its own CPU time), and the estimate spreads compression over at most the
-cores left (at least one), and slows the serial terms when less than one core is left.
+The per-file and per-MB costs are constants measured on the 2-core development machine (page cache warm): see them
+below. On a shared machine the pack gets the cores other processes leave: the selector measures how much CPU they
+used while it ran (Linux: /proc/stat less its own CPU time), and the estimate spreads the workers' stage over at
+most the cores left (at least one), and slows the packing process's terms when less than one core is left.
 
 The selection itself is not part of it: `fanstore pack --codec auto` has measured it by the time it prints the
 estimate.
@@ -37,14 +38,19 @@ from .measure import MB, Measurement
 from .policy import KindScale
 from .sample import SampleFile, SourceFile
 
-# `fanstore pack --codec auto --fit 100GB --workers 2` (every kind `none`: nothing is compressed) on this project's
-# 2-core development machine, idle, warm page cache, after the selection: 114,001 generated files (1.25 GB) in
-# 7.4-7.8 s, 6,284 files of site-packages (180 MB) in 0.9-1.0 s, 2,321 files (31 MB) in 0.3-0.4 s. Copying bytes
-# into chunk files dominates (the packing process does it: more workers do not shorten it), then per-file work
-# (walk, open, stat, index row). Fitted to the three, rounded.
-IO_SECONDS_PER_FILE = 15e-6
-IO_SECONDS_PER_MB = 4.6e-3
-IO_SECONDS_FIXED = 0.05  # worker start, index write
+# Fitted to `fanstore pack --codec none` (nothing compressed) with 1 and 2 workers on this project's 2-core
+# development machine, idle, warm page cache, DEST on the local ext4 disk (O_DIRECT writes at 0.7-1.6 GB/s), three
+# trees: 114,001 generated files (1,250 MB) in 4.7-7.5 s with 2 workers, 9.3-10.5 s with 1; 50,000 files of 1 KiB
+# in 1.2-1.7 s and 1.9-2.9 s; 6,284 files of site-packages (180 MB) in 0.60-0.95 s and 0.74-0.81 s. Small files
+# are bound by the workers' per-file work (open, fstat, read, checksum, hand-back), large ones by the packing
+# process's writes, which is why the two stages are a max and not a sum. The same machine runs 30-40% slower in
+# some hours than in others (a virtual machine with neighbours): the constants are the middle of that range, so a
+# prediction is off by up to about 20% either way for that alone. Rounded.
+WALK_SECONDS_PER_FILE = 6.3e-6  # walking, and the file's index row: the packing process
+READ_SECONDS_PER_FILE = 41e-6  # worker seconds: open, stat, read, checksum, hand the blob back
+READ_SECONDS_PER_MB = 4.2e-3  # worker seconds per MB read, checksummed and handed back
+WRITE_SECONDS_PER_MB = 2.5e-3  # packing process: gathering stored bytes into chunk files, writing and syncing them
+FIXED_SECONDS = 0.05  # worker start, index write
 _MIN_SERIAL_SHARE = 0.25  # a busier machine than this is not worth estimating for
 
 
@@ -53,19 +59,24 @@ class PackEstimate:
     """The predicted seconds of a pack with the chosen settings (the selection not counted), term by term."""
 
     workers: int
-    compress_seconds: float
+    walk_seconds: float  # walking SRC and writing the index
     train_seconds: float
-    io_seconds: float
+    read_seconds: float  # the workers' reading, spread over them
+    compress_seconds: float  # the workers' compressing, spread over them
+    write_seconds: float  # the packing process writing chunk files, while the workers read and compress
     others_cores: float = 0.0  # cores other processes used while the selector measured
 
     @property
     def seconds(self) -> float:
-        return self.compress_seconds + self.train_seconds + self.io_seconds
+        return (self.walk_seconds + self.train_seconds
+                + max(self.read_seconds + self.compress_seconds, self.write_seconds))
 
     def describe(self) -> str:
         busy = f"; other processes used {self.others_cores:.1f} cores meanwhile" if self.others_cores >= 0.1 else ""
-        return (f"{self.seconds:,.1f} s with {self.workers} worker(s): compress {self.compress_seconds:,.1f} s, "
-                f"dictionaries {self.train_seconds:,.1f} s, walk and I/O {self.io_seconds:,.1f} s{busy}")
+        return (f"{self.seconds:,.1f} s with {self.workers} worker(s): walk and index {self.walk_seconds:,.1f} s, "
+                f"dictionaries {self.train_seconds:,.1f} s, reading {self.read_seconds:,.1f} s and compressing "
+                f"{self.compress_seconds:,.1f} s on the workers while chunk files are written "
+                f"({self.write_seconds:,.1f} s){busy}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,11 +117,6 @@ def usable_workers(workers: int) -> int:
     return max(1, min(workers or cores, cores))
 
 
-def io_seconds(files: int, raw_bytes: int) -> float:
-    """The pack's cost that no codec choice changes (see the constants)."""
-    return IO_SECONDS_FIXED + files * IO_SECONDS_PER_FILE + raw_bytes / MB * IO_SECONDS_PER_MB
-
-
 def estimate_pack(chosen: Mapping[str, Measurement | None], scales: Mapping[str, KindScale], files: int,
                   raw_bytes: int, workers: int, others_cores: float = 0.0, cores: int = 0) -> PackEstimate:
     """The pack time of SRC (`files` non-empty files, `raw_bytes` in all) with these settings per kind, on
@@ -119,13 +125,18 @@ def estimate_pack(chosen: Mapping[str, Measurement | None], scales: Mapping[str,
     parallel = min(workers, max(1.0, left))
     serial = min(1.0, max(_MIN_SERIAL_SHARE, left))
     compress = train = 0.0
+    stored = float(raw_bytes)
     for kind, m in chosen.items():
         if m is None:
             continue
         scale = scales[kind]
         compress += scale.raw_bytes / MB / max(m.encode_mbps, 1e-12) / parallel
         train += m.train_seconds_per_byte * scale.train_bytes / serial
-    return PackEstimate(workers, compress, train, io_seconds(files, raw_bytes) / serial, others_cores)
+        stored -= scale.raw_bytes - scale.raw_bytes / m.ratio
+    read = (files * READ_SECONDS_PER_FILE + raw_bytes / MB * READ_SECONDS_PER_MB) / parallel
+    walk = (FIXED_SECONDS + files * WALK_SECONDS_PER_FILE) / serial
+    write = max(stored, 0.0) / MB * WRITE_SECONDS_PER_MB / serial
+    return PackEstimate(workers, walk, train, read, compress, write, others_cores)
 
 
 def kind_scales(sample: Sequence[SampleFile], kind_bytes: Mapping[str, int], replicated_groups: frozenset[int],

@@ -166,7 +166,7 @@ def _plot_decode(axes: Any, selection: Selection, kind: str) -> None:
 
 def _plot_pack_time(axes: Any, selection: Selection, kind: str) -> None:
     """Capacity against waiting: the kind's stored MB in SRC against its pack seconds (compression on the workers,
-    dictionaries' training included); the walk and I/O, the same for every setting, are left out."""
+    dictionaries' training included); walking, reading and writing, about the same for every setting, are left out."""
     measurements = [m for m in selection.measurements if m.kind == kind]
     choice = selection.choices[kind]
     scale = selection.scales_by_kind()[kind]

@@ -15,7 +15,8 @@ import pytest
 from compressors import DICT_TRAIN_FILE_BYTES, DICT_TRAIN_FILES, DICT_TRAIN_TOTAL_BYTES, codec_from_spec
 from conftest import assert_one_line_error, run_cli
 from selector import Budget, DoesNotFit, Goal, Selection, SelectionError
-from selector.estimate import (estimate_pack, io_seconds, kind_scales, sizes_by_group, training_bytes,
+from selector.estimate import (FIXED_SECONDS, READ_SECONDS_PER_FILE, READ_SECONDS_PER_MB, WALK_SECONDS_PER_FILE,
+                               WRITE_SECONDS_PER_MB, estimate_pack, kind_scales, sizes_by_group, training_bytes,
                                usable_workers)
 from selector.measure import Measurement, measure_kind
 from selector.policy import NONE_SPEC, KindScale, choose, choose_to_fit, decimal_bytes, need_of
@@ -177,7 +178,7 @@ def test_pack_speed_is_a_hard_floor() -> None:
 
 # --- the estimate --------------------------------------------------------------------------------------------------
 
-def test_the_pack_time_estimate_adds_compression_training_and_io() -> None:
+def test_the_pack_time_estimate_overlaps_the_workers_with_the_chunk_writes() -> None:
     text = measured("text", "zstd-dict:19", 4.0, 500, encode_mbps=2, train_seconds=0.5)  # 0.5 s per MB trained
     npy = measured("npy", "lz4", 2.0, 2_000, encode_mbps=500)
     scales = {"text": KindScale(100_000_000, train_bytes=4_000_000), "npy": KindScale(1_000_000_000)}
@@ -186,15 +187,30 @@ def test_the_pack_time_estimate_adds_compression_training_and_io() -> None:
     parallel = min(2, usable_workers(0))  # at most the cores of this machine
     assert estimate.compress_seconds == pytest.approx((100 / 2 + 1000 / 500) / parallel)
     assert estimate.train_seconds == pytest.approx(2.0)
-    assert estimate.io_seconds == pytest.approx(io_seconds(1000, 1_100_000_005))
-    assert estimate.seconds == pytest.approx(estimate.compress_seconds + 2.0 + estimate.io_seconds)
+    assert estimate.walk_seconds == pytest.approx(FIXED_SECONDS + 1000 * WALK_SECONDS_PER_FILE)
+    assert estimate.read_seconds == pytest.approx((1000 * READ_SECONDS_PER_FILE + 1100 * READ_SECONDS_PER_MB)
+                                                  / parallel)
+    # What is written is what is stored: text at 4x, npy at 2x, png and the 5 bytes no kind holds as they are.
+    assert estimate.write_seconds == pytest.approx((25 + 500 + 0.000005) * WRITE_SECONDS_PER_MB)
+    # Compressing is slower than writing here, so it sets the time; the writes happen meanwhile.
+    assert estimate.read_seconds + estimate.compress_seconds > estimate.write_seconds
+    assert estimate.seconds == pytest.approx(estimate.walk_seconds + 2.0 + estimate.read_seconds
+                                             + estimate.compress_seconds)
     assert "with 2 worker(s)" in estimate.describe()
     assert 1 <= usable_workers(64) == usable_workers(0) and usable_workers(1) == 1
-    # Other processes leaving half a core: compression on one worker's worth, serial work at half speed.
+    # Nothing compressed, large files: writing the chunk files is the slower stage, and sets the time.
+    stored_as_is = estimate_pack({"npy": None}, {"npy": KindScale(10_000_000_000)}, 10, 10_000_000_000, workers=2)
+    assert stored_as_is.compress_seconds == 0 and stored_as_is.write_seconds > stored_as_is.read_seconds
+    assert stored_as_is.seconds == pytest.approx(stored_as_is.walk_seconds + stored_as_is.write_seconds)
+    # Other processes leaving half a core: the workers' stage on one worker's worth, the packing process's terms
+    # at half speed.
     busy = estimate_pack({"text": text, "npy": npy}, scales, 1000, 1_100_000_000, workers=2,
                          others_cores=usable_workers(0) - 0.5)
     assert busy.compress_seconds == pytest.approx(100 / 2 + 1000 / 500)
-    assert busy.train_seconds == pytest.approx(4.0) and busy.io_seconds == pytest.approx(2 * io_seconds(1000, 1.1e9))
+    assert busy.read_seconds == pytest.approx(1000 * READ_SECONDS_PER_FILE + 1100 * READ_SECONDS_PER_MB)
+    assert busy.train_seconds == pytest.approx(4.0)
+    assert busy.walk_seconds == pytest.approx(2 * (FIXED_SECONDS + 1000 * WALK_SECONDS_PER_FILE))
+    assert busy.write_seconds == pytest.approx(2 * 525 * WRITE_SECONDS_PER_MB)
     assert "other processes used" in busy.describe()
 
 
