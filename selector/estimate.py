@@ -131,7 +131,7 @@ def estimate_pack(chosen: Mapping[str, Measurement | None], scales: Mapping[str,
             continue
         scale = scales[kind]
         compress += scale.raw_bytes / MB / max(m.encode_mbps, 1e-12) / parallel
-        train += m.train_seconds_per_byte * scale.train_bytes / serial
+        train += m.train_seconds_for(scale.train_bytes, scale.groups) / serial
         stored -= scale.raw_bytes - scale.raw_bytes / m.ratio
     read = (files * READ_SECONDS_PER_FILE + raw_bytes / MB * READ_SECONDS_PER_MB) / parallel
     walk = (FIXED_SECONDS + files * WALK_SECONDS_PER_FILE) / serial

@@ -36,6 +36,16 @@ from .sample import SampleFile
 
 MB = 1e6  # throughputs are in MB/s of raw bytes, as budgets are usually given
 DEFAULT_REPEATS = 3
+# What one zstd dictionary training costs whatever its bytes (its tables): measured on JPEG heads on the 2-core
+# development machine, 0.12 MB trained in 20 ms, 1.7 MB in 64-79 ms, 6.6 MB in 0.20-0.27 s, 19 MB in 0.65 s. Timed
+# per byte alone, the selector's small trainings predicted a pack's training on a few MB of JPEG heads two to five
+# times too long; on shared libraries (site-packages' `other`), 19 MB took 80-90 ns a byte where the selector's
+# 0.64 MB took 40-70 net of this: hence n log n.
+TRAIN_FIXED_SECONDS = 0.02
+
+
+def _n_log_n(n: float) -> float:
+    return n * math.log2(max(n, 2.0))
 # Encoders this slow (zstd's btultra levels) would dominate the selection time: they are measured on a random
 # prefix of the kind's sample this large. Deterministic, so the same sample gives the same ratios.
 SLOW_SPEC_BYTES = 4 << 20
@@ -93,10 +103,17 @@ class Measurement:
     def ratio(self) -> float:
         return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
 
-    @property
-    def train_seconds_per_byte(self) -> float:
-        """Seconds to train a dictionary per byte it is trained on (0 when the setting trains none)."""
-        return self.train_seconds / self.train_bytes if self.train_bytes else 0.0
+    def train_seconds_for(self, train_bytes: int, dictionaries: int) -> float:
+        """Seconds the packer takes to train `dictionaries` dictionaries on `train_bytes` in all with this setting
+        (0 when it trains none), scaled from the selector's two trainings: each costs TRAIN_FIXED_SECONDS and then
+        grows as n log n in its bytes n (zstd's COVER trainer sorts the suffixes of its input). The selector's
+        trainings are small, so most of their time can be the fixed cost: at least a quarter of it counts as
+        growing work, in case this machine is faster than the one TRAIN_FIXED_SECONDS was measured on."""
+        if not self.train_bytes or not train_bytes or dictionaries < 1:
+            return 0.0
+        growing = max(self.train_seconds - 2 * TRAIN_FIXED_SECONDS, self.train_seconds / 4)
+        per_unit = growing / _n_log_n(self.train_bytes / 2) / 2
+        return dictionaries * (TRAIN_FIXED_SECONDS + per_unit * _n_log_n(train_bytes / dictionaries))
 
     @property
     def saving(self) -> float:

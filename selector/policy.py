@@ -160,7 +160,7 @@ class KindScale:
         if m is None:
             return 0.0
         return (self.raw_bytes / MB / max(m.encode_mbps, 1e-12) / max(workers, 1)
-                + m.train_seconds_per_byte * self.train_bytes)
+                + m.train_seconds_for(self.train_bytes, self.groups))
 
     def pack_mbps(self, m: Measurement | None, workers: int) -> float:
         seconds = self.pack_seconds(m, workers)

@@ -18,7 +18,7 @@ from selector import Budget, DoesNotFit, Goal, Selection, SelectionError
 from selector.estimate import (FIXED_SECONDS, READ_SECONDS_PER_FILE, READ_SECONDS_PER_MB, WALK_SECONDS_PER_FILE,
                                WRITE_SECONDS_PER_MB, estimate_pack, kind_scales, sizes_by_group, training_bytes,
                                usable_workers)
-from selector.measure import Measurement, measure_kind
+from selector.measure import TRAIN_FIXED_SECONDS, Measurement, measure_kind
 from selector.policy import NONE_SPEC, KindScale, choose, choose_to_fit, decimal_bytes, need_of
 from selector.sample import SampleFile
 
@@ -133,13 +133,32 @@ def test_the_tolerance_rule_picks_the_faster_of_two_near_equal_settings() -> Non
 
 
 def test_the_tolerance_rule_counts_dictionary_training() -> None:
-    # zstd-dict:19 encodes faster than zstd:19 here, but training its dictionaries takes 20 s.
+    # zstd-dict:19 encodes faster than zstd:19 here, but training its dictionaries on 1 GB takes about 8 s.
     with_dict = measured("text", "zstd-dict:19", 4.00, 500, encode_mbps=3, train_seconds=0.02)
     plain = measured("text", "zstd:19", 3.98, 500, encode_mbps=2)
     scale = KindScale(10_000_000, train_bytes=1_000_000_000)
-    assert scale.pack_seconds(with_dict, 1) == pytest.approx(10 / 3 + 20)
+    assert scale.pack_seconds(with_dict, 1) == pytest.approx(10 / 3 + with_dict.train_seconds_for(1_000_000_000, 1))
+    assert with_dict.train_seconds_for(1_000_000_000, 1) > 10 / 2  # slower than zstd:19 compressing it all
     assert choose("text", [with_dict, plain], Budget(0), scale=scale).spec == "zstd:19"
     assert choose("text", [with_dict, plain], Budget(0), scale=KindScale(10_000_000)).spec == "zstd-dict:19"
+
+
+def test_dictionary_training_time_is_a_fixed_cost_and_n_log_n_in_the_bytes() -> None:
+    def n_log_n(n: float) -> float:
+        return n * math.log2(n)
+
+    # The selector's two trainings, of half a MB each, took 0.1 s: 0.06 s of it beyond their fixed costs.
+    m = measured("text", "zstd-dict:9", 4.0, 500, train_seconds=2 * TRAIN_FIXED_SECONDS + 0.06)
+    assert m.train_seconds_for(RAW // 2, 1) == pytest.approx(TRAIN_FIXED_SECONDS + 0.03)
+    # 100 MB in 3 dictionaries: 3 fixed costs, and each dictionary's bytes grow the rest as n log n, so more than
+    # 100 times the selector's growing part, and far less than 100 times its whole time.
+    many = m.train_seconds_for(100 * RAW, 3)
+    assert many == pytest.approx(3 * (TRAIN_FIXED_SECONDS + 0.03 * n_log_n(100 * RAW / 3) / n_log_n(RAW / 2)))
+    assert 100 * 0.06 < many - 3 * TRAIN_FIXED_SECONDS < 100 * 0.1
+    assert m.train_seconds_for(0, 3) == 0 and measured("text", "zstd:9", 4.0, 500).train_seconds_for(RAW, 1) == 0
+    # Trainings faster than their fixed cost (a faster machine): a quarter of their time still counts as growing.
+    quick = measured("text", "zstd-dict:9", 4.0, 500, train_seconds=TRAIN_FIXED_SECONDS)
+    assert quick.train_seconds_for(RAW // 2, 1) == pytest.approx(TRAIN_FIXED_SECONDS + TRAIN_FIXED_SECONDS / 8)
 
 
 def test_near_equal_pack_times_keep_the_smaller_size() -> None:
@@ -186,7 +205,7 @@ def test_the_pack_time_estimate_overlaps_the_workers_with_the_chunk_writes() -> 
                              1_100_000_005, workers=2)
     parallel = min(2, usable_workers(0))  # at most the cores of this machine
     assert estimate.compress_seconds == pytest.approx((100 / 2 + 1000 / 500) / parallel)
-    assert estimate.train_seconds == pytest.approx(2.0)
+    assert estimate.train_seconds == pytest.approx(text.train_seconds_for(4_000_000, 1))
     assert estimate.walk_seconds == pytest.approx(FIXED_SECONDS + 1000 * WALK_SECONDS_PER_FILE)
     assert estimate.read_seconds == pytest.approx((1000 * READ_SECONDS_PER_FILE + 1100 * READ_SECONDS_PER_MB)
                                                   / parallel)
@@ -194,7 +213,7 @@ def test_the_pack_time_estimate_overlaps_the_workers_with_the_chunk_writes() -> 
     assert estimate.write_seconds == pytest.approx((25 + 500 + 0.000005) * WRITE_SECONDS_PER_MB)
     # Compressing is slower than writing here, so it sets the time; the writes happen meanwhile.
     assert estimate.read_seconds + estimate.compress_seconds > estimate.write_seconds
-    assert estimate.seconds == pytest.approx(estimate.walk_seconds + 2.0 + estimate.read_seconds
+    assert estimate.seconds == pytest.approx(estimate.walk_seconds + estimate.train_seconds + estimate.read_seconds
                                              + estimate.compress_seconds)
     assert "with 2 worker(s)" in estimate.describe()
     assert 1 <= usable_workers(64) == usable_workers(0) and usable_workers(1) == 1
@@ -208,7 +227,7 @@ def test_the_pack_time_estimate_overlaps_the_workers_with_the_chunk_writes() -> 
                          others_cores=usable_workers(0) - 0.5)
     assert busy.compress_seconds == pytest.approx(100 / 2 + 1000 / 500)
     assert busy.read_seconds == pytest.approx(1000 * READ_SECONDS_PER_FILE + 1100 * READ_SECONDS_PER_MB)
-    assert busy.train_seconds == pytest.approx(4.0)
+    assert busy.train_seconds == pytest.approx(2 * text.train_seconds_for(4_000_000, 1))
     assert busy.walk_seconds == pytest.approx(2 * (FIXED_SECONDS + 1000 * WALK_SECONDS_PER_FILE))
     assert busy.write_seconds == pytest.approx(2 * 525 * WRITE_SECONDS_PER_MB)
     assert "other processes used" in busy.describe()
