@@ -7,9 +7,10 @@ Pack time, for the person who waits for it, follows how the packer works (fansto
 
   * walking SRC before and writing the index after: the packing process, per file;
   * training dictionaries: the packer trains one per group and zstd-dict kind on that kind's share of up to
-    DICT_TRAIN_TOTAL_BYTES of file heads, one after another in the packing process; the selector timed its own
-    training per byte, and the packer's bytes are known from the walk (kinds the sample lacked are not counted:
-    when `other` got zstd-dict the packer trains their dictionary on their own files, which the sample did not see);
+    DICT_TRAIN_TOTAL_BYTES of file heads, one after another in the packing process; the selector's own trainings
+    are scaled to the packer's bytes, known from the walk, as a fixed cost plus n log n (measure.py). Kinds the
+    sample lacked are not counted: when `other` got zstd-dict the packer trains their dictionary on their own
+    files, which the sample did not see;
   * then two stages that overlap, so the slower one sets the time: the workers read, checksum and compress each
     file (reading per file and per MB, compressing at each kind's measured encode speed, spread over the workers,
     capped at the cores this process may use: more workers than cores only take turns), while the packing process

@@ -42,10 +42,6 @@ DEFAULT_REPEATS = 3
 # times too long; on shared libraries (site-packages' `other`), 19 MB took 80-90 ns a byte where the selector's
 # 0.64 MB took 40-70 net of this: hence n log n.
 TRAIN_FIXED_SECONDS = 0.02
-
-
-def _n_log_n(n: float) -> float:
-    return n * math.log2(max(n, 2.0))
 # Encoders this slow (zstd's btultra levels) would dominate the selection time: they are measured on a random
 # prefix of the kind's sample this large. Deterministic, so the same sample gives the same ratios.
 SLOW_SPEC_BYTES = 4 << 20
@@ -75,6 +71,10 @@ _BLOSC_SPECS = tuple(
     for shuffle in ("shuffle", "bitshuffle")
 )
 _BLOSC_KINDS = (NPY, OTHER)
+
+
+def _n_log_n(n: float) -> float:
+    return n * math.log2(max(n, 2.0))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
