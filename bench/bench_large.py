@@ -60,7 +60,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 sys.path.insert(0, str(REPO))  # measure this checkout, not some installed fanstore
 
-from bench_read import UNPINNED, Placement, back_memory, print_table, reader_pool  # noqa: E402
+from bench_read import GENERATED_TIME_NS, UNPINNED, Placement, back_memory, print_table, reader_pool  # noqa: E402
 from machine_load import OtherLoad, machine_lines, wait_for_quiet  # noqa: E402
 
 from fanstore.mount import wait_for_exit  # noqa: E402
@@ -161,7 +161,7 @@ def build_inputs(cache: Path, size: int, codec: str) -> Inputs:
         shutil.rmtree(base, ignore_errors=True)
         plain.parent.mkdir(parents=True)
         write_array(plain, size, SEED)
-        os.utime(plain, ns=(1_700_000_000 * 10**9,) * 2)
+        os.utime(plain, ns=(GENERATED_TIME_NS, GENERATED_TIME_NS))
         common = ("--codec", codec, "--block-size", str(BLOCK_SIZE), "--quiet")
         fanstore_cli("pack", plain.parent, datasets["blocks"], "--blocks-above", str(BLOCKS_ABOVE), *common)
         fanstore_cli("pack", plain.parent, datasets["whole"], "--blocks-above", str(size), *common)

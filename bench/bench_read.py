@@ -42,7 +42,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -122,6 +122,19 @@ def file_bytes(rng: np.random.Generator, size: int) -> bytes:
     return words[rng.integers(0, 512, size // 8)].tobytes()
 
 
+GENERATED_TIME_NS = 1_700_000_000 * 10**9  # every generated file's mtime and atime
+
+
+def write_files(root: Path, paths: Iterable[str], rng: np.random.Generator, size: int) -> None:
+    """Files of `size` bytes (file_bytes, in the order of `paths`) under `root`, all with the same fixed times, so
+    that the same seed gives the same tree, and the same pack, on every run."""
+    for rel in paths:
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(file_bytes(rng, size))
+        os.utime(path, ns=(GENERATED_TIME_NS, GENERATED_TIME_NS))
+
+
 def build_file_set(cache: Path, label: str, size: int, count: int) -> FileSet:
     """The files, their fanstore dataset, squashfs image and tar: made once, reused while the marker matches."""
     base = cache / f"read-{size}-{count}"
@@ -132,10 +145,7 @@ def build_file_set(cache: Path, label: str, size: int, count: int) -> FileSet:
         print(f"[{label}] generating {count:,} files into {base} (once) ...", file=sys.stderr, flush=True)
         shutil.rmtree(base, ignore_errors=True)
         rng = np.random.default_rng(size * 7919 + count)
-        for rel in paths:
-            (root / rel).parent.mkdir(parents=True, exist_ok=True)
-            (root / rel).write_bytes(file_bytes(rng, size))
-            os.utime(root / rel, ns=(1_700_000_000 * 10**9,) * 2)
+        write_files(root, paths, rng, size)
         run([sys.executable, "-m", "fanstore", "pack", str(root), str(dataset), "--codec", CODEC, "--quiet"])
         run(["mksquashfs", str(root), str(image), "-comp", "zstd", "-noappend", "-quiet"])
         run(["tar", "-cf", str(tar), "-C", str(root), "."])

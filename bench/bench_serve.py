@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import multiprocessing
 import multiprocessing.pool
@@ -74,7 +75,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 sys.path.insert(0, str(REPO))  # measure this checkout, not some installed fanstore
 
-from bench_read import PINNED, UNPINNED, Placement, back_memory, file_bytes, print_table, warm  # noqa: E402
+from bench_read import PINNED, UNPINNED, Placement, back_memory, print_table, warm, write_files  # noqa: E402
 from machine_load import OtherLoad, wait_for_quiet  # noqa: E402
 
 from fanstore.format import CHUNK_HEADER_LEN, NO_CHUNK  # noqa: E402
@@ -173,11 +174,7 @@ def build_generated(cache: Path, label: str, size: int, train: int, val: int, ch
         shutil.rmtree(base, ignore_errors=True)
         rng = np.random.default_rng(size * 7919 + train)
         for group, count in (("train", train), ("val", val)):
-            for i in range(count):
-                path = src / group / f"d{i // FILES_PER_DIR:03d}" / f"f{i:06d}.bin"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_bytes(file_bytes(rng, size))
-                os.utime(path, ns=(1_700_000_000 * 10**9,) * 2)
+            write_files(src / group, (f"d{i // FILES_PER_DIR:03d}/f{i:06d}.bin" for i in range(count)), rng, size)
         fanstore_pack(src, dest, GENERATED_CODEC, chunk_size)
         marker.write_text(f"{GENERATED_VERSION} {GENERATED_CODEC}\n")
     return src, dest
@@ -800,17 +797,21 @@ def print_report(sets: list[DataSet], runs: list[Run], idle_seconds: float, note
 
 # --- main --------------------------------------------------------------------------------------------------------
 
-def missing_requirements() -> list[str]:
+def serve_requirements_missing() -> list[str]:
+    """What a bench that runs `mpiexec fanstore serve` needs and this machine lacks (bench_train's too)."""
     missing = []
-    try:
-        import mpi4py  # noqa: F401 - only whether it imports
-    except ImportError:
+    if importlib.util.find_spec("mpi4py") is None:
         missing.append("mpi4py (scripts/setup installs it with the mpich wheel)")
     if mpiexec_command() is None:
         missing.append("mpiexec (scripts/setup installs the mpich wheel)")
     reason = fuse_unavailable_reason()
     if reason is not None:
         missing.append(f"FUSE: {reason}")
+    return missing
+
+
+def missing_requirements() -> list[str]:
+    missing = serve_requirements_missing()
     missing += [f"{tool} (util-linux, coreutils)" for tool in ("taskset", "cp") if shutil.which(tool) is None]
     return missing
 
@@ -868,8 +869,14 @@ def reap(prefix: str = "bench-serve-") -> int:
     return 0
 
 
-def _exit_on_signal(signum: int, frame: object) -> None:
-    raise SystemExit(f"bench_serve: signal {signum}: cleaning up")
+def exit_on_signals(bench: str) -> None:
+    """SIGTERM and SIGHUP end the bench through SystemExit, so that its finally blocks clean up (after a SIGKILL,
+    the reaper does)."""
+    def leave(signum: int, frame: object) -> None:
+        raise SystemExit(f"{bench}: signal {signum}: cleaning up")
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, leave)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -886,8 +893,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing:
         print(f"bench_serve: missing {'; '.join(missing)}", file=sys.stderr)
         return 2
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _exit_on_signal)
+    exit_on_signals("bench_serve")
     notes = []
     if os.geteuid() != 0:
         notes.append("not root: the page cache cannot be dropped; staging and cp read DEST warm")

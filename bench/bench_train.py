@@ -91,13 +91,11 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 sys.path.insert(0, str(REPO))  # measure this checkout, not some installed fanstore
 
-from bench_read import back_memory, file_bytes, print_table, unmount_and_wait, wait_until_mounted, \
-    warm  # noqa: E402
-from bench_serve import clean_up, command_line, cpu_ticks, machine_lines, mpiexec_command, process_start, \
-    process_tree, reap, start_reaper, unmount_all  # noqa: E402
+from bench_read import back_memory, print_table, unmount_and_wait, wait_until_mounted, warm, \
+    write_files  # noqa: E402
+from bench_serve import clean_up, command_line, cpu_ticks, exit_on_signals, machine_lines, mpiexec_command, \
+    process_start, process_tree, reap, serve_requirements_missing, start_reaper, unmount_all  # noqa: E402
 from machine_load import OtherLoad, wait_for_quiet  # noqa: E402
-
-from fanstore.mount import fuse_unavailable_reason  # noqa: E402
 
 KIB, MIB = 1024, 1 << 20
 FILE_SIZE = 128 * KIB
@@ -198,10 +196,7 @@ def build_dataset(cache: Path, count: int) -> DataSet:
         progress(f"generating {count:,} files into {base} (once) ...")
         shutil.rmtree(base, ignore_errors=True)
         rng = np.random.default_rng(FILE_SIZE * 7919 + count)
-        for rel in paths:
-            (src / rel).parent.mkdir(parents=True, exist_ok=True)
-            (src / rel).write_bytes(file_bytes(rng, FILE_SIZE))
-            os.utime(src / rel, ns=(1_700_000_000 * 10**9,) * 2)
+        write_files(src, paths, rng, FILE_SIZE)
         run([sys.executable, "-m", "fanstore", "pack", src, dest, "--codec", CODEC, "--chunk-size", str(CHUNK_SIZE),
              "--quiet", "--force"])
         marker.write_text(f"{GENERATED_VERSION} {CODEC}\n")
@@ -738,21 +733,10 @@ def print_report(setup: Setup, results: list[Result], scaling: list[tuple[Result
 # --- main --------------------------------------------------------------------------------------------------------
 
 def missing_requirements() -> list[str]:
-    missing = []
-    for module, how in (("torch", "pip install torch"), ("matplotlib", "pip install matplotlib"),
-                        ("mpi4py", "scripts/setup installs it with the mpich wheel")):
-        if importlib.util.find_spec(module) is None:
-            missing.append(f"{module} ({how})")
-    if mpiexec_command() is None:
-        missing.append("mpiexec (scripts/setup installs the mpich wheel)")
-    reason = fuse_unavailable_reason()
-    if reason is not None:
-        missing.append(f"FUSE: {reason}")
-    return missing
-
-
-def _exit_on_signal(signum: int, frame: object) -> None:
-    raise SystemExit(f"bench_train: signal {signum}: cleaning up")
+    missing = [f"{module} ({how})" for module, how in (("torch", "pip install torch"),
+                                                       ("matplotlib", "pip install matplotlib"))
+               if importlib.util.find_spec(module) is None]
+    return missing + serve_requirements_missing()
 
 
 def child_main(argv: Sequence[str]) -> int:
@@ -793,8 +777,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing:
         print(f"bench_train: missing {'; '.join(missing)}", file=sys.stderr)
         return 2
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _exit_on_signal)
+    exit_on_signals("bench_train")
     cache = args.cache.resolve()
     cache.mkdir(parents=True, exist_ok=True)
     plot_path = (args.plot or cache / "bench_train.png").resolve()
