@@ -856,6 +856,20 @@ def start_reaper(workdir: Path, script: str = __file__) -> subprocess.Popen[byte
     return reaper
 
 
+@contextlib.contextmanager
+def reaped_workdir(prefix: str, script: str = __file__) -> Iterator[Path]:
+    """A fresh work directory whose job processes, mounts and files are cleaned up however the bench ends: by this
+    block's own end, or, after a SIGKILL, by the reaper (`script --reap`, which must reap the same `prefix`)."""
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    reaper = start_reaper(workdir, script)
+    try:
+        yield workdir
+    finally:
+        clean_up(workdir)
+        reaper.stdin.close()  # type: ignore[union-attr] - it finds nothing left to do, and ends
+        reaper.wait()
+
+
 def reap(prefix: str = "bench-serve-") -> int:
     """--reap: read the work directory, wait for end-of-file on stdin, clean up (only a work directory whose name
     starts with `prefix`: a stray line must not remove anything else)."""
@@ -917,18 +931,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             notes.append(f"{data.label}: {' and '.join(few)} each store fewer than {FEW_FILES} of the epoch's files "
                          "(the placement balances bytes, not files): their 'local' figures are over those few files")
     runs = []
-    workdir = Path(tempfile.mkdtemp(prefix="bench-serve-"))
-    reaper = start_reaper(workdir)
-    try:
+    with reaped_workdir("bench-serve-") as workdir:
         for data in sets:
             epoch_list = workdir / f"epoch-{data.label.replace(' ', '')}.txt"
             epoch_list.write_text("".join(f"{rel}\n" for paths in data.segment_paths() for rel in paths))
             for placement in placements:
                 runs.append(measure(data, workdir, placement, idle_seconds, epoch_list))
-    finally:
-        clean_up(workdir)
-        reaper.stdin.close()  # type: ignore[union-attr] - it finds nothing left to do, and ends
-        reaper.wait()
     print_report(sets, runs, idle_seconds, notes)
     return 0
 

@@ -79,7 +79,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,8 +92,8 @@ sys.path.insert(0, str(REPO))  # measure this checkout, not some installed fanst
 
 from bench_read import back_memory, print_table, unmount_and_wait, wait_until_mounted, warm, \
     write_files  # noqa: E402
-from bench_serve import clean_up, command_line, cpu_ticks, exit_on_signals, machine_lines, mpiexec_command, \
-    process_start, process_tree, reap, serve_requirements_missing, start_reaper, unmount_all  # noqa: E402
+from bench_serve import command_line, cpu_ticks, exit_on_signals, machine_lines, mpiexec_command, process_start, \
+    process_tree, reap, reaped_workdir, serve_requirements_missing, unmount_all  # noqa: E402
 from machine_load import OtherLoad, wait_for_quiet  # noqa: E402
 
 KIB, MIB = 1024, 1 << 20
@@ -803,9 +802,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         notes.append(f"{len(data.paths)} files: the last batch of each epoch is short")
     results: list[Result] = []
     scaling: list[tuple[Result, Result]] = []
-    workdir = Path(tempfile.mkdtemp(prefix=WORKDIR_PREFIX))
-    reaper = start_reaper(workdir, __file__)
-    try:
+    with reaped_workdir(WORKDIR_PREFIX, __file__) as workdir:
         paths_file, prefetch_list = workdir / "paths.txt", workdir / "epoch1.txt"
         paths_file.write_text("".join(f"{rel}\n" for rel in data.paths))
         prefetch_list.write_text("".join(f"{data.paths[i]}\n" for i in epoch_order(len(data.paths), 0)))
@@ -822,10 +819,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress(f"[{placement.label}] {way.label}, {compute_ms:g} ms compute per batch ...")
                 tries = target_tries if way.label in (BASELINE, TARGET_WAY) else 1
                 results.append(least_disturbed(setup, way, placement, compute_ms, tries=tries))
-    finally:
-        clean_up(workdir)
-        reaper.stdin.close()  # type: ignore[union-attr] - it finds nothing left to do, and ends
-        reaper.wait()
     plot(results, plot_path)
     print_report(setup, results, scaling, args.compute_ms is None, target_tries, plot_path, notes)
     return 0
