@@ -33,7 +33,7 @@ def test_work_brings_the_sleep_back_to_the_shortest():
 
 
 def test_a_wake_up_cuts_a_long_sleep_short_and_counts_as_work():
-    backoff = Backoff(shortest=5.0, longest=5.0, linger=0.0)
+    backoff = Backoff(shortest=5.0, longest=5.0, linger=0.0, spin=0.0)
     timer = threading.Timer(0.05, backoff.wake)
     timer.start()
     started = time.monotonic()
@@ -48,10 +48,26 @@ def test_a_wake_up_cuts_a_long_sleep_short_and_counts_as_work():
 
 
 def test_one_pending_wake_up_ends_one_sleep_only():
-    backoff = Backoff(shortest=0.3, longest=0.3, linger=0.0)
+    backoff = Backoff(shortest=0.3, longest=0.3, linger=0.0, spin=0.0)
     backoff.wake()
     backoff.wake()
     backoff.sleep()  # ends at once
     started = time.monotonic()
     backoff.sleep()  # nothing pending: sleeps its full delay
+    assert time.monotonic() - started >= 0.2
+
+
+def test_right_after_work_the_poller_yields_instead_of_sleeping_then_sleeps_again():
+    backoff = Backoff(shortest=0.3, longest=0.3, linger=0.0, spin=0.5)
+    backoff.progressed()
+    started = time.monotonic()
+    for _ in range(100):
+        backoff.sleep()  # within the spin: each returns at once, the next poll comes right after
+    assert time.monotonic() - started < 0.25
+    backoff.wake()
+    backoff.sleep()  # a wake-up during the spin is taken, and counts as work
+    assert backoff._wakeup.locked()
+    backoff._last_work = time.monotonic() - 1.0  # the spin is over
+    started = time.monotonic()
+    backoff.sleep()
     assert time.monotonic() - started >= 0.2
