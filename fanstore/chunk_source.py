@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .errors import ChunkCorrupt, ChunkUnavailable, FormatError
+from .errors import ChunkCorrupt, ChunkError, ChunkUnavailable, FormatError
 from .format import CHUNK_HEADER_LEN, check_chunk_header, chunk_file_name
 
 __all__ = ["ChunkSource", "ChunkUnavailable", "FallbackChunkSource", "LocalChunkSource", "default_max_open_chunks"]
@@ -34,6 +34,14 @@ class ChunkSource(ABC):
         """For each blob (chunk, offset), whether reading it may wait on something slow (another node, a deadline):
         the mount reads those off its event loop. Asked once at open, so a read decides by a lookup."""
         return np.zeros(len(chunks), dtype=bool)
+
+    def start_read(self, chunk_id: int, offset: int, length: int,
+                   done: Callable[[bytes | None, ChunkError | None], None]) -> bool:
+        """Start a read of a blob that may_block says is slow, without waiting: `done(data, None)` or
+        `done(None, error)` comes later, from another thread. An event loop uses it so that no thread of its own
+        waits for the blob. A first try only: after an error the caller reads it with `read`, which knows the
+        fallbacks. False when this source has no such path (then `read` it)."""
+        return False
 
     def stats(self) -> dict[str, Any]:
         """Counters worth showing an operator (where reads came from), or nothing."""

@@ -27,6 +27,7 @@ from .errors import ChunkCorrupt, ChunkUnavailable, FanstoreError, fuse_errno_of
 from .format import FLAG_BLOCKED, NO_CHUNK
 from .index import Index
 from .prefetch import Prefetcher
+from .reader import Reader
 
 log = logging.getLogger("fanstore.mount")
 
@@ -126,7 +127,8 @@ class FanstoreOperations(pyfuse3.Operations):
     def __init__(self, index: Index, cache: DecodedCache, prefetcher: Prefetcher | None, decode_threads: int,
                  keep_cache: bool = True, timeout: float = KERNEL_CACHE_TIMEOUT,
                  kernel_holds: bytearray | None = None, source: ChunkSource | None = None,
-                 fetch_threads: int = FETCH_THREADS, may_block: np.ndarray | None = None) -> None:
+                 fetch_threads: int = FETCH_THREADS, may_block: np.ndarray | None = None,
+                 reader: Reader | None = None) -> None:
         super().__init__()
         self.index = index
         self.cache = cache
@@ -147,6 +149,9 @@ class FanstoreOperations(pyfuse3.Operations):
         # Files whose blob may take long to come (from another node) are read off the event loop, by threads of
         # their own: waiting on a slow peer must not hold the threads that decode local files.
         self._source = source
+        self._reader = reader  # with `source`: files from another node are fetched by the loop (_fetch_whole)
+        self._chunk = index.entries["chunk"]
+        self._offset = index.entries["offset"]
         self._may_block = may_block if may_block is not None else may_block_flags(index, source)
         self._fetch_limiter = trio.CapacityLimiter(max(1, fetch_threads))
         self._blocks_limiter = self._fetch_limiter if self._may_block.any() else self._decode_limiter
@@ -271,7 +276,9 @@ class FanstoreOperations(pyfuse3.Operations):
         if data is None:
             load = self._loader_for(fh, off, size)
             if self._may_block[fh]:
-                data = await trio.to_thread.run_sync(load, fh, limiter=self._fetch_limiter)
+                data = await self._fetch_whole(fh) if load == self.cache.load_uncached else None
+                if data is None:
+                    data = await trio.to_thread.run_sync(load, fh, limiter=self._fetch_limiter)
             elif self._stored_len[fh] <= INLINE_DECODE_BYTES:
                 data = load(fh)
             else:
@@ -280,6 +287,36 @@ class FanstoreOperations(pyfuse3.Operations):
         if self.keep_cache:
             self._count_served(fh, len(reply), len(data))
         return reply
+
+    async def _fetch_whole(self, entry: int) -> bytes | None:
+        """A file from another node that goes out whole in this reply: the loop starts the fetch and is called back
+        when the blob arrives, so no thread sits waiting for the peer (a thread's hand-offs each way cost more CPU
+        than decoding the file). None when the source cannot start it or the first try failed: the caller then
+        reads the file off the loop, the usual way, which falls back to DEST."""
+        if self._reader is None or self._source is None:
+            return None
+        token = trio.lowlevel.current_trio_token()
+        arrived = trio.Event()
+        outcome: list[tuple[bytes | None, Exception | None]] = []
+
+        def done(stored: bytes | None, error: Exception | None) -> None:  # in the transport's thread
+            outcome.append((stored, error))
+            try:
+                token.run_sync_soon(arrived.set)
+            except trio.RunFinishedError:  # unmounted meanwhile: nobody waits any more
+                pass
+
+        if not self._source.start_read(int(self._chunk[entry]), int(self._offset[entry]),
+                                       int(self._stored_len[entry]), done):
+            return None
+        await arrived.wait()
+        stored, _error = outcome[0]
+        if stored is None:
+            return None
+        if self._stored_len[entry] <= INLINE_DECODE_BYTES:
+            return self._reader.decode_fetched(entry, stored)
+        return await trio.to_thread.run_sync(self._reader.decode_fetched, entry, stored,
+                                             limiter=self._decode_limiter)
 
     async def _read_blocks(self, entry: int, off: int, size: int) -> memoryview | bytes:
         """A read of a file stored in blocks decodes only the blocks it touches, each cached under (entry, block):

@@ -216,7 +216,7 @@ def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd
         operations = FanstoreOperations(
             index, cache, prefetcher, options.decode_threads or 2 * cores, keep_cache=options.keep_cache,
             timeout=options.kernel_timeout if options.kernel_timeout is not None else KERNEL_CACHE_TIMEOUT,
-            kernel_holds=kernel_holds, source=ds.reader.source, may_block=slow)
+            kernel_holds=kernel_holds, source=ds.reader.source, may_block=slow, reader=ds.reader)
         if options.fast_session_loop:
             install_fast_session_loop()
         fuse_options = set(pyfuse3.default_options) | {"ro", "fsname=fanstore", "subtype=fanstore"}

@@ -92,17 +92,28 @@ class Reader:
     def _where(self, entry: int, block: int) -> str:
         return self.index.path_of(entry) + (f" (block {block})" if block >= 0 else "")
 
+    def decode_fetched(self, entry: int, stored: bytes) -> bytes:
+        """A file stored whole, from the stored blob its caller fetched itself (ChunkSource.start_read): verified,
+        then decoded, exactly as `read` would."""
+        _, size, _, offset, stored_len, checksum, _, _, chunk, _, codec, _ = self._entries[entry].item()
+        self._verify(entry, -1, stored, chunk, offset, stored_len, checksum)
+        return self._decode(entry, -1, stored, codec, size, chunk, offset)
+
     def _fetch(self, entry: int, block: int, chunk: int, offset: int, stored_len: int, checksum: int) -> bytes:
         try:
             stored = self.source.read(chunk, offset, stored_len)
         except ChunkError as exc:  # the same kind of error, now naming the file too
             raise type(exc)(f"{self._where(entry, block)}: {exc}", path=self.index.path_of(entry),
                             chunk_id=chunk) from None
+        self._verify(entry, block, stored, chunk, offset, stored_len, checksum)
+        return stored
+
+    def _verify(self, entry: int, block: int, stored: bytes, chunk: int, offset: int, stored_len: int,
+                checksum: int) -> None:
         if _checksum(stored) != checksum:
             raise ChunkCorrupt(f"{self._where(entry, block)}: checksum mismatch in chunk {chunk} "
                                f"({chunk_file_name(chunk)} at offset {offset}, {stored_len} bytes)",
                                path=self.index.path_of(entry), chunk_id=chunk)
-        return stored
 
     def _decode(self, entry: int, block: int, stored: bytes, codec: int, raw_size: int, chunk: int,
                 offset: int) -> bytes:

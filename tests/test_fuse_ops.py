@@ -9,6 +9,9 @@ from __future__ import annotations
 import errno
 import inspect
 import logging
+import threading
+
+import numpy as np
 
 import pytest
 
@@ -18,8 +21,10 @@ trio = pytest.importorskip("trio")
 from conftest import make_tree  # noqa: E402
 from fanstore import PackOptions, open_dataset, pack  # noqa: E402
 from fanstore.cache import DecodedCache  # noqa: E402
+from fanstore.chunk_source import LocalChunkSource  # noqa: E402
 from fanstore.errors import ChunkCorrupt, ChunkUnavailable  # noqa: E402
 from fanstore.fuse_ops import FanstoreOperations  # noqa: E402
+from fanstore.reader import Reader  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +83,60 @@ def test_a_handler_given_nonsense_answers_not_raises(dataset):
             trio.run(call)
         assert caught.value.errno in (errno.ENOENT, errno.EINVAL, errno.EIO)
 
+
+
+class DeliveredLater(LocalChunkSource):
+    """The dataset's own chunk files, every blob 'slow' (as another node's are): `start_read` answers from a thread
+    of its own, as the serve transport's MPI thread does, and can be told to fail or to corrupt the blob."""
+
+    def __init__(self, dataset_dir, sizes, first_try: str = "ok") -> None:
+        super().__init__(dataset_dir, sizes)
+        self.first_try = first_try
+        self.started: list[int] = []
+        self.read_by_thread: list[int] = []
+
+    def read(self, chunk_id, offset, length):
+        self.read_by_thread.append(chunk_id)
+        return super().read(chunk_id, offset, length)
+
+    def start_read(self, chunk_id, offset, length, done):
+        self.started.append(chunk_id)
+
+        def deliver() -> None:
+            if self.first_try == "unavailable":
+                done(None, ChunkUnavailable("rank 2 did not answer within 1 s", chunk_id=chunk_id))
+                return
+            stored = super(DeliveredLater, self).read(chunk_id, offset, length)
+            done(bytes([stored[0] ^ 0xFF]) + stored[1:] if self.first_try == "corrupt" else stored, None)
+
+        threading.Timer(0.01, deliver).start()
+        return True
+
+    def may_block(self, chunks, offsets):
+        return np.ones(len(chunks), dtype=bool)
+
+
+@pytest.mark.parametrize("first_try", ["ok", "unavailable", "corrupt"])
+def test_a_slow_file_read_whole_is_fetched_by_the_loop_and_a_failed_try_falls_back(dataset, first_try):
+    """No thread waits for a blob from another node: the loop starts the fetch and is called back. If that try
+    fails the file is read the usual way (which falls back to DEST under serve); a blob that does not match its
+    checksum is corrupt, whoever sent it."""
+    source = DeliveredLater(dataset.path, dataset.index.chunks["size"], first_try)
+    reader = Reader(dataset.index, source)
+    operations = FanstoreOperations(dataset.index, DecodedCache(1 << 20, reader.load), None, decode_threads=1,
+                                    source=source, reader=reader)
+    entry = dataset.index.lookup("labels.txt")
+    size = int(dataset.index.entries["size"][entry])
+
+    async def read_whole() -> bytes:
+        return bytes(await operations.read(entry, 0, size + 4096))
+
+    if first_try == "corrupt":
+        with pytest.raises(pyfuse3.FUSEError) as caught:
+            trio.run(read_whole)
+        assert caught.value.errno == errno.EIO
+        assert source.read_by_thread == []  # corrupt is not unavailable: nothing to fall back to
+        return
+    assert trio.run(read_whole) == dataset.read("labels.txt")
+    assert len(source.started) == 1
+    assert source.read_by_thread == ([] if first_try == "ok" else [int(dataset.index.entries["chunk"][entry])])

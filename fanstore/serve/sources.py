@@ -18,7 +18,7 @@ import numpy as np
 from ..chunk_source import ChunkSource, FallbackChunkSource
 from ..errors import ChunkUnavailable
 from .placement import NO_OWNER, Placement
-from .transport import PeerTransport
+from .transport import FetchDone, PeerTransport
 
 
 class PeerChunkSource(ChunkSource):
@@ -34,6 +34,13 @@ class PeerChunkSource(ChunkSource):
         if owner == NO_OWNER or owner == self._rank:
             raise ChunkUnavailable(f"chunk {chunk_id} at {offset} is not stored by another rank", chunk_id=chunk_id)
         return self.transport.fetch(owner, chunk_id, offset, length)
+
+    def start_read(self, chunk_id: int, offset: int, length: int, done: FetchDone) -> bool:
+        owner = self._placement.owner(chunk_id, offset)
+        if owner == NO_OWNER or owner == self._rank:
+            return False
+        self.transport.fetch_later(owner, chunk_id, offset, length, done)
+        return True
 
     def may_block(self, chunks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         return np.ones(len(chunks), dtype=bool)
@@ -74,6 +81,12 @@ class PlacedChunkSource(ChunkSource):
                 self.counters.local_bytes += length
             return data
         return self._remote.read(chunk_id, offset, length)
+
+    def start_read(self, chunk_id: int, offset: int, length: int, done: FetchDone) -> bool:
+        """The peer alone: if it cannot give the blob, the caller's `read` goes through the fallback to DEST."""
+        if chunk_id in self._direct or self._placement.is_local(self._rank, chunk_id, offset):
+            return False
+        return self._peers.start_read(chunk_id, offset, length, done)
 
     def _count_fallback(self, _reason: ChunkUnavailable, length: int) -> None:
         with self._lock:

@@ -1,6 +1,7 @@
 """Stored blobs between ranks over MPI, from one thread that owns MPI once the job has started.
 
-A reader thread asks `fetch(peer, chunk, offset, length)` and waits on its own event; the MPI thread posts the
+A reader thread asks `fetch(peer, chunk, offset, length)` and waits on its own event (an event loop asks
+`fetch_later` and is called back instead, so no thread waits for the peer); the MPI thread posts the
 reply's Irecv, sends the 32-byte request, and polls everything in flight with Testsome and a backing-off sleep
 (polling.Backoff): no blocking MPI call after start-up, so an idle rank costs a few percent of a core. Requests
 from peers are found with Improbe, checked by the node's `RequestServer`, and answered from local chunks.
@@ -21,7 +22,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 from ..errors import ChunkCorrupt, ChunkError, ChunkUnavailable, FanstoreError
 from .polling import Backoff, precise_sleeps
@@ -44,6 +45,10 @@ _SEND_GRACE = 4.0
 class RequestRefused(FanstoreError):
     """A peer's request names bytes this rank does not serve (a chunk it does not hold, a range that is not one of
     its blobs): refused and logged, never read."""
+
+
+# Called once, from the MPI thread (or the caller's, when the transport has stopped), with the blob or the error.
+FetchDone = Callable[[Optional[bytes], Optional[ChunkError]], None]
 
 
 class RequestServer(Protocol):
@@ -84,11 +89,15 @@ class _Fetch:
     buffer: bytearray | None = None
     receive: Any = None
     send: Any = None
+    on_done: FetchDone | None = None  # instead of `done`, for a caller that does not wait
 
     def finish(self, result: bytes | None = None, error: ChunkError | None = None) -> None:
         self.result, self.error = result, error
         self.buffer = None
-        self.done.set()
+        if self.on_done is not None:
+            self.on_done(result, error)
+        else:
+            self.done.set()
 
 
 @dataclass
@@ -145,8 +154,7 @@ class PeerTransport:
         request = _Fetch(peer, chunk, offset, length)
         if self._stopped.is_set():
             raise ChunkUnavailable(f"rank {peer}: {self._stopped_reason}", chunk_id=chunk)
-        self._submitted.append(request)
-        self._backoff.wake()
+        self._submit(request)
         # The MPI thread ends every request by its deadline; this wait only guards against that thread being gone.
         if not request.done.wait(self.options.timeout * (1 + self.options.max_in_flight) + 5):
             raise ChunkUnavailable(f"rank {peer}: no answer for chunk {chunk} (the MPI thread has stopped)",
@@ -154,6 +162,21 @@ class PeerTransport:
         if request.error is not None:
             raise request.error
         return request.result  # type: ignore[return-value]
+
+    def fetch_later(self, peer: int, chunk: int, offset: int, length: int, done: FetchDone) -> None:
+        """`fetch` for a caller that must not wait: `done(blob, None)` or `done(None, ChunkUnavailable)` comes
+        later from the MPI thread (by the request's deadline), and must only hand the outcome on."""
+        request = _Fetch(peer, chunk, offset, length, on_done=done)
+        if self._stopped.is_set():
+            done(None, ChunkUnavailable(f"rank {peer}: {self._stopped_reason}", chunk_id=chunk))
+            return
+        self._submit(request)
+
+    def _submit(self, request: _Fetch) -> None:
+        self._submitted.append(request)
+        self._backoff.wake()
+        if self._stopped.is_set():  # the MPI thread ended after the caller looked: nobody else will answer it
+            self._fail_submitted()
 
     def collective(self, start: Callable[[Any], tuple[Any, Callable[[], Any]]]) -> Future:
         """Run a non-blocking collective in the MPI thread: `start(comm)` returns (request, result function); the
@@ -334,6 +357,18 @@ class PeerTransport:
         peer.in_flight.clear()
         peer.queued.clear()
 
+    def _fail_submitted(self) -> None:
+        """Fail what was handed over but never taken (the MPI thread has stopped); safe from any thread."""
+        while True:
+            try:
+                item = self._submitted.popleft()
+            except IndexError:
+                return
+            if isinstance(item, _Fetch):
+                item.finish(error=ChunkUnavailable(f"rank {item.peer}: {self._stopped_reason}", chunk_id=item.chunk))
+            else:
+                item[1].set_exception(ChunkUnavailable(self._stopped_reason))
+
     def _poll(self, request: Any, on_complete: Callable[[Any], None]) -> None:
         self._requests.append(request)
         self._on_complete.append(on_complete)
@@ -417,12 +452,7 @@ class PeerTransport:
                 request.finish(error=ChunkUnavailable(f"rank {number}: {error_text}", chunk_id=request.chunk))
             peer.in_flight.clear()
             peer.queued.clear()
-        while self._submitted:
-            item = self._submitted.popleft()
-            if isinstance(item, _Fetch):
-                item.finish(error=ChunkUnavailable(f"rank {item.peer}: {error_text}", chunk_id=item.chunk))
-            else:
-                item[1].set_exception(ChunkUnavailable(error_text))
+        self._fail_submitted()
         for request, on_complete in zip(self._requests, self._on_complete):
             if request and on_complete not in self._collective_callbacks:  # a collective cannot be cancelled
                 request.Cancel()
