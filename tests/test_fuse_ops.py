@@ -101,6 +101,9 @@ class DeliveredLater(LocalChunkSource):
 
     def start_read(self, chunk_id, offset, length, done):
         self.started.append(chunk_id)
+        if self.first_try == "unavailable at once":  # as the transport answers once its MPI thread has stopped
+            done(None, ChunkUnavailable("the MPI thread has stopped", chunk_id=chunk_id))
+            return True
 
         def deliver() -> None:
             if self.first_try == "unavailable":
@@ -116,7 +119,7 @@ class DeliveredLater(LocalChunkSource):
         return np.ones(len(chunks), dtype=bool)
 
 
-@pytest.mark.parametrize("first_try", ["ok", "unavailable", "corrupt"])
+@pytest.mark.parametrize("first_try", ["ok", "unavailable", "unavailable at once", "corrupt"])
 def test_a_slow_file_read_whole_is_fetched_by_the_loop_and_a_failed_try_falls_back(dataset, first_try):
     """No thread waits for a blob from another node: the loop starts the fetch and is called back. If that try
     fails the file is read the usual way (which falls back to DEST under serve); a blob that does not match its
