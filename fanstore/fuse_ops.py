@@ -146,8 +146,9 @@ class FanstoreOperations(pyfuse3.Operations):
         self._served: dict[int, int] = {}
         self._kernel_holds = kernel_holds if kernel_holds is not None else kernel_holds_flags(index)
         self._decode_limiter = trio.CapacityLimiter(max(1, decode_threads))
-        # Files whose blob may take long to come (from another node) are read off the event loop, by threads of
-        # their own: waiting on a slow peer must not hold the threads that decode local files.
+        # Files whose blob may take long to come (from another node) never make the event loop wait: read whole,
+        # the loop starts the fetch and is called back (_fetch_whole); otherwise threads of their own read them, so
+        # waiting on a slow peer does not hold the threads that decode local files.
         self._source = source
         self._reader = reader  # with `source`: files from another node are fetched by the loop (_fetch_whole)
         self._chunk = index.entries["chunk"]
@@ -297,10 +298,10 @@ class FanstoreOperations(pyfuse3.Operations):
             return None
         token = trio.lowlevel.current_trio_token()
         arrived = trio.Event()
-        outcome: list[tuple[bytes | None, Exception | None]] = []
+        fetched: list[bytes | None] = []
 
-        def done(stored: bytes | None, error: Exception | None) -> None:  # in the transport's thread
-            outcome.append((stored, error))
+        def done(stored: bytes | None, _error: Exception | None) -> None:  # in the transport's thread
+            fetched.append(stored)  # on an error the usual path reads the file again, and reports what it meets
             try:
                 token.run_sync_soon(arrived.set)
             except trio.RunFinishedError:  # unmounted meanwhile: nobody waits any more
@@ -310,7 +311,7 @@ class FanstoreOperations(pyfuse3.Operations):
                                        int(self._stored_len[entry]), done):
             return None
         await arrived.wait()
-        stored, _error = outcome[0]
+        stored = fetched[0]
         if stored is None:
             return None
         if self._stored_len[entry] <= INLINE_DECODE_BYTES:

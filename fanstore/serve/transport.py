@@ -1,7 +1,7 @@
 """Stored blobs between ranks over MPI, from one thread that owns MPI once the job has started.
 
-A reader thread asks `fetch(peer, chunk, offset, length)` and waits on its own event (an event loop asks
-`fetch_later` and is called back instead, so no thread waits for the peer); the MPI thread posts the
+A caller asks `fetch_later(peer, chunk, offset, length, done)` and is called back (an event loop, so no thread waits
+for the peer), or asks `fetch` and waits on its own event; the MPI thread posts the
 reply's Irecv, sends the 32-byte request, and polls everything in flight with Testsome and a backing-off sleep
 (polling.Backoff): no blocking MPI call after start-up, so an idle rank costs a few percent of a core. Requests
 from peers are found with Improbe, checked by the node's `RequestServer`, and answered from local chunks.
@@ -81,23 +81,16 @@ class _Fetch:
     chunk: int
     offset: int
     length: int
-    done: threading.Event = field(default_factory=threading.Event)
-    result: bytes | None = None
-    error: ChunkError | None = None
+    on_done: FetchDone
     deadline: float = 0.0
     tag: int = 0
     buffer: bytearray | None = None
     receive: Any = None
     send: Any = None
-    on_done: FetchDone | None = None  # instead of `done`, for a caller that does not wait
 
     def finish(self, result: bytes | None = None, error: ChunkError | None = None) -> None:
-        self.result, self.error = result, error
         self.buffer = None
-        if self.on_done is not None:
-            self.on_done(result, error)
-        else:
-            self.done.set()
+        self.on_done(result, error)
 
 
 @dataclass
@@ -151,31 +144,33 @@ class PeerTransport:
     def fetch(self, peer: int, chunk: int, offset: int, length: int) -> bytes:
         """The stored blob at `offset` of `chunk`, from rank `peer`; ChunkUnavailable when the peer cannot give it
         in time (the caller then reads it elsewhere)."""
-        request = _Fetch(peer, chunk, offset, length)
-        if self._stopped.is_set():
-            raise ChunkUnavailable(f"rank {peer}: {self._stopped_reason}", chunk_id=chunk)
-        self._submit(request)
+        arrived = threading.Event()
+        outcome: list[tuple[bytes | None, ChunkError | None]] = []
+
+        def done(result: bytes | None, error: ChunkError | None) -> None:
+            outcome.append((result, error))
+            arrived.set()
+
+        self.fetch_later(peer, chunk, offset, length, done)
         # The MPI thread ends every request by its deadline; this wait only guards against that thread being gone.
-        if not request.done.wait(self.options.timeout * (1 + self.options.max_in_flight) + 5):
+        if not arrived.wait(self.options.timeout * (1 + self.options.max_in_flight) + 5):
             raise ChunkUnavailable(f"rank {peer}: no answer for chunk {chunk} (the MPI thread has stopped)",
                                    chunk_id=chunk)
-        if request.error is not None:
-            raise request.error
-        return request.result  # type: ignore[return-value]
+        result, error = outcome[0]
+        if error is not None:
+            raise error
+        return result  # type: ignore[return-value]
 
     def fetch_later(self, peer: int, chunk: int, offset: int, length: int, done: FetchDone) -> None:
         """`fetch` for a caller that must not wait: `done(blob, None)` or `done(None, ChunkUnavailable)` comes
-        later from the MPI thread (by the request's deadline), and must only hand the outcome on."""
-        request = _Fetch(peer, chunk, offset, length, on_done=done)
-        if self._stopped.is_set():
-            done(None, ChunkUnavailable(f"rank {peer}: {self._stopped_reason}", chunk_id=chunk))
-            return
-        self._submit(request)
+        later from the MPI thread (by the request's deadline), or at once once the transport has stopped, and must
+        only hand the outcome on."""
+        self._submit(_Fetch(peer, chunk, offset, length, done))
 
     def _submit(self, request: _Fetch) -> None:
         self._submitted.append(request)
         self._backoff.wake()
-        if self._stopped.is_set():  # the MPI thread ended after the caller looked: nobody else will answer it
+        if self._stopped.is_set():  # the MPI thread has ended (perhaps just now): nobody else will answer it
             self._fail_submitted()
 
     def collective(self, start: Callable[[Any], tuple[Any, Callable[[], Any]]]) -> Future:
