@@ -24,9 +24,9 @@ from .estimate import (
     CpuClock,
     PackEstimate,
     estimate_pack,
+    files_by_group,
     kind_scales,
-    sizes_by_group,
-    training_bytes,
+    training_heads,
     usable_workers,
 )
 from .measure import Measurement, candidate_specs, measure_kind
@@ -70,6 +70,7 @@ class Selection:
     scales: dict[str, KindScale] = field(default_factory=dict)
     tree_files: int = 0  # SRC's non-empty files and their bytes, as walked (the estimate's I/O terms)
     tree_bytes: int = 0
+    head_reads: tuple[int, int] = (0, 0)  # files and bytes of the heads the packer reads to train dictionaries on
     fixed_bytes: int = 0  # stored whatever the codecs (the index), counted against a total --fit
     others_cores: float = 0.0  # cores other processes used while the selector measured (the estimate leaves them)
     cores: int = 0  # cores the selector could use (0: unknown, this machine's): a record estimates the same anywhere
@@ -109,7 +110,7 @@ class Selection:
     def estimate(self, chosen: dict[str, Measurement | None] | None = None) -> PackEstimate:
         """Predicted seconds of the pack with these choices (the selection itself not counted)."""
         return estimate_pack(chosen or self.chosen(), self.scales_by_kind(), self.tree_files, self.tree_bytes,
-                             self.goal.workers, self.others_cores, self.cores)
+                             self.goal.workers, self.others_cores, self.cores, self.head_reads)
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able and in a fixed key order (kinds sorted, measurements in measuring order). The predictions are
@@ -128,6 +129,7 @@ class Selection:
                        "kind_bytes": dict(sorted(self.kind_bytes.items()))},
             "tree": {"files": self.tree_files, "bytes": self.tree_bytes, "fixed_bytes": self.fixed_bytes,
                      "others_cores": self.others_cores, "cores": self.cores,
+                     "head_reads": {"files": self.head_reads[0], "bytes": self.head_reads[1]},
                      "kinds": {kind: {"replicated_bytes": scale.replicated_bytes, "groups": scale.groups,
                                       "train_bytes": scale.train_bytes}
                                for kind, scale in sorted(self.scales.items())}},
@@ -186,6 +188,7 @@ class Selection:
             fixed_bytes=tree.get("fixed_bytes", 0),
             others_cores=tree.get("others_cores", 0.0),
             cores=tree.get("cores", 0),
+            head_reads=(tree.get("head_reads", {}).get("files", 0), tree.get("head_reads", {}).get("bytes", 0)),
         )
 
 
@@ -221,8 +224,9 @@ def select_codecs(
     max_bytes = check_max_bytes(max_bytes)
     sample = draw_sample(Path(src), files, group_of, fraction=fraction, max_bytes=max_bytes, seed=seed)
     kind_bytes = estimated_kind_bytes(sample)
-    sizes = sizes_by_group(files, group_of)
-    scales = kind_scales(sample, kind_bytes, frozenset(replicated_groups), training_bytes(sizes))
+    by_group = files_by_group(files, group_of)
+    heads = training_heads(by_group)
+    scales = kind_scales(sample, kind_bytes, frozenset(replicated_groups), heads)
     measurements: list[Measurement] = []
     failed: list[str] = []
     choices: dict[str, Choice] = {}
@@ -249,8 +253,9 @@ def select_codecs(
         kind_bytes=kind_bytes,
         goal=goal,
         scales=scales,
-        tree_files=sum(map(len, sizes.values())),
-        tree_bytes=sum(map(sum, sizes.values())),
+        tree_files=sum(map(len, by_group.values())),
+        tree_bytes=sum(f.size for members in by_group.values() for f in members),
+        head_reads=(sum(map(len, heads.values())), sum(head for group in heads.values() for _, head in group)),
         fixed_bytes=fixed_bytes,
         others_cores=CpuClock.now().others_since(clock),
         cores=usable_workers(0),

@@ -36,12 +36,13 @@ from .sample import SampleFile
 
 MB = 1e6  # throughputs are in MB/s of raw bytes, as budgets are usually given
 DEFAULT_REPEATS = 3
-# What one zstd dictionary training costs whatever its bytes (its tables): measured on JPEG heads on the 2-core
-# development machine, 0.12 MB trained in 20 ms, 1.7 MB in 64-79 ms, 6.6 MB in 0.20-0.27 s, 19 MB in 0.65 s. Timed
-# per byte alone, the selector's small trainings predicted a pack's training on a few MB of JPEG heads two to five
-# times too long; on shared libraries (site-packages' `other`), 19 MB took 80-90 ns a byte where the selector's
-# 0.64 MB took 40-70 net of this: hence n log n.
-TRAIN_FIXED_SECONDS = 0.02
+# What one zstd dictionary training costs whatever its bytes (its tables), on the 2-core development machine. JPEG
+# heads: 0.12 MB trained in 20 ms, 0.6 MB in 36 ms, 2.5 MB in 82 ms, 10 MB in 0.32 s, 20 MB in 0.47 s; timed per
+# byte alone, the selector's small trainings predicted a pack's training on a few MB of JPEG heads two to five
+# times too long: hence a fixed cost, and n log n. Shared libraries (site-packages' `other`) show less of one: 0.32
+# MB in 29 ms, 10 MB in 0.97 s, and a pack's 19.2 MB in 1.46-1.72 s where the selector's two trainings of 0.64 MB
+# took 0.099-0.109 s. With 20 ms here the estimate said 1.13-1.15 s; with 10 ms it says 1.4-1.5 s.
+TRAIN_FIXED_SECONDS = 0.01
 # Encoders this slow (zstd's btultra levels) would dominate the selection time: they are measured on a random
 # prefix of the kind's sample this large. Deterministic, so the same sample gives the same ratios.
 SLOW_SPEC_BYTES = 4 << 20

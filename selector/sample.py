@@ -121,7 +121,7 @@ def draw_sample(
     for entry in files:
         if entry.size > 0 and entry.is_file:
             path = entry.path
-            key = (group_of(path), _name_key(path))
+            key = (group_of(path), extension_key(path))
             by_name[key].append((xxhash.xxh3_64_intdigest(path.encode("utf-8"), seed=seed), path, entry))
             name_bytes[key] += entry.size
     if not by_name:
@@ -151,15 +151,14 @@ def _weighted(sample: list[SampleFile], cell_bytes: dict[tuple[int, str, str], i
     cell's bytes in the sample (1 for a cell the sniff did not see, which keeps its own share)."""
     sampled: dict[tuple[int, str, str], int] = defaultdict(int)
     for f in sample:
-        sampled[(f.group, _name_key(f.path), f.kind)] += len(f.data)
+        sampled[(f.group, extension_key(f.path), f.kind)] += len(f.data)
     weighted = []
     for f in sample:
-        cell = (f.group, _name_key(f.path), f.kind)
+        cell = (f.group, extension_key(f.path), f.kind)
         in_tree = cell_bytes.get(cell)
         weight = in_tree / sampled[cell] if in_tree else 1.0
         weighted.append(dataclasses.replace(f, weight=weight))
     return weighted
-    return sample
 
 
 def estimated_kind_bytes(sample: Sequence[SampleFile]) -> dict[str, int]:
@@ -171,7 +170,7 @@ def estimated_kind_bytes(sample: Sequence[SampleFile]) -> dict[str, int]:
     return dict(totals)
 
 
-def _name_key(path: str) -> str:
+def extension_key(path: str) -> str:
     """The extension as a hint of the kind ("" when the name gives none); the content sniff decides."""
     name = path[path.rfind("/") + 1 :]
     dot = name.rfind(".")

@@ -15,9 +15,9 @@ import pytest
 from compressors import DICT_TRAIN_FILE_BYTES, DICT_TRAIN_FILES, DICT_TRAIN_TOTAL_BYTES, codec_from_spec
 from conftest import assert_one_line_error, run_cli
 from selector import Budget, DoesNotFit, Goal, Selection, SelectionError
-from selector.estimate import (FIXED_SECONDS, READ_SECONDS_PER_FILE, READ_SECONDS_PER_MB, WALK_SECONDS_PER_FILE,
-                               WRITE_SECONDS_PER_MB, estimate_pack, kind_scales, sizes_by_group, training_bytes,
-                               usable_workers)
+from selector.estimate import (FIXED_SECONDS, HEAD_READ_SECONDS_PER_FILE, HEAD_READ_SECONDS_PER_MB,
+                               READ_SECONDS_PER_FILE, READ_SECONDS_PER_MB, WALK_SECONDS_PER_FILE, WRITE_SECONDS_PER_MB,
+                               estimate_pack, files_by_group, kind_scales, training_heads, usable_workers)
 from selector.measure import TRAIN_FIXED_SECONDS, Measurement, measure_kind
 from selector.policy import NONE_SPEC, KindScale, choose, choose_to_fit, decimal_bytes, need_of
 from selector.sample import SampleFile
@@ -238,24 +238,52 @@ class _File:
         self.path, self.size, self.is_file = path, size, True
 
 
-def test_training_bytes_follow_the_packers_rule() -> None:
+def test_training_heads_follow_the_packers_rule() -> None:
     small = [_File(f"a/{n:05d}", 1000) for n in range(10)]
-    assert training_bytes(sizes_by_group(small, lambda path: 0)) == {0: 10_000}
+    assert training_heads(files_by_group(small, lambda path: 0)) == {0: [(f.path, 1000) for f in small]}
     many = [_File(f"b/{n:06d}", DICT_TRAIN_FILE_BYTES * 2) for n in range(DICT_TRAIN_FILES * 3)]
     in_val = [_File(f"val/{n}", 10) for n in range(3)]
-    found = training_bytes(sizes_by_group(many + in_val + [_File("empty", 0)],
+    found = training_heads(files_by_group(many + in_val + [_File("empty", 0)],
                                           lambda path: 1 if path.startswith("val/") else 0))
     # Every third file's head, until the total reaches DICT_TRAIN_TOTAL_BYTES (the file that crosses it counts).
-    assert found == {0: math.ceil(DICT_TRAIN_TOTAL_BYTES / DICT_TRAIN_FILE_BYTES) * DICT_TRAIN_FILE_BYTES, 1: 30}
+    heads = math.ceil(DICT_TRAIN_TOTAL_BYTES / DICT_TRAIN_FILE_BYTES)
+    assert found[0] == [(f.path, DICT_TRAIN_FILE_BYTES) for f in many[::3][:heads]]
+    assert found[1] == [(f.path, 10) for f in in_val]
 
 
 def test_dictionary_training_is_charged_to_the_kinds_that_train() -> None:
-    # File heads 3:1 in one group: its training bytes are shared 3:1, and `other` bears no dictionary for the kinds
-    # the sample lacked (the packer trains that one on their own files only, and here there are none).
+    # One extension per kind: each head counts for its own kind. `other` bears no dictionary for the kinds the
+    # sample lacked (the packer trains that one on their own files only, and here there are none).
     sample = [SampleFile("a.txt", "text", 0, b"x" * 300, stratum_bytes=3000),
-              SampleFile("b", "other", 0, b"y" * 100, stratum_bytes=1000)]
-    scales = kind_scales(sample, {"text": 3000, "other": 1000}, frozenset(), {0: 4000})
-    assert (scales["text"].train_bytes, scales["other"].train_bytes) == (3000, 1000)
+              SampleFile("b.so", "other", 0, b"y" * 100, stratum_bytes=1000)]
+    heads = {0: [("x/1.txt", 1000), ("x/2.txt", 1000), ("y/1.so", 500), ("z/1.txt", 1000)]}
+    scales = kind_scales(sample, {"text": 3000, "other": 1000}, frozenset(), heads)
+    assert (scales["text"].train_bytes, scales["other"].train_bytes) == (3000, 500)
+
+
+def test_a_head_counts_for_the_kinds_its_extension_holds_in_the_sample() -> None:
+    # The packer reads the first files in path order: here mostly libraries, though the tree is mostly text. An
+    # extension holding two kinds shares its heads as the sample's weighted bytes do; an extension the sample
+    # lacks takes the group's shares.
+    sample = [SampleFile("a.py", "text", 0, b"x" * 100, stratum_bytes=9000, weight=80.0),
+              SampleFile("b.so", "other", 0, b"y" * 100, stratum_bytes=1000, weight=6.0),
+              SampleFile("c.so", "text", 0, b"z" * 100, stratum_bytes=9000, weight=2.0)]
+    heads = {0: [("lib/a.so", 4000), ("lib/b.so", 4000), ("lib/c.pyx", 1000)]}
+    scales = kind_scales(sample, {"text": 9000, "other": 1000}, frozenset(), heads)
+    assert scales["other"].train_bytes == round(8000 * 6 / 8 + 1000 * 0.1)
+    assert scales["text"].train_bytes == round(8000 * 2 / 8 + 1000 * 0.9)
+
+
+def test_reading_the_heads_is_charged_when_a_dictionary_is_trained() -> None:
+    text = measured("text", "zstd-dict:9", 4.0, 500, encode_mbps=20, train_seconds=0.5)
+    plain = measured("text", "zstd:9", 3.5, 500, encode_mbps=20)
+    scales = {"text": KindScale(100_000_000, train_bytes=4_000_000)}
+    reads = (2000, 30_000_000)
+    with_dict = estimate_pack({"text": text}, scales, 1000, 100_000_000, workers=1, cores=1, head_reads=reads)
+    assert with_dict.train_seconds == pytest.approx(text.train_seconds_for(4_000_000, 1) + 2000
+                                                    * HEAD_READ_SECONDS_PER_FILE + 30 * HEAD_READ_SECONDS_PER_MB)
+    without = estimate_pack({"text": plain}, scales, 1000, 100_000_000, workers=1, cores=1, head_reads=reads)
+    assert without.train_seconds == 0
 
 
 def test_decimal_bytes() -> None:
