@@ -11,6 +11,7 @@ import pytest
 
 from conftest import run_cli
 from fanstore import PackOptions, open_dataset, pack
+from fanstore.errors import PathNotFound
 from fanstore.walk import walk_source
 
 
@@ -47,6 +48,19 @@ def test_links_are_stored_in_a_form_that_stays_inside(linked_tree, tmp_path):
             assert ds.read(link) == b"labels\n", link
         assert ds.read("data/absolute") == b"deep\n"
         assert ds.listdir("to_b/root/a") == ["b", "plain"]
+
+
+def test_resolving_many_paths_at_once_gives_what_resolving_each_gives(linked_tree, tmp_path):
+    pack(linked_tree, tmp_path / "ds", PackOptions(workers=1))
+    paths = ["data/labels.txt", "a/b/deep.txt", "a/b/out_and_back", "data/absolute", "to_b/data_dir/labels.txt",
+             "to_b/root/a/b/deep.txt", "./a//b/deep.txt/", "a/b/root", "to_b"]
+    with open_dataset(tmp_path / "ds") as ds:
+        assert ds.resolve_many(paths).tolist() == [ds.resolve(path) for path in paths]
+        assert ds.resolve_many([]).tolist() == []
+        with pytest.raises(PathNotFound, match="a/b/missing"):
+            ds.resolve_many(["data/labels.txt", "a/b/missing"])
+        with pytest.raises(PathNotFound, match="leaves"):
+            ds.resolve_many(["a/b/leaves"])
 
 
 def test_the_mount_resolves_every_link_inside_it(linked_tree, tmp_path):

@@ -97,6 +97,39 @@ def test_every_item_is_the_original_bytes_in_two_workers(packed, context):
     assert got == [(src / path).read_bytes() for path in paths]
 
 
+def test_forked_workers_take_the_parents_items_instead_of_looking_the_paths_up_again(packed, monkeypatch):
+    src, dest = packed
+    paths = [f"files/d{i % 3}/f{i:03d}.bin" for i in range(60)]
+    dataset = FileDataset(dest, paths=paths)
+    assert len(dataset) == 60  # the sampler asks this in the training process: it opens the dataset there
+
+    def looked_up(*args, **kwargs):
+        raise AssertionError("a forked worker looked the paths up again")
+
+    from fanstore.api import Dataset
+
+    monkeypatch.setattr(Dataset, "resolve_many", looked_up)
+    monkeypatch.setattr(Dataset, "resolve", looked_up)
+    loader = DataLoader(dataset, batch_size=7, num_workers=2, collate_fn=list, multiprocessing_context="fork")
+    assert [data for batch in loader for data in batch] == [(src / path).read_bytes() for path in paths]
+
+
+def test_forked_workers_look_the_paths_up_again_when_the_dataset_changed_on_disk(tmp_path):
+    src = tmp_path / "src"
+    for name in ("b", "c"):
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes(name.encode() * 100)
+    dest = tmp_path / "dest"
+    pack(src, dest, PackOptions(codec="zstd:3", workers=1))
+    dataset = FileDataset(dest, paths=["b", "c"])
+    assert len(dataset) == 2  # opened in this process, then the dataset is packed again in place
+    (src / "a").write_bytes(b"a new first file, which moves every entry number")
+    (src / "c").write_bytes(b"c, rewritten")
+    pack(src, dest, PackOptions(codec="zstd:3", workers=1, force=True))
+    loader = DataLoader(dataset, batch_size=1, num_workers=1, collate_fn=list, multiprocessing_context="fork")
+    assert [data for batch in loader for data in batch] == [b"b" * 100, b"c, rewritten"]
+
+
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_image_folder_matches_torchvision_classes_samples_and_labels(packed, context):
     src, dest = packed
@@ -136,7 +169,8 @@ def test_epoch_sampler_decodes_ahead_exactly_the_files_read_next(packed):
 def test_without_the_sampler_every_file_is_read_when_asked(packed):
     src, dest = packed
     dataset = FileDataset(dest, paths=["files/d0/f000.bin", "files/d1/f001.bin"])
-    assert [dataset[0], dataset[1]] == [(src / "files/d0/f000.bin").read_bytes(), (src / "files/d1/f001.bin").read_bytes()]
+    assert [dataset[0], dataset[1]] == [(src / "files/d0/f000.bin").read_bytes(),
+                                        (src / "files/d1/f001.bin").read_bytes()]
     assert dataset.prefetch_stats()["ahead"] == 0
 
 

@@ -53,8 +53,9 @@ class FileDataset(TorchDataset):
             dataset = holder()
             return None if dataset is None else dataset.plan
 
-        return ProcessReading.of(self, lambda: ProcessReading(self.source, self._paths, plan, self.prefetch_bytes,
-                                                              self.prefetch_threads))
+        return ProcessReading.of(self, lambda inherited: ProcessReading(self.source, self._paths, plan,
+                                                                       self.prefetch_bytes, self.prefetch_threads,
+                                                                       inherited))
 
     @property
     def paths(self) -> list[str]:

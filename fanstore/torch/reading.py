@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..api import Dataset, open_dataset
+from ..index import Index
 from ..daemon_tuning import keep_freed_memory
 from .plan import EpochPlan
 
@@ -72,11 +73,21 @@ def _decode_batch(read: Callable[[int], bytes], entries: list[int]) -> dict[int,
     return decoded
 
 
+def _same_index(one: Index, other: Index) -> bool:
+    """Whether two loaded indexes hold the same entries and paths, byte for byte (a memory compare: milliseconds
+    for a million files, where looking their paths up again takes seconds)."""
+    try:
+        return (np.array_equal(one.entries.view(np.uint8), other.entries.view(np.uint8))
+                and np.array_equal(np.frombuffer(one.paths, np.uint8), np.frombuffer(other.paths, np.uint8)))
+    except ValueError:  # not viewable as bytes: take nothing
+        return False
+
+
 class ProcessReading:
     """One process's open dataset, its items' entries, and its decoding ahead."""
 
     def __init__(self, source: str | None, paths: Sequence[str] | None, plan: Callable[[], EpochPlan | None],
-                 prefetch_bytes: int, prefetch_threads: int) -> None:
+                 prefetch_bytes: int, prefetch_threads: int, inherited: "ProcessReading | None" = None) -> None:
         self.pid = os.getpid()
         if _in_a_dataloader_worker():
             # A worker decodes all day: glibc would map each decoded file afresh (files of 128 KiB and more) and
@@ -84,11 +95,15 @@ class ProcessReading:
             keep_freed_memory()
         self.dataset = open_source(source)
         index = self.dataset.index
-        if paths is None:
+        if inherited is not None and _same_index(inherited.dataset.index, index):
+            # A forked worker: the parent's items are this index's too (the same bytes), so it need not look up a
+            # million paths again. Only the array is taken; the parent's open files stay the parent's.
+            self.entries = inherited.entries
+        elif paths is None:
             self.entries = np.fromiter(index.iter_files(), dtype=np.int64)
             self.entries = self.entries[np.argsort([index.path_of(int(e)) for e in self.entries], kind="stable")]
         else:
-            self.entries = np.array([self.dataset.resolve(path) for path in paths], dtype=np.int64)
+            self.entries = self.dataset.resolve_many(paths)
         self._sizes = index.entries["size"]
         self._plan = plan  # the holder's plan, looked up each batch: an EpochSampler may come after the first read
         self._plan_serial = -1
@@ -103,11 +118,12 @@ class ProcessReading:
         self.counters = PrefetchCounters()
 
     @staticmethod
-    def of(holder: Any, make: Any) -> "ProcessReading":
-        """The holder's reading for this process, opened now if it has none or inherited one across a fork."""
+    def of(holder: Any, make: Callable[["ProcessReading | None"], "ProcessReading"]) -> "ProcessReading":
+        """The holder's reading for this process, opened now if it has none or inherited one across a fork (which
+        `make` is given, to take what it can of it)."""
         reading = holder.__dict__.get("_process_reading")
         if reading is None or reading.pid != os.getpid():
-            reading = make()
+            reading = make(reading)
             holder.__dict__["_process_reading"] = reading
         return reading
 
