@@ -62,7 +62,7 @@ are printed last, PASS or FAIL, for each placement.
 
 Each training run is a fresh interpreter, as a job's is. (Forked from a fork server that had imported torch, runs
 started 2 s sooner, but their workers took twice the page faults per file, 61 against 33 for the plain directory,
-and read 10-30% slower: glibc's malloc state came with the fork.) The full run takes about 12 minutes, more when
+and read 10-30% slower: glibc's malloc state came with the fork.) The full run takes about 8 minutes, more when
 other processes keep the CPUs busy. --quick: 600 files, workers pinned only, one pair, no second runs, no waiting
 for quiet CPUs; about a minute and a half, its figures rough (epochs of a few tenths of a second).
 
