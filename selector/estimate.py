@@ -163,12 +163,11 @@ def kind_scales(sample: Sequence[SampleFile], kind_bytes: Mapping[str, int], rep
         if f.stratum_bytes is not None:
             strata[(f.group, f.kind)] = f.stratum_bytes
         cells[(f.group, extension_key(f.path))][f.kind] += f.weight * len(f.data)
-    by_group: dict[int, dict[str, float]] = defaultdict(dict)
-    for (group, kind), stratum_bytes in strata.items():
-        by_group[group][kind] = stratum_bytes
+    by_group: dict[int, dict[str, float]] = defaultdict(dict)  # a group's kind shares, for extensions not sampled
     replicated: dict[str, int] = defaultdict(int)
     groups: dict[str, int] = defaultdict(int)
     for (group, kind), stratum_bytes in strata.items():
+        by_group[group][kind] = stratum_bytes
         groups[kind] += 1
         if group in replicated_groups:
             replicated[kind] += stratum_bytes

@@ -17,8 +17,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..api import Dataset, open_dataset
-from ..index import Index
 from ..daemon_tuning import keep_freed_memory
+from ..index import Index
 from .plan import EpochPlan
 
 PREFETCH_BATCHES = 2  # batches of its own a worker decodes ahead
