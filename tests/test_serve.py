@@ -191,6 +191,7 @@ def test_every_rank_sees_every_file_and_replicated_files_are_local(served_datase
     code, out, err = job.finish()
     assert code == 0, out + err
     assert sorted(line for line in out.splitlines() if line.endswith(": ok")) == [f"rank {r}: ok" for r in range(3)]
+    assert len(re.findall(r"^rank \d .*; doorbell on$", out, re.M)) == RANKS, out  # one host: the check passes
     totals = [line for line in out.splitlines() if line.startswith("job (3 ranks)")]
     assert len(totals) == 1, out
     staged = int(re.search(r"bytes read from DEST: .* staging \((\d+) B\)", totals[0])[1])
@@ -203,14 +204,18 @@ def test_every_rank_sees_every_file_and_replicated_files_are_local(served_datase
     assert _shm_files() <= shm_before
 
     # A job restarted on the same nodes finds its chunks verified in place: nothing is read from DEST. Each rank
-    # takes its own epoch order ({rank} in --prefetch-list).
+    # takes its own epoch order ({rank} in --prefetch-list). Without doorbells the ranks poll alone, and every
+    # rank still reads every file.
     files = sorted(str(p.relative_to(src)) for p in src.rglob("*.bin"))
     for rank in range(RANKS):
         (tmp_path / f"epoch{rank}.txt").write_text("\n".join(files[rank::RANKS]) + "\n")
-    rerun = Job(tmp_path, dest, "--stats", "--prefetch-list", str(tmp_path / "epoch{rank}.txt"), command=["true"])
+    rerun = Job(tmp_path, dest, "--stats", "--no-doorbell", "--prefetch-list", str(tmp_path / "epoch{rank}.txt"),
+                command=[sys.executable, str(script), str(src)])
     jobs.append(rerun)
     code, out, err = rerun.finish()
     assert code == 0, out + err
+    assert sorted(line for line in out.splitlines() if line.endswith(": ok")) == [f"rank {r}: ok" for r in range(3)]
+    assert len(re.findall(r"^rank \d .*; doorbell off$", out, re.M)) == RANKS, out
     assert "bytes read from DEST: 0 B staging (0 B)" in out, out
     _assert_nothing_left(rerun)
 

@@ -37,6 +37,7 @@ from ..mount import MountOptions, check_mountpoint, fuse_answer, fuse_mounted_at
     serve_dataset, unmount
 from ..units import format_bytes
 from . import node_endpoint, watchdog
+from .doorbell import open_doorbell
 from .node_endpoint import NodeEndpoint
 from .placement import BlobTable, Placement, place
 from .polling import first_failed_rank
@@ -65,6 +66,7 @@ class ServeOptions:
     peer: PeerOptions = PeerOptions()
     mount: MountOptions = field(default_factory=MountOptions)
     progress: bool = True
+    doorbell: bool = True  # peers ring each other awake over UDP (doorbell.py); else they poll alone
 
 
 def start_mpi() -> Any:
@@ -279,8 +281,9 @@ def run(options: ServeOptions) -> int:
     sizes = index.chunks["size"]
     local = LocalChunkSource(local_dir, sizes)
     unverified = set(report.unverified_chunks)
+    bell = open_doorbell(comm, options.doorbell)
     transport = PeerTransport(comm, RequestChecker(rank, placement, BlobTable.of(index), local, len(sizes),
-                                                   unverified), options.peer)
+                                                   unverified), options.peer, bell)
     transport.start()
     source = PlacedChunkSource(rank, placement, local, PeerChunkSource(transport, placement),
                                LocalChunkSource(options.dest, sizes), direct=unverified)
@@ -300,6 +303,8 @@ def run(options: ServeOptions) -> int:
             _report_stats(transport, source, report, endpoint.stats())
         transport.collective(lambda comm: (comm.Ibarrier(), lambda: None)).result()
     transport.stop()
+    if bell is not None:
+        bell.close()
     if lifecycle.agreed:
         comm.Free()
         mpi.Finalize()
@@ -330,7 +335,7 @@ def _progress_bar(rank: int, enabled: bool) -> Any:
 def rank_stats(transport: PeerTransport, source: PlacedChunkSource, report: StagingReport,
                readers: dict[str, int] | None = None) -> dict[str, Any]:
     return {"rank": transport.rank, "host": transport.host, "reads": source.stats(), "staging": asdict(report),
-            "node_readers": readers or {}}
+            "node_readers": readers or {}, "doorbell": transport.bell is not None}
 
 
 def _report_stats(transport: PeerTransport, source: PlacedChunkSource, report: StagingReport,
@@ -364,7 +369,7 @@ def _say(text: str) -> None:
 def _format_rank(stats: dict[str, Any]) -> str:
     local, staging = stats["reads"], stats["staging"]
     lines = [f"rank {stats['rank']} ({stats['host']}): reads from local chunks {local['local']} "
-             f"({format_bytes(local['local_bytes'])})"]
+             f"({format_bytes(local['local_bytes'])}); doorbell {'on' if stats.get('doorbell') else 'off'}"]
     for peer, counters in local["peers"].items():
         lines.append(f"  from rank {peer}: {counters['fetched']} ({format_bytes(counters['fetched_bytes'])}), "
                      f"to rank {peer}: {counters['served']} ({format_bytes(counters['served_bytes'])}), "

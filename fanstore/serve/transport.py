@@ -4,7 +4,8 @@ A caller asks `fetch_later(peer, chunk, offset, length, done)` and is called bac
 for the peer), or asks `fetch` and waits on its own event; the MPI thread posts the
 reply's Irecv, sends the 32-byte request, and polls everything in flight with Testsome and a backing-off sleep
 (polling.Backoff): no blocking MPI call after start-up, so an idle rank costs a few percent of a core. Requests
-from peers are found with Improbe, checked by the node's `RequestServer`, and answered from local chunks.
+from peers are found with Improbe, checked by the node's `RequestServer`, and answered from local chunks. With a
+doorbell (doorbell.py), each request and each reply also rings its receiver, which then sleeps until rung.
 
 Faults cost a deadline, never a hang: a request not answered in `timeout` seconds is cancelled, the peer is
 skipped for `retry_after` seconds (its queued requests fail at once, so readers fall back to the shared file
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
 from ..errors import ChunkCorrupt, ChunkError, ChunkUnavailable, FanstoreError
+from .doorbell import Doorbell
 from .polling import Backoff, precise_sleeps
 
 log = logging.getLogger("fanstore.serve")
@@ -104,7 +106,8 @@ class _Peer:
 class PeerTransport:
     """Fetches from peers and serves them, on `comm` (a duplicate of the job's communicator, ours alone)."""
 
-    def __init__(self, comm: Any, serve_request: RequestServer, options: PeerOptions = PeerOptions()) -> None:
+    def __init__(self, comm: Any, serve_request: RequestServer, options: PeerOptions = PeerOptions(),
+                 bell: Doorbell | None = None) -> None:
         from mpi4py import MPI
 
         self._mpi = MPI
@@ -128,7 +131,8 @@ class PeerTransport:
         self._probe_status = MPI.Status()
         self._abandoned: dict[tuple[int, int], float] = {}  # (peer, tag) of given-up requests -> forget when
         self._outstanding = 0  # our requests queued or in flight, to all peers
-        self._backoff = Backoff()
+        self.bell = bell
+        self._backoff = Backoff.rung_by(bell)
         self._stopping = threading.Event()
         self._stopped = threading.Event()  # the MPI thread has ended: fetches fail at once
         self._stopped_reason = "the MPI thread has stopped"
@@ -281,6 +285,8 @@ class PeerTransport:
         request.send = self.comm.Isend([message, self._mpi.BYTE], dest=peer, tag=TAG_REQUEST)
         self._peers[peer].in_flight.append(request)
         self._poll(request.send, lambda _status: None)
+        if self.bell is not None:
+            self.bell.ring(peer)
         self._poll(request.receive, lambda status, request=request: self._fetched(request, status))
 
     def _take_tag(self) -> int:
@@ -436,6 +442,8 @@ class PeerTransport:
         send = self.comm.Isend([reply, self._mpi.BYTE], dest=source, tag=tag)
         self._send_deadlines[id(send)] = (send, time.monotonic() + _SEND_GRACE * self.options.timeout)
         self._poll(send, lambda _status, reply=reply: None)  # the closure keeps the buffer alive until sent
+        if self.bell is not None:
+            self.bell.ring(source)
 
     def _shut_down(self) -> None:
         error_text = "the MPI thread has stopped" if self._failure is None else f"the MPI thread failed: " \
