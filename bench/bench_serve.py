@@ -25,7 +25,9 @@ Ways of reading, each the same epoch, split the same way for each rank:
   plain            the original directory, warm in the page cache: the ceiling of any reader;
   api              fanstore.open_dataset(DEST).read(path), DEST warm: no FUSE, no peers;
   prefetch off     a fresh job, `fanstore serve ... --prefetch 0`;
-  prefetch-list    a fresh job, `fanstore serve ... --prefetch-list EPOCH` (its defaults: 8 files ahead, 8 threads).
+  prefetch-list    a fresh job, `fanstore serve ... --prefetch-list EPOCH` (its defaults: 8 files ahead, 8 threads);
+  off, no bell     prefetch off with `--no-doorbell`: the ranks poll MPI alone, as where UDP between nodes is
+                   dropped; the baseline of what the doorbells (fanstore/serve/doorbell.py) bring.
 
 Each job gets fresh mounts, so every read through a mount is a first read (the mounts keep the kernel's page cache).
 The first job of each placement stages from scratch, with the page cache dropped first (echo 3 >
@@ -33,7 +35,8 @@ The first job of each placement stages from scratch, with the page cache dropped
 bytes read from DEST, compared with `cp -r DEST/chunks` into a fresh directory on the same file system, then an
 fsync of each copy (staging fsyncs each chunk file), also from a dropped cache. The second job finds every chunk
 verified in its local directory. Once every rank is mounted, before any read, each rank's CPU time
-(/proc/PID/stat utime + stime, all its threads) is sampled over a few seconds of idling.
+(/proc/PID/stat utime + stime, all its threads) is sampled over a few seconds of idling, in the first job and in
+the one without doorbells.
 
 Placement: 'taskset -c 0' = mpiexec, every rank, the reader and cp on CPU 0; 'unpinned' = every CPU this process
 may use, the scheduler's choice. Every figure is one run: on the 2-CPU virtual machines this was written on, runs
@@ -113,7 +116,9 @@ TARGET_REMOTE_OFF = 0.70  # remote files/s as a share of local files/s, --prefet
 TARGET_REMOTE_LIST = 0.90  # the same with --prefetch-list
 TARGET_IDLE = 0.05  # of a core, per rank
 
-CONFIGS = (("prefetch off", ("--prefetch", "0")), ("prefetch-list", ("--prefetch-list",)))
+CONFIGS = (("prefetch off", ("--prefetch", "0")), ("prefetch-list", ("--prefetch-list",)),
+           ("off, no bell", ("--prefetch", "0", "--no-doorbell")))
+JUDGED = {"prefetch off": TARGET_REMOTE_OFF, "prefetch-list": TARGET_REMOTE_LIST}  # the configs with a target
 STAGING_LINE = re.compile(r"^  staging: .+? from DEST, .+? from peers, .+? reused, (?P<seconds>[\d.]+) s", re.M)
 TOTALS_LINE = re.compile(r"^job \(\d+ ranks\): .*bytes read from DEST: .* staging \((?P<staging>\d+) B\), "
                          r".* during the epochs \((?P<epochs>\d+) B\)", re.M)
@@ -616,8 +621,9 @@ def measure(data: DataSet, workdir: Path, placement: Placement, idle_seconds: fl
             result.cold = drop_caches() and cold  # staging reads DEST from disk, as it would a shared file system
         if config == "prefetch-list":
             options = (*options, str(epoch_list))
+        measure_idle = number == 0 or "--no-doorbell" in options
         epochs, report = serve_epochs(data, workdir, placement, config, options,
-                                      idle_seconds if number == 0 else None)
+                                      idle_seconds if measure_idle else None)
         result.epochs[config] = epochs
         result.jobs[config] = report
     return result
@@ -676,7 +682,7 @@ def staging_rows(runs: list[Run]) -> list[list[str]]:
     rows = []
     for result in runs:
         data = result.data
-        first, second = (result.jobs[config] for config, _ in CONFIGS)
+        first, second = result.jobs[CONFIGS[0][0]], result.jobs[CONFIGS[1][0]]
         seconds = max(first.staging_seconds)
         rate = f"{data.chunk_bytes / 1e6 / seconds:,.0f}" if seconds > 0 else "> " + \
             f"{data.chunk_bytes / 1e6 / 0.05:,.0f} (< 0.05 s)"
@@ -688,7 +694,8 @@ def staging_rows(runs: list[Run]) -> list[list[str]]:
                      " ".join(f"{s:.1f}" for s in first.staging_seconds), rate,
                      f"{data.chunk_bytes / 1e6 / copied:,.0f}", f"{data.chunk_bytes / 1e6 / synced:,.0f}",
                      f"{first.staging_bytes:,}" + (" ok" if ok else " FAIL"), f"{second.staging_bytes:,}",
-                     epoch_bytes, " ".join(f"{c:.1%}" for c in first.idle_cpu)])
+                     epoch_bytes, " ".join(f"{c:.1%}" for c in first.idle_cpu),
+                     " ".join(f"{c:.1%}" for c in result.jobs["off, no bell"].idle_cpu)])
     return rows
 
 
@@ -712,13 +719,15 @@ def target_lines(runs: list[Run]) -> list[str]:
 
     for result in runs:
         if result.data.label == TARGET_DATASET:
-            for config, target in (("prefetch off", TARGET_REMOTE_OFF), ("prefetch-list", TARGET_REMOTE_LIST)):
+            for config, target in JUDGED.items():
                 ratio = aggregate_ratio(result, config)
                 line(ratio >= target, f"remote >= {target:.0%} of local files/s, {config}", result,
                      f"{ratio:.0%} (every rank's files and seconds summed)")
+            lines.append(f"----  {'(no target) the same, off, no bell':<47}  {result.data.label:>7}, "
+                         f"{result.placement:<12}  {aggregate_ratio(result, 'off, no bell'):.0%}")
         epoch_bytes = [result.jobs[config].epoch_bytes for config, _ in CONFIGS]
         line(not any(epoch_bytes), "0 B from DEST during the epochs", result,
-             f"{' and '.join(f'{b:,} B' for b in epoch_bytes)} (both jobs)")
+             f"{' and '.join(f'{b:,} B' for b in epoch_bytes)} (every job)")
         ok, detail = staging_ok(result)
         line(ok, "each stored byte read from DEST once", result, detail)
         idle = result.jobs[CONFIGS[0][0]].idle_cpu
@@ -785,9 +794,9 @@ def print_report(sets: list[DataSet], runs: list[Run], idle_seconds: float, note
           "same file system, +fsync = then fsync each copy; DEST B = bytes read from DEST while staging "
           "(job totals), restart = the same in the second job (chunks verified in place); epochs B = bytes from "
           f"DEST during each job's epochs; idle = each rank's CPU over {idle_seconds:g} s once mounted, before any "
-          "read")
+          "read; no bell = the same in the job with --no-doorbell")
     print_table(["dataset", "placement", "files", "chunks", "stored MB", "local dirs MB", "staging s", "MB/s",
-                 "cp MB/s", "+fsync", "DEST B staging", "restart", "epochs B", "idle CPU/rank"],
+                 "cp MB/s", "+fsync", "DEST B staging", "restart", "epochs B", "idle CPU/rank", "no bell"],
                 staging_rows(runs), left=2)
     print()
     print("targets")
