@@ -856,17 +856,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 least_disturbed(setup, way, placement, 0.0, 2, target_tries)))
             plain = next(two for one, two in scaling if one.way == BASELINE and one.placement == placement.label)
             compute_ms = args.compute_ms if args.compute_ms is not None else calibrated_compute_ms(plain)
-            progress(f"[{placement.label}] {BASELINE} and {TARGET_WAY} by turns, {compute_ms:g} ms compute per "
-                     f"batch, {pairs} pair(s) ...")
-            judged = dict(zip((BASELINE, TARGET_WAY), judged_pair(setup, ways, placement, compute_ms, pairs,
-                                                                  target_tries)))
+            judging = {BASELINE, TARGET_WAY} <= {way.label for way in ways}  # --only may leave one out
+            judged = {}
+            if judging:
+                progress(f"[{placement.label}] {BASELINE} and {TARGET_WAY} by turns, {compute_ms:g} ms compute per "
+                         f"batch, {pairs} pair(s) ...")
+                judged = dict(zip((BASELINE, TARGET_WAY), judged_pair(setup, ways, placement, compute_ms, pairs,
+                                                                      target_tries)))
             for way in ways:
                 if way.label in judged:
                     results.append(judged[way.label])
                     continue
                 progress(f"[{placement.label}] {way.label}, {compute_ms:g} ms compute per batch ...")
                 results.append(least_disturbed(setup, way, placement, compute_ms))
-            if args.compute_ms is None:
+            if args.compute_ms is None and judging:
                 spare_ms = round(HEADROOM * compute_ms, 1)
                 progress(f"[{placement.label}] {BASELINE} and {TARGET_WAY} by turns, {spare_ms:g} ms compute per "
                          f"batch (headroom), {pairs} pair(s) ...")
