@@ -11,10 +11,7 @@ import ctypes
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
-
-if TYPE_CHECKING:
-    from .doorbell import Doorbell
+from typing import Any, Callable, Protocol, Sequence
 
 SHORTEST_SLEEP = 20e-6  # seconds: about a message's latency between ranks on one node
 LONGEST_SLEEP = 2e-3  # idle: 1-5% of a core was measured at 1-5 ms
@@ -42,6 +39,16 @@ RUNG_LONGEST_SLEEP = 10e-3
 _PR_SET_TIMERSLACK = 29
 
 
+class Bell(Protocol):
+    """What wakes a sleeping poller besides its timer (doorbell.Doorbell)."""
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep until rung or `seconds` pass; True if rung."""
+
+    def ring_self(self) -> None:
+        """Ring it from another thread of this process."""
+
+
 class Backoff:
     """A sleep that grows by GROWTH after each idle round, back to the shortest after a round that did work, and
     that stays short for `linger` seconds after the last work; for `spin` seconds after work it only yields.
@@ -51,7 +58,7 @@ class Backoff:
 
     def __init__(self, shortest: float = SHORTEST_SLEEP, longest: float = LONGEST_SLEEP, linger: float = LINGER,
                  linger_longest: float = LINGER_LONGEST_SLEEP, spin: float = SPIN,
-                 bell: "Doorbell | None" = None) -> None:
+                 bell: Bell | None = None) -> None:
         self.bell = bell
         self.shortest = shortest
         self.longest = longest
@@ -66,7 +73,7 @@ class Backoff:
         self._wakeup.acquire()
 
     @classmethod
-    def rung_by(cls, bell: "Doorbell | None") -> "Backoff":
+    def rung_by(cls, bell: Bell | None) -> "Backoff":
         """The sleep of a thread that a doorbell wakes: no linger, a long first sleep; the usual one without."""
         if bell is None:
             return cls()
