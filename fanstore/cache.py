@@ -74,6 +74,14 @@ class DecodedCache:
         kernel's page cache, for a file served whole in one reply): caching it would only cost a copy's memory."""
         return self._loader(key)
 
+    def put(self, key: Hashable, value: bytes) -> None:
+        """Keep a value its caller loaded another way (a blob fetched by an event loop, decoded there), unless it
+        is held already or a load of it is under way (that load keeps it)."""
+        with self._lock:
+            if key not in self._values and key not in self._loading:
+                self._stats.loaded_bytes += len(value)
+                self._insert(key, value)
+
     def peek(self, key: Hashable) -> bytes | None:
         """The cached value, or None without loading: lets an event loop serve hits without a thread hop."""
         with self._lock:

@@ -70,6 +70,16 @@ def kernel_holds_flags(index: Index) -> bytearray:
     return bytearray(len(index.entries))
 
 
+class _Fetching:
+    """A fetch of a file's stored blob from another node, started by the event loop (ChunkSource.start_read)."""
+
+    __slots__ = ("arrived", "stored")
+
+    def __init__(self) -> None:
+        self.arrived = trio.Event()
+        self.stored: bytes | None = None  # None once arrived: the try failed
+
+
 class PrefetchView:
     """The decoded cache as the prefetcher sees it: a file the kernel holds counts as cached, because decoding it
     ahead would be wasted work (a prefetch queued before the reader got there, or a second epoch)."""
@@ -146,15 +156,17 @@ class FanstoreOperations(pyfuse3.Operations):
         self._served: dict[int, int] = {}
         self._kernel_holds = kernel_holds if kernel_holds is not None else kernel_holds_flags(index)
         self._decode_limiter = trio.CapacityLimiter(max(1, decode_threads))
-        # Files whose blob may take long to come (from another node) never make the event loop wait: read whole,
-        # the loop starts the fetch and is called back (_fetch_whole); otherwise threads of their own read them, so
-        # waiting on a slow peer does not hold the threads that decode local files.
+        # Files whose blob may take long to come (from another node) never make the event loop wait: the loop starts
+        # the fetch, from open on, and is called back (_start_fetch); other reads of them (a retry, a file stored in
+        # blocks) run in threads of their own, so waiting on a slow peer does not hold the threads that decode.
         self._source = source
-        self._reader = reader  # with `source`: files from another node are fetched by the loop (_fetch_whole)
+        self._reader = reader  # with `source`: files from another node are fetched by the loop (_start_fetch)
         self._chunk = index.entries["chunk"]
         self._offset = index.entries["offset"]
         self._may_block = may_block if may_block is not None else may_block_flags(index, source)
         self._fetch_limiter = trio.CapacityLimiter(max(1, fetch_threads))
+        # Files from another node whose fetch began when they were opened (see open), until read or released.
+        self._fetching: dict[int, _Fetching] = {}
         self._blocks_limiter = self._fetch_limiter if self._may_block.any() else self._decode_limiter
         self._uid, self._gid = os.getuid(), os.getgid()
         self._reported: set[tuple[str, object]] = set()
@@ -261,6 +273,13 @@ class FanstoreOperations(pyfuse3.Operations):
             raise _read_only()
         if not stat.S_ISREG(int(self._mode[entry])):
             raise pyfuse3.FUSEError(errno.EISDIR)
+        if (self._may_block[entry] and not self._kernel_holds[entry] and entry not in self._fetching
+                and not self.cache.contains(entry)):
+            # A file from another node that the kernel does not hold: its read comes next, so the fetch starts
+            # now and the peer's round trip overlaps the open's reply and the reader's read request.
+            fetching = self._start_fetch(entry)
+            if fetching is not None:
+                self._fetching[entry] = fetching
         return pyfuse3.FileInfo(fh=entry, keep_cache=self.keep_cache)
 
     async def read(self, fh: int, off: int, size: int) -> memoryview | bytes:
@@ -277,7 +296,12 @@ class FanstoreOperations(pyfuse3.Operations):
         if data is None:
             load = self._loader_for(fh, off, size)
             if self._may_block[fh]:
-                data = await self._fetch_whole(fh) if load == self.cache.load_uncached else None
+                fetching = self._fetching.pop(fh, None)
+                if fetching is None and load == self.cache.load_uncached:
+                    fetching = self._start_fetch(fh)
+                data = await self._fetched(fh, fetching) if fetching is not None else None
+                if data is not None and load != self.cache.load_uncached:
+                    self.cache.put(fh, data)  # read in parts: the next parts come from the cache
                 if data is None:
                     data = await trio.to_thread.run_sync(load, fh, limiter=self._fetch_limiter)
             elif self._stored_len[fh] <= INLINE_DECODE_BYTES:
@@ -289,34 +313,37 @@ class FanstoreOperations(pyfuse3.Operations):
             self._count_served(fh, len(reply), len(data))
         return reply
 
-    async def _fetch_whole(self, entry: int) -> bytes | None:
-        """A file from another node that goes out whole in this reply: the loop starts the fetch and is called back
-        when the blob arrives, so no thread sits waiting for the peer (a thread's hand-offs each way cost more CPU
-        than decoding the file). None when the source cannot start it or the first try failed: the caller then
-        reads the file off the loop, the usual way, which falls back to DEST."""
+    def _start_fetch(self, entry: int) -> _Fetching | None:
+        """Start fetching a file's blob from another node on the loop: the transport calls back when it arrives (or
+        the try fails), so no thread sits waiting for the peer (a thread's hand-offs each way cost more CPU than
+        decoding the file). None when the source has no such path."""
         if self._reader is None or self._source is None:
             return None
         token = trio.lowlevel.current_trio_token()
-        arrived = trio.Event()
-        fetched: list[bytes | None] = []
+        fetching = _Fetching()
 
         def done(stored: bytes | None, _error: Exception | None) -> None:  # in the transport's thread
-            fetched.append(stored)  # on an error the usual path reads the file again, and reports what it meets
+            fetching.stored = stored  # on an error the usual path reads the file again, and reports what it meets
             try:
-                token.run_sync_soon(arrived.set)
+                token.run_sync_soon(fetching.arrived.set)
             except trio.RunFinishedError:  # unmounted meanwhile: nobody waits any more
                 pass
 
         if not self._source.start_read(int(self._chunk[entry]), int(self._offset[entry]),
                                        int(self._stored_len[entry]), done):
             return None
-        await arrived.wait()
-        stored = fetched[0]
+        return fetching
+
+    async def _fetched(self, entry: int, fetching: _Fetching) -> bytes | None:
+        """The file, decoded from the blob `fetching` brings; None when that try failed: the caller then reads the
+        file off the loop, the usual way, which falls back to DEST."""
+        await fetching.arrived.wait()
+        stored = fetching.stored
         if stored is None:
             return None
         if self._stored_len[entry] <= INLINE_DECODE_BYTES:
-            return self._reader.decode_fetched(entry, stored)
-        return await trio.to_thread.run_sync(self._reader.decode_fetched, entry, stored,
+            return self._reader.decode_fetched(entry, stored)  # type: ignore[union-attr]
+        return await trio.to_thread.run_sync(self._reader.decode_fetched, entry, stored,  # type: ignore[union-attr]
                                              limiter=self._decode_limiter)
 
     async def _read_blocks(self, entry: int, off: int, size: int) -> memoryview | bytes:
@@ -361,7 +388,8 @@ class FanstoreOperations(pyfuse3.Operations):
         self._kernel_holds[entry] = 1
 
     async def release(self, fh: int) -> None:
-        return None
+        # Opened but not read (or read by another handle already): a fetch begun at open arrives to nobody.
+        self._fetching.pop(fh, None)
 
     def report_failure(self, handler: str, args: tuple[Any, ...], exc: Exception) -> int:
         """Log a failed request once per damaged file, unavailable chunk or kind of fault; return its errno."""

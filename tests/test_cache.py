@@ -46,6 +46,31 @@ def test_peek_never_loads():
     assert cache.peek(1) == b"\x01" * 5 and cache.stats().hits == 1
 
 
+def test_put_keeps_a_value_loaded_elsewhere_once_and_within_the_bound():
+    """A value an event loop fetched and decoded itself joins the cache as a load would; putting a key held
+    already, or being loaded, changes nothing, so the bytes held stay the values' own."""
+    release = threading.Event()
+
+    def held_load(key: int) -> bytes:
+        release.wait(timeout=60)
+        return b"l" * 30
+
+    cache = DecodedCache(100, held_load)
+    cache.put(1, b"p" * 40)
+    cache.put(1, b"q" * 40)
+    assert cache.get(1) == b"p" * 40 and cache.stats().bytes_held == 40
+    loading = threading.Thread(target=cache.get, args=(2,))
+    loading.start()
+    wait_until(lambda: cache.contains(2), "the load of key 2 under way")
+    cache.put(2, b"p" * 30)  # the load under way keeps its own value
+    release.set()
+    loading.join()
+    assert cache.peek(2) == b"l" * 30 and cache.stats().bytes_held == 70
+    cache.put(3, b"p" * 50)  # past the bound: the least recently used goes
+    stats = cache.stats()
+    assert stats.bytes_held <= 100 and stats.evictions == 1 and cache.peek(3) == b"p" * 50
+
+
 def test_concurrent_gets_share_one_load():
     """The loader is held until the seven other threads are known to wait for it: no timing assumption."""
     calls: list[int] = []

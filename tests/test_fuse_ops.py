@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import inspect
 import logging
+import os
 import threading
 
 import numpy as np
@@ -143,3 +144,76 @@ def test_a_slow_file_read_whole_is_fetched_by_the_loop_and_a_failed_try_falls_ba
     assert trio.run(read_whole) == dataset.read("labels.txt")
     assert len(source.started) == 1
     assert source.read_by_thread == ([] if first_try == "ok" else [int(dataset.index.entries["chunk"][entry])])
+
+
+def slow_operations(dataset, first_try: str = "ok") -> tuple[FanstoreOperations, DeliveredLater]:
+    source = DeliveredLater(dataset.path, dataset.index.chunks["size"], first_try)
+    reader = Reader(dataset.index, source)
+    operations = FanstoreOperations(dataset.index, DecodedCache(1 << 20, reader.load), None, decode_threads=1,
+                                    source=source, reader=reader)
+    return operations, source
+
+
+@pytest.mark.parametrize("first_try", ["ok", "unavailable", "corrupt"])
+def test_a_slow_file_is_fetched_from_its_open_and_the_read_takes_that_fetch(dataset, first_try):
+    """The peer's round trip overlaps the open's reply and the reader's read request: the fetch starts at open,
+    and the read that follows waits for that one, never a second; a failed try still falls back, corrupt is EIO."""
+    operations, source = slow_operations(dataset, first_try)
+    entry = dataset.index.lookup("labels.txt")
+    size = int(dataset.index.entries["size"][entry])
+
+    async def open_then_read() -> bytes:
+        info = await operations.open(entry + 1, os.O_RDONLY, None)
+        assert source.started == [int(dataset.index.entries["chunk"][entry])]  # before any read
+        try:
+            return bytes(await operations.read(info.fh, 0, size + 4096))
+        finally:
+            await operations.release(info.fh)
+
+    if first_try == "corrupt":
+        with pytest.raises(pyfuse3.FUSEError) as caught:
+            trio.run(open_then_read)
+        assert caught.value.errno == errno.EIO
+        return
+    assert trio.run(open_then_read) == dataset.read("labels.txt")
+    assert len(source.started) == 1
+    assert source.read_by_thread == ([] if first_try == "ok" else [int(dataset.index.entries["chunk"][entry])])
+
+
+def test_a_slow_file_read_in_parts_after_its_open_is_fetched_once(dataset):
+    """A reader that takes a file in small reads (a zip's directory, an HDF5 header) gets every part from the one
+    fetch begun at open, kept in the decoded cache; no thread reads it again."""
+    operations, source = slow_operations(dataset)
+    entry = dataset.index.lookup("labels.txt")
+    expected = dataset.read("labels.txt")
+
+    async def read_in_parts() -> bytes:
+        info = await operations.open(entry + 1, os.O_RDONLY, None)
+        parts = [bytes(await operations.read(info.fh, start, 7)) for start in range(0, len(expected), 7)]
+        await operations.release(info.fh)
+        return b"".join(parts)
+
+    assert trio.run(read_in_parts) == expected
+    assert len(source.started) == 1 and source.read_by_thread == []
+
+
+def test_an_open_without_a_read_leaves_nothing_and_the_kernels_files_are_not_fetched(dataset):
+    """A fetch begun at an open that reads nothing is dropped at release: the next open fetches afresh. A file the
+    kernel holds whole (a second epoch) is not fetched at its open at all."""
+    operations, source = slow_operations(dataset)
+    entry = dataset.index.lookup("labels.txt")
+    size = int(dataset.index.entries["size"][entry])
+
+    async def scenario() -> bytes:
+        info = await operations.open(entry + 1, os.O_RDONLY, None)
+        await operations.release(info.fh)
+        info = await operations.open(entry + 1, os.O_RDONLY, None)
+        data = bytes(await operations.read(info.fh, 0, size))  # whole: the kernel holds it from now on
+        await operations.release(info.fh)
+        info = await operations.open(entry + 1, os.O_RDONLY, None)
+        await operations.release(info.fh)
+        return data
+
+    assert trio.run(scenario) == dataset.read("labels.txt")
+    assert len(source.started) == 2  # the first open's, then the second's; none at the third
+    assert operations.stats()["cache"]["bytes_held"] == 0  # nothing left behind for the files read whole
