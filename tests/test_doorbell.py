@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from fanstore.serve.doorbell import RECORD, Doorbell, addresses_of
+from fanstore.serve.doorbell import LOOPBACK, RECORD, Doorbell, addresses_of, bell_host
 from fanstore.serve.polling import Backoff
 
 
@@ -103,3 +103,13 @@ def test_addresses_are_agreed_only_when_every_rank_can_be_rung():
     assert addresses_of([record("127.0.1.1", 4000, b"hostAAAA"), record("10.0.0.2", 4001, b"hostBBBB")]) is None
     # A rank that could not bind one.
     assert addresses_of([one_host[0], bytes(RECORD.size)]) is None
+
+
+def test_a_job_on_one_host_rings_over_loopback_and_one_spanning_hosts_on_each_hosts_address():
+    assert bell_host([b"hostAAAA"] * 3) == LOOPBACK
+    assert bell_host([b"hostAAAA", b"hostAAAA", b"hostBBBB"]) is None
+    bell = Doorbell.bind(bell_host([b"hostAAAA"] * 2))
+    try:
+        assert bell.address[0] == LOOPBACK
+    finally:
+        bell.close()

@@ -7,9 +7,9 @@ that sends a request or a reply also sends an empty UDP datagram to the receiver
 do sleeps in poll() on its own bell until it rings. The message itself still goes over MPI. The datagram carries
 nothing, so a lost one (UDP promises nothing) only costs the receiver's next timed wake.
 
-Bells are on for the whole job or for no rank: each rank binds one on its host's address, the ranks exchange
-addresses (a non-blocking allgather), every rank rings every other once, and the bells stay on only if every rank
-heard every other within CHECK_SECONDS. Otherwise (no address, a firewall, a loopback address on a job spanning
+Bells are on for the whole job or for no rank: each rank binds one on its host's address (the loopback address
+when every rank runs on this one host), the ranks exchange addresses (a non-blocking allgather), every rank rings
+every other once, and the bells stay on only if every rank heard every other within CHECK_SECONDS. Otherwise (no address, a firewall, a loopback address on a job spanning
 hosts) every rank polls as before.
 """
 
@@ -31,6 +31,7 @@ RECORD = struct.Struct("<BBH16s8s")
 CHECK = struct.Struct("<4sI")  # the start-up ring: magic, the ringing rank
 CHECK_MAGIC = b"FSBL"
 CHECK_SECONDS = 2.0
+LOOPBACK = "127.0.0.1"
 _PROBE_ADDRESS = ("192.0.2.1", 9)  # TEST-NET-1: connecting a UDP socket to it sends nothing, only picks a route
 
 
@@ -148,6 +149,12 @@ def addresses_of(records: Sequence[bytes]) -> list[tuple[str, int]] | None:
     return addresses
 
 
+def bell_host(digests: Any) -> str | None:
+    """Where to bind the bell, given every rank's host digest: the loopback address when the whole job is on this
+    one host (a laptop, a test), so its rings never leave the loopback interface; else this host's own address."""
+    return LOOPBACK if len({bytes(digest) for digest in digests}) == 1 else None
+
+
 def _reachable_address(host: str | None) -> tuple[socket.AddressFamily, str]:
     """The address other hosts reach this one at: the host name's, unless that is a loopback address (Debian maps
     the host name to 127.0.1.1), then the one the routing table gives for outgoing traffic."""
@@ -179,8 +186,10 @@ def open_doorbell(comm: Any, enabled: bool = True) -> Doorbell | None:
     bell: Doorbell | None = None
     mine = bytes(RECORD.size)
     if enabled:
+        digests = np.zeros(size * len(host_digest()), dtype=np.uint8)
+        wait_all([comm.Iallgather([np.frombuffer(host_digest(), dtype=np.uint8), MPI.BYTE], [digests, MPI.BYTE])])
         try:
-            bell = Doorbell.bind()
+            bell = Doorbell.bind(bell_host(digests.reshape(size, -1)))
             mine = bell.record()
         except OSError as exc:
             log.info("rank %d: no doorbell (%s); polling without one", rank, exc)

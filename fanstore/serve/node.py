@@ -335,7 +335,8 @@ def _progress_bar(rank: int, enabled: bool) -> Any:
 def rank_stats(transport: PeerTransport, source: PlacedChunkSource, report: StagingReport,
                readers: dict[str, int] | None = None) -> dict[str, Any]:
     return {"rank": transport.rank, "host": transport.host, "reads": source.stats(), "staging": asdict(report),
-            "node_readers": readers or {}, "doorbell": transport.bell is not None}
+            "node_readers": readers or {},
+            "doorbell": "{}:{}".format(*transport.bell.address) if transport.bell is not None else None}
 
 
 def _report_stats(transport: PeerTransport, source: PlacedChunkSource, report: StagingReport,
@@ -369,7 +370,8 @@ def _say(text: str) -> None:
 def _format_rank(stats: dict[str, Any]) -> str:
     local, staging = stats["reads"], stats["staging"]
     lines = [f"rank {stats['rank']} ({stats['host']}): reads from local chunks {local['local']} "
-             f"({format_bytes(local['local_bytes'])}); doorbell {'on' if stats.get('doorbell') else 'off'}"]
+             f"({format_bytes(local['local_bytes'])}); "
+             + (f"doorbell on ({stats['doorbell']})" if stats.get("doorbell") else "doorbell off")]
     for peer, counters in local["peers"].items():
         lines.append(f"  from rank {peer}: {counters['fetched']} ({format_bytes(counters['fetched_bytes'])}), "
                      f"to rank {peer}: {counters['served']} ({format_bytes(counters['served_bytes'])}), "
