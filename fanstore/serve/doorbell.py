@@ -9,8 +9,8 @@ nothing, so a lost one (UDP promises nothing) only costs the receiver's next tim
 
 Bells are on for the whole job or for no rank: each rank binds one on its host's address (the loopback address
 when every rank runs on this one host), the ranks exchange addresses (a non-blocking allgather), every rank rings
-every other once, and the bells stay on only if every rank heard every other within CHECK_SECONDS. Otherwise (no address, a firewall, a loopback address on a job spanning
-hosts) every rank polls as before.
+every other once, and the bells stay on only if every rank heard every other within CHECK_SECONDS. Otherwise (no
+address, a firewall, a loopback address on a job spanning hosts) every rank polls as before.
 """
 
 from __future__ import annotations
@@ -185,9 +185,10 @@ def open_doorbell(comm: Any, enabled: bool = True) -> Doorbell | None:
     rank, size = comm.Get_rank(), comm.Get_size()
     bell: Doorbell | None = None
     mine = bytes(RECORD.size)
+    # Every rank takes part in every collective here, whatever its own `enabled` says.
+    digests = np.zeros(size * len(host_digest()), dtype=np.uint8)
+    wait_all([comm.Iallgather([np.frombuffer(host_digest(), dtype=np.uint8), MPI.BYTE], [digests, MPI.BYTE])])
     if enabled:
-        digests = np.zeros(size * len(host_digest()), dtype=np.uint8)
-        wait_all([comm.Iallgather([np.frombuffer(host_digest(), dtype=np.uint8), MPI.BYTE], [digests, MPI.BYTE])])
         try:
             bell = Doorbell.bind(bell_host(digests.reshape(size, -1)))
             mine = bell.record()
