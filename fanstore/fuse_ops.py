@@ -296,11 +296,12 @@ class FanstoreOperations(pyfuse3.Operations):
         if data is None:
             load = self._loader_for(fh, off, size)
             if self._may_block[fh]:
+                whole = load == self.cache.load_uncached
                 fetching = self._fetching.pop(fh, None)
-                if fetching is None and load == self.cache.load_uncached:
+                if fetching is None and whole:
                     fetching = self._start_fetch(fh)
                 data = await self._fetched(fh, fetching) if fetching is not None else None
-                if data is not None and load != self.cache.load_uncached:
+                if data is not None and not whole:
                     self.cache.put(fh, data)  # read in parts: the next parts come from the cache
                 if data is None:
                     data = await trio.to_thread.run_sync(load, fh, limiter=self._fetch_limiter)

@@ -120,15 +120,20 @@ class DeliveredLater(LocalChunkSource):
         return np.ones(len(chunks), dtype=bool)
 
 
+def slow_operations(dataset, first_try: str = "ok") -> tuple[FanstoreOperations, DeliveredLater]:
+    source = DeliveredLater(dataset.path, dataset.index.chunks["size"], first_try)
+    reader = Reader(dataset.index, source)
+    operations = FanstoreOperations(dataset.index, DecodedCache(1 << 20, reader.load), None, decode_threads=1,
+                                    source=source, reader=reader)
+    return operations, source
+
+
 @pytest.mark.parametrize("first_try", ["ok", "unavailable", "unavailable at once", "corrupt"])
 def test_a_slow_file_read_whole_is_fetched_by_the_loop_and_a_failed_try_falls_back(dataset, first_try):
     """No thread waits for a blob from another node: the loop starts the fetch and is called back. If that try
     fails the file is read the usual way (which falls back to DEST under serve); a blob that does not match its
     checksum is corrupt, whoever sent it."""
-    source = DeliveredLater(dataset.path, dataset.index.chunks["size"], first_try)
-    reader = Reader(dataset.index, source)
-    operations = FanstoreOperations(dataset.index, DecodedCache(1 << 20, reader.load), None, decode_threads=1,
-                                    source=source, reader=reader)
+    operations, source = slow_operations(dataset, first_try)
     entry = dataset.index.lookup("labels.txt")
     size = int(dataset.index.entries["size"][entry])
 
@@ -144,14 +149,6 @@ def test_a_slow_file_read_whole_is_fetched_by_the_loop_and_a_failed_try_falls_ba
     assert trio.run(read_whole) == dataset.read("labels.txt")
     assert len(source.started) == 1
     assert source.read_by_thread == ([] if first_try == "ok" else [int(dataset.index.entries["chunk"][entry])])
-
-
-def slow_operations(dataset, first_try: str = "ok") -> tuple[FanstoreOperations, DeliveredLater]:
-    source = DeliveredLater(dataset.path, dataset.index.chunks["size"], first_try)
-    reader = Reader(dataset.index, source)
-    operations = FanstoreOperations(dataset.index, DecodedCache(1 << 20, reader.load), None, decode_threads=1,
-                                    source=source, reader=reader)
-    return operations, source
 
 
 @pytest.mark.parametrize("first_try", ["ok", "unavailable", "corrupt"])

@@ -186,8 +186,9 @@ def open_doorbell(comm: Any, enabled: bool = True) -> Doorbell | None:
     bell: Doorbell | None = None
     mine = bytes(RECORD.size)
     # Every rank takes part in every collective here, whatever its own `enabled` says.
-    digests = np.zeros(size * len(host_digest()), dtype=np.uint8)
-    wait_all([comm.Iallgather([np.frombuffer(host_digest(), dtype=np.uint8), MPI.BYTE], [digests, MPI.BYTE])])
+    own_digest = np.frombuffer(host_digest(), dtype=np.uint8)
+    digests = np.zeros(size * len(own_digest), dtype=np.uint8)
+    wait_all([comm.Iallgather([own_digest, MPI.BYTE], [digests, MPI.BYTE])])
     if enabled:
         try:
             bell = Doorbell.bind(bell_host(digests.reshape(size, -1)))
