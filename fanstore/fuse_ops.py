@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import stat
+import threading
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 import numpy as np
@@ -42,6 +43,9 @@ INLINE_DECODE_BYTES = 256 * 1024
 # Threads that wait for blobs from other nodes: mostly waiting, so more of them than cores, which keeps several
 # requests in flight per peer.
 FETCH_THREADS = 16
+# Blobs from other nodes fetched before their read (at open, or ahead of the reader) and kept until it comes, at
+# least: a reader that skips files leaves no more than this many (or twice the prefetch depth) behind.
+FETCHES_HELD = 64
 _DROPPED_MODE_BITS = stat.S_ISUID | stat.S_ISGID
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 # The daemon's counters, read from the mount point's root (`getfattr -n user.fanstore.stats MP`): for operators,
@@ -71,13 +75,40 @@ def kernel_holds_flags(index: Index) -> bytearray:
 
 
 class _Fetching:
-    """A fetch of a file's stored blob from another node, started by the event loop (ChunkSource.start_read)."""
+    """A fetch of a file's stored blob from another node, started by the event loop (ChunkSource.start_read).
 
-    __slots__ = ("arrived", "stored")
+    The loop is woken when it arrives only if a read waits for it: a blob fetched ahead of the reader arrives to
+    nobody, and a wake-up of the loop per file would cost more than handing the blob over."""
 
-    def __init__(self) -> None:
-        self.arrived = trio.Event()
+    __slots__ = ("_lock", "_token", "_done", "_waiter", "stored")
+
+    def __init__(self, token: trio.lowlevel.TrioToken) -> None:
+        self._lock = threading.Lock()
+        self._token = token
+        self._done = False
+        self._waiter: trio.Event | None = None
         self.stored: bytes | None = None  # None once arrived: the try failed
+
+    def arrive(self, stored: bytes | None) -> None:
+        """From the transport's thread."""
+        with self._lock:
+            self.stored = stored
+            self._done = True
+            waiter = self._waiter
+        if waiter is not None:
+            try:
+                self._token.run_sync_soon(waiter.set)
+            except trio.RunFinishedError:  # unmounted meanwhile: nobody waits any more
+                pass
+
+    async def wait(self) -> bytes | None:
+        """The blob, or None when the try failed; on the loop."""
+        with self._lock:
+            if not self._done:
+                self._waiter = trio.Event()
+        if self._waiter is not None:
+            await self._waiter.wait()
+        return self.stored
 
 
 class PrefetchView:
@@ -165,8 +196,12 @@ class FanstoreOperations(pyfuse3.Operations):
         self._offset = index.entries["offset"]
         self._may_block = may_block if may_block is not None else may_block_flags(index, source)
         self._fetch_limiter = trio.CapacityLimiter(max(1, fetch_threads))
-        # Files from another node whose fetch began when they were opened (see open), until read or released.
+        # Files from another node whose fetch began before their read: at open, or ahead of the reader (see
+        # _fetch_ahead), until read or released; the oldest go first past `_fetches_held`.
         self._fetching: dict[int, _Fetching] = {}
+        self._fetches_held = max(FETCHES_HELD, 2 * prefetcher.depth if prefetcher is not None else 0)
+        self._fetched_ahead = 0
+        self._fetch_ahead_taker = self._fetch_ahead if reader is not None and source is not None else None
         self._blocks_limiter = self._fetch_limiter if self._may_block.any() else self._decode_limiter
         self._uid, self._gid = os.getuid(), os.getgid()
         self._reported: set[tuple[str, object]] = set()
@@ -256,6 +291,8 @@ class FanstoreOperations(pyfuse3.Operations):
     def stats(self) -> dict[str, Any]:
         """The daemon's counters, as `getfattr -n user.fanstore.stats MOUNTPOINT` shows them."""
         prefetch = self.prefetcher.stats() if self.prefetcher is not None else {"pending": 0, "decoded": 0}
+        prefetch["fetched_ahead"] = self._fetched_ahead  # from other nodes, by the loop (see _fetch_ahead)
+        prefetch["fetches_held"] = len(self._fetching)  # begun before their read, not read yet
         stats = {"cache": dataclasses.asdict(self.cache.stats()), "prefetch": prefetch}
         source = self._source.stats() if self._source is not None else {}
         if source:
@@ -273,31 +310,30 @@ class FanstoreOperations(pyfuse3.Operations):
             raise _read_only()
         if not stat.S_ISREG(int(self._mode[entry])):
             raise pyfuse3.FUSEError(errno.EISDIR)
-        if (self._may_block[entry] and not self._kernel_holds[entry] and entry not in self._fetching
-                and not self.cache.contains(entry)):
+        if self._may_block[entry] and self._needs_fetch(entry):
             # A file from another node that the kernel does not hold: its read comes next, so the fetch starts
             # now and the peer's round trip overlaps the open's reply and the reader's read request.
-            fetching = self._start_fetch(entry)
-            if fetching is not None:
-                self._fetching[entry] = fetching
+            self._fetch_early(entry)
         return pyfuse3.FileInfo(fh=entry, keep_cache=self.keep_cache)
 
     async def read(self, fh: int, off: int, size: int) -> memoryview | bytes:
         if self._blocked[fh]:
             return await self._read_blocks(fh, off, size)
+        # A fetch begun before this read (at its open, or ahead of the reader) is this read's: taken before the
+        # prefetcher starts the next ones, so they cannot push it out.
+        fetching = self._fetching.pop(fh, None) if self._may_block[fh] else None
         if off == 0:
             # The kernel asks for the start of a file, so it does not hold it (any more): decode the next ones.
             # Not at open, which also comes for files the kernel still holds (a second epoch).
             self._kernel_holds[fh] = 0
             if self.prefetcher is not None:
                 self.prefetcher.withdraw(fh)
-                self.prefetcher.accessed(fh)
+                self.prefetcher.accessed(fh, self._fetch_ahead_taker)
         data = self.cache.peek(fh)
         if data is None:
             load = self._loader_for(fh, off, size)
             if self._may_block[fh]:
                 whole = load == self.cache.load_uncached
-                fetching = self._fetching.pop(fh, None)
                 if fetching is None and whole:
                     fetching = self._start_fetch(fh)
                 data = await self._fetched(fh, fetching) if fetching is not None else None
@@ -320,26 +356,48 @@ class FanstoreOperations(pyfuse3.Operations):
         decoding the file). None when the source has no such path."""
         if self._reader is None or self._source is None:
             return None
-        token = trio.lowlevel.current_trio_token()
-        fetching = _Fetching()
+        fetching = _Fetching(trio.lowlevel.current_trio_token())
 
         def done(stored: bytes | None, _error: Exception | None) -> None:  # in the transport's thread
-            fetching.stored = stored  # on an error the usual path reads the file again, and reports what it meets
-            try:
-                token.run_sync_soon(fetching.arrived.set)
-            except trio.RunFinishedError:  # unmounted meanwhile: nobody waits any more
-                pass
+            fetching.arrive(stored)  # on an error the usual path reads the file again, and reports what it meets
 
         if not self._source.start_read(int(self._chunk[entry]), int(self._offset[entry]),
                                        int(self._stored_len[entry]), done):
             return None
         return fetching
 
+    def _needs_fetch(self, entry: int) -> bool:
+        """Neither the kernel, nor the cache, nor a fetch under way has the file."""
+        return not (self._kernel_holds[entry] or entry in self._fetching or self.cache.contains(entry))
+
+    def _fetch_early(self, entry: int) -> bool:
+        """Start fetching a file from another node before its read; False when it cannot be fetched that way."""
+        fetching = self._start_fetch(entry)
+        if fetching is None:
+            return False
+        fetching_now = self._fetching
+        fetching_now[entry] = fetching
+        if len(fetching_now) > self._fetches_held:
+            del fetching_now[next(iter(fetching_now))]  # its read, if it ever comes, fetches again
+        return True
+
+    def _fetch_ahead(self, key: int | tuple[int, int]) -> bool:
+        """The prefetcher's next file, when it comes from another node: fetched ahead on the loop, still stored,
+        and decoded by its read as a local file is. No thread waits on the peer, and none is woken per file.
+        False leaves the key to the prefetcher's threads."""
+        if type(key) is not int or not self._may_block[key]:
+            return False
+        if not self._needs_fetch(key):
+            return True
+        if not self._fetch_early(key):
+            return False
+        self._fetched_ahead += 1
+        return True
+
     async def _fetched(self, entry: int, fetching: _Fetching) -> bytes | None:
         """The file, decoded from the blob `fetching` brings; None when that try failed: the caller then reads the
         file off the loop, the usual way, which falls back to DEST."""
-        await fetching.arrived.wait()
-        stored = fetching.stored
+        stored = await fetching.wait()
         if stored is None:
             return None
         if self._stored_len[entry] <= INLINE_DECODE_BYTES:

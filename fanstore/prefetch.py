@@ -11,6 +11,7 @@ import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -88,12 +89,18 @@ class Prefetcher:
         self._closed = False
         self._decoded = 0
 
-    def accessed(self, entry: int) -> None:
-        """The reader opened `entry`: queue decoding of the next `depth` files not cached yet."""
+    @property
+    def depth(self) -> int:
+        return self._depth
+
+    def accessed(self, entry: int, fetch_ahead: Callable[[CacheKey], bool] | None = None) -> None:
+        """The reader opened `entry`: queue decoding of the next `depth` files not cached yet, except those
+        `fetch_ahead` takes (returns True for): the caller brings those ahead itself."""
         if self._depth <= 0:
             return
         for following in self._order.after(entry, self._depth):
-            self.prefetch(following)
+            if fetch_ahead is None or not fetch_ahead(following):
+                self.prefetch(following)
 
     def prefetch(self, key: CacheKey) -> None:
         """Queue decoding `key` into the cache, unless it is there or queued already."""

@@ -24,7 +24,9 @@ from fanstore import PackOptions, open_dataset, pack  # noqa: E402
 from fanstore.cache import DecodedCache  # noqa: E402
 from fanstore.chunk_source import LocalChunkSource  # noqa: E402
 from fanstore.errors import ChunkCorrupt, ChunkUnavailable  # noqa: E402
-from fanstore.fuse_ops import FanstoreOperations  # noqa: E402
+from fanstore import fuse_ops  # noqa: E402
+from fanstore.fuse_ops import FanstoreOperations, PrefetchView, kernel_holds_flags  # noqa: E402
+from fanstore.prefetch import FileOrder, Prefetcher  # noqa: E402
 from fanstore.reader import Reader  # noqa: E402
 
 
@@ -120,12 +122,29 @@ class DeliveredLater(LocalChunkSource):
         return np.ones(len(chunks), dtype=bool)
 
 
-def slow_operations(dataset, first_try: str = "ok") -> tuple[FanstoreOperations, DeliveredLater]:
+def slow_operations(dataset, first_try: str = "ok", prefetch_list: list[str] | None = None,
+                    depth: int = 0) -> tuple[FanstoreOperations, DeliveredLater]:
+    """The mount's operations over DeliveredLater; with `prefetch_list`, a prefetcher `depth` files ahead over it."""
     source = DeliveredLater(dataset.path, dataset.index.chunks["size"], first_try)
     reader = Reader(dataset.index, source)
-    operations = FanstoreOperations(dataset.index, DecodedCache(1 << 20, reader.load), None, decode_threads=1,
+    cache = DecodedCache(1 << 20, reader.load)
+    kernel_holds = kernel_holds_flags(dataset.index)
+    prefetcher = None
+    if prefetch_list is not None:
+        order = FileOrder(dataset.index, [dataset.index.lookup(path) for path in prefetch_list],
+                          slow=np.ones(len(dataset.index.entries), dtype=bool))
+        prefetcher = Prefetcher(PrefetchView(cache, kernel_holds), order, depth, threads=2)
+    operations = FanstoreOperations(dataset.index, cache, prefetcher, decode_threads=1, kernel_holds=kernel_holds,
                                     source=source, reader=reader)
     return operations, source
+
+
+async def open_read_release(operations: FanstoreOperations, entry: int) -> bytes:
+    info = await operations.open(entry + 1, os.O_RDONLY, None)
+    try:
+        return bytes(await operations.read(info.fh, 0, int(operations.index.entries["size"][entry]) + 4096))
+    finally:
+        await operations.release(info.fh)
 
 
 @pytest.mark.parametrize("first_try", ["ok", "unavailable", "unavailable at once", "corrupt"])
@@ -214,3 +233,59 @@ def test_an_open_without_a_read_leaves_nothing_and_the_kernels_files_are_not_fet
     assert trio.run(scenario) == dataset.read("labels.txt")
     assert len(source.started) == 2  # the first open's, then the second's; none at the third
     assert operations.stats()["cache"]["bytes_held"] == 0  # nothing left behind for the files read whole
+
+
+def train_files(dataset) -> list[str]:
+    return sorted(path for path in dataset.files() if path.startswith("train/"))
+
+
+@pytest.mark.parametrize("first_try", ["ok", "unavailable"])
+def test_prefetch_fetches_slow_files_ahead_on_the_loop_and_their_reads_take_those_fetches(dataset, first_try):
+    """Files from another node are fetched ahead by the loop, still stored, not by prefetch threads that would
+    each wait on the peer: every file is fetched once, ahead of its read (but the first), and no thread reads
+    one unless its fetch failed (then the usual path, which falls back to DEST under serve)."""
+    order = train_files(dataset)[:12]
+    operations, source = slow_operations(dataset, first_try, prefetch_list=order, depth=4)
+    entries = [dataset.index.lookup(path) for path in order]
+
+    async def epoch() -> list[bytes]:
+        return [await open_read_release(operations, entry) for entry in entries]
+
+    try:
+        assert trio.run(epoch) == [dataset.read(path) for path in order]
+        stats = operations.stats()["prefetch"]
+    finally:
+        operations.prefetcher.close()
+    assert sorted(source.started) == sorted(int(dataset.index.entries["chunk"][e]) for e in entries)
+    assert stats["fetched_ahead"] == len(order) - 1  # the first file's fetch began at its open
+    assert stats["fetches_held"] == 0 and stats["decoded"] == 0  # every one read; no prefetch thread used
+    failed = [] if first_try == "ok" else [int(dataset.index.entries["chunk"][e]) for e in entries]
+    assert sorted(source.read_by_thread) == sorted(failed)
+
+
+def test_blobs_fetched_ahead_and_never_read_are_bounded(dataset, monkeypatch):
+    """A reader that skips the files its list names (a sampler that changed its mind) leaves at most
+    FETCHES_HELD fetched blobs (or twice the depth) behind, the oldest dropped first; a dropped one's read, if
+    it comes, fetches again."""
+    monkeypatch.setattr(fuse_ops, "FETCHES_HELD", 3)
+    order = train_files(dataset)
+    operations, source = slow_operations(dataset, prefetch_list=order, depth=1)
+    entries = [dataset.index.lookup(path) for path in order]
+
+    async def every_other_file() -> int:
+        most = 0
+        for entry in entries[::2]:  # each read fetches the next file ahead, which is never read
+            await open_read_release(operations, entry)
+            most = max(most, operations.stats()["prefetch"]["fetches_held"])
+        await trio.sleep(0.05)  # the last fetches arrive, to nobody
+        return most
+
+    try:
+        most = trio.run(every_other_file)
+        fetches = len(source.started)
+        skipped_first = bytes(trio.run(open_read_release, operations, entries[1]))
+    finally:
+        operations.prefetcher.close()
+    assert most == 3 and len(entries) // 2 > 3
+    assert skipped_first == dataset.read(order[1])
+    assert len(source.started) == fetches + 1  # dropped, so fetched again
