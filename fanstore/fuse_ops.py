@@ -381,14 +381,24 @@ class FanstoreOperations(pyfuse3.Operations):
             del fetching_now[next(iter(fetching_now))]  # its read, if it ever comes, fetches again
         return True
 
-    def _fetch_ahead(self, key: int | tuple[int, int]) -> bool:
-        """The prefetcher's next file, when it comes from another node: fetched ahead on the loop, still stored,
-        and decoded by its read as a local file is. No thread waits on the peer, and none is woken per file.
-        False leaves the key to the prefetcher's threads."""
-        if type(key) is not int or not self._may_block[key]:
-            return False
-        if not self._needs_fetch(key):
-            return True
+    def _fetch_ahead(self, keys: list[int | tuple[int, int]]) -> list[int | tuple[int, int]]:
+        """Of the prefetcher's next files, those from another node are fetched ahead by the loop, still stored, and
+        decoded by their reads as local files are: no thread waits on a peer, and none is woken per file. They
+        are started in batches, once the next one or half of them are not on their way, so one wake of the MPI
+        thread, one of the peer and one reply's carry several files. The other keys are returned, for the
+        prefetcher's threads."""
+        slow = [key for key in keys if type(key) is int and self._may_block[key]]
+        if not slow:
+            return keys
+        left = [key for key in keys if type(key) is not int or not self._may_block[key]]
+        missing = [key for key in slow if self._needs_fetch(key)]  # type: ignore[arg-type]
+        if missing and (missing[0] == slow[0] or 2 * len(missing) >= len(slow)):
+            for key in missing:
+                if self._fetch_early(key):  # type: ignore[arg-type]
+                    self._fetched_ahead += 1
+                else:  # no fetch of its own (a chunk read from DEST): the prefetcher's
+                    left.append(key)
+        return left
         if not self._fetch_early(key):
             return False
         self._fetched_ahead += 1

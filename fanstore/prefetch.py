@@ -93,14 +93,16 @@ class Prefetcher:
     def depth(self) -> int:
         return self._depth
 
-    def accessed(self, entry: int, fetch_ahead: Callable[[CacheKey], bool] | None = None) -> None:
-        """The reader opened `entry`: queue decoding of the next `depth` files not cached yet, except those
-        `fetch_ahead` takes (returns True for): the caller brings those ahead itself."""
+    def accessed(self, entry: int, fetch_ahead: Callable[[list[CacheKey]], list[CacheKey]] | None = None) -> None:
+        """The reader opened `entry`: queue decoding of the next `depth` files not cached yet. `fetch_ahead`, given
+        those files, takes the ones the caller brings ahead itself and returns the rest."""
         if self._depth <= 0:
             return
-        for following in self._order.after(entry, self._depth):
-            if fetch_ahead is None or not fetch_ahead(following):
-                self.prefetch(following)
+        following = self._order.after(entry, self._depth)
+        if fetch_ahead is not None:
+            following = fetch_ahead(following)
+        for key in following:
+            self.prefetch(key)
 
     def prefetch(self, key: CacheKey) -> None:
         """Queue decoding `key` into the cache, unless it is there or queued already."""

@@ -47,6 +47,21 @@ def test_a_wake_up_from_another_thread_rings_the_own_bell_and_ends_one_sleep_onl
     assert time.monotonic() - started >= 0.2
 
 
+def test_wake_ups_before_the_sleeper_takes_them_send_one_datagram_and_a_later_one_rings_again(bells):
+    """A reader hands the MPI thread work once a file: while one ring is on its way, more would only be syscalls.
+    Once the sleeper has taken the rings, the next wake-up must ring again, or it would be lost."""
+    backoff = Backoff(shortest=0.3, longest=0.3, linger=0.0, spin=0.0, bell=bells[0])
+    for _ in range(5):
+        backoff.wake()
+    assert len(bells[0]._drain()) == 1
+    bells[0].ring_self()  # stands for the ring just taken: the sleep ends at once and clears what was pending
+    backoff.sleep()
+    backoff.wake()
+    started = time.monotonic()
+    backoff.sleep()
+    assert time.monotonic() - started < 0.2
+
+
 def test_without_a_ring_the_sleep_ends_on_time(bells):
     backoff = Backoff(shortest=0.05, longest=0.05, linger=0.0, spin=0.0, bell=bells[0])
     started = time.monotonic()

@@ -263,6 +263,30 @@ def test_prefetch_fetches_slow_files_ahead_on_the_loop_and_their_reads_take_thos
     assert sorted(source.read_by_thread) == sorted(failed)
 
 
+def test_files_from_other_nodes_are_fetched_ahead_in_batches(dataset):
+    """One wake of the MPI thread, one of the peer and one ring back should carry several files: fetches ahead
+    start once the next file, or half of the window, is not on its way, never one at a time."""
+    order = train_files(dataset)[:20]
+    operations, source = slow_operations(dataset, prefetch_list=order, depth=6)
+    entries = [dataset.index.lookup(path) for path in order]
+
+    async def epoch() -> list[int]:
+        started = []
+        for entry in entries:
+            before = len(source.started)
+            await open_read_release(operations, entry)
+            started.append(len(source.started) - before)
+        return started
+
+    try:
+        started = trio.run(epoch)
+    finally:
+        operations.prefetcher.close()
+    assert started[0] == 1 + 6  # the first file's own fetch, at its open, and the window after it
+    assert sum(started) == len(order), started
+    assert set(started[1 : len(order) - 6]) == {0, 3}, started  # the window's end is the list's after that
+
+
 def test_blobs_fetched_ahead_and_never_read_are_bounded(dataset, monkeypatch):
     """A reader that skips the files its list names (a sampler that changed its mind) leaves at most
     FETCHES_HELD fetched blobs (or twice the depth) behind, the oldest dropped first; a dropped one's read, if

@@ -71,6 +71,9 @@ class Backoff:
         # polling loop is mostly this wait, and Event.wait costs several times as much Python per call.
         self._wakeup = threading.Lock()
         self._wakeup.acquire()
+        # With a bell: a ring to self is on its way and not yet taken, so another `wake` need not send one (a
+        # syscall, where work is handed over once a file).
+        self._ring_pending = False
 
     @classmethod
     def rung_by(cls, bell: Bell | None) -> "Backoff":
@@ -107,14 +110,21 @@ class Backoff:
 
     def _woken(self, seconds: float) -> bool:
         if self.bell is not None:
-            return self.bell.wait(seconds)
+            rung = self.bell.wait(seconds)
+            # Cleared after the wait took the rings, before the caller looks for work: work handed over before this
+            # line is found by that look; after it, its `wake` rings again.
+            self._ring_pending = False
+            return rung
         if seconds <= 0:
             return self._wakeup.acquire(blocking=False)
         return self._wakeup.acquire(timeout=seconds)
 
     def wake(self) -> None:
+        """Cut the sleep short; the caller hands its work over first (the sleeper looks for it after waking)."""
         if self.bell is not None:
-            self.bell.ring_self()
+            if not self._ring_pending:
+                self._ring_pending = True
+                self.bell.ring_self()
             return
         try:
             self._wakeup.release()

@@ -132,6 +132,7 @@ class PeerTransport:
         self._abandoned: dict[tuple[int, int], float] = {}  # (peer, tag) of given-up requests -> forget when
         self._outstanding = 0  # our requests queued or in flight, to all peers
         self.bell = bell
+        self._to_ring: set[int] = set()  # peers sent a request or reply this turn: rung once, at its end
         self._backoff = Backoff.rung_by(bell)
         self._stopping = threading.Event()
         self._stopped = threading.Event()  # the MPI thread has ended: fetches fail at once
@@ -202,6 +203,8 @@ class PeerTransport:
                 progressed |= self._outstanding > 0 and self._start_fetches()
                 progressed |= self._poll_requests()
                 progressed |= self._receive_messages()
+                if self._to_ring:
+                    self._ring_peers()
                 busy = self._busy()
                 if busy or self._abandoned:
                     self._enforce_deadlines()
@@ -285,9 +288,15 @@ class PeerTransport:
         request.send = self.comm.Isend([message, self._mpi.BYTE], dest=peer, tag=TAG_REQUEST)
         self._peers[peer].in_flight.append(request)
         self._poll(request.send, lambda _status: None)
-        if self.bell is not None:
-            self.bell.ring(peer)
+        self._to_ring.add(peer)
         self._poll(request.receive, lambda status, request=request: self._fetched(request, status))
+
+    def _ring_peers(self) -> None:
+        """One ring per peer a turn, however many requests and replies went to it: a batch wakes it once."""
+        if self.bell is not None:
+            for peer in self._to_ring:
+                self.bell.ring(peer)
+        self._to_ring.clear()
 
     def _take_tag(self) -> int:
         tag = self._next_tag
@@ -442,8 +451,7 @@ class PeerTransport:
         send = self.comm.Isend([reply, self._mpi.BYTE], dest=source, tag=tag)
         self._send_deadlines[id(send)] = (send, time.monotonic() + _SEND_GRACE * self.options.timeout)
         self._poll(send, lambda _status, reply=reply: None)  # the closure keeps the buffer alive until sent
-        if self.bell is not None:
-            self.bell.ring(source)
+        self._to_ring.add(source)
 
     def _shut_down(self) -> None:
         error_text = "the MPI thread has stopped" if self._failure is None else f"the MPI thread failed: " \
