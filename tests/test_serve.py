@@ -192,7 +192,8 @@ def test_every_rank_sees_every_file_and_replicated_files_are_local(served_datase
     assert code == 0, out + err
     assert sorted(line for line in out.splitlines() if line.endswith(": ok")) == [f"rank {r}: ok" for r in range(3)]
     # One host: the check passes, and the bells ring over loopback.
-    assert len(re.findall(r"^rank \d .*; doorbell on \(127\.0\.0\.1:\d+\)$", out, re.M)) == RANKS, out
+    assert len(re.findall(r"^rank \d .*; doorbell on \(127\.0\.0\.1:\d+\); the mount's loop asks peers$", out,
+                          re.M)) == RANKS, out
     totals = [line for line in out.splitlines() if line.startswith("job (3 ranks)")]
     assert len(totals) == 1, out
     staged = int(re.search(r"bytes read from DEST: .* staging \((\d+) B\)", totals[0])[1])
@@ -344,6 +345,26 @@ def test_malformed_peer_requests_are_refused_without_harm(served_dataset, tmp_pa
     # Each malformed request is one log line naming the peer, never a traceback.
     assert "Traceback" not in done.stderr, done.stderr
     assert len([line for line in done.stderr.splitlines() if "rank 2" in line]) == 9, done.stderr
+
+
+def test_the_mounts_loop_asks_peers_itself_within_the_same_rules(tmp_path):
+    """A blob, a refusal, the per-peer cap, a stalled peer's deadline and skip, and a request still out when the
+    loop ends (handed to the MPI thread, its late reply dropped without a word): as through the MPI thread."""
+    script = Path(__file__).with_name("serve_loop_requests.py")
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
+    done = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
+                          env=env, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    seen = {line["rank"]: line for line in map(json.loads, done.stdout.splitlines())}
+    assert seen[0]["good"] and seen[0]["via the loop"] == [1, 0], seen[0]
+    assert seen[0]["refused"], seen[0]
+    assert seen[0]["cap"] == [True, True, True, False], seen[0]  # past the cap the caller asks the MPI thread
+    taken, reply, seconds = seen[0]["stalled"]
+    assert taken and "did not answer within 0.5 s" in reply and 0.5 <= seconds < 2, seen[0]
+    assert seen[0]["skipped after"] == [True, False], seen[0]
+    assert seen[0]["left out at the end"] and seen[0]["refused from 1"] == 0, seen[0]
+    assert "unexpected message" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.count("no answer within 0.5 s") == 1, done.stderr
 
 
 @pytest.mark.parametrize("option, value, needle", [

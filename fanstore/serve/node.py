@@ -4,9 +4,10 @@
     -> transport thread -> mount (local | peer -> DEST) -> all mounted (Ibarrier) -> COMMAND or ready file
     -> all done (Iallreduce of the worst status) -> unmount -> counters to rank 0 -> stop MPI
 
-One process per node holds MPI, the mount and the command's parent. MPI is called by one thread at a time: the
-main thread until the transport starts, then the transport's thread alone, so MPI_THREAD_SERIALIZED is all this
-needs (checked at start). Every wait after start-up is non-blocking and polled (polling.py).
+One process per node holds MPI, the mount and the command's parent. MPI is called by the main thread until the
+transport starts, then by the transport's thread, and, where the library gives MPI_THREAD_MULTIPLE and the ranks
+have doorbells, by the mount's event loop for its own requests to peers (loop_requests.py). MPI_THREAD_SERIALIZED
+is the least this needs (checked at start). Every wait after start-up is non-blocking and polled (polling.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from ..mount import MountOptions, check_mountpoint, fuse_answer, fuse_mounted_at
 from ..units import format_bytes
 from . import node_endpoint, watchdog
 from .doorbell import open_doorbell
+from .loop_requests import LoopRequests
 from .node_endpoint import NodeEndpoint
 from .placement import BlobTable, Placement, place
 from .polling import first_failed_rank
@@ -76,7 +78,7 @@ def start_mpi() -> Any:
     except ImportError:
         raise UsageError("fanstore serve needs mpi4py: pip install 'fanstore[mpi]' (on a cluster, build it against "
                          "the site's MPI; see README, Run on a cluster)") from None
-    mpi4py.rc.thread_level = "serialized"
+    mpi4py.rc.thread_level = "multiple"  # the mount's loop asks peers itself with it; serialized is enough
     mpi4py.rc.finalize = False  # finalised here, and only once every rank agreed to end (see run)
     from mpi4py import MPI
 
@@ -285,12 +287,14 @@ def run(options: ServeOptions) -> int:
     transport = PeerTransport(comm, RequestChecker(rank, placement, BlobTable.of(index), local, len(sizes),
                                                    unverified), options.peer, bell)
     transport.start()
-    source = PlacedChunkSource(rank, placement, local, PeerChunkSource(transport, placement),
+    loop = LoopRequests(transport, bell) if bell is not None and mpi.Query_thread() == mpi.THREAD_MULTIPLE else None
+    source = PlacedChunkSource(rank, placement, local, PeerChunkSource(transport, placement, loop),
                                LocalChunkSource(options.dest, sizes), direct=unverified)
     endpoint = NodeEndpoint(local_dir, {"dest": str(Path(options.dest).absolute()), "local_dir": str(local_dir),
                                         "rank": rank, "size": size, "direct": sorted(unverified)},
                             source, BlobTable.of(index), len(sizes))
     lifecycle = Lifecycle(transport, options, mountpoint, ready_file, endpoint.path)
+    rank_facts = {"loop_requests": loop is not None}
     try:
         with Dataset(index, source) as dataset:
             status = serve_dataset(dataset, mountpoint, mount_options, while_mounted=lifecycle)
@@ -300,7 +304,7 @@ def run(options: ServeOptions) -> int:
     endpoint.close()
     if lifecycle.agreed:
         if options.stats:
-            _report_stats(transport, source, report, endpoint.stats())
+            _report_stats(transport, source, report, endpoint.stats(), rank_facts)
         transport.collective(lambda comm: (comm.Ibarrier(), lambda: None)).result()
     transport.stop()
     if bell is not None:
@@ -333,19 +337,20 @@ def _progress_bar(rank: int, enabled: bool) -> Any:
 
 
 def rank_stats(transport: PeerTransport, source: PlacedChunkSource, report: StagingReport,
-               readers: dict[str, int] | None = None) -> dict[str, Any]:
+               readers: dict[str, int] | None = None, facts: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"rank": transport.rank, "host": transport.host, "reads": source.stats(), "staging": asdict(report),
             "node_readers": readers or {},
-            "doorbell": "{}:{}".format(*transport.bell.address) if transport.bell is not None else None}
+            "doorbell": "{}:{}".format(*transport.bell.address) if transport.bell is not None else None,
+            **(facts or {})}
 
 
 def _report_stats(transport: PeerTransport, source: PlacedChunkSource, report: StagingReport,
-                  readers: dict[str, int]) -> None:
+                  readers: dict[str, int], facts: dict[str, Any]) -> None:
     """Each rank's counters on its own lines; rank 0 adds the job's totals (counters sent to it over MPI)."""
     from mpi4py import MPI
 
     rank, size = transport.rank, transport.size
-    mine = rank_stats(transport, source, report, readers)
+    mine = rank_stats(transport, source, report, readers, facts)
     _say(_format_rank(mine))
     encoded = np.frombuffer(json.dumps(mine).encode(), dtype=np.uint8)
     lengths = np.zeros(size, dtype=np.int64)
@@ -371,7 +376,8 @@ def _format_rank(stats: dict[str, Any]) -> str:
     local, staging = stats["reads"], stats["staging"]
     lines = [f"rank {stats['rank']} ({stats['host']}): reads from local chunks {local['local']} "
              f"({format_bytes(local['local_bytes'])}); "
-             + (f"doorbell on ({stats['doorbell']})" if stats.get("doorbell") else "doorbell off")]
+             + (f"doorbell on ({stats['doorbell']})" if stats.get("doorbell") else "doorbell off")
+             + ("; the mount's loop asks peers" if stats.get("loop_requests") else "")]
     for peer, counters in local["peers"].items():
         lines.append(f"  from rank {peer}: {counters['fetched']} ({format_bytes(counters['fetched_bytes'])}), "
                      f"to rank {peer}: {counters['served']} ({format_bytes(counters['served_bytes'])}), "

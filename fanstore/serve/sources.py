@@ -17,6 +17,7 @@ import numpy as np
 
 from ..chunk_source import ChunkSource, FallbackChunkSource
 from ..errors import ChunkUnavailable
+from .loop_requests import LoopRequests
 from .placement import NO_OWNER, Placement
 from .transport import FetchDone, PeerTransport
 
@@ -24,10 +25,11 @@ from .transport import FetchDone, PeerTransport
 class PeerChunkSource(ChunkSource):
     """Blobs stored on other ranks, asked of their owner over the transport."""
 
-    def __init__(self, transport: PeerTransport, placement: Placement) -> None:
+    def __init__(self, transport: PeerTransport, placement: Placement, loop: LoopRequests | None = None) -> None:
         self.transport = transport
         self._placement = placement
         self._rank = transport.rank
+        self._loop = loop  # asks peers from the mount's event loop itself, where MPI and the doorbells allow
 
     def read(self, chunk_id: int, offset: int, length: int) -> bytes:
         owner = self._placement.owner(chunk_id, offset)
@@ -39,7 +41,8 @@ class PeerChunkSource(ChunkSource):
         owner = self._placement.owner(chunk_id, offset)
         if owner == NO_OWNER or owner == self._rank:
             return False
-        self.transport.fetch_later(owner, chunk_id, offset, length, done)
+        if self._loop is None or not self._loop.start(owner, chunk_id, offset, length, done):
+            self.transport.fetch_later(owner, chunk_id, offset, length, done)
         return True
 
     def may_block(self, chunks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -102,7 +105,7 @@ class PlacedChunkSource(ChunkSource):
         with self._lock:
             counters = asdict(self.counters)
         counters["peers"] = {str(peer): asdict(peer_counters) for peer, peer_counters
-                             in enumerate(self._peers.transport.counters) if peer != self._rank}
+                             in enumerate(self._peers.transport.peer_counters()) if peer != self._rank}
         return counters
 
     def close(self) -> None:

@@ -32,9 +32,11 @@ from .polling import Backoff, precise_sleeps
 log = logging.getLogger("fanstore.serve")
 
 TAG_REQUEST = 1
-FIRST_REPLY_TAG = 16  # reply tags run from here to the library's TAG_UB, then wrap
-REQUEST = struct.Struct("<4sIIIQQ")  # magic, reply tag, chunk, reserved, offset, length
+FIRST_REPLY_TAG = 16  # reply tags run from here to the library's TAG_UB: the MPI thread's the lower half, the
+# event loop's (loop_requests.py) the upper half; each wraps in its own
+REQUEST = struct.Struct("<4sIIIQQ")  # magic, reply tag, chunk, flags, offset, length
 REQUEST_MAGIC = b"FSRQ"
+RING_REPLY_BELL = 1  # request flag: the asker's event loop waits for this reply on its reply bell (doorbell.py)
 REPLY_HEADER = struct.Struct("<4sI")  # magic, status; the blob (status OK) or a UTF-8 reason follows
 REPLY_MAGIC = b"FSRP"
 OK, REFUSED, UNAVAILABLE, CORRUPT = 0, 1, 2, 3
@@ -42,6 +44,14 @@ _STATUS_NAMES = {REFUSED: "refused", UNAVAILABLE: "could not read", CORRUPT: "fo
 # How much longer than `timeout` a reply we send may take to be received before it is cancelled: the requester
 # gave up on it by then.
 _SEND_GRACE = 4.0
+
+
+def status_reason(peer: int, chunk: int, offset: int, magic: bytes, code: int, buffer: bytearray, count: int) -> str:
+    """What a reply that is not a blob says, for the reader's log."""
+    if magic == REPLY_MAGIC and code in _STATUS_NAMES:
+        reason = bytes(buffer[REPLY_HEADER.size:count]).decode("utf-8", "replace")
+        return f"rank {peer} {_STATUS_NAMES[code]} chunk {chunk} at {offset}: {reason}"
+    return f"rank {peer} sent a malformed reply ({count} bytes) for chunk {chunk}"
 
 
 class RequestRefused(FanstoreError):
@@ -96,6 +106,16 @@ class _Fetch:
 
 
 @dataclass
+class _GaveUp:
+    """Handed from the event loop to the MPI thread: requests it cancelled, replies it no longer waits for."""
+
+    peer: int  # skipped for `retry_after`, unless -1
+    tags: list[int]  # replies from `peer` to drop
+    requests: list[Any]  # cancelled MPI requests, polled until complete
+    peer_tags: list[tuple[int, int]] = field(default_factory=list)  # (peer, tag) replies to drop
+
+
+@dataclass
 class _Peer:
     queued: deque = field(default_factory=deque)
     in_flight: list = field(default_factory=list)
@@ -115,12 +135,15 @@ class PeerTransport:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.options = options
-        self.counters = [PeerCounters() for _ in range(self.size)]
+        self.counters = [PeerCounters() for _ in range(self.size)]  # the MPI thread's (see peer_counters)
+        self.loop_counters = [PeerCounters() for _ in range(self.size)]  # the event loop's (loop_requests.py)
         self._serve_request = serve_request
         self._peers = [_Peer() for _ in range(self.size)]
         self._tag_limit = int(comm.Get_attr(MPI.TAG_UB))
+        self._loop_first_tag = FIRST_REPLY_TAG + (self._tag_limit - FIRST_REPLY_TAG + 1) // 2
         self._next_tag = FIRST_REPLY_TAG
-        self._submitted: deque[_Fetch | tuple[Callable[[Any], tuple[Any, Callable[[], Any]]], Future]] = deque()
+        self._submitted: deque[_Fetch | _GaveUp | tuple[Callable[[Any], tuple[Any, Callable[[], Any]]], Future]] = \
+            deque()
         self._requests: list[Any] = []  # MPI requests being polled, with what to do when each completes
         self._on_complete: list[Callable[[Any], None]] = []
         self._collectives: list[Future] = []
@@ -133,6 +156,7 @@ class PeerTransport:
         self._outstanding = 0  # our requests queued or in flight, to all peers
         self.bell = bell
         self._to_ring: set[int] = set()  # peers sent a request or reply this turn: rung once, at its end
+        self._to_ring_reply: set[int] = set()  # peers sent a reply their event loop waits for: rung likewise
         self._backoff = Backoff.rung_by(bell)
         self._stopping = threading.Event()
         self._stopped = threading.Event()  # the MPI thread has ended: fetches fail at once
@@ -203,7 +227,7 @@ class PeerTransport:
                 progressed |= self._outstanding > 0 and self._start_fetches()
                 progressed |= self._poll_requests()
                 progressed |= self._receive_messages()
-                if self._to_ring:
+                if self._to_ring or self._to_ring_reply:
                     self._ring_peers()
                 busy = self._busy()
                 if busy or self._abandoned:
@@ -230,6 +254,8 @@ class PeerTransport:
             progressed = True
             if isinstance(item, _Fetch):
                 self._queue_fetch(item)
+            elif isinstance(item, _GaveUp):
+                self._take_gave_up(item)
             else:
                 start, future = item
                 try:
@@ -244,6 +270,19 @@ class PeerTransport:
                 self._collectives.append(future)
                 self._poll(request, settle)
         return progressed
+
+    def _take_gave_up(self, gave_up: _GaveUp) -> None:
+        now = time.monotonic()
+        forget_at = now + 10 * self.options.retry_after
+        for tag in gave_up.tags:
+            self._abandoned[(gave_up.peer, tag)] = forget_at
+        for key in gave_up.peer_tags:
+            self._abandoned[key] = forget_at
+        for request in gave_up.requests:
+            if request:
+                self._poll(request, lambda _status: None)
+        if gave_up.peer >= 0:
+            self._give_up_on(gave_up.peer, now)
 
     @staticmethod
     def _settle(future: Future, result: Callable[[], Any]) -> None:
@@ -296,12 +335,42 @@ class PeerTransport:
         if self.bell is not None:
             for peer in self._to_ring:
                 self.bell.ring(peer)
+            for peer in self._to_ring_reply:
+                self.bell.ring_reply(peer)
         self._to_ring.clear()
+        self._to_ring_reply.clear()
 
     def _take_tag(self) -> int:
         tag = self._next_tag
-        self._next_tag = tag + 1 if tag < self._tag_limit else FIRST_REPLY_TAG
+        self._next_tag = tag + 1 if tag + 1 < self._loop_first_tag else FIRST_REPLY_TAG
         return tag
+
+    def peer_counters(self) -> list[PeerCounters]:
+        """What went between this rank and each peer, both threads' counters summed."""
+        return [PeerCounters(*(getattr(a, name) + getattr(b, name) for name in PeerCounters.__dataclass_fields__))
+                for a, b in zip(self.counters, self.loop_counters)]
+
+    @property
+    def loop_tags(self) -> tuple[int, int]:
+        """The reply tags the event loop's requests use, first and last (loop_requests.py)."""
+        return self._loop_first_tag, self._tag_limit
+
+    def skipped(self, peer: int) -> bool:
+        """`peer` missed a deadline lately, so its files are read elsewhere for now."""
+        return self._peers[peer].skip_until > time.monotonic()
+
+    def missed_deadline(self, peer: int, abandoned_tags: list[int], requests: list[Any]) -> None:
+        """The event loop gave up on requests to `peer`: the MPI thread skips the peer as for its own (logged
+        once), drops the replies if they come, and completes the loop's cancelled MPI requests."""
+        self._peers[peer].skip_until = time.monotonic() + self.options.retry_after  # at once, for the loop's next
+        self._submitted.append(_GaveUp(peer, abandoned_tags, requests))
+        self._backoff.wake()
+
+    def adopt(self, requests: list[Any], peer_tags: list[tuple[int, int]]) -> None:
+        """The event loop has ended with these MPI requests (cancelled) still to complete, and these replies still
+        to come: the MPI thread completes the one and drops the other."""
+        self._submitted.append(_GaveUp(-1, [], requests, peer_tags))
+        self._backoff.wake()
 
     def _fetched(self, request: _Fetch, status: Any) -> None:
         peer = self._peers[request.peer]
@@ -319,11 +388,7 @@ class PeerTransport:
             request.finish(result=bytes(memoryview(buffer)[REPLY_HEADER.size:count]))
             return
         counters.failed += 1
-        if magic == REPLY_MAGIC and code in _STATUS_NAMES:
-            reason = bytes(buffer[REPLY_HEADER.size:count]).decode("utf-8", "replace")
-            message = f"rank {request.peer} {_STATUS_NAMES[code]} chunk {request.chunk} at {request.offset}: {reason}"
-        else:
-            message = f"rank {request.peer} sent a malformed reply ({count} bytes) for chunk {request.chunk}"
+        message = status_reason(request.peer, request.chunk, request.offset, magic, code, buffer, count)
         request.finish(error=ChunkUnavailable(message, chunk_id=request.chunk))
 
     def _enforce_deadlines(self) -> None:
@@ -376,6 +441,10 @@ class PeerTransport:
                 return
             if isinstance(item, _Fetch):
                 item.finish(error=ChunkUnavailable(f"rank {item.peer}: {self._stopped_reason}", chunk_id=item.chunk))
+            elif isinstance(item, _GaveUp):
+                for request in item.requests:
+                    if request:
+                        request.Cancel()
             else:
                 item[1].set_exception(ChunkUnavailable(self._stopped_reason))
 
@@ -430,7 +499,7 @@ class PeerTransport:
             counters.refused += 1
             log.warning("rank %d sent a malformed request (%d bytes): dropped", source, len(message))
             return
-        _, tag, chunk, _, offset, length = REQUEST.unpack(message)
+        _, tag, chunk, flags, offset, length = REQUEST.unpack(message)
         if not FIRST_REPLY_TAG <= tag <= self._tag_limit:
             counters.refused += 1
             log.warning("rank %d sent a request with reply tag %d: dropped", source, tag)
@@ -451,7 +520,7 @@ class PeerTransport:
         send = self.comm.Isend([reply, self._mpi.BYTE], dest=source, tag=tag)
         self._send_deadlines[id(send)] = (send, time.monotonic() + _SEND_GRACE * self.options.timeout)
         self._poll(send, lambda _status, reply=reply: None)  # the closure keeps the buffer alive until sent
-        self._to_ring.add(source)
+        (self._to_ring_reply if flags & RING_REPLY_BELL else self._to_ring).add(source)
 
     def _shut_down(self) -> None:
         error_text = "the MPI thread has stopped" if self._failure is None else f"the MPI thread failed: " \

@@ -1,0 +1,107 @@
+"""Run by tests/test_serve.py under `mpiexec -n 2`: rank 0's event loop asks rank 1 for blobs itself.
+
+Both ranks run a PeerTransport with doorbells, as `fanstore serve` does. Rank 1 serves blobs of made-up chunks:
+chunk 1 is `BLOB`, chunk 2 is refused, and a request for chunk 9 holds rank 1's MPI thread for STALL seconds (a
+stalled peer). Rank 0 asks from a trio loop through LoopRequests: a good blob, a refused one, more than the cap
+allows, the stalled one (past its deadline), one after the skip is over, left out when the loop ends. It prints one
+JSON line of what it saw; rank 1 prints what its transport counted.
+
+    mpiexec -n 2 python serve_loop_requests.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import mpi4py
+
+mpi4py.rc.thread_level = "multiple"
+from mpi4py import MPI  # noqa: E402
+import trio  # noqa: E402
+
+from fanstore.errors import ChunkUnavailable  # noqa: E402
+from fanstore.serve.doorbell import open_doorbell  # noqa: E402
+from fanstore.serve.loop_requests import LoopRequests  # noqa: E402
+from fanstore.serve.polling import wait_all  # noqa: E402
+from fanstore.serve.transport import PeerOptions, PeerTransport, RequestRefused  # noqa: E402
+
+BLOB = bytes(range(256)) * 300
+TIMEOUT = 0.5
+RETRY_AFTER = 1.0
+STALL = 3.0
+CAP = 3
+
+
+def serve(peer: int, chunk: int, offset: int, length: int) -> bytes:
+    if chunk == 9:
+        time.sleep(STALL)
+    if chunk != 1 or offset != 0 or length != len(BLOB):
+        raise RequestRefused(f"chunk {chunk} at {offset} is not a blob of this rank")
+    return BLOB
+
+
+async def ask(loop: LoopRequests, chunk: int, length: int = len(BLOB)) -> tuple[bool, object]:
+    arrived = trio.Event()
+    outcome: list[object] = []
+
+    def done(blob: bytes | None, error: ChunkUnavailable | None) -> None:
+        outcome.append(blob if error is None else f"unavailable: {error}")
+        arrived.set()
+
+    if not loop.start(1, chunk, 0, length, done):
+        return False, None
+    await arrived.wait()
+    return True, outcome[0]
+
+
+async def rank_0(loop: LoopRequests, transport: PeerTransport) -> dict[str, object]:
+    seen: dict[str, object] = {}
+    taken, blob = await ask(loop, 1)
+    seen["good"] = taken and blob == BLOB
+    seen["via the loop"] = (transport.loop_counters[1].fetched, transport.counters[1].fetched)
+    taken, reply = await ask(loop, 2)
+    seen["refused"] = taken and isinstance(reply, str) and "refused" in reply
+    seen["cap"] = [loop.start(1, 1, 0, len(BLOB), lambda blob, error: None) for _ in range(CAP + 1)]
+    await trio.sleep(0.2)  # those come back
+    started = time.monotonic()
+    taken, reply = await ask(loop, 9)
+    seen["stalled"] = (taken, reply, round(time.monotonic() - started, 1))
+    seen["skipped after"] = (transport.skipped(1), loop.start(1, 1, 0, len(BLOB), lambda blob, error: None))
+    await trio.sleep(RETRY_AFTER + 0.2)
+    # Rank 1's MPI thread is still held: this request is out when the loop ends, and handed over.
+    seen["left out at the end"] = loop.start(1, 1, 0, len(BLOB), lambda blob, error: None)
+    return seen
+
+
+def main() -> int:
+    comm = MPI.COMM_WORLD.Dup()
+    rank = comm.Get_rank()
+    bell = open_doorbell(comm)
+    if bell is None or MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        print(json.dumps({"rank": rank, "error": "no doorbell or no MPI_THREAD_MULTIPLE"}))
+        return 1
+    transport = PeerTransport(comm, serve, PeerOptions(timeout=TIMEOUT, retry_after=RETRY_AFTER,
+                                                       max_in_flight=CAP), bell)
+    transport.start()
+    if rank == 0:
+        loop = LoopRequests(transport, bell)
+        seen = trio.run(rank_0, loop, transport)
+        time.sleep(STALL)  # the stalled peer answers meanwhile: its late replies reach the MPI thread
+        seen["refused from 1"] = transport.counters[1].refused
+    else:
+        seen = {}
+    transport.collective(lambda comm: (comm.Ibarrier(), lambda: None)).result()
+    if rank == 1:
+        seen["served"] = transport.counters[0].served
+    transport.stop()
+    bell.close()
+    wait_all([comm.Ibarrier()])
+    comm.Free()
+    print(json.dumps({"rank": rank, **seen}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
