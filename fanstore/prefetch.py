@@ -47,6 +47,7 @@ class FileOrder:
         # A path listed twice keeps its first position.
         self._position[self._list[::-1]] = np.arange(len(self._list))[::-1]
         self._blocked = (entries["flags"] & FLAG_BLOCKED) != 0
+        self._any_blocked = bool(self._blocked.any())  # else every key is an entry number (no per-key test)
 
     def after(self, entry: int, count: int) -> list[CacheKey]:
         position = int(self._position[entry])
@@ -55,7 +56,11 @@ class FileOrder:
         else:
             siblings = self._index.children(int(self._index.entries["parent"][entry]))
             following = np.arange(entry + 1, min(siblings.stop, entry + 1 + count))
-        return [(int(e), 0) if self._blocked[e] else int(e) for e in following[self._worth_prefetching[following]]]
+        chosen = following[self._worth_prefetching[following]]
+        if not self._any_blocked:
+            return chosen.tolist()
+        return [(entry, 0) if blocked else entry
+                for entry, blocked in zip(chosen.tolist(), self._blocked[chosen].tolist())]
 
 
 def read_prefetch_list(index: Index, path: Path) -> list[int]:
