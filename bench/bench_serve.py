@@ -40,9 +40,10 @@ the one without doorbells.
 
 Placement: 'taskset -c 0' = mpiexec, every rank, the reader and cp on CPU 0; 'unpinned' = every CPU this process
 may use, the scheduler's choice. Every figure is one run: on the 2-CPU virtual machines this was written on, runs
-vary by up to 30%. Targets are
+vary by up to 30%. So the judged ways (prefetch off, prefetch-list) each run three fresh jobs, and their targets
+are judged on the median job's ratio, every job's printed beside it; the table shows that median job. Targets are
 printed last, PASS or FAIL. --quick: 1/5 of the generated files, 1/5 of each group of the demo's epoch, pinned
-only, 3 s of idling (about a minute).
+only, one job per way, 3 s of idling (about a minute).
 
 The bench cleans up whatever ends it: the job's processes (by pid), the mounts, the work directory; a helper
 started in a session of its own (this script with --reap) does it when the bench is killed outright.
@@ -119,6 +120,9 @@ TARGET_IDLE = 0.05  # of a core, per rank
 CONFIGS = (("prefetch off", ("--prefetch", "0")), ("prefetch-list", ("--prefetch-list",)),
            ("off, no bell", ("--prefetch", "0", "--no-doorbell")))
 JUDGED = {"prefetch off": TARGET_REMOTE_OFF, "prefetch-list": TARGET_REMOTE_LIST}  # the configs with a target
+# Jobs run for each judged config (--quick: 1); the target is judged on the median job's ratio. One job's ratio of
+# the same code swung from 70% to 97% here: a local group read while something else ran sets the whole ratio.
+JUDGED_JOBS = 3
 STAGING_LINE = re.compile(r"^  staging: .+? from DEST, .+? from peers, .+? reused, (?P<seconds>[\d.]+) s", re.M)
 TOTALS_LINE = re.compile(r"^job \(\d+ ranks\): .*bytes read from DEST: .* staging \((?P<staging>\d+) B\), "
                          r".* during the epochs \((?P<epochs>\d+) B\)", re.M)
@@ -554,7 +558,9 @@ class Run:
     data: DataSet
     placement: str
     epochs: dict[str, list[Epoch]] = field(default_factory=dict)  # way of reading -> one Epoch per rank
-    jobs: dict[str, JobReport] = field(default_factory=dict)  # config -> its job's report
+    jobs: dict[str, JobReport] = field(default_factory=dict)  # config -> its (first) job's report
+    # config -> every job's epochs and report, in the order run; `epochs` holds the median job's (judged configs)
+    rounds: dict[str, list[tuple[list[Epoch], JobReport]]] = field(default_factory=dict)
     copy_seconds: tuple[float, float] = (0.0, 0.0)  # cp alone, cp then fsync of each copy
     cold: bool = False  # the page cache was dropped before staging and before cp
 
@@ -602,7 +608,8 @@ def serve_epochs(data: DataSet, workdir: Path, placement: Placement, config: str
     return epochs, report
 
 
-def measure(data: DataSet, workdir: Path, placement: Placement, idle_seconds: float, epoch_list: Path) -> Run:
+def measure(data: DataSet, workdir: Path, placement: Placement, idle_seconds: float, epoch_list: Path,
+            judged_jobs: int = JUDGED_JOBS) -> Run:
     result = Run(data, placement.label)
     progress(f"[{data.label}, {placement.label}] cp of the chunk files ...")
     copied, synced, cold = copy_chunks(data, workdir, placement)
@@ -622,10 +629,14 @@ def measure(data: DataSet, workdir: Path, placement: Placement, idle_seconds: fl
         if config == "prefetch-list":
             options = (*options, str(epoch_list))
         measure_idle = number == 0 or "--no-doorbell" in options
-        epochs, report = serve_epochs(data, workdir, placement, config, options,
-                                      idle_seconds if measure_idle else None)
-        result.epochs[config] = epochs
-        result.jobs[config] = report
+        rounds = []
+        for job in range(judged_jobs if config in JUDGED else 1):
+            rounds.append(serve_epochs(data, workdir, placement, config, options,
+                                       idle_seconds if measure_idle and job == 0 else None))
+        result.rounds[config] = rounds
+        result.jobs[config] = rounds[0][1]  # the first job: staging from scratch (first config), idle CPU
+        ratios = [aggregate_ratio(epochs) for epochs, _ in rounds]
+        result.epochs[config] = rounds[sorted(range(len(rounds)), key=ratios.__getitem__)[len(rounds) // 2]][0]
     return result
 
 
@@ -688,7 +699,8 @@ def staging_rows(runs: list[Run]) -> list[list[str]]:
             f"{data.chunk_bytes / 1e6 / 0.05:,.0f} (< 0.05 s)"
         copied, synced = result.copy_seconds
         ok, _ = staging_ok(result)
-        epoch_bytes = "/".join(f"{result.jobs[config].epoch_bytes:,}" for config, _ in CONFIGS)
+        epoch_bytes = "/".join(f"{sum(report.epoch_bytes for _, report in result.rounds[config]):,}"
+                               for config, _ in CONFIGS)
         rows.append([data.label, result.placement, f"{data.files():,}", f"{data.chunks} ({data.replicated_chunks} r)",
                      f"{data.chunk_bytes / 1e6:,.1f}", f"{data.local_dir_bytes / 1e6:,.1f}",
                      " ".join(f"{s:.1f}" for s in first.staging_seconds), rate,
@@ -699,9 +711,8 @@ def staging_rows(runs: list[Run]) -> list[list[str]]:
     return rows
 
 
-def aggregate_ratio(result: Run, config: str) -> float:
+def aggregate_ratio(epochs: list[Epoch]) -> float:
     """Remote files/s over local files/s of a job's epochs, every rank's files and seconds summed."""
-    epochs = result.epochs[config]
     totals = {}
     for name in ("local", "remote"):
         files = sum(epochs[r].files[s] for r in range(RANKS) for s in class_segments(r)[name])
@@ -720,12 +731,15 @@ def target_lines(runs: list[Run]) -> list[str]:
     for result in runs:
         if result.data.label == TARGET_DATASET:
             for config, target in JUDGED.items():
-                ratio = aggregate_ratio(result, config)
+                ratios = [aggregate_ratio(epochs) for epochs, _ in result.rounds[config]]
+                ratio = sorted(ratios)[len(ratios) // 2]
+                each = f"median of {len(ratios)} jobs: " + " ".join(f"{r:.0%}" for r in ratios) + ", " \
+                    if len(ratios) > 1 else ""
                 line(ratio >= target, f"remote >= {target:.0%} of local files/s, {config}", result,
-                     f"{ratio:.0%} (every rank's files and seconds summed)")
+                     f"{ratio:.0%} ({each}every rank's files and seconds summed)")
             lines.append(f"----  {'(no target) the same, off, no bell':<47}  {result.data.label:>7}, "
-                         f"{result.placement:<12}  {aggregate_ratio(result, 'off, no bell'):.0%}")
-        epoch_bytes = [result.jobs[config].epoch_bytes for config, _ in CONFIGS]
+                         f"{result.placement:<12}  {aggregate_ratio(result.epochs['off, no bell']):.0%}")
+        epoch_bytes = [report.epoch_bytes for config, _ in CONFIGS for _, report in result.rounds[config]]
         line(not any(epoch_bytes), "0 B from DEST during the epochs", result,
              f"{' and '.join(f'{b:,} B' for b in epoch_bytes)} (every job)")
         ok, detail = staging_ok(result)
@@ -776,7 +790,9 @@ def print_report(sets: list[DataSet], runs: list[Run], idle_seconds: float, note
     print()
     print("epochs: files/s of open + read all + close per file (api: Dataset.read), one reader process; local = "
           "files stored on this rank, replicated = val/ (on every rank), remote = stored on the other two ranks; "
-          "every read through a mount is its first (fresh job per way); MB/s = whole epoch; others = cores other "
+          f"every read through a mount is its first (a fresh job per way; {JUDGED_JOBS} jobs for the judged "
+          "ways, prefetch off and prefetch-list, without --quick, and the table shows the job whose ratio is the "
+          "median); MB/s = whole epoch; others = cores other "
           f"processes used meanwhile ('!' above {NOISY_OTHERS}); as placed = the rank's counters say local and "
           "replicated files came from its directory, remote ones from peers, none from DEST ('N twice': N blobs "
           "read a second time, by a prefetch that started while the reader was loading the file itself). plain and "
@@ -945,7 +961,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             epoch_list = workdir / f"epoch-{data.label.replace(' ', '')}.txt"
             epoch_list.write_text("".join(f"{rel}\n" for paths in data.segment_paths() for rel in paths))
             for placement in placements:
-                runs.append(measure(data, workdir, placement, idle_seconds, epoch_list))
+                runs.append(measure(data, workdir, placement, idle_seconds, epoch_list,
+                                    1 if args.quick else JUDGED_JOBS))
     print_report(sets, runs, idle_seconds, notes)
     return 0
 
