@@ -80,22 +80,26 @@ class _Fetching:
     The loop is woken when it arrives only if a read waits for it: a blob fetched ahead of the reader arrives to
     nobody, and a wake-up of the loop per file would cost more than handing the blob over."""
 
-    __slots__ = ("_lock", "_token", "_done", "_waiter", "stored")
+    __slots__ = ("_lock", "_token", "_loop_thread", "_done", "_waiter", "stored")
 
     def __init__(self, token: trio.lowlevel.TrioToken) -> None:
         self._lock = threading.Lock()
         self._token = token
+        self._loop_thread = threading.get_ident()  # made on the loop; a source may also answer there
         self._done = False
         self._waiter: trio.Event | None = None
         self.stored: bytes | None = None  # None once arrived: the try failed
 
     def arrive(self, stored: bytes | None) -> None:
-        """From the transport's thread."""
+        """From the transport's thread, or from the loop itself (then with no hand-off through trio's queue)."""
         with self._lock:
             self.stored = stored
             self._done = True
             waiter = self._waiter
         if waiter is not None:
+            if threading.get_ident() == self._loop_thread:
+                waiter.set()
+                return
             try:
                 self._token.run_sync_soon(waiter.set)
             except trio.RunFinishedError:  # unmounted meanwhile: nobody waits any more

@@ -90,7 +90,8 @@ def test_a_handler_given_nonsense_answers_not_raises(dataset):
 
 class DeliveredLater(LocalChunkSource):
     """The dataset's own chunk files, every blob 'slow' (as another node's are): `start_read` answers from a thread
-    of its own, as the serve transport's MPI thread does, and can be told to fail or to corrupt the blob."""
+    of its own, as the serve transport's MPI thread does (or, 'ok, on the loop', later from the event loop itself,
+    as the mount's own peer requests do), and can be told to fail or to corrupt the blob."""
 
     def __init__(self, dataset_dir, sizes, first_try: str = "ok") -> None:
         super().__init__(dataset_dir, sizes)
@@ -115,7 +116,14 @@ class DeliveredLater(LocalChunkSource):
             stored = super(DeliveredLater, self).read(chunk_id, offset, length)
             done(bytes([stored[0] ^ 0xFF]) + stored[1:] if self.first_try == "corrupt" else stored, None)
 
-        threading.Timer(0.01, deliver).start()
+        if self.first_try == "ok, on the loop":  # after the read has begun to wait for it
+            async def deliver_soon() -> None:
+                await trio.sleep(0.01)
+                deliver()
+
+            trio.lowlevel.spawn_system_task(deliver_soon)
+        else:
+            threading.Timer(0.01, deliver).start()
         return True
 
     def may_block(self, chunks, offsets):
@@ -170,7 +178,7 @@ def test_a_slow_file_read_whole_is_fetched_by_the_loop_and_a_failed_try_falls_ba
     assert source.read_by_thread == ([] if first_try == "ok" else [int(dataset.index.entries["chunk"][entry])])
 
 
-@pytest.mark.parametrize("first_try", ["ok", "unavailable", "corrupt"])
+@pytest.mark.parametrize("first_try", ["ok", "ok, on the loop", "unavailable", "corrupt"])
 def test_a_slow_file_is_fetched_from_its_open_and_the_read_takes_that_fetch(dataset, first_try):
     """The peer's round trip overlaps the open's reply and the reader's read request: the fetch starts at open,
     and the read that follows waits for that one, never a second; a failed try still falls back, corrupt is EIO."""
@@ -193,7 +201,8 @@ def test_a_slow_file_is_fetched_from_its_open_and_the_read_takes_that_fetch(data
         return
     assert trio.run(open_then_read) == dataset.read("labels.txt")
     assert len(source.started) == 1
-    assert source.read_by_thread == ([] if first_try == "ok" else [int(dataset.index.entries["chunk"][entry])])
+    assert source.read_by_thread == ([] if first_try.startswith("ok") else
+                                     [int(dataset.index.entries["chunk"][entry])])
 
 
 def test_a_slow_file_read_in_parts_after_its_open_is_fetched_once(dataset):

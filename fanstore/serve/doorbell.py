@@ -108,14 +108,12 @@ class Doorbell:
         return self._reply_sock.fileno()
 
     def take_replies(self) -> None:
-        """Read every ring of the reply bell so far (from the event loop that waits on it)."""
-        while True:
-            try:
-                self._reply_sock.recv(64)  # type: ignore[union-attr]
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:  # an ICMP error from an earlier send, reported here: not a ring
-                continue
+        """Read a ring of the reply bell (from the event loop that waits on it, once it is readable). One: the
+        loop looks at every reply that came whatever rang, and a ring left behind only wakes it once more."""
+        try:
+            self._reply_sock.recv(64)  # type: ignore[union-attr]
+        except OSError:  # none after all, or an ICMP error from an earlier send: not a ring
+            pass
 
     def ring_self(self) -> None:
         """Wake this rank's own sleeping thread (another thread handed it work)."""
