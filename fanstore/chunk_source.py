@@ -36,9 +36,10 @@ class ChunkSource(ABC):
         return np.zeros(len(chunks), dtype=bool)
 
     def start_read(self, chunk_id: int, offset: int, length: int,
-                   done: Callable[[bytes | None, ChunkError | None], None]) -> bool:
+                   done: Callable[[bytes | memoryview | None, ChunkError | None], None]) -> bool:
         """Start a read of a blob that may_block says is slow, without waiting: `done(data, None)` or
-        `done(None, error)` comes later, from another thread. An event loop uses it so that no thread of its own
+        `done(None, error)` comes later, from another thread or the caller's event loop (`data` may be a view
+        of a buffer the source hands over, not bytes). An event loop uses it so that no thread of its own
         waits for the blob. A first try only: after an error the caller reads it with `read`, which knows the
         fallbacks. False when this source has no such path (then `read` it)."""
         return False

@@ -88,9 +88,9 @@ class _Fetching:
         self._loop_thread = threading.get_ident()  # made on the loop; a source may also answer there
         self._done = False
         self._waiter: trio.Event | None = None
-        self.stored: bytes | None = None  # None once arrived: the try failed
+        self.stored: bytes | memoryview | None = None  # None once arrived: the try failed
 
-    def arrive(self, stored: bytes | None) -> None:
+    def arrive(self, stored: bytes | memoryview | None) -> None:
         """From the transport's thread, or from the loop itself (then with no hand-off through trio's queue)."""
         with self._lock:
             self.stored = stored
@@ -105,7 +105,7 @@ class _Fetching:
             except trio.RunFinishedError:  # unmounted meanwhile: nobody waits any more
                 pass
 
-    async def wait(self) -> bytes | None:
+    async def wait(self) -> bytes | memoryview | None:
         """The blob, or None when the try failed; on the loop."""
         with self._lock:
             if not self._done:
@@ -362,7 +362,7 @@ class FanstoreOperations(pyfuse3.Operations):
             return None
         fetching = _Fetching(trio.lowlevel.current_trio_token())
 
-        def done(stored: bytes | None, _error: Exception | None) -> None:  # in the transport's thread
+        def done(stored: bytes | memoryview | None, _error: Exception | None) -> None:  # in the transport's thread
             fetching.arrive(stored)  # on an error the usual path reads the file again, and reports what it meets
 
         if not self._source.start_read(int(self._chunk[entry]), int(self._offset[entry]),

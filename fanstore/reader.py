@@ -92,7 +92,7 @@ class Reader:
     def _where(self, entry: int, block: int) -> str:
         return self.index.path_of(entry) + (f" (block {block})" if block >= 0 else "")
 
-    def decode_fetched(self, entry: int, stored: bytes) -> bytes:
+    def decode_fetched(self, entry: int, stored: bytes | memoryview) -> bytes:
         """A file stored whole, from the stored blob its caller fetched itself (ChunkSource.start_read): verified,
         then decoded, exactly as `read` would."""
         _, size, _, offset, stored_len, checksum, _, _, chunk, _, codec, _ = self._entries[entry].item()

@@ -174,7 +174,7 @@ class LoopRequests:
         if magic == REPLY_MAGIC and code == OK and count == REPLY_HEADER.size + fetch.length:
             counters.fetched += 1
             counters.fetched_bytes += fetch.length
-            fetch.done(bytes(memoryview(buffer)[REPLY_HEADER.size:count]), None)
+            fetch.done(memoryview(buffer)[REPLY_HEADER.size:count], None)  # the buffer is the reader's now
             return
         counters.failed += 1
         reason = status_reason(fetch.peer, fetch.chunk, fetch.offset, magic, code, buffer, count)

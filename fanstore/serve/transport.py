@@ -60,7 +60,7 @@ class RequestRefused(FanstoreError):
 
 
 # Called once, from the MPI thread (or the caller's, when the transport has stopped), with the blob or the error.
-FetchDone = Callable[[Optional[bytes], Optional[ChunkError]], None]
+FetchDone = Callable[[Optional[bytes | memoryview], Optional[ChunkError]], None]
 
 
 class RequestServer(Protocol):
