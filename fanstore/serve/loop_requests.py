@@ -34,8 +34,9 @@ log = logging.getLogger("fanstore.serve")
 # The pump's longest wait while a request is out: a ring can be lost (UDP), and a large message may need more
 # progress than the first poll after its ring gives it. The loop's timers have a resolution of 1 ms.
 WAIT_WHILE_OUT = 1e-3
-# After a ring that completed nothing, the pump polls again at once for this long (yielding to the loop's other
-# tasks between polls), as the MPI thread does after work: the rest of a reply is often microseconds away.
+# After a ring or a reply, while requests are still out, the pump polls again at once for this long (yielding to
+# the loop's other tasks between polls), as the MPI thread does after work: the next reply, or the rest of a large
+# one, is often microseconds away.
 SPIN = 50e-6
 
 
