@@ -3,8 +3,9 @@
 Both ranks run a PeerTransport with doorbells, as `fanstore serve` does. Rank 1 serves blobs of made-up chunks:
 chunk 1 is `BLOB`, chunk 2 is refused, and a request for chunk 9 holds rank 1's MPI thread for STALL seconds (a
 stalled peer). Rank 0 asks from a trio loop through LoopRequests: a good blob, a refused one, more than the cap
-allows, the stalled one (past its deadline), one after the skip is over, left out when the loop ends. It prints one
-JSON line of what it saw; rank 1 prints what its transport counted.
+allows, the stalled one (past its deadline), one after the skip is over, left out when the loop ends; then, from a
+second loop, one that meets a bug in the pump. It prints one JSON line of what it saw; rank 1 prints what its
+transport counted.
 
     mpiexec -n 2 python serve_loop_requests.py
 """
@@ -75,6 +76,17 @@ async def rank_0(loop: LoopRequests, transport: PeerTransport) -> dict[str, obje
     return seen
 
 
+async def rank_0_meets_a_bug(loop: LoopRequests) -> dict[str, object]:
+    """A bug in the pump (here, completing replies raises) costs the requests out, never the loop: they fail as
+    unavailable (so they fall back), and from then on the MPI thread asks."""
+    def broken() -> bool:
+        raise RuntimeError("injected")
+
+    loop._complete = broken  # type: ignore[method-assign]
+    taken, reply = await ask(loop, 1)
+    return {"bug": (taken, reply, loop.start(1, 1, 0, len(BLOB), lambda blob, error: None))}
+
+
 def main() -> int:
     comm = MPI.COMM_WORLD.Dup()
     rank = comm.Get_rank()
@@ -89,6 +101,7 @@ def main() -> int:
         loop = LoopRequests(transport, bell)
         seen = trio.run(rank_0, loop, transport)
         time.sleep(STALL)  # the stalled peer answers meanwhile: its late replies reach the MPI thread
+        seen.update(trio.run(rank_0_meets_a_bug, loop))
         seen["refused from 1"] = transport.counters[1].refused
     else:
         seen = {}

@@ -349,7 +349,8 @@ def test_malformed_peer_requests_are_refused_without_harm(served_dataset, tmp_pa
 
 def test_the_mounts_loop_asks_peers_itself_within_the_same_rules(tmp_path):
     """A blob, a refusal, the per-peer cap, a stalled peer's deadline and skip, and a request still out when the
-    loop ends (handed to the MPI thread, its late reply dropped without a word): as through the MPI thread."""
+    loop ends (handed to the MPI thread, its late reply dropped without a word): as through the MPI thread. A bug in
+    the loop's part costs only the requests out."""
     script = Path(__file__).with_name("serve_loop_requests.py")
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
     done = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
@@ -363,8 +364,12 @@ def test_the_mounts_loop_asks_peers_itself_within_the_same_rules(tmp_path):
     assert taken and "did not answer within 0.5 s" in reply and 0.5 <= seconds < 2, seen[0]
     assert seen[0]["skipped after"] == [True, False], seen[0]
     assert seen[0]["left out at the end"] and seen[0]["refused from 1"] == 0, seen[0]
-    assert "unexpected message" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert "unexpected message" not in done.stderr, done.stderr
     assert done.stderr.count("no answer within 0.5 s") == 1, done.stderr
+    # A bug in the loop's pump fails what is out (it falls back), is logged once, and hands asking to the MPI thread.
+    taken, reply, taken_after = seen[0]["bug"]
+    assert taken and "asking peers from the mount's loop failed" in reply and not taken_after, seen[0]
+    assert done.stderr.count("RuntimeError: injected") == 1, done.stderr
 
 
 @pytest.mark.parametrize("option, value, needle", [

@@ -108,14 +108,15 @@ class LoopRequests:
     async def _pump(self) -> None:
         """Complete the loop's requests as their replies ring, until the loop ends. A failure here (a bug) must
         cost the requests out, which fall back, never the mount: the MPI thread asks from then on."""
+        reason = "the mount has ended"
         try:
             await self._complete_as_rung()
         except Exception:  # noqa: BLE001 - see above; trio's Cancelled, at the loop's end, is not an Exception
             self._failed = True
-            log.exception("rank %d: asking peers from the mount's loop failed; the MPI thread asks from now on",
-                          self._transport.rank)
+            reason = "asking peers from the mount's loop failed"
+            log.exception("rank %d: %s; the MPI thread asks from now on", self._transport.rank, reason)
         finally:
-            self._hand_over()
+            self._hand_over(reason)
 
     async def _complete_as_rung(self) -> None:
         fd = self._bell.reply_fileno()
@@ -213,11 +214,12 @@ class LoopRequests:
             self.counters[fetch.peer].failed += 1
             fetch.done(None, ChunkUnavailable(error, chunk_id=fetch.chunk))
 
-    def _hand_over(self) -> None:
-        """The loop has ended (the mount is down): what is still out goes to the MPI thread to complete."""
+    def _hand_over(self, reason: str) -> None:
+        """The pump has ended (the mount is down, or a bug): what is still out fails with `reason`, and its MPI
+        requests go to the MPI thread to complete."""
         pending = list(self._pending)
         requests = self._cancel(pending) + [send for send in self._sends if send]
         self._sends = []
         self._transport.adopt(requests, [(fetch.peer, fetch.tag) for fetch in pending])
-        self._fail(pending, "the mount has ended")
+        self._fail(pending, reason)
         self._token = None
