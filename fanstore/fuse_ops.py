@@ -362,7 +362,7 @@ class FanstoreOperations(pyfuse3.Operations):
             return None
         fetching = _Fetching(trio.lowlevel.current_trio_token())
 
-        def done(stored: bytes | memoryview | None, _error: Exception | None) -> None:  # in the transport's thread
+        def done(stored: bytes | memoryview | None, _error: Exception | None) -> None:  # a thread's, or the loop's
             fetching.arrive(stored)  # on an error the usual path reads the file again, and reports what it meets
 
         if not self._source.start_read(int(self._chunk[entry]), int(self._offset[entry]),
