@@ -26,8 +26,8 @@ import trio
 
 from ..errors import ChunkUnavailable
 from .doorbell import Doorbell
-from .transport import OK, REPLY_HEADER, REPLY_MAGIC, REQUEST, REQUEST_MAGIC, RING_REPLY_BELL, TAG_REQUEST, \
-    FetchDone, PeerTransport, status_reason
+from .transport import REPLY_HEADER, REQUEST, REQUEST_MAGIC, RING_REPLY_BELL, TAG_REQUEST, FetchDone, PeerTransport, \
+    blob_of_reply
 
 log = logging.getLogger("fanstore.serve")
 
@@ -170,17 +170,12 @@ class LoopRequests:
         return True
 
     def _finish(self, fetch: _LoopFetch, count: int) -> None:
-        counters = self.counters[fetch.peer]
-        buffer = fetch.buffer
-        magic, code = REPLY_HEADER.unpack_from(buffer) if count >= REPLY_HEADER.size else (b"", -1)
-        if magic == REPLY_MAGIC and code == OK and count == REPLY_HEADER.size + fetch.length:
-            counters.fetched += 1
-            counters.fetched_bytes += fetch.length
-            fetch.done(memoryview(buffer)[REPLY_HEADER.size:count], None)  # the buffer is the reader's now
-            return
-        counters.failed += 1
-        reason = status_reason(fetch.peer, fetch.chunk, fetch.offset, magic, code, buffer, count)
-        fetch.done(None, ChunkUnavailable(reason, chunk_id=fetch.chunk))
+        blob, reason = blob_of_reply(fetch.peer, fetch.chunk, fetch.offset, fetch.length, fetch.buffer, count,
+                                     self.counters[fetch.peer])
+        if blob is not None:
+            fetch.done(blob, None)  # a view of the receive buffer, which is the reader's now
+        else:
+            fetch.done(None, ChunkUnavailable(reason, chunk_id=fetch.chunk))
 
     def _give_up_on(self, peer: int) -> None:
         """A request to `peer` is past its deadline: cancel every one of the loop's to it, and tell the MPI thread,

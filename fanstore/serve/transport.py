@@ -46,20 +46,13 @@ _STATUS_NAMES = {REFUSED: "refused", UNAVAILABLE: "could not read", CORRUPT: "fo
 _SEND_GRACE = 4.0
 
 
-def status_reason(peer: int, chunk: int, offset: int, magic: bytes, code: int, buffer: bytearray, count: int) -> str:
-    """What a reply that is not a blob says, for the reader's log."""
-    if magic == REPLY_MAGIC and code in _STATUS_NAMES:
-        reason = bytes(buffer[REPLY_HEADER.size:count]).decode("utf-8", "replace")
-        return f"rank {peer} {_STATUS_NAMES[code]} chunk {chunk} at {offset}: {reason}"
-    return f"rank {peer} sent a malformed reply ({count} bytes) for chunk {chunk}"
-
-
 class RequestRefused(FanstoreError):
     """A peer's request names bytes this rank does not serve (a chunk it does not hold, a range that is not one of
     its blobs): refused and logged, never read."""
 
 
-# Called once, from the MPI thread (or the caller's, when the transport has stopped), with the blob or the error.
+# Called once with the blob or the error: from the MPI thread, from the event loop that asked (loop_requests.py),
+# or from the caller's when the transport has stopped.
 FetchDone = Callable[[Optional[bytes | memoryview], Optional[ChunkError]], None]
 
 
@@ -85,6 +78,22 @@ class PeerCounters:
     served_bytes: int = 0
     failed: int = 0  # requests of ours that timed out, were refused or found the peer skipped
     refused: int = 0  # malformed requests from the peer
+
+
+def blob_of_reply(peer: int, chunk: int, offset: int, length: int, buffer: bytearray, count: int,
+                  counters: PeerCounters) -> tuple[memoryview | None, str]:
+    """The blob a reply of `count` bytes in `buffer` carries (a view of it), counted as fetched; else None and what
+    the reply says instead, for the reader's log, counted as failed."""
+    magic, code = REPLY_HEADER.unpack_from(buffer) if count >= REPLY_HEADER.size else (b"", -1)
+    if magic == REPLY_MAGIC and code == OK and count == REPLY_HEADER.size + length:
+        counters.fetched += 1
+        counters.fetched_bytes += length
+        return memoryview(buffer)[REPLY_HEADER.size:count], ""
+    counters.failed += 1
+    if magic == REPLY_MAGIC and code in _STATUS_NAMES:
+        reason = bytes(buffer[REPLY_HEADER.size:count]).decode("utf-8", "replace")
+        return None, f"rank {peer} {_STATUS_NAMES[code]} chunk {chunk} at {offset}: {reason}"
+    return None, f"rank {peer} sent a malformed reply ({count} bytes) for chunk {chunk}"
 
 
 @dataclass(eq=False)
@@ -378,18 +387,12 @@ class PeerTransport:
             return
         peer.in_flight.remove(request)
         self._outstanding -= 1
-        counters = self.counters[request.peer]
-        count = status.Get_count(self._mpi.BYTE)
-        buffer = request.buffer
-        magic, code = REPLY_HEADER.unpack_from(buffer) if count >= REPLY_HEADER.size else (b"", -1)
-        if magic == REPLY_MAGIC and code == OK and count == REPLY_HEADER.size + request.length:
-            counters.fetched += 1
-            counters.fetched_bytes += request.length
-            request.finish(result=bytes(memoryview(buffer)[REPLY_HEADER.size:count]))
-            return
-        counters.failed += 1
-        message = status_reason(request.peer, request.chunk, request.offset, magic, code, buffer, count)
-        request.finish(error=ChunkUnavailable(message, chunk_id=request.chunk))
+        blob, reason = blob_of_reply(request.peer, request.chunk, request.offset, request.length, request.buffer,
+                                     status.Get_count(self._mpi.BYTE), self.counters[request.peer])
+        if blob is not None:
+            request.finish(result=bytes(blob))  # `read` gives bytes; the buffer goes back with the request
+        else:
+            request.finish(error=ChunkUnavailable(reason, chunk_id=request.chunk))
 
     def _enforce_deadlines(self) -> None:
         """Runs every turn of the loop, so it looks at one request per peer: requests are queued, and sent, in the
