@@ -428,7 +428,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         dest=Path(args.dest), mountpoint=args.mountpoint, local_dir=args.local_dir, command=tuple(args.job_command),
         stats=args.stats, ready_file=args.ready_file,
         peer=PeerOptions(timeout=args.peer_timeout, retry_after=args.peer_retry, max_in_flight=args.max_in_flight),
-        mount=mount, progress=not args.quiet, doorbell=not args.no_doorbell)
+        mount=mount, progress=not args.quiet, doorbell=not args.no_doorbell, loop_requests=not args.mpi_thread_only)
     return run(options)
 
 
@@ -544,6 +544,10 @@ def _add_serve_parser(commands: Any) -> None:
                               help="peers do not ring each other awake with a UDP datagram (for networks that drop "
                                    "UDP between nodes; fanstore turns them off itself when a start-up check fails): "
                                    "each rank then polls MPI alone, lingering after work")
+    serve_parser.add_argument("--mpi-thread-only", action="store_true",
+                              help="only the MPI thread calls MPI (initialised at MPI_THREAD_SERIALIZED): the mount "
+                                   "hands it every request to a peer instead of asking itself (for an MPI whose "
+                                   "MPI_THREAD_MULTIPLE is slow or broken)")
     serve_parser.add_argument("--prefetch-list", metavar="FILE",
                               help="the epoch's reading order, one path a line: files are fetched and decoded ahead "
                                    "({rank} is replaced by the rank: each its own order)")

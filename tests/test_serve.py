@@ -231,9 +231,12 @@ def test_command_status_is_the_worst_of_every_rank(served_dataset, tmp_path, job
     _assert_nothing_left(job)
 
 
-def test_a_stopped_peer_costs_a_deadline_not_a_read(served_dataset, tmp_path, jobs):
+@pytest.mark.parametrize("asker", ["the mount's loop", "the MPI thread"])
+def test_a_stopped_peer_costs_a_deadline_not_a_read(served_dataset, tmp_path, jobs, asker):
+    """Whichever thread asks the peers (the mount's loop where MPI gives THREAD_MULTIPLE, else the MPI thread)."""
     src, dest = served_dataset
-    job = Job(tmp_path, dest, "--peer-timeout", "1", "--stats")
+    only = ("--mpi-thread-only",) if asker == "the MPI thread" else ()
+    job = Job(tmp_path, dest, "--peer-timeout", "1", "--stats", *only)
     jobs.append(job)
     pids = job.wait_ready()
     os.kill(pids[2], signal.SIGSTOP)
@@ -263,6 +266,8 @@ def test_a_stopped_peer_costs_a_deadline_not_a_read(served_dataset, tmp_path, jo
     code, out, err = job.finish()
     assert code == 0, out + err
     assert "no answer within 1 s" in err, err
+    loop_lines = re.findall(r"^rank \d .*; doorbell on \(.*\); the mount's loop asks peers$", out, re.M)
+    assert len(loop_lines) == (0 if only else RANKS), out
     _assert_nothing_left(job)
 
 

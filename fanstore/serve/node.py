@@ -69,16 +69,18 @@ class ServeOptions:
     mount: MountOptions = field(default_factory=MountOptions)
     progress: bool = True
     doorbell: bool = True  # peers ring each other awake over UDP (doorbell.py); else they poll alone
+    loop_requests: bool = True  # the mount's loop asks peers itself where MPI allows (loop_requests.py)
 
 
-def start_mpi() -> Any:
-    """The MPI module, initialised at the thread level this design needs; ServeError when it cannot be had."""
+def start_mpi(multiple: bool = True) -> Any:
+    """The MPI module, initialised at the thread level this design needs (asking for MPI_THREAD_MULTIPLE, which the
+    mount's own peer requests use, unless not `multiple`); ServeError when it cannot be had."""
     try:
         import mpi4py
     except ImportError:
         raise UsageError("fanstore serve needs mpi4py: pip install 'fanstore[mpi]' (on a cluster, build it against "
                          "the site's MPI; see README, Run on a cluster)") from None
-    mpi4py.rc.thread_level = "multiple"  # the mount's loop asks peers itself with it; serialized is enough
+    mpi4py.rc.thread_level = "multiple" if multiple else "serialized"
     mpi4py.rc.finalize = False  # finalised here, and only once every rank agreed to end (see run)
     from mpi4py import MPI
 
@@ -244,7 +246,7 @@ def _wait(future: Any, stop: threading.Event) -> bool:
 def run(options: ServeOptions) -> int:
     """Serve on this rank until the job ends; the exit status is the worst of every rank's COMMAND."""
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack: what a stuck rank waits on
-    mpi = start_mpi()
+    mpi = start_mpi(options.loop_requests)
     comm = mpi.COMM_WORLD.Dup()
     rank, size = comm.Get_rank(), comm.Get_size()
     host = socket.gethostname()
@@ -287,7 +289,8 @@ def run(options: ServeOptions) -> int:
     transport = PeerTransport(comm, RequestChecker(rank, placement, BlobTable.of(index), local, len(sizes),
                                                    unverified), options.peer, bell)
     transport.start()
-    loop = LoopRequests(transport, bell) if bell is not None and mpi.Query_thread() == mpi.THREAD_MULTIPLE else None
+    loop = LoopRequests(transport, bell) if options.loop_requests and bell is not None \
+        and mpi.Query_thread() == mpi.THREAD_MULTIPLE else None
     source = PlacedChunkSource(rank, placement, local, PeerChunkSource(transport, placement, loop),
                                LocalChunkSource(options.dest, sizes), direct=unverified)
     endpoint = NodeEndpoint(local_dir, {"dest": str(Path(options.dest).absolute()), "local_dir": str(local_dir),
