@@ -539,7 +539,8 @@ def _add_serve_parser(commands: Any) -> None:
     serve_parser.add_argument("--peer-retry", type=float, default=30.0, metavar="SECONDS",
                               help="how long a peer that missed a deadline is skipped (default 30)")
     serve_parser.add_argument("--max-in-flight", type=int, default=8, metavar="K",
-                              help="requests outstanding to one peer at a time (default 8)")
+                              help="requests outstanding to one peer at a time, from the MPI thread and from the "
+                                   "mount's loop each (default 8)")
     serve_parser.add_argument("--no-doorbell", action="store_true",
                               help="peers do not ring each other awake with a UDP datagram (for networks that drop "
                                    "UDP between nodes; fanstore turns them off itself when a start-up check fails): "
