@@ -391,22 +391,21 @@ class FanstoreOperations(pyfuse3.Operations):
         are started in batches, once the next one or half of them are not on their way, so one wake of the MPI
         thread, one of the peer and one reply's carry several files. The other keys are returned, for the
         prefetcher's threads."""
-        slow = [key for key in keys if type(key) is int and self._may_block[key]]
-        if not slow:
-            return keys
-        left = [key for key in keys if type(key) is not int or not self._may_block[key]]
-        missing = [key for key in slow if self._needs_fetch(key)]  # type: ignore[arg-type]
+        slow: list[int] = []
+        left: list[int | tuple[int, int]] = []
+        for key in keys:
+            if type(key) is int and self._may_block[key]:
+                slow.append(key)
+            else:
+                left.append(key)
+        missing = [key for key in slow if self._needs_fetch(key)]
         if missing and (missing[0] == slow[0] or 2 * len(missing) >= len(slow)):
             for key in missing:
-                if self._fetch_early(key):  # type: ignore[arg-type]
+                if self._fetch_early(key):
                     self._fetched_ahead += 1
                 else:  # no fetch of its own (a chunk read from DEST): the prefetcher's
                     left.append(key)
         return left
-        if not self._fetch_early(key):
-            return False
-        self._fetched_ahead += 1
-        return True
 
     async def _fetched(self, entry: int, fetching: _Fetching) -> bytes | None:
         """The file, decoded from the blob `fetching` brings; None when that try failed: the caller then reads the
