@@ -104,6 +104,8 @@ class DeliveredLater(LocalChunkSource):
         return super().read(chunk_id, offset, length)
 
     def start_read(self, chunk_id, offset, length, done):
+        if self.first_try == "no fetch of its own":  # as a chunk staged with a fault: read from DEST, by `read`
+            return False
         self.started.append(chunk_id)
         if self.first_try == "unavailable at once":  # as the transport answers once its MPI thread has stopped
             done(None, ChunkUnavailable("the MPI thread has stopped", chunk_id=chunk_id))
@@ -270,6 +272,25 @@ def test_prefetch_fetches_slow_files_ahead_on_the_loop_and_their_reads_take_thos
     assert stats["fetches_held"] == 0 and stats["decoded"] == 0  # every one read; no prefetch thread used
     failed = [] if first_try == "ok" else [int(dataset.index.entries["chunk"][e]) for e in entries]
     assert sorted(source.read_by_thread) == sorted(failed)
+
+
+def test_slow_files_the_source_cannot_fetch_ahead_go_to_the_prefetch_threads(dataset):
+    """A file whose blob has no fetch of its own (under serve, a chunk staged with a fault, read from DEST) is
+    still decoded ahead, by the prefetcher's threads, and read whole and right."""
+    order = train_files(dataset)[:8]
+    operations, source = slow_operations(dataset, "no fetch of its own", prefetch_list=order, depth=4)
+    entries = [dataset.index.lookup(path) for path in order]
+
+    async def epoch() -> list[bytes]:
+        return [await open_read_release(operations, entry) for entry in entries]
+
+    try:
+        assert trio.run(epoch) == [dataset.read(path) for path in order]
+        stats = operations.stats()["prefetch"]
+    finally:
+        operations.prefetcher.close()
+    assert source.started == [] and stats["fetched_ahead"] == 0 and stats["fetches_held"] == 0
+    assert stats["decoded"] > 0  # the threads took them
 
 
 def test_files_from_other_nodes_are_fetched_ahead_in_batches(dataset):
