@@ -80,6 +80,8 @@ class LoopRequests:
     def start(self, peer: int, chunk: int, offset: int, length: int, done: FetchDone) -> bool:
         """Ask `peer` for a blob; `done` is called on this loop by the request's deadline. False when this cannot
         be asked from here (not on a trio loop, the peer skipped or at its cap): the caller asks the MPI thread."""
+        if self._failed:
+            return False
         try:
             token = trio.lowlevel.current_trio_token()
         except RuntimeError:
@@ -87,7 +89,7 @@ class LoopRequests:
         if token is not self._token:  # the first request of this loop (a mount): the pump starts with it
             self._token = token
             trio.lowlevel.spawn_system_task(self._pump, name="fanstore-peer-replies")
-        if self._failed or self._in_flight[peer] >= self._options.max_in_flight or self._transport.skipped(peer):
+        if self._in_flight[peer] >= self._options.max_in_flight or self._transport.skipped(peer):
             return False
         tag = self._next_tag
         self._next_tag = tag + 1 if tag < self._last_tag else self._first_tag
@@ -182,7 +184,7 @@ class LoopRequests:
         which skips the peer for a while."""
         mine = [fetch for fetch in self._pending if fetch.peer == peer]
         requests = self._cancel(mine)
-        self._transport.missed_deadline(peer, [fetch.tag for fetch in mine], requests)
+        self._transport.missed_deadline(peer, [(peer, fetch.tag) for fetch in mine], requests)
         error = f"rank {peer} did not answer within {self._options.timeout:g} s"
         self._fail(mine, error)
 

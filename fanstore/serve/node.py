@@ -297,7 +297,6 @@ def run(options: ServeOptions) -> int:
                                         "rank": rank, "size": size, "direct": sorted(unverified)},
                             source, BlobTable.of(index), len(sizes))
     lifecycle = Lifecycle(transport, options, mountpoint, ready_file, endpoint.path)
-    rank_facts = {"loop_requests": loop is not None}
     try:
         with Dataset(index, source) as dataset:
             status = serve_dataset(dataset, mountpoint, mount_options, while_mounted=lifecycle)
@@ -307,7 +306,7 @@ def run(options: ServeOptions) -> int:
     endpoint.close()
     if lifecycle.agreed:
         if options.stats:
-            _report_stats(transport, source, report, endpoint.stats(), rank_facts)
+            _report_stats(transport, source, report, endpoint.stats(), loop is not None)
         transport.collective(lambda comm: (comm.Ibarrier(), lambda: None)).result()
     transport.stop()
     if bell is not None:
@@ -340,20 +339,20 @@ def _progress_bar(rank: int, enabled: bool) -> Any:
 
 
 def rank_stats(transport: PeerTransport, source: PlacedChunkSource, report: StagingReport,
-               readers: dict[str, int] | None = None, facts: dict[str, Any] | None = None) -> dict[str, Any]:
+               readers: dict[str, int] | None = None, loop_requests: bool = False) -> dict[str, Any]:
     return {"rank": transport.rank, "host": transport.host, "reads": source.stats(), "staging": asdict(report),
             "node_readers": readers or {},
             "doorbell": "{}:{}".format(*transport.bell.address) if transport.bell is not None else None,
-            **(facts or {})}
+            "loop_requests": loop_requests}
 
 
 def _report_stats(transport: PeerTransport, source: PlacedChunkSource, report: StagingReport,
-                  readers: dict[str, int], facts: dict[str, Any]) -> None:
+                  readers: dict[str, int], loop_requests: bool) -> None:
     """Each rank's counters on its own lines; rank 0 adds the job's totals (counters sent to it over MPI)."""
     from mpi4py import MPI
 
     rank, size = transport.rank, transport.size
-    mine = rank_stats(transport, source, report, readers, facts)
+    mine = rank_stats(transport, source, report, readers, loop_requests)
     _say(_format_rank(mine))
     encoded = np.frombuffer(json.dumps(mine).encode(), dtype=np.uint8)
     lengths = np.zeros(size, dtype=np.int64)

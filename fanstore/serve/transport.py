@@ -119,9 +119,8 @@ class _GaveUp:
     """Handed from the event loop to the MPI thread: requests it cancelled, replies it no longer waits for."""
 
     peer: int  # skipped for `retry_after`, unless -1
-    tags: list[int]  # replies from `peer` to drop
+    replies: list[tuple[int, int]]  # (peer, tag) of replies to drop
     requests: list[Any]  # cancelled MPI requests, polled until complete
-    peer_tags: list[tuple[int, int]] = field(default_factory=list)  # (peer, tag) replies to drop
 
 
 @dataclass
@@ -283,9 +282,7 @@ class PeerTransport:
     def _take_gave_up(self, gave_up: _GaveUp) -> None:
         now = time.monotonic()
         forget_at = now + 10 * self.options.retry_after
-        for tag in gave_up.tags:
-            self._abandoned[(gave_up.peer, tag)] = forget_at
-        for key in gave_up.peer_tags:
+        for key in gave_up.replies:
             self._abandoned[key] = forget_at
         for request in gave_up.requests:
             if request:
@@ -368,17 +365,17 @@ class PeerTransport:
         """`peer` missed a deadline lately, so its files are read elsewhere for now."""
         return self._peers[peer].skip_until > time.monotonic()
 
-    def missed_deadline(self, peer: int, abandoned_tags: list[int], requests: list[Any]) -> None:
+    def missed_deadline(self, peer: int, replies: list[tuple[int, int]], requests: list[Any]) -> None:
         """The event loop gave up on requests to `peer`: the MPI thread skips the peer as for its own (logged
         once), drops the replies if they come, and completes the loop's cancelled MPI requests."""
         self._peers[peer].skip_until = time.monotonic() + self.options.retry_after  # at once, for the loop's next
-        self._submitted.append(_GaveUp(peer, abandoned_tags, requests))
+        self._submitted.append(_GaveUp(peer, replies, requests))
         self._backoff.wake()
 
-    def adopt(self, requests: list[Any], peer_tags: list[tuple[int, int]]) -> None:
+    def adopt(self, requests: list[Any], replies: list[tuple[int, int]]) -> None:
         """The event loop has ended with these MPI requests (cancelled) still to complete, and these replies still
         to come: the MPI thread completes the one and drops the other."""
-        self._submitted.append(_GaveUp(-1, [], requests, peer_tags))
+        self._submitted.append(_GaveUp(-1, replies, requests))
         self._backoff.wake()
 
     def _fetched(self, request: _Fetch, status: Any) -> None:
