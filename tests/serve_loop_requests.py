@@ -1,10 +1,11 @@
 """Run by tests/test_serve.py under `mpiexec -n 2`: rank 0's event loop asks rank 1 for blobs itself.
 
 Both ranks run a PeerTransport with doorbells, as `fanstore serve` does. Rank 1 serves blobs of made-up chunks:
-chunk 1 is `BLOB`, chunk 2 is refused, and a request for chunk 9 holds rank 1's MPI thread for STALL seconds (a
-stalled peer). Rank 0 asks from a trio loop through LoopRequests: a good blob, a refused one, more than the cap
-allows, the stalled one (past its deadline), one after the skip is over, left out when the loop ends; then, from a
-second loop, one that meets a bug in the pump. It prints one JSON line of what it saw; rank 1 prints what its
+chunk 1 is `BLOB`, chunk 4 too but the ring of its reply is lost (a UDP datagram can be), chunk 2 is refused, and a
+request for chunk 9 holds rank 1's MPI thread for STALL seconds (a stalled peer). Rank 0 asks from a trio loop
+through LoopRequests: a good blob, one whose ring is lost, a refused one, more than the cap allows, the stalled one
+(past its deadline), one after the skip is over, left out when the loop ends; then, from a second loop, one that
+meets a bug in the pump. It prints one JSON line of what it saw; rank 1 prints what its
 transport counted.
 
     mpiexec -n 2 python serve_loop_requests.py
@@ -33,11 +34,16 @@ TIMEOUT = 0.5
 RETRY_AFTER = 1.0
 STALL = 3.0
 CAP = 3
+LOST_RING = 4
+rings_to_lose: list[int] = []  # rank 1: the replies whose ring to the asker's reply bell is not sent
 
 
 def serve(peer: int, chunk: int, offset: int, length: int) -> bytes:
     if chunk == 9:
         time.sleep(STALL)
+    if chunk == LOST_RING:
+        rings_to_lose.append(peer)
+        chunk = 1
     if chunk != 1 or offset != 0 or length != len(BLOB):
         raise RequestRefused(f"chunk {chunk} at {offset} is not a blob of this rank")
     return BLOB
@@ -62,6 +68,9 @@ async def rank_0(loop: LoopRequests, transport: PeerTransport) -> dict[str, obje
     taken, blob = await ask(loop, 1)
     seen["good"] = taken and blob == BLOB
     seen["via the loop"] = (transport.loop_counters[1].fetched, transport.counters[1].fetched)
+    started = time.monotonic()
+    taken, blob = await ask(loop, LOST_RING)  # found by the pump's timer, well before the deadline
+    seen["ring lost"] = (taken and blob == BLOB, time.monotonic() - started < TIMEOUT / 2)
     taken, reply = await ask(loop, 2)
     seen["refused"] = taken and isinstance(reply, str) and "refused" in reply
     seen["cap"] = [loop.start(1, 1, 0, len(BLOB), lambda blob, error: None) for _ in range(CAP + 1)]
@@ -94,6 +103,16 @@ def main() -> int:
     if bell is None or MPI.Query_thread() != MPI.THREAD_MULTIPLE:
         print(json.dumps({"rank": rank, "error": "no doorbell or no MPI_THREAD_MULTIPLE"}))
         return 1
+    if rank == 1:
+        ring_reply = bell.ring_reply
+
+        def ring_reply_unless_lost(peer: int) -> None:
+            if rings_to_lose:
+                rings_to_lose.pop()
+            else:
+                ring_reply(peer)
+
+        bell.ring_reply = ring_reply_unless_lost  # type: ignore[method-assign]
     transport = PeerTransport(comm, serve, PeerOptions(timeout=TIMEOUT, retry_after=RETRY_AFTER,
                                                        max_in_flight=CAP), bell)
     transport.start()

@@ -353,8 +353,8 @@ def test_malformed_peer_requests_are_refused_without_harm(served_dataset, tmp_pa
 
 
 def test_the_mounts_loop_asks_peers_itself_within_the_same_rules(tmp_path):
-    """A blob, a refusal, the per-peer cap, a stalled peer's deadline and skip, and a request still out when the
-    loop ends (handed to the MPI thread, its late reply dropped without a word): as through the MPI thread. A bug in
+    """A blob, one whose reply's ring is lost, a refusal, the per-peer cap, a stalled peer's deadline and skip, and
+    a request still out when the loop ends (handed to the MPI thread, its late reply dropped without a word): as through the MPI thread. A bug in
     the loop's part costs only the requests out."""
     script = Path(__file__).with_name("serve_loop_requests.py")
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
@@ -363,6 +363,7 @@ def test_the_mounts_loop_asks_peers_itself_within_the_same_rules(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     seen = {line["rank"]: line for line in map(json.loads, done.stdout.splitlines())}
     assert seen[0]["good"] and seen[0]["via the loop"] == [1, 0], seen[0]
+    assert seen[0]["ring lost"] == [True, True], seen[0]  # the reply is found without its ring, in time
     assert seen[0]["refused"], seen[0]
     assert seen[0]["cap"] == [True, True, True, False], seen[0]  # past the cap the caller asks the MPI thread
     taken, reply, seconds = seen[0]["stalled"]

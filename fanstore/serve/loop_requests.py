@@ -18,6 +18,7 @@ was given up are dropped by the MPI thread, which also completes the cancelled r
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,10 @@ log = logging.getLogger("fanstore.serve")
 # The pump's longest wait while a request is out: a ring can be lost (UDP), and a large message may need more
 # progress than the first poll after its ring gives it. The loop's timers have a resolution of 1 ms.
 WAIT_WHILE_OUT = 1e-3
+# That timer is one cancel scope whose deadline moves, not a scope per wait: entering and closing a scope, and above
+# all cancelling one (trio formats the task's repr for the reason, then throws Cancelled into the pump), cost more
+# of the loop's time than the rest of a request. While replies keep coming the deadline is pushed back once it is
+# nearer than half of WAIT_WHILE_OUT, so it never fires and is moved at most every half of it.
 # After a ring or a reply, while requests are still out, the pump polls again at once for this long (yielding to
 # the loop's other tasks between polls), as the MPI thread does after work: the next reply, or the rest of a large
 # one, is often microseconds away.
@@ -74,7 +79,7 @@ class LoopRequests:
         self._in_flight = [0] * transport.size
         self.counters = transport.loop_counters
         self._token: Any = None  # the trio run the pump serves
-        self._idle: trio.CancelScope | None = None  # the pump's wait while nothing is out
+        self._timer: trio.CancelScope | None = None  # the pump's timer: no deadline while nothing is out
         self._failed = False  # the pump met a bug: from then on the MPI thread asks
 
     def start(self, peer: int, chunk: int, offset: int, length: int, done: FetchDone) -> bool:
@@ -103,8 +108,8 @@ class LoopRequests:
         self._receives.append(receive)
         self._sends.append(send)
         self._in_flight[peer] += 1
-        if self._idle is not None:  # the pump waits with no timer: it needs one now
-            self._idle.cancel()
+        if self._timer is not None and self._timer.deadline == math.inf:  # the pump waits with no timer
+            self._arm(self._timer)
         return True
 
     async def _pump(self) -> None:
@@ -124,27 +129,43 @@ class LoopRequests:
         fd = self._bell.reply_fileno()
         spin_until = 0.0
         while True:
-            rung = False
-            if not (self._pending or self._sends):
-                with trio.CancelScope() as self._idle:
-                    await trio.lowlevel.wait_readable(fd)
-                    rung = True
-                self._idle = None
-            elif time.monotonic() < spin_until:
-                await trio.lowlevel.checkpoint()
-            else:
-                wait = WAIT_WHILE_OUT
-                if self._pending:
-                    wait = min(wait, max(0.0, self._pending[0].deadline - time.monotonic()))
-                with trio.move_on_after(wait):
-                    await trio.lowlevel.wait_readable(fd)
-                    rung = True
-            if rung:
-                self._bell.take_replies()
-            if (self._complete() or rung) and self._pending:
-                spin_until = time.monotonic() + SPIN
-            if self._pending and self._pending[0].deadline < time.monotonic():
-                self._give_up_on(self._pending[0].peer)
+            with trio.CancelScope() as self._timer:
+                self._arm(self._timer)
+                while True:
+                    rung = False
+                    if self._pending and time.monotonic() < spin_until:
+                        await trio.lowlevel.checkpoint()
+                    else:
+                        await trio.lowlevel.wait_readable(fd)
+                        rung = True
+                    if rung:
+                        self._bell.take_replies()
+                    if (self._complete() or rung) and self._pending:
+                        spin_until = time.monotonic() + SPIN
+                    self._check_deadline()
+                    self._arm(self._timer)
+            self._timer = None  # it fired: poll, as after a ring
+            self._complete()
+            self._check_deadline()
+
+    def _arm(self, timer: trio.CancelScope) -> None:
+        """The pump's timer: none while nothing is out (an idle loop is not woken); else at most WAIT_WHILE_OUT
+        ahead, and no later than the oldest request's deadline, moved only when it must be (see WAIT_WHILE_OUT)."""
+        if not (self._pending or self._sends):
+            if timer.deadline != math.inf:
+                timer.deadline = math.inf
+            return
+        wait = WAIT_WHILE_OUT
+        if self._pending:
+            wait = min(wait, max(0.0, self._pending[0].deadline - time.monotonic()))
+        now = trio.current_time()
+        remaining = timer.deadline - now
+        if remaining > wait or remaining < WAIT_WHILE_OUT / 2:
+            timer.deadline = now + wait
+
+    def _check_deadline(self) -> None:
+        if self._pending and self._pending[0].deadline < time.monotonic():
+            self._give_up_on(self._pending[0].peer)
 
     def _complete(self) -> bool:
         """Complete what has come; True if anything had."""
