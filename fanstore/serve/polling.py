@@ -31,7 +31,7 @@ SPIN = 50e-6
 # after work can be long: a timed wake is then only for MPI's own progress (the rest of a large message) and for
 # deadlines. Measured with 3 ranks reading 128 KiB files from each other on 2 CPUs (rank and reader on one, peers on
 # the other): a remote read's round trip 458 -> 246 us, a peer's CPU per file served 0.31-0.37 -> 0.13-0.14 ms.
-RUNG_SHORTEST_SLEEP = 500e-6
+RUNG_SHORTEST_SLEEP = 500e-6  # a bell's wait rounds any sleep below 1 ms up to it (Doorbell.wait)
 # An idle rung rank needs no timed wake to answer (a request rings it), only to complete a collective now and then
 # and to meet a peer whose ring was lost, so it backs off further: idle CPU per rank 0.8-1.2% of a core, against
 # 1.8-2.8% when it backed off to LONGEST_SLEEP (bench_serve, 3 ranks).
