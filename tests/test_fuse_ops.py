@@ -250,6 +250,21 @@ def train_files(dataset) -> list[str]:
     return sorted(path for path in dataset.files() if path.startswith("train/"))
 
 
+def read_in_order(operations: FanstoreOperations, dataset, order: list[str]) -> dict:
+    """Open, read whole and release each file of `order` through `operations`, checked against the API's bytes;
+    the prefetch counters after, the prefetcher closed."""
+    entries = [dataset.index.lookup(path) for path in order]
+
+    async def epoch() -> list[bytes]:
+        return [await open_read_release(operations, entry) for entry in entries]
+
+    try:
+        assert trio.run(epoch) == [dataset.read(path) for path in order]
+        return operations.stats()["prefetch"]
+    finally:
+        operations.prefetcher.close()
+
+
 @pytest.mark.parametrize("first_try", ["ok", "unavailable"])
 def test_prefetch_fetches_slow_files_ahead_on_the_loop_and_their_reads_take_those_fetches(dataset, first_try):
     """Files from another node are fetched ahead by the loop, still stored, not by prefetch threads that would
@@ -258,15 +273,7 @@ def test_prefetch_fetches_slow_files_ahead_on_the_loop_and_their_reads_take_thos
     order = train_files(dataset)[:12]
     operations, source = slow_operations(dataset, first_try, prefetch_list=order, depth=4)
     entries = [dataset.index.lookup(path) for path in order]
-
-    async def epoch() -> list[bytes]:
-        return [await open_read_release(operations, entry) for entry in entries]
-
-    try:
-        assert trio.run(epoch) == [dataset.read(path) for path in order]
-        stats = operations.stats()["prefetch"]
-    finally:
-        operations.prefetcher.close()
+    stats = read_in_order(operations, dataset, order)
     assert sorted(source.started) == sorted(int(dataset.index.entries["chunk"][e]) for e in entries)
     assert stats["fetched_ahead"] == len(order) - 1  # the first file's fetch began at its open
     assert stats["fetches_held"] == 0 and stats["decoded"] == 0  # every one read; no prefetch thread used
@@ -279,16 +286,7 @@ def test_slow_files_the_source_cannot_fetch_ahead_go_to_the_prefetch_threads(dat
     still decoded ahead, by the prefetcher's threads, and read whole and right."""
     order = train_files(dataset)[:8]
     operations, source = slow_operations(dataset, "no fetch of its own", prefetch_list=order, depth=4)
-    entries = [dataset.index.lookup(path) for path in order]
-
-    async def epoch() -> list[bytes]:
-        return [await open_read_release(operations, entry) for entry in entries]
-
-    try:
-        assert trio.run(epoch) == [dataset.read(path) for path in order]
-        stats = operations.stats()["prefetch"]
-    finally:
-        operations.prefetcher.close()
+    stats = read_in_order(operations, dataset, order)
     assert source.started == [] and stats["fetched_ahead"] == 0 and stats["fetches_held"] == 0
     assert stats["decoded"] > 0  # the threads took them
 
