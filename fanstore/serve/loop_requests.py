@@ -39,6 +39,7 @@ WAIT_WHILE_OUT = 1e-3
 # all cancelling one (trio formats the task's repr for the reason, then throws Cancelled into the pump), cost more
 # of the loop's time than the rest of a request. While replies keep coming the deadline is pushed back once it is
 # nearer than half of WAIT_WHILE_OUT, so it never fires and is moved at most every half of it.
+
 # After a ring or a reply, while requests are still out, the pump polls again at once for this long (yielding to
 # the loop's other tasks between polls), as the MPI thread does after work: the next reply, or the rest of a large
 # one, is often microseconds away.
