@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from client_files import make_client_tree
 from conftest import REPO, assert_one_line_error, run_cli, tree_digest, wait_until
 from fanstore import PackOptions, pack
 from fanstore.mount import fuse_mounted_at, fuse_unavailable_reason, unmount
@@ -220,6 +221,26 @@ def test_every_rank_sees_every_file_and_replicated_files_are_local(served_datase
     assert len(re.findall(r"^rank \d .*; doorbell off$", out, re.M)) == RANKS, out
     assert "bytes read from DEST: 0 B staging (0 B)" in out, out
     _assert_nothing_left(rerun)
+
+
+@pytest.mark.parametrize("stored", ["whole", "blocks"])
+def test_clients_that_seek_read_files_from_peers_as_the_original(tmp_path, jobs, stored):
+    """sqlite, zip, tar, a mapped array and HDF5 (tests/client_files.py) on every rank, whose files, or blocks of
+    them, live on the other ranks: reads start anywhere, in parts, and out of order."""
+    src = tmp_path / "src"
+    make_client_tree(src)
+    dest = tmp_path / "dest"
+    blocks_above = 64 * 1024 if stored == "blocks" else 1 << 30
+    pack(src, dest, PackOptions(codec="zstd:3", chunk_size=256 * 1024, workers=1, block_size=64 * 1024,
+                                blocks_above=blocks_above))
+    script = Path(__file__).with_name("serve_clients_check.py")
+    job = Job(tmp_path, dest, command=[sys.executable, str(script), str(src)])
+    jobs.append(job)
+    code, out, err = job.finish()
+    assert code == 0, out + err
+    assert len(re.findall(r"^rank \d: ok, \d+ blobs from peers$", out, re.M)) == RANKS, out + err
+    assert "Traceback" not in err, err
+    _assert_nothing_left(job)
 
 
 def test_command_status_is_the_worst_of_every_rank(served_dataset, tmp_path, jobs):
