@@ -30,6 +30,7 @@ from fanstore.format import (ENTRY_DTYPE, INDEX_HEADER, INDEX_HEADER_LEN, INDEX_
                              chunk_file_name)
 from fanstore.index import _parse_index
 from fanstore.info import describe_dataset
+from fanstore.serve.placement import NO_OWNER, BlobTable, place
 from fanstore.verify import verify_dataset
 
 TOC_ROOM = 1 << 16  # the TOC is padded to a fixed room, so a mutated TOC leaves the sections where they were
@@ -132,6 +133,21 @@ def _use_everything(ds) -> None:
         tolerant(lambda: ds.reader.read(entry))
     for name in ("labels.txt", "cats/img_001.png", "../etc/passwd", "/", "", "large.bin"):
         tolerant(lambda: ds.read(name))
+    for nodes in (1, 3, 64):  # `fanstore plan` and `fanstore serve`: every rank places the index alone
+        tolerant(lambda: _use_placement(place(ds.index, nodes), ds.index))
+
+
+def _use_placement(placement, index) -> None:
+    """What plan, staging and a serving rank ask of a placement: sizes, pieces, readers and each blob's owner."""
+    for rank in range(placement.nodes):
+        placement.stored_bytes(rank)
+        placement.pieces(rank)
+    placement.staging_read_bytes()
+    placement.replicated_readers()
+    table = BlobTable.of(index)
+    for chunk, offset in zip(table.chunk.tolist(), table.offset.tolist()):
+        owner = placement.owner(chunk, offset)
+        assert owner == NO_OWNER or 0 <= owner < placement.nodes, (chunk, offset, owner)
 
 
 ENTRY_FIELDS = [name for name in ENTRY_DTYPE.names]
