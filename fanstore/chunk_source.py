@@ -44,6 +44,12 @@ class ChunkSource(ABC):
         fallbacks. False when this source has no such path (then `read` it)."""
         return False
 
+    def read_other_copy(self, chunk_id: int, offset: int, length: int) -> bytes:
+        """The same blob from another copy than the one `read` gave, which failed its checksum: a node's staged
+        chunk has DEST behind it, so a damaged copy costs a read of DEST, not the file. ChunkUnavailable where
+        there is no other copy (the default)."""
+        raise ChunkUnavailable(f"chunk {chunk_id}: no other copy to read", chunk_id=chunk_id)
+
     def stats(self) -> dict[str, Any]:
         """Counters worth showing an operator (where reads came from), or nothing."""
         return {}
@@ -97,21 +103,22 @@ class LocalChunkSource(ChunkSource):
         handle = self._acquire(chunk_id)  # checks chunk_id
         if offset < 0 or length < 0 or offset + length > self._sizes[chunk_id]:
             self._release(handle)
-            raise ChunkUnavailable(f"{self._path(chunk_id)}: bytes {offset}..{offset + length} lie outside chunk "
+            raise ChunkUnavailable(f"{self.path(chunk_id)}: bytes {offset}..{offset + length} lie outside chunk "
                                    f"{chunk_id} ({self._sizes[chunk_id]} bytes)", chunk_id=chunk_id)
         try:
             data = os.pread(handle.fd, length, offset)
         except OSError as exc:
-            raise ChunkUnavailable(f"{self._path(chunk_id)}: cannot read chunk {chunk_id} at offset {offset}: "
+            raise ChunkUnavailable(f"{self.path(chunk_id)}: cannot read chunk {chunk_id} at offset {offset}: "
                                    f"{exc.strerror}", chunk_id=chunk_id) from None
         finally:
             self._release(handle)
         if len(data) != length:
-            raise ChunkCorrupt(f"{self._path(chunk_id)}: short read of chunk {chunk_id} at offset {offset} "
+            raise ChunkCorrupt(f"{self.path(chunk_id)}: short read of chunk {chunk_id} at offset {offset} "
                                f"({len(data)} of {length} bytes): the file shrank", chunk_id=chunk_id)
         return data
 
-    def _path(self, chunk_id: int) -> Path:
+    def path(self, chunk_id: int) -> Path:
+        """The chunk file, for messages."""
         return self._dir / chunk_file_name(chunk_id)
 
     def _acquire(self, chunk_id: int) -> _OpenChunk:
@@ -153,7 +160,7 @@ class LocalChunkSource(ChunkSource):
                 os.close(handle.fd)
 
     def _open_checked(self, chunk_id: int) -> int:
-        path = self._path(chunk_id)
+        path = self.path(chunk_id)
         if not 0 <= chunk_id < len(self._sizes):
             raise ChunkUnavailable(f"{path}: chunk {chunk_id} is not in the index", chunk_id=chunk_id)
         # O_NONBLOCK: a chunk file replaced by a fifo must not block the reader (it has no effect on a file).
@@ -212,8 +219,9 @@ class LocalChunkSource(ChunkSource):
 
 class FallbackChunkSource(ChunkSource):
     """Reads from `primary`, and from `fallback` whatever `primary` cannot give now (ChunkUnavailable): a peer node
-    first, the shared file system when the peer is slow or gone. A corrupt answer is not retried elsewhere: the
-    reader verifies the bytes it gets, whichever source gave them."""
+    first, the shared file system when the peer is slow or gone. A corrupt answer is not retried here: the reader
+    verifies the bytes it gets, whichever source gave them, and asks for the fallback's copy (read_other_copy)
+    of a blob that fails."""
 
     def __init__(self, primary: ChunkSource, fallback: ChunkSource,
                  on_fallback: Callable[[ChunkUnavailable, int], None] | None = None) -> None:
@@ -228,6 +236,9 @@ class FallbackChunkSource(ChunkSource):
             if self._on_fallback is not None:
                 self._on_fallback(exc, length)
             return self.fallback.read(chunk_id, offset, length)
+
+    def read_other_copy(self, chunk_id: int, offset: int, length: int) -> bytes:
+        return self.fallback.read(chunk_id, offset, length)
 
     def may_block(self, chunks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         return self.primary.may_block(chunks, offsets) | self.fallback.may_block(chunks, offsets)

@@ -413,10 +413,13 @@ class FanstoreOperations(pyfuse3.Operations):
         stored = await fetching.wait()
         if stored is None:
             return None
-        if self._stored_len[entry] <= INLINE_DECODE_BYTES:
-            return self._reader.decode_fetched(entry, stored)  # type: ignore[union-attr]
-        return await trio.to_thread.run_sync(self._reader.decode_fetched, entry, stored,  # type: ignore[union-attr]
-                                             limiter=self._decode_limiter)
+        try:
+            if self._stored_len[entry] <= INLINE_DECODE_BYTES:
+                return self._reader.decode_fetched(entry, stored)  # type: ignore[union-attr]
+            return await trio.to_thread.run_sync(self._reader.decode_fetched, entry,  # type: ignore[union-attr]
+                                                 stored, limiter=self._decode_limiter)
+        except ChunkCorrupt:  # the usual path reads it again, from another copy where there is one, and reports
+            return None
 
     async def _read_blocks(self, entry: int, off: int, size: int) -> memoryview | bytes:
         """A read of a file stored in blocks decodes only the blocks it touches, each cached under (entry, block):

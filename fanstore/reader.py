@@ -105,15 +105,30 @@ class Reader:
         except ChunkError as exc:  # the same kind of error, now naming the file too
             raise type(exc)(f"{self._where(entry, block)}: {exc}", path=self.index.path_of(entry),
                             chunk_id=chunk) from None
-        self._verify(entry, block, stored, chunk, offset, stored_len, checksum)
+        if _checksum(stored) != checksum:
+            stored = self._other_copy(entry, block, chunk, offset, stored_len, checksum)
+        return stored
+
+    def _other_copy(self, entry: int, block: int, chunk: int, offset: int, stored_len: int, checksum: int) -> bytes:
+        """The blob the source gave failed its checksum: the source's other copy of it, if it keeps one (a node's
+        staged chunk has DEST behind it) and that one is sound; else the file is corrupt."""
+        try:
+            stored = self.source.read_other_copy(chunk, offset, stored_len)
+        except ChunkError:
+            stored = None
+        if stored is None or _checksum(stored) != checksum:
+            raise self._corrupt(entry, block, chunk, offset, stored_len) from None
         return stored
 
     def _verify(self, entry: int, block: int, stored: bytes, chunk: int, offset: int, stored_len: int,
                 checksum: int) -> None:
         if _checksum(stored) != checksum:
-            raise ChunkCorrupt(f"{self._where(entry, block)}: checksum mismatch in chunk {chunk} "
-                               f"({chunk_file_name(chunk)} at offset {offset}, {stored_len} bytes)",
-                               path=self.index.path_of(entry), chunk_id=chunk)
+            raise self._corrupt(entry, block, chunk, offset, stored_len)
+
+    def _corrupt(self, entry: int, block: int, chunk: int, offset: int, stored_len: int) -> ChunkCorrupt:
+        return ChunkCorrupt(f"{self._where(entry, block)}: checksum mismatch in chunk {chunk} "
+                            f"({chunk_file_name(chunk)} at offset {offset}, {stored_len} bytes)",
+                            path=self.index.path_of(entry), chunk_id=chunk)
 
     def _decode(self, entry: int, block: int, stored: bytes, codec: int, raw_size: int, chunk: int,
                 offset: int) -> bytes:

@@ -93,6 +93,15 @@ def dir_bytes(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def flip_byte(path: Path, offset: int) -> None:
+    """Damage a file in place: the byte at `offset`, inverted."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
 def run_cli(*args: str, check: bool = False, **kwargs) -> subprocess.CompletedProcess:
     """Runs `python -m fanstore ARGS` (or `fanstore-pack` with args[0] == 'fanstore-pack') for real."""
     if args and args[0] == "fanstore-pack":

@@ -26,6 +26,7 @@ from fanstore.index import Index  # noqa: E402
 from fanstore.serve.node import RequestChecker  # noqa: E402
 from fanstore.serve.placement import BlobTable, place  # noqa: E402
 from fanstore.serve.polling import wait_all  # noqa: E402
+from fanstore.serve.staged_source import StagedChunkSource  # noqa: E402
 from fanstore.serve.staging import Stager  # noqa: E402
 from fanstore.serve.transport import FIRST_REPLY_TAG, OK, REFUSED, REPLY_HEADER, REPLY_MAGIC, REQUEST, \
     REQUEST_MAGIC, TAG_REQUEST, PeerOptions, PeerTransport  # noqa: E402
@@ -91,7 +92,7 @@ def main(dest: Path, workdir: Path) -> None:
         wait_all([comm.Ibarrier()])  # ranks 0 and 1 have served each other
         say_line(json.dumps({"rank": 2, "replies": seen}), sys.stdout)
         return
-    local = LocalChunkSource(local_dir, sizes)
+    local = StagedChunkSource(LocalChunkSource(local_dir, sizes), LocalChunkSource(dest, sizes), rank)
     transport = PeerTransport(comm, RequestChecker(rank, placement, blobs, local, len(sizes), set()),
                               PeerOptions(timeout=10))
     transport.start()

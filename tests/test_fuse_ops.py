@@ -101,7 +101,8 @@ class DeliveredLater(LocalChunkSource):
 
     def read(self, chunk_id, offset, length):
         self.read_by_thread.append(chunk_id)
-        return super().read(chunk_id, offset, length)
+        stored = super().read(chunk_id, offset, length)
+        return _damaged(stored) if self.first_try == "corrupt everywhere" else stored
 
     def start_read(self, chunk_id, offset, length, done):
         if self.first_try == "no fetch of its own":  # as a chunk staged with a fault: read from DEST, by `read`
@@ -116,7 +117,7 @@ class DeliveredLater(LocalChunkSource):
                 done(None, ChunkUnavailable("rank 2 did not answer within 1 s", chunk_id=chunk_id))
                 return
             stored = super(DeliveredLater, self).read(chunk_id, offset, length)
-            done(bytes([stored[0] ^ 0xFF]) + stored[1:] if self.first_try == "corrupt" else stored, None)
+            done(_damaged(stored) if self.first_try.startswith("corrupt") else stored, None)
 
         if self.first_try == "ok, on the loop":  # after the read has begun to wait for it
             async def deliver_soon() -> None:
@@ -130,6 +131,10 @@ class DeliveredLater(LocalChunkSource):
 
     def may_block(self, chunks, offsets):
         return np.ones(len(chunks), dtype=bool)
+
+
+def _damaged(stored: bytes) -> bytes:
+    return bytes([stored[0] ^ 0xFF]) + stored[1:]
 
 
 def slow_operations(dataset, first_try: str = "ok", prefetch_list: list[str] | None = None,
@@ -157,11 +162,11 @@ async def open_read_release(operations: FanstoreOperations, entry: int) -> bytes
         await operations.release(info.fh)
 
 
-@pytest.mark.parametrize("first_try", ["ok", "unavailable", "unavailable at once", "corrupt"])
+@pytest.mark.parametrize("first_try", ["ok", "unavailable", "unavailable at once", "corrupt", "corrupt everywhere"])
 def test_a_slow_file_read_whole_is_fetched_by_the_loop_and_a_failed_try_falls_back(dataset, first_try):
     """No thread waits for a blob from another node: the loop starts the fetch and is called back. If that try
-    fails the file is read the usual way (which falls back to DEST under serve); a blob that does not match its
-    checksum is corrupt, whoever sent it."""
+    fails, or brings a blob that does not match its checksum, the file is read the usual way (which under serve
+    falls back to DEST, and takes DEST's copy of a blob that fails); a blob corrupt there too is EIO."""
     operations, source = slow_operations(dataset, first_try)
     entry = dataset.index.lookup("labels.txt")
     size = int(dataset.index.entries["size"][entry])
@@ -169,21 +174,22 @@ def test_a_slow_file_read_whole_is_fetched_by_the_loop_and_a_failed_try_falls_ba
     async def read_whole() -> bytes:
         return bytes(await operations.read(entry, 0, size + 4096))
 
-    if first_try == "corrupt":
+    if first_try == "corrupt everywhere":
         with pytest.raises(pyfuse3.FUSEError) as caught:
             trio.run(read_whole)
         assert caught.value.errno == errno.EIO
-        assert source.read_by_thread == []  # corrupt is not unavailable: nothing to fall back to
+        assert source.read_by_thread == [int(dataset.index.entries["chunk"][entry])]
         return
     assert trio.run(read_whole) == dataset.read("labels.txt")
     assert len(source.started) == 1
     assert source.read_by_thread == ([] if first_try == "ok" else [int(dataset.index.entries["chunk"][entry])])
 
 
-@pytest.mark.parametrize("first_try", ["ok", "ok, on the loop", "unavailable", "corrupt"])
+@pytest.mark.parametrize("first_try", ["ok", "ok, on the loop", "unavailable", "corrupt", "corrupt everywhere"])
 def test_a_slow_file_is_fetched_from_its_open_and_the_read_takes_that_fetch(dataset, first_try):
     """The peer's round trip overlaps the open's reply and the reader's read request: the fetch starts at open,
-    and the read that follows waits for that one, never a second; a failed try still falls back, corrupt is EIO."""
+    and the read that follows waits for that one, never a second; a failed or corrupt try still falls back, and
+    corrupt everywhere is EIO."""
     operations, source = slow_operations(dataset, first_try)
     entry = dataset.index.lookup("labels.txt")
     size = int(dataset.index.entries["size"][entry])
@@ -196,7 +202,7 @@ def test_a_slow_file_is_fetched_from_its_open_and_the_read_takes_that_fetch(data
         finally:
             await operations.release(info.fh)
 
-    if first_try == "corrupt":
+    if first_try == "corrupt everywhere":
         with pytest.raises(pyfuse3.FUSEError) as caught:
             trio.run(open_then_read)
         assert caught.value.errno == errno.EIO

@@ -6,6 +6,7 @@ Every test runs the real launcher, real MPI and real FUSE mounts, and checks wha
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -21,9 +22,10 @@ import numpy as np
 import pytest
 
 from client_files import make_client_tree
-from conftest import REPO, assert_one_line_error, run_cli, tree_digest, wait_until
-from fanstore import PackOptions, pack
+from conftest import REPO, assert_one_line_error, flip_byte, run_cli, tree_digest, wait_until
+from fanstore import PackOptions, open_dataset, pack
 from fanstore.mount import fuse_mounted_at, fuse_unavailable_reason, unmount
+from fanstore.serve.placement import place
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
@@ -243,6 +245,80 @@ def test_clients_that_seek_read_files_from_peers_as_the_original(tmp_path, jobs,
     _assert_nothing_left(job)
 
 
+def _whole_files_by_owner(dest: Path) -> dict[int, list[tuple[str, int, int, int]]]:
+    """Files stored whole in train/, by the rank that stores them: (path, chunk, offset, stored length)."""
+    with open_dataset(dest) as ds:
+        placement = place(ds.index, RANKS)
+        found: dict[int, list[tuple[str, int, int, int]]] = {}
+        for dirpath, _dirs, files in ds.walk("train"):
+            for name in files:
+                path = f"{dirpath}/{name}"
+                entry = ds.index.entries[ds.resolve(path)]
+                if entry["stored_len"] and not ds.index.block_count(ds.resolve(path)):
+                    chunk, offset = int(entry["chunk"]), int(entry["offset"])
+                    found.setdefault(placement.owner(chunk, offset), []).append(
+                        (path, chunk, offset, int(entry["stored_len"])))
+    return found
+
+
+def test_a_copy_damaged_on_a_node_is_read_from_dest_and_reported_once(served_dataset, tmp_path, jobs):
+    """Node-local storage damaged while the job runs: a blob of one rank's copy no longer matches its checksum,
+    another rank's copy of a chunk is cut short. Every rank still reads every file right (the owner from DEST,
+    the others asking the owner, then DEST), and each owner logs its damaged chunk once, naming the file."""
+    src, dest = served_dataset
+    job = Job(tmp_path, dest, "--stats")
+    jobs.append(job)
+    job.wait_ready()
+    files = _whole_files_by_owner(dest)
+    flipped_path, flipped_chunk, offset, length = files[0][0]
+    cut_path, cut_chunk, cut_offset, _ = next(f for f in files[1] if f[1] != flipped_chunk)
+    local = Path(job.local.replace("{rank}", "0")) / "chunks" / f"{flipped_chunk:08d}.fsc"
+    flip_byte(local, offset + length // 2)
+    cut = Path(job.local.replace("{rank}", "1")) / "chunks" / f"{cut_chunk:08d}.fsc"
+    os.truncate(cut, cut_offset + 1)
+    expected = tree_digest(src)
+    for mountpoint in job.mountpoints:
+        assert tree_digest(mountpoint) == expected, mountpoint
+    fallbacks = [json.loads(os.getxattr(mp, "user.fanstore.stats"))["source"]["fallback"] for mp in job.mountpoints]
+    assert all(fallbacks), fallbacks
+    os.killpg(job.proc.pid, signal.SIGTERM)
+    code, out, err = job.finish()
+    assert code == 0, out + err
+    damaged = [line for line in err.splitlines() if "this node's copy of chunk" in line]
+    assert len(damaged) == 2, err
+    assert any(f"rank 0: {local}: a blob at offset {offset} " in line for line in damaged), damaged
+    assert any(f"rank 1: {cut}: " in line and f"copy of chunk {cut_chunk} is damaged" in line
+               for line in damaged), damaged
+    assert "Traceback" not in err and "EIO" not in err, err
+    _assert_nothing_left(job)
+
+
+def test_a_blob_damaged_in_dest_fails_its_file_alone_on_every_rank(served_dataset, tmp_path, jobs):
+    """Staging finds it and names it; that file is an I/O error on every rank, every other file reads right."""
+    src, packed = served_dataset
+    dest = tmp_path / "dest"
+    shutil.copytree(packed, dest)
+    victim, chunk, offset, length = _whole_files_by_owner(dest)[2][0]
+    flip_byte(dest / "chunks" / f"{chunk:08d}.fsc", offset + length // 2)
+    job = Job(tmp_path, dest)
+    jobs.append(job)
+    job.wait_ready()
+    for mountpoint in job.mountpoints:
+        with pytest.raises(OSError) as failed:
+            (mountpoint / victim).read_bytes()
+        assert failed.value.errno == errno.EIO
+        for original in src.rglob("*"):
+            relative = original.relative_to(src)
+            if original.is_file() and not original.is_symlink() and str(relative) != victim:
+                assert (mountpoint / relative).read_bytes() == original.read_bytes(), relative
+    os.killpg(job.proc.pid, signal.SIGTERM)
+    code, out, err = job.finish()
+    assert code == 0, out + err
+    assert f"staging: {dest / 'chunks' / f'{chunk:08d}.fsc'}: 1 blob(s) do not match their checksum" in err, err
+    assert "Traceback" not in err, err
+    _assert_nothing_left(job)
+
+
 def test_command_status_is_the_worst_of_every_rank(served_dataset, tmp_path, jobs):
     _, dest = served_dataset
     job = Job(tmp_path, dest, command=["sh", "-c", 'exit $((FANSTORE_RANK * 3))'])
@@ -396,7 +472,7 @@ def test_the_mounts_loop_asks_peers_itself_within_the_same_rules(tmp_path):
     # A bug in the loop's pump fails what is out (it falls back), is logged once, and hands asking to the MPI thread.
     taken, reply, taken_after = seen[0]["bug"]
     assert taken and "asking peers from the mount's loop failed" in reply and not taken_after, seen[0]
-    assert done.stderr.count("RuntimeError: injected") == 1, done.stderr
+    assert done.stderr.splitlines().count("RuntimeError: injected") == 1, done.stderr
 
 
 @pytest.mark.parametrize("option, value, needle", [

@@ -44,6 +44,7 @@ from .node_endpoint import NodeEndpoint
 from .placement import BlobTable, Placement, place
 from .polling import first_failed_rank
 from .sources import PeerChunkSource, PlacedChunkSource
+from .staged_source import StagedChunkSource
 from .staging import StagingReport, Stager
 from .transport import PeerOptions, PeerTransport, RequestRefused
 
@@ -139,7 +140,7 @@ def clear_stale_mount(mountpoint: Path) -> None:
 class RequestChecker:
     """Serves peers' requests from this rank's directory, only for whole blobs it holds (verified)."""
 
-    def __init__(self, rank: int, placement: Placement, blobs: BlobTable, local: LocalChunkSource,
+    def __init__(self, rank: int, placement: Placement, blobs: BlobTable, local: StagedChunkSource,
                  chunk_count: int, unverified: set[int]) -> None:
         self._rank = rank
         self._placement = placement
@@ -158,8 +159,10 @@ class RequestChecker:
             raise RequestRefused(f"chunk {chunk}: no blob of {length} bytes at offset {offset}")
         if chunk in self._unverified:
             raise ChunkUnavailable(f"chunk {chunk} was not staged whole on rank {self._rank}", chunk_id=chunk)
-        blob = self._local.read(chunk, offset, length)
+        blob = self._local.read_staged(chunk, offset, length)
         if xxhash.xxh3_64_intdigest(blob) != int(self._blobs.checksum[row]):
+            self._local.report_damaged(chunk, f"{self._local.path(chunk)}: a blob at offset {offset}, asked by rank "
+                                              f"{peer}, fails its checksum")
             raise ChunkCorrupt(f"chunk {chunk} at {offset}: checksum mismatch on rank {self._rank}", chunk_id=chunk)
         return blob
 
@@ -283,7 +286,8 @@ def run(options: ServeOptions) -> int:
     if bar is not None:
         bar(-1, -1)
     sizes = index.chunks["size"]
-    local = LocalChunkSource(local_dir, sizes)
+    dest = LocalChunkSource(options.dest, sizes)
+    local = StagedChunkSource(LocalChunkSource(local_dir, sizes), dest, rank)
     unverified = set(report.unverified_chunks)
     bell = open_doorbell(comm, options.doorbell)
     transport = PeerTransport(comm, RequestChecker(rank, placement, BlobTable.of(index), local, len(sizes),
@@ -291,8 +295,8 @@ def run(options: ServeOptions) -> int:
     transport.start()
     loop = LoopRequests(transport, bell) if options.loop_requests and bell is not None \
         and mpi.Query_thread() == mpi.THREAD_MULTIPLE else None
-    source = PlacedChunkSource(rank, placement, local, PeerChunkSource(transport, placement, loop),
-                               LocalChunkSource(options.dest, sizes), direct=unverified)
+    source = PlacedChunkSource(rank, placement, local, PeerChunkSource(transport, placement, loop), dest,
+                               direct=unverified)
     endpoint = NodeEndpoint(local_dir, {"dest": str(Path(options.dest).absolute()), "local_dir": str(local_dir),
                                         "rank": rank, "size": size, "direct": sorted(unverified)},
                             source, BlobTable.of(index), len(sizes))

@@ -24,6 +24,7 @@ from ..index import Index
 from .node_endpoint import (CORRUPT, ENVIRONMENT, HELLO, OK, PLAN, PLAN_ROW, READ, REPLY, REPLY_MAGIC, REQUEST,
                             REQUEST_MAGIC)
 from .placement import NO_OWNER, Placement, place
+from .staged_source import StagedChunkSource
 
 log = logging.getLogger("fanstore.serve")
 
@@ -93,11 +94,11 @@ class NodeServeSource(ChunkSource):
 
 
 class NodeChunkSource(ChunkSource):
-    """A served dataset as one reader of the node sees it: local chunks, the node's serve process for the others
-    (DEST when it cannot be reached: the job goes on reading, slower, rather than fail), DEST for chunks the node
-    could not stage whole."""
+    """A served dataset as one reader of the node sees it: local chunks (DEST for a blob whose copy is damaged), the
+    node's serve process for the others (DEST when it cannot be reached: the job goes on reading, slower, rather
+    than fail), DEST for chunks the node could not stage whole."""
 
-    def __init__(self, connection: NodeConnection, rank: int, placement: Placement, local: ChunkSource,
+    def __init__(self, connection: NodeConnection, rank: int, placement: Placement, local: StagedChunkSource,
                  dest: ChunkSource, direct: frozenset[int]) -> None:
         self._connection = connection
         self._rank = rank
@@ -115,6 +116,13 @@ class NodeChunkSource(ChunkSource):
         if self._placement.is_local(self._rank, chunk_id, offset):
             return self._local.read(chunk_id, offset, length)
         return self._remote.read(chunk_id, offset, length)
+
+    def read_other_copy(self, chunk_id: int, offset: int, length: int) -> bytes:
+        if chunk_id in self._direct:
+            return super().read_other_copy(chunk_id, offset, length)  # DEST's was the only one
+        if self._placement.is_local(self._rank, chunk_id, offset):
+            return self._local.read_other_copy(chunk_id, offset, length)
+        return self._remote.read_other_copy(chunk_id, offset, length)
 
     def _fell_back(self, reason: ChunkUnavailable, _length: int) -> None:
         self.fallbacks += 1
@@ -158,7 +166,9 @@ def open_served_dataset(socket_path: str | None = None) -> Dataset:
     node = json.loads(payload)
     index = Index.load(node["dest"])
     sizes = index.chunks["size"]
-    source = NodeChunkSource(connection, int(node["rank"]), place(index, int(node["size"])),
-                             LocalChunkSource(Path(node["local_dir"]), sizes), LocalChunkSource(node["dest"], sizes),
+    dest = LocalChunkSource(node["dest"], sizes)
+    rank = int(node["rank"])
+    source = NodeChunkSource(connection, rank, place(index, int(node["size"])),
+                             StagedChunkSource(LocalChunkSource(Path(node["local_dir"]), sizes), dest, rank), dest,
                              frozenset(int(c) for c in node["direct"]))
     return Dataset(index, source)

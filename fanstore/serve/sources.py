@@ -1,6 +1,7 @@
 """The chunk sources of a rank under `fanstore serve`: its local directory, its peers, and DEST behind them.
 
-    PlacedChunkSource -> local directory            (blobs this rank stores, replicated ones included)
+    PlacedChunkSource -> StagedChunkSource(local directory -> blobs this rank stores, replicated ones included,
+                                           DEST            -> for a blob whose staged copy is found damaged)
                       -> FallbackChunkSource(PeerChunkSource -> the owning rank over MPI,
                                              DEST            -> when the peer is skipped or misses its deadline)
 
@@ -19,6 +20,7 @@ from ..chunk_source import ChunkSource, FallbackChunkSource
 from ..errors import ChunkUnavailable
 from .loop_requests import LoopRequests
 from .placement import NO_OWNER, Placement
+from .staged_source import StagedChunkSource
 from .transport import FetchDone, PeerTransport
 
 
@@ -55,14 +57,14 @@ class SourceCounters:
 
     local: int = 0
     local_bytes: int = 0
-    fallback: int = 0  # blobs read from DEST because their peer could not give them
+    fallback: int = 0  # blobs read from DEST because their peer could not give them, or their copy here is damaged
     fallback_bytes: int = 0
 
 
 class PlacedChunkSource(ChunkSource):
     """Sends each read where the placement puts its blob: this rank's directory, or the remote path."""
 
-    def __init__(self, rank: int, placement: Placement, local: ChunkSource, peers: PeerChunkSource,
+    def __init__(self, rank: int, placement: Placement, local: StagedChunkSource, peers: PeerChunkSource,
                  dest: ChunkSource, direct: set[int] | frozenset[int] = frozenset()) -> None:
         self._rank = rank
         self._dest = dest
@@ -85,6 +87,13 @@ class PlacedChunkSource(ChunkSource):
             return data
         return self._remote.read(chunk_id, offset, length)
 
+    def read_other_copy(self, chunk_id: int, offset: int, length: int) -> bytes:
+        if chunk_id in self._direct:
+            return super().read_other_copy(chunk_id, offset, length)  # DEST's was the only one
+        if self._placement.is_local(self._rank, chunk_id, offset):
+            return self._local.read_other_copy(chunk_id, offset, length)
+        return self._remote.read_other_copy(chunk_id, offset, length)
+
     def start_read(self, chunk_id: int, offset: int, length: int, done: FetchDone) -> bool:
         """The peer alone: if it cannot give the blob, the caller's `read` goes through the fallback to DEST."""
         if chunk_id in self._direct or self._placement.is_local(self._rank, chunk_id, offset):
@@ -104,6 +113,12 @@ class PlacedChunkSource(ChunkSource):
         """Reads by where they came from: this rank's directory, each peer, DEST when a peer could not answer."""
         with self._lock:
             counters = asdict(self.counters)
+        # A blob of this rank's own whose copy here is damaged was read from DEST, not locally.
+        damaged, damaged_bytes = self._local.dest_reads, self._local.dest_bytes
+        counters["local"] -= damaged
+        counters["local_bytes"] -= damaged_bytes
+        counters["fallback"] += damaged
+        counters["fallback_bytes"] += damaged_bytes
         counters["peers"] = {str(peer): asdict(peer_counters) for peer, peer_counters
                              in enumerate(self._peers.transport.peer_counters()) if peer != self._rank}
         return counters
