@@ -1,7 +1,8 @@
 """Run by tests/test_serve.py under `mpiexec -n 2`: rank 0's event loop asks rank 1 for blobs itself.
 
 Both ranks run a PeerTransport with doorbells, as `fanstore serve` does. Rank 1 serves blobs of made-up chunks:
-chunk 1 is `BLOB`, chunk 4 too but the ring of its reply is lost (a UDP datagram can be), chunk 2 is refused, and a
+chunk 1 is `BLOB`, chunk 4 too but the ring of its reply is lost (a UDP datagram can be), chunk 2 is refused, chunk 7
+meets a bug in the server, and a
 request for chunk 9 holds rank 1's MPI thread for STALL seconds (a stalled peer). Rank 0 asks from a trio loop
 through LoopRequests: a good blob, one whose ring is lost, a refused one, more than the cap allows, the stalled one
 (past its deadline), one after the skip is over, left out when the loop ends; then, from a second loop, one that
@@ -35,12 +36,15 @@ RETRY_AFTER = 1.0
 STALL = 3.0
 CAP = 3
 LOST_RING = 4
+SERVING_BUG = 7  # rank 1's server meets a bug (not a ChunkError) serving this chunk
 rings_to_lose: list[int] = []  # rank 1: the replies whose ring to the asker's reply bell is not sent
 
 
 def serve(peer: int, chunk: int, offset: int, length: int) -> bytes:
     if chunk == 9:
         time.sleep(STALL)
+    if chunk == SERVING_BUG:
+        raise RuntimeError("injected while serving")
     if chunk == LOST_RING:
         rings_to_lose.append(peer)
         chunk = 1
@@ -73,6 +77,8 @@ async def rank_0(loop: LoopRequests, transport: PeerTransport) -> dict[str, obje
     seen["ring lost"] = (taken and blob == BLOB, time.monotonic() - started < TIMEOUT / 2)
     taken, reply = await ask(loop, 2)
     seen["refused"] = taken and isinstance(reply, str) and "refused" in reply
+    taken, reply = await ask(loop, SERVING_BUG)  # costs that request, not rank 1's MPI thread: the next is served
+    seen["serving bug"] = (taken, reply, (await ask(loop, 1))[1] == BLOB)
     seen["cap"] = [loop.start(1, 1, 0, len(BLOB), lambda blob, error: None) for _ in range(CAP + 1)]
     await trio.sleep(0.2)  # those come back
     started = time.monotonic()

@@ -462,6 +462,9 @@ def test_the_mounts_loop_asks_peers_itself_within_the_same_rules(tmp_path):
     assert seen[0]["good"] and seen[0]["via the loop"] == [1, 0], seen[0]
     assert seen[0]["ring lost"] == [True, True], seen[0]  # the reply is found without its ring, in time
     assert seen[0]["refused"], seen[0]
+    taken, reply, next_served = seen[0]["serving bug"]
+    assert taken and "rank 1 could not read chunk 7" in reply and next_served, seen[0]
+    assert done.stderr.splitlines().count("RuntimeError: injected while serving") == 1, done.stderr
     assert seen[0]["cap"] == [True, True, True, False], seen[0]  # past the cap the caller asks the MPI thread
     taken, reply, seconds = seen[0]["stalled"]
     assert taken and "did not answer within 0.5 s" in reply and 0.5 <= seconds < 2, seen[0]

@@ -517,6 +517,10 @@ class PeerTransport:
             reply = REPLY_HEADER.pack(REPLY_MAGIC, CORRUPT) + str(exc).encode()
         except ChunkError as exc:
             reply = REPLY_HEADER.pack(REPLY_MAGIC, UNAVAILABLE) + str(exc).encode()
+        except Exception as exc:  # noqa: BLE001 - a bug serving one request costs it (the peer falls back to DEST),
+            # never this rank's MPI thread, which every other request and collective needs
+            log.exception("rank %d: serving rank %d chunk %d at %d failed", self.rank, source, chunk, offset)
+            reply = REPLY_HEADER.pack(REPLY_MAGIC, UNAVAILABLE) + f"a bug on rank {self.rank}: {exc!r}".encode()
         send = self.comm.Isend([reply, self._mpi.BYTE], dest=source, tag=tag)
         self._send_deadlines[id(send)] = (send, time.monotonic() + _SEND_GRACE * self.options.timeout)
         self._poll(send, lambda _status, reply=reply: None)  # the closure keeps the buffer alive until sent
