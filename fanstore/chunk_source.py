@@ -36,13 +36,18 @@ class ChunkSource(ABC):
         return np.zeros(len(chunks), dtype=bool)
 
     def start_read(self, chunk_id: int, offset: int, length: int,
-                   done: Callable[[bytes | memoryview | None, ChunkError | None], None]) -> bool:
+                   done: Callable[[bytes | memoryview | None, ChunkError | None], None], ahead: bool = False) -> bool:
         """Start a read of a blob that may_block says is slow, without waiting: `done(data, None)` or
         `done(None, error)` comes later, from another thread or the caller's event loop (`data` may be a view
         of a buffer the source hands over, not bytes). An event loop uses it so that no thread of its own
         waits for the blob. A first try only: after an error the caller reads it with `read`, which knows the
-        fallbacks. False when this source has no such path (then `read` it)."""
+        fallbacks. False when this source has no such path (then `read` it). `ahead`: nobody waits for the
+        blob yet (a fetch ahead of the reader), so the source may leave it for `collect_started` to find."""
         return False
+
+    def collect_started(self) -> None:
+        """On the event loop that started reads: call `done` now for those whose blobs have come. The loop calls
+        it where it runs anyway (before each read), so a blob fetched ahead costs it no wake-up of its own."""
 
     def read_other_copy(self, chunk_id: int, offset: int, length: int) -> bytes:
         """The same blob from another copy than the one `read` gave, which failed its checksum: a node's staged

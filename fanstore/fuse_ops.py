@@ -323,6 +323,10 @@ class FanstoreOperations(pyfuse3.Operations):
     async def read(self, fh: int, off: int, size: int) -> memoryview | bytes:
         if self._blocked[fh]:
             return await self._read_blocks(fh, off, size)
+        if self._fetching:
+            # Blobs fetched ahead come without waking the loop (their replies ring nobody): taken here, where it
+            # runs anyway.
+            self._source.collect_started()  # type: ignore[union-attr]
         # A fetch begun before this read (at its open, or ahead of the reader) is this read's: taken before the
         # prefetcher starts the next ones, so they cannot push it out.
         fetching = self._fetching.pop(fh, None) if self._may_block[fh] else None
@@ -354,7 +358,7 @@ class FanstoreOperations(pyfuse3.Operations):
             self._count_served(fh, len(reply), len(data))
         return reply
 
-    def _start_fetch(self, entry: int) -> _Fetching | None:
+    def _start_fetch(self, entry: int, ahead: bool = False) -> _Fetching | None:
         """Start fetching a file's blob from another node on the loop: the transport calls back when it arrives (or
         the try fails), so no thread sits waiting for the peer (a thread's hand-offs each way cost more CPU than
         decoding the file). None when the source has no such path."""
@@ -366,7 +370,7 @@ class FanstoreOperations(pyfuse3.Operations):
             fetching.arrive(stored)  # on an error the usual path reads the file again, and reports what it meets
 
         if not self._source.start_read(int(self._chunk[entry]), int(self._offset[entry]),
-                                       int(self._stored_len[entry]), done):
+                                       int(self._stored_len[entry]), done, ahead):
             return None
         return fetching
 
@@ -374,9 +378,10 @@ class FanstoreOperations(pyfuse3.Operations):
         """Neither the kernel, nor the cache, nor a fetch under way has the file."""
         return not (self._kernel_holds[entry] or entry in self._fetching or self.cache.contains(entry))
 
-    def _fetch_early(self, entry: int) -> bool:
-        """Start fetching a file from another node before its read; False when it cannot be fetched that way."""
-        fetching = self._start_fetch(entry)
+    def _fetch_early(self, entry: int, ahead: bool = False) -> bool:
+        """Start fetching a file from another node before its read (`ahead`: of the reader, by the prefetcher, not
+        at its open); False when it cannot be fetched that way."""
+        fetching = self._start_fetch(entry, ahead)
         if fetching is None:
             return False
         fetching_now = self._fetching
@@ -388,9 +393,9 @@ class FanstoreOperations(pyfuse3.Operations):
     def _fetch_ahead(self, keys: list[int | tuple[int, int]]) -> list[int | tuple[int, int]]:
         """Of the prefetcher's next files, those from another node are fetched ahead by the loop, still stored, and
         decoded by their reads as local files are: no thread waits on a peer, and none is woken per file. They
-        are started in batches, once the next one or half of them are not on their way, so one wake of the MPI
-        thread, one of the peer and one reply's carry several files. The other keys are returned, for the
-        prefetcher's threads."""
+        are started in batches, once the next one or half of them are not on their way, so one wake of the peer
+        carries several files; their replies wake nobody, as each read collects what has come. The other keys
+        are returned, for the prefetcher's threads."""
         slow: list[int] = []
         left: list[int | tuple[int, int]] = []
         for key in keys:
@@ -401,7 +406,7 @@ class FanstoreOperations(pyfuse3.Operations):
         missing = [key for key in slow if self._needs_fetch(key)]
         if missing and (missing[0] == slow[0] or 2 * len(missing) >= len(slow)):
             for key in missing:
-                if self._fetch_early(key):
+                if self._fetch_early(key, ahead=True):
                     self._fetched_ahead += 1
                 else:  # no fetch of its own (a chunk read from DEST): the prefetcher's
                     left.append(key)

@@ -2,12 +2,11 @@
 
 Both ranks run a PeerTransport with doorbells, as `fanstore serve` does. Rank 1 serves blobs of made-up chunks:
 chunk 1 is `BLOB`, chunk 4 too but the ring of its reply is lost (a UDP datagram can be), chunk 2 is refused, chunk 7
-meets a bug in the server, and a
-request for chunk 9 holds rank 1's MPI thread for STALL seconds (a stalled peer). Rank 0 asks from a trio loop
-through LoopRequests: a good blob, one whose ring is lost, a refused one, more than the cap allows, the stalled one
-(past its deadline), one after the skip is over, left out when the loop ends; then, from a second loop, one that
-meets a bug in the pump. It prints one JSON line of what it saw; rank 1 prints what its
-transport counted.
+meets a bug in the server, and a request for chunk 9 holds rank 1's MPI thread for STALL seconds (a stalled peer).
+Rank 0 asks from a trio loop through LoopRequests: a good blob, one whose ring is lost, a refused one, two fetched
+ahead (one collected, one left to the pump), the server's bug, more than the cap allows, the stalled one (past its
+deadline), one after the skip is over, left out when the loop ends; then, from a second loop, one that meets a bug
+in the pump. It prints one JSON line of what it saw; rank 1 prints what its transport counted.
 
     mpiexec -n 2 python serve_loop_requests.py
 """
@@ -15,6 +14,7 @@ transport counted.
 from __future__ import annotations
 
 import json
+import select
 import sys
 import time
 
@@ -25,7 +25,7 @@ from mpi4py import MPI  # noqa: E402
 import trio  # noqa: E402
 
 from fanstore.errors import ChunkUnavailable  # noqa: E402
-from fanstore.serve.doorbell import open_doorbell  # noqa: E402
+from fanstore.serve.doorbell import Doorbell, open_doorbell  # noqa: E402
 from fanstore.serve.loop_requests import LoopRequests  # noqa: E402
 from fanstore.serve.polling import wait_all  # noqa: E402
 from fanstore.serve.transport import PeerOptions, PeerTransport, RequestRefused  # noqa: E402
@@ -53,7 +53,7 @@ def serve(peer: int, chunk: int, offset: int, length: int) -> bytes:
     return BLOB
 
 
-async def ask(loop: LoopRequests, chunk: int, length: int = len(BLOB)) -> tuple[bool, object]:
+async def ask(loop: LoopRequests, chunk: int, length: int = len(BLOB), ahead: bool = False) -> tuple[bool, object]:
     arrived = trio.Event()
     outcome: list[object] = []
 
@@ -61,13 +61,13 @@ async def ask(loop: LoopRequests, chunk: int, length: int = len(BLOB)) -> tuple[
         outcome.append(blob if error is None else f"unavailable: {error}")
         arrived.set()
 
-    if not loop.start(1, chunk, 0, length, done):
+    if not loop.start(1, chunk, 0, length, done, ahead):
         return False, None
     await arrived.wait()
     return True, outcome[0]
 
 
-async def rank_0(loop: LoopRequests, transport: PeerTransport) -> dict[str, object]:
+async def rank_0(loop: LoopRequests, transport: PeerTransport, bell: Doorbell) -> dict[str, object]:
     seen: dict[str, object] = {}
     taken, blob = await ask(loop, 1)
     seen["good"] = taken and blob == BLOB
@@ -77,6 +77,19 @@ async def rank_0(loop: LoopRequests, transport: PeerTransport) -> dict[str, obje
     seen["ring lost"] = (taken and blob == BLOB, time.monotonic() - started < TIMEOUT / 2)
     taken, reply = await ask(loop, 2)
     seen["refused"] = taken and isinstance(reply, str) and "refused" in reply
+    # A fetch ahead of the reader: its reply rings nobody, and is taken where the loop runs anyway (collect)...
+    await trio.sleep(0.05)
+    bell.take_replies()
+    arrived: list[object] = []
+    loop.start(1, 1, 0, len(BLOB), lambda blob, error: arrived.append(blob), ahead=True)
+    time.sleep(0.2)  # the loop does nothing meanwhile: the reply comes, without a ring
+    rung = bool(select.select([bell.reply_fileno()], [], [], 0)[0])
+    loop.collect()
+    seen["ahead"] = (rung, arrived == [BLOB])
+    # ... or by the pump's timer when nothing collects it.
+    started = time.monotonic()
+    taken, blob = await ask(loop, 1, ahead=True)
+    seen["ahead, not collected"] = (taken and blob == BLOB, time.monotonic() - started < TIMEOUT / 2)
     taken, reply = await ask(loop, SERVING_BUG)  # costs that request, not rank 1's MPI thread: the next is served
     seen["serving bug"] = (taken, reply, (await ask(loop, 1))[1] == BLOB)
     seen["cap"] = [loop.start(1, 1, 0, len(BLOB), lambda blob, error: None) for _ in range(CAP + 1)]
@@ -124,7 +137,7 @@ def main() -> int:
     transport.start()
     if rank == 0:
         loop = LoopRequests(transport, bell)
-        seen = trio.run(rank_0, loop, transport)
+        seen = trio.run(rank_0, loop, transport, bell)
         time.sleep(STALL)  # the stalled peer answers meanwhile: its late replies reach the MPI thread
         seen.update(trio.run(rank_0_meets_a_bug, loop))
         seen["refused from 1"] = transport.counters[1].refused

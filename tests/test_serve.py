@@ -450,7 +450,8 @@ def test_malformed_peer_requests_are_refused_without_harm(served_dataset, tmp_pa
 
 
 def test_the_mounts_loop_asks_peers_itself_within_the_same_rules(tmp_path):
-    """A blob, one whose reply's ring is lost, a refusal, the per-peer cap, a stalled peer's deadline and skip, and
+    """A blob, one whose reply's ring is lost, a refusal, fetches ahead (their replies ring nobody), a bug serving one
+    request, the per-peer cap, a stalled peer's deadline and skip, and
     a request still out when the loop ends (handed to the MPI thread, its late reply dropped without a word): as through the MPI thread. A bug in
     the loop's part costs only the requests out."""
     script = Path(__file__).with_name("serve_loop_requests.py")
@@ -462,6 +463,8 @@ def test_the_mounts_loop_asks_peers_itself_within_the_same_rules(tmp_path):
     assert seen[0]["good"] and seen[0]["via the loop"] == [1, 0], seen[0]
     assert seen[0]["ring lost"] == [True, True], seen[0]  # the reply is found without its ring, in time
     assert seen[0]["refused"], seen[0]
+    assert seen[0]["ahead"] == [False, True], seen[0]  # no ring: collected where the loop runs anyway
+    assert seen[0]["ahead, not collected"] == [True, True], seen[0]  # the pump's timer takes it
     taken, reply, next_served = seen[0]["serving bug"]
     assert taken and "rank 1 could not read chunk 7" in reply and next_served, seen[0]
     assert done.stderr.splitlines().count("RuntimeError: injected while serving") == 1, done.stderr

@@ -9,7 +9,8 @@ and 50 us with the loop asking itself (both ranks on one CPU: 268 against 96-101
 
 So the loop posts the reply's Irecv and the request's Isend, rings the peer, and goes on with its other work; the
 peer rings the loop's reply bell (doorbell.py) when it answers, and a task of the loop (the pump) then completes
-what came with Testsome. The rules are the MPI thread's: a deadline per request (past it every request of the loop's
+what came with Testsome. A fetch ahead of the reader is not waited for, so its reply rings nobody: the mount's reads
+collect it (`collect`), and the pump's timer when no read comes, which spares the loop a wake per file. The rules are the MPI thread's: a deadline per request (past it every request of the loop's
 to that peer is cancelled, the MPI thread skips the peer as for its own, and the reads fall back to DEST); at most
 `max_in_flight` requests to one peer (past it, requests go the MPI thread's way); replies that come after a request
 was given up are dropped by the MPI thread, which also completes the cancelled requests.
@@ -27,8 +28,8 @@ import trio
 
 from ..errors import ChunkUnavailable
 from .doorbell import Doorbell
-from .transport import REPLY_HEADER, REQUEST, REQUEST_MAGIC, RING_REPLY_BELL, TAG_REQUEST, FetchDone, PeerTransport, \
-    blob_of_reply
+from .transport import QUIET_REPLY, REPLY_HEADER, REQUEST, REQUEST_MAGIC, RING_REPLY_BELL, TAG_REQUEST, FetchDone, \
+    PeerTransport, blob_of_reply
 
 log = logging.getLogger("fanstore.serve")
 
@@ -44,6 +45,7 @@ WAIT_WHILE_OUT = 1e-3
 # the loop's other tasks between polls), as the MPI thread does after work: the next reply, or the rest of a large
 # one, is often microseconds away.
 SPIN = 50e-6
+_FAILED = "asking peers from the mount's loop failed"
 
 
 @dataclass(eq=False, slots=True)
@@ -83,9 +85,14 @@ class LoopRequests:
         self._timer: trio.CancelScope | None = None  # the pump's timer: no deadline while nothing is out
         self._failed = False  # the pump met a bug: from then on the MPI thread asks
 
-    def start(self, peer: int, chunk: int, offset: int, length: int, done: FetchDone) -> bool:
+    def start(self, peer: int, chunk: int, offset: int, length: int, done: FetchDone, ahead: bool = False) -> bool:
         """Ask `peer` for a blob; `done` is called on this loop by the request's deadline. False when this cannot
-        be asked from here (not on a trio loop, the peer skipped or at its cap): the caller asks the MPI thread."""
+        be asked from here (not on a trio loop, the peer skipped or at its cap): the caller asks the MPI thread.
+
+        `ahead`: a fetch ahead of the reader, which nobody waits for yet. Its reply rings nobody: the mount's
+        reads take it with `collect`, and the pump's timer when no read comes. Measured with 3 ranks, 128 KiB
+        files, --prefetch-list, a CPU per rank: 0.300-0.308 ms a remote file against 0.324-0.330 with a ring
+        and a wake of the loop for every reply (local files: 0.254)."""
         if self._failed:
             return False
         try:
@@ -101,7 +108,8 @@ class LoopRequests:
         self._next_tag = tag + 1 if tag < self._last_tag else self._first_tag
         buffer = bytearray(REPLY_HEADER.size + length)
         receive = self._comm.Irecv([buffer, self._mpi.BYTE], source=peer, tag=tag)
-        message = REQUEST.pack(REQUEST_MAGIC, tag, chunk, RING_REPLY_BELL, offset, length)
+        message = REQUEST.pack(REQUEST_MAGIC, tag, chunk, RING_REPLY_BELL | (QUIET_REPLY if ahead else 0), offset,
+                               length)
         send = self._comm.Isend([message, self._mpi.BYTE], dest=peer, tag=TAG_REQUEST)
         self._bell.ring(peer)
         self._pending.append(_LoopFetch(peer, chunk, offset, length, tag, buffer, receive, send, done,
@@ -113,6 +121,22 @@ class LoopRequests:
             self._arm(self._timer)
         return True
 
+    def collect(self) -> None:
+        """Complete, now, the requests whose replies have come: called by the loop where it runs anyway (the mount,
+        before each read), so replies that ring nobody cost no wake of their own. The pump's timer is pushed back
+        when something came, as when the pump itself finds it."""
+        if not self._pending or self._failed:
+            return
+        try:
+            if self._complete():
+                self._check_deadline()
+                if self._timer is not None:
+                    self._arm(self._timer)
+        except Exception:  # noqa: BLE001 - as in the pump: a bug costs the requests out, never the read
+            self._failed = True
+            log.exception("rank %d: %s; the MPI thread asks from now on", self._transport.rank, _FAILED)
+            self._hand_over(_FAILED)
+
     async def _pump(self) -> None:
         """Complete the loop's requests as their replies ring, until the loop ends. A failure here (a bug) must
         cost the requests out, which fall back, never the mount: the MPI thread asks from then on."""
@@ -121,7 +145,7 @@ class LoopRequests:
             await self._complete_as_rung()
         except Exception:  # noqa: BLE001 - see above; trio's Cancelled, at the loop's end, is not an Exception
             self._failed = True
-            reason = "asking peers from the mount's loop failed"
+            reason = _FAILED
             log.exception("rank %d: %s; the MPI thread asks from now on", self._transport.rank, reason)
         finally:
             self._hand_over(reason)

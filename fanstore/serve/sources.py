@@ -39,13 +39,17 @@ class PeerChunkSource(ChunkSource):
             raise ChunkUnavailable(f"chunk {chunk_id} at {offset} is not stored by another rank", chunk_id=chunk_id)
         return self.transport.fetch(owner, chunk_id, offset, length)
 
-    def start_read(self, chunk_id: int, offset: int, length: int, done: FetchDone) -> bool:
+    def start_read(self, chunk_id: int, offset: int, length: int, done: FetchDone, ahead: bool = False) -> bool:
         owner = self._placement.owner(chunk_id, offset)
         if owner == NO_OWNER or owner == self._rank:
             return False
-        if self._loop is None or not self._loop.start(owner, chunk_id, offset, length, done):
+        if self._loop is None or not self._loop.start(owner, chunk_id, offset, length, done, ahead):
             self.transport.fetch_later(owner, chunk_id, offset, length, done)
         return True
+
+    def collect_started(self) -> None:
+        if self._loop is not None:
+            self._loop.collect()
 
     def may_block(self, chunks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         return np.ones(len(chunks), dtype=bool)
@@ -94,11 +98,14 @@ class PlacedChunkSource(ChunkSource):
             return self._local.read_other_copy(chunk_id, offset, length)
         return self._remote.read_other_copy(chunk_id, offset, length)
 
-    def start_read(self, chunk_id: int, offset: int, length: int, done: FetchDone) -> bool:
+    def start_read(self, chunk_id: int, offset: int, length: int, done: FetchDone, ahead: bool = False) -> bool:
         """The peer alone: if it cannot give the blob, the caller's `read` goes through the fallback to DEST."""
         if chunk_id in self._direct or self._placement.is_local(self._rank, chunk_id, offset):
             return False
-        return self._peers.start_read(chunk_id, offset, length, done)
+        return self._peers.start_read(chunk_id, offset, length, done, ahead)
+
+    def collect_started(self) -> None:
+        self._peers.collect_started()
 
     def _count_fallback(self, _reason: ChunkUnavailable, length: int) -> None:
         with self._lock:

@@ -37,6 +37,7 @@ FIRST_REPLY_TAG = 16  # reply tags run from here to the library's TAG_UB: the MP
 REQUEST = struct.Struct("<4sIIIQQ")  # magic, reply tag, chunk, flags, offset, length
 REQUEST_MAGIC = b"FSRQ"
 RING_REPLY_BELL = 1  # request flag: the asker's event loop waits for this reply on its reply bell (doorbell.py)
+QUIET_REPLY = 2  # request flag: ring nobody for this reply; the asker polls for it (a fetch ahead of its reader)
 REPLY_HEADER = struct.Struct("<4sI")  # magic, status; the blob (status OK) or a UTF-8 reason follows
 REPLY_MAGIC = b"FSRP"
 OK, REFUSED, UNAVAILABLE, CORRUPT = 0, 1, 2, 3
@@ -524,7 +525,8 @@ class PeerTransport:
         send = self.comm.Isend([reply, self._mpi.BYTE], dest=source, tag=tag)
         self._send_deadlines[id(send)] = (send, time.monotonic() + _SEND_GRACE * self.options.timeout)
         self._poll(send, lambda _status, reply=reply: None)  # the closure keeps the buffer alive until sent
-        (self._to_ring_reply if flags & RING_REPLY_BELL else self._to_ring).add(source)
+        if not flags & QUIET_REPLY:
+            (self._to_ring_reply if flags & RING_REPLY_BELL else self._to_ring).add(source)
 
     def _shut_down(self) -> None:
         error_text = "the MPI thread has stopped" if self._failure is None else f"the MPI thread failed: " \
