@@ -451,9 +451,9 @@ def test_malformed_peer_requests_are_refused_without_harm(served_dataset, tmp_pa
 
 def test_the_mounts_loop_asks_peers_itself_within_the_same_rules(tmp_path):
     """A blob, one whose reply's ring is lost, a refusal, fetches ahead (their replies ring nobody), a bug serving one
-    request, the per-peer cap, a stalled peer's deadline and skip, and
-    a request still out when the loop ends (handed to the MPI thread, its late reply dropped without a word): as through the MPI thread. A bug in
-    the loop's part costs only the requests out."""
+    request, the per-peer cap, a stalled peer's deadline and skip, and a request still out when the loop ends
+    (handed to the MPI thread, its late reply dropped without a word): as through the MPI thread. A bug in the
+    loop's part costs only the requests out."""
     script = Path(__file__).with_name("serve_loop_requests.py")
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
     done = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, str(script)], capture_output=True, text=True,

@@ -10,10 +10,12 @@ and 50 us with the loop asking itself (both ranks on one CPU: 268 against 96-101
 So the loop posts the reply's Irecv and the request's Isend, rings the peer, and goes on with its other work; the
 peer rings the loop's reply bell (doorbell.py) when it answers, and a task of the loop (the pump) then completes
 what came with Testsome. A fetch ahead of the reader is not waited for, so its reply rings nobody: the mount's reads
-collect it (`collect`), and the pump's timer when no read comes, which spares the loop a wake per file. The rules are the MPI thread's: a deadline per request (past it every request of the loop's
-to that peer is cancelled, the MPI thread skips the peer as for its own, and the reads fall back to DEST); at most
-`max_in_flight` requests to one peer (past it, requests go the MPI thread's way); replies that come after a request
-was given up are dropped by the MPI thread, which also completes the cancelled requests.
+collect it (`collect`), and the pump's timer when no read comes, which spares the loop a wake per file.
+
+The rules are the MPI thread's: a deadline per request (past it every request of the loop's to that peer is
+cancelled, the MPI thread skips the peer as for its own, and the reads fall back to DEST); at most `max_in_flight`
+requests to one peer (past it, requests go the MPI thread's way); replies that come after a request was given up are
+dropped by the MPI thread, which also completes the cancelled requests.
 """
 
 from __future__ import annotations

@@ -113,8 +113,8 @@ class PlacedChunkSource(ChunkSource):
             self.counters.fallback_bytes += length
 
     def may_block(self, chunks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-        return np.fromiter((int(c) in self._direct or not self._placement.is_local(self._rank, int(c), int(o)) for c, o in zip(chunks, offsets)),
-                           dtype=bool, count=len(chunks))
+        return np.fromiter((int(c) in self._direct or not self._placement.is_local(self._rank, int(c), int(o))
+                            for c, o in zip(chunks, offsets)), dtype=bool, count=len(chunks))
 
     def stats(self) -> dict[str, Any]:
         """Reads by where they came from: this rank's directory, each peer, DEST when a peer could not answer."""
