@@ -24,7 +24,7 @@ from ..index import Index
 from .node_endpoint import (CORRUPT, ENVIRONMENT, HELLO, OK, PLAN, PLAN_ROW, READ, REPLY, REPLY_MAGIC, REQUEST,
                             REQUEST_MAGIC)
 from .placement import NO_OWNER, Placement, place
-from .staged_source import StagedChunkSource
+from .staged_source import PlacedReads, StagedChunkSource
 
 log = logging.getLogger("fanstore.serve")
 
@@ -93,36 +93,19 @@ class NodeServeSource(ChunkSource):
         raise ChunkUnavailable(reason, chunk_id=chunk_id)
 
 
-class NodeChunkSource(ChunkSource):
-    """A served dataset as one reader of the node sees it: local chunks (DEST for a blob whose copy is damaged), the
-    node's serve process for the others (DEST when it cannot be reached: the job goes on reading, slower, rather
-    than fail), DEST for chunks the node could not stage whole."""
+class NodeChunkSource(PlacedReads):
+    """A served dataset as one reader of the node sees it (PlacedReads): this rank's staged copy, the node's serve
+    process for the other blobs (DEST when it cannot be reached: the job goes on reading, slower, rather than
+    fail)."""
 
     def __init__(self, connection: NodeConnection, rank: int, placement: Placement, local: StagedChunkSource,
                  dest: ChunkSource, direct: frozenset[int]) -> None:
+        super().__init__(rank, placement, local,
+                         FallbackChunkSource(NodeServeSource(connection), dest, on_fallback=self._fell_back), dest,
+                         direct)
         self._connection = connection
-        self._rank = rank
-        self._placement = placement
-        self._local = local
-        self._dest = dest
-        self._direct = direct
-        self._remote = FallbackChunkSource(NodeServeSource(connection), dest, on_fallback=self._fell_back)
         self._reported = False
         self.fallbacks = 0
-
-    def read(self, chunk_id: int, offset: int, length: int) -> bytes:
-        if chunk_id in self._direct:
-            return self._dest.read(chunk_id, offset, length)
-        if self._placement.is_local(self._rank, chunk_id, offset):
-            return self._local.read(chunk_id, offset, length)
-        return self._remote.read(chunk_id, offset, length)
-
-    def read_other_copy(self, chunk_id: int, offset: int, length: int) -> bytes:
-        if chunk_id in self._direct:
-            return super().read_other_copy(chunk_id, offset, length)  # DEST's was the only one
-        if self._placement.is_local(self._rank, chunk_id, offset):
-            return self._local.read_other_copy(chunk_id, offset, length)
-        return self._remote.read_other_copy(chunk_id, offset, length)
 
     def _fell_back(self, reason: ChunkUnavailable, _length: int) -> None:
         self.fallbacks += 1
@@ -146,10 +129,6 @@ class NodeChunkSource(ChunkSource):
 
     def stats(self) -> dict[str, Any]:
         return {"socket": self._connection.path, "fallbacks": self.fallbacks}
-
-    def close(self) -> None:
-        self._local.close()
-        self._dest.close()
 
 
 def open_served_dataset(socket_path: str | None = None) -> Dataset:

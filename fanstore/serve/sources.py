@@ -20,7 +20,7 @@ from ..chunk_source import ChunkSource, FallbackChunkSource
 from ..errors import ChunkUnavailable
 from .loop_requests import LoopRequests
 from .placement import NO_OWNER, Placement
-from .staged_source import StagedChunkSource
+from .staged_source import PlacedReads, StagedChunkSource
 from .transport import FetchDone, PeerTransport
 
 
@@ -65,38 +65,24 @@ class SourceCounters:
     fallback_bytes: int = 0
 
 
-class PlacedChunkSource(ChunkSource):
-    """Sends each read where the placement puts its blob: this rank's directory, or the remote path."""
+class PlacedChunkSource(PlacedReads):
+    """The mount's source under serve: this rank's staged copy, or its peers with DEST behind them (PlacedReads);
+    counts where each read went."""
 
     def __init__(self, rank: int, placement: Placement, local: StagedChunkSource, peers: PeerChunkSource,
                  dest: ChunkSource, direct: set[int] | frozenset[int] = frozenset()) -> None:
-        self._rank = rank
-        self._dest = dest
-        self._direct = frozenset(direct)  # chunks staged with a fault: read from DEST, whatever it gives
-        self._placement = placement
-        self._local = local
+        super().__init__(rank, placement, local, FallbackChunkSource(peers, dest, on_fallback=self._count_fallback),
+                         dest, direct)
         self._peers = peers
-        self._remote = FallbackChunkSource(peers, dest, on_fallback=self._count_fallback)
         self.counters = SourceCounters()
         self._lock = threading.Lock()
 
-    def read(self, chunk_id: int, offset: int, length: int) -> bytes:
-        if chunk_id in self._direct:
-            return self._dest.read(chunk_id, offset, length)
-        if self._placement.is_local(self._rank, chunk_id, offset):
-            data = self._local.read(chunk_id, offset, length)
-            with self._lock:
-                self.counters.local += 1
-                self.counters.local_bytes += length
-            return data
-        return self._remote.read(chunk_id, offset, length)
-
-    def read_other_copy(self, chunk_id: int, offset: int, length: int) -> bytes:
-        if chunk_id in self._direct:
-            return super().read_other_copy(chunk_id, offset, length)  # DEST's was the only one
-        if self._placement.is_local(self._rank, chunk_id, offset):
-            return self._local.read_other_copy(chunk_id, offset, length)
-        return self._remote.read_other_copy(chunk_id, offset, length)
+    def _read_local(self, chunk_id: int, offset: int, length: int) -> bytes:
+        data = self._local.read(chunk_id, offset, length)
+        with self._lock:
+            self.counters.local += 1
+            self.counters.local_bytes += length
+        return data
 
     def start_read(self, chunk_id: int, offset: int, length: int, done: FetchDone, ahead: bool = False) -> bool:
         """The peer alone: if it cannot give the blob, the caller's `read` goes through the fallback to DEST."""
@@ -129,7 +115,3 @@ class PlacedChunkSource(ChunkSource):
         counters["peers"] = {str(peer): asdict(peer_counters) for peer, peer_counters
                              in enumerate(self._peers.transport.peer_counters()) if peer != self._rank}
         return counters
-
-    def close(self) -> None:
-        self._local.close()
-        self._remote.close()

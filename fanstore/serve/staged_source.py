@@ -1,4 +1,7 @@
-"""A node's staged copy of its chunks, with DEST behind it for what is found damaged there."""
+"""A node's staged copy of its chunks, with DEST behind it for what is found damaged there, and how a rank's reads
+are sent by the placement: its own blobs to that copy, the others to a remote path, all of a chunk staged with a
+fault to DEST. The mount's source (sources.py) and a PyTorch reader's (node_client.py) differ only in the remote
+path."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from pathlib import Path
 
 from ..chunk_source import ChunkSource, LocalChunkSource
 from ..errors import ChunkError
+from .placement import Placement
 
 log = logging.getLogger("fanstore.serve")
 
@@ -66,3 +70,38 @@ class StagedChunkSource(ChunkSource):
 
     def close(self) -> None:
         self._staged.close()
+
+
+class PlacedReads(ChunkSource):
+    """Sends each read where the placement puts its blob: this rank's staged copy, or `remote`; a chunk staged with
+    a fault (`direct`) is read from DEST, whatever it gives."""
+
+    def __init__(self, rank: int, placement: Placement, local: StagedChunkSource, remote: ChunkSource,
+                 dest: ChunkSource, direct: set[int] | frozenset[int]) -> None:
+        self._rank = rank
+        self._placement = placement
+        self._local = local
+        self._remote = remote
+        self._dest = dest
+        self._direct = frozenset(direct)
+
+    def read(self, chunk_id: int, offset: int, length: int) -> bytes:
+        if chunk_id in self._direct:
+            return self._dest.read(chunk_id, offset, length)
+        if self._placement.is_local(self._rank, chunk_id, offset):
+            return self._read_local(chunk_id, offset, length)
+        return self._remote.read(chunk_id, offset, length)
+
+    def _read_local(self, chunk_id: int, offset: int, length: int) -> bytes:
+        return self._local.read(chunk_id, offset, length)
+
+    def read_other_copy(self, chunk_id: int, offset: int, length: int) -> bytes:
+        if chunk_id in self._direct:
+            return super().read_other_copy(chunk_id, offset, length)  # DEST's was the only one
+        if self._placement.is_local(self._rank, chunk_id, offset):
+            return self._local.read_other_copy(chunk_id, offset, length)
+        return self._remote.read_other_copy(chunk_id, offset, length)
+
+    def close(self) -> None:
+        self._local.close()
+        self._remote.close()
