@@ -293,28 +293,64 @@ def test_a_copy_damaged_on_a_node_is_read_from_dest_and_reported_once(served_dat
     _assert_nothing_left(job)
 
 
-def test_a_blob_damaged_in_dest_fails_its_file_alone_on_every_rank(served_dataset, tmp_path, jobs):
-    """Staging finds it and names it; that file is an I/O error on every rank, every other file reads right."""
+def _chunks_of_files(dest: Path) -> dict[str, set[int]]:
+    """Each regular file with stored bytes, by path: the chunks its blob or blocks lie in."""
+    with open_dataset(dest) as ds:
+        index, found = ds.index, {}
+        for dirpath, _dirs, files in ds.walk():
+            for name in files:
+                path = f"{dirpath}/{name}" if dirpath else name
+                entry = ds.resolve(path)
+                rows = index.block_rows(entry)
+                chunks = {int(index.blocks["chunk"][row]) for row in rows} if len(rows) else \
+                    {int(index.entries["chunk"][entry])} if index.entries["stored_len"][entry] else set()
+                if chunks:
+                    found[path] = chunks
+    return found
+
+
+@pytest.mark.parametrize("damage", ["a flipped byte", "cut short", "missing"])
+def test_a_chunk_damaged_in_dest_fails_its_files_alone_on_every_rank(served_dataset, tmp_path, jobs, damage):
+    """Staging finds the damage and names the chunk file; the file damaged (cut short or missing: the files of that
+    chunk) is an I/O error on every rank, every other file reads right."""
     src, packed = served_dataset
     dest = tmp_path / "dest"
     shutil.copytree(packed, dest)
     victim, chunk, offset, length = _whole_files_by_owner(dest)[2][0]
-    flip_byte(dest / "chunks" / f"{chunk:08d}.fsc", offset + length // 2)
+    chunk_file = dest / "chunks" / f"{chunk:08d}.fsc"
+    if damage == "a flipped byte":
+        flip_byte(chunk_file, offset + length // 2)
+        expected = f"staging: {chunk_file}: 1 blob(s) do not match their checksum"
+    elif damage == "cut short":
+        os.truncate(chunk_file, offset + length // 2)
+        expected = f"staging: {chunk_file}: shorter than the index says"
+    else:
+        chunk_file.unlink()
+        expected = f"staging: {chunk_file}: No such file or directory"
+    in_chunk = {path for path, chunks in _chunks_of_files(dest).items() if chunk in chunks}
     job = Job(tmp_path, dest)
     jobs.append(job)
     job.wait_ready()
     for mountpoint in job.mountpoints:
-        with pytest.raises(OSError) as failed:
-            (mountpoint / victim).read_bytes()
-        assert failed.value.errno == errno.EIO
         for original in src.rglob("*"):
-            relative = original.relative_to(src)
-            if original.is_file() and not original.is_symlink() and str(relative) != victim:
+            relative = str(original.relative_to(src))
+            if not original.is_file() or original.is_symlink():
+                continue
+            if relative == victim or (damage == "missing" and relative in in_chunk):
+                with pytest.raises(OSError) as failed:
+                    (mountpoint / relative).read_bytes()
+                assert failed.value.errno == errno.EIO, relative
+            elif relative not in in_chunk:
                 assert (mountpoint / relative).read_bytes() == original.read_bytes(), relative
+            else:  # a file of the damaged chunk, before the cut: right, or an I/O error, never wrong bytes
+                try:
+                    assert (mountpoint / relative).read_bytes() == original.read_bytes(), relative
+                except OSError as exc:
+                    assert damage == "cut short" and exc.errno == errno.EIO, relative
     os.killpg(job.proc.pid, signal.SIGTERM)
     code, out, err = job.finish()
     assert code == 0, out + err
-    assert f"staging: {dest / 'chunks' / f'{chunk:08d}.fsc'}: 1 blob(s) do not match their checksum" in err, err
+    assert expected in err, err
     assert "Traceback" not in err, err
     _assert_nothing_left(job)
 
