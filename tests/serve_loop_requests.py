@@ -6,7 +6,7 @@ meets a bug in the server, and a request for chunk 9 holds rank 1's MPI thread f
 Rank 0 asks from a trio loop through LoopRequests: a good blob, one whose ring is lost, a refused one, two fetched
 ahead (one collected, one left to the pump), the server's bug, more than the cap allows, the stalled one (past its
 deadline), one after the skip is over, left out when the loop ends; then, from a second loop, one that meets a bug
-in the pump. It prints one JSON line of what it saw; rank 1 prints what its transport counted.
+in the pump, and from a third, one that meets it in `collect`. It prints one JSON line of what it saw; rank 1 prints what its transport counted.
 
     mpiexec -n 2 python serve_loop_requests.py
 """
@@ -115,6 +115,20 @@ async def rank_0_meets_a_bug(loop: LoopRequests) -> dict[str, object]:
     return {"bug": (taken, reply, loop.start(1, 1, 0, len(BLOB), lambda blob, error: None))}
 
 
+async def rank_0_meets_a_bug_in_collect(loop: LoopRequests) -> dict[str, object]:
+    """The same bug met where a read of the mount collects replies (a fresh LoopRequests): it costs the request
+    out, never the read, and the pump stops with it."""
+    def broken() -> bool:
+        raise RuntimeError("injected in collect")
+
+    loop._complete = broken  # type: ignore[method-assign]
+    errors: list[str] = []
+    taken = loop.start(1, 1, 0, len(BLOB), lambda blob, error: errors.append(str(error)), ahead=True)
+    loop.collect()
+    await trio.sleep(0.05)  # the pump, started with that request, meets the failure and ends without a word
+    return {"bug in collect": (taken, errors, loop.start(1, 1, 0, len(BLOB), lambda blob, error: None))}
+
+
 def main() -> int:
     comm = MPI.COMM_WORLD.Dup()
     rank = comm.Get_rank()
@@ -140,6 +154,7 @@ def main() -> int:
         seen = trio.run(rank_0, loop, transport, bell)
         time.sleep(STALL)  # the stalled peer answers meanwhile: its late replies reach the MPI thread
         seen.update(trio.run(rank_0_meets_a_bug, loop))
+        seen.update(trio.run(rank_0_meets_a_bug_in_collect, LoopRequests(transport, bell)))
         seen["refused from 1"] = transport.counters[1].refused
     else:
         seen = {}

@@ -515,6 +515,10 @@ def test_the_mounts_loop_asks_peers_itself_within_the_same_rules(tmp_path):
     taken, reply, taken_after = seen[0]["bug"]
     assert taken and "asking peers from the mount's loop failed" in reply and not taken_after, seen[0]
     assert done.stderr.splitlines().count("RuntimeError: injected") == 1, done.stderr
+    taken, errors, taken_after = seen[0]["bug in collect"]
+    assert taken and len(errors) == 1 and "asking peers from the mount's loop failed" in errors[0], seen[0]
+    assert not taken_after, seen[0]
+    assert done.stderr.splitlines().count("RuntimeError: injected in collect") == 1, done.stderr
 
 
 @pytest.mark.parametrize("option, value, needle", [
