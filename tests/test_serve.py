@@ -253,8 +253,9 @@ def _whole_files_by_owner(dest: Path) -> dict[int, list[tuple[str, int, int, int
         for dirpath, _dirs, files in ds.walk("train"):
             for name in files:
                 path = f"{dirpath}/{name}"
-                entry = ds.index.entries[ds.resolve(path)]
-                if entry["stored_len"] and not ds.index.block_count(ds.resolve(path)):
+                number = ds.resolve(path)
+                entry = ds.index.entries[number]
+                if entry["stored_len"] and not ds.index.block_count(number):
                     chunk, offset = int(entry["chunk"]), int(entry["offset"])
                     found.setdefault(placement.owner(chunk, offset), []).append(
                         (path, chunk, offset, int(entry["stored_len"])))
@@ -270,8 +271,8 @@ def test_a_copy_damaged_on_a_node_is_read_from_dest_and_reported_once(served_dat
     jobs.append(job)
     job.wait_ready()
     files = _whole_files_by_owner(dest)
-    flipped_path, flipped_chunk, offset, length = files[0][0]
-    cut_path, cut_chunk, cut_offset, _ = next(f for f in files[1] if f[1] != flipped_chunk)
+    _, flipped_chunk, offset, length = files[0][0]
+    _, cut_chunk, cut_offset, _ = next(f for f in files[1] if f[1] != flipped_chunk)
     local = Path(job.local.replace("{rank}", "0")) / "chunks" / f"{flipped_chunk:08d}.fsc"
     flip_byte(local, offset + length // 2)
     cut = Path(job.local.replace("{rank}", "1")) / "chunks" / f"{cut_chunk:08d}.fsc"

@@ -41,7 +41,7 @@ def _damage_blob(directory: Path, index, entry: int) -> Path:
     return chunk
 
 
-def _sources(dest: Path, copy: Path, index) -> StagedChunkSource:
+def _staged_source(dest: Path, copy: Path, index) -> StagedChunkSource:
     sizes = index.chunks["size"]
     return StagedChunkSource(LocalChunkSource(copy, sizes), LocalChunkSource(dest, sizes), rank=0)
 
@@ -49,7 +49,7 @@ def _sources(dest: Path, copy: Path, index) -> StagedChunkSource:
 def test_a_blob_damaged_in_the_copy_is_read_from_dest_and_logged_once(staged, caplog):
     src, dest, copy, index, files = staged
     damaged = _damage_blob(copy, index, files["random.bin"])
-    source = _sources(dest, copy, index)
+    source = _staged_source(dest, copy, index)
     reader = Reader(index, source)
     with caplog.at_level(logging.WARNING, logger="fanstore.serve"):
         for _ in range(3):
@@ -66,7 +66,7 @@ def test_a_copy_cut_short_or_gone_is_read_from_dest(staged):
     gone = copy / chunk_file_name(int(index.entries[files["labels.txt"]]["chunk"]))
     if gone != cut:
         gone.unlink()
-    reader = Reader(index, _sources(dest, copy, index))
+    reader = Reader(index, _staged_source(dest, copy, index))
     for path, entry in files.items():
         assert reader.read(entry) == (src / path).read_bytes(), path
 
@@ -76,7 +76,7 @@ def test_a_blob_damaged_in_the_copy_and_in_dest_is_corrupt(staged):
     _damage_blob(copy, index, files["random.bin"])
     _damage_blob(dest, index, files["random.bin"])
     with pytest.raises(ChunkCorrupt, match="random.bin: checksum mismatch"):
-        Reader(index, _sources(dest, copy, index)).read(files["random.bin"])
+        Reader(index, _staged_source(dest, copy, index)).read(files["random.bin"])
 
 
 def test_a_pytorch_reader_of_a_served_node_reads_a_damaged_blob_from_dest(staged, tmp_path):
