@@ -18,7 +18,6 @@ from typing import Any, BinaryIO
 import numpy as np
 
 ROWS = 20_000
-CLIENT_FILES = ("table.sqlite", "archive.zip", "array.npy", "bundle.tar", "data.h5")
 
 
 def make_client_tree(src: Path) -> None:
