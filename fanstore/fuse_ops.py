@@ -27,6 +27,7 @@ from .chunk_source import ChunkSource
 from .errors import ChunkCorrupt, ChunkUnavailable, FanstoreError, fuse_errno_of
 from .format import FLAG_BLOCKED, NO_CHUNK
 from .index import Index
+from .kernel_holds import KernelHolds
 from .prefetch import Prefetcher
 from .reader import Reader
 
@@ -67,11 +68,6 @@ def may_block_flags(index: Index, source: ChunkSource | None) -> np.ndarray:
     whole = (entries["chunk"] != NO_CHUNK) & ((entries["flags"] & FLAG_BLOCKED) == 0)
     flags[whole] = source.may_block(entries["chunk"][whole], entries["offset"][whole])
     return flags
-
-
-def kernel_holds_flags(index: Index) -> bytearray:
-    """One byte per entry, set while the kernel's page cache holds that file whole (shared with PrefetchView)."""
-    return bytearray(len(index.entries))
 
 
 class _Fetching:
@@ -119,15 +115,15 @@ class PrefetchView:
     """The decoded cache as the prefetcher sees it: a file the kernel holds counts as cached, because decoding it
     ahead would be wasted work (a prefetch queued before the reader got there, or a second epoch)."""
 
-    def __init__(self, cache: DecodedCache, kernel_holds: bytearray) -> None:
+    def __init__(self, cache: DecodedCache, kernel_holds: KernelHolds) -> None:
         self._cache = cache
         self._kernel_holds = kernel_holds
 
     def contains(self, key: int | tuple[int, int]) -> bool:
-        return (type(key) is int and bool(self._kernel_holds[key])) or self._cache.contains(key)
+        return (type(key) is int and self._kernel_holds.holds(key)) or self._cache.contains(key)
 
     def get(self, key: int | tuple[int, int]) -> bytes:
-        return b"" if type(key) is int and self._kernel_holds[key] else self._cache.get(key)
+        return b"" if type(key) is int and self._kernel_holds.holds(key) else self._cache.get(key)
 
 
 _Operations = TypeVar("_Operations", bound=type)
@@ -171,7 +167,7 @@ class FanstoreOperations(pyfuse3.Operations):
 
     def __init__(self, index: Index, cache: DecodedCache, prefetcher: Prefetcher | None, decode_threads: int,
                  keep_cache: bool = True, timeout: float = KERNEL_CACHE_TIMEOUT,
-                 kernel_holds: bytearray | None = None, source: ChunkSource | None = None,
+                 kernel_holds: KernelHolds | None = None, source: ChunkSource | None = None,
                  fetch_threads: int = FETCH_THREADS, may_block: np.ndarray | None = None,
                  reader: Reader | None = None) -> None:
         super().__init__()
@@ -189,7 +185,7 @@ class FanstoreOperations(pyfuse3.Operations):
         self._read_end: dict[int, int] = {}  # where the last read of each file stored in blocks ended
         # Bytes served of each file being read, and which files the kernel holds whole (see _count_served).
         self._served: dict[int, int] = {}
-        self._kernel_holds = kernel_holds if kernel_holds is not None else kernel_holds_flags(index)
+        self._kernel_holds = kernel_holds if kernel_holds is not None else KernelHolds(len(index.entries))
         self._decode_limiter = trio.CapacityLimiter(max(1, decode_threads))
         # Files whose blob may take long to come (from another node) never make the event loop wait: the loop starts
         # the fetch, from open on, and is called back (_start_fetch); other reads of them (a retry, a file stored in
@@ -297,6 +293,7 @@ class FanstoreOperations(pyfuse3.Operations):
         prefetch = self.prefetcher.stats() if self.prefetcher is not None else {"pending": 0, "decoded": 0}
         prefetch["fetched_ahead"] = self._fetched_ahead  # from other nodes, by the loop (see _fetch_ahead)
         prefetch["fetches_held"] = len(self._fetching)  # begun before their read, not read yet
+        prefetch["kernel_trust"] = round(self._kernel_holds.trust, 3)  # see KernelHolds
         stats = {"cache": dataclasses.asdict(self.cache.stats()), "prefetch": prefetch}
         source = self._source.stats() if self._source is not None else {}
         if source:
@@ -314,6 +311,7 @@ class FanstoreOperations(pyfuse3.Operations):
             raise _read_only()
         if not stat.S_ISREG(int(self._mode[entry])):
             raise pyfuse3.FUSEError(errno.EISDIR)
+        self._kernel_holds.opened(entry)
         if self._may_block[entry] and self._needs_fetch(entry):
             # A file from another node that the kernel does not hold: its read comes next, so the fetch starts
             # now and the peer's round trip overlaps the open's reply and the reader's read request.
@@ -333,7 +331,7 @@ class FanstoreOperations(pyfuse3.Operations):
         if off == 0:
             # The kernel asks for the start of a file, so it does not hold it (any more): decode the next ones.
             # Not at open, which also comes for files the kernel still holds (a second epoch).
-            self._kernel_holds[fh] = 0
+            self._kernel_holds.read_from_start(fh)
             if self.prefetcher is not None:
                 self.prefetcher.withdraw(fh)
                 self.prefetcher.accessed(fh, self._fetch_ahead_taker)
@@ -376,7 +374,7 @@ class FanstoreOperations(pyfuse3.Operations):
 
     def _needs_fetch(self, entry: int) -> bool:
         """Neither the kernel, nor the cache, nor a fetch under way has the file."""
-        return not (self._kernel_holds[entry] or entry in self._fetching or self.cache.contains(entry))
+        return not (self._kernel_holds.holds(entry) or entry in self._fetching or self.cache.contains(entry))
 
     def _fetch_early(self, entry: int, ahead: bool = False) -> bool:
         """Start fetching a file from another node before its read (`ahead`: of the reader, by the prefetcher, not
@@ -465,11 +463,12 @@ class FanstoreOperations(pyfuse3.Operations):
             self._served[entry] = served
             return
         self.cache.discard(entry)
-        self._kernel_holds[entry] = 1
+        self._kernel_holds.sent_whole(entry)
 
     async def release(self, fh: int) -> None:
         # Opened but not read (or read by another handle already): a fetch begun at open arrives to nobody.
         self._fetching.pop(fh, None)
+        self._kernel_holds.released(fh)
 
     def report_failure(self, handler: str, args: tuple[Any, ...], exc: Exception) -> int:
         """Log a failed request once per damaged file, unavailable chunk or kind of fault; return its errno."""

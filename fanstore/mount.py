@@ -28,6 +28,7 @@ from .api import Dataset, open_dataset
 from .cache import DecodedCache
 from .daemon_tuning import install_fast_session_loop, keep_freed_memory
 from .errors import FanstoreError, UsageError
+from .kernel_holds import KernelHolds
 from .prefetch import FileOrder, Prefetcher, read_prefetch_list
 
 log = logging.getLogger("fanstore.mount")
@@ -194,7 +195,7 @@ def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd
     import trio
 
     from .fuse_ops import INLINE_DECODE_BYTES, KERNEL_CACHE_TIMEOUT, FanstoreOperations, PrefetchView, \
-        kernel_holds_flags, may_block_flags
+        may_block_flags
 
     try:
         index = ds.index
@@ -203,7 +204,7 @@ def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd
         keep_freed_memory()
         cache = DecodedCache(capacity, ds.reader.load)
         cores = len(os.sched_getaffinity(0))
-        kernel_holds = kernel_holds_flags(index)
+        kernel_holds = KernelHolds(len(index.entries))
         prefetcher = None
         min_size = INLINE_DECODE_BYTES if options.prefetch_min_size is None else options.prefetch_min_size
         # Read even when no prefetcher is made: a list that is wrong is an error whatever the dataset holds.

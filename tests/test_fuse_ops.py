@@ -26,7 +26,8 @@ from fanstore.cache import DecodedCache  # noqa: E402
 from fanstore.chunk_source import LocalChunkSource  # noqa: E402
 from fanstore.errors import ChunkCorrupt, ChunkUnavailable  # noqa: E402
 from fanstore import fuse_ops  # noqa: E402
-from fanstore.fuse_ops import FanstoreOperations, PrefetchView, kernel_holds_flags  # noqa: E402
+from fanstore.fuse_ops import FanstoreOperations, PrefetchView  # noqa: E402
+from fanstore.kernel_holds import KernelHolds  # noqa: E402
 from fanstore.prefetch import FileOrder, Prefetcher  # noqa: E402
 from fanstore.reader import Reader  # noqa: E402
 
@@ -159,7 +160,7 @@ def slow_operations(dataset, first_try: str = "ok", prefetch_list: list[str] | N
     source = DeliveredLater(dataset.path, dataset.index.chunks["size"], first_try)
     reader = Reader(dataset.index, source)
     cache = DecodedCache(1 << 20, reader.load)
-    kernel_holds = kernel_holds_flags(dataset.index)
+    kernel_holds = KernelHolds(len(dataset.index.entries))
     prefetcher = None
     if prefetch_list is not None:
         order = FileOrder(dataset.index, [dataset.index.lookup(path) for path in prefetch_list],

@@ -543,7 +543,7 @@ def test_the_stats_attribute_is_readable_and_not_listed(mounted):
     (mnt / "labels.txt").read_bytes()
     stats = _daemon_stats(mnt)
     assert set(stats["cache"]) >= {"hits", "misses", "waits", "evictions", "bytes_held"}
-    assert set(stats["prefetch"]) == {"pending", "decoded", "fetched_ahead", "fetches_held"}
+    assert set(stats["prefetch"]) == {"pending", "decoded", "fetched_ahead", "fetches_held", "kernel_trust"}
     assert os.listxattr(mnt) == []  # copying tools do not carry it along
     with pytest.raises(OSError):
         os.getxattr(mnt / "labels.txt", "user.fanstore.stats")
@@ -617,6 +617,46 @@ def test_prefetch_decodes_ahead_in_directory_and_list_order(packed, tmp_path):
     assert_one_line_error(run_cli("mount", str(ds), str(tmp_path / "mnt2"), "--log", str(tmp_path / "log"),
                                   "--prefetch-list", str(bad)),
                           "bad.txt:2", "not/there.png")
+
+
+def test_prefetch_comes_back_once_the_kernel_drops_the_files_it_held(tmp_path):
+    """A file sent whole stays in the kernel's page cache, and prefetching it again would be wasted; but the kernel
+    drops files when memory is short (a dataset larger than memory, every epoch), and then prefetch must work
+    again, or every epoch after the first reads without it."""
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(4)
+    count = 40
+    names = [f"f{i:02d}.bin" for i in range(count)]
+    for name in names:
+        (src / name).write_bytes(np.repeat(rng.integers(0, 255, 32 * 1024, dtype=np.uint8), 2).tobytes())
+    pack(src, tmp_path / "ds", PackOptions(codec="lz4", workers=1))
+    with Mounted(tmp_path / "ds", tmp_path / "mnt", "--prefetch", "4", "--prefetch-min-size", "0") as mount:
+
+        def epoch(drop_first: bool) -> tuple[int, int]:
+            """Cache hits and files decoded in one pass in directory order."""
+            if drop_first:
+                for name in names:
+                    fd = os.open(mount.mountpoint / name, os.O_RDONLY)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    os.close(fd)
+            before = _daemon_stats(mount.mountpoint)
+            for name in names:
+                path = mount.mountpoint / name
+                assert path.read_bytes() == (src / name).read_bytes()
+                wait_until(lambda: _daemon_stats(mount.mountpoint)["prefetch"]["pending"] == 0, "prefetch caught up")
+            after = _daemon_stats(mount.mountpoint)
+            return (after["cache"]["hits"] - before["cache"]["hits"],
+                    after["prefetch"]["decoded"] - before["prefetch"]["decoded"])
+
+        assert epoch(drop_first=False)[0] == count - 1
+        # The kernel holds every file: the reads never reach the daemon, and nothing is decoded for nothing.
+        assert epoch(drop_first=False) == (0, 0)
+        assert _daemon_stats(mount.mountpoint)["prefetch"]["kernel_trust"] == 1.0
+        # The kernel has dropped every file: after a few reads show it, prefetch decodes ahead again.
+        hits, _ = epoch(drop_first=True)
+        assert hits >= count - 16, f"{hits} of {count} files were decoded ahead after the kernel dropped them all"
+        assert _daemon_stats(mount.mountpoint)["prefetch"]["kernel_trust"] < 0.5
 
 
 def test_the_session_loop_hook_is_still_there():
