@@ -12,14 +12,27 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
 from .errors import ChunkCorrupt, ChunkError, ChunkUnavailable, FormatError
 from .format import CHUNK_HEADER_LEN, check_chunk_header, chunk_file_name
 
-__all__ = ["ChunkSource", "ChunkUnavailable", "FallbackChunkSource", "LocalChunkSource", "default_max_open_chunks"]
+__all__ = ["BlobRead", "ChunkSource", "ChunkUnavailable", "FallbackChunkSource", "LocalChunkSource", "ReadDone",
+           "default_max_open_chunks"]
+
+# Called once with the blob (or a view of a buffer the source hands over) or with the error; see start_read.
+ReadDone = Callable[[bytes | memoryview | None, ChunkError | None], None]
+
+
+class BlobRead(NamedTuple):
+    """One blob to read without waiting (ChunkSource.start_reads)."""
+
+    chunk_id: int
+    offset: int
+    length: int
+    done: ReadDone
 
 
 class ChunkSource(ABC):
@@ -35,8 +48,7 @@ class ChunkSource(ABC):
         the mount reads those off its event loop. Asked once at open, so a read decides by a lookup."""
         return np.zeros(len(chunks), dtype=bool)
 
-    def start_read(self, chunk_id: int, offset: int, length: int,
-                   done: Callable[[bytes | memoryview | None, ChunkError | None], None], ahead: bool = False) -> bool:
+    def start_read(self, chunk_id: int, offset: int, length: int, done: ReadDone, ahead: bool = False) -> bool:
         """Start a read of a blob that may_block says is slow, without waiting: `done(data, None)` or
         `done(None, error)` comes later, from another thread or the caller's event loop (`data` may be a view
         of a buffer the source hands over, not bytes). An event loop uses it so that no thread of its own
@@ -44,6 +56,11 @@ class ChunkSource(ABC):
         fallbacks. False when this source has no such path (then `read` it). `ahead`: nobody waits for the
         blob yet (a fetch ahead of the reader), so the source may leave it for `collect_started` to find."""
         return False
+
+    def start_reads(self, reads: Sequence[BlobRead], ahead: bool = False) -> list[bool]:
+        """start_read for several blobs at once, each started or not as start_read would say: a source may ask for
+        them together (one request to a peer for all of its blobs among them)."""
+        return [self.start_read(*read, ahead=ahead) for read in reads]
 
     def collect_started(self) -> None:
         """On the event loop that started reads: call `done` now for those whose blobs have come. The loop calls

@@ -23,8 +23,8 @@ import pyfuse3
 import trio
 
 from .cache import DecodedCache
-from .chunk_source import ChunkSource
-from .errors import ChunkCorrupt, ChunkUnavailable, FanstoreError, fuse_errno_of
+from .chunk_source import BlobRead, ChunkSource
+from .errors import ChunkCorrupt, ChunkError, ChunkUnavailable, FanstoreError, fuse_errno_of
 from .format import FLAG_BLOCKED, NO_CHUNK
 from .index import Index
 from .kernel_holds import KernelHolds
@@ -86,8 +86,9 @@ class _Fetching:
         self._waiter: trio.Event | None = None
         self.stored: bytes | memoryview | None = None  # None once arrived: the try failed
 
-    def arrive(self, stored: bytes | memoryview | None) -> None:
-        """From the transport's thread, or from the loop itself (then with no hand-off through trio's queue)."""
+    def arrive(self, stored: bytes | memoryview | None, _error: ChunkError | None = None) -> None:
+        """From the transport's thread, or from the loop itself (then with no hand-off through trio's queue). On
+        an error the usual path reads the file again, and reports what it meets."""
         with self._lock:
             self.stored = stored
             self._done = True
@@ -315,7 +316,9 @@ class FanstoreOperations(pyfuse3.Operations):
         if self._may_block[entry] and self._needs_fetch(entry):
             # A file from another node that the kernel does not hold: its read comes next, so the fetch starts
             # now and the peer's round trip overlaps the open's reply and the reader's read request.
-            self._fetch_early(entry)
+            fetching = self._start_fetch(entry)
+            if fetching is not None:
+                self._hold(entry, fetching)
         return pyfuse3.FileInfo(fh=entry, keep_cache=self.keep_cache)
 
     async def read(self, fh: int, off: int, size: int) -> memoryview | bytes:
@@ -356,19 +359,15 @@ class FanstoreOperations(pyfuse3.Operations):
             self._count_served(fh, len(reply), len(data))
         return reply
 
-    def _start_fetch(self, entry: int, ahead: bool = False) -> _Fetching | None:
+    def _start_fetch(self, entry: int) -> _Fetching | None:
         """Start fetching a file's blob from another node on the loop: the transport calls back when it arrives (or
         the try fails), so no thread sits waiting for the peer (a thread's hand-offs each way cost more CPU than
         decoding the file). None when the source has no such path."""
         if self._reader is None or self._source is None:
             return None
         fetching = _Fetching(trio.lowlevel.current_trio_token())
-
-        def done(stored: bytes | memoryview | None, _error: Exception | None) -> None:  # a thread's, or the loop's
-            fetching.arrive(stored)  # on an error the usual path reads the file again, and reports what it meets
-
         if not self._source.start_read(int(self._chunk[entry]), int(self._offset[entry]),
-                                       int(self._stored_len[entry]), done, ahead):
+                                       int(self._stored_len[entry]), fetching.arrive):
             return None
         return fetching
 
@@ -376,24 +375,19 @@ class FanstoreOperations(pyfuse3.Operations):
         """Neither the kernel, nor the cache, nor a fetch under way has the file."""
         return not (self._kernel_holds.holds(entry) or entry in self._fetching or self.cache.contains(entry))
 
-    def _fetch_early(self, entry: int, ahead: bool = False) -> bool:
-        """Start fetching a file from another node before its read (`ahead`: of the reader, by the prefetcher, not
-        at its open); False when it cannot be fetched that way."""
-        fetching = self._start_fetch(entry, ahead)
-        if fetching is None:
-            return False
+    def _hold(self, entry: int, fetching: _Fetching) -> None:
+        """Keep a fetch begun before its file's read for that read; the oldest go first past `_fetches_held`."""
         fetching_now = self._fetching
         fetching_now[entry] = fetching
         if len(fetching_now) > self._fetches_held:
             del fetching_now[next(iter(fetching_now))]  # its read, if it ever comes, fetches again
-        return True
 
     def _fetch_ahead(self, keys: list[int | tuple[int, int]]) -> list[int | tuple[int, int]]:
         """Of the prefetcher's next files, those from another node are fetched ahead by the loop, still stored, and
         decoded by their reads as local files are: no thread waits on a peer, and none is woken per file. They
-        are started in batches, once the next one or half of them are not on their way, so one wake of the peer
-        carries several files; their replies wake nobody, as each read collects what has come. The other keys
-        are returned, for the prefetcher's threads."""
+        are started in batches, once the next one or half of them are not on their way, each peer's files in one
+        request, so one request and one wake of the peer carry several files; their replies wake nobody, as each
+        read collects what has come. The other keys are returned, for the prefetcher's threads."""
         slow: list[int] = []
         left: list[int | tuple[int, int]] = []
         for key in keys:
@@ -403,8 +397,15 @@ class FanstoreOperations(pyfuse3.Operations):
                 left.append(key)
         missing = [key for key in slow if self._needs_fetch(key)]
         if missing and (missing[0] == slow[0] or 2 * len(missing) >= len(slow)):
-            for key in missing:
-                if self._fetch_early(key, ahead=True):
+            token = trio.lowlevel.current_trio_token()
+            fetchings = [_Fetching(token) for _ in missing]
+            chunk, offset, stored_len = self._chunk, self._offset, self._stored_len
+            reads = [BlobRead(int(chunk[key]), int(offset[key]), int(stored_len[key]), fetching.arrive)
+                     for key, fetching in zip(missing, fetchings)]
+            for key, fetching, started in zip(missing, fetchings,
+                                              self._source.start_reads(reads, ahead=True)):  # type: ignore[union-attr]
+                if started:
+                    self._hold(key, fetching)
                     self._fetched_ahead += 1
                 else:  # no fetch of its own (a chunk read from DEST): the prefetcher's
                     left.append(key)

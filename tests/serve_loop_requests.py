@@ -1,10 +1,10 @@
 """Run by tests/test_serve.py under `mpiexec -n 2`: rank 0's event loop asks rank 1 for blobs itself.
 
 Both ranks run a PeerTransport with doorbells, as `fanstore serve` does. Rank 1 serves blobs of made-up chunks:
-chunk 1 is `BLOB`, chunk 4 too but the ring of its reply is lost (a UDP datagram can be), chunk 2 is refused, chunk 7
+chunk 1 is `BLOB`, chunk 3 is `OTHER`, chunk 4 is `BLOB` too but the ring of its reply is lost (a UDP datagram can be), chunk 2 is refused, chunk 7
 meets a bug in the server, and a request for chunk 9 holds rank 1's MPI thread for STALL seconds (a stalled peer).
-Rank 0 asks from a trio loop through LoopRequests: a good blob, one whose ring is lost, a refused one, two fetched
-ahead (one collected, one left to the pump), the server's bug, more than the cap allows, the stalled one (past its
+Rank 0 asks from a trio loop through LoopRequests: a good blob, several in one request (and several of which one is
+refused), one whose ring is lost, a refused one, two fetched ahead (one collected, one left to the pump), the server's bug, more than the cap allows, the stalled one (past its
 deadline), one after the skip is over, left out when the loop ends; then, from a second loop, one that meets a bug
 in the pump, and from a third, one that meets it in `collect`. It prints one JSON line of what it saw; rank 1 prints what its transport counted.
 
@@ -24,6 +24,7 @@ mpi4py.rc.thread_level = "multiple"
 from mpi4py import MPI  # noqa: E402
 import trio  # noqa: E402
 
+from fanstore.chunk_source import BlobRead  # noqa: E402
 from fanstore.errors import ChunkUnavailable  # noqa: E402
 from fanstore.serve.doorbell import Doorbell, open_doorbell  # noqa: E402
 from fanstore.serve.loop_requests import LoopRequests  # noqa: E402
@@ -31,6 +32,7 @@ from fanstore.serve.polling import wait_all  # noqa: E402
 from fanstore.serve.transport import PeerOptions, PeerTransport, RequestRefused  # noqa: E402
 
 BLOB = bytes(range(256)) * 300
+OTHER = bytes(range(255, -1, -1)) * 100
 TIMEOUT = 0.5
 RETRY_AFTER = 1.0
 STALL = 3.0
@@ -48,6 +50,8 @@ def serve(peer: int, chunk: int, offset: int, length: int) -> bytes:
     if chunk == LOST_RING:
         rings_to_lose.append(peer)
         chunk = 1
+    if chunk == 3 and offset == 0 and length == len(OTHER):
+        return OTHER
     if chunk != 1 or offset != 0 or length != len(BLOB):
         raise RequestRefused(f"chunk {chunk} at {offset} is not a blob of this rank")
     return BLOB
@@ -67,11 +71,35 @@ async def ask(loop: LoopRequests, chunk: int, length: int = len(BLOB), ahead: bo
     return True, outcome[0]
 
 
+async def ask_many(loop: LoopRequests, chunks: list[int]) -> tuple[bool, list[object]]:
+    """Several blobs of rank 1 in one request: what each one's `done` got, in the order asked."""
+    outcomes: dict[int, object] = {}
+    arrived = trio.Event()
+
+    def done_for(number: int):
+        def done(blob: memoryview | None, error: ChunkUnavailable | None) -> None:
+            outcomes[number] = bytes(blob) if error is None else f"unavailable: {error}"
+            if len(outcomes) == len(chunks):
+                arrived.set()
+        return done
+
+    reads = [BlobRead(chunk, 0, len(OTHER if chunk == 3 else BLOB), done_for(number))
+             for number, chunk in enumerate(chunks)]
+    if not loop.start_many(1, reads):
+        return False, []
+    await arrived.wait()
+    return True, [outcomes[number] for number in range(len(chunks))]
+
+
 async def rank_0(loop: LoopRequests, transport: PeerTransport, bell: Doorbell) -> dict[str, object]:
     seen: dict[str, object] = {}
     taken, blob = await ask(loop, 1)
     seen["good"] = taken and blob == BLOB
     seen["via the loop"] = (transport.loop_counters[1].fetched, transport.counters[1].fetched)
+    taken, blobs = await ask_many(loop, [1, 3, 1])  # each blob to its own reader, counted one by one
+    seen["several"] = (taken, blobs == [BLOB, OTHER, BLOB], transport.loop_counters[1].fetched)
+    taken, blobs = await ask_many(loop, [1, 2, 3])  # one refused: the request fails, each read falls back
+    seen["several, one refused"] = (taken, [str(blob) for blob in blobs])
     started = time.monotonic()
     taken, blob = await ask(loop, LOST_RING)  # found by the pump's timer, well before the deadline
     seen["ring lost"] = (taken and blob == BLOB, time.monotonic() - started < TIMEOUT / 2)

@@ -1,8 +1,8 @@
 """Run by tests/test_serve.py under `mpiexec -n 3`: rank 2 sends rank 0 malformed requests, by hand.
 
 Ranks 0 and 1 stage and serve as `fanstore serve` does (Stager, PeerTransport, RequestChecker); rank 2 stages too,
-then, from its main thread, sends rank 0 every kind of bad request and one good one. Afterwards ranks 0 and 1 must
-still serve each other. Every rank prints one JSON line of what it saw.
+then, from its main thread, sends rank 0 every kind of bad request and good ones, for one blob and for several.
+Afterwards ranks 0 and 1 must still serve each other. Every rank prints one JSON line of what it saw.
 
     mpiexec -n 3 python serve_malformed_peer.py DEST WORKDIR
 """
@@ -28,52 +28,69 @@ from fanstore.serve.placement import BlobTable, place  # noqa: E402
 from fanstore.serve.polling import wait_all  # noqa: E402
 from fanstore.serve.staged_source import StagedChunkSource  # noqa: E402
 from fanstore.serve.staging import Stager  # noqa: E402
-from fanstore.serve.transport import FIRST_REPLY_TAG, OK, REFUSED, REPLY_HEADER, REPLY_MAGIC, REQUEST, \
-    REQUEST_MAGIC, TAG_REQUEST, PeerOptions, PeerTransport  # noqa: E402
+from fanstore.serve.transport import FIRST_REPLY_TAG, MAX_BLOBS, MORE_BLOB, OK, REFUSED, REPLY_HEADER, REPLY_MAGIC, \
+    REQUEST, REQUEST_MAGIC, TAG_REQUEST, PeerOptions, PeerTransport  # noqa: E402
 
 
-def blob_owned_by(placement, blobs: BlobTable, rank: int) -> tuple[int, int, int, int]:
-    for chunk, offset, length, checksum in zip(blobs.chunk.tolist(), blobs.offset.tolist(),
-                                               blobs.stored_len.tolist(), blobs.checksum.tolist()):
-        if placement.owner(chunk, offset) == rank:
-            return chunk, offset, length, checksum
-    raise SystemExit(f"no blob is stored on rank {rank}")
+def blobs_owned_by(placement, blobs: BlobTable, rank: int) -> list[tuple[int, int, int, int]]:
+    owned = [(chunk, offset, length, checksum) for chunk, offset, length, checksum
+             in zip(blobs.chunk.tolist(), blobs.offset.tolist(), blobs.stored_len.tolist(), blobs.checksum.tolist())
+             if placement.owner(chunk, offset) == rank]
+    if len(owned) < 2:
+        raise SystemExit(f"fewer than two blobs are stored on rank {rank}")
+    return owned
+
+
+def request(tag: int, *blobs: tuple[int, int, int]) -> bytes:
+    """A request for one blob, or for several (the first in the header, the others after it)."""
+    (chunk, offset, length), more = blobs[0], blobs[1:]
+    return REQUEST.pack(REQUEST_MAGIC, tag, chunk, 0, offset, length) + b"".join(MORE_BLOB.pack(*blob) for blob in more)
 
 
 def attack(comm, placement, blobs: BlobTable, sizes: list[int]) -> dict[str, object]:
-    chunk, offset, length, checksum = blob_owned_by(placement, blobs, 0)
-    other = blob_owned_by(placement, blobs, 1)
-    answered = {  # name: (request fields, reply expected)
-        "unknown chunk": ((10**6, 0, 10), REFUSED),
-        "chunk of another rank": ((other[0], other[1], other[2]), REFUSED),
-        "inside a blob": ((chunk, offset + 1, length - 1), REFUSED),
-        "past the chunk": ((chunk, sizes[chunk] - 4, 1 << 40), REFUSED),
-        "the header": ((chunk, 0, 32), REFUSED),
-        "a good one": ((chunk, offset, length), OK),
+    owned = blobs_owned_by(placement, blobs, 0)
+    (chunk, offset, length, checksum), second = owned[0], owned[-1]
+    good, other = (chunk, offset, length), blobs_owned_by(placement, blobs, 1)[0][:3]
+    answered = {  # name: (the blobs asked, reply expected)
+        "unknown chunk": ([(10**6, 0, 10)], REFUSED),
+        "chunk of another rank": ([other], REFUSED),
+        "inside a blob": ([(chunk, offset + 1, length - 1)], REFUSED),
+        "past the chunk": ([(chunk, sizes[chunk] - 4, 1 << 40)], REFUSED),
+        "the header": ([(chunk, 0, 32)], REFUSED),
+        "a bad blob after good ones": ([good, second[:3], (chunk, offset + 1, length - 1)], REFUSED),
+        "a good one": ([good], OK),
+        "several good ones": ([good, second[:3], good], OK),
     }
+    expected_bytes = {"a good one": [checksum], "several good ones": [checksum, second[3], checksum]}
+    too_many = [good] * (MAX_BLOBS + 1)
     dropped = {
         "short": (b"xx", TAG_REQUEST),
-        "bad magic": (REQUEST.pack(b"XXXX", FIRST_REPLY_TAG, chunk, 0, offset, length), TAG_REQUEST),
-        "reply tag 0": (REQUEST.pack(REQUEST_MAGIC, 0, chunk, 0, offset, length), TAG_REQUEST),
-        "unknown tag": (REQUEST.pack(REQUEST_MAGIC, FIRST_REPLY_TAG, chunk, 0, offset, length), 7),
+        "bad magic": (b"XXXX" + request(FIRST_REPLY_TAG, good)[4:], TAG_REQUEST),
+        "reply tag 0": (request(0, good), TAG_REQUEST),
+        "unknown tag": (request(FIRST_REPLY_TAG, good), 7),
+        "a blob cut short": (request(FIRST_REPLY_TAG, good, good)[:-3], TAG_REQUEST),
+        "too many blobs": (request(FIRST_REPLY_TAG, *too_many), TAG_REQUEST),
     }
     requests, replies = [], {}
     for name, (message, tag) in dropped.items():
         requests.append(comm.Isend([message, MPI.BYTE], dest=0, tag=tag))
-    for number, (name, ((c, o, n), _)) in enumerate(answered.items()):
+    for number, (name, (asked, _)) in enumerate(answered.items()):
         tag = FIRST_REPLY_TAG + 1000 + number
-        buffer = bytearray(REPLY_HEADER.size + (n if name == "a good one" else 4096))
+        buffer = bytearray(REPLY_HEADER.size + sum(blob[2] for blob in asked) if name in expected_bytes else 4096)
         replies[name] = buffer
         requests.append(comm.Irecv([buffer, MPI.BYTE], source=0, tag=tag))
-        requests.append(comm.Isend([REQUEST.pack(REQUEST_MAGIC, tag, c, 0, o, n), MPI.BYTE], dest=0, tag=TAG_REQUEST))
+        requests.append(comm.Isend([request(tag, *asked), MPI.BYTE], dest=0, tag=TAG_REQUEST))
     wait_all(requests, deadline=time.monotonic() + 30, what="replies from rank 0")
     seen = {}
-    for name, (_, expected) in answered.items():
+    for name, (asked, expected) in answered.items():
         magic, status = REPLY_HEADER.unpack_from(replies[name])
-        good = magic == REPLY_MAGIC and status == expected
-        if name == "a good one":
-            good = good and xxhash.xxh3_64_intdigest(replies[name][REPLY_HEADER.size:]) == checksum
-        seen[name] = "as expected" if good else f"status {status}"
+        good_reply = magic == REPLY_MAGIC and status == expected
+        if name in expected_bytes:
+            start = REPLY_HEADER.size
+            for (_, _, size), blob_checksum in zip(asked, expected_bytes[name]):
+                good_reply = good_reply and xxhash.xxh3_64_intdigest(replies[name][start : start + size]) == blob_checksum
+                start += size
+        seen[name] = "as expected" if good_reply else f"status {status}"
     return seen
 
 
@@ -97,7 +114,7 @@ def main(dest: Path, workdir: Path) -> None:
                               PeerOptions(timeout=10))
     transport.start()
     transport.collective(lambda c: (c.Ibarrier(), lambda: None)).result()
-    chunk, offset, length, checksum = blob_owned_by(placement, blobs, 1 - rank)
+    chunk, offset, length, checksum = blobs_owned_by(placement, blobs, 1 - rank)[0]
     fetched = transport.fetch(1 - rank, chunk, offset, length)
     transport.collective(lambda c: (c.Ibarrier(), lambda: None)).result()
     transport.stop()

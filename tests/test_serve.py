@@ -204,6 +204,11 @@ def test_every_rank_sees_every_file_and_replicated_files_are_local(served_datase
     # Every stored byte once (a piece that starts inside a chunk also copies that chunk's 32-byte header).
     assert chunk_bytes <= staged <= chunk_bytes + 32 * RANKS * 2, totals[0]
     assert "0 B during the epochs (0 B)" in totals[0]
+    # Files fetched ahead of the reader (directory order) go to their peer several to a request.
+    from_peers = [(int(blobs), int(requests)) for blobs, requests
+                  in re.findall(r"^  from rank \d: (\d+) \(.*?\) in (\d+) requests", out, re.M)]
+    assert len(from_peers) == RANKS * (RANKS - 1), out
+    assert sum(blobs for blobs, _ in from_peers) > sum(requests for _, requests in from_peers) > 0, out
     assert "Traceback" not in err, err
     _assert_nothing_left(job)
     assert _shm_files() <= shm_before
@@ -479,11 +484,12 @@ def test_malformed_peer_requests_are_refused_without_harm(served_dataset, tmp_pa
     assert done.returncode == 0, done.stdout + done.stderr
     seen = {line["rank"]: line for line in map(json.loads, done.stdout.splitlines())}
     assert set(seen[2]["replies"].values()) == {"as expected"}, seen[2]
-    assert seen[0]["refused_from_2"] == 9 and seen[0]["served_to_2"] == 1, seen[0]
+    # Six dropped and six refused; four blobs served (one, then three in one request).
+    assert seen[0]["refused_from_2"] == 12 and seen[0]["served_to_2"] == 4, seen[0]
     assert seen[0]["peer_served"] and seen[1]["peer_served"], seen
     # Each malformed request is one log line naming the peer, never a traceback.
     assert "Traceback" not in done.stderr, done.stderr
-    assert len([line for line in done.stderr.splitlines() if "rank 2" in line]) == 9, done.stderr
+    assert len([line for line in done.stderr.splitlines() if "rank 2" in line]) == 12, done.stderr
 
 
 def test_the_mounts_loop_asks_peers_itself_within_the_same_rules(tmp_path):
@@ -498,6 +504,10 @@ def test_the_mounts_loop_asks_peers_itself_within_the_same_rules(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     seen = {line["rank"]: line for line in map(json.loads, done.stdout.splitlines())}
     assert seen[0]["good"] and seen[0]["via the loop"] == [1, 0], seen[0]
+    assert seen[0]["several"] == [True, True, 4], seen[0]  # three blobs in one reply, each to its reader
+    taken, errors = seen[0]["several, one refused"]
+    assert taken and len(errors) == 3, seen[0]
+    assert all("rank 1 refused a request for 3 blobs: chunk 2 at 0 is not" in error for error in errors), errors
     assert seen[0]["ring lost"] == [True, True], seen[0]  # the reply is found without its ring, in time
     assert seen[0]["refused"], seen[0]
     assert seen[0]["ahead"] == [False, True], seen[0]  # no ring: collected where the loop runs anyway

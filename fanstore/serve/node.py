@@ -385,7 +385,8 @@ def _format_rank(stats: dict[str, Any]) -> str:
              + (f"doorbell on ({stats['doorbell']})" if stats.get("doorbell") else "doorbell off")
              + ("; the mount's loop asks peers" if stats.get("loop_requests") else "")]
     for peer, counters in local["peers"].items():
-        lines.append(f"  from rank {peer}: {counters['fetched']} ({format_bytes(counters['fetched_bytes'])}), "
+        lines.append(f"  from rank {peer}: {counters['fetched']} ({format_bytes(counters['fetched_bytes'])}) in "
+                     f"{counters['asked']} requests, "
                      f"to rank {peer}: {counters['served']} ({format_bytes(counters['served_bytes'])}), "
                      f"failed {counters['failed']}, refused {counters['refused']}")
     lines.append(f"  from DEST (fallback): {local['fallback']} ({format_bytes(local['fallback_bytes'])})")

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import threading
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
-from ..chunk_source import ChunkSource, FallbackChunkSource
+from ..chunk_source import BlobRead, ChunkSource, FallbackChunkSource
 from ..errors import ChunkUnavailable
 from .loop_requests import LoopRequests
 from .placement import NO_OWNER, Placement
 from .staged_source import PlacedReads, StagedChunkSource
-from .transport import FetchDone, PeerTransport
+from .transport import MAX_BLOBS, FetchDone, PeerTransport
 
 
 class PeerChunkSource(ChunkSource):
@@ -46,6 +46,24 @@ class PeerChunkSource(ChunkSource):
         if self._loop is None or not self._loop.start(owner, chunk_id, offset, length, done, ahead):
             self.transport.fetch_later(owner, chunk_id, offset, length, done)
         return True
+
+    def start_reads(self, reads: Sequence[BlobRead], ahead: bool = False) -> list[bool]:
+        """The blobs of each owner among `reads` in as few requests as may be (MAX_BLOBS each)."""
+        started = [False] * len(reads)
+        by_owner: dict[int, list[BlobRead]] = {}
+        owner_of, rank = self._placement.owner, self._rank
+        for number, read in enumerate(reads):
+            owner = owner_of(read.chunk_id, read.offset)
+            if owner != NO_OWNER and owner != rank:
+                by_owner.setdefault(owner, []).append(read)
+                started[number] = True
+        for owner, owned in by_owner.items():
+            for first in range(0, len(owned), MAX_BLOBS):
+                batch = owned[first : first + MAX_BLOBS]
+                if self._loop is None or not self._loop.start_many(owner, batch, ahead):
+                    for read in batch:
+                        self.transport.fetch_later(owner, *read)
+        return started
 
     def collect_started(self) -> None:
         if self._loop is not None:
@@ -89,6 +107,14 @@ class PlacedChunkSource(PlacedReads):
         if chunk_id in self._direct or self._placement.is_local(self._rank, chunk_id, offset):
             return False
         return self._peers.start_read(chunk_id, offset, length, done, ahead)
+
+    def start_reads(self, reads: Sequence[BlobRead], ahead: bool = False) -> list[bool]:
+        started = [False] * len(reads)
+        remote = [number for number, read in enumerate(reads) if not (
+            read.chunk_id in self._direct or self._placement.is_local(self._rank, read.chunk_id, read.offset))]
+        for number, ok in zip(remote, self._peers.start_reads([reads[number] for number in remote], ahead)):
+            started[number] = ok
+        return started
 
     def collect_started(self) -> None:
         self._peers.collect_started()

@@ -4,7 +4,8 @@ A caller asks `fetch_later(peer, chunk, offset, length, done)` and is called bac
 for the peer), or asks `fetch` and waits on its own event; the MPI thread posts the
 reply's Irecv, sends the 32-byte request, and polls everything in flight with Testsome and a backing-off sleep
 (polling.Backoff): no blocking MPI call after start-up, so an idle rank costs a few percent of a core. Requests
-from peers are found with Improbe, checked by the node's `RequestServer`, and answered from local chunks. With a
+from peers are found with Improbe, checked by the node's `RequestServer`, and answered from local chunks; a request
+may ask for up to MAX_BLOBS blobs (the event loop's fetches ahead, loop_requests.py), answered in one reply. With a
 doorbell (doorbell.py), each request and each reply also rings its receiver, which then sleeps until rung.
 
 Faults cost a deadline, never a hang: a request not answered in `timeout` seconds is cancelled, the peer is
@@ -23,8 +24,9 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Protocol
 
+from ..chunk_source import ReadDone
 from ..errors import ChunkCorrupt, ChunkError, ChunkUnavailable, FanstoreError
 from .doorbell import Doorbell
 from .polling import Backoff, precise_sleeps
@@ -36,6 +38,8 @@ FIRST_REPLY_TAG = 16  # reply tags run from here to the library's TAG_UB: the MP
 # event loop's (loop_requests.py) the upper half; each wraps in its own
 REQUEST = struct.Struct("<4sIIIQQ")  # magic, reply tag, chunk, flags, offset, length
 REQUEST_MAGIC = b"FSRQ"
+MORE_BLOB = struct.Struct("<IQQ")  # chunk, offset, length: each further blob of a request that asks for several
+MAX_BLOBS = 64  # blobs one request may ask for: the reply carries them one after the other
 RING_REPLY_BELL = 1  # request flag: the asker's event loop waits for this reply on its reply bell (doorbell.py)
 QUIET_REPLY = 2  # request flag: ring nobody for this reply; the asker polls for it (a fetch ahead of its reader)
 REPLY_HEADER = struct.Struct("<4sI")  # magic, status; the blob (status OK) or a UTF-8 reason follows
@@ -54,7 +58,7 @@ class RequestRefused(FanstoreError):
 
 # Called once with the blob or the error: from the MPI thread, from the event loop that asked (loop_requests.py),
 # or from the caller's when the transport has stopped.
-FetchDone = Callable[[Optional[bytes | memoryview], Optional[ChunkError]], None]
+FetchDone = ReadDone
 
 
 class RequestServer(Protocol):
@@ -75,26 +79,29 @@ class PeerCounters:
 
     fetched: int = 0  # blobs this rank got from the peer
     fetched_bytes: int = 0
+    asked: int = 0  # requests this rank sent the peer: one may ask for several blobs
     served: int = 0  # blobs this rank sent to the peer
     served_bytes: int = 0
-    failed: int = 0  # requests of ours that timed out, were refused or found the peer skipped
+    failed: int = 0  # blobs of ours whose request timed out, was refused or found the peer skipped
     refused: int = 0  # malformed requests from the peer
 
 
 def blob_of_reply(peer: int, chunk: int, offset: int, length: int, buffer: bytearray, count: int,
-                  counters: PeerCounters) -> tuple[memoryview | None, str]:
-    """The blob a reply of `count` bytes in `buffer` carries (a view of it), counted as fetched; else None and what
-    the reply says instead, for the reader's log, counted as failed."""
+                  counters: PeerCounters, blobs: int = 1) -> tuple[memoryview | None, str]:
+    """The blob a reply of `count` bytes in `buffer` carries (a view of it; the `blobs` blobs of `length` bytes in
+    all, one after the other, that a request for several asked), counted as fetched; else None and what the reply
+    says instead, for the reader's log, counted as failed."""
     magic, code = REPLY_HEADER.unpack_from(buffer) if count >= REPLY_HEADER.size else (b"", -1)
     if magic == REPLY_MAGIC and code == OK and count == REPLY_HEADER.size + length:
-        counters.fetched += 1
+        counters.fetched += blobs
         counters.fetched_bytes += length
         return memoryview(buffer)[REPLY_HEADER.size:count], ""
-    counters.failed += 1
+    counters.failed += blobs
+    asked = f"chunk {chunk} at {offset}" if blobs == 1 else f"a request for {blobs} blobs"
     if magic == REPLY_MAGIC and code in _STATUS_NAMES:
-        reason = bytes(buffer[REPLY_HEADER.size:count]).decode("utf-8", "replace")
-        return None, f"rank {peer} {_STATUS_NAMES[code]} chunk {chunk} at {offset}: {reason}"
-    return None, f"rank {peer} sent a malformed reply ({count} bytes) for chunk {chunk}"
+        reason = bytes(buffer[REPLY_HEADER.size:count]).decode("utf-8", "replace")  # names the blob at fault
+        return None, f"rank {peer} {_STATUS_NAMES[code]} {asked}: {reason}"
+    return None, f"rank {peer} sent a malformed reply ({count} bytes) to {asked}"
 
 
 @dataclass(eq=False)
@@ -332,6 +339,7 @@ class PeerTransport:
         request.receive = self.comm.Irecv([request.buffer, self._mpi.BYTE], source=peer, tag=request.tag)
         message = REQUEST.pack(REQUEST_MAGIC, request.tag, request.chunk, 0, request.offset, request.length)
         request.send = self.comm.Isend([message, self._mpi.BYTE], dest=peer, tag=TAG_REQUEST)
+        self.counters[peer].asked += 1
         self._peers[peer].in_flight.append(request)
         self._poll(request.send, lambda _status: None)
         self._to_ring.add(peer)
@@ -496,20 +504,26 @@ class PeerTransport:
 
     def _answer(self, source: int, message: bytearray) -> None:
         counters = self.counters[source]
-        if len(message) != REQUEST.size or message[:4] != REQUEST_MAGIC:
+        more, odd = divmod(len(message) - REQUEST.size, MORE_BLOB.size)
+        if more < 0 or odd or more >= MAX_BLOBS or message[:4] != REQUEST_MAGIC:
             counters.refused += 1
             log.warning("rank %d sent a malformed request (%d bytes): dropped", source, len(message))
             return
-        _, tag, chunk, flags, offset, length = REQUEST.unpack(message)
+        _, tag, chunk, flags, offset, length = REQUEST.unpack_from(message)
         if not FIRST_REPLY_TAG <= tag <= self._tag_limit:
             counters.refused += 1
             log.warning("rank %d sent a request with reply tag %d: dropped", source, tag)
             return
+        blobs = [(chunk, offset, length)]
+        if more:
+            blobs.extend(MORE_BLOB.iter_unpack(memoryview(message)[REQUEST.size:]))
+        parts = [REPLY_HEADER.pack(REPLY_MAGIC, OK)]
         try:
-            blob = self._serve_request(source, chunk, offset, length)
-            reply = REPLY_HEADER.pack(REPLY_MAGIC, OK) + blob
-            counters.served += 1
-            counters.served_bytes += len(blob)
+            for chunk, offset, length in blobs:
+                parts.append(self._serve_request(source, chunk, offset, length))
+            reply = b"".join(parts) if more else parts[0] + parts[1]
+            counters.served += len(blobs)
+            counters.served_bytes += len(reply) - REPLY_HEADER.size
         except RequestRefused as exc:
             counters.refused += 1
             log.warning("rank %d: request refused: %s", source, exc)
