@@ -25,6 +25,10 @@ EXIT_FAILURE = 1
 EXIT_DOES_NOT_FIT = 3  # `fanstore plan` and --fit: distinct from an error, so a batch script can try more nodes
 EXIT_INTERRUPTED = 130
 _WARNINGS_SHOWN = 20
+# Under serve, files from other nodes are fetched ahead in batches, each peer's in one request: a deeper window
+# makes the batches larger. Measured with 3 ranks, 128 KiB files, --prefetch-list, a CPU per node: remote files/s at
+# 89.3-90.0% of local with 16, against 83.0-85.5% with 8 (mount's default) and 83.2-89.5% with 32.
+SERVE_PREFETCH = 16
 
 
 def _add_pack_arguments(parser: argparse.ArgumentParser) -> None:
@@ -552,9 +556,10 @@ def _add_serve_parser(commands: Any) -> None:
     serve_parser.add_argument("--prefetch-list", metavar="FILE",
                               help="the epoch's reading order, one path a line: files are fetched and decoded ahead "
                                    "({rank} is replaced by the rank: each its own order)")
-    serve_parser.add_argument("--prefetch", type=int, default=8, metavar="N",
+    serve_parser.add_argument("--prefetch", type=int, default=SERVE_PREFETCH, metavar="N",
                               help="after each file opened, fetch and decode ahead those of the next N files that "
-                                   "are stored on another node or in at least 256KiB (default 8; 0 turns it off)")
+                                   f"are stored on another node or in at least 256KiB (default {SERVE_PREFETCH}; 0 "
+                                   "turns it off)")
     serve_parser.add_argument("--prefetch-threads", type=int, default=8, metavar="K",
                               help="threads fetching and decoding ahead (default 8)")
     serve_parser.add_argument("--cache-size", metavar="SIZE",
