@@ -33,12 +33,18 @@ from fanstore.serve.transport import FIRST_REPLY_TAG, MAX_BLOBS, MORE_BLOB, OK, 
 
 
 def blobs_owned_by(placement, blobs: BlobTable, rank: int) -> list[tuple[int, int, int, int]]:
+    """The blobs `rank` stores, largest first."""
     owned = [(chunk, offset, length, checksum) for chunk, offset, length, checksum
              in zip(blobs.chunk.tolist(), blobs.offset.tolist(), blobs.stored_len.tolist(), blobs.checksum.tolist())
              if placement.owner(chunk, offset) == rank]
     if len(owned) < 2:
         raise SystemExit(f"fewer than two blobs are stored on rank {rank}")
-    return owned
+    return sorted(owned, key=lambda blob: -blob[2])
+
+
+def reply_limit(placement, blobs: BlobTable) -> int:
+    """Rank 0's max_reply_bytes: three of its largest blobs, so that four of them in one request are too many."""
+    return 3 * blobs_owned_by(placement, blobs, 0)[0][2]
 
 
 def request(tag: int, *blobs: tuple[int, int, int]) -> bytes:
@@ -60,6 +66,7 @@ def attack(comm, placement, blobs: BlobTable, sizes: list[int]) -> dict[str, obj
         "a bad blob after good ones": ([good, second[:3], (chunk, offset + 1, length - 1)], REFUSED),
         "a good one": ([good], OK),
         "several good ones": ([good, second[:3], good], OK),
+        "several, too many bytes": ([good] * 4, REFUSED),
     }
     expected_bytes = {"a good one": [checksum], "several good ones": [checksum, second[3], checksum]}
     too_many = [good] * (MAX_BLOBS + 1)
@@ -111,7 +118,7 @@ def main(dest: Path, workdir: Path) -> None:
         return
     local = StagedChunkSource(LocalChunkSource(local_dir, sizes), LocalChunkSource(dest, sizes), rank)
     transport = PeerTransport(comm, RequestChecker(rank, placement, blobs, local, len(sizes), set()),
-                              PeerOptions(timeout=10))
+                              PeerOptions(timeout=10, max_reply_bytes=reply_limit(placement, blobs)))
     transport.start()
     transport.collective(lambda c: (c.Ibarrier(), lambda: None)).result()
     chunk, offset, length, checksum = blobs_owned_by(placement, blobs, 1 - rank)[0]

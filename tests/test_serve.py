@@ -484,12 +484,12 @@ def test_malformed_peer_requests_are_refused_without_harm(served_dataset, tmp_pa
     assert done.returncode == 0, done.stdout + done.stderr
     seen = {line["rank"]: line for line in map(json.loads, done.stdout.splitlines())}
     assert set(seen[2]["replies"].values()) == {"as expected"}, seen[2]
-    # Six dropped and six refused; four blobs served (one, then three in one request).
-    assert seen[0]["refused_from_2"] == 12 and seen[0]["served_to_2"] == 4, seen[0]
+    # Six dropped and seven refused; four blobs served (one, then three in one request).
+    assert seen[0]["refused_from_2"] == 13 and seen[0]["served_to_2"] == 4, seen[0]
     assert seen[0]["peer_served"] and seen[1]["peer_served"], seen
     # Each malformed request is one log line naming the peer, never a traceback.
     assert "Traceback" not in done.stderr, done.stderr
-    assert len([line for line in done.stderr.splitlines() if "rank 2" in line]) == 12, done.stderr
+    assert len([line for line in done.stderr.splitlines() if "rank 2" in line]) == 13, done.stderr
 
 
 def test_the_mounts_loop_asks_peers_itself_within_the_same_rules(tmp_path):

@@ -24,6 +24,27 @@ from .staged_source import PlacedReads, StagedChunkSource
 from .transport import MAX_BLOBS, FetchDone, PeerTransport
 
 
+# Bytes of blobs one request asks for at most (a larger blob goes alone): the first file of a batch waits for the
+# whole reply, and the serving rank holds it twice while it builds it.
+BATCH_BYTES = 4 << 20
+
+
+def batches(reads: Sequence[BlobRead], limit: int = BATCH_BYTES) -> list[list[BlobRead]]:
+    """`reads` in order, cut into requests of at most MAX_BLOBS blobs and `limit` bytes (or one larger blob)."""
+    cut: list[list[BlobRead]] = []
+    batch: list[BlobRead] = []
+    size = 0
+    for read in reads:
+        if batch and (len(batch) == MAX_BLOBS or size + read.length > limit):
+            cut.append(batch)
+            batch, size = [], 0
+        batch.append(read)
+        size += read.length
+    if batch:
+        cut.append(batch)
+    return cut
+
+
 class PeerChunkSource(ChunkSource):
     """Blobs stored on other ranks, asked of their owner over the transport."""
 
@@ -48,7 +69,7 @@ class PeerChunkSource(ChunkSource):
         return True
 
     def start_reads(self, reads: Sequence[BlobRead], ahead: bool = False) -> list[bool]:
-        """The blobs of each owner among `reads` in as few requests as may be (MAX_BLOBS each)."""
+        """The blobs of each owner among `reads` in as few requests as `batches` allows."""
         started = [False] * len(reads)
         by_owner: dict[int, list[BlobRead]] = {}
         owner_of, rank = self._placement.owner, self._rank
@@ -58,8 +79,7 @@ class PeerChunkSource(ChunkSource):
                 by_owner.setdefault(owner, []).append(read)
                 started[number] = True
         for owner, owned in by_owner.items():
-            for first in range(0, len(owned), MAX_BLOBS):
-                batch = owned[first : first + MAX_BLOBS]
+            for batch in batches(owned):
                 if self._loop is None or not self._loop.start_many(owner, batch, ahead):
                     for read in batch:
                         self.transport.fetch_later(owner, *read)

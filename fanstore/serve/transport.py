@@ -71,6 +71,9 @@ class PeerOptions:
     timeout: float = 5.0  # seconds a peer gets to answer one request
     retry_after: float = 30.0  # seconds a peer that missed a deadline is skipped
     max_in_flight: int = 8  # requests outstanding to one peer
+    # Bytes a request for several blobs may ask for in all (one blob may be larger): the reply is built whole, so
+    # this bounds what one request can make the serving rank hold. Askers stay far below (sources.BATCH_BYTES).
+    max_reply_bytes: int = 64 << 20
 
 
 @dataclass
@@ -519,6 +522,9 @@ class PeerTransport:
             blobs.extend(MORE_BLOB.iter_unpack(memoryview(message)[REQUEST.size:]))
         parts = [REPLY_HEADER.pack(REPLY_MAGIC, OK)]
         try:
+            if more and sum(blob[2] for blob in blobs) > self.options.max_reply_bytes:
+                raise RequestRefused(f"{len(blobs)} blobs of {sum(blob[2] for blob in blobs)} bytes in all: more "
+                                     f"than {self.options.max_reply_bytes} bytes in one reply")
             for chunk, offset, length in blobs:
                 parts.append(self._serve_request(source, chunk, offset, length))
             reply = b"".join(parts) if more else parts[0] + parts[1]
