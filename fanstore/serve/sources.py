@@ -81,8 +81,7 @@ class PeerChunkSource(ChunkSource):
         for owner, owned in by_owner.items():
             for batch in batches(owned):
                 if self._loop is None or not self._loop.start_many(owner, batch, ahead):
-                    for read in batch:
-                        self.transport.fetch_later(owner, *read)
+                    self.transport.fetch_many_later(owner, batch)
         return started
 
     def collect_started(self) -> None:

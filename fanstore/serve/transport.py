@@ -24,9 +24,9 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
-from ..chunk_source import ReadDone
+from ..chunk_source import BlobRead, ReadDone
 from ..errors import ChunkCorrupt, ChunkError, ChunkUnavailable, FanstoreError
 from .doorbell import Doorbell
 from .polling import Backoff, precise_sleeps
@@ -114,15 +114,36 @@ class _Fetch:
     offset: int
     length: int
     on_done: FetchDone
+    more: Sequence[BlobRead] = ()  # further blobs asked in the same request, which the reply carries after this one
     deadline: float = 0.0
     tag: int = 0
     buffer: bytearray | None = None
     receive: Any = None
     send: Any = None
 
+    @property
+    def blobs(self) -> int:
+        return 1 + len(self.more)
+
+    @property
+    def total(self) -> int:
+        """Bytes of every blob asked."""
+        return self.length + sum(read.length for read in self.more)
+
     def finish(self, result: bytes | None = None, error: ChunkError | None = None) -> None:
         self.buffer = None
-        self.on_done(result, error)
+        if not self.more:
+            self.on_done(result, error)
+        elif result is None:
+            for done in (self.on_done, *(read.done for read in self.more)):
+                done(None, error)
+        else:
+            view = memoryview(result)
+            self.on_done(view[: self.length], None)
+            start = self.length
+            for read in self.more:
+                read.done(view[start : start + read.length], None)
+                start += read.length
 
 
 @dataclass
@@ -214,6 +235,13 @@ class PeerTransport:
         later from the MPI thread (by the request's deadline), or at once once the transport has stopped, and must
         only hand the outcome on."""
         self._submit(_Fetch(peer, chunk, offset, length, done))
+
+    def fetch_many_later(self, peer: int, reads: Sequence[BlobRead]) -> None:
+        """`fetch_later` for up to MAX_BLOBS blobs of `peer` in one request; each read's `done` is called."""
+        if not 0 < len(reads) <= MAX_BLOBS:
+            raise ValueError(f"a request asks for 1 to {MAX_BLOBS} blobs, not {len(reads)}")
+        first = reads[0]
+        self._submit(_Fetch(peer, first.chunk_id, first.offset, first.length, first.done, more=tuple(reads[1:])))
 
     def _submit(self, request: _Fetch) -> None:
         self._submitted.append(request)
@@ -311,12 +339,12 @@ class PeerTransport:
     def _queue_fetch(self, request: _Fetch) -> None:
         peer = self._peers[request.peer] if 0 <= request.peer < self.size else None
         if peer is None or request.peer == self.rank:
-            self.counters[self.rank].failed += 1
+            self.counters[self.rank].failed += request.blobs
             request.finish(error=ChunkUnavailable(f"rank {request.peer} is not a peer of rank {self.rank}",
                                                   chunk_id=request.chunk))
             return
         if peer.skip_until > time.monotonic():
-            self.counters[request.peer].failed += 1
+            self.counters[request.peer].failed += request.blobs
             request.finish(error=self._skipped_error(request))
             return
         request.deadline = time.monotonic() + self.options.timeout
@@ -337,10 +365,12 @@ class PeerTransport:
 
     def _send_fetch(self, peer: int, request: _Fetch) -> None:
         request.tag = self._take_tag()
-        request.buffer = bytearray(REPLY_HEADER.size + request.length)
+        request.buffer = bytearray(REPLY_HEADER.size + request.total)
         # The reply's receive is posted before the request leaves, so the reply never waits unexpected.
         request.receive = self.comm.Irecv([request.buffer, self._mpi.BYTE], source=peer, tag=request.tag)
         message = REQUEST.pack(REQUEST_MAGIC, request.tag, request.chunk, 0, request.offset, request.length)
+        if request.more:
+            message += b"".join([MORE_BLOB.pack(read.chunk_id, read.offset, read.length) for read in request.more])
         request.send = self.comm.Isend([message, self._mpi.BYTE], dest=peer, tag=TAG_REQUEST)
         self.counters[peer].asked += 1
         self._peers[peer].in_flight.append(request)
@@ -396,8 +426,8 @@ class PeerTransport:
             return
         peer.in_flight.remove(request)
         self._outstanding -= 1
-        blob, reason = blob_of_reply(request.peer, request.chunk, request.offset, request.length, request.buffer,
-                                     status.Get_count(self._mpi.BYTE), self.counters[request.peer])
+        blob, reason = blob_of_reply(request.peer, request.chunk, request.offset, request.total, request.buffer,
+                                     status.Get_count(self._mpi.BYTE), self.counters[request.peer], request.blobs)
         if blob is not None:
             request.finish(result=bytes(blob))  # `read` gives bytes; the buffer goes back with the request
         else:
@@ -435,10 +465,10 @@ class PeerTransport:
                 if mpi_request:  # a completed request is MPI_REQUEST_NULL, which is false and cannot be cancelled
                     mpi_request.Cancel()
             self._abandoned[(number, request.tag)] = now + 10 * self.options.retry_after
-            self.counters[number].failed += 1
+            self.counters[number].failed += request.blobs
             request.finish(error=ChunkUnavailable(str(error), chunk_id=request.chunk))
         for request in peer.queued:
-            self.counters[number].failed += 1
+            self.counters[number].failed += request.blobs
             request.finish(error=ChunkUnavailable(str(error), chunk_id=request.chunk))
         self._outstanding -= len(peer.in_flight) + len(peer.queued)
         peer.in_flight.clear()
