@@ -39,7 +39,7 @@ Ways of reading, each a training process of its own (this script with --child), 
   serve mount --prefetch 0   `mpiexec -n 2 fanstore serve DEST MP{rank} --local-dir L{rank} --prefetch 0 --
                              python bench_train.py --child ...`: each rank reads its share through its own mount,
                              half of its files stored on the other rank and fetched over MPI;
-  serve mount                the same, serve's defaults (--prefetch 8: remote files are always worth prefetching);
+  serve mount                the same, serve's defaults (--prefetch 16: remote files are always worth prefetching);
   serve mount --prefetch-list  with epoch 1's whole order (a rank's own next files are every other line);
   serve FileDataset(None)    FileDataset(None)+EpochSampler under serve, the node's served dataset, when this
                              checkout has fanstore/serve/node_client.py; else a row saying it is not available.
