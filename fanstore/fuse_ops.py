@@ -382,12 +382,14 @@ class FanstoreOperations(pyfuse3.Operations):
         if len(fetching_now) > self._fetches_held:
             del fetching_now[next(iter(fetching_now))]  # its read, if it ever comes, fetches again
 
-    def _fetch_ahead(self, keys: list[int | tuple[int, int]]) -> list[int | tuple[int, int]]:
+    def _fetch_ahead(self, keys: list[int | tuple[int, int]], in_order: bool) -> list[int | tuple[int, int]]:
         """Of the prefetcher's next files, those from another node are fetched ahead by the loop, still stored, and
         decoded by their reads as local files are: no thread waits on a peer, and none is woken per file. They
         are started in batches, once the next one or half of them are not on their way, each peer's files in one
         request, so one request and one wake of the peer carry several files; their replies wake nobody, as each
-        read collects what has come. The other keys are returned, for the prefetcher's threads."""
+        read collects what has come. The other keys are returned, for the prefetcher's threads. While the reader
+        does not follow the order (`in_order`), such files are neither fetched nor returned: a blob fetched ahead
+        is held for a few dozen reads only (`_fetches_held`), so for such a reader it would come for nothing."""
         slow: list[int] = []
         left: list[int | tuple[int, int]] = []
         for key in keys:
@@ -395,6 +397,8 @@ class FanstoreOperations(pyfuse3.Operations):
                 slow.append(key)
             else:
                 left.append(key)
+        if not in_order:
+            return left
         missing = [key for key in slow if self._needs_fetch(key)]
         if missing and (missing[0] == slow[0] or 2 * len(missing) >= len(slow)):
             token = trio.lowlevel.current_trio_token()

@@ -3,6 +3,13 @@ background threads, so decoding overlaps the trainer's compute instead of sittin
 
 "Next" is the epoch order from a prefetch list (one path a line, as a training script's sampler writes it)
 when the file is in it, else the following files of the same directory, in listing order.
+
+A reader may not follow that order (a shuffled sampler with no list, a stale list). A file decoded ahead waits in
+the cache, which is large, and is likely still there when its read comes, however late; but a file fetched ahead
+from another node under serve is held for a few dozen reads only, so fetching ahead for such a reader is wasted
+work on both nodes. So the prefetcher checks each read against the order, and tells whoever fetches ahead whether
+most reads land shortly after one of the last few (several DataLoader workers each read their own stretch of the
+order at once), as the kernel's read-ahead does within one file.
 """
 
 from __future__ import annotations
@@ -48,6 +55,14 @@ class FileOrder:
         self._position[self._list[::-1]] = np.arange(len(self._list))[::-1]
         self._blocked = (entries["flags"] & FLAG_BLOCKED) != 0
         self._any_blocked = bool(self._blocked.any())  # else every key is an entry number (no per-key test)
+        self._parent = entries["parent"]
+
+    def place(self, entry: int) -> tuple[int, int]:
+        """Where `entry` stands in this order: (-1, position in the list), or (its directory, entry number) for a
+        file the list does not name; two files are `count` apart in the order when one place is the other's plus
+        count in the second member, under the same first."""
+        position = int(self._position[entry])
+        return (-1, position) if position >= 0 else (int(self._parent[entry]), entry)
 
     def after(self, entry: int, count: int) -> list[CacheKey]:
         position = int(self._position[entry])
@@ -80,6 +95,14 @@ def read_prefetch_list(index: Index, path: Path) -> list[int]:
     return entries
 
 
+# How many of the latest reads a read may follow to count as in order: several DataLoader workers each read their
+# own stretch of the order at once.
+RECENT_READS = 8
+# Weight of one read in the share of reads that follow the order: about 11 reads out of order in a row, from all in
+# order, tip it below one half, and as many in order tip it back.
+_LEARN = 1 / 16
+
+
 class Prefetcher:
     """A small thread pool that decodes the files after each opened one into the cache, each file once."""
 
@@ -93,21 +116,38 @@ class Prefetcher:
         self._lock = threading.Lock()
         self._closed = False
         self._decoded = 0
+        self._recent: list[tuple[int, int]] = []  # places of the latest reads, oldest first
+        self._in_order = 1.0  # recent share of reads that came shortly after one of those
 
     @property
     def depth(self) -> int:
         return self._depth
 
-    def accessed(self, entry: int, fetch_ahead: Callable[[list[CacheKey]], list[CacheKey]] | None = None) -> None:
+    def accessed(self, entry: int,
+                 fetch_ahead: Callable[[list[CacheKey], bool], list[CacheKey]] | None = None) -> None:
         """The reader opened `entry`: queue decoding of the next `depth` files not cached yet. `fetch_ahead`, given
-        those files, takes the ones the caller brings ahead itself and returns the rest."""
+        those files and whether the reader follows the order, takes the ones the caller brings ahead itself (or
+        drops) and returns the rest."""
         if self._depth <= 0:
             return
+        in_order = self._follows_order(entry)
         following = self._order.after(entry, self._depth)
         if fetch_ahead is not None:
-            following = fetch_ahead(following)
+            following = fetch_ahead(following, in_order)
         for key in following:
             self.prefetch(key)
+
+    def _follows_order(self, entry: int) -> bool:
+        """Count whether `entry` comes at most `depth` places after one of the latest reads; True while most do."""
+        group, position = self._order.place(entry)
+        depth = self._depth
+        in_order = any(group == seen_group and 0 < position - seen <= depth for seen_group, seen in self._recent)
+        self._in_order += ((1.0 if in_order else 0.0) - self._in_order) * _LEARN
+        recent = self._recent
+        recent.append((group, position))
+        if len(recent) > RECENT_READS:
+            del recent[0]
+        return self._in_order >= 0.5
 
     def prefetch(self, key: CacheKey) -> None:
         """Queue decoding `key` into the cache, unless it is there or queued already."""
@@ -142,10 +182,10 @@ class Prefetcher:
                 self._scheduled.discard(key)
                 self._decoded += 1
 
-    def stats(self) -> dict[str, int]:
-        """Decodes queued or running now, and done so far."""
+    def stats(self) -> dict[str, int | float]:
+        """Decodes queued or running now, done so far, and the recent share of reads that followed the order."""
         with self._lock:
-            return {"pending": len(self._scheduled), "decoded": self._decoded}
+            return {"pending": len(self._scheduled), "decoded": self._decoded, "in_order": round(self._in_order, 3)}
 
     def close(self) -> None:
         with self._lock:

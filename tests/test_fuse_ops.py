@@ -351,6 +351,38 @@ def test_files_from_other_nodes_are_fetched_ahead_in_batches(dataset):
     assert set(started[1 : len(order) - 6]) == {0, 3}, started  # the window's end is the list's after that
 
 
+def test_files_from_other_nodes_are_fetched_ahead_only_while_the_reader_follows_the_order(tmp_path):
+    """A blob fetched ahead is held for a few dozen reads only: for a reader that does not follow the order (a
+    shuffled sampler with no list) it would be fetched from its node for nothing. Fetching ahead stops once most
+    reads come out of order, and starts again once they follow it."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for number in range(120):
+        (src / f"f{number:03d}.bin").write_bytes(bytes([number]) * 3000)
+    pack(src, tmp_path / "ds", PackOptions(codec="zstd:3", workers=1))
+    with open_dataset(tmp_path / "ds") as ds:
+        order = sorted(ds.files())
+        operations, _source = slow_operations(ds, prefetch_list=order, depth=2)
+        strided = order[::3]  # each read 3 places after the last: never within the 2 the prefetcher looks ahead
+        rest = [path for path in order if path not in set(strided)]  # 1 or 2 places after the last
+
+        async def fetched_ahead_after_each(paths: list[str]) -> list[int]:
+            counts = []
+            for path in paths:
+                assert await open_read_release(operations, ds.index.lookup(path)) == ds.read(path)
+                counts.append(operations.stats()["prefetch"]["fetched_ahead"])
+            return counts
+
+        try:
+            out_of_order = trio.run(fetched_ahead_after_each, strided)
+            in_order = trio.run(fetched_ahead_after_each, rest)
+        finally:
+            operations.prefetcher.close()
+    # About 11 reads out of order tip the share below one half; none is fetched ahead after that.
+    assert 0 < out_of_order[11] == out_of_order[-1], out_of_order
+    assert in_order[-1] - out_of_order[-1] >= len(rest) // 2, in_order
+
+
 def test_blobs_fetched_ahead_and_never_read_are_bounded(dataset, monkeypatch):
     """A reader that skips the files its list names (a sampler that changed its mind) leaves at most
     FETCHES_HELD fetched blobs (or twice the depth) behind, the oldest dropped first; a dropped one's read, if

@@ -101,3 +101,39 @@ def test_a_file_the_reader_takes_over_is_not_prefetched_as_well(dataset):
         gate.set()
         prefetcher.close()
     assert sorted(loads) == sorted([b, e])  # b by the prefetch, e once, by the reader
+
+
+def test_reads_follow_the_order_when_each_worker_reads_its_own_stretch(tmp_path):
+    """Two DataLoader workers read batches 0 and 1 of the list at once, then 2 and 3: their reads interleave, but
+    each lands just after one of the latest, so the reader follows the order; reads 3 places apart with a depth of
+    2 do not, after a few of them."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for number in range(64):
+        (src / f"f{number:02d}.bin").write_bytes(bytes([number]) * 100)
+    pack(src, tmp_path / "ds", PackOptions(codec="none", workers=1))
+    with open_dataset(tmp_path / "ds") as ds:
+        listed = [ds.index.lookup(f"f{number:02d}.bin") for number in range(64)]
+        seen: list[bool] = []
+
+        def record(keys: list, in_order: bool) -> list:
+            seen.append(in_order)
+            return []  # nothing left for the threads: only the verdicts matter here
+
+        # Batches of 8: the two workers take batches 0 and 1, then 2 and 3, ..., each reading its items in turn.
+        two_workers = [listed[batch * 8 + item] for pair in range(0, 8, 2) for item in range(8)
+                       for batch in (pair, pair + 1)]
+        prefetcher = Prefetcher(DecodedCache(1 << 20, ds.reader.read), FileOrder(ds.index, listed), depth=2,
+                                threads=1)
+        try:
+            for entry in two_workers:
+                prefetcher.accessed(entry, record)
+            assert all(seen), seen
+            assert prefetcher.stats()["in_order"] > 0.9
+            seen.clear()
+            for entry in listed[::3]:
+                prefetcher.accessed(entry, record)
+            assert seen[:3] == [True] * 3 and not any(seen[12:]), seen
+            assert prefetcher.stats()["in_order"] < 0.5
+        finally:
+            prefetcher.close()
