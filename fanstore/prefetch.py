@@ -58,9 +58,8 @@ class FileOrder:
         self._parent = entries["parent"]
 
     def place(self, entry: int) -> tuple[int, int]:
-        """Where `entry` stands in this order: (-1, position in the list), or (its directory, entry number) for a
-        file the list does not name; two files are `count` apart in the order when one place is the other's plus
-        count in the second member, under the same first."""
+        """Where `entry` stands in this order, as (sequence, position): (-1, its line in the list), or (its directory,
+        its entry number) for a file the list does not name. Within one sequence, positions run in reading order."""
         position = int(self._position[entry])
         return (-1, position) if position >= 0 else (int(self._parent[entry]), entry)
 
