@@ -13,6 +13,7 @@ not OK).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -21,13 +22,12 @@ import socketserver
 import struct
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..chunk_source import ChunkSource
+from ..chunk_source import BlobRead, ChunkSource
 from ..errors import ChunkCorrupt, ChunkError
 from .placement import BlobTable
 
@@ -43,39 +43,43 @@ OK, REFUSED, UNAVAILABLE, CORRUPT = 0, 1, 2, 3
 PLAN_ROW = np.dtype([("chunk", "<i8"), ("offset", "<i8"), ("length", "<i8")])
 MAX_PLAN_ROWS = 1 << 26
 AHEAD_BYTES = 256 << 20  # remote blobs fetched ahead and not read yet, at most
-AHEAD_THREADS = 8
+# Of those, bytes asked of peers and not come yet: a request queued behind many others could miss its deadline.
+AHEAD_IN_FLIGHT = 16 << 20
+AHEAD_ROWS = 64  # plan rows started at once; the source asks each peer for its blobs among them together
 
 
 class BlobsAhead:
-    """Remote blobs of the current plan, fetched in plan order by a few threads, held until read once."""
+    """Remote blobs of the current plan, fetched in plan order and held until read once. One thread starts the
+    fetches (ChunkSource.start_reads: each peer's blobs several to a request), and they are handed over as they
+    arrive: no thread waits for a peer."""
 
-    def __init__(self, fetch: Callable[[int, int, int], bytes], capacity: int = AHEAD_BYTES,
-                 threads: int = AHEAD_THREADS) -> None:
-        self._fetch = fetch
+    def __init__(self, start_reads: Callable[[Sequence[BlobRead]], list[bool]], capacity: int = AHEAD_BYTES,
+                 in_flight: int = AHEAD_IN_FLIGHT) -> None:
+        self._start_reads = start_reads
         self._capacity = capacity
-        self._held: OrderedDict[tuple[int, int], bytes] = OrderedDict()
+        self._in_flight = in_flight
+        self._held: OrderedDict[tuple[int, int], bytes | memoryview] = OrderedDict()
         self._held_bytes = 0
-        self._reserved = 0  # bytes being fetched now
+        self._reserved = 0  # bytes asked for and not come yet
         self._plan: list[tuple[int, int, int]] = []
         self._next = 0
         self._generation = 0
         self._changed = threading.Condition()
         self._closed = False
         self.hits = self.fetched = 0
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="fanstore-node-ahead")
-        for _ in range(threads):
-            self._pool.submit(self._work)
+        self._thread = threading.Thread(target=self._work, name="fanstore-node-ahead", daemon=True)
+        self._thread.start()
 
-    def replace_plan(self, rows: np.ndarray) -> None:
+    def replace_plan(self, rows: list[tuple[int, int, int]]) -> None:
         with self._changed:
-            self._plan = [(int(r["chunk"]), int(r["offset"]), int(r["length"])) for r in rows]
+            self._plan = rows
             self._next = 0
             self._generation += 1
             self._held.clear()
             self._held_bytes = 0
             self._changed.notify_all()
 
-    def take(self, chunk: int, offset: int) -> bytes | None:
+    def take(self, chunk: int, offset: int) -> bytes | memoryview | None:
         """The blob if it was fetched ahead (it is then forgotten: each is read once an epoch), else None."""
         with self._changed:
             blob = self._held.pop((chunk, offset), None)
@@ -88,32 +92,44 @@ class BlobsAhead:
     def _work(self) -> None:
         while True:
             with self._changed:
-                while not self._closed and (self._next >= len(self._plan)
-                                            or self._held_bytes + self._reserved >= self._capacity):
+                while not self._closed and (self._next >= len(self._plan) or self._full()):
                     self._changed.wait()
                 if self._closed:
                     return
-                chunk, offset, length = self._plan[self._next]
-                self._next += 1
+                rows: list[tuple[int, int, int]] = []
+                while self._next < len(self._plan) and len(rows) < AHEAD_ROWS and (not rows or not self._full()):
+                    row = self._plan[self._next]
+                    self._next += 1
+                    self._reserved += row[2]  # so that what is asked stays within the bounds
+                    rows.append(row)
                 generation = self._generation
-                self._reserved += length  # so that the threads together stay within the capacity
-            try:
-                blob: bytes | None = self._fetch(chunk, offset, length)
-            except ChunkError:
-                blob = None  # the reader meets the error itself when it asks, and reports it
-            with self._changed:
-                self._reserved -= length
-                if blob is not None and generation == self._generation:
-                    self._held[(chunk, offset)] = blob
-                    self._held_bytes += len(blob)
-                    self.fetched += 1
-                self._changed.notify_all()
+            reads = [BlobRead(chunk, offset, length,
+                              functools.partial(self._arrived, generation, chunk, offset, length))
+                     for chunk, offset, length in rows]
+            for read, started in zip(reads, self._start_reads(reads)):
+                if not started:  # stored on this node after all: its reader reads it from here
+                    self._arrived(generation, read.chunk_id, read.offset, read.length, None, None)
+
+    def _full(self) -> bool:
+        return self._held_bytes + self._reserved >= self._capacity or self._reserved >= self._in_flight
+
+    def _arrived(self, generation: int, chunk: int, offset: int, length: int, blob: bytes | memoryview | None,
+                 _error: ChunkError | None) -> None:
+        """A fetch's outcome, from the MPI thread. A blob that did not come is left to its reader, which meets the
+        error itself when it asks, and reports it."""
+        with self._changed:
+            self._reserved -= length
+            if blob is not None and generation == self._generation and not self._closed:
+                self._held[(chunk, offset)] = blob
+                self._held_bytes += len(blob)
+                self.fetched += 1
+            self._changed.notify_all()
 
     def close(self) -> None:
         with self._changed:
             self._closed = True
             self._changed.notify_all()
-        self._pool.shutdown(wait=True)
+        self._thread.join()
 
 
 class NodeEndpoint:
@@ -126,7 +142,7 @@ class NodeEndpoint:
         self._source = source
         self._blobs = blobs
         self._chunk_count = chunk_count
-        self.ahead = BlobsAhead(self._read_checked)
+        self.ahead = BlobsAhead(source.start_reads)
         self.asked = 0
         self.path.unlink(missing_ok=True)  # left by a killed job
         endpoint = self
@@ -160,7 +176,7 @@ class NodeEndpoint:
                     raw = stream.read(length * PLAN_ROW.itemsize)
                     if len(raw) < length * PLAN_ROW.itemsize:
                         return
-                    self.ahead.replace_plan(np.frombuffer(raw, dtype=PLAN_ROW))
+                    self.ahead.replace_plan(self._blobs_of(np.frombuffer(raw, dtype=PLAN_ROW)))
                     self._reply(connection, OK, b"")
                 elif kind == HELLO:
                     self._reply(connection, OK, self._hello)
@@ -194,6 +210,14 @@ class NodeEndpoint:
             self._reply(connection, UNAVAILABLE, str(exc).encode())
         else:
             self._reply(connection, OK, blob)
+
+    def _blobs_of(self, plan: np.ndarray) -> list[tuple[int, int, int]]:
+        """The plan's rows that name whole blobs of the dataset: no fetch ahead reads outside one."""
+        rows = []
+        for chunk, offset, length in plan.tolist():
+            if 0 <= chunk < self._chunk_count and self._blobs.blob_row(chunk, offset, length) is not None:
+                rows.append((chunk, offset, length))
+        return rows
 
     def _read_checked(self, chunk: int, offset: int, length: int) -> bytes:
         """Whole blobs of the dataset only: a reader's request never reads outside one."""

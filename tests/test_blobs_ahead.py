@@ -1,0 +1,120 @@
+"""The serve process's fetches ahead for the node's PyTorch readers (fanstore/serve/node_endpoint.py, BlobsAhead),
+over a source that answers from another thread, as the transport's MPI thread does. The whole path, with real MPI
+and real readers, runs in tests/serve_torch_job.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from fanstore import PackOptions, open_dataset, pack
+from fanstore.chunk_source import BlobRead, LocalChunkSource
+from fanstore.errors import ChunkUnavailable
+from fanstore.serve.node_endpoint import BlobsAhead
+
+
+class AnsweredLater:
+    """start_reads over a dataset's chunk files: each blob comes from a thread of its own, after `delay`; blobs of
+    chunks in `failing` fail as unavailable, of chunks in `local` are not started (stored on this node)."""
+
+    def __init__(self, dataset, delay: float = 0.005) -> None:
+        self._chunks = LocalChunkSource(dataset.path, dataset.index.chunks["size"])
+        self.delay = delay
+        self.failing: set[int] = set()
+        self.local: set[int] = set()
+        self.out = 0  # bytes asked for and not answered yet
+        self.most_out = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, reads: list[BlobRead]) -> list[bool]:
+        started = [read.chunk_id not in self.local for read in reads]
+        asked = [read for read, ok in zip(reads, started) if ok]
+        with self._lock:
+            self.out += sum(read.length for read in asked)
+            self.most_out = max(self.most_out, self.out)
+        threading.Timer(self.delay, self._answer, (asked,)).start()
+        return started
+
+    def _answer(self, reads: list[BlobRead]) -> None:
+        for read in reads:
+            with self._lock:
+                self.out -= read.length
+            if read.chunk_id in self.failing:
+                read.done(None, ChunkUnavailable("rank 1 did not answer", chunk_id=read.chunk_id))
+            else:
+                read.done(self._chunks.read(read.chunk_id, read.offset, read.length), None)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ahead")
+    (root / "src").mkdir()
+    for number in range(60):
+        (root / "src" / f"f{number:02d}.bin").write_bytes(bytes([number]) * (1000 + 37 * number))
+    pack(root / "src", root / "ds", PackOptions(codec="none", chunk_size=8 * 1024, workers=1))
+    with open_dataset(root / "ds") as ds:
+        yield ds
+
+
+def plan_of(dataset) -> list[tuple[int, int, int]]:
+    rows = []
+    for path in sorted(dataset.files()):
+        entry = dataset.index.entries[dataset.resolve(path)]
+        rows.append((int(entry["chunk"]), int(entry["offset"]), int(entry["stored_len"])))
+    return rows
+
+
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.002)
+
+
+def test_every_blob_of_the_plan_is_fetched_once_within_the_bounds(dataset):
+    source = AnsweredLater(dataset)
+    plan = plan_of(dataset)
+    largest = max(length for _, _, length in plan)
+    ahead = BlobsAhead(source, capacity=20_000, in_flight=6_000)
+    try:
+        ahead.replace_plan(plan)
+        for chunk, offset, _ in plan:  # the reader takes each in turn, making room for the next
+            wait_for(lambda: ahead.take(chunk, offset) is not None, f"the blob at {offset} of chunk {chunk}")
+        assert ahead.fetched == ahead.hits == len(plan)
+        assert source.most_out <= 6_000 + largest  # a new batch starts only below the in-flight bound
+    finally:
+        ahead.close()
+
+
+def test_a_blob_that_fails_or_is_local_is_left_to_its_reader_and_the_rest_still_come(dataset):
+    source = AnsweredLater(dataset)
+    plan = plan_of(dataset)
+    source.failing = {plan[3][0]}
+    source.local = {plan[-1][0]}
+    ahead = BlobsAhead(source)
+    try:
+        ahead.replace_plan(plan)
+        left = {(chunk, offset) for chunk, offset, _ in plan if chunk in source.failing | source.local}
+        wait_for(lambda: ahead.fetched == len(plan) - len(left), "every other blob")
+        assert all(ahead.take(chunk, offset) is None for chunk, offset in left)
+        chunk, offset, length = next(row for row in plan if (row[0], row[1]) not in left)
+        assert bytes(ahead.take(chunk, offset)) == source._chunks.read(chunk, offset, length)
+    finally:
+        ahead.close()
+
+
+def test_a_new_plan_drops_what_came_for_the_old_one(dataset):
+    source = AnsweredLater(dataset, delay=0.2)
+    plan = plan_of(dataset)
+    ahead = BlobsAhead(source)
+    try:
+        ahead.replace_plan(plan[:10])
+        time.sleep(0.05)  # asked, not come yet
+        ahead.replace_plan(plan[10:20])
+        wait_for(lambda: ahead.fetched == 10 and source.out == 0, "the new plan's blobs")
+        assert all(ahead.take(chunk, offset) is None for chunk, offset, _ in plan[:10])
+        assert all(ahead.take(chunk, offset) is not None for chunk, offset, _ in plan[10:20])
+    finally:
+        ahead.close()
