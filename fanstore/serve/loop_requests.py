@@ -28,11 +28,11 @@ from typing import Any, Sequence
 
 import trio
 
-from ..chunk_source import BlobRead
+from ..chunk_source import BlobRead, ReadDone
 from ..errors import ChunkUnavailable
 from .doorbell import Doorbell
-from .transport import MAX_BLOBS, MORE_BLOB, QUIET_REPLY, REPLY_HEADER, REQUEST, REQUEST_MAGIC, RING_REPLY_BELL, \
-    TAG_REQUEST, FetchDone, PeerTransport, blob_of_reply
+from .transport import MAX_BLOBS, QUIET_REPLY, REPLY_HEADER, RING_REPLY_BELL, TAG_REQUEST, PeerTransport, \
+    blob_of_reply, hand_out, request_message
 
 log = logging.getLogger("fanstore.serve")
 
@@ -86,7 +86,7 @@ class LoopRequests:
         self._timer: trio.CancelScope | None = None  # the pump's timer: no deadline while nothing is out
         self._failed = False  # the pump met a bug: from then on the MPI thread asks
 
-    def start(self, peer: int, chunk: int, offset: int, length: int, done: FetchDone, ahead: bool = False) -> bool:
+    def start(self, peer: int, chunk: int, offset: int, length: int, done: ReadDone, ahead: bool = False) -> bool:
         """Ask `peer` for a blob; `done` is called on this loop by the request's deadline. False when this cannot
         be asked from here (not on a trio loop, the peer skipped or at its cap): the caller asks the MPI thread.
 
@@ -114,14 +114,10 @@ class LoopRequests:
             return False
         tag = self._next_tag
         self._next_tag = tag + 1 if tag < self._last_tag else self._first_tag
-        first = reads[0]
-        length = first.length if len(reads) == 1 else sum(read.length for read in reads)
+        length = sum(read.length for read in reads)
         buffer = bytearray(REPLY_HEADER.size + length)
         receive = self._comm.Irecv([buffer, self._mpi.BYTE], source=peer, tag=tag)
-        message = REQUEST.pack(REQUEST_MAGIC, tag, first.chunk_id, RING_REPLY_BELL | (QUIET_REPLY if ahead else 0),
-                               first.offset, first.length)
-        if len(reads) > 1:
-            message += b"".join([MORE_BLOB.pack(read.chunk_id, read.offset, read.length) for read in reads[1:]])
+        message = request_message(tag, RING_REPLY_BELL | (QUIET_REPLY if ahead else 0), reads)
         send = self._comm.Isend([message, self._mpi.BYTE], dest=peer, tag=TAG_REQUEST)
         self._bell.ring(peer)
         self._pending.append(_LoopFetch(peer, reads, length, tag, buffer, receive, send,
@@ -242,13 +238,8 @@ class LoopRequests:
         if blob is None:
             for read in reads:
                 read.done(None, ChunkUnavailable(reason, chunk_id=read.chunk_id))
-        elif len(reads) == 1:
-            first.done(blob, None)  # a view of the receive buffer, which is the reader's now
         else:
-            start = 0
-            for read in reads:
-                read.done(blob[start : start + read.length], None)
-                start += read.length
+            hand_out(blob, reads)  # views of the receive buffer, which is the readers' now
 
     def _give_up_on(self, peer: int) -> None:
         """A request to `peer` is past its deadline: cancel every one of the loop's to it, and tell the MPI thread,

@@ -213,11 +213,8 @@ class NodeEndpoint:
 
     def _blobs_of(self, plan: np.ndarray) -> list[tuple[int, int, int]]:
         """The plan's rows that name whole blobs of the dataset: no fetch ahead reads outside one."""
-        rows = []
-        for chunk, offset, length in plan.tolist():
-            if 0 <= chunk < self._chunk_count and self._blobs.blob_row(chunk, offset, length) is not None:
-                rows.append((chunk, offset, length))
-        return rows
+        return [(chunk, offset, length) for chunk, offset, length in plan.tolist()
+                if self._blobs.blob_row(chunk, offset, length) is not None]
 
     def _read_checked(self, chunk: int, offset: int, length: int) -> bytes:
         """Whole blobs of the dataset only: a reader's request never reads outside one."""

@@ -16,12 +16,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..chunk_source import BlobRead, ChunkSource, FallbackChunkSource
+from ..chunk_source import BlobRead, ChunkSource, FallbackChunkSource, ReadDone
 from ..errors import ChunkUnavailable
 from .loop_requests import LoopRequests
 from .placement import NO_OWNER, Placement
 from .staged_source import PlacedReads, StagedChunkSource
-from .transport import MAX_BLOBS, FetchDone, PeerTransport
+from .transport import MAX_BLOBS, PeerTransport
 
 
 # Bytes of blobs one request asks for at most (a larger blob goes alone): the first file of a batch waits for the
@@ -60,7 +60,7 @@ class PeerChunkSource(ChunkSource):
             raise ChunkUnavailable(f"chunk {chunk_id} at {offset} is not stored by another rank", chunk_id=chunk_id)
         return self.transport.fetch(owner, chunk_id, offset, length)
 
-    def start_read(self, chunk_id: int, offset: int, length: int, done: FetchDone, ahead: bool = False) -> bool:
+    def start_read(self, chunk_id: int, offset: int, length: int, done: ReadDone, ahead: bool = False) -> bool:
         owner = self._placement.owner(chunk_id, offset)
         if owner == NO_OWNER or owner == self._rank:
             return False
@@ -121,16 +121,13 @@ class PlacedChunkSource(PlacedReads):
             self.counters.local_bytes += length
         return data
 
-    def start_read(self, chunk_id: int, offset: int, length: int, done: FetchDone, ahead: bool = False) -> bool:
+    def start_read(self, chunk_id: int, offset: int, length: int, done: ReadDone, ahead: bool = False) -> bool:
         """The peer alone: if it cannot give the blob, the caller's `read` goes through the fallback to DEST."""
-        if chunk_id in self._direct or self._placement.is_local(self._rank, chunk_id, offset):
-            return False
-        return self._peers.start_read(chunk_id, offset, length, done, ahead)
+        return self._from_peer(chunk_id, offset) and self._peers.start_read(chunk_id, offset, length, done, ahead)
 
     def start_reads(self, reads: Sequence[BlobRead], ahead: bool = False) -> list[bool]:
         started = [False] * len(reads)
-        remote = [number for number, read in enumerate(reads) if not (
-            read.chunk_id in self._direct or self._placement.is_local(self._rank, read.chunk_id, read.offset))]
+        remote = [number for number, read in enumerate(reads) if self._from_peer(read.chunk_id, read.offset)]
         for number, ok in zip(remote, self._peers.start_reads([reads[number] for number in remote], ahead)):
             started[number] = ok
         return started
@@ -144,8 +141,8 @@ class PlacedChunkSource(PlacedReads):
             self.counters.fallback_bytes += length
 
     def may_block(self, chunks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-        return np.fromiter((int(c) in self._direct or not self._placement.is_local(self._rank, int(c), int(o))
-                            for c, o in zip(chunks, offsets)), dtype=bool, count=len(chunks))
+        return np.fromiter((self._from_peer(int(c), int(o)) for c, o in zip(chunks, offsets)), dtype=bool,
+                           count=len(chunks))
 
     def stats(self) -> dict[str, Any]:
         """Reads by where they came from: this rank's directory, each peer, DEST when a peer could not answer."""

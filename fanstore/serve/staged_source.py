@@ -95,6 +95,10 @@ class PlacedReads(ChunkSource):
     def _read_local(self, chunk_id: int, offset: int, length: int) -> bytes:
         return self._local.read(chunk_id, offset, length)
 
+    def _from_peer(self, chunk_id: int, offset: int) -> bool:
+        """Whether a read of the blob at `offset` of `chunk_id` goes to `remote`."""
+        return not (chunk_id in self._direct or self._placement.is_local(self._rank, chunk_id, offset))
+
     def read_other_copy(self, chunk_id: int, offset: int, length: int) -> bytes:
         if chunk_id in self._direct:
             return super().read_other_copy(chunk_id, offset, length)  # DEST's was the only one

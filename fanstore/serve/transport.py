@@ -56,11 +56,6 @@ class RequestRefused(FanstoreError):
     its blobs): refused and logged, never read."""
 
 
-# Called once with the blob or the error: from the MPI thread, from the event loop that asked (loop_requests.py),
-# or from the caller's when the transport has stopped.
-FetchDone = ReadDone
-
-
 class RequestServer(Protocol):
     def __call__(self, peer: int, chunk: int, offset: int, length: int) -> bytes:
         """The stored blob a peer asks for, checked; RequestRefused or a ChunkError otherwise."""
@@ -89,6 +84,27 @@ class PeerCounters:
     refused: int = 0  # malformed requests from the peer
 
 
+def request_message(tag: int, flags: int, reads: Sequence[BlobRead]) -> bytes:
+    """A request for `reads` (1 to MAX_BLOBS blobs of one peer): the first in the header, the others after it."""
+    first = reads[0]
+    message = REQUEST.pack(REQUEST_MAGIC, tag, first.chunk_id, flags, first.offset, first.length)
+    if len(reads) == 1:
+        return message
+    return message + b"".join([MORE_BLOB.pack(read.chunk_id, read.offset, read.length) for read in reads[1:]])
+
+
+def hand_out(blobs: bytes | memoryview, reads: Sequence[BlobRead]) -> None:
+    """Give each read its blob from a reply that carries them one after the other, in the order asked."""
+    if len(reads) == 1:
+        reads[0].done(blobs, None)
+        return
+    view = memoryview(blobs)
+    start = 0
+    for read in reads:
+        read.done(view[start : start + read.length], None)
+        start += read.length
+
+
 def blob_of_reply(peer: int, chunk: int, offset: int, length: int, buffer: bytearray, count: int,
                   counters: PeerCounters, blobs: int = 1) -> tuple[memoryview | None, str]:
     """The blob a reply of `count` bytes in `buffer` carries (a view of it; the `blobs` blobs of `length` bytes in
@@ -110,11 +126,7 @@ def blob_of_reply(peer: int, chunk: int, offset: int, length: int, buffer: bytea
 @dataclass(eq=False)
 class _Fetch:
     peer: int
-    chunk: int
-    offset: int
-    length: int
-    on_done: FetchDone
-    more: Sequence[BlobRead] = ()  # further blobs asked in the same request, which the reply carries after this one
+    reads: Sequence[BlobRead]  # one blob, or several asked in one request
     deadline: float = 0.0
     tag: int = 0
     buffer: bytearray | None = None
@@ -122,28 +134,21 @@ class _Fetch:
     send: Any = None
 
     @property
-    def blobs(self) -> int:
-        return 1 + len(self.more)
+    def chunk(self) -> int:
+        return self.reads[0].chunk_id
 
     @property
     def total(self) -> int:
         """Bytes of every blob asked."""
-        return self.length + sum(read.length for read in self.more)
+        return sum(read.length for read in self.reads)
 
     def finish(self, result: bytes | None = None, error: ChunkError | None = None) -> None:
         self.buffer = None
-        if not self.more:
-            self.on_done(result, error)
-        elif result is None:
-            for done in (self.on_done, *(read.done for read in self.more)):
-                done(None, error)
-        else:
-            view = memoryview(result)
-            self.on_done(view[: self.length], None)
-            start = self.length
-            for read in self.more:
-                read.done(view[start : start + read.length], None)
-                start += read.length
+        if result is not None:
+            hand_out(result, self.reads)
+            return
+        for read in self.reads:
+            read.done(None, error)
 
 
 @dataclass
@@ -230,18 +235,17 @@ class PeerTransport:
             raise error
         return result  # type: ignore[return-value]
 
-    def fetch_later(self, peer: int, chunk: int, offset: int, length: int, done: FetchDone) -> None:
+    def fetch_later(self, peer: int, chunk: int, offset: int, length: int, done: ReadDone) -> None:
         """`fetch` for a caller that must not wait: `done(blob, None)` or `done(None, ChunkUnavailable)` comes
         later from the MPI thread (by the request's deadline), or at once once the transport has stopped, and must
         only hand the outcome on."""
-        self._submit(_Fetch(peer, chunk, offset, length, done))
+        self._submit(_Fetch(peer, (BlobRead(chunk, offset, length, done),)))
 
     def fetch_many_later(self, peer: int, reads: Sequence[BlobRead]) -> None:
         """`fetch_later` for up to MAX_BLOBS blobs of `peer` in one request; each read's `done` is called."""
         if not 0 < len(reads) <= MAX_BLOBS:
             raise ValueError(f"a request asks for 1 to {MAX_BLOBS} blobs, not {len(reads)}")
-        first = reads[0]
-        self._submit(_Fetch(peer, first.chunk_id, first.offset, first.length, first.done, more=tuple(reads[1:])))
+        self._submit(_Fetch(peer, tuple(reads)))
 
     def _submit(self, request: _Fetch) -> None:
         self._submitted.append(request)
@@ -339,12 +343,12 @@ class PeerTransport:
     def _queue_fetch(self, request: _Fetch) -> None:
         peer = self._peers[request.peer] if 0 <= request.peer < self.size else None
         if peer is None or request.peer == self.rank:
-            self.counters[self.rank].failed += request.blobs
+            self.counters[self.rank].failed += len(request.reads)
             request.finish(error=ChunkUnavailable(f"rank {request.peer} is not a peer of rank {self.rank}",
                                                   chunk_id=request.chunk))
             return
         if peer.skip_until > time.monotonic():
-            self.counters[request.peer].failed += request.blobs
+            self.counters[request.peer].failed += len(request.reads)
             request.finish(error=self._skipped_error(request))
             return
         request.deadline = time.monotonic() + self.options.timeout
@@ -368,9 +372,7 @@ class PeerTransport:
         request.buffer = bytearray(REPLY_HEADER.size + request.total)
         # The reply's receive is posted before the request leaves, so the reply never waits unexpected.
         request.receive = self.comm.Irecv([request.buffer, self._mpi.BYTE], source=peer, tag=request.tag)
-        message = REQUEST.pack(REQUEST_MAGIC, request.tag, request.chunk, 0, request.offset, request.length)
-        if request.more:
-            message += b"".join([MORE_BLOB.pack(read.chunk_id, read.offset, read.length) for read in request.more])
+        message = request_message(request.tag, 0, request.reads)
         request.send = self.comm.Isend([message, self._mpi.BYTE], dest=peer, tag=TAG_REQUEST)
         self.counters[peer].asked += 1
         self._peers[peer].in_flight.append(request)
@@ -426,8 +428,9 @@ class PeerTransport:
             return
         peer.in_flight.remove(request)
         self._outstanding -= 1
-        blob, reason = blob_of_reply(request.peer, request.chunk, request.offset, request.total, request.buffer,
-                                     status.Get_count(self._mpi.BYTE), self.counters[request.peer], request.blobs)
+        first = request.reads[0]
+        blob, reason = blob_of_reply(request.peer, first.chunk_id, first.offset, request.total, request.buffer,
+                                     status.Get_count(self._mpi.BYTE), self.counters[request.peer], len(request.reads))
         if blob is not None:
             request.finish(result=bytes(blob))  # `read` gives bytes; the buffer goes back with the request
         else:
@@ -465,10 +468,10 @@ class PeerTransport:
                 if mpi_request:  # a completed request is MPI_REQUEST_NULL, which is false and cannot be cancelled
                     mpi_request.Cancel()
             self._abandoned[(number, request.tag)] = now + 10 * self.options.retry_after
-            self.counters[number].failed += request.blobs
+            self.counters[number].failed += len(request.reads)
             request.finish(error=ChunkUnavailable(str(error), chunk_id=request.chunk))
         for request in peer.queued:
-            self.counters[number].failed += request.blobs
+            self.counters[number].failed += len(request.reads)
             request.finish(error=ChunkUnavailable(str(error), chunk_id=request.chunk))
         self._outstanding -= len(peer.in_flight) + len(peer.queued)
         peer.in_flight.clear()
@@ -552,12 +555,13 @@ class PeerTransport:
             blobs.extend(MORE_BLOB.iter_unpack(memoryview(message)[REQUEST.size:]))
         parts = [REPLY_HEADER.pack(REPLY_MAGIC, OK)]
         try:
-            if more and sum(blob[2] for blob in blobs) > self.options.max_reply_bytes:
-                raise RequestRefused(f"{len(blobs)} blobs of {sum(blob[2] for blob in blobs)} bytes in all: more "
-                                     f"than {self.options.max_reply_bytes} bytes in one reply")
+            asked_bytes = sum(blob[2] for blob in blobs)
+            if more and asked_bytes > self.options.max_reply_bytes:
+                raise RequestRefused(f"{len(blobs)} blobs of {asked_bytes} bytes in all: more than "
+                                     f"{self.options.max_reply_bytes} bytes in one reply")
             for chunk, offset, length in blobs:
                 parts.append(self._serve_request(source, chunk, offset, length))
-            reply = b"".join(parts) if more else parts[0] + parts[1]
+            reply = b"".join(parts)
             counters.served += len(blobs)
             counters.served_bytes += len(reply) - REPLY_HEADER.size
         except RequestRefused as exc:
