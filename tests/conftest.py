@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -38,6 +39,16 @@ def make_tree(root: Path) -> Path:
     os.symlink("field.npy", root / "latest.npy")
     os.symlink("train/cat", root / "cats")
     return root
+
+
+def numbered_files(root: Path, count: int, size: Callable[[int], int]) -> list[str]:
+    """`count` files in a new directory `root`: f000.bin holds the byte 0 `size(0)` times, f001.bin the byte 1, and
+    so on, so no two neighbours are alike. Their names, in directory order."""
+    root.mkdir(parents=True)
+    names = [f"f{number:03d}.bin" for number in range(count)]
+    for number, name in enumerate(names):
+        (root / name).write_bytes(bytes([number % 256]) * size(number))
+    return names
 
 
 def python2_npy(array: np.ndarray) -> bytes:

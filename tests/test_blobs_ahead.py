@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from conftest import numbered_files
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.chunk_source import BlobRead, LocalChunkSource
 from fanstore.errors import ChunkUnavailable
@@ -50,9 +51,7 @@ class AnsweredLater:
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     root = tmp_path_factory.mktemp("ahead")
-    (root / "src").mkdir()
-    for number in range(60):
-        (root / "src" / f"f{number:02d}.bin").write_bytes(bytes([number]) * (1000 + 37 * number))
+    numbered_files(root / "src", 60, lambda number: 1000 + 37 * number)
     pack(root / "src", root / "ds", PackOptions(codec="none", chunk_size=8 * 1024, workers=1))
     with open_dataset(root / "ds") as ds:
         yield ds

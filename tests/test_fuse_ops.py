@@ -20,7 +20,7 @@ import pytest
 pyfuse3 = pytest.importorskip("pyfuse3", reason="pyfuse3 is not installed (needs libfuse3-dev to build)")
 trio = pytest.importorskip("trio")
 
-from conftest import make_tree  # noqa: E402
+from conftest import make_tree, numbered_files  # noqa: E402
 from fanstore import PackOptions, open_dataset, pack  # noqa: E402
 from fanstore.cache import DecodedCache  # noqa: E402
 from fanstore.chunk_source import LocalChunkSource  # noqa: E402
@@ -355,11 +355,8 @@ def test_files_from_other_nodes_are_fetched_ahead_only_while_the_reader_follows_
     """A blob fetched ahead is held for a few dozen reads only: for a reader that does not follow the order (a
     shuffled sampler with no list) it would be fetched from its node for nothing. Fetching ahead stops once most
     reads come out of order, and starts again once they follow it."""
-    src = tmp_path / "src"
-    src.mkdir()
-    for number in range(120):
-        (src / f"f{number:03d}.bin").write_bytes(bytes([number]) * 3000)
-    pack(src, tmp_path / "ds", PackOptions(codec="zstd:3", workers=1))
+    numbered_files(tmp_path / "src", 120, lambda _number: 3000)
+    pack(tmp_path / "src", tmp_path / "ds", PackOptions(codec="zstd:3", workers=1))
     with open_dataset(tmp_path / "ds") as ds:
         order = sorted(ds.files())
         operations, _source = slow_operations(ds, prefetch_list=order, depth=2)

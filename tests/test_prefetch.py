@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from conftest import numbered_files
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.cache import DecodedCache
 from fanstore.errors import UsageError
@@ -107,13 +108,10 @@ def test_reads_follow_the_order_when_each_worker_reads_its_own_stretch(tmp_path)
     """Two DataLoader workers read batches 0 and 1 of the list at once, then 2 and 3: their reads interleave, but
     each lands just after one of the latest, so the reader follows the order; reads 3 places apart with a depth of
     2 do not, after a few of them."""
-    src = tmp_path / "src"
-    src.mkdir()
-    for number in range(64):
-        (src / f"f{number:02d}.bin").write_bytes(bytes([number]) * 100)
-    pack(src, tmp_path / "ds", PackOptions(codec="none", workers=1))
+    names = numbered_files(tmp_path / "src", 64, lambda _number: 100)
+    pack(tmp_path / "src", tmp_path / "ds", PackOptions(codec="none", workers=1))
     with open_dataset(tmp_path / "ds") as ds:
-        listed = [ds.index.lookup(f"f{number:02d}.bin") for number in range(64)]
+        listed = [ds.index.lookup(name) for name in names]
         seen: list[bool] = []
 
         def record(keys: list, in_order: bool) -> list:
