@@ -1,20 +1,22 @@
 """The COMMAND of test_torch's serve test, run by every rank of `mpiexec -n 2 fanstore serve ... --`: read this
 rank's share through fanstore.torch (no FUSE), compare each file with the source, train a few steps, and poke the
-node's socket with a request for bytes that are not a blob. Prints one JSON line."""
+node's socket with a request for bytes that are not a blob and a plan of such rows. Prints one JSON line."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from fanstore.errors import say_line
 from fanstore.serve.node_client import NodeConnection
-from fanstore.serve.node_endpoint import ENVIRONMENT, OK, READ, REFUSED, STATS
+from fanstore.serve.node_endpoint import ENVIRONMENT, OK, PLAN, PLAN_ROW, READ, REFUSED, STATS
 from fanstore.torch import EpochSampler, FileDataset
 
 
@@ -49,10 +51,17 @@ def main() -> int:
     connection = NodeConnection(os.environ[ENVIRONMENT])
     status, _ = connection.ask(READ, 0, 1, 5)  # inside a blob, not one
     refused = "refused" if status == REFUSED else f"status {status}"
+    # A plan whose rows are not blobs: inside one in every chunk (some stored on the other rank), no chunk, a
+    # negative offset. The node takes the plan and fetches none of them (no peer is asked, so none refuses).
+    bogus = np.array([(chunk, 33, 1) for chunk in range(64)] + [(-1, 0, 10), (0, -5, 10)], dtype=PLAN_ROW)
+    status, _ = connection.ask(PLAN, length=len(bogus), payload=bogus.tobytes())
+    bogus_plan = "taken" if status == OK else f"status {status}"
+    time.sleep(0.3)  # what the node would fetch for it has come by now
     status, payload = connection.ask(STATS)
     stats = json.loads(payload) if status == OK else {}
     say_line(json.dumps({"rank": rank, "read": len(got), "expected": len(order), "bad": bad, "steps": steps,
-                         "loss": loss, "refused": refused, "remote_ahead": stats.get("ahead_hits", 0)}), sys.stdout)
+                         "loss": loss, "refused": refused, "remote_ahead": stats.get("ahead_hits", 0),
+                         "bogus_plan": bogus_plan}), sys.stdout)
     return 0
 
 
