@@ -117,3 +117,40 @@ def test_a_new_plan_drops_what_came_for_the_old_one(dataset):
         assert all(ahead.take(chunk, offset) is not None for chunk, offset, _ in plan[10:20])
     finally:
         ahead.close()
+
+
+class FailsOnce:
+    """A source whose first batch raises, after starting the first of its reads (a bug half-way through)."""
+
+    def __init__(self, source: AnsweredLater) -> None:
+        self.source = source
+        self.calls = 0
+
+    def __call__(self, reads: list[BlobRead]) -> list[bool]:
+        self.calls += 1
+        if self.calls == 1:
+            self.source(reads[:1])
+            raise RuntimeError("a bug in the source")
+        return self.source(reads)
+
+
+def test_a_batch_the_source_fails_to_start_is_logged_and_the_rest_of_the_plan_still_comes(dataset, caplog):
+    source = AnsweredLater(dataset)
+    plan = plan_of(dataset)
+    first_batch = 5
+    ahead = BlobsAhead(FailsOnce(source), in_flight=sum(length for _, _, length in plan[:first_batch]))
+    try:
+        ahead.replace_plan(plan)
+        rest = plan[first_batch:]
+        for chunk, offset, _ in rest:
+            wait_for(lambda: ahead.take(chunk, offset) is not None, f"the blob at {offset} of chunk {chunk}")
+        wait_for(lambda: source.out == 0, "the first batch's one started read")
+        # The failed batch, its one started read too, is left to the readers; its bytes no longer count as asked,
+        # so the bound let the rest through and nothing of the next plan is held back.
+        assert all(ahead.take(chunk, offset) is None for chunk, offset, _ in plan[:first_batch])
+        assert ahead.failed_batches == 1 and ahead.fetched == len(rest)
+        assert "fetching ahead for this node's readers failed" in caplog.text and "a bug in the source" in caplog.text
+        ahead.replace_plan(plan[:first_batch])
+        wait_for(lambda: ahead.fetched == len(plan), "the next plan's blobs")
+    finally:
+        ahead.close()

@@ -393,7 +393,9 @@ def _format_rank(stats: dict[str, Any]) -> str:
     readers = stats.get("node_readers") or {}
     if readers.get("asked"):
         lines.append(f"  fanstore.torch readers on this node: asked {readers['asked']} remote blobs, "
-                     f"{readers['ahead_hits']} of them fetched ahead ({readers['fetched_ahead']} fetched ahead)")
+                     f"{readers['ahead_hits']} of them fetched ahead ({readers['fetched_ahead']} fetched ahead)"
+                     + (f", {readers['ahead_failed_batches']} batches failed to start (logged)"
+                        if readers.get("ahead_failed_batches") else ""))
     lines.append(f"  staging: {format_bytes(staging['dest_bytes'])} from DEST, "
                  f"{format_bytes(staging['received_bytes'])} from peers, {format_bytes(staging['sent_bytes'])} to "
                  f"peers, {format_bytes(staging['reused_bytes'])} reused, {staging['seconds']:.1f} s"

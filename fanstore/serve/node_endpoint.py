@@ -61,12 +61,14 @@ class BlobsAhead:
         self._held: OrderedDict[tuple[int, int], bytes | memoryview] = OrderedDict()
         self._held_bytes = 0
         self._reserved = 0  # bytes asked for and not come yet
+        self._asked: dict[int, int] = {}  # fetch number -> its length, while it is asked and not come
+        self._fetch_number = 0
         self._plan: list[tuple[int, int, int]] = []
         self._next = 0
         self._generation = 0
         self._changed = threading.Condition()
         self._closed = False
-        self.hits = self.fetched = 0
+        self.hits = self.fetched = self.failed_batches = 0
         self._thread = threading.Thread(target=self._work, name="fanstore-node-ahead", daemon=True)
         self._thread.start()
 
@@ -96,30 +98,55 @@ class BlobsAhead:
                     self._changed.wait()
                 if self._closed:
                     return
-                rows: list[tuple[int, int, int]] = []
-                while self._next < len(self._plan) and len(rows) < AHEAD_ROWS and (not rows or not self._full()):
-                    row = self._plan[self._next]
+                reads: list[BlobRead] = []
+                numbers: list[int] = []
+                while self._next < len(self._plan) and len(reads) < AHEAD_ROWS and (not reads or not self._full()):
+                    chunk, offset, length = self._plan[self._next]
                     self._next += 1
-                    self._reserved += row[2]  # so that what is asked stays within the bounds
-                    rows.append(row)
-                generation = self._generation
-            reads = [BlobRead(chunk, offset, length,
-                              functools.partial(self._arrived, generation, chunk, offset, length))
-                     for chunk, offset, length in rows]
-            for read, started in zip(reads, self._start_reads(reads)):
-                if not started:  # stored on this node after all: its reader reads it from here
-                    self._arrived(generation, read.chunk_id, read.offset, read.length, None, None)
+                    self._fetch_number += 1
+                    self._asked[self._fetch_number] = length
+                    numbers.append(self._fetch_number)
+                    self._reserved += length  # so that what is asked stays within the bounds
+                    reads.append(BlobRead(chunk, offset, length, functools.partial(
+                        self._arrived, self._generation, self._fetch_number, chunk, offset)))
+            try:
+                started = self._start_reads(reads)
+            except Exception:  # noqa: BLE001 - a bug in a source must not end fetching ahead for the whole job
+                self._batch_failed(numbers)
+                continue
+            for read, read_started in zip(reads, started):
+                if not read_started:  # stored on this node after all: its reader reads it from here
+                    read.done(None, None)
+
+    def _batch_failed(self, numbers: list[int]) -> None:
+        """Forget a batch the source failed to start (a late answer to any of it is dropped): its readers fetch
+        those blobs themselves, and the next batch is tried."""
+        self.failed_batches += 1
+        if self.failed_batches == 1:
+            log.exception("fetching ahead for this node's readers failed; they fetch those %d blobs themselves",
+                          len(numbers))
+        with self._changed:
+            for number in numbers:
+                self._release(number)
+            self._changed.notify_all()
+
+    def _release(self, number: int) -> bool:
+        """Ends fetch `number`'s reservation, once: False if it had ended already."""
+        length = self._asked.pop(number, None)
+        if length is None:
+            return False
+        self._reserved -= length
+        return True
 
     def _full(self) -> bool:
         return self._held_bytes + self._reserved >= self._capacity or self._reserved >= self._in_flight
 
-    def _arrived(self, generation: int, chunk: int, offset: int, length: int, blob: bytes | memoryview | None,
+    def _arrived(self, generation: int, number: int, chunk: int, offset: int, blob: bytes | memoryview | None,
                  _error: ChunkError | None) -> None:
         """A fetch's outcome, from the MPI thread. A blob that did not come is left to its reader, which meets the
         error itself when it asks, and reports it."""
         with self._changed:
-            self._reserved -= length
-            if blob is not None and generation == self._generation and not self._closed:
+            if self._release(number) and blob is not None and generation == self._generation and not self._closed:
                 self._held[(chunk, offset)] = blob
                 self._held_bytes += len(blob)
                 self.fetched += 1
@@ -194,7 +221,8 @@ class NodeEndpoint:
 
     def stats(self) -> dict[str, int]:
         """The node's readers: blobs they asked for, blobs fetched ahead, and how many of their reads found one."""
-        return {"asked": self.asked, "fetched_ahead": self.ahead.fetched, "ahead_hits": self.ahead.hits}
+        return {"asked": self.asked, "fetched_ahead": self.ahead.fetched, "ahead_hits": self.ahead.hits,
+                "ahead_failed_batches": self.ahead.failed_batches}
 
     def _answer_read(self, connection: socket.socket, chunk: int, offset: int, length: int) -> None:
         self.asked += 1
