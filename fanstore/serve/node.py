@@ -248,7 +248,9 @@ def _wait(future: Any, stop: threading.Event) -> bool:
 
 def run(options: ServeOptions) -> int:
     """Serve on this rank until the job ends; the exit status is the worst of every rank's COMMAND."""
-    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack: what a stuck rank waits on
+    # `kill -USR2 PID` prints every thread's stack: what a stuck rank waits on. Not USR1: mpiexec sends it to
+    # every rank when one dies (with -disable-auto-cleanup), and SLURM jobs often ask for it before their end.
+    faulthandler.register(signal.SIGUSR2)
     mpi = start_mpi(options.loop_requests)
     comm = mpi.COMM_WORLD.Dup()
     rank, size = comm.Get_rank(), comm.Get_size()
