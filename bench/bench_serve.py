@@ -25,7 +25,7 @@ Ways of reading, each the same epoch, split the same way for each rank:
   plain            the original directory, warm in the page cache: the ceiling of any reader;
   api              fanstore.open_dataset(DEST).read(path), DEST warm: no FUSE, no peers;
   prefetch off     a fresh job, `fanstore serve ... --prefetch 0`;
-  prefetch-list    a fresh job, `fanstore serve ... --prefetch-list EPOCH` (its defaults: 8 files ahead, 8 threads);
+  prefetch-list    a fresh job, `fanstore serve ... --prefetch-list EPOCH` (its defaults: 16 files ahead, 8 threads);
   off, no bell     prefetch off with `--no-doorbell`: the ranks poll MPI alone, as where UDP between nodes is
                    dropped; the baseline of what the doorbells (fanstore/serve/doorbell.py) bring.
 
