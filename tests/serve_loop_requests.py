@@ -1,10 +1,11 @@
 """Run by tests/test_serve.py under `mpiexec -n 2`: rank 0's event loop asks rank 1 for blobs itself.
 
 Both ranks run a PeerTransport with doorbells, as `fanstore serve` does. Rank 1 serves blobs of made-up chunks:
-chunk 1 is `BLOB`, chunk 3 is `OTHER`, chunk 4 is `BLOB` too but the ring of its reply is lost (a UDP datagram can be), chunk 2 is refused, chunk 7
-meets a bug in the server, and a request for chunk 9 holds rank 1's MPI thread for STALL seconds (a stalled peer).
+chunk 1 is `BLOB`, chunk 3 is `OTHER`, chunk 4 is `BLOB` too but the ring of its reply is lost (a UDP datagram can be), chunk 2 is refused, chunk 5 is
+corrupt, chunk 7 meets a bug in the server, and a request for chunk 9 holds rank 1's MPI thread for STALL seconds (a stalled peer).
 Rank 0 asks from a trio loop through LoopRequests: a good blob, several in one request (and several of which one is
-refused), one whose ring is lost, a refused one, two fetched ahead (one collected, one left to the pump), the server's bug, more than the cap allows, the stalled one (past its
+refused), one whose ring is lost, a refused one, a refused and a corrupt one of a few bytes (from the loop and
+from the MPI thread), two fetched ahead (one collected, one left to the pump), the server's bug, more than the cap allows, the stalled one (past its
 deadline), one after the skip is over, left out when the loop ends; then, from a second loop, one that meets a bug
 in the pump, and from a third, one that meets it in `collect`. It prints one JSON line of what it saw; rank 1 prints what its transport counted.
 
@@ -25,7 +26,7 @@ from mpi4py import MPI  # noqa: E402
 import trio  # noqa: E402
 
 from fanstore.chunk_source import BlobRead  # noqa: E402
-from fanstore.errors import ChunkUnavailable  # noqa: E402
+from fanstore.errors import ChunkCorrupt, ChunkUnavailable  # noqa: E402
 from fanstore.serve.doorbell import Doorbell, open_doorbell  # noqa: E402
 from fanstore.serve.loop_requests import LoopRequests  # noqa: E402
 from fanstore.serve.polling import wait_all  # noqa: E402
@@ -39,6 +40,8 @@ STALL = 3.0
 CAP = 3
 LOST_RING = 4
 SERVING_BUG = 7  # rank 1's server meets a bug (not a ChunkError) serving this chunk
+CORRUPT = 5  # rank 1 finds this chunk's blobs corrupt, with a reason far longer than a small blob
+SMALL = 5  # bytes of a small blob: its reply's reason is longer than the blob
 rings_to_lose: list[int] = []  # rank 1: the replies whose ring to the asker's reply bell is not sent
 
 
@@ -47,6 +50,8 @@ def serve(peer: int, chunk: int, offset: int, length: int) -> bytes:
         time.sleep(STALL)
     if chunk == SERVING_BUG:
         raise RuntimeError("injected while serving")
+    if chunk == CORRUPT:
+        raise ChunkCorrupt(f"chunk {chunk} at {offset}: {'its copy here fails its checksum; ' * 20}read it elsewhere")
     if chunk == LOST_RING:
         rings_to_lose.append(peer)
         chunk = 1
@@ -105,6 +110,12 @@ async def rank_0(loop: LoopRequests, transport: PeerTransport, bell: Doorbell) -
     seen["ring lost"] = (taken and blob == BLOB, time.monotonic() - started < TIMEOUT / 2)
     taken, reply = await ask(loop, 2)
     seen["refused"] = taken and isinstance(reply, str) and "refused" in reply
+    # Replies that carry a reason longer than the few bytes asked: each fails its request alone, with its reason,
+    # from the loop and from the MPI thread, and both go on asking.
+    seen["small, refused"] = [str(reply) for reply in (await ask(loop, 2, SMALL))[1:]]
+    seen["small, corrupt"] = [str(reply) for reply in (await ask(loop, CORRUPT, SMALL))[1:]]
+    seen["small, via the MPI thread"] = await trio.to_thread.run_sync(fetch_outcomes, transport)
+    seen["asked after"] = (await ask(loop, 1))[1] == BLOB
     # A fetch ahead of the reader: its reply rings nobody, and is taken where the loop runs anyway (collect)...
     await trio.sleep(0.05)
     bell.take_replies()
@@ -130,6 +141,17 @@ async def rank_0(loop: LoopRequests, transport: PeerTransport, bell: Doorbell) -
     # Rank 1's MPI thread is still held: this request is out when the loop ends, and handed over.
     seen["left out at the end"] = loop.start(1, 1, 0, len(BLOB), lambda blob, error: None)
     return seen
+
+
+def fetch_outcomes(transport: PeerTransport) -> list[str]:
+    """What the MPI thread's fetches of a small refused blob, a small corrupt one and a good one give."""
+    outcomes = []
+    for chunk, length in ((2, SMALL), (CORRUPT, SMALL), (1, len(BLOB))):
+        try:
+            outcomes.append("the blob" if transport.fetch(1, chunk, 0, length) == BLOB else "another blob")
+        except ChunkUnavailable as exc:
+            outcomes.append(f"unavailable: {exc}")
+    return outcomes
 
 
 async def rank_0_meets_a_bug(loop: LoopRequests) -> dict[str, object]:

@@ -47,7 +47,7 @@ RANKS = 3
 
 def make_serve_tree(root: Path) -> Path:
     """A training set (spread) and a validation set (replicated), files of several sizes, one large enough to be
-    stored in blocks, an empty file and a symlink."""
+    stored in blocks, labels of a few bytes, an empty file and a symlink."""
     rng = np.random.default_rng(11)
     for group, count in (("train", 120), ("val", 24)):
         for i in range(count):
@@ -56,6 +56,9 @@ def make_serve_tree(root: Path) -> Path:
             size = (4096, 30_000, 131_072)[i % 3]
             (folder / f"img_{i:03d}.bin").write_bytes(rng.integers(0, 16, size, np.uint8).tobytes())
     (root / "train" / "big.bin").write_bytes(rng.integers(0, 4, 5 << 20, np.uint8).tobytes())
+    (root / "train" / "labels").mkdir()
+    for i in range(24):
+        (root / "train" / "labels" / f"{i:03d}.txt").write_text(f"{i % 2}\n")
     (root / "train" / "empty.txt").write_bytes(b"")
     os.symlink("train/cat", root / "cats")
     return root
@@ -274,19 +277,23 @@ def _whole_files_by_owner(dest: Path) -> dict[int, list[tuple[str, int, int, int
 
 def test_a_copy_damaged_on_a_node_is_read_from_dest_and_reported_once(served_dataset, tmp_path, jobs):
     """Node-local storage damaged while the job runs: a blob of one rank's copy no longer matches its checksum,
-    another rank's copy of a chunk is cut short. Every rank still reads every file right (the owner from DEST,
-    the others asking the owner, then DEST), and each owner logs its damaged chunk once, naming the file."""
+    another rank's copy of a chunk is cut short, a third rank's copy of a blob of two bytes (the reason its peers
+    are given is longer than the blob) is damaged too. Every rank still reads every file right (the owner from
+    DEST, the others asking the owner, then DEST), and each owner logs its damaged chunk once, naming the file."""
     src, dest = served_dataset
     job = Job(tmp_path, dest, "--stats")
     jobs.append(job)
     job.wait_ready()
     files = _whole_files_by_owner(dest)
-    _, flipped_chunk, offset, length = files[0][0]
-    _, cut_chunk, cut_offset, _ = next(f for f in files[1] if f[1] != flipped_chunk)
+    _, flipped_chunk, offset, length = next(f for f in files[0] if f[3] > 1024)
+    _, cut_chunk, cut_offset, _ = next(f for f in files[1] if f[1] != flipped_chunk and f[3] > 1024)
+    _, small_chunk, small_offset, small_length = next(f for f in files[2] if f[3] <= 4)
     local = Path(job.local.replace("{rank}", "0")) / "chunks" / f"{flipped_chunk:08d}.fsc"
     flip_byte(local, offset + length // 2)
     cut = Path(job.local.replace("{rank}", "1")) / "chunks" / f"{cut_chunk:08d}.fsc"
     os.truncate(cut, cut_offset + 1)
+    small = Path(job.local.replace("{rank}", "2")) / "chunks" / f"{small_chunk:08d}.fsc"
+    flip_byte(small, small_offset)
     expected = tree_digest(src)
     for mountpoint in job.mountpoints:
         assert tree_digest(mountpoint) == expected, mountpoint
@@ -296,10 +303,12 @@ def test_a_copy_damaged_on_a_node_is_read_from_dest_and_reported_once(served_dat
     code, out, err = job.finish()
     assert code == 0, out + err
     damaged = [line for line in err.splitlines() if "this node's copy of chunk" in line]
-    assert len(damaged) == 2, err
+    assert len(damaged) == 3, err
     assert any(f"rank 0: {local}: a blob at offset {offset} " in line for line in damaged), damaged
     assert any(f"rank 1: {cut}: " in line and f"copy of chunk {cut_chunk} is damaged" in line
                for line in damaged), damaged
+    assert any(f"rank 2: {small}: a blob at offset {small_offset}, asked by rank " in line for line in damaged), \
+        "\n".join(damaged)
     assert "Traceback" not in err and "EIO" not in err, err
     _assert_nothing_left(job)
 
@@ -515,6 +524,16 @@ def test_the_mounts_loop_asks_peers_itself_within_the_same_rules(tmp_path):
     assert all("rank 1 refused a request for 3 blobs: chunk 2 at 0 is not" in error for error in errors), errors
     assert seen[0]["ring lost"] == [True, True], seen[0]  # the reply is found without its ring, in time
     assert seen[0]["refused"], seen[0]
+    # A reason longer than the few bytes asked reaches the asker whole, and costs neither the loop nor the MPI thread.
+    refused = "rank 1 refused chunk 2 at 0: chunk 2 at 0 is not a blob of this rank"
+    corrupt = "rank 1 found corrupt chunk 5 at 0: chunk 5 at 0: its copy here fails its checksum; "
+    assert seen[0]["small, refused"] == [f"unavailable: {refused}"], seen[0]
+    assert seen[0]["small, corrupt"][0].startswith(f"unavailable: {corrupt}"), seen[0]
+    assert seen[0]["small, corrupt"][0].endswith("read it elsewhere"), seen[0]
+    via_thread = seen[0]["small, via the MPI thread"]
+    assert via_thread[0] == f"unavailable: {refused}" and via_thread[1].startswith(f"unavailable: {corrupt}"), seen[0]
+    assert via_thread[2] == "the blob" and seen[0]["asked after"], seen[0]
+    assert "MPI_ERROR" not in done.stderr, done.stderr
     assert seen[0]["ahead"] == [False, True], seen[0]  # no ring: collected where the loop runs anyway
     assert seen[0]["ahead, not collected"] == [True, True], seen[0]  # the pump's timer takes it
     taken, reply, next_served = seen[0]["serving bug"]

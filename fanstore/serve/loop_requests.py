@@ -31,8 +31,8 @@ import trio
 from ..chunk_source import BlobRead, ReadDone
 from ..errors import ChunkUnavailable
 from .doorbell import Doorbell
-from .transport import MAX_BLOBS, QUIET_REPLY, REPLY_HEADER, RING_REPLY_BELL, TAG_REQUEST, PeerTransport, \
-    blob_of_reply, hand_out, request_message
+from .transport import MAX_BLOBS, QUIET_REPLY, RING_REPLY_BELL, TAG_REQUEST, PeerTransport, blob_of_reply, \
+    hand_out, reply_room, request_message
 
 log = logging.getLogger("fanstore.serve")
 
@@ -115,7 +115,7 @@ class LoopRequests:
         tag = self._next_tag
         self._next_tag = tag + 1 if tag < self._last_tag else self._first_tag
         length = sum(read.length for read in reads)
-        buffer = bytearray(REPLY_HEADER.size + length)
+        buffer = bytearray(reply_room(length))
         receive = self._comm.Irecv([buffer, self._mpi.BYTE], source=peer, tag=tag)
         message = request_message(tag, RING_REPLY_BELL | (QUIET_REPLY if ahead else 0), reads)
         send = self._comm.Isend([message, self._mpi.BYTE], dest=peer, tag=TAG_REQUEST)

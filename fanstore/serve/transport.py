@@ -45,6 +45,9 @@ QUIET_REPLY = 2  # request flag: ring nobody for this reply; the asker polls for
 REPLY_HEADER = struct.Struct("<4sI")  # magic, status; the blob (status OK) or a UTF-8 reason follows
 REPLY_MAGIC = b"FSRP"
 OK, REFUSED, UNAVAILABLE, CORRUPT = 0, 1, 2, 3
+# Room for a reason in any reply, however few bytes were asked: the asker's receive is posted before the reply is
+# known, and a reply longer than it would fail in MPI itself (a 5-byte blob found corrupt has a 150-byte reason).
+REASON_ROOM = 1024
 _STATUS_NAMES = {REFUSED: "refused", UNAVAILABLE: "could not read", CORRUPT: "found corrupt"}
 # How much longer than `timeout` a reply we send may take to be received before it is cancelled: the requester
 # gave up on it by then.
@@ -82,6 +85,16 @@ class PeerCounters:
     served_bytes: int = 0
     failed: int = 0  # blobs of ours whose request timed out, was refused or found the peer skipped
     refused: int = 0  # malformed requests from the peer
+
+
+def reply_room(length: int) -> int:
+    """Bytes to receive a reply into, for a request of `length` bytes of blobs: the blobs, or a reason."""
+    return REPLY_HEADER.size + max(length, REASON_ROOM)
+
+
+def error_reply(status: int, reason: str) -> bytes:
+    """A reply that carries no blobs: the status and the reason, cut to fit any asker's receive."""
+    return REPLY_HEADER.pack(REPLY_MAGIC, status) + reason.encode()[:REASON_ROOM]
 
 
 def request_message(tag: int, flags: int, reads: Sequence[BlobRead]) -> bytes:
@@ -369,7 +382,7 @@ class PeerTransport:
 
     def _send_fetch(self, peer: int, request: _Fetch) -> None:
         request.tag = self._take_tag()
-        request.buffer = bytearray(REPLY_HEADER.size + request.total)
+        request.buffer = bytearray(reply_room(request.total))
         # The reply's receive is posted before the request leaves, so the reply never waits unexpected.
         request.receive = self.comm.Irecv([request.buffer, self._mpi.BYTE], source=peer, tag=request.tag)
         message = request_message(request.tag, 0, request.reads)
@@ -567,15 +580,15 @@ class PeerTransport:
         except RequestRefused as exc:
             counters.refused += 1
             log.warning("rank %d: request refused: %s", source, exc)
-            reply = REPLY_HEADER.pack(REPLY_MAGIC, REFUSED) + str(exc).encode()
+            reply = error_reply(REFUSED, str(exc))
         except ChunkCorrupt as exc:
-            reply = REPLY_HEADER.pack(REPLY_MAGIC, CORRUPT) + str(exc).encode()
+            reply = error_reply(CORRUPT, str(exc))
         except ChunkError as exc:
-            reply = REPLY_HEADER.pack(REPLY_MAGIC, UNAVAILABLE) + str(exc).encode()
+            reply = error_reply(UNAVAILABLE, str(exc))
         except Exception as exc:  # noqa: BLE001 - a bug serving one request costs it (the peer falls back to DEST),
             # never this rank's MPI thread, which every other request and collective needs
             log.exception("rank %d: serving rank %d chunk %d at %d failed", self.rank, source, chunk, offset)
-            reply = REPLY_HEADER.pack(REPLY_MAGIC, UNAVAILABLE) + f"a bug on rank {self.rank}: {exc!r}".encode()
+            reply = error_reply(UNAVAILABLE, f"a bug on rank {self.rank}: {exc!r}")
         send = self.comm.Isend([reply, self._mpi.BYTE], dest=source, tag=tag)
         self._send_deadlines[id(send)] = (send, time.monotonic() + _SEND_GRACE * self.options.timeout)
         self._poll(send, lambda _status, reply=reply: None)  # the closure keeps the buffer alive until sent
