@@ -7,7 +7,8 @@ Rank 0 asks from a trio loop through LoopRequests: a good blob, several in one r
 refused), one whose ring is lost, a refused one, a refused and a corrupt one of a few bytes (from the loop and
 from the MPI thread), two fetched ahead (one collected, one left to the pump), the server's bug, more than the cap allows, the stalled one (past its
 deadline), one after the skip is over, left out when the loop ends; then, from a second loop, one that meets a bug
-in the pump, and from a third, one that meets it in `collect`. It prints one JSON line of what it saw; rank 1 prints what its transport counted.
+in the pump, and from a third, one that meets it in `collect`; last, a bug ends rank 0's MPI thread, and the job still
+ends together. It prints one JSON line of what it saw; rank 1 prints what its transport counted.
 
     mpiexec -n 2 python serve_loop_requests.py
 """
@@ -179,6 +180,24 @@ async def rank_0_meets_a_bug_in_collect(loop: LoopRequests) -> dict[str, object]
     return {"bug in collect": (taken, errors, loop.start(1, 1, 0, len(BLOB), lambda blob, error: None))}
 
 
+def kill_the_mpi_thread(transport: PeerTransport) -> dict[str, object]:
+    """A bug that ends rank 0's MPI thread: from then on its fetches fail at once (the reads fall back), and the
+    collectives that end the job run on a thread of their own, so rank 1 is not left waiting for rank 0."""
+    def broken() -> bool:
+        raise RuntimeError("injected in the MPI thread")
+
+    transport._receive_messages = broken  # type: ignore[method-assign]
+    transport._backoff.wake()
+    deadline = time.monotonic() + 5
+    while transport._thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        outcome = "the blob" if transport.fetch(1, 1, 0, len(BLOB)) == BLOB else "another blob"
+    except ChunkUnavailable as exc:
+        outcome = f"unavailable: {exc}"
+    return {"MPI thread ended": (not transport._thread.is_alive(), outcome)}
+
+
 def main() -> int:
     comm = MPI.COMM_WORLD.Dup()
     rank = comm.Get_rank()
@@ -206,6 +225,7 @@ def main() -> int:
         seen.update(trio.run(rank_0_meets_a_bug, loop))
         seen.update(trio.run(rank_0_meets_a_bug_in_collect, LoopRequests(transport, bell)))
         seen["refused from 1"] = transport.counters[1].refused
+        seen.update(kill_the_mpi_thread(transport))
     else:
         seen = {}
     transport.collective(lambda comm: (comm.Ibarrier(), lambda: None)).result()

@@ -554,6 +554,12 @@ def test_the_mounts_loop_asks_peers_itself_within_the_same_rules(tmp_path):
     assert taken and len(errors) == 1 and "asking peers from the mount's loop failed" in errors[0], seen[0]
     assert not taken_after, seen[0]
     assert done.stderr.splitlines().count("RuntimeError: injected in collect") == 1, done.stderr
+    # A bug that ends rank 0's MPI thread: its fetches fail at once, and the job still ends together (the final
+    # barrier runs without that thread), logged once.
+    ended, outcome = seen[0]["MPI thread ended"]
+    assert ended and outcome.startswith("unavailable: rank 1: the MPI thread failed: RuntimeError"), seen[0]
+    assert done.stderr.count("the MPI thread failed; peers are no longer served or asked") == 1, done.stderr
+    assert "served" in seen[1], seen[1]
 
 
 @pytest.mark.parametrize("option, value, needle", [

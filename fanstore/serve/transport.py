@@ -29,7 +29,7 @@ from typing import Any, Callable, Protocol, Sequence
 from ..chunk_source import BlobRead, ReadDone
 from ..errors import ChunkCorrupt, ChunkError, ChunkUnavailable, FanstoreError
 from .doorbell import Doorbell
-from .polling import Backoff, precise_sleeps
+from .polling import Backoff, precise_sleeps, wait_all
 
 log = logging.getLogger("fanstore.serve")
 
@@ -219,6 +219,7 @@ class PeerTransport:
         self._stopping = threading.Event()
         self._stopped = threading.Event()  # the MPI thread has ended: fetches fail at once
         self._stopped_reason = "the MPI thread has stopped"
+        self._alone = threading.Lock()  # collectives once the MPI thread has stopped (_collective_alone)
         self._thread = threading.Thread(target=self._run, name="fanstore-mpi", daemon=True)
         self._failure: BaseException | None = None
         self.host = socket.gethostname()
@@ -272,7 +273,24 @@ class PeerTransport:
         future: Future = Future()
         self._submitted.append((start, future))
         self._backoff.wake()
+        if self._stopped.is_set():  # the MPI thread has ended (perhaps just now): see _collective_alone
+            self._fail_submitted()
         return future
+
+    def _collective_alone(self, start: Callable[[Any], tuple[Any, Callable[[], Any]]], future: Future) -> None:
+        """A collective handed over once the MPI thread has ended (a bug, logged): nobody else calls MPI then,
+        so it runs on a thread of its own, and this rank still ends the job with the others (the agreement on the
+        job's status, the counters) rather than leave them waiting for it."""
+        def run() -> None:
+            try:
+                with self._alone:  # one at a time, as the MPI thread ran them
+                    request, result = start(self.comm)
+                    wait_all([request], what="a collective")
+                future.set_result(result())
+            except Exception as exc:  # noqa: BLE001 - the caller gets it
+                future.set_exception(exc)
+
+        threading.Thread(target=run, name="fanstore-mpi-collective", daemon=True).start()
 
     def stop(self) -> None:
         """End the MPI thread; requests still waiting fail as unavailable, and every MPI request is cancelled."""
@@ -504,7 +522,7 @@ class PeerTransport:
                     if request:
                         request.Cancel()
             else:
-                item[1].set_exception(ChunkUnavailable(self._stopped_reason))
+                self._collective_alone(*item)
 
     def _poll(self, request: Any, on_complete: Callable[[Any], None]) -> None:
         self._requests.append(request)
