@@ -489,6 +489,56 @@ def test_a_local_dir_too_small_is_one_line_before_anything_is_copied(served_data
     _assert_nothing_left(job)
 
 
+@pytest.mark.parametrize("failure", ["out of inodes", "a directory in the way"])
+def test_a_local_dir_failing_during_staging_ends_the_job_with_one_line(served_dataset, tmp_path, jobs, failure):
+    """The local directory fails once staging has begun (the space check passed): the rank says so in one line
+    naming the directory and the file, and the whole job ends, since the other ranks are half-way through staging
+    with it. Nothing is left behind."""
+    _, dest = served_dataset
+    local = tmp_path / "local"
+    local.mkdir()
+    if failure == "out of inodes":
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,nr_inodes=12", "tmpfs", str(local)],
+                                 capture_output=True)
+        if mounted.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs with few inodes (needs root): {mounted.stderr.decode().strip()}")
+    else:
+        with open_dataset(dest) as ds:
+            chunk = place(ds.index, RANKS).pieces(1)[0].chunk
+        (local / "local1" / "chunks" / f"{chunk:08d}.fsc").mkdir(parents=True)
+    shm_before = _shm_files()
+    try:
+        job = Job(tmp_path, dest, command=["true"], local=str(local / "local{rank}"))
+        jobs.append(job)
+        code, out, err = job.finish()
+        _assert_nothing_left(job)
+    finally:
+        if failure == "out of inodes":
+            subprocess.run(["umount", "-l", str(local)])
+    assert code != 0, out + err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("fanstore serve: error: ")]
+    reason = "No space left on device" if failure == "out of inodes" else "Is a directory"
+    broken = [line for line in lines if re.fullmatch(
+        rf"fanstore serve: error: rank (\d) on \S+: --local-dir {local}/local\1: cannot write "
+        rf"{local}/local\1/chunks(/\d+\.fsc)?: {reason}; stopping the job", line)]
+    # A rank receiving from the one that stopped may meet its end first, before the launcher ends it too.
+    others = [line for line in lines if line not in broken and not re.fullmatch(
+        r"fanstore serve: error: rank \d on \S+: staging failed: MPI error: .+ \(has another rank died\?\); "
+        r"stopping the job", line)]
+    assert broken and not others, err
+    wait_until(lambda: _shm_files() <= shm_before, "the job's shared memory files removed", 5)
+
+
+def test_an_mpi_error_is_told_by_its_innermost_cause():
+    from fanstore.serve.transport import mpi_failure
+
+    stack = ("Other MPI error, error stack:\ninternal_Mrecv_c(301)..: MPI_Mrecv_c(buf=0x7f, count=249387) failed\n"
+             "MPIDI_CMA_copy_data(68): \ncopy_iovs(224).........: process_vm_readv failed (errno 3)\n")
+    assert mpi_failure(Exception(stack)) == "MPI error: process_vm_readv failed (errno 3)"
+    assert mpi_failure(Exception("")) == "MPI error: Exception"
+
+
 def test_malformed_peer_requests_are_refused_without_harm(served_dataset, tmp_path):
     _, dest = served_dataset
     script = Path(__file__).with_name("serve_malformed_peer.py")

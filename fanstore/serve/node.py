@@ -45,8 +45,8 @@ from .placement import BlobTable, Placement, place
 from .polling import first_failed_rank
 from .sources import PeerChunkSource, PlacedChunkSource
 from .staged_source import StagedChunkSource
-from .staging import StagingReport, Stager
-from .transport import PeerOptions, PeerTransport, RequestRefused
+from .staging import StagingBroken, StagingReport, Stager
+from .transport import PeerOptions, PeerTransport, RequestRefused, mpi_failure
 
 log = logging.getLogger("fanstore.serve")
 
@@ -284,7 +284,15 @@ def run(options: ServeOptions) -> int:
     keep_alive = start_watchdog(mountpoint, ready_file, local_dir / "fanstore-watchdog.log")
 
     bar = _progress_bar(rank, options.progress)
-    report = Stager(comm, index, placement, options.dest, local_dir, progress=bar).run()
+    try:
+        report = Stager(comm, index, placement, options.dest, local_dir, progress=bar).run()
+    except (StagingBroken, mpi.Exception) as exc:
+        # The other ranks are half-way through staging with this one (or one of them has died): only the launcher
+        # can end them all.
+        reason = exc if isinstance(exc, StagingBroken) else \
+            f"rank {rank} on {host}: staging failed: {mpi_failure(exc)} (has another rank died?)"
+        say_line(f"fanstore serve: error: {reason}; stopping the job")
+        comm.Abort(1)
     if bar is not None:
         bar(-1, -1)
     sizes = index.chunks["size"]

@@ -51,6 +51,11 @@ class StagingError(FanstoreError):
     """This rank's local directory cannot take its share, or another rank's cannot (that rank says why)."""
 
 
+class StagingBroken(StagingError):
+    """This rank's local directory failed once the ranks had begun moving bytes (full, out of inodes, an I/O
+    error): the others are half-way through the same collective work, so the job has to end."""
+
+
 @dataclass
 class StagingReport:
     """What staging did on one rank, as --stats prints it."""
@@ -226,8 +231,6 @@ class Stager:
         return reusable
 
     def run(self) -> StagingReport:
-        from mpi4py import MPI
-
         started = time.monotonic()
         identity = self._identity = dataset_identity(self.dest)
         share = self._share()
@@ -237,6 +240,16 @@ class Stager:
         for span in reusable:
             self._verified.setdefault(span.chunk, []).append((span.start, span.end))
         self._check_capacity(missing)
+        try:
+            self._stage(reusable, missing)
+        except OSError as exc:  # reading DEST has its own rules (_read_dest): this is the local directory failing
+            raise StagingBroken(f"rank {self.rank} on {socket.gethostname()}: --local-dir {self.local.path}: cannot "
+                                f"write {exc.filename or 'to it'}: {exc.strerror}") from None
+        self.report.seconds = time.monotonic() - started
+        return self.report
+
+    def _stage(self, reusable: set[Span], missing: list[Span]) -> None:
+        from mpi4py import MPI
 
         # Which replicated chunks each rank lacks, so a chunk goes only where it is missing.
         replicated = self.placement.replicated_chunks
@@ -273,8 +286,6 @@ class Stager:
         self._move(own_spans, to_send, expected, total)
         self.local.close()
         self._record(missing)
-        self.report.seconds = time.monotonic() - started
-        return self.report
 
     def _check_capacity(self, missing: list[Span]) -> None:
         """Every rank checks its directory's free space before anything is copied; if one cannot take its share,

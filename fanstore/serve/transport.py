@@ -87,6 +87,14 @@ class PeerCounters:
     refused: int = 0  # malformed requests from the peer
 
 
+def mpi_failure(exc: Exception) -> str:
+    """One line for an MPI error: the innermost cause of MPICH's error stack (say `process_vm_readv failed
+    (errno 3)`: the peer has died), not its first line, which only gives the class."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    innermost = lines[-1].rsplit(": ", 1)[-1].strip() if lines else ""
+    return f"MPI error: {innermost or type(exc).__name__}"
+
+
 def reply_room(length: int) -> int:
     """Bytes to receive a reply into, for a request of `length` bytes of blobs: the blobs, or a reason."""
     return REPLY_HEADER.size + max(length, REASON_ROOM)
@@ -318,6 +326,9 @@ class PeerTransport:
                     self._backoff.progressed()
                     continue
                 self._backoff.sleep(self._backoff.linger_longest if busy else None)
+        except self._mpi.Exception as exc:  # a peer died (the launcher ends the job soon), or the library failed
+            self._failure = exc
+            log.error("the MPI thread failed (%s); peers are no longer served or asked", mpi_failure(exc))
         except BaseException as exc:  # noqa: BLE001 - a bug here must fail reads, not hang them
             self._failure = exc
             log.exception("the MPI thread failed; peers are no longer served or asked")
