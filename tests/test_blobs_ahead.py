@@ -1,9 +1,11 @@
 """The serve process's fetches ahead for the node's PyTorch readers (fanstore/serve/node_endpoint.py, BlobsAhead),
-over a source that answers from another thread, as the transport's MPI thread does. The whole path, with real MPI
-and real readers, runs in tests/serve_torch_job.py."""
+over a source that answers from another thread, as the transport's MPI thread does, and the node's socket in a
+deep directory. The whole path, with real MPI and real readers, runs in tests/serve_torch_job.py."""
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
 
@@ -13,7 +15,7 @@ from conftest import numbered_files
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.chunk_source import BlobRead, LocalChunkSource
 from fanstore.errors import ChunkUnavailable
-from fanstore.serve.node_endpoint import BlobsAhead
+from fanstore.serve.node_endpoint import SOCKET_NAME, UNIX_PATH_MAX, BlobsAhead, unix_address
 
 
 class AnsweredLater:
@@ -154,3 +156,23 @@ def test_a_batch_the_source_fails_to_start_is_logged_and_the_rest_of_the_plan_st
         wait_for(lambda: ahead.fetched == len(plan), "the next plan's blobs")
     finally:
         ahead.close()
+
+
+def test_a_unix_socket_deeper_than_linux_allows_binds_and_connects(tmp_path):
+    """A job's local directory may be deeper than the 107 bytes a Unix socket's path may have."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    path = deep / SOCKET_NAME
+    assert len(os.fsencode(path)) >= UNIX_PATH_MAX
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        with unix_address(path) as address:
+            server.bind(address)
+        server.listen()
+        assert path.exists()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            with unix_address(path) as address:
+                client.connect(address)
+            client.sendall(b"ping")
+            accepted, _ = server.accept()
+            with accepted:
+                assert accepted.recv(4) == b"ping"

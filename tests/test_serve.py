@@ -530,6 +530,25 @@ def test_a_local_dir_failing_during_staging_ends_the_job_with_one_line(served_da
     wait_until(lambda: _shm_files() <= shm_before, "the job's shared memory files removed", 5)
 
 
+READERS_CHECK = r"""
+import os
+from fanstore.serve.node_client import NodeConnection
+from fanstore.serve.node_endpoint import HELLO, OK
+status, _ = NodeConnection(os.environ["FANSTORE_SERVE_SOCKET"]).ask(HELLO)
+raise SystemExit(0 if status == OK else 1)
+"""
+
+
+def test_the_node_socket_works_in_a_local_dir_deeper_than_a_socket_path_may_be(served_dataset, tmp_path, jobs):
+    _, dest = served_dataset
+    local = tmp_path / ("d" * 100) / "local{rank}"
+    job = Job(tmp_path, dest, command=[sys.executable, "-c", READERS_CHECK], local=str(local))
+    jobs.append(job)
+    code, out, err = job.finish()
+    assert code == 0 and "Traceback" not in err, out + err
+    _assert_nothing_left(job)
+
+
 def test_an_mpi_error_is_told_by_its_innermost_cause():
     from fanstore.serve.transport import mpi_failure
 

@@ -22,7 +22,7 @@ from ..errors import ChunkCorrupt, ChunkUnavailable, UsageError
 from ..format import FLAG_BLOCKED
 from ..index import Index
 from .node_endpoint import (CORRUPT, ENVIRONMENT, HELLO, OK, PLAN, PLAN_ROW, READ, REPLY, REPLY_MAGIC, REQUEST,
-                            REQUEST_MAGIC)
+                            REQUEST_MAGIC, unix_address)
 from .placement import NO_OWNER, Placement, place
 from .staged_source import PlacedReads, StagedChunkSource
 
@@ -41,7 +41,8 @@ class NodeConnection:
         if connection is None:
             connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                connection.connect(self.path)
+                with unix_address(Path(self.path)) as address:
+                    connection.connect(address)
             except OSError as exc:
                 connection.close()
                 raise ChunkUnavailable(f"{self.path}: cannot reach the node's serve process: {exc.strerror}") \

@@ -13,6 +13,7 @@ not OK).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -23,7 +24,7 @@ import struct
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -34,6 +35,7 @@ from .placement import BlobTable
 log = logging.getLogger("fanstore.serve")
 
 SOCKET_NAME = "fanstore-node.sock"
+UNIX_PATH_MAX = 108  # bytes of a Unix socket's path, its final NUL included (Linux's sockaddr_un)
 ENVIRONMENT = "FANSTORE_SERVE_SOCKET"  # set for COMMAND; a job started otherwise sets it from the ready file
 REQUEST = struct.Struct("<4sIIQQ")  # magic, kind, chunk, offset, length (PLAN: rows that follow)
 REPLY = struct.Struct("<4sIQ")  # magic, status, payload length
@@ -46,6 +48,21 @@ AHEAD_BYTES = 256 << 20  # remote blobs fetched ahead and not read yet, at most
 # Of those, bytes asked of peers and not come yet: a request queued behind many others could miss its deadline.
 AHEAD_IN_FLIGHT = 16 << 20
 AHEAD_ROWS = 64  # plan rows started at once; the source asks each peer for its blobs among them together
+
+
+@contextlib.contextmanager
+def unix_address(path: Path) -> Iterator[str]:
+    """An address to bind or connect a Unix socket at `path` by. A job's local directory may lie deeper than
+    the 107 bytes Linux takes: such a path is reached through a descriptor of its directory, /proc/self/fd/N/NAME,
+    held open until the bind or connect is done."""
+    if len(os.fsencode(path)) < UNIX_PATH_MAX:
+        yield str(path)
+        return
+    directory = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{directory}/{path.name}"
+    finally:
+        os.close(directory)
 
 
 class BlobsAhead:
@@ -178,7 +195,8 @@ class NodeEndpoint:
             def handle(self) -> None:
                 endpoint._serve(self.request)
 
-        self._server = socketserver.ThreadingUnixStreamServer(str(self.path), Handler)
+        with unix_address(self.path) as address:
+            self._server = socketserver.ThreadingUnixStreamServer(address, Handler)
         self._server.daemon_threads = True
         os.chmod(self.path, 0o600)  # this user's readers only
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.5},
