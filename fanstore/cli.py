@@ -376,7 +376,8 @@ def _run_mount(args: argparse.Namespace) -> int:
     import logging
     import math
 
-    from .mount import MountOptions, default_log_path, mount_background, mount_foreground, resolve_mountpoint
+    from .mount import MountOptions, check_outside, default_log_path, mount_background, mount_foreground, \
+        resolve_mountpoint
 
     options = MountOptions(
         cache_size=parse_size(args.cache_size, "--cache-size") if args.cache_size else None,
@@ -395,10 +396,12 @@ def _run_mount(args: argparse.Namespace) -> int:
     # Resolved once, here: mountinfo lists resolved paths, and the check, the mount and the messages must agree.
     mountpoint = resolve_mountpoint(Path(args.mountpoint))
     if args.foreground:
+        check_outside(mountpoint, {"DEST": Path(args.dest)})
         logging.basicConfig(level=logging.INFO, format="%(asctime)s fanstore: %(message)s", stream=sys.stderr)
         return mount_foreground(Path(args.dest), mountpoint, options, ready_fd=args.ready_fd)
     private_log = args.log is None
     log_path = default_log_path(mountpoint) if private_log else Path(args.log)
+    check_outside(mountpoint, {"DEST": Path(args.dest), "--log": log_path})
     pid = mount_background(Path(args.dest), mountpoint, args.argv, log_path, private_log=private_log)
     print(f"mounted {args.dest} at {args.mountpoint} (daemon pid {pid}, log {log_path}); "
           f"`fanstore umount {args.mountpoint}` to unmount")

@@ -119,6 +119,18 @@ def available_memory() -> int:
     return 1 << 30
 
 
+def check_outside(mountpoint: Path, paths: dict[str, Path]) -> None:
+    """Paths the daemon uses once mounted (the dataset, its log, a node's local directory, by option name) must
+    lie outside MOUNTPOINT: the mount would hide them, and a daemon reading through its own mount waits on itself
+    for good (unkillable, in the kernel). `mountpoint` is resolved (resolve_mountpoint)."""
+    top = str(mountpoint)
+    for name, path in paths.items():
+        # As given (the daemon opens it so, through any link on the way) and as resolved (where it really is).
+        if any(os.path.commonpath([top, form]) == top for form in (os.path.abspath(path), os.path.realpath(path))):
+            raise UsageError(f"MOUNTPOINT {top}: {name} {path} lies inside it, and the mount would hide it from "
+                             f"fanstore itself; mount elsewhere")
+
+
 def check_mountpoint(mountpoint: Path) -> None:
     """A mount point must be an existing directory that nothing is mounted on, stale mounts included.
 

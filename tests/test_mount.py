@@ -9,6 +9,7 @@ import json
 import mmap
 import os
 import random
+import shutil
 import signal
 import stat
 import subprocess
@@ -418,6 +419,11 @@ def test_resolve_mountpoint_follows_links_with_readlink(tmp_path, monkeypatch):
     ("mount {ds} {tmp}/mp --log {tmp}/no_dir/mount.log", ["--log", "{tmp}/no_dir/mount.log", "No such file"]),
     ("mount {ds} {tmp}/mp --log {tmp}/dir", ["--log", "{tmp}/dir", "Is a directory"]),
     ("mount {ds} {tmp}/mp --log {tmp}/file/mount.log", ["--log", "{tmp}/file/mount.log", "Not a directory"]),
+    ("mount {tmp}/dir/ds {tmp}/dir", ["MOUNTPOINT {tmp}/dir", "DEST {tmp}/dir/ds lies inside it"]),
+    ("mount {tmp}/dir/ds {tmp}/dir --foreground", ["MOUNTPOINT {tmp}/dir", "DEST {tmp}/dir/ds lies inside it"]),
+    ("mount {tmp}/dir/link {tmp}/dir", ["MOUNTPOINT {tmp}/dir", "DEST {tmp}/dir/link lies inside it"]),
+    ("mount {tmp}/mp/../dir/ds {tmp}/dir", ["MOUNTPOINT {tmp}/dir", "DEST {tmp}/mp/../dir/ds lies inside it"]),
+    ("mount {ds} {tmp}/mp --log {tmp}/mp/mount.log", ["MOUNTPOINT {tmp}/mp", "--log {tmp}/mp/mount.log lies inside"]),
     ("umount {tmp}/mp", ["{tmp}/mp", "no FUSE file system is mounted"]),
     ("umount {tmp}/absent", ["{tmp}/absent", "does not exist"]),
     ("umount {tmp}/file", ["{tmp}/file", "not a directory"]),
@@ -428,6 +434,8 @@ def test_mount_argument_errors_are_one_line(packed, tmp_path, monkeypatch, comma
     for directory in ("mp", "dir"):
         (tmp_path / directory).mkdir()
     (tmp_path / "file").write_text("not a directory")
+    shutil.copytree(ds, tmp_path / "dir" / "ds")  # a dataset inside a mount point, as given or through a link
+    (tmp_path / "dir" / "link").symlink_to(ds)
     args = [arg.format(ds=ds, tmp=tmp_path) for arg in command.split()]
     with _left_unmounted(tmp_path / "mp"):
         failed = run_cli(*args, timeout=30)

@@ -650,6 +650,25 @@ def test_bad_serve_options_are_one_line_naming_the_option(served_dataset, tmp_pa
     assert _shm_files() <= shm_before  # MPI, if started, ended properly
 
 
+@pytest.mark.parametrize("local, needle", [
+    ("shared", "--local-dir {tmp}/shared is rank"),  # no {rank}: every rank of this host would stage into it
+    ("mp{rank}/local", "--local-dir {tmp}/mp{rank}/local lies inside it"),  # the mount would hide it from the rank
+])
+def test_local_dirs_that_ranks_cannot_use_are_refused_before_anything_is_copied(served_dataset, tmp_path, jobs,
+                                                                                   local, needle):
+    _, dest = served_dataset
+    job = Job(tmp_path, dest, command=["true"], local=str(tmp_path / local))
+    jobs.append(job)
+    code, _, err = job.finish(timeout=60)
+    assert code != 0 and "Traceback" not in err, err
+    lines = sorted(err.splitlines())
+    assert len(lines) == RANKS, err
+    for rank, line in enumerate(lines):
+        assert line.startswith(f"fanstore: error: rank {rank} on ") and needle.format(tmp=tmp_path, rank=rank) in line
+    assert not list(tmp_path.rglob("*.fsc"))
+    _assert_nothing_left(job)
+
+
 def test_ranks_failing_at_once_print_one_whole_line_each(served_dataset, tmp_path, jobs):
     """Every rank fails at the same moment (no MOUNTPOINT): mpiexec merges their stderr, and each error stays one
     line (print() writes a line's text and its newline apart, and the ranks' lines ran together)."""

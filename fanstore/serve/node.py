@@ -34,15 +34,15 @@ from ..chunk_source import LocalChunkSource
 from ..durable import write_atomically
 from ..errors import ChunkCorrupt, ChunkUnavailable, FanstoreError, UsageError, say_line
 from ..index import Index
-from ..mount import MountOptions, check_mountpoint, fuse_answer, fuse_mounted_at, resolve_mountpoint, \
-    serve_dataset, unmount
+from ..mount import MountOptions, check_mountpoint, check_outside, fuse_answer, fuse_mounted_at, \
+    resolve_mountpoint, serve_dataset, unmount
 from ..units import format_bytes
 from . import node_endpoint, watchdog
 from .doorbell import open_doorbell
 from .loop_requests import LoopRequests
 from .node_endpoint import NodeEndpoint
 from .placement import BlobTable, Placement, place
-from .polling import first_failed_rank
+from .polling import first_failed_rank, wait_all
 from .sources import PeerChunkSource, PlacedChunkSource
 from .staged_source import StagedChunkSource
 from .staging import StagingBroken, StagingReport, Stager
@@ -97,6 +97,28 @@ def format_for_rank(template: str, rank: int, option: str) -> Path:
         return Path(template.format(rank=rank))
     except (KeyError, IndexError, ValueError) as exc:
         raise UsageError(f"{option} {template!r}: only {{rank}} may appear in braces ({exc})") from None
+
+
+def shared_paths(comm: Any, host: str, paths: dict[str, Path] | None) -> str | None:
+    """Whether another rank on this host was given one of this rank's `paths` (by option name): two ranks
+    staging into one directory would undo each other's chunk files, and two mounts on one point hide each other.
+    Collective; a rank with no paths (it failed already) still takes part."""
+    from mpi4py import MPI
+
+    names = ["MOUNTPOINT", "--local-dir"]
+    mine = np.zeros(len(names), dtype=np.uint64)
+    if paths is not None:
+        for i, name in enumerate(names):
+            mine[i] = xxhash.xxh3_64_intdigest(f"{host}\0{os.path.realpath(paths[name])}".encode()) | 1
+    everyone = np.zeros((comm.Get_size(), len(names)), dtype=np.uint64)
+    wait_all([comm.Iallgather([mine, MPI.UINT64_T], [everyone, MPI.UINT64_T])])
+    rank = comm.Get_rank()
+    for i, name in enumerate(names):
+        others = [other for other in np.flatnonzero(everyone[:, i] == mine[i]) if other != rank]
+        if mine[i] and others:
+            return (f"rank {rank} on {host}: {name} {paths[name]} is rank {others[0]}'s too: ranks on one host "
+                    f"need their own (put {{rank}} in it)")  # type: ignore[index]
+    return None
 
 
 def shm_files_mapped() -> list[str]:
@@ -269,11 +291,14 @@ def run(options: ServeOptions) -> int:
             if not prefetch_list.is_file():
                 raise UsageError(f"--prefetch-list: {str(prefetch_list)!r} is not a file")
             mount_options = replace(mount_options, prefetch_list=prefetch_list)
+        check_outside(mountpoint, {"DEST": options.dest, "--local-dir": local_dir, "--ready-file": ready_file})
         clear_stale_mount(mountpoint)
         local_dir.mkdir(parents=True, exist_ok=True)
         ready_file.unlink(missing_ok=True)  # left by a killed job: a batch script waiting for it must wait for us
     except (FanstoreError, OSError) as exc:
         problem = f"rank {rank} on {host}: {exc}"
+    problem = shared_paths(comm, host, None if problem else {"MOUNTPOINT": mountpoint, "--local-dir": local_dir}) \
+        or problem
     failed = first_failed_rank(comm, problem is not None)
     if problem is not None or failed is not None:
         # Every rank stops here together, so MPI can end properly: it then removes its /dev/shm files (no watchdog
