@@ -669,6 +669,29 @@ def test_local_dirs_that_ranks_cannot_use_are_refused_before_anything_is_copied(
     _assert_nothing_left(job)
 
 
+def test_ranks_given_different_datasets_are_refused_before_anything_is_copied(served_dataset, tmp_path):
+    """Rank 1's DEST holds another dataset than rank 0's (on a cluster: a copy re-packed meanwhile, or another
+    path on one node): each would place blobs by an index the other does not have."""
+    _, dest = served_dataset
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("another dataset")
+    other = tmp_path / "other"
+    pack(tmp_path / "src", other, PackOptions(workers=1))
+    for rank in range(2):
+        (tmp_path / f"mp{rank}").mkdir()
+    rank_command = (f'exec "{sys.executable}" -m fanstore serve '
+                    f'"$([ "$PMI_RANK" = 0 ] && echo {dest} || echo {other})" "{tmp_path}/mp$PMI_RANK" '
+                    f'--local-dir "{tmp_path}/local$PMI_RANK" --quiet -- true')
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([str(MPIEXEC), "-n", "2", "sh", "-c", rank_command], capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert f"rank 1 on {os.uname().nodename}: DEST {other} is not the dataset rank 0 serves" in done.stderr, \
+        done.stderr
+    assert not [path for r in range(2) for path in (tmp_path / f"local{r}").rglob("*.fsc")]
+    assert not any(fuse_mounted_at(tmp_path / f"mp{r}") for r in range(2))
+
+
 def test_ranks_failing_at_once_print_one_whole_line_each(served_dataset, tmp_path, jobs):
     """Every rank fails at the same moment (no MOUNTPOINT): mpiexec merges their stderr, and each error stays one
     line (print() writes a line's text and its newline apart, and the ranks' lines ran together)."""

@@ -45,7 +45,7 @@ from .placement import BlobTable, Placement, place
 from .polling import first_failed_rank, wait_all
 from .sources import PeerChunkSource, PlacedChunkSource
 from .staged_source import StagedChunkSource
-from .staging import StagingBroken, StagingReport, Stager
+from .staging import StagingBroken, StagingReport, Stager, dataset_identity
 from .transport import PeerOptions, PeerTransport, RequestRefused, mpi_failure
 
 log = logging.getLogger("fanstore.serve")
@@ -118,6 +118,21 @@ def shared_paths(comm: Any, host: str, paths: dict[str, Path] | None) -> str | N
         if mine[i] and others:
             return (f"rank {rank} on {host}: {name} {paths[name]} is rank {others[0]}'s too: ranks on one host "
                     f"need their own (put {{rank}} in it)")  # type: ignore[index]
+    return None
+
+
+def other_dataset(comm: Any, host: str, dest: Path, identity: str | None) -> str | None:
+    """Whether this rank's DEST holds another dataset than rank 0's (a copy re-packed meanwhile, another path on
+    this node): each rank would place and ask for blobs by an index the others do not have. Collective; a rank
+    with no identity (it failed already) still takes part."""
+    from mpi4py import MPI
+
+    mine = np.array([int(identity, 16) if identity else 0], dtype=np.uint64)
+    everyone = np.zeros(comm.Get_size(), dtype=np.uint64)
+    wait_all([comm.Iallgather([mine, MPI.UINT64_T], [everyone, MPI.UINT64_T])])
+    if mine[0] and everyone[0] and mine[0] != everyone[0]:
+        return (f"rank {comm.Get_rank()} on {host}: DEST {dest} is not the dataset rank 0 serves (their indexes "
+                f"differ): every rank must serve the same one")
     return None
 
 
@@ -277,9 +292,10 @@ def run(options: ServeOptions) -> int:
     comm = mpi.COMM_WORLD.Dup()
     rank, size = comm.Get_rank(), comm.Get_size()
     host = socket.gethostname()
-    problem = None
+    problem = identity = None
     try:  # every rank's problem goes through the agreement below: a rank must not leave the others waiting
         index = Index.load(options.dest)
+        identity = dataset_identity(options.dest)
         placement = place(index, size)
         mountpoint = resolve_mountpoint(format_for_rank(options.mountpoint, rank, "MOUNTPOINT").absolute())
         local_dir = format_for_rank(options.local_dir, rank, "--local-dir").absolute()
@@ -298,7 +314,7 @@ def run(options: ServeOptions) -> int:
     except (FanstoreError, OSError) as exc:
         problem = f"rank {rank} on {host}: {exc}"
     problem = shared_paths(comm, host, None if problem else {"MOUNTPOINT": mountpoint, "--local-dir": local_dir}) \
-        or problem
+        or other_dataset(comm, host, options.dest, None if problem else identity) or problem
     failed = first_failed_rank(comm, problem is not None)
     if problem is not None or failed is not None:
         # Every rank stops here together, so MPI can end properly: it then removes its /dev/shm files (no watchdog
