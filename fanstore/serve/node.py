@@ -1,6 +1,6 @@
 """One rank of `fanstore serve`: start MPI, stage, mount the whole dataset, run the job's command, report.
 
-    place (every rank alone) -> check every rank can start (agreed) -> watchdog -> stage (collective)
+    place (every rank alone) -> check every rank can start (agreed; start_checks.py) -> watchdog -> stage (collective)
     -> transport thread -> mount (local | peer -> DEST) -> all mounted (Ibarrier) -> COMMAND or ready file
     -> all done (Iallreduce of the worst status) -> unmount -> counters to rank 0 -> stop MPI
 
@@ -42,8 +42,9 @@ from .doorbell import open_doorbell
 from .loop_requests import LoopRequests
 from .node_endpoint import NodeEndpoint
 from .placement import BlobTable, Placement, place
-from .polling import first_failed_rank, wait_all
+from .polling import first_failed_rank
 from .sources import PeerChunkSource, PlacedChunkSource
+from .start_checks import other_dataset, shared_paths
 from .staged_source import StagedChunkSource
 from .staging import StagingBroken, StagingReport, Stager, dataset_identity
 from .transport import PeerOptions, PeerTransport, RequestRefused, mpi_failure
@@ -97,43 +98,6 @@ def format_for_rank(template: str, rank: int, option: str) -> Path:
         return Path(template.format(rank=rank))
     except (KeyError, IndexError, ValueError) as exc:
         raise UsageError(f"{option} {template!r}: only {{rank}} may appear in braces ({exc})") from None
-
-
-def shared_paths(comm: Any, host: str, paths: dict[str, Path] | None) -> str | None:
-    """Whether another rank on this host was given one of this rank's `paths` (by option name): two ranks
-    staging into one directory would undo each other's chunk files, and two mounts on one point hide each other.
-    Collective; a rank with no paths (it failed already) still takes part."""
-    from mpi4py import MPI
-
-    names = ["MOUNTPOINT", "--local-dir"]
-    mine = np.zeros(len(names), dtype=np.uint64)
-    if paths is not None:
-        for i, name in enumerate(names):
-            mine[i] = xxhash.xxh3_64_intdigest(f"{host}\0{os.path.realpath(paths[name])}".encode()) | 1
-    everyone = np.zeros((comm.Get_size(), len(names)), dtype=np.uint64)
-    wait_all([comm.Iallgather([mine, MPI.UINT64_T], [everyone, MPI.UINT64_T])])
-    rank = comm.Get_rank()
-    for i, name in enumerate(names):
-        others = [other for other in np.flatnonzero(everyone[:, i] == mine[i]) if other != rank]
-        if mine[i] and others:
-            return (f"rank {rank} on {host}: {name} {paths[name]} is rank {others[0]}'s too: ranks on one host "
-                    f"need their own (put {{rank}} in it)")  # type: ignore[index]
-    return None
-
-
-def other_dataset(comm: Any, host: str, dest: Path, identity: str | None) -> str | None:
-    """Whether this rank's DEST holds another dataset than rank 0's (a copy re-packed meanwhile, another path on
-    this node): each rank would place and ask for blobs by an index the others do not have. Collective; a rank
-    with no identity (it failed already) still takes part."""
-    from mpi4py import MPI
-
-    mine = np.array([int(identity, 16) if identity else 0], dtype=np.uint64)
-    everyone = np.zeros(comm.Get_size(), dtype=np.uint64)
-    wait_all([comm.Iallgather([mine, MPI.UINT64_T], [everyone, MPI.UINT64_T])])
-    if mine[0] and everyone[0] and mine[0] != everyone[0]:
-        return (f"rank {comm.Get_rank()} on {host}: DEST {dest} is not the dataset rank 0 serves (their indexes "
-                f"differ): every rank must serve the same one")
-    return None
 
 
 def shm_files_mapped() -> list[str]:
@@ -292,7 +256,7 @@ def run(options: ServeOptions) -> int:
     comm = mpi.COMM_WORLD.Dup()
     rank, size = comm.Get_rank(), comm.Get_size()
     host = socket.gethostname()
-    problem = identity = None
+    problem = identity = mountpoint = local_dir = None
     try:  # every rank's problem goes through the agreement below: a rank must not leave the others waiting
         index = Index.load(options.dest)
         identity = dataset_identity(options.dest)
@@ -313,8 +277,10 @@ def run(options: ServeOptions) -> int:
         ready_file.unlink(missing_ok=True)  # left by a killed job: a batch script waiting for it must wait for us
     except (FanstoreError, OSError) as exc:
         problem = f"rank {rank} on {host}: {exc}"
-    problem = shared_paths(comm, host, None if problem else {"MOUNTPOINT": mountpoint, "--local-dir": local_dir}) \
-        or other_dataset(comm, host, options.dest, None if problem else identity) or problem
+    if problem is not None:
+        identity = mountpoint = local_dir = None  # nothing to compare
+    problem = shared_paths(comm, host, {"MOUNTPOINT": mountpoint, "--local-dir": local_dir}) \
+        or other_dataset(comm, host, options.dest, identity) or problem
     failed = first_failed_rank(comm, problem is not None)
     if problem is not None or failed is not None:
         # Every rank stops here together, so MPI can end properly: it then removes its /dev/shm files (no watchdog
