@@ -1,13 +1,16 @@
 """Run by tests/test_serve.py under `mpiexec -n 2`: rank 0's event loop asks rank 1 for blobs itself.
 
 Both ranks run a PeerTransport with doorbells, as `fanstore serve` does. Rank 1 serves blobs of made-up chunks:
-chunk 1 is `BLOB`, chunk 3 is `OTHER`, chunk 4 is `BLOB` too but the ring of its reply is lost (a UDP datagram can be), chunk 2 is refused, chunk 5 is
-corrupt, chunk 7 meets a bug in the server, and a request for chunk 9 holds rank 1's MPI thread for STALL seconds (a stalled peer).
-Rank 0 asks from a trio loop through LoopRequests: a good blob, several in one request (and several of which one is
-refused), one whose ring is lost, a refused one, a refused and a corrupt one of a few bytes (from the loop and
-from the MPI thread), two fetched ahead (one collected, one left to the pump), the server's bug, more than the cap allows, the stalled one (past its
-deadline), one after the skip is over, left out when the loop ends; then, from a second loop, one that meets a bug
-in the pump, and from a third, one that meets it in `collect`; last, a bug ends rank 0's MPI thread, and the job still
+chunk 1 is `BLOB`, chunk 3 is `OTHER`, chunk 4 is `BLOB` too but the ring of its reply is lost (a UDP datagram can
+be), chunk 2 is refused, chunk 5 is corrupt, chunk 7 meets a bug in the server, and a request for chunk 9 holds rank
+1's MPI thread for STALL seconds (a stalled peer).
+
+Rank 0 asks from a trio loop through LoopRequests: a good blob; several in one request, several of which one is
+refused, and several of which one is corrupt (also through the MPI thread); one whose ring is lost; a refused one;
+a refused and a corrupt one of a few bytes (from the loop and from the MPI thread); two fetched ahead (one
+collected, one left to the pump); the server's bug; more than the cap allows; the stalled one (past its deadline);
+one after the skip is over; one left out when the loop ends. Then, from a second loop, one that meets a bug in the
+pump, and from a third, one that meets it in `collect`; last, a bug ends rank 0's MPI thread, and the job still
 ends together. It prints one JSON line of what it saw; rank 1 prints what its transport counted.
 
     mpiexec -n 2 python serve_loop_requests.py
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import select
 import sys
+import threading
 import time
 
 import mpi4py
@@ -106,6 +110,11 @@ async def rank_0(loop: LoopRequests, transport: PeerTransport, bell: Doorbell) -
     seen["several"] = (taken, blobs == [BLOB, OTHER, BLOB], transport.loop_counters[1].fetched)
     taken, blobs = await ask_many(loop, [1, 2, 3])  # one refused: the request fails, each read falls back
     seen["several, one refused"] = (taken, [str(blob) for blob in blobs])
+    # One the peer finds corrupt costs that one alone, asked from the loop and from the MPI thread.
+    taken, blobs = await ask_many(loop, [1, CORRUPT, 3])
+    seen["several, one corrupt"] = (taken, [blob if isinstance(blob, str) else blob == BLOB or blob == OTHER
+                                            for blob in blobs])
+    seen["several, one corrupt, via the MPI thread"] = await trio.to_thread.run_sync(fetch_many_outcomes, transport)
     started = time.monotonic()
     taken, blob = await ask(loop, LOST_RING)  # found by the pump's timer, well before the deadline
     seen["ring lost"] = (taken and blob == BLOB, time.monotonic() - started < TIMEOUT / 2)
@@ -142,6 +151,24 @@ async def rank_0(loop: LoopRequests, transport: PeerTransport, bell: Doorbell) -
     # Rank 1's MPI thread is still held: this request is out when the loop ends, and handed over.
     seen["left out at the end"] = loop.start(1, 1, 0, len(BLOB), lambda blob, error: None)
     return seen
+
+
+def fetch_many_outcomes(transport: PeerTransport) -> list[object]:
+    """What the MPI thread's one request for a good blob, a corrupt one and another good one gives each."""
+    outcomes: dict[int, object] = {}
+    arrived = threading.Event()
+
+    def done_for(number: int):
+        def done(blob, error) -> None:
+            outcomes[number] = bytes(blob) in (BLOB, OTHER) if error is None else f"unavailable: {error}"
+            if len(outcomes) == 3:
+                arrived.set()
+        return done
+
+    transport.fetch_many_later(1, [BlobRead(chunk, 0, len(OTHER if chunk == 3 else BLOB), done_for(number))
+                                   for number, chunk in enumerate((1, CORRUPT, 3))])
+    arrived.wait(10)
+    return [outcomes.get(number) for number in range(3)]
 
 
 def fetch_outcomes(transport: PeerTransport) -> list[str]:

@@ -591,6 +591,9 @@ def test_the_mounts_loop_asks_peers_itself_within_the_same_rules(tmp_path):
     taken, errors = seen[0]["several, one refused"]
     assert taken and len(errors) == 3, seen[0]
     assert all("rank 1 refused a request for 3 blobs: chunk 2 at 0 is not" in error for error in errors), errors
+    corrupt = "unavailable: rank 1 found corrupt chunk 5 at 0: chunk 5 at 0: its copy here fails its checksum; "
+    for outcome in (seen[0]["several, one corrupt"][1], seen[0]["several, one corrupt, via the MPI thread"]):
+        assert outcome[0] is True and outcome[2] is True and outcome[1].startswith(corrupt), seen[0]  # that one alone
     assert seen[0]["ring lost"] == [True, True], seen[0]  # the reply is found without its ring, in time
     assert seen[0]["refused"], seen[0]
     # A reason longer than the few bytes asked reaches the asker whole, and costs neither the loop nor the MPI thread.

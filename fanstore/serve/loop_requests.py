@@ -31,8 +31,8 @@ import trio
 from ..chunk_source import BlobRead, ReadDone
 from ..errors import ChunkUnavailable
 from .doorbell import Doorbell
-from .transport import MAX_BLOBS, QUIET_REPLY, RING_REPLY_BELL, TAG_REQUEST, PeerTransport, blob_of_reply, \
-    hand_out, reply_room, request_message
+from .transport import MAX_BLOBS, QUIET_REPLY, RING_REPLY_BELL, TAG_REQUEST, PeerTransport, hand_out_reply, \
+    reply_room, request_message
 
 log = logging.getLogger("fanstore.serve")
 
@@ -55,7 +55,6 @@ _FAILED = "asking peers from the mount's loop failed"
 class _LoopFetch:
     peer: int
     reads: Sequence[BlobRead]  # the blobs asked, which the reply carries one after the other
-    length: int  # of them all
     tag: int
     buffer: bytearray
     receive: Any
@@ -114,13 +113,12 @@ class LoopRequests:
             return False
         tag = self._next_tag
         self._next_tag = tag + 1 if tag < self._last_tag else self._first_tag
-        length = sum(read.length for read in reads)
-        buffer = bytearray(reply_room(length))
+        buffer = bytearray(reply_room(sum(read.length for read in reads), len(reads)))
         receive = self._comm.Irecv([buffer, self._mpi.BYTE], source=peer, tag=tag)
         message = request_message(tag, RING_REPLY_BELL | (QUIET_REPLY if ahead else 0), reads)
         send = self._comm.Isend([message, self._mpi.BYTE], dest=peer, tag=TAG_REQUEST)
         self._bell.ring(peer)
-        self._pending.append(_LoopFetch(peer, reads, length, tag, buffer, receive, send,
+        self._pending.append(_LoopFetch(peer, reads, tag, buffer, receive, send,
                                         time.monotonic() + self._options.timeout))
         self._receives.append(receive)
         self._sends.append(send)
@@ -231,15 +229,8 @@ class LoopRequests:
         return True
 
     def _finish(self, fetch: _LoopFetch, count: int) -> None:
-        reads = fetch.reads
-        first = reads[0]
-        blob, reason = blob_of_reply(fetch.peer, first.chunk_id, first.offset, fetch.length, fetch.buffer, count,
-                                     self.counters[fetch.peer], len(reads))
-        if blob is None:
-            for read in reads:
-                read.done(None, ChunkUnavailable(reason, chunk_id=read.chunk_id))
-        else:
-            hand_out(blob, reads)  # views of the receive buffer, which is the readers' now
+        # Views of the receive buffer, which is the readers' now.
+        hand_out_reply(fetch.peer, fetch.reads, fetch.buffer, count, self.counters[fetch.peer])
 
     def _give_up_on(self, peer: int) -> None:
         """A request to `peer` is past its deadline: cancel every one of the loop's to it, and tell the MPI thread,

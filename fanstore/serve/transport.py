@@ -5,8 +5,9 @@ for the peer), or asks `fetch` and waits on its own event; the MPI thread posts 
 reply's Irecv, sends the 32-byte request, and polls everything in flight with Testsome and a backing-off sleep
 (polling.Backoff): no blocking MPI call after start-up, so an idle rank costs a few percent of a core. Requests
 from peers are found with Improbe, checked by the node's `RequestServer`, and answered from local chunks; a request
-may ask for up to MAX_BLOBS blobs (the event loop's fetches ahead, loop_requests.py), answered in one reply. With a
-doorbell (doorbell.py), each request and each reply also rings its receiver, which then sleeps until rung.
+may ask for up to MAX_BLOBS blobs (the event loop's fetches ahead, loop_requests.py), answered in one reply, where a
+blob the rank cannot give costs that blob alone. With a doorbell (doorbell.py), each request and each reply also
+rings its receiver, which then sleeps until rung.
 
 Faults cost a deadline, never a hang: a request not answered in `timeout` seconds is cancelled, the peer is
 skipped for `retry_after` seconds (its queued requests fail at once, so readers fall back to the shared file
@@ -44,7 +45,7 @@ RING_REPLY_BELL = 1  # request flag: the asker's event loop waits for this reply
 QUIET_REPLY = 2  # request flag: ring nobody for this reply; the asker polls for it (a fetch ahead of its reader)
 REPLY_HEADER = struct.Struct("<4sI")  # magic, status; the blob (status OK) or a UTF-8 reason follows
 REPLY_MAGIC = b"FSRP"
-OK, REFUSED, UNAVAILABLE, CORRUPT = 0, 1, 2, 3
+OK, REFUSED, UNAVAILABLE, CORRUPT, PARTIAL = 0, 1, 2, 3, 4  # PARTIAL: some blobs of several, see hand_out_reply
 # Room for a reason in any reply, however few bytes were asked: the asker's receive is posted before the reply is
 # known, and a reply longer than it would fail in MPI itself (a 5-byte blob found corrupt has a 150-byte reason).
 REASON_ROOM = 1024
@@ -95,9 +96,10 @@ def mpi_failure(exc: Exception) -> str:
     return f"MPI error: {innermost or type(exc).__name__}"
 
 
-def reply_room(length: int) -> int:
-    """Bytes to receive a reply into, for a request of `length` bytes of blobs: the blobs, or a reason."""
-    return REPLY_HEADER.size + max(length, REASON_ROOM)
+def reply_room(length: int, blobs: int = 1) -> int:
+    """Bytes to receive a reply into, for a request of `blobs` blobs of `length` bytes in all: the blobs, or a
+    reason, and room for a status per blob (a reply that carries some of them)."""
+    return REPLY_HEADER.size + blobs + max(length, REASON_ROOM)
 
 
 def error_reply(status: int, reason: str) -> bytes:
@@ -114,34 +116,58 @@ def request_message(tag: int, flags: int, reads: Sequence[BlobRead]) -> bytes:
     return message + b"".join([MORE_BLOB.pack(read.chunk_id, read.offset, read.length) for read in reads[1:]])
 
 
-def hand_out(blobs: bytes | memoryview, reads: Sequence[BlobRead]) -> None:
-    """Give each read its blob from a reply that carries them one after the other, in the order asked."""
-    if len(reads) == 1:
-        reads[0].done(blobs, None)
+def partial_reply(statuses: bytes, parts: list[bytes], reason: str, blobs_bytes: int) -> bytes:
+    """The reply to a request for several blobs of which some failed (`statuses`, one a blob, OK for each of
+    `parts`): the statuses, the blobs that came, and the reason the first failed one did not, cut to what the
+    asker's receive still holds (reply_room of the `blobs_bytes` asked)."""
+    room = reply_room(blobs_bytes, len(statuses)) - REPLY_HEADER.size - len(statuses) - sum(map(len, parts))
+    return b"".join([REPLY_HEADER.pack(REPLY_MAGIC, PARTIAL), statuses, *parts, reason.encode()[:max(0, room)]])
+
+
+def hand_out_reply(peer: int, reads: Sequence[BlobRead], buffer: bytearray, count: int, counters: PeerCounters,
+                   copy: bool = False) -> None:
+    """Give each read its blob from a reply of `count` bytes in `buffer` (views of it, or bytes with `copy`), or
+    the reason it did not come (ChunkUnavailable: the reader reads it elsewhere); counted blob by blob.
+
+    The reply carries every blob one after the other (OK); or some of them (PARTIAL: a status a blob, then the
+    blobs that came, then why the first one that did not failed); or no blob and a reason (any other status)."""
+    header, blobs = REPLY_HEADER.size, len(reads)
+    magic, code = REPLY_HEADER.unpack_from(buffer) if count >= header else (b"", -1)
+    statuses, start, fits = bytes(blobs), header, False
+    if magic == REPLY_MAGIC and code == OK:
+        fits = count == header + sum(read.length for read in reads)
+    elif magic == REPLY_MAGIC and code == PARTIAL and blobs > 1 and count >= header + blobs:
+        statuses, start = bytes(buffer[header : header + blobs]), header + blobs
+        fits = count >= start + sum(read.length for read, status in zip(reads, statuses) if status == OK)
+    if not fits:
+        counters.failed += blobs
+        asked = f"chunk {reads[0].chunk_id} at {reads[0].offset}" if blobs == 1 else f"a request for {blobs} blobs"
+        if magic == REPLY_MAGIC and code in _STATUS_NAMES:
+            error = f"rank {peer} {_STATUS_NAMES[code]} {asked}: {_text(buffer[header:count])}"  # names the blob
+        else:
+            error = f"rank {peer} sent a malformed reply ({count} bytes) to {asked}"
+        for read in reads:
+            read.done(None, ChunkUnavailable(error, chunk_id=read.chunk_id))
         return
-    view = memoryview(blobs)
-    start = 0
-    for read in reads:
-        read.done(view[start : start + read.length], None)
-        start += read.length
+    view = memoryview(buffer)
+    carried = sum(read.length for read, status in zip(reads, statuses) if status == OK)
+    reason = _text(buffer[start + carried : count])  # why the first blob that did not come failed
+    for read, status in zip(reads, statuses):
+        if status == OK:
+            blob = view[start : start + read.length]
+            start += read.length
+            counters.fetched += 1
+            counters.fetched_bytes += read.length
+            read.done(bytes(blob) if copy else blob, None)
+        else:
+            counters.failed += 1
+            error = f"rank {peer} {_STATUS_NAMES.get(status, 'could not give')} chunk {read.chunk_id} at {read.offset}"
+            read.done(None, ChunkUnavailable(f"{error}: {reason}" if reason else error, chunk_id=read.chunk_id))
+            reason = ""
 
 
-def blob_of_reply(peer: int, chunk: int, offset: int, length: int, buffer: bytearray, count: int,
-                  counters: PeerCounters, blobs: int = 1) -> tuple[memoryview | None, str]:
-    """The blob a reply of `count` bytes in `buffer` carries (a view of it; the `blobs` blobs of `length` bytes in
-    all, one after the other, that a request for several asked), counted as fetched; else None and what the reply
-    says instead, for the reader's log, counted as failed."""
-    magic, code = REPLY_HEADER.unpack_from(buffer) if count >= REPLY_HEADER.size else (b"", -1)
-    if magic == REPLY_MAGIC and code == OK and count == REPLY_HEADER.size + length:
-        counters.fetched += blobs
-        counters.fetched_bytes += length
-        return memoryview(buffer)[REPLY_HEADER.size:count], ""
-    counters.failed += blobs
-    asked = f"chunk {chunk} at {offset}" if blobs == 1 else f"a request for {blobs} blobs"
-    if magic == REPLY_MAGIC and code in _STATUS_NAMES:
-        reason = bytes(buffer[REPLY_HEADER.size:count]).decode("utf-8", "replace")  # names the blob at fault
-        return None, f"rank {peer} {_STATUS_NAMES[code]} {asked}: {reason}"
-    return None, f"rank {peer} sent a malformed reply ({count} bytes) to {asked}"
+def _text(raw: bytes | bytearray) -> str:
+    return bytes(raw).decode("utf-8", "replace")
 
 
 @dataclass(eq=False)
@@ -163,11 +189,8 @@ class _Fetch:
         """Bytes of every blob asked."""
         return sum(read.length for read in self.reads)
 
-    def finish(self, result: bytes | None = None, error: ChunkError | None = None) -> None:
+    def fail(self, error: ChunkError) -> None:
         self.buffer = None
-        if result is not None:
-            hand_out(result, self.reads)
-            return
         for read in self.reads:
             read.done(None, error)
 
@@ -386,12 +409,12 @@ class PeerTransport:
         peer = self._peers[request.peer] if 0 <= request.peer < self.size else None
         if peer is None or request.peer == self.rank:
             self.counters[self.rank].failed += len(request.reads)
-            request.finish(error=ChunkUnavailable(f"rank {request.peer} is not a peer of rank {self.rank}",
+            request.fail(ChunkUnavailable(f"rank {request.peer} is not a peer of rank {self.rank}",
                                                   chunk_id=request.chunk))
             return
         if peer.skip_until > time.monotonic():
             self.counters[request.peer].failed += len(request.reads)
-            request.finish(error=self._skipped_error(request))
+            request.fail(self._skipped_error(request))
             return
         request.deadline = time.monotonic() + self.options.timeout
         peer.queued.append(request)
@@ -411,7 +434,7 @@ class PeerTransport:
 
     def _send_fetch(self, peer: int, request: _Fetch) -> None:
         request.tag = self._take_tag()
-        request.buffer = bytearray(reply_room(request.total))
+        request.buffer = bytearray(reply_room(request.total, len(request.reads)))
         # The reply's receive is posted before the request leaves, so the reply never waits unexpected.
         request.receive = self.comm.Irecv([request.buffer, self._mpi.BYTE], source=peer, tag=request.tag)
         message = request_message(request.tag, 0, request.reads)
@@ -470,13 +493,10 @@ class PeerTransport:
             return
         peer.in_flight.remove(request)
         self._outstanding -= 1
-        first = request.reads[0]
-        blob, reason = blob_of_reply(request.peer, first.chunk_id, first.offset, request.total, request.buffer,
-                                     status.Get_count(self._mpi.BYTE), self.counters[request.peer], len(request.reads))
-        if blob is not None:
-            request.finish(result=bytes(blob))  # `read` gives bytes; the buffer goes back with the request
-        else:
-            request.finish(error=ChunkUnavailable(reason, chunk_id=request.chunk))
+        buffer, request.buffer = request.buffer, None
+        # `fetch` gives bytes: the buffer goes back with the request
+        hand_out_reply(request.peer, request.reads, buffer, status.Get_count(self._mpi.BYTE),  # type: ignore[arg-type]
+                       self.counters[request.peer], copy=True)
 
     def _enforce_deadlines(self) -> None:
         """Runs every turn of the loop, so it looks at one request per peer: requests are queued, and sent, in the
@@ -511,10 +531,10 @@ class PeerTransport:
                     mpi_request.Cancel()
             self._abandoned[(number, request.tag)] = now + 10 * self.options.retry_after
             self.counters[number].failed += len(request.reads)
-            request.finish(error=ChunkUnavailable(str(error), chunk_id=request.chunk))
+            request.fail(ChunkUnavailable(str(error), chunk_id=request.chunk))
         for request in peer.queued:
             self.counters[number].failed += len(request.reads)
-            request.finish(error=ChunkUnavailable(str(error), chunk_id=request.chunk))
+            request.fail(ChunkUnavailable(str(error), chunk_id=request.chunk))
         self._outstanding -= len(peer.in_flight) + len(peer.queued)
         peer.in_flight.clear()
         peer.queued.clear()
@@ -527,7 +547,7 @@ class PeerTransport:
             except IndexError:
                 return
             if isinstance(item, _Fetch):
-                item.finish(error=ChunkUnavailable(f"rank {item.peer}: {self._stopped_reason}", chunk_id=item.chunk))
+                item.fail(ChunkUnavailable(f"rank {item.peer}: {self._stopped_reason}", chunk_id=item.chunk))
             elif isinstance(item, _GaveUp):
                 for request in item.requests:
                     if request:
@@ -595,17 +615,25 @@ class PeerTransport:
         blobs = [(chunk, offset, length)]
         if more:
             blobs.extend(MORE_BLOB.iter_unpack(memoryview(message)[REQUEST.size:]))
-        parts = [REPLY_HEADER.pack(REPLY_MAGIC, OK)]
         try:
             asked_bytes = sum(blob[2] for blob in blobs)
             if more and asked_bytes > self.options.max_reply_bytes:
                 raise RequestRefused(f"{len(blobs)} blobs of {asked_bytes} bytes in all: more than "
                                      f"{self.options.max_reply_bytes} bytes in one reply")
-            for chunk, offset, length in blobs:
-                parts.append(self._serve_request(source, chunk, offset, length))
-            reply = b"".join(parts)
-            counters.served += len(blobs)
-            counters.served_bytes += len(reply) - REPLY_HEADER.size
+            parts, statuses, reason = [], bytearray(len(blobs)), ""
+            for number, (chunk, offset, length) in enumerate(blobs):
+                try:
+                    parts.append(self._serve_request(source, chunk, offset, length))
+                except ChunkError as exc:
+                    if not more:
+                        raise
+                    # One blob this rank cannot give costs that blob alone: the asker reads it elsewhere.
+                    statuses[number] = CORRUPT if isinstance(exc, ChunkCorrupt) else UNAVAILABLE
+                    reason = reason or str(exc)
+            reply = partial_reply(bytes(statuses), parts, reason, asked_bytes) if reason else \
+                b"".join([REPLY_HEADER.pack(REPLY_MAGIC, OK), *parts])
+            counters.served += len(parts)
+            counters.served_bytes += sum(map(len, parts))
         except RequestRefused as exc:
             counters.refused += 1
             log.warning("rank %d: request refused: %s", source, exc)
@@ -631,7 +659,7 @@ class PeerTransport:
         self._stopped.set()
         for number, peer in enumerate(self._peers):
             for request in list(peer.in_flight) + list(peer.queued):
-                request.finish(error=ChunkUnavailable(f"rank {number}: {error_text}", chunk_id=request.chunk))
+                request.fail(ChunkUnavailable(f"rank {number}: {error_text}", chunk_id=request.chunk))
             peer.in_flight.clear()
             peer.queued.clear()
         self._fail_submitted()

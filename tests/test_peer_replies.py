@@ -1,0 +1,86 @@
+"""How a rank reads a peer's reply to a request for blobs (fanstore/serve/transport.py, hand_out_reply): each read
+gets its blob, or why it did not come, and a blob the peer could not give costs that blob alone. The replies
+themselves go over real MPI in tests/serve_loop_requests.py and tests/test_serve.py."""
+
+from __future__ import annotations
+
+from fanstore.chunk_source import BlobRead
+from fanstore.serve.transport import (CORRUPT, MAX_BLOBS, OK, PARTIAL, REPLY_HEADER, REPLY_MAGIC, UNAVAILABLE,
+                                      PeerCounters, error_reply, hand_out_reply, partial_reply, reply_room)
+
+
+class Outcomes:
+    """Reads of blobs of `lengths` bytes (chunk 1, offsets 0, 100, ...), and what each one was given."""
+
+    def __init__(self, *lengths: int) -> None:
+        self.got: dict[int, object] = {}
+        self.reads = [BlobRead(1, 100 * number, length, self._done_for(number))
+                      for number, length in enumerate(lengths)]
+
+    def _done_for(self, number: int):
+        def done(blob, error) -> None:
+            self.got[number] = bytes(blob) if error is None else str(error)
+        return done
+
+
+def receive(reply: bytes, reads: list[BlobRead]) -> tuple[bytearray, int]:
+    """The asker's receive buffer, as posted for `reads`, holding `reply`."""
+    buffer = bytearray(reply_room(sum(read.length for read in reads), len(reads)))
+    assert len(reply) <= len(buffer), "a reply longer than the receive fails in MPI itself"
+    buffer[: len(reply)] = reply
+    return buffer, len(reply)
+
+
+def test_every_blob_comes_one_after_the_other():
+    asked, counters = Outcomes(3, 2), PeerCounters()
+    hand_out_reply(1, asked.reads, *receive(REPLY_HEADER.pack(REPLY_MAGIC, OK) + b"abcde", asked.reads), counters)
+    assert asked.got == {0: b"abc", 1: b"de"}
+    assert (counters.fetched, counters.fetched_bytes, counters.failed) == (2, 5, 0)
+
+
+def test_a_blob_the_peer_could_not_give_costs_that_blob_alone():
+    asked, counters = Outcomes(3, 4, 2, 5), PeerCounters()
+    statuses = bytes([OK, CORRUPT, OK, UNAVAILABLE])
+    reply = partial_reply(statuses, [b"abc", b"de"], "chunk 1 at 100: fails its checksum", 14)
+    hand_out_reply(1, asked.reads, *receive(reply, asked.reads), counters)
+    assert asked.got[0] == b"abc" and asked.got[2] == b"de"
+    assert asked.got[1] == "rank 1 found corrupt chunk 1 at 100: chunk 1 at 100: fails its checksum"
+    assert asked.got[3] == "rank 1 could not read chunk 1 at 300"  # the reason is the first failed blob's
+    assert (counters.fetched, counters.fetched_bytes, counters.failed) == (2, 5, 2)
+
+
+def test_the_reason_is_cut_to_what_the_receive_still_holds():
+    lengths = [2000] * (MAX_BLOBS - 1) + [1]
+    asked = Outcomes(*lengths)
+    statuses = bytes([OK] * (MAX_BLOBS - 1) + [CORRUPT])
+    reply = partial_reply(statuses, [b"x" * 2000] * (MAX_BLOBS - 1), "a reason far longer than one byte", sum(lengths))
+    hand_out_reply(1, asked.reads, *receive(reply, asked.reads), PeerCounters())
+    assert all(asked.got[number] == b"x" * 2000 for number in range(MAX_BLOBS - 1))
+    assert asked.got[MAX_BLOBS - 1] == f"rank 1 found corrupt chunk 1 at {100 * (MAX_BLOBS - 1)}: a"
+
+
+def test_a_reply_with_no_blob_fails_every_read_with_its_reason():
+    asked, counters = Outcomes(3, 2), PeerCounters()
+    hand_out_reply(1, asked.reads, *receive(error_reply(1, "chunk 9 at 0 is not a blob of this rank"), asked.reads),
+                   counters)
+    assert asked.got == {number: "rank 1 refused a request for 2 blobs: chunk 9 at 0 is not a blob of this rank"
+                         for number in (0, 1)}
+    assert (counters.fetched, counters.failed) == (0, 2)
+
+
+def test_malformed_replies_fail_every_read_and_hand_out_nothing():
+    header = REPLY_HEADER.pack(REPLY_MAGIC, OK)
+    partial = REPLY_HEADER.pack(REPLY_MAGIC, PARTIAL)
+    for reply, lengths in [
+        (header + b"abcd", (3, 2)),  # a blob short
+        (header + b"abcdef", (3, 2)),  # a byte too many
+        (partial + bytes([OK, CORRUPT]) + b"ab", (3, 2)),  # says blob 0 came, carries 2 of its 3 bytes
+        (partial + bytes([OK]), (3, 2)),  # shorter than its statuses
+        (partial + bytes([CORRUPT]), (3,)),  # PARTIAL answers only a request for several blobs
+        (b"FSRQ" + bytes(4) + b"abcde", (3, 2)),  # not a reply
+        (b"FS", (3, 2)),
+    ]:
+        asked, counters = Outcomes(*lengths), PeerCounters()
+        hand_out_reply(1, asked.reads, *receive(reply, asked.reads), counters)
+        assert all("sent a malformed reply" in str(got) for got in asked.got.values()), (reply, asked.got)
+        assert len(asked.got) == len(lengths) and (counters.fetched, counters.failed) == (0, len(lengths))
