@@ -133,7 +133,7 @@ def hand_out_reply(peer: int, reads: Sequence[BlobRead], buffer: bytearray, coun
     blobs that came, then why the first one that did not failed); or no blob and a reason (any other status)."""
     header, blobs = REPLY_HEADER.size, len(reads)
     magic, code = REPLY_HEADER.unpack_from(buffer) if count >= header else (b"", -1)
-    statuses, start, fits = bytes(blobs), header, False
+    statuses, start, fits = None, header, False
     if magic == REPLY_MAGIC and code == OK:
         fits = count == header + sum(read.length for read in reads)
     elif magic == REPLY_MAGIC and code == PARTIAL and blobs > 1 and count >= header + blobs:
@@ -150,20 +150,23 @@ def hand_out_reply(peer: int, reads: Sequence[BlobRead], buffer: bytearray, coun
             read.done(None, ChunkUnavailable(error, chunk_id=read.chunk_id))
         return
     view = memoryview(buffer)
-    carried = sum(read.length for read, status in zip(reads, statuses) if status == OK)
-    reason = _text(buffer[start + carried : count])  # why the first blob that did not come failed
-    for read, status in zip(reads, statuses):
-        if status == OK:
+    reason: str | None = None  # why the first blob that did not come failed: the reply's last bytes
+    for number, read in enumerate(reads):
+        if statuses is None or statuses[number] == OK:
             blob = view[start : start + read.length]
             start += read.length
             counters.fetched += 1
             counters.fetched_bytes += read.length
             read.done(bytes(blob) if copy else blob, None)
-        else:
-            counters.failed += 1
-            error = f"rank {peer} {_STATUS_NAMES.get(status, 'could not give')} chunk {read.chunk_id} at {read.offset}"
-            read.done(None, ChunkUnavailable(f"{error}: {reason}" if reason else error, chunk_id=read.chunk_id))
-            reason = ""
+            continue
+        counters.failed += 1
+        error = f"rank {peer} {_STATUS_NAMES.get(statuses[number], 'could not give')} chunk {read.chunk_id} at " \
+                f"{read.offset}"
+        if reason is None:
+            carried = sum(other.length for other, status in zip(reads, statuses) if status == OK)
+            reason = _text(buffer[header + blobs + carried : count])
+            error += f": {reason}" if reason else ""
+        read.done(None, ChunkUnavailable(error, chunk_id=read.chunk_id))
 
 
 def _text(raw: bytes | bytearray) -> str:
