@@ -653,6 +653,16 @@ def test_bad_serve_options_are_one_line_naming_the_option(served_dataset, tmp_pa
     assert _shm_files() <= shm_before  # MPI, if started, ended properly
 
 
+def _refused_by_every_rank(job: Job) -> list[str]:
+    """The job ended at start, each rank with one error line and no traceback: those lines, by rank."""
+    code, _, err = job.finish(timeout=60)
+    assert code != 0 and "Traceback" not in err, err
+    lines = sorted(err.splitlines())
+    assert len(lines) == RANKS, err
+    assert all(line.startswith(f"fanstore: error: rank {rank} on ") for rank, line in enumerate(lines)), err
+    return lines
+
+
 @pytest.mark.parametrize("local, needle", [
     ("shared", "--local-dir {tmp}/shared is rank"),  # no {rank}: every rank of this host would stage into it
     ("mp{rank}/local", "--local-dir {tmp}/mp{rank}/local lies inside it"),  # the mount would hide it from the rank
@@ -662,14 +672,31 @@ def test_local_dirs_that_ranks_cannot_use_are_refused_before_anything_is_copied(
     _, dest = served_dataset
     job = Job(tmp_path, dest, command=["true"], local=str(tmp_path / local))
     jobs.append(job)
-    code, _, err = job.finish(timeout=60)
-    assert code != 0 and "Traceback" not in err, err
-    lines = sorted(err.splitlines())
-    assert len(lines) == RANKS, err
-    for rank, line in enumerate(lines):
-        assert line.startswith(f"fanstore: error: rank {rank} on ") and needle.format(tmp=tmp_path, rank=rank) in line
+    for rank, line in enumerate(_refused_by_every_rank(job)):
+        assert needle.format(tmp=tmp_path, rank=rank) in line, line
     assert not list(tmp_path.rglob("*.fsc"))
     _assert_nothing_left(job)
+
+
+def test_a_local_dir_another_job_is_using_is_refused_and_that_job_goes_on(served_dataset, tmp_path, jobs):
+    """Two jobs on one node given the same --local-dir (/dev/shm/fanstore, say): the second would undo the first's
+    chunk files and remove its readers' socket, so it stops, naming the directory and the job that holds it."""
+    src, dest = served_dataset
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+    first = Job(tmp_path / "first", dest, local=str(tmp_path / "local{rank}"))
+    jobs.append(first)
+    pids = first.wait_ready()
+    second = Job(tmp_path / "second", dest, command=["true"], local=str(tmp_path / "local{rank}"))
+    jobs.append(second)
+    for rank, line in enumerate(_refused_by_every_rank(second)):
+        assert line.endswith(f"--local-dir {tmp_path}/local{rank}: in use by another fanstore serve "
+                             f"(pid {pids[rank]}); give each job its own"), line
+    assert all((tmp_path / f"local{rank}" / "fanstore-node.sock").exists() for rank in range(RANKS))
+    assert tree_digest(first.mountpoints[1]) == tree_digest(src)
+    os.killpg(first.proc.pid, signal.SIGTERM)
+    code, out, err = first.finish()
+    assert code == 0, out + err
 
 
 def test_ranks_given_different_datasets_are_refused_before_anything_is_copied(served_dataset, tmp_path):

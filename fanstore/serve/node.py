@@ -46,7 +46,7 @@ from .polling import first_failed_rank
 from .sources import PeerChunkSource, PlacedChunkSource
 from .start_checks import other_dataset, shared_paths
 from .staged_source import StagedChunkSource
-from .staging import StagingBroken, StagingReport, Stager, dataset_identity
+from .staging import StagingBroken, StagingError, StagingReport, Stager, claim_local_dir, dataset_identity
 from .transport import PeerOptions, PeerTransport, RequestRefused, mpi_failure
 
 log = logging.getLogger("fanstore.serve")
@@ -281,6 +281,11 @@ def run(options: ServeOptions) -> int:
         identity = mountpoint = local_dir = None  # nothing to compare
     problem = shared_paths(comm, host, {"MOUNTPOINT": mountpoint, "--local-dir": local_dir}) \
         or other_dataset(comm, host, options.dest, identity) or problem
+    if problem is None:  # no rank of this job shares it: one that holds it now is another job's
+        try:
+            claim_local_dir(local_dir)  # held until this process ends
+        except StagingError as exc:
+            problem = f"rank {rank} on {host}: {exc}"
     failed = first_failed_rank(comm, problem is not None)
     if problem is not None or failed is not None:
         # Every rank stops here together, so MPI can end properly: it then removes its /dev/shm files (no watchdog

@@ -14,6 +14,7 @@ reading DEST, and must not spin their cores.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ from .polling import Backoff, first_failed_rank, wait_all
 log = logging.getLogger("fanstore.serve")
 
 MANIFEST_NAME = "fanstore-staged.json"
+LOCK_NAME = "fanstore-serve.lock"  # held by the job that uses the directory (claim_local_dir)
 MANIFEST_VERSION = 1
 SPAN_BYTES = 8 << 20  # one read from DEST, one message to a peer: whole blobs, about this many bytes
 SENDS_IN_FLIGHT = 4  # spans a rank is sending at once, each to every rank that lacks it
@@ -54,6 +56,23 @@ class StagingError(FanstoreError):
 class StagingBroken(StagingError):
     """This rank's local directory failed once the ranks had begun moving bytes (full, out of inodes, an I/O
     error): the others are half-way through the same collective work, so the job has to end."""
+
+
+def claim_local_dir(path: Path) -> int:
+    """Hold the local directory for this job: another job on this node staging into it at the same time would undo
+    this one's chunk files and remove its readers' socket. The hold is an flock, which the kernel drops when the
+    process ends, however it ends; the descriptor returned keeps it."""
+    lock = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(lock, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        os.close(lock)
+        raise StagingError(f"--local-dir {path}: in use by another fanstore serve (pid {holder}); give each job "
+                           f"its own") from None
+    os.ftruncate(lock, 0)
+    os.pwrite(lock, f"{os.getpid()}\n".encode(), 0)
+    return lock
 
 
 @dataclass
