@@ -226,7 +226,12 @@ class Lifecycle:
     def _wait_for_signal(self, stop: threading.Event) -> int:
         # The mount point, the process serving it (to signal it, or to find it in a listing), and the socket of
         # the node's readers (fanstore.torch: FANSTORE_SERVE_SOCKET).
-        write_atomically(self.ready_file, f"{self.mountpoint}\n{os.getpid()}\n{self.endpoint}\n".encode())
+        try:
+            write_atomically(self.ready_file, f"{self.mountpoint}\n{os.getpid()}\n{self.endpoint}\n".encode())
+        except OSError as exc:  # checked at start; a full disk, say: a batch script would wait for it for good
+            say_line(f"fanstore serve: error: rank {self.transport.rank}: cannot write the ready file "
+                     f"{self.ready_file}: {exc.strerror}; stopping")
+            return 1
         try:
             stop.wait()
         finally:
@@ -272,6 +277,9 @@ def run(options: ServeOptions) -> int:
                 raise UsageError(f"--prefetch-list: {str(prefetch_list)!r} is not a file")
             mount_options = replace(mount_options, prefetch_list=prefetch_list)
         check_outside(mountpoint, {"DEST": options.dest, "--local-dir": local_dir, "--ready-file": ready_file})
+        if not options.command and not os.access(ready_file.parent, os.W_OK | os.X_OK):
+            option = "--ready-file" if options.ready_file else "MOUNTPOINT.ready (--ready-file puts it elsewhere)"
+            raise UsageError(f"{option}: cannot write {ready_file}: its directory does not exist or is not writable")
         clear_stale_mount(mountpoint)
         local_dir.mkdir(parents=True, exist_ok=True)
         ready_file.unlink(missing_ok=True)  # left by a killed job: a batch script waiting for it must wait for us
