@@ -418,11 +418,13 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     for option, value in (("--peer-timeout", args.peer_timeout), ("--peer-retry", args.peer_retry)):
         if not 0 < value < math.inf:
-            raise UsageError(f"{option}: must be more than 0 seconds, got {value}")
+            raise UsageError(f"{option}: must be a number of seconds more than 0 (and finite), got {value}")
     if args.max_in_flight < 1:
         raise UsageError(f"--max-in-flight: must be 1 or more requests, got {args.max_in_flight}")
     if args.prefetch < 0:
         raise UsageError(f"--prefetch: must be 0 or more files, got {args.prefetch}")
+    if args.prefetch_threads < 1:
+        raise UsageError(f"--prefetch-threads: must be 1 or more threads, got {args.prefetch_threads}")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s fanstore: %(message)s", stream=sys.stderr)
     mount = MountOptions(
         cache_size=parse_size(args.cache_size, "--cache-size") if args.cache_size else None,

@@ -643,6 +643,8 @@ def test_the_mounts_loop_asks_peers_itself_within_the_same_rules(tmp_path):
     ("--local-dir", str(Path("/tmp") / "fanstore-{host}"), "--local-dir"),
     ("--prefetch-list", str(Path("/tmp") / "no-such-epoch-{rank}.txt"), "no-such-epoch-0.txt"),
     ("--ready-file", str(Path("/tmp") / "no-such-dir" / "ready{rank}"), "--ready-file: cannot write /tmp/no-such-dir/"),
+    ("--peer-retry", "inf", "--peer-retry: must be a number of seconds more than 0 (and finite), got inf"),
+    ("--prefetch-threads", "0", "--prefetch-threads: must be 1 or more threads, got 0"),
 ])
 def test_bad_serve_options_are_one_line_naming_the_option(served_dataset, tmp_path, option, value, needle):
     _, dest = served_dataset
