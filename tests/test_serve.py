@@ -558,21 +558,38 @@ def test_an_mpi_error_is_told_by_its_innermost_cause():
     assert mpi_failure(Exception("")) == "MPI error: Exception"
 
 
+def _run_mpi_script(name: str, ranks: int, *args: str, cwd: Path | None = None) -> tuple[dict[int, dict], str]:
+    """Run tests/NAME under `mpiexec -n RANKS`: the JSON line each rank printed, by rank, and the job's stderr."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
+    done = subprocess.run([str(MPIEXEC), "-n", str(ranks), sys.executable, str(Path(__file__).with_name(name)),
+                           *args], capture_output=True, text=True, env=env, timeout=120, cwd=cwd)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return {line["rank"]: line for line in map(json.loads, done.stdout.splitlines())}, done.stderr
+
+
+def test_a_rank_waiting_on_a_stalled_one_while_staging_names_it(served_dataset, tmp_path):
+    """A node whose read of DEST hangs holds up every rank waiting for its spans: they say which rank they wait on,
+    and carry on once it comes."""
+    _, dest = served_dataset
+    seen, _ = _run_mpi_script("serve_staging_stall.py", 2, str(dest), str(tmp_path))
+    stalling = seen[0]["stalling"]
+    waiting = 1 - stalling
+    assert len(seen[waiting]["warnings"]) == 1, seen
+    assert seen[waiting]["warnings"][0].startswith(f"rank {waiting}: staging: nothing has come from rank {stalling} "
+                                                   f"for 0 s; still waiting"), seen
+    assert seen[stalling]["warnings"] == [] and seen[0]["unverified"] == seen[1]["unverified"] == [], seen
+
+
 def test_malformed_peer_requests_are_refused_without_harm(served_dataset, tmp_path):
     _, dest = served_dataset
-    script = Path(__file__).with_name("serve_malformed_peer.py")
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
-    done = subprocess.run([str(MPIEXEC), "-n", "3", sys.executable, str(script), str(dest), str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
-    seen = {line["rank"]: line for line in map(json.loads, done.stdout.splitlines())}
+    seen, stderr = _run_mpi_script("serve_malformed_peer.py", 3, str(dest), str(tmp_path))
     assert set(seen[2]["replies"].values()) == {"as expected"}, seen[2]
     # Six dropped and seven refused; four blobs served (one, then three in one request).
     assert seen[0]["refused_from_2"] == 13 and seen[0]["served_to_2"] == 4, seen[0]
     assert seen[0]["peer_served"] and seen[1]["peer_served"], seen
     # Each malformed request is one log line naming the peer, never a traceback.
-    assert "Traceback" not in done.stderr, done.stderr
-    assert len([line for line in done.stderr.splitlines() if "rank 2" in line]) == 13, done.stderr
+    assert "Traceback" not in stderr, stderr
+    assert len([line for line in stderr.splitlines() if "rank 2" in line]) == 13, stderr
 
 
 def test_the_mounts_loop_asks_peers_itself_within_the_same_rules(tmp_path):
@@ -580,12 +597,7 @@ def test_the_mounts_loop_asks_peers_itself_within_the_same_rules(tmp_path):
     request, the per-peer cap, a stalled peer's deadline and skip, and a request still out when the loop ends
     (handed to the MPI thread, its late reply dropped without a word): as through the MPI thread. A bug in the
     loop's part costs only the requests out."""
-    script = Path(__file__).with_name("serve_loop_requests.py")
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
-    done = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
-                          env=env, timeout=120, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
-    seen = {line["rank"]: line for line in map(json.loads, done.stdout.splitlines())}
+    seen, stderr = _run_mpi_script("serve_loop_requests.py", 2, cwd=tmp_path)
     assert seen[0]["good"] and seen[0]["via the loop"] == [1, 0], seen[0]
     assert seen[0]["several"] == [True, True, 4], seen[0]  # three blobs in one reply, each to its reader
     taken, errors = seen[0]["several, one refused"]
@@ -605,32 +617,32 @@ def test_the_mounts_loop_asks_peers_itself_within_the_same_rules(tmp_path):
     via_thread = seen[0]["small, via the MPI thread"]
     assert via_thread[0] == f"unavailable: {refused}" and via_thread[1].startswith(f"unavailable: {corrupt}"), seen[0]
     assert via_thread[2] == "the blob" and seen[0]["asked after"], seen[0]
-    assert "MPI_ERROR" not in done.stderr, done.stderr
+    assert "MPI_ERROR" not in stderr, stderr
     assert seen[0]["ahead"] == [False, True], seen[0]  # no ring: collected where the loop runs anyway
     assert seen[0]["ahead, not collected"] == [True, True], seen[0]  # the pump's timer takes it
     taken, reply, next_served = seen[0]["serving bug"]
     assert taken and "rank 1 could not read chunk 7" in reply and next_served, seen[0]
-    assert done.stderr.splitlines().count("RuntimeError: injected while serving") == 1, done.stderr
+    assert stderr.splitlines().count("RuntimeError: injected while serving") == 1, stderr
     assert seen[0]["cap"] == [True, True, True, False], seen[0]  # past the cap the caller asks the MPI thread
     taken, reply, seconds = seen[0]["stalled"]
     assert taken and "did not answer within 0.5 s" in reply and 0.5 <= seconds < 2, seen[0]
     assert seen[0]["skipped after"] == [True, False], seen[0]
     assert seen[0]["left out at the end"] and seen[0]["refused from 1"] == 0, seen[0]
-    assert "unexpected message" not in done.stderr, done.stderr
-    assert done.stderr.count("no answer within 0.5 s") == 1, done.stderr
+    assert "unexpected message" not in stderr, stderr
+    assert stderr.count("no answer within 0.5 s") == 1, stderr
     # A bug in the loop's pump fails what is out (it falls back), is logged once, and hands asking to the MPI thread.
     taken, reply, taken_after = seen[0]["bug"]
     assert taken and "asking peers from the mount's loop failed" in reply and not taken_after, seen[0]
-    assert done.stderr.splitlines().count("RuntimeError: injected") == 1, done.stderr
+    assert stderr.splitlines().count("RuntimeError: injected") == 1, stderr
     taken, errors, taken_after = seen[0]["bug in collect"]
     assert taken and len(errors) == 1 and "asking peers from the mount's loop failed" in errors[0], seen[0]
     assert not taken_after, seen[0]
-    assert done.stderr.splitlines().count("RuntimeError: injected in collect") == 1, done.stderr
+    assert stderr.splitlines().count("RuntimeError: injected in collect") == 1, stderr
     # A bug that ends rank 0's MPI thread: its fetches fail at once, and the job still ends together (the final
     # barrier runs without that thread), logged once.
     ended, outcome = seen[0]["MPI thread ended"]
     assert ended and outcome.startswith("unavailable: rank 1: the MPI thread failed: RuntimeError"), seen[0]
-    assert done.stderr.count("the MPI thread failed; peers are no longer served or asked") == 1, done.stderr
+    assert stderr.count("the MPI thread failed; peers are no longer served or asked") == 1, stderr
     assert "served" in seen[1], seen[1]
 
 

@@ -21,7 +21,7 @@ import os
 import socket
 import struct
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -47,6 +47,10 @@ SENDS_IN_FLIGHT = 4  # spans a rank is sending at once, each to every rank that 
 TAG_STAGE = 2
 SPAN_HEADER = struct.Struct("<IIQ")  # chunk, flags, start; the span's bytes follow
 SPAN_MISSING = 1  # the sender could not read the span: nothing follows, and the receiver leaves a hole
+# Seconds with nothing from a rank this one waits on before it says so: a node whose read of DEST hangs (a stuck
+# parallel file system client) stalls every rank waiting for its spans, and at a thousand nodes the one to look
+# at must be named.
+STALL_REPORT = 60.0
 
 
 class StagingError(FanstoreError):
@@ -207,7 +211,7 @@ class Stager:
     """Stages one rank's share; `run()` returns once every rank's share is in place (collectively)."""
 
     def __init__(self, comm: Any, index: Index, placement: Placement, dest: Path, local_dir: Path,
-                 progress: Callable[[int, int], None] | None = None) -> None:
+                 progress: Callable[[int, int], None] | None = None, stall_report: float = STALL_REPORT) -> None:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
@@ -218,6 +222,7 @@ class Stager:
         self.blobs = BlobTable.of(index)
         self.report = StagingReport()
         self._progress = progress
+        self._stall_report = stall_report
         self._sizes = [int(size) for size in index.chunks["size"]]
         self._readers = placement.replicated_readers()
         self._replicated = frozenset(placement.replicated_chunks)
@@ -286,7 +291,7 @@ class Stager:
         own_spans = [s for span in missing if span.chunk not in position
                      for s in spans_of(self.blobs, span.chunk, span.start, span.end)]
         to_send = []  # (span, ranks to send it to, whether this rank needs it too)
-        expected = 0  # spans to receive
+        expected: Counter[int] = Counter()  # spans to receive, by sender
         for chunk in replicated:
             receivers = [r for r in range(self.size) if lacks[r, position[chunk]]]
             if not receivers:
@@ -297,7 +302,7 @@ class Stager:
                 to_send.extend((span, [r for r in receivers if r != self.rank], self.rank in receivers)
                                for span in spans)
             elif self.rank in receivers:
-                expected += len(spans)
+                expected[reader] += len(spans)
         total = (sum(span.end - span.start for span, _, _ in to_send)
                  + sum(s.end - s.start for s in own_spans)
                  + sum(span.end - span.start for span in missing if span.chunk in position
@@ -326,17 +331,18 @@ class Stager:
 
     # --- moving the bytes -------------------------------------------------------------------------------------
 
-    def _move(self, own_spans: list[Span], to_send: list, expected: int, total: int) -> None:
+    def _move(self, own_spans: list[Span], to_send: list, expected: Counter[int], total: int) -> None:
         from mpi4py import MPI
 
         done_bytes = 0
         sending: list[tuple[list[Any], bytes]] = []  # MPI requests of one span, and the buffer they send
-        received = 0
+        awaited = +expected  # spans still to come, by sender
         backoff = Backoff()
         status = MPI.Status()
         own = deque(own_spans)
         send_queue = deque(to_send)
-        while own or send_queue or sending or received < expected:
+        quiet_since, reported = time.monotonic(), False
+        while own or send_queue or sending or awaited:
             progressed = False
             if own:  # this rank's own pieces, a span per round so peers waiting on our sends are not held up
                 span = own.popleft()
@@ -364,21 +370,29 @@ class Stager:
                         still.append((requests, message))
                 progressed |= len(still) < len(sending)
                 sending = still
-            while received < expected:
+            while awaited:
                 incoming = self.comm.Improbe(MPI.ANY_SOURCE, TAG_STAGE, status)
                 if incoming is None:
                     break
                 buffer = bytearray(status.Get_count(MPI.BYTE))
                 incoming.Recv([buffer, MPI.BYTE])
-                received += 1
-                done_bytes += self._receive(status.Get_source(), buffer)
+                source = status.Get_source()
+                awaited[source] -= 1
+                awaited = +awaited  # a sender done is forgotten (and one never expected stays out)
+                done_bytes += self._receive(source, buffer)
                 progressed = True
             if self._progress is not None:
                 self._progress(done_bytes, total)
             if progressed:
                 backoff.progressed()
-            else:
-                backoff.sleep()
+                quiet_since, reported = time.monotonic(), False
+                continue
+            if awaited and not reported and time.monotonic() - quiet_since > self._stall_report:
+                reported = True
+                log.warning("rank %d: staging: nothing has come from rank%s %s for %.0f s; still waiting (a stalled "
+                            "read of the dataset on that node?)", self.rank, "s" if len(awaited) > 1 else "",
+                            ", ".join(map(str, sorted(awaited))), time.monotonic() - quiet_since)
+            backoff.sleep()
 
     def _read_dest(self, span: Span) -> bytes | None:
         path = self.dest / chunk_file_name(span.chunk)
