@@ -1,16 +1,23 @@
-"""Staging's parts that need no MPI: spans cut at blob boundaries, per-blob checks, the manifest of a local dir.
+"""Staging's parts that need no MPI: spans cut at blob boundaries, per-blob checks, the manifest of a local dir and
+the hold a job keeps on it.
 
 Staging itself, with MPI, runs in tests/test_serve.py."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import os
+
 import numpy as np
+import pytest
 
 from conftest import make_tree
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.format import CHUNK_HEADER_LEN, chunk_file_name
 from fanstore.serve.placement import BlobTable
-from fanstore.serve.staging import LocalDirectory, Span, check_span, dataset_identity, spans_of
+from fanstore.serve.staging import LOCK_NAME, LocalDirectory, Span, StagingError, check_span, claim_local_dir, \
+    dataset_identity, spans_of
 
 
 def _packed(tmp_path):
@@ -78,3 +85,32 @@ def test_a_chunk_file_starts_sparse_and_empty(tmp_path):
     data = stale.read_bytes()
     assert len(data) == sizes[1] and data[:CHUNK_HEADER_LEN] == b"H" * CHUNK_HEADER_LEN
     assert not np.frombuffer(data[CHUNK_HEADER_LEN:], np.uint8).any()
+
+
+def test_a_local_dir_is_held_by_one_job_at_a_time(tmp_path):
+    held = claim_local_dir(tmp_path)
+    try:
+        with pytest.raises(StagingError, match=rf"--local-dir {tmp_path}: in use by another fanstore serve "
+                                               rf"\(pid {os.getpid()}\); give each job its own"):
+            claim_local_dir(tmp_path)
+        # A holder on another host: the directory is on a file system several nodes share.
+        os.pwrite(held, b"4242 node17\n", 0)
+        with pytest.raises(StagingError, match="in use by fanstore serve pid 4242 on node17: is it on a shared file "
+                                               "system"):
+            claim_local_dir(tmp_path)
+    finally:
+        os.close(held)
+    os.close(claim_local_dir(tmp_path))  # the hold ends with its holder
+
+
+def test_a_local_dir_without_flock_is_used_unheld_and_one_that_cannot_be_is_one_error(tmp_path, monkeypatch):
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    with monkeypatch.context() as patched:  # Lustre mounted noflock, say
+        patched.setattr(fcntl, "flock", no_flock)
+        assert claim_local_dir(tmp_path) is None
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / LOCK_NAME).mkdir()
+    with pytest.raises(StagingError, match=rf"--local-dir {tmp_path}/other: cannot use it: Is a directory"):
+        claim_local_dir(tmp_path / "other")

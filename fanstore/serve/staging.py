@@ -14,6 +14,7 @@ reading DEST, and must not spin their cores.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -62,20 +63,32 @@ class StagingBroken(StagingError):
     error): the others are half-way through the same collective work, so the job has to end."""
 
 
-def claim_local_dir(path: Path) -> int:
+def claim_local_dir(path: Path) -> int | None:
     """Hold the local directory for this job: another job on this node staging into it at the same time would undo
     this one's chunk files and remove its readers' socket. The hold is an flock, which the kernel drops when the
-    process ends, however it ends; the descriptor returned keeps it."""
-    lock = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    process ends, however it ends; the descriptor returned keeps it (None where the file system has no flock)."""
+    try:
+        lock = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:  # another user's directory, say
+        raise StagingError(f"--local-dir {path}: cannot use it: {exc.strerror}") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(lock, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        holder = os.pread(lock, 256, 0).decode("utf-8", "replace").split()
         os.close(lock)
-        raise StagingError(f"--local-dir {path}: in use by another fanstore serve (pid {holder}); give each job "
-                           f"its own") from None
+        pid, host = (holder + ["unknown", "unknown"])[:2]
+        if host in (socket.gethostname(), "unknown"):
+            raise StagingError(f"--local-dir {path}: in use by another fanstore serve (pid {pid}); give each job "
+                               f"its own") from None
+        raise StagingError(f"--local-dir {path}: in use by fanstore serve pid {pid} on {host}: is it on a shared "
+                           f"file system? Each node needs its own, on node-local storage") from None
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOLCK):
+            raise StagingError(f"--local-dir {path}: cannot lock {LOCK_NAME}: {exc.strerror}") from None
+        os.close(lock)
+        return None  # a file system without flock (Lustre mounted noflock): node-local storage has it
     os.ftruncate(lock, 0)
-    os.pwrite(lock, f"{os.getpid()}\n".encode(), 0)
+    os.pwrite(lock, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
     return lock
 
 
