@@ -43,7 +43,7 @@ MORE_BLOB = struct.Struct("<IQQ")  # chunk, offset, length: each further blob of
 MAX_BLOBS = 64  # blobs one request may ask for: the reply carries them one after the other
 RING_REPLY_BELL = 1  # request flag: the asker's event loop waits for this reply on its reply bell (doorbell.py)
 QUIET_REPLY = 2  # request flag: ring nobody for this reply; the asker polls for it (a fetch ahead of its reader)
-REPLY_HEADER = struct.Struct("<4sI")  # magic, status; the blob (status OK) or a UTF-8 reason follows
+REPLY_HEADER = struct.Struct("<4sI")  # magic, status; the blobs, some of them (PARTIAL) or a UTF-8 reason follow
 REPLY_MAGIC = b"FSRP"
 OK, REFUSED, UNAVAILABLE, CORRUPT, PARTIAL = 0, 1, 2, 3, 4  # PARTIAL: some blobs of several, see hand_out_reply
 # Room for a reason in any reply, however few bytes were asked: the asker's receive is posted before the reply is
@@ -413,7 +413,7 @@ class PeerTransport:
         if peer is None or request.peer == self.rank:
             self.counters[self.rank].failed += len(request.reads)
             request.fail(ChunkUnavailable(f"rank {request.peer} is not a peer of rank {self.rank}",
-                                                  chunk_id=request.chunk))
+                                          chunk_id=request.chunk))
             return
         if peer.skip_until > time.monotonic():
             self.counters[request.peer].failed += len(request.reads)
