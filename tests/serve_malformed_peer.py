@@ -28,8 +28,9 @@ from fanstore.serve.placement import BlobTable, place  # noqa: E402
 from fanstore.serve.polling import wait_all  # noqa: E402
 from fanstore.serve.staged_source import StagedChunkSource  # noqa: E402
 from fanstore.serve.staging import Stager  # noqa: E402
-from fanstore.serve.transport import FIRST_REPLY_TAG, MAX_BLOBS, MORE_BLOB, OK, REFUSED, REPLY_HEADER, REPLY_MAGIC, \
-    REQUEST, REQUEST_MAGIC, TAG_REQUEST, PeerOptions, PeerTransport  # noqa: E402
+from fanstore.serve.peer_messages import FIRST_REPLY_TAG, MAX_BLOBS, MORE_BLOB, OK, REFUSED, REPLY_HEADER, \
+    REPLY_MAGIC, REQUEST, REQUEST_MAGIC, TAG_REQUEST  # noqa: E402
+from fanstore.serve.transport import PeerOptions, PeerTransport  # noqa: E402
 
 
 def blobs_owned_by(placement, blobs: BlobTable, rank: int) -> list[tuple[int, int, int, int]]:

@@ -3,7 +3,7 @@ themselves go over real MPI in tests/test_serve.py."""
 
 from fanstore.chunk_source import BlobRead
 from fanstore.serve.sources import batches
-from fanstore.serve.transport import MAX_BLOBS
+from fanstore.serve.peer_messages import MAX_BLOBS
 
 
 def _reads(*lengths: int) -> list[BlobRead]:

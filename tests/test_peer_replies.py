@@ -1,11 +1,11 @@
-"""How a rank reads a peer's reply to a request for blobs (fanstore/serve/transport.py, hand_out_reply): each read
+"""How a rank reads a peer's reply to a request for blobs (fanstore/serve/peer_messages.py, hand_out_reply): each read
 gets its blob, or why it did not come, and a blob the peer could not give costs that blob alone. The replies
 themselves go over real MPI in tests/serve_loop_requests.py and tests/test_serve.py."""
 
 from __future__ import annotations
 
 from fanstore.chunk_source import BlobRead
-from fanstore.serve.transport import (CORRUPT, MAX_BLOBS, OK, PARTIAL, REPLY_HEADER, REPLY_MAGIC, UNAVAILABLE,
+from fanstore.serve.peer_messages import (CORRUPT, MAX_BLOBS, OK, PARTIAL, REPLY_HEADER, REPLY_MAGIC, UNAVAILABLE,
                                       PeerCounters, error_reply, hand_out_reply, partial_reply, reply_room)
 
 

@@ -31,8 +31,9 @@ import trio
 from ..chunk_source import BlobRead, ReadDone
 from ..errors import ChunkUnavailable
 from .doorbell import Doorbell
-from .transport import MAX_BLOBS, QUIET_REPLY, RING_REPLY_BELL, TAG_REQUEST, PeerTransport, hand_out_reply, \
-    reply_room, request_message
+from .peer_messages import MAX_BLOBS, QUIET_REPLY, RING_REPLY_BELL, TAG_REQUEST, hand_out_reply, reply_room, \
+    request_message
+from .transport import PeerTransport
 
 log = logging.getLogger("fanstore.serve")
 

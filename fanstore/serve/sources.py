@@ -21,7 +21,8 @@ from ..errors import ChunkUnavailable
 from .loop_requests import LoopRequests
 from .placement import NO_OWNER, Placement
 from .staged_source import PlacedReads, StagedChunkSource
-from .transport import MAX_BLOBS, PeerTransport
+from .peer_messages import MAX_BLOBS
+from .transport import PeerTransport
 
 
 # Bytes of blobs one request asks for at most (a larger blob goes alone): the first file of a batch waits for the

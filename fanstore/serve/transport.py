@@ -6,8 +6,8 @@ reply's Irecv, sends the 32-byte request, and polls everything in flight with Te
 (polling.Backoff): no blocking MPI call after start-up, so an idle rank costs a few percent of a core. Requests
 from peers are found with Improbe, checked by the node's `RequestServer`, and answered from local chunks; a request
 may ask for up to MAX_BLOBS blobs (the event loop's fetches ahead, loop_requests.py), answered in one reply, where a
-blob the rank cannot give costs that blob alone. With a doorbell (doorbell.py), each request and each reply also
-rings its receiver, which then sleeps until rung.
+blob the rank cannot give costs that blob alone (the messages: peer_messages.py). With a doorbell (doorbell.py), each
+request and each reply also rings its receiver, which then sleeps until rung.
 
 Faults cost a deadline, never a hang: a request not answered in `timeout` seconds is cancelled, the peer is
 skipped for `retry_after` seconds (its queued requests fail at once, so readers fall back to the shared file
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import struct
 import threading
 import time
 from collections import deque
@@ -30,26 +29,13 @@ from typing import Any, Callable, Protocol, Sequence
 from ..chunk_source import BlobRead, ReadDone
 from ..errors import ChunkCorrupt, ChunkError, ChunkUnavailable, FanstoreError
 from .doorbell import Doorbell
+from .peer_messages import CORRUPT, FIRST_REPLY_TAG, MAX_BLOBS, MORE_BLOB, OK, QUIET_REPLY, REFUSED, REPLY_HEADER, \
+    REPLY_MAGIC, REQUEST, REQUEST_MAGIC, RING_REPLY_BELL, TAG_REQUEST, UNAVAILABLE, PeerCounters, error_reply, \
+    hand_out_reply, partial_reply, reply_room, request_message
 from .polling import Backoff, precise_sleeps, wait_all
 
 log = logging.getLogger("fanstore.serve")
 
-TAG_REQUEST = 1
-FIRST_REPLY_TAG = 16  # reply tags run from here to the library's TAG_UB: the MPI thread's the lower half, the
-# event loop's (loop_requests.py) the upper half; each wraps in its own
-REQUEST = struct.Struct("<4sIIIQQ")  # magic, reply tag, chunk, flags, offset, length
-REQUEST_MAGIC = b"FSRQ"
-MORE_BLOB = struct.Struct("<IQQ")  # chunk, offset, length: each further blob of a request that asks for several
-MAX_BLOBS = 64  # blobs one request may ask for: the reply carries them one after the other
-RING_REPLY_BELL = 1  # request flag: the asker's event loop waits for this reply on its reply bell (doorbell.py)
-QUIET_REPLY = 2  # request flag: ring nobody for this reply; the asker polls for it (a fetch ahead of its reader)
-REPLY_HEADER = struct.Struct("<4sI")  # magic, status; the blobs, some of them (PARTIAL) or a UTF-8 reason follow
-REPLY_MAGIC = b"FSRP"
-OK, REFUSED, UNAVAILABLE, CORRUPT, PARTIAL = 0, 1, 2, 3, 4  # PARTIAL: some blobs of several, see hand_out_reply
-# Room for a reason in any reply, however few bytes were asked: the asker's receive is posted before the reply is
-# known, and a reply longer than it would fail in MPI itself (a 5-byte blob found corrupt has a 150-byte reason).
-REASON_ROOM = 1024
-_STATUS_NAMES = {REFUSED: "refused", UNAVAILABLE: "could not read", CORRUPT: "found corrupt"}
 # How much longer than `timeout` a reply we send may take to be received before it is cancelled: the requester
 # gave up on it by then.
 _SEND_GRACE = 4.0
@@ -75,102 +61,12 @@ class PeerOptions:
     max_reply_bytes: int = 64 << 20
 
 
-@dataclass
-class PeerCounters:
-    """What went between this rank and one peer, as --stats prints it."""
-
-    fetched: int = 0  # blobs this rank got from the peer
-    fetched_bytes: int = 0
-    asked: int = 0  # requests this rank sent the peer: one may ask for several blobs
-    served: int = 0  # blobs this rank sent to the peer
-    served_bytes: int = 0
-    failed: int = 0  # blobs of ours whose request timed out, was refused or found the peer skipped
-    refused: int = 0  # malformed requests from the peer
-
-
 def mpi_failure(exc: Exception) -> str:
     """One line for an MPI error: the innermost cause of MPICH's error stack (say `process_vm_readv failed
     (errno 3)`: the peer has died), not its first line, which only gives the class."""
     lines = [line for line in str(exc).splitlines() if line.strip()]
     innermost = lines[-1].rsplit(": ", 1)[-1].strip() if lines else ""
     return f"MPI error: {innermost or type(exc).__name__}"
-
-
-def reply_room(length: int, blobs: int = 1) -> int:
-    """Bytes to receive a reply into, for a request of `blobs` blobs of `length` bytes in all: the blobs, or a
-    reason, and room for a status per blob (a reply that carries some of them)."""
-    return REPLY_HEADER.size + blobs + max(length, REASON_ROOM)
-
-
-def error_reply(status: int, reason: str) -> bytes:
-    """A reply that carries no blobs: the status and the reason, cut to fit any asker's receive."""
-    return REPLY_HEADER.pack(REPLY_MAGIC, status) + reason.encode()[:REASON_ROOM]
-
-
-def request_message(tag: int, flags: int, reads: Sequence[BlobRead]) -> bytes:
-    """A request for `reads` (1 to MAX_BLOBS blobs of one peer): the first in the header, the others after it."""
-    first = reads[0]
-    message = REQUEST.pack(REQUEST_MAGIC, tag, first.chunk_id, flags, first.offset, first.length)
-    if len(reads) == 1:
-        return message
-    return message + b"".join([MORE_BLOB.pack(read.chunk_id, read.offset, read.length) for read in reads[1:]])
-
-
-def partial_reply(statuses: bytes, parts: list[bytes], reason: str, blobs_bytes: int) -> bytes:
-    """The reply to a request for several blobs of which some failed (`statuses`, one a blob, OK for each of
-    `parts`): the statuses, the blobs that came, and the reason the first failed one did not, cut to what the
-    asker's receive still holds (reply_room of the `blobs_bytes` asked)."""
-    room = reply_room(blobs_bytes, len(statuses)) - REPLY_HEADER.size - len(statuses) - sum(map(len, parts))
-    return b"".join([REPLY_HEADER.pack(REPLY_MAGIC, PARTIAL), statuses, *parts, reason.encode()[:max(0, room)]])
-
-
-def hand_out_reply(peer: int, reads: Sequence[BlobRead], buffer: bytearray, count: int, counters: PeerCounters,
-                   copy: bool = False) -> None:
-    """Give each read its blob from a reply of `count` bytes in `buffer` (views of it, or bytes with `copy`), or
-    the reason it did not come (ChunkUnavailable: the reader reads it elsewhere); counted blob by blob.
-
-    The reply carries every blob one after the other (OK); or some of them (PARTIAL: a status a blob, then the
-    blobs that came, then why the first one that did not failed); or no blob and a reason (any other status)."""
-    header, blobs = REPLY_HEADER.size, len(reads)
-    magic, code = REPLY_HEADER.unpack_from(buffer) if count >= header else (b"", -1)
-    statuses, start, fits = None, header, False
-    if magic == REPLY_MAGIC and code == OK:
-        fits = count == header + sum(read.length for read in reads)
-    elif magic == REPLY_MAGIC and code == PARTIAL and blobs > 1 and count >= header + blobs:
-        statuses, start = bytes(buffer[header : header + blobs]), header + blobs
-        fits = count >= start + sum(read.length for read, status in zip(reads, statuses) if status == OK)
-    if not fits:
-        counters.failed += blobs
-        asked = f"chunk {reads[0].chunk_id} at {reads[0].offset}" if blobs == 1 else f"a request for {blobs} blobs"
-        if magic == REPLY_MAGIC and code in _STATUS_NAMES:
-            error = f"rank {peer} {_STATUS_NAMES[code]} {asked}: {_text(buffer[header:count])}"  # names the blob
-        else:
-            error = f"rank {peer} sent a malformed reply ({count} bytes) to {asked}"
-        for read in reads:
-            read.done(None, ChunkUnavailable(error, chunk_id=read.chunk_id))
-        return
-    view = memoryview(buffer)
-    reason: str | None = None  # why the first blob that did not come failed: the reply's last bytes
-    for number, read in enumerate(reads):
-        if statuses is None or statuses[number] == OK:
-            blob = view[start : start + read.length]
-            start += read.length
-            counters.fetched += 1
-            counters.fetched_bytes += read.length
-            read.done(bytes(blob) if copy else blob, None)
-            continue
-        counters.failed += 1
-        error = f"rank {peer} {_STATUS_NAMES.get(statuses[number], 'could not give')} chunk {read.chunk_id} at " \
-                f"{read.offset}"
-        if reason is None:
-            carried = sum(other.length for other, status in zip(reads, statuses) if status == OK)
-            reason = _text(buffer[header + blobs + carried : count])
-            error += f": {reason}" if reason else ""
-        read.done(None, ChunkUnavailable(error, chunk_id=read.chunk_id))
-
-
-def _text(raw: bytes | bytearray) -> str:
-    return bytes(raw).decode("utf-8", "replace")
 
 
 @dataclass(eq=False)

@@ -1,0 +1,124 @@
+"""The messages ranks exchange for blobs (the MPI thread's, transport.py, and the event loop's, loop_requests.py),
+and what one rank counts of them, per peer. docs/SERVE.md, "Peer requests", has the table.
+
+A request names up to MAX_BLOBS blobs: the first in the 32-byte header, each further one in 20 bytes after it. Its
+reply carries every blob one after the other (OK); or, to a request for several of which the peer could not give
+some, a status byte a blob, the blobs that came and why the first other one failed (PARTIAL); or no blob and a
+reason. The asker posts its receive before the reply is known, so every reply fits in reply_room.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..chunk_source import BlobRead
+from ..errors import ChunkUnavailable
+
+TAG_REQUEST = 1
+FIRST_REPLY_TAG = 16  # reply tags run from here to the library's TAG_UB: the MPI thread's the lower half, the
+# event loop's (loop_requests.py) the upper half; each wraps in its own
+REQUEST = struct.Struct("<4sIIIQQ")  # magic, reply tag, chunk, flags, offset, length
+REQUEST_MAGIC = b"FSRQ"
+MORE_BLOB = struct.Struct("<IQQ")  # chunk, offset, length: each further blob of a request that asks for several
+MAX_BLOBS = 64  # blobs one request may ask for: the reply carries them one after the other
+RING_REPLY_BELL = 1  # request flag: the asker's event loop waits for this reply on its reply bell (doorbell.py)
+QUIET_REPLY = 2  # request flag: ring nobody for this reply; the asker polls for it (a fetch ahead of its reader)
+REPLY_HEADER = struct.Struct("<4sI")  # magic, status; the blobs, some of them (PARTIAL) or a UTF-8 reason follow
+REPLY_MAGIC = b"FSRP"
+OK, REFUSED, UNAVAILABLE, CORRUPT, PARTIAL = 0, 1, 2, 3, 4  # PARTIAL: some blobs of several, see hand_out_reply
+# Room for a reason in any reply, however few bytes were asked: the asker's receive is posted before the reply is
+# known, and a reply longer than it would fail in MPI itself (a 5-byte blob found corrupt has a 150-byte reason).
+REASON_ROOM = 1024
+_STATUS_NAMES = {REFUSED: "refused", UNAVAILABLE: "could not read", CORRUPT: "found corrupt"}
+
+
+@dataclass
+class PeerCounters:
+    """What went between this rank and one peer, as --stats prints it."""
+
+    fetched: int = 0  # blobs this rank got from the peer
+    fetched_bytes: int = 0
+    asked: int = 0  # requests this rank sent the peer: one may ask for several blobs
+    served: int = 0  # blobs this rank sent to the peer
+    served_bytes: int = 0
+    failed: int = 0  # blobs of ours whose request timed out, was refused or found the peer skipped
+    refused: int = 0  # malformed requests from the peer
+
+
+def reply_room(length: int, blobs: int = 1) -> int:
+    """Bytes to receive a reply into, for a request of `blobs` blobs of `length` bytes in all: the blobs, or a
+    reason, and room for a status per blob (a reply that carries some of them)."""
+    return REPLY_HEADER.size + blobs + max(length, REASON_ROOM)
+
+
+def error_reply(status: int, reason: str) -> bytes:
+    """A reply that carries no blobs: the status and the reason, cut to fit any asker's receive."""
+    return REPLY_HEADER.pack(REPLY_MAGIC, status) + reason.encode()[:REASON_ROOM]
+
+
+def request_message(tag: int, flags: int, reads: Sequence[BlobRead]) -> bytes:
+    """A request for `reads` (1 to MAX_BLOBS blobs of one peer): the first in the header, the others after it."""
+    first = reads[0]
+    message = REQUEST.pack(REQUEST_MAGIC, tag, first.chunk_id, flags, first.offset, first.length)
+    if len(reads) == 1:
+        return message
+    return message + b"".join([MORE_BLOB.pack(read.chunk_id, read.offset, read.length) for read in reads[1:]])
+
+
+def partial_reply(statuses: bytes, parts: list[bytes], reason: str, blobs_bytes: int) -> bytes:
+    """The reply to a request for several blobs of which some failed (`statuses`, one a blob, OK for each of
+    `parts`): the statuses, the blobs that came, and the reason the first failed one did not, cut to what the
+    asker's receive still holds (reply_room of the `blobs_bytes` asked)."""
+    room = reply_room(blobs_bytes, len(statuses)) - REPLY_HEADER.size - len(statuses) - sum(map(len, parts))
+    return b"".join([REPLY_HEADER.pack(REPLY_MAGIC, PARTIAL), statuses, *parts, reason.encode()[:max(0, room)]])
+
+
+def hand_out_reply(peer: int, reads: Sequence[BlobRead], buffer: bytearray, count: int, counters: PeerCounters,
+                   copy: bool = False) -> None:
+    """Give each read its blob from a reply of `count` bytes in `buffer` (views of it, or bytes with `copy`), or
+    the reason it did not come (ChunkUnavailable: the reader reads it elsewhere); counted blob by blob.
+
+    The reply carries every blob one after the other (OK); or some of them (PARTIAL: a status a blob, then the
+    blobs that came, then why the first one that did not failed); or no blob and a reason (any other status)."""
+    header, blobs = REPLY_HEADER.size, len(reads)
+    magic, code = REPLY_HEADER.unpack_from(buffer) if count >= header else (b"", -1)
+    statuses, start, fits = None, header, False
+    if magic == REPLY_MAGIC and code == OK:
+        fits = count == header + sum(read.length for read in reads)
+    elif magic == REPLY_MAGIC and code == PARTIAL and blobs > 1 and count >= header + blobs:
+        statuses, start = bytes(buffer[header : header + blobs]), header + blobs
+        fits = count >= start + sum(read.length for read, status in zip(reads, statuses) if status == OK)
+    if not fits:
+        counters.failed += blobs
+        asked = f"chunk {reads[0].chunk_id} at {reads[0].offset}" if blobs == 1 else f"a request for {blobs} blobs"
+        if magic == REPLY_MAGIC and code in _STATUS_NAMES:
+            error = f"rank {peer} {_STATUS_NAMES[code]} {asked}: {_text(buffer[header:count])}"  # names the blob
+        else:
+            error = f"rank {peer} sent a malformed reply ({count} bytes) to {asked}"
+        for read in reads:
+            read.done(None, ChunkUnavailable(error, chunk_id=read.chunk_id))
+        return
+    view = memoryview(buffer)
+    reason: str | None = None  # why the first blob that did not come failed: the reply's last bytes
+    for number, read in enumerate(reads):
+        if statuses is None or statuses[number] == OK:
+            blob = view[start : start + read.length]
+            start += read.length
+            counters.fetched += 1
+            counters.fetched_bytes += read.length
+            read.done(bytes(blob) if copy else blob, None)
+            continue
+        counters.failed += 1
+        error = f"rank {peer} {_STATUS_NAMES.get(statuses[number], 'could not give')} chunk {read.chunk_id} at " \
+                f"{read.offset}"
+        if reason is None:
+            carried = sum(other.length for other, status in zip(reads, statuses) if status == OK)
+            reason = _text(buffer[header + blobs + carried : count])
+            error += f": {reason}" if reason else ""
+        read.done(None, ChunkUnavailable(error, chunk_id=read.chunk_id))
+
+
+def _text(raw: bytes | bytearray) -> str:
+    return bytes(raw).decode("utf-8", "replace")
