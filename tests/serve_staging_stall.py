@@ -1,6 +1,7 @@
 """Run by tests/test_serve.py under `mpiexec -n 2`: the rank that reads a replicated chunk from DEST stalls (its
 first read takes STALL seconds, as a hung parallel file system client would), and the rank waiting for that chunk
-says which rank it waits on, then both finish staging. Prints one JSON line a rank.
+says which rank it waits on, then both finish staging. Then both stage again, and rank 1 ends STALL seconds after
+rank 0, which names it. Prints one JSON line a rank.
 
     mpiexec -n 2 python serve_staging_stall.py DEST WORKDIR
 """
@@ -52,8 +53,22 @@ def main(dest: Path, workdir: Path) -> None:
 
         stager._read_replicated = stalled_once  # type: ignore[method-assign]
     report = stager.run()
-    print(json.dumps({"rank": rank, "stalling": stalling, "warnings": kept.lines,
-                      "unverified": report.unverified_chunks}), flush=True)
+    seen = {"rank": rank, "stalling": stalling, "warnings": kept.lines, "unverified": report.unverified_chunks}
+    # Then rank 1 finishes its own staging STALL seconds after rank 0 (its read of its own pieces hung, say): rank 0,
+    # which hears from every rank that it is done, names it.
+    kept.lines = []
+    late = Stager(comm, index, placement, dest, workdir / f"again{rank}", stall_report=REPORT_AFTER)
+    if rank == 1:
+        tell = late._hear_every_rank_staged
+
+        def told_late() -> None:
+            time.sleep(STALL)
+            tell()
+
+        late._hear_every_rank_staged = told_late  # type: ignore[method-assign]
+    late.run()
+    seen["late warnings"] = kept.lines
+    print(json.dumps(seen), flush=True)
     comm.Free()
 
 

@@ -569,7 +569,7 @@ def _run_mpi_script(name: str, ranks: int, *args: str, cwd: Path | None = None) 
 
 def test_a_rank_waiting_on_a_stalled_one_while_staging_names_it(served_dataset, tmp_path):
     """A node whose read of DEST hangs holds up every rank waiting for its spans: they say which rank they wait on,
-    and carry on once it comes."""
+    and carry on once it comes; rank 0 names a rank whose staging ends late."""
     _, dest = served_dataset
     seen, _ = _run_mpi_script("serve_staging_stall.py", 2, str(dest), str(tmp_path))
     stalling = seen[0]["stalling"]
@@ -578,6 +578,10 @@ def test_a_rank_waiting_on_a_stalled_one_while_staging_names_it(served_dataset, 
     assert seen[waiting]["warnings"][0].startswith(f"rank {waiting}: staging: nothing has come from rank {stalling} "
                                                    f"for 0 s; still waiting"), seen
     assert seen[stalling]["warnings"] == [] and seen[0]["unverified"] == seen[1]["unverified"] == [], seen
+    # A rank whose staging ends late, whatever held it: rank 0, which hears from every rank, names it.
+    assert len(seen[0]["late warnings"]) == 1, seen
+    assert re.fullmatch(r"rank 0: staging: 1 rank still staging \d+ s after this one: 1", seen[0]["late warnings"][0])
+    assert seen[1]["late warnings"] == [], seen
 
 
 def test_malformed_peer_requests_are_refused_without_harm(served_dataset, tmp_path):

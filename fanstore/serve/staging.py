@@ -46,6 +46,7 @@ MANIFEST_VERSION = 1
 SPAN_BYTES = 8 << 20  # one read from DEST, one message to a peer: whole blobs, about this many bytes
 SENDS_IN_FLIGHT = 4  # spans a rank is sending at once, each to every rank that lacks it
 TAG_STAGE = 2
+TAG_STAGED = 3  # to rank 0, empty: this rank's staging is done
 SPAN_HEADER = struct.Struct("<IIQ")  # chunk, flags, start; the span's bytes follow
 SPAN_MISSING = 1  # the sender could not read the span: nothing follows, and the receiver leaves a hole
 # Seconds with nothing from a rank this one waits on before it says so: a node whose read of DEST hangs (a stuck
@@ -283,7 +284,34 @@ class Stager:
             raise StagingBroken(f"rank {self.rank} on {socket.gethostname()}: --local-dir {self.local.path}: cannot "
                                 f"write {exc.filename or 'to it'}: {exc.strerror}") from None
         self.report.seconds = time.monotonic() - started
+        self._hear_every_rank_staged()
         return self.report
+
+    def _hear_every_rank_staged(self) -> None:
+        """Every rank tells rank 0 its staging is done, and rank 0 names those it has not heard from a while after
+        its own: a rank whose read of DEST hangs would otherwise hold the others at the next collective, which
+        cannot say who is missing."""
+        from mpi4py import MPI
+
+        if self.rank != 0:
+            wait_all([self.comm.Isend([b"", MPI.BYTE], dest=0, tag=TAG_STAGED)])
+            return
+        waiting, status, backoff = set(range(1, self.size)), MPI.Status(), Backoff()
+        since, reported = time.monotonic(), False
+        while waiting:
+            message = self.comm.Improbe(MPI.ANY_SOURCE, TAG_STAGED, status)
+            if message is not None:
+                message.Recv([bytearray(0), MPI.BYTE])
+                waiting.discard(status.Get_source())
+                backoff.progressed()
+                continue
+            if not reported and time.monotonic() - since > self._stall_report:
+                reported = True
+                named = sorted(waiting)
+                log.warning("rank 0: staging: %d rank%s still staging %.0f s after this one: %s%s", len(named),
+                            "s" if len(named) > 1 else "", time.monotonic() - since,
+                            ", ".join(map(str, named[:10])), " ..." if len(named) > 10 else "")
+            backoff.sleep()
 
     def _stage(self, reusable: set[Span], missing: list[Span]) -> None:
         from mpi4py import MPI
