@@ -305,7 +305,7 @@ def run(options: ServeOptions) -> int:
 
     bar = _progress_bar(rank, options.progress)
     try:
-        report = Stager(comm, index, placement, options.dest, local_dir, progress=bar).run()
+        report = Stager(comm, index, placement, options.dest, local_dir, progress=bar, identity=identity).run()
     except (StagingBroken, mpi.Exception) as exc:
         # The other ranks are half-way through staging with this one (or one of them has died): only the launcher
         # can end them all.

@@ -225,7 +225,8 @@ class Stager:
     """Stages one rank's share; `run()` returns once every rank's share is in place (collectively)."""
 
     def __init__(self, comm: Any, index: Index, placement: Placement, dest: Path, local_dir: Path,
-                 progress: Callable[[int, int], None] | None = None, stall_report: float = STALL_REPORT) -> None:
+                 progress: Callable[[int, int], None] | None = None, stall_report: float = STALL_REPORT,
+                 identity: str | None = None) -> None:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
@@ -240,7 +241,7 @@ class Stager:
         self._sizes = [int(size) for size in index.chunks["size"]]
         self._readers = placement.replicated_readers()
         self._replicated = frozenset(placement.replicated_chunks)
-        self._identity = ""
+        self._identity = identity  # dataset_identity(dest), when the caller has it already
         self._verified: dict[int, list[tuple[int, int]]] = {}
         self._unverified: set[int] = set()  # chunks with a bad or missing span: not recorded in the manifest
 
@@ -270,7 +271,7 @@ class Stager:
 
     def run(self) -> StagingReport:
         started = time.monotonic()
-        identity = self._identity = dataset_identity(self.dest)
+        identity = self._identity = self._identity or dataset_identity(self.dest)
         share = self._share()
         reusable = self._reusable(share, identity)
         missing = [span for span in share if span not in reusable]
