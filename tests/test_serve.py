@@ -466,6 +466,29 @@ def test_a_stale_mount_from_a_killed_job_is_cleared(served_dataset, tmp_path, jo
     _assert_nothing_left(second)
 
 
+def test_a_ready_file_that_cannot_be_written_once_mounted_ends_the_job_with_one_line(served_dataset, tmp_path, jobs):
+    """Its directory passed the check at start, then the disk filled: a batch script would wait for the ready file
+    for good, so each rank says so and the job ends."""
+    _, dest = served_dataset
+    full = tmp_path / "full"
+    full.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(full)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        (full / "filler").write_bytes(b"x" * 4096)
+        job = Job(tmp_path, dest, "--ready-file", str(full / "ready{rank}"))
+        jobs.append(job)
+        code, _, err = job.finish(timeout=60)
+    finally:
+        subprocess.run(["umount", "-l", str(full)])
+    assert code == 1 and "Traceback" not in err, err
+    lines = sorted(line for line in err.splitlines() if "error" in line)
+    assert lines == [f"fanstore serve: error: rank {rank}: cannot write the ready file {full}/ready{rank}: No space "
+                     f"left on device; stopping" for rank in range(RANKS)], err
+    _assert_nothing_left(job)
+
+
 def test_a_local_dir_too_small_is_one_line_before_anything_is_copied(served_dataset, tmp_path, jobs):
     _, dest = served_dataset
     small = tmp_path / "small"
