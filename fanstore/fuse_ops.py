@@ -76,23 +76,25 @@ class _Fetching:
     The loop is woken when it arrives only if a read waits for it: a blob fetched ahead of the reader arrives to
     nobody, and a wake-up of the loop per file would cost more than handing the blob over."""
 
-    __slots__ = ("_lock", "_token", "_loop_thread", "_done", "_waiter", "stored")
+    __slots__ = ("_token", "_loop_thread", "_done", "_waiter", "stored")
 
-    def __init__(self, token: trio.lowlevel.TrioToken) -> None:
-        self._lock = threading.Lock()
+    def __init__(self, token: trio.lowlevel.TrioToken, loop_thread: int) -> None:
         self._token = token
-        self._loop_thread = threading.get_ident()  # made on the loop; a source may also answer there
+        self._loop_thread = loop_thread  # made on the loop; a source may also answer there
         self._done = False
         self._waiter: trio.Event | None = None
         self.stored: bytes | memoryview | None = None  # None once arrived: the try failed
 
     def arrive(self, stored: bytes | memoryview | None, _error: ChunkError | None = None) -> None:
         """From the transport's thread, or from the loop itself (then with no hand-off through trio's queue). On
-        an error the usual path reads the file again, and reports what it meets."""
-        with self._lock:
-            self.stored = stored
-            self._done = True
-            waiter = self._waiter
+        an error the usual path reads the file again, and reports what it meets.
+
+        No lock: `wait` sets its waiter before it looks at `_done`, and this sets `_done` before it looks at the
+        waiter, so under the GIL at least one of them sees the other's write (both may: the waiter is then set
+        once more, which is harmless)."""
+        self.stored = stored
+        self._done = True
+        waiter = self._waiter
         if waiter is not None:
             if threading.get_ident() == self._loop_thread:
                 waiter.set()
@@ -104,11 +106,10 @@ class _Fetching:
 
     async def wait(self) -> bytes | memoryview | None:
         """The blob, or None when the try failed; on the loop."""
-        with self._lock:
+        if not self._done:
+            waiter = self._waiter = trio.Event()
             if not self._done:
-                self._waiter = trio.Event()
-        if self._waiter is not None:
-            await self._waiter.wait()
+                await waiter.wait()
         return self.stored
 
 
@@ -365,7 +366,7 @@ class FanstoreOperations(pyfuse3.Operations):
         decoding the file). None when the source has no such path."""
         if self._reader is None or self._source is None:
             return None
-        fetching = _Fetching(trio.lowlevel.current_trio_token())
+        fetching = _Fetching(trio.lowlevel.current_trio_token(), threading.get_ident())
         if not self._source.start_read(int(self._chunk[entry]), int(self._offset[entry]),
                                        int(self._stored_len[entry]), fetching.arrive):
             return None
@@ -399,10 +400,12 @@ class FanstoreOperations(pyfuse3.Operations):
                 left.append(key)
         if not in_order:
             return left
-        missing = [key for key in slow if self._needs_fetch(key)]
+        # Most of the window is on its way already, from earlier reads: that test first.
+        fetching, holds, cached = self._fetching, self._kernel_holds.holds, self.cache.contains
+        missing = [key for key in slow if key not in fetching and not holds(key) and not cached(key)]
         if missing and (missing[0] == slow[0] or 2 * len(missing) >= len(slow)):
-            token = trio.lowlevel.current_trio_token()
-            fetchings = [_Fetching(token) for _ in missing]
+            token, loop_thread = trio.lowlevel.current_trio_token(), threading.get_ident()
+            fetchings = [_Fetching(token, loop_thread) for _ in missing]
             chunk, offset, stored_len = self._chunk, self._offset, self._stored_len
             reads = [BlobRead(int(chunk[key]), int(offset[key]), int(stored_len[key]), fetching.arrive)
                      for key, fetching in zip(missing, fetchings)]
