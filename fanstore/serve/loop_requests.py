@@ -79,7 +79,7 @@ class LoopRequests:
         self._pending: list[_LoopFetch] = []  # in the order they were sent, which is the order of their deadlines
         self._receives: list[Any] = []  # each pending one's receive, for Testsome
         self._sends: list[Any] = []  # requests sent and not yet complete
-        self._statuses: list[Any] = []
+        self._statuses: list[Any] = [MPI.Status()]
         self._in_flight = [0] * transport.size
         self.counters = transport.loop_counters
         self._token: Any = None  # the trio run the pump serves
@@ -122,7 +122,8 @@ class LoopRequests:
         self._pending.append(_LoopFetch(peer, reads, tag, buffer, receive, send,
                                         time.monotonic() + self._options.timeout))
         self._receives.append(receive)
-        self._sends.append(send)
+        if not send.Test():  # a request is a few dozen bytes: it has mostly gone already
+            self._sends.append(send)
         self._in_flight[peer] += 1
         self.counters[peer].asked += 1
         if self._timer is not None and self._timer.deadline == math.inf:  # the pump waits with no timer
@@ -186,15 +187,15 @@ class LoopRequests:
             self._check_deadline()
 
     def _arm(self, timer: trio.CancelScope) -> None:
-        """The pump's timer: none while nothing is out (an idle loop is not woken); else at most WAIT_WHILE_OUT
-        ahead, and no later than the oldest request's deadline, moved only when it must be (see WAIT_WHILE_OUT)."""
-        if not (self._pending or self._sends):
-            if timer.deadline != math.inf:
-                timer.deadline = math.inf
-            return
+        """The pump's timer: at most WAIT_WHILE_OUT ahead while anything is out, and no later than the oldest
+        request's deadline, moved only when it must be (see WAIT_WHILE_OUT). Once nothing is out it is left to
+        fire once, and the pump then waits with none: a reader asks again within a fraction of a millisecond, and
+        disarming the timer at each reply to arm it at the next request cost more than that one wake."""
         wait = WAIT_WHILE_OUT
         if self._pending:
             wait = min(wait, max(0.0, self._pending[0].deadline - time.monotonic()))
+        elif not self._sends and timer.deadline == math.inf:
+            return  # idle: nothing wakes the pump but a ring
         now = trio.current_time()
         remaining = timer.deadline - now
         if remaining > wait or remaining < WAIT_WHILE_OUT / 2:
@@ -215,15 +216,21 @@ class LoopRequests:
         if not self._pending:
             return False
         statuses = self._statuses
-        while len(statuses) < len(self._receives):
-            statuses.append(MPI.Status())
-        done = MPI.Request.Testsome(self._receives, statuses)
-        if not done:
-            return False
-        finished = set(done)
-        completed = [(self._pending[i], statuses[k].Get_count(MPI.BYTE)) for k, i in enumerate(done)]
-        self._pending = [fetch for i, fetch in enumerate(self._pending) if i not in finished]
-        self._receives = [receive for i, receive in enumerate(self._receives) if i not in finished]
+        if len(self._receives) == 1:  # a reader that fetches no files ahead has one request out at a time
+            if not self._receives[0].Test(statuses[0]):
+                return False
+            completed = [(self._pending[0], statuses[0].Get_count(MPI.BYTE))]
+            self._pending, self._receives = [], []
+        else:
+            while len(statuses) < len(self._receives):
+                statuses.append(MPI.Status())
+            done = MPI.Request.Testsome(self._receives, statuses)
+            if not done:
+                return False
+            finished = set(done)
+            completed = [(self._pending[i], statuses[k].Get_count(MPI.BYTE)) for k, i in enumerate(done)]
+            self._pending = [fetch for i, fetch in enumerate(self._pending) if i not in finished]
+            self._receives = [receive for i, receive in enumerate(self._receives) if i not in finished]
         for fetch, count in completed:
             self._in_flight[fetch.peer] -= 1
             self._finish(fetch, count)
