@@ -499,7 +499,7 @@ def _build_parser() -> argparse.ArgumentParser:
                               help="prefetch only files stored in at least SIZE bytes (default 256KiB: smaller ones "
                                    "decode on request faster than a thread is handed them)")
     mount_parser.add_argument("--prefetch-list", metavar="FILE",
-                              help="epoch order to prefetch in: one dataset path a line")
+                              help="epoch order to prefetch in: one path a line, in the dataset or through MOUNTPOINT")
     mount_parser.add_argument("--allow-other", action="store_true", help="let other users read the mount")
     mount_parser.add_argument("--log", metavar="FILE",
                               help="daemon log (default: mount-NAME.log in $XDG_RUNTIME_DIR/fanstore or, without "
@@ -559,8 +559,9 @@ def _add_serve_parser(commands: Any) -> None:
                                    "hands it every request to a peer instead of asking itself (for an MPI whose "
                                    "MPI_THREAD_MULTIPLE is slow or broken)")
     serve_parser.add_argument("--prefetch-list", metavar="FILE",
-                              help="the epoch's reading order, one path a line: files are fetched and decoded ahead "
-                                   "({rank} is replaced by the rank: each its own order)")
+                              help="the epoch's reading order, one path a line (in the dataset or through the rank's "
+                                   "MOUNTPOINT): files are fetched and decoded ahead ({rank} is replaced by the "
+                                   "rank: each its own order)")
     serve_parser.add_argument("--prefetch", type=int, default=SERVE_PREFETCH, metavar="N",
                               help="after each file opened, fetch and decode ahead those of the next N files that "
                                    f"are stored on another node or in at least 256KiB (default {SERVE_PREFETCH}; 0 "

@@ -197,11 +197,13 @@ def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, rea
 
 
 def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd: int | None = None,
-                  while_mounted: Callable[[threading.Event], int] | None = None) -> int:
+                  while_mounted: Callable[[threading.Event], int] | None = None,
+                  prefetch_order: list[int] | None = None) -> int:
     """Mount `ds` at `mountpoint` and serve until unmounted or signalled; the caller closes `ds`.
 
     `while_mounted(stop)`, when given, runs in a thread once the kernel has the mount; the mount ends when it
     returns, and its result is returned. SIGTERM or SIGINT sets `stop`, and ends the mount once it returns.
+    `prefetch_order`: the entries of options.prefetch_list, when the caller has read it already.
     """
     import pyfuse3
     import trio
@@ -220,7 +222,8 @@ def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd
         prefetcher = None
         min_size = INLINE_DECODE_BYTES if options.prefetch_min_size is None else options.prefetch_min_size
         # Read even when no prefetcher is made: a list that is wrong is an error whatever the dataset holds.
-        order_list = read_prefetch_list(index, options.prefetch_list) if options.prefetch_list else None
+        order_list = prefetch_order if prefetch_order is not None or not options.prefetch_list \
+            else read_prefetch_list(index, options.prefetch_list, mountpoint)
         slow = may_block_flags(index, ds.reader.source)  # files another node stores: always worth fetching ahead
         # No prefetcher at all when no file is big enough to be worth one: each open would only look for work.
         if options.prefetch > 0 and bool(((index.entries["stored_len"] >= min_size) | slow).any()):

@@ -23,9 +23,9 @@ from typing import Callable
 import numpy as np
 
 from .cache import DecodedCache
-from .errors import FanstoreError, UsageError
+from .errors import UsageError
 from .format import FLAG_BLOCKED
-from .index import Index
+from .index import Index, normalize_path
 
 
 # What the decoded cache holds: a file stored whole by its entry number, one block of a file stored in blocks by
@@ -77,21 +77,35 @@ class FileOrder:
                 for entry, blocked in zip(chosen.tolist(), self._blocked[chosen].tolist())]
 
 
-def read_prefetch_list(index: Index, path: Path) -> list[int]:
-    """Entries of a prefetch list file; an unknown path is an error naming the file and line."""
-    entries = []
+def read_prefetch_list(index: Index, path: Path, mountpoint: Path | None = None) -> list[int]:
+    """Entries of a prefetch list file: one path a line, relative to the dataset's root or, given `mountpoint`,
+    through the mount (what a training script that reads the mount has at hand). A line that is not UTF-8 text
+    or names nothing in the dataset is an error naming the file and line."""
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_bytes().splitlines()
     except OSError as exc:
         raise UsageError(f"--prefetch-list: cannot read {str(path)!r}: {exc.strerror}") from None
+    through_mount = f"{mountpoint}/" if mountpoint is not None else None
+    names: list[tuple[int, str]] = []  # (line number, the path as written)
+    keys: list[bytes] = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            entries.append(index.lookup(line.strip()))
-        except FanstoreError:
-            raise UsageError(f"--prefetch-list: {path}:{number}: {line.strip()!r} is not in the dataset") from None
-    return entries
+            name = line.strip().decode("utf-8")
+        except UnicodeDecodeError:
+            raise UsageError(f"--prefetch-list: {path}:{number}: not UTF-8 text (one dataset path a line)") from None
+        relative = name[len(through_mount):] if through_mount and name.startswith(through_mount) else name
+        names.append((number, name))
+        keys.append(normalize_path(relative).encode("utf-8"))
+    entries = index.lookup_keys(keys)
+    unknown = np.flatnonzero(entries < 0)
+    if len(unknown):
+        number, name = names[int(unknown[0])]
+        hint = f" (a path through the mount starts with {through_mount})" if through_mount and name.startswith("/") \
+            else ""
+        raise UsageError(f"--prefetch-list: {path}:{number}: {name!r} is not in the dataset{hint}")
+    return entries.tolist()
 
 
 # How many of the latest reads a read may follow to count as in order: several DataLoader workers each read their

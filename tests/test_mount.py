@@ -414,6 +414,7 @@ def test_resolve_mountpoint_follows_links_with_readlink(tmp_path, monkeypatch):
     ("mount {ds} {tmp}/mp --prefetch -1", ["--prefetch", "-1"]),
     ("mount {ds} {tmp}/mp --prefetch-list {tmp}/dir", ["--prefetch-list", "{tmp}/dir", "Is a directory"]),
     ("mount {ds} {tmp}/mp --prefetch 0 --prefetch-list {tmp}/absent", ["--prefetch-list", "{tmp}/absent"]),
+    ("mount {ds} {tmp}/mp --prefetch-list {tmp}/binary", ["--prefetch-list", "{tmp}/binary:1: not UTF-8 text"]),
     ("mount {ds} {tmp}/mp --kernel-timeout -1", ["--kernel-timeout", "-1"]),
     ("mount {ds} {tmp}/mp --kernel-timeout nan", ["--kernel-timeout", "nan"]),
     ("mount {ds} {tmp}/mp --log {tmp}/no_dir/mount.log", ["--log", "{tmp}/no_dir/mount.log", "No such file"]),
@@ -434,6 +435,7 @@ def test_mount_argument_errors_are_one_line(packed, tmp_path, monkeypatch, comma
     for directory in ("mp", "dir"):
         (tmp_path / directory).mkdir()
     (tmp_path / "file").write_text("not a directory")
+    (tmp_path / "binary").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")  # an image given for the epoch's list
     shutil.copytree(ds, tmp_path / "dir" / "ds")  # a dataset inside a mount point, as given or through a link
     (tmp_path / "dir" / "link").symlink_to(ds)
     args = [arg.format(ds=ds, tmp=tmp_path) for arg in command.split()]
@@ -618,6 +620,10 @@ def test_prefetch_decodes_ahead_in_directory_and_list_order(packed, tmp_path):
     random.Random(2).shuffle(shuffled)
     listing = tmp_path / "epoch.txt"
     listing.write_text("\n".join(shuffled) + "\n")
+    assert hits("--prefetch", "4", "--prefetch-min-size", "0", "--prefetch-list", str(listing),
+                order=shuffled) == len(small) - 1
+    # The same order as a script reading the mount writes it: paths through the mount point.
+    listing.write_text("\n".join(str(tmp_path / "mnt" / rel) for rel in shuffled) + "\n")
     assert hits("--prefetch", "4", "--prefetch-min-size", "0", "--prefetch-list", str(listing),
                 order=shuffled) == len(small) - 1
     bad = tmp_path / "bad.txt"

@@ -59,6 +59,27 @@ def test_a_bad_prefetch_list_names_file_and_line(dataset, tmp_path):
         read_prefetch_list(dataset.index, tmp_path / "absent.txt")
 
 
+def test_a_list_may_name_files_through_the_mount_and_end_lines_as_windows_does(dataset, tmp_path):
+    """A training script reading the mount writes the paths it opens (ImageFolder's samples are such paths)."""
+    listing = tmp_path / "epoch.txt"
+    mountpoint = tmp_path / "mnt"
+    listing.write_bytes(f"{mountpoint}/d/f.bin\r\n./other.bin\r\n{mountpoint}//d/a.bin\n".encode())
+    entries = read_prefetch_list(dataset.index, listing, mountpoint)
+    assert entries == [dataset.index.lookup(p) for p in ("d/f.bin", "other.bin", "d/a.bin")]
+    with pytest.raises(UsageError, match=rf"epoch\.txt:1: '{mountpoint}/d/f\.bin' is not in the dataset$"):
+        read_prefetch_list(dataset.index, listing)  # no mount point given: only dataset paths
+    listing.write_text(f"d/a.bin\n/elsewhere/d/f.bin\n")
+    with pytest.raises(UsageError, match=rf"epoch\.txt:2: .* \(a path through the mount starts with {mountpoint}/\)"):
+        read_prefetch_list(dataset.index, listing, mountpoint)
+
+
+def test_a_list_that_is_not_text_names_its_first_bad_line(dataset, tmp_path):
+    listing = tmp_path / "epoch.bin"
+    listing.write_bytes(b"d/a.bin\n\x89PNG\r\n\x1a\n\x00\x00\xff\n")
+    with pytest.raises(UsageError, match=r"epoch\.bin:2: not UTF-8 text"):
+        read_prefetch_list(dataset.index, listing)
+
+
 def test_the_prefetcher_decodes_the_next_files_into_the_cache(dataset):
     cache = DecodedCache(1 << 20, dataset.reader.read)
     prefetcher = Prefetcher(cache, FileOrder(dataset.index), depth=3, threads=2)  # b, (empty c), e

@@ -720,6 +720,32 @@ def test_local_dirs_that_ranks_cannot_use_are_refused_before_anything_is_copied(
     _assert_nothing_left(job)
 
 
+GOOD_LINE = b"train/dog/img_000.bin\n"
+
+
+@pytest.mark.parametrize("lists, failing, needle", [
+    ({rank: b"\xb3\x01\xff binary\n" for rank in range(RANKS)}, [0, 1, 2], "epoch{rank}.txt:1: not UTF-8 text"),
+    ({0: GOOD_LINE, 1: GOOD_LINE + b"no/such.bin\n", 2: GOOD_LINE}, [1], "epoch1.txt:2: 'no/such.bin' is not in"),
+])
+def test_prefetch_lists_a_rank_cannot_use_stop_every_rank_before_anything_is_copied(served_dataset, tmp_path, jobs,
+                                                                                    lists, failing, needle):
+    """Each rank reads its own list (`{rank}`); one that names nothing in the dataset, or is not text, is found
+    before staging, and the whole job stops there, each rank in one line."""
+    _, dest = served_dataset
+    for rank, text in lists.items():
+        (tmp_path / f"epoch{rank}.txt").write_bytes(text)
+    job = Job(tmp_path, dest, "--prefetch-list", str(tmp_path / "epoch{rank}.txt"), command=["true"])
+    jobs.append(job)
+    code, _, err = job.finish(timeout=60)
+    assert code != 0 and "Traceback" not in err and len(err.splitlines()) == RANKS, err
+    for rank in range(RANKS):
+        said = [line for line in err.splitlines() if line.startswith(f"fanstore: error: rank {rank} on ")]
+        assert bool(said) == (rank in failing) and all(needle.format(rank=rank) in line for line in said), err
+    assert err.count(f"rank {failing[0]} cannot start") == RANKS - len(failing), err
+    assert not list(tmp_path.rglob("*.fsc"))
+    _assert_nothing_left(job)
+
+
 def test_a_local_dir_another_job_is_using_is_refused_and_that_job_goes_on(served_dataset, tmp_path, jobs):
     """Two jobs on one node given the same --local-dir (/dev/shm/fanstore, say): the second would undo the first's
     chunk files and remove its readers' socket, so it stops, naming the directory and the job that holds it."""

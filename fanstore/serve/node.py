@@ -36,6 +36,7 @@ from ..errors import ChunkCorrupt, ChunkUnavailable, FanstoreError, UsageError, 
 from ..index import Index
 from ..mount import MountOptions, check_mountpoint, check_outside, fuse_answer, fuse_mounted_at, \
     resolve_mountpoint, serve_dataset, unmount
+from ..prefetch import read_prefetch_list
 from ..units import format_bytes
 from . import node_endpoint, watchdog
 from .doorbell import open_doorbell
@@ -261,7 +262,7 @@ def run(options: ServeOptions) -> int:
     comm = mpi.COMM_WORLD.Dup()
     rank, size = comm.Get_rank(), comm.Get_size()
     host = socket.gethostname()
-    problem = identity = mountpoint = local_dir = None
+    problem = identity = mountpoint = local_dir = prefetch_order = None
     try:  # every rank's problem goes through the agreement below: a rank must not leave the others waiting
         index = Index.load(options.dest)
         identity = dataset_identity(options.dest)
@@ -276,6 +277,7 @@ def run(options: ServeOptions) -> int:
             if not prefetch_list.is_file():
                 raise UsageError(f"--prefetch-list: {str(prefetch_list)!r} is not a file")
             mount_options = replace(mount_options, prefetch_list=prefetch_list)
+            prefetch_order = read_prefetch_list(index, prefetch_list, mountpoint)  # a bad one stops all, now
         check_outside(mountpoint, {"DEST": options.dest, "--local-dir": local_dir, "--ready-file": ready_file})
         if not options.command and not os.access(ready_file.parent, os.W_OK | os.X_OK):
             option = "--ready-file" if options.ready_file else "MOUNTPOINT.ready (--ready-file puts it elsewhere)"
@@ -333,7 +335,8 @@ def run(options: ServeOptions) -> int:
     lifecycle = Lifecycle(transport, options, mountpoint, ready_file, endpoint.path)
     try:
         with Dataset(index, source) as dataset:
-            status = serve_dataset(dataset, mountpoint, mount_options, while_mounted=lifecycle)
+            status = serve_dataset(dataset, mountpoint, mount_options, while_mounted=lifecycle,
+                                   prefetch_order=prefetch_order)
     except FanstoreError as exc:
         say_line(f"fanstore serve: rank {rank} on {host}: {exc}")
         status = 1
