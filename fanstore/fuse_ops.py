@@ -373,8 +373,9 @@ class FanstoreOperations(pyfuse3.Operations):
         return fetching
 
     def _needs_fetch(self, entry: int) -> bool:
-        """Neither the kernel, nor the cache, nor a fetch under way has the file."""
-        return not (self._kernel_holds.holds(entry) or entry in self._fetching or self.cache.contains(entry))
+        """Neither a fetch under way, nor the kernel, nor the cache has the file. The fetch first: once fetching
+        ahead runs, all but the newest files of each read's window are on their way, and a dict settles them."""
+        return not (entry in self._fetching or self._kernel_holds.holds(entry) or self.cache.contains(entry))
 
     def _hold(self, entry: int, fetching: _Fetching) -> None:
         """Keep a fetch begun before its file's read for that read; the oldest go first past `_fetches_held`."""
@@ -400,9 +401,8 @@ class FanstoreOperations(pyfuse3.Operations):
                 left.append(key)
         if not in_order:
             return left
-        # Most of the window is on its way already, from earlier reads: that test first.
-        fetching, holds, cached = self._fetching, self._kernel_holds.holds, self.cache.contains
-        missing = [key for key in slow if key not in fetching and not holds(key) and not cached(key)]
+        needs_fetch = self._needs_fetch
+        missing = [key for key in slow if needs_fetch(key)]
         if missing and (missing[0] == slow[0] or 2 * len(missing) >= len(slow)):
             token, loop_thread = trio.lowlevel.current_trio_token(), threading.get_ident()
             fetchings = [_Fetching(token, loop_thread) for _ in missing]
