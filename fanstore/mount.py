@@ -222,8 +222,9 @@ def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd
         prefetcher = None
         min_size = INLINE_DECODE_BYTES if options.prefetch_min_size is None else options.prefetch_min_size
         # Read even when no prefetcher is made: a list that is wrong is an error whatever the dataset holds.
-        order_list = prefetch_order if prefetch_order is not None or not options.prefetch_list \
-            else read_prefetch_list(index, options.prefetch_list, mountpoint)
+        order_list = prefetch_order
+        if order_list is None and options.prefetch_list:
+            order_list = read_prefetch_list(index, options.prefetch_list, mountpoint)
         slow = may_block_flags(index, ds.reader.source)  # files another node stores: always worth fetching ahead
         # No prefetcher at all when no file is big enough to be worth one: each open would only look for work.
         if options.prefetch > 0 and bool(((index.entries["stored_len"] >= min_size) | slow).any()):

@@ -89,10 +89,11 @@ def read_prefetch_list(index: Index, path: Path, mountpoint: Path | None = None)
     names: list[tuple[int, str]] = []  # (line number, the path as written)
     keys: list[bytes] = []
     for number, line in enumerate(lines, start=1):
-        if not line.strip():
+        line = line.strip()
+        if not line:
             continue
         try:
-            name = line.strip().decode("utf-8")
+            name = line.decode("utf-8")
         except UnicodeDecodeError:
             raise UsageError(f"--prefetch-list: {path}:{number}: not UTF-8 text (one dataset path a line)") from None
         relative = name[len(through_mount):] if through_mount and name.startswith(through_mount) else name
@@ -102,8 +103,9 @@ def read_prefetch_list(index: Index, path: Path, mountpoint: Path | None = None)
     unknown = np.flatnonzero(entries < 0)
     if len(unknown):
         number, name = names[int(unknown[0])]
-        hint = f" (a path through the mount starts with {through_mount})" if through_mount and name.startswith("/") \
-            else ""
+        hint = ""
+        if through_mount and name.startswith("/"):
+            hint = f" (a path through the mount starts with {through_mount})"
         raise UsageError(f"--prefetch-list: {path}:{number}: {name!r} is not in the dataset{hint}")
     return entries.tolist()
 

@@ -68,7 +68,7 @@ def test_a_list_may_name_files_through_the_mount_and_end_lines_as_windows_does(d
     assert entries == [dataset.index.lookup(p) for p in ("d/f.bin", "other.bin", "d/a.bin")]
     with pytest.raises(UsageError, match=rf"epoch\.txt:1: '{mountpoint}/d/f\.bin' is not in the dataset$"):
         read_prefetch_list(dataset.index, listing)  # no mount point given: only dataset paths
-    listing.write_text(f"d/a.bin\n/elsewhere/d/f.bin\n")
+    listing.write_text("d/a.bin\n/elsewhere/d/f.bin\n")
     with pytest.raises(UsageError, match=rf"epoch\.txt:2: .* \(a path through the mount starts with {mountpoint}/\)"):
         read_prefetch_list(dataset.index, listing, mountpoint)
 

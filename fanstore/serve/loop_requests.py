@@ -83,7 +83,7 @@ class LoopRequests:
         self._in_flight = [0] * transport.size
         self.counters = transport.loop_counters
         self._token: Any = None  # the trio run the pump serves
-        self._timer: trio.CancelScope | None = None  # the pump's timer: no deadline while nothing is out
+        self._timer: trio.CancelScope | None = None  # the pump's timer: no deadline once idle (see _arm)
         self._failed = False  # the pump met a bug: from then on the MPI thread asks
 
     def start(self, peer: int, chunk: int, offset: int, length: int, done: ReadDone, ahead: bool = False) -> bool:
