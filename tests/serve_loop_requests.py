@@ -31,7 +31,7 @@ from mpi4py import MPI  # noqa: E402
 import trio  # noqa: E402
 
 from fanstore.chunk_source import BlobRead  # noqa: E402
-from fanstore.errors import ChunkCorrupt, ChunkUnavailable  # noqa: E402
+from fanstore.errors import ChunkCorrupt, ChunkUnavailable, say_line  # noqa: E402
 from fanstore.serve.doorbell import Doorbell, open_doorbell  # noqa: E402
 from fanstore.serve.loop_requests import LoopRequests  # noqa: E402
 from fanstore.serve.polling import wait_all  # noqa: E402
@@ -230,7 +230,7 @@ def main() -> int:
     rank = comm.Get_rank()
     bell = open_doorbell(comm)
     if bell is None or MPI.Query_thread() != MPI.THREAD_MULTIPLE:
-        print(json.dumps({"rank": rank, "error": "no doorbell or no MPI_THREAD_MULTIPLE"}))
+        say_line(json.dumps({"rank": rank, "error": "no doorbell or no MPI_THREAD_MULTIPLE"}), sys.stdout)
         return 1
     if rank == 1:
         ring_reply = bell.ring_reply
@@ -262,7 +262,7 @@ def main() -> int:
     bell.close()
     wait_all([comm.Ibarrier()])
     comm.Free()
-    print(json.dumps({"rank": rank, **seen}), flush=True)
+    say_line(json.dumps({"rank": rank, **seen}), sys.stdout)
     return 0
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mpi4py import MPI
 
+from fanstore.errors import say_line
 from fanstore.index import Index
 from fanstore.serve.placement import place
 from fanstore.serve.staging import Stager
@@ -68,7 +69,7 @@ def main(dest: Path, workdir: Path) -> None:
         late._hear_every_rank_staged = told_late  # type: ignore[method-assign]
     late.run()
     seen["late warnings"] = kept.lines
-    print(json.dumps(seen), flush=True)
+    say_line(json.dumps(seen), sys.stdout)
     comm.Free()
 
 
