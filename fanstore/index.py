@@ -98,8 +98,13 @@ class Index:
     @classmethod
     def load(cls, dataset_dir: str | os.PathLike[str]) -> "Index":
         """Read and check an index; every inconsistency is one FormatError naming the file and the field."""
-        path = Path(dataset_dir) / INDEX_NAME
-        toc, sections = _parse_index(path, _read_index_file(Path(dataset_dir), path))
+        return cls.from_bytes(Path(dataset_dir) / INDEX_NAME, read_index_file(dataset_dir))
+
+    @classmethod
+    def from_bytes(cls, path: Path, data: bytes) -> "Index":
+        """The index in `data`, the bytes of the index file at `path` (which errors name), checked as `load` checks
+        it: for a caller that needs the bytes too (to checksum or copy them), so it reads the file once."""
+        toc, sections = _parse_index(path, data)
         return cls(path, toc, sections)
 
     def __len__(self) -> int:
@@ -188,19 +193,21 @@ class Index:
         return (int(i) for i in files[order])
 
 
-def _read_index_file(dataset_dir: Path, path: Path) -> bytes:
-    """The index file's bytes. Opened without blocking, and refused unless a regular file: an index that is a fifo
-    must not hang the reader."""
+def read_index_file(dataset_dir: str | os.PathLike[str]) -> bytes:
+    """The bytes of a dataset directory's index file, not yet checked (Index.from_bytes checks them). Opened without
+    blocking, and refused unless a regular file: an index that is a fifo must not hang the reader."""
+    directory = Path(dataset_dir)
+    path = directory / INDEX_NAME
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
-        if dataset_dir.is_dir():
+        if directory.is_dir():
             raise DatasetNotFound(
-                f"{dataset_dir}: no {INDEX_NAME} here: not a fanstore dataset, or its pack did not finish"
+                f"{directory}: no {INDEX_NAME} here: not a fanstore dataset, or its pack did not finish"
             ) from None
-        raise DatasetNotFound(f"{dataset_dir}: no such dataset directory") from None
+        raise DatasetNotFound(f"{directory}: no such dataset directory") from None
     except NotADirectoryError:
-        raise DatasetNotFound(f"{dataset_dir}: is a file; a dataset is a directory holding {INDEX_NAME}") from None
+        raise DatasetNotFound(f"{directory}: is a file; a dataset is a directory holding {INDEX_NAME}") from None
     except OSError as exc:
         raise FormatError(f"{path}: cannot open the index: {exc.strerror}") from None
     try:

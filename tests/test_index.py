@@ -10,7 +10,8 @@ import pytest
 
 from fanstore.errors import DatasetNotFound, FormatError, PathNotFound
 from fanstore.format import CHUNK_DTYPE, INDEX_NAME
-from fanstore.index import EntryRecord, Index, build_index_bytes, normalize_path, write_index_atomically
+from fanstore.index import EntryRecord, Index, build_index_bytes, normalize_path, read_index_file, \
+    write_index_atomically
 
 DIR = stat.S_IFDIR | 0o755
 FILE = stat.S_IFREG | 0o644
@@ -97,6 +98,19 @@ def test_bad_magic_truncation_and_corruption_are_refused(tmp_path):
     (tmp_path / INDEX_NAME).write_bytes(bytes(flipped))
     with pytest.raises(FormatError, match="checksum"):
         Index.load(tmp_path)
+
+
+def test_an_index_from_bytes_read_once_is_the_one_load_gives_and_checked_the_same(tmp_path):
+    """`fanstore serve` reads DEST's index once, to parse, checksum and copy the same bytes: from_bytes must load
+    what load loads, and refuse what load refuses, naming the path it is given."""
+    data = _write(tmp_path)
+    assert read_index_file(tmp_path) == data
+    loaded, from_bytes = Index.load(tmp_path), Index.from_bytes(tmp_path / INDEX_NAME, data)
+    assert from_bytes.path == loaded.path and from_bytes.toc == loaded.toc
+    assert from_bytes.path_of(from_bytes.lookup("b/z.bin")) == "b/z.bin"
+    named = tmp_path / "copy" / INDEX_NAME
+    with pytest.raises(FormatError, match=rf"^{named}: index is truncated"):
+        Index.from_bytes(named, data[:-9])
 
 
 def test_missing_dataset_is_named(tmp_path):
