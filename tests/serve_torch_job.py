@@ -1,9 +1,12 @@
-"""The COMMAND of test_torch's serve test, run by every rank of `mpiexec -n 2 fanstore serve ... --`: read this
-rank's share through fanstore.torch (no FUSE), compare each file with the source, train a few steps, and poke the
-node's socket with a request for bytes that are not a blob and a plan of such rows. Prints one JSON line."""
+"""The COMMAND of test_torch's serve test, run by every rank of `mpiexec -n 2 fanstore serve DEST ... -- python
+serve_torch_job.py SRC DEST`: read this rank's share through fanstore.torch (no FUSE), compare each file with the
+source, train a few steps, and poke the node's socket with a request for bytes that are not a blob and a plan of
+such rows. It also says where its processes (DataLoader workers too) loaded the index from, and whether anything
+opened DEST's index meanwhile: the node's readers must take it from the local directory. Prints one JSON line."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import sys
@@ -15,9 +18,37 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from fanstore.errors import say_line
+from fanstore.format import INDEX_NAME
 from fanstore.serve.node_client import NodeConnection
 from fanstore.serve.node_endpoint import ENVIRONMENT, OK, PLAN, PLAN_ROW, READ, REFUSED, STATS
 from fanstore.torch import EpochSampler, FileDataset
+
+
+IN_OPEN = 0x20  # inotify: the file was opened
+
+
+class IndexWhere(FileDataset):
+    """Item i is the index file the process that read it loaded (a DataLoader worker opens its own dataset)."""
+
+    def _item(self, data: bytes, item: int) -> str:
+        return str(self.dataset.index.path)
+
+
+def watch_opens(path: Path) -> int:
+    """An inotify descriptor that hears every open of `path` from now on, by any process."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+    if fd < 0 or libc.inotify_add_watch(fd, os.fsencode(path), IN_OPEN) < 0:
+        raise OSError(ctypes.get_errno(), f"{path}: cannot watch it with inotify")
+    return fd
+
+
+def opened(watch: int) -> bool:
+    """Whether the watched file was opened (inotify merges like events in a row: a count would be a lower bound)."""
+    try:
+        return bool(os.read(watch, 4096))
+    except BlockingIOError:
+        return False
 
 
 def features(data: bytes) -> torch.Tensor:
@@ -25,7 +56,8 @@ def features(data: bytes) -> torch.Tensor:
 
 
 def main() -> int:
-    src = Path(sys.argv[1])
+    src, dest = Path(sys.argv[1]), Path(sys.argv[2])
+    dest_index = watch_opens(dest / INDEX_NAME)  # every rank is mounted: their node processes are done with it
     rank, size = int(os.environ["FANSTORE_RANK"]), int(os.environ["FANSTORE_SIZE"])
     paths = [f"files/d{i % 3}/f{i:03d}.bin" for i in range(60)]
     dataset = FileDataset(None, paths=paths)
@@ -48,6 +80,9 @@ def main() -> int:
         optimizer.step()
         steps, loss = steps + 1, float(loss_tensor)
 
+    probe = DataLoader(IndexWhere(None, paths=paths), batch_size=2, sampler=range(8), num_workers=2, collate_fn=list)
+    index_paths = sorted({path for batch in probe for path in batch} | {str(dataset.dataset.index.path)})
+
     connection = NodeConnection(os.environ[ENVIRONMENT])
     status, _ = connection.ask(READ, 0, 1, 5)  # inside a blob, not one
     refused = "refused" if status == REFUSED else f"status {status}"
@@ -61,7 +96,8 @@ def main() -> int:
     stats = json.loads(payload) if status == OK else {}
     say_line(json.dumps({"rank": rank, "read": len(got), "expected": len(order), "bad": bad, "steps": steps,
                          "loss": loss, "refused": refused, "remote_ahead": stats.get("ahead_hits", 0),
-                         "bogus_plan": bogus_plan}), sys.stdout)
+                         "bogus_plan": bogus_plan, "index_paths": index_paths,
+                         "dest_index_opened": opened(dest_index)}), sys.stdout)
     return 0
 
 

@@ -24,6 +24,7 @@ import pytest
 from client_files import make_client_tree
 from conftest import REPO, assert_one_line_error, flip_byte, run_cli, tree_digest, wait_until
 from fanstore import PackOptions, open_dataset, pack
+from fanstore.format import INDEX_NAME
 from fanstore.mount import fuse_mounted_at, fuse_unavailable_reason, unmount
 from fanstore.serve.placement import place
 
@@ -550,6 +551,33 @@ def test_a_local_dir_failing_during_staging_ends_the_job_with_one_line(served_da
         r"fanstore serve: error: rank \d on \S+: staging failed: MPI error: .+ \(has another rank died\?\); "
         r"stopping the job", line)]
     assert broken and not others, err
+    wait_until(lambda: _shm_files() <= shm_before, "the job's shared memory files removed", 5)
+
+
+def test_a_local_dir_that_cannot_take_the_index_copy_ends_the_job_with_one_line(served_dataset, tmp_path, jobs):
+    """Once staged, each rank copies DEST's index into its local directory, where the node's readers load it: a
+    rank that cannot (here a directory in its place) says so in one line naming the file, and the job ends before
+    any mount or COMMAND. DEST's own index is untouched, and nothing is left behind."""
+    _, dest = served_dataset
+    index_before = (dest / INDEX_NAME).read_bytes()
+    local = tmp_path / "local"
+    (local / "local2" / INDEX_NAME).mkdir(parents=True)
+    shm_before = _shm_files()
+    job = Job(tmp_path, dest, command=["true"], local=str(local / "local{rank}"))
+    jobs.append(job)
+    code, out, err = job.finish()
+    _assert_nothing_left(job)
+    assert code != 0, out + err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("fanstore serve: error: ")]
+    broken = [line for line in lines if re.fullmatch(
+        rf"fanstore serve: error: rank 2 on \S+: --local-dir {local}/local2: cannot write "
+        rf"{local}/local2/{re.escape(INDEX_NAME)}: Is a directory; stopping the job", line)]
+    others = [line for line in lines if line not in broken and not re.fullmatch(  # as during staging
+        r"fanstore serve: error: rank \d on \S+: staging failed: MPI error: .+ \(has another rank died\?\); "
+        r"stopping the job", line)]
+    assert len(broken) == 1 and not others, err
+    assert (dest / INDEX_NAME).read_bytes() == index_before
     wait_until(lambda: _shm_files() <= shm_before, "the job's shared memory files removed", 5)
 
 

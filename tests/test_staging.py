@@ -14,10 +14,10 @@ import pytest
 
 from conftest import make_tree
 from fanstore import PackOptions, open_dataset, pack
-from fanstore.format import CHUNK_HEADER_LEN, chunk_file_name
+from fanstore.format import CHUNK_HEADER_LEN, INDEX_NAME, chunk_file_name
 from fanstore.serve.placement import BlobTable
-from fanstore.serve.staging import LOCK_NAME, LocalDirectory, Span, StagingError, check_span, claim_local_dir, \
-    dataset_identity, spans_of
+from fanstore.serve.staging import LOCK_NAME, LocalDirectory, Span, StagingBroken, StagingError, check_span, \
+    claim_local_dir, copy_index, dataset_identity, index_identity, spans_of
 
 
 def _packed(tmp_path):
@@ -69,6 +69,21 @@ def test_manifest_is_for_one_dataset_only(tmp_path):
     assert local.read_manifest("another dataset") == {}
     (local.path / "fanstore-staged.json").write_text("{not json")
     assert local.read_manifest(identity) == {}
+
+
+def test_the_index_copy_is_dest_s_bytes_and_a_directory_that_cannot_take_it_is_named(tmp_path):
+    dest = _packed(tmp_path)
+    data = (dest / INDEX_NAME).read_bytes()
+    assert index_identity(data) == dataset_identity(dest)
+    local = tmp_path / "local"
+    local.mkdir()
+    assert copy_index(local, data, 0) == local / INDEX_NAME
+    assert (local / INDEX_NAME).read_bytes() == data
+    blocked = tmp_path / "blocked"
+    (blocked / INDEX_NAME).mkdir(parents=True)
+    with pytest.raises(StagingBroken, match=rf"^rank 3 on \S+: --local-dir {blocked}: cannot write "
+                                            rf"{blocked / INDEX_NAME}: Is a directory$"):
+        copy_index(blocked, data, 3)
 
 
 def test_a_chunk_file_starts_sparse_and_empty(tmp_path):

@@ -16,6 +16,7 @@ import pytest
 
 from conftest import REPO
 from fanstore import PackOptions, pack
+from fanstore.format import INDEX_NAME
 
 torch = pytest.importorskip("torch", reason="torch is not installed (scripts/setup installs torch==2.13.0+cpu)")
 from torch.utils.data import DataLoader, RandomSampler  # noqa: E402
@@ -185,13 +186,19 @@ def test_a_few_training_steps_under_mpiexec_fanstore_serve(packed, tmp_path):
     job = Path(__file__).with_name("serve_torch_job.py")
     done = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "fanstore", "serve", str(dest),
                            str(tmp_path / "mp{rank}"), "--local-dir", str(tmp_path / "local{rank}"), "--quiet",
-                           "--", sys.executable, str(job), str(src)],
+                           "--", sys.executable, str(job), str(src), str(dest)],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stdout + done.stderr
     results = {line["rank"]: line for line in map(json.loads, done.stdout.splitlines())}
     assert set(results) == {0, 1}
-    for result in results.values():
+    for rank, result in results.items():
         assert result["bad"] == 0 and result["read"] == result["expected"] > 0, result
+        # Every process of the node, DataLoader workers too, loaded the index from the rank's local directory, a
+        # copy of DEST's byte for byte, and none opened DEST's during the epochs.
+        local_index = tmp_path / f"local{rank}" / INDEX_NAME
+        assert result["index_paths"] == [str(local_index)], result
+        assert local_index.read_bytes() == (dest / INDEX_NAME).read_bytes()
+        assert result["dest_index_opened"] is False, result
         assert result["refused"] == "refused" and result["steps"] == 3 and np.isfinite(result["loss"]), result
         assert result["remote_ahead"] > 0, result  # the node fetched remote blobs ahead of the workers
         assert result["bogus_plan"] == "taken", result

@@ -1,7 +1,8 @@
 """One rank of `fanstore serve`: start MPI, stage, mount the whole dataset, run the job's command, report.
 
     place (every rank alone) -> check every rank can start (agreed; start_checks.py) -> watchdog -> stage (collective)
-    -> transport thread -> mount (local | peer -> DEST) -> all mounted (Ibarrier) -> COMMAND or ready file
+    -> index copied into the local directory (the node's readers load it there) -> transport thread
+    -> mount (local | peer -> DEST) -> all mounted (Ibarrier) -> COMMAND or ready file
     -> all done (Iallreduce of the worst status) -> unmount -> counters to rank 0 -> stop MPI
 
 One process per node holds MPI, the mount and the command's parent. MPI is called by the main thread until the
@@ -33,7 +34,8 @@ from ..api import Dataset
 from ..chunk_source import LocalChunkSource
 from ..durable import write_atomically
 from ..errors import ChunkCorrupt, ChunkUnavailable, FanstoreError, UsageError, say_line
-from ..index import Index
+from ..format import INDEX_NAME
+from ..index import Index, read_index_file
 from ..mount import MountOptions, check_mountpoint, check_outside, fuse_answer, fuse_mounted_at, \
     resolve_mountpoint, serve_dataset, unmount
 from ..prefetch import read_prefetch_list
@@ -47,7 +49,7 @@ from .polling import first_failed_rank
 from .sources import PeerChunkSource, PlacedChunkSource
 from .start_checks import other_dataset, shared_paths
 from .staged_source import StagedChunkSource
-from .staging import StagingBroken, StagingError, StagingReport, Stager, claim_local_dir, dataset_identity
+from .staging import StagingBroken, StagingError, StagingReport, Stager, claim_local_dir, copy_index, index_identity
 from .transport import PeerOptions, PeerTransport, RequestRefused, mpi_failure
 
 log = logging.getLogger("fanstore.serve")
@@ -264,8 +266,9 @@ def run(options: ServeOptions) -> int:
     host = socket.gethostname()
     problem = identity = mountpoint = local_dir = prefetch_order = None
     try:  # every rank's problem goes through the agreement below: a rank must not leave the others waiting
-        index = Index.load(options.dest)
-        identity = dataset_identity(options.dest)
+        index_bytes = read_index_file(options.dest)  # read from DEST once: parsed, checksummed, then copied
+        index = Index.from_bytes(options.dest / INDEX_NAME, index_bytes)
+        identity = index_identity(index_bytes)
         placement = place(index, size)
         mountpoint = resolve_mountpoint(format_for_rank(options.mountpoint, rank, "MOUNTPOINT").absolute())
         local_dir = format_for_rank(options.local_dir, rank, "--local-dir").absolute()
@@ -308,9 +311,10 @@ def run(options: ServeOptions) -> int:
     bar = _progress_bar(rank, options.progress)
     try:
         report = Stager(comm, index, placement, options.dest, local_dir, progress=bar, identity=identity).run()
+        copy_index(local_dir, index_bytes, rank)  # where the node's readers load the index (HELLO: index_dir)
     except (StagingBroken, mpi.Exception) as exc:
-        # The other ranks are half-way through staging with this one (or one of them has died): only the launcher
-        # can end them all.
+        # The other ranks are half-way through staging with this one, or about to wait on it in the next collective
+        # (or one of them has died): only the launcher can end them all.
         reason = exc if isinstance(exc, StagingBroken) else \
             f"rank {rank} on {host}: staging failed: {mpi_failure(exc)} (has another rank died?)"
         say_line(f"fanstore serve: error: {reason}; stopping the job")
@@ -330,7 +334,8 @@ def run(options: ServeOptions) -> int:
     source = PlacedChunkSource(rank, placement, local, PeerChunkSource(transport, placement, loop), dest,
                                direct=unverified)
     endpoint = NodeEndpoint(local_dir, {"dest": str(Path(options.dest).absolute()), "local_dir": str(local_dir),
-                                        "rank": rank, "size": size, "direct": sorted(unverified)},
+                                        "index_dir": str(local_dir), "rank": rank, "size": size,
+                                        "direct": sorted(unverified)},
                             source, BlobTable.of(index), len(sizes))
     lifecycle = Lifecycle(transport, options, mountpoint, ready_file, endpoint.path)
     try:

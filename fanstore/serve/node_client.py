@@ -1,5 +1,6 @@
-"""A reader's side of a `fanstore serve` node (fanstore.torch workers): chunks this node stores are read from its
-local directory, the others through the node's serve process (node_endpoint), never through FUSE.
+"""A reader's side of a `fanstore serve` node (fanstore.torch workers): the index and the chunks this node stores are
+read from its local directory, the other chunks through the node's serve process (node_endpoint), never through
+FUSE; DEST only when those fail.
 
 Imports nothing of MPI: a DataLoader worker is not an MPI process.
 """
@@ -18,8 +19,8 @@ import numpy as np
 
 from ..api import Dataset
 from ..chunk_source import ChunkSource, FallbackChunkSource, LocalChunkSource
-from ..errors import ChunkCorrupt, ChunkUnavailable, UsageError
-from ..format import FLAG_BLOCKED
+from ..errors import ChunkCorrupt, ChunkUnavailable, DatasetNotFound, UsageError
+from ..format import FLAG_BLOCKED, INDEX_NAME
 from ..index import Index
 from .node_endpoint import (CORRUPT, ENVIRONMENT, HELLO, OK, PLAN, PLAN_ROW, READ, REPLY, REPLY_MAGIC, REQUEST,
                             REQUEST_MAGIC, unix_address)
@@ -133,7 +134,9 @@ class NodeChunkSource(PlacedReads):
 
 
 def open_served_dataset(socket_path: str | None = None) -> Dataset:
-    """The dataset of the `fanstore serve` node this process runs on (found through FANSTORE_SERVE_SOCKET)."""
+    """The dataset of the `fanstore serve` node this process runs on (found through FANSTORE_SERVE_SOCKET). The index
+    is loaded from the node's copy in its local directory: every worker of every epoch opens one, and DEST, the
+    shared file system, is what fanstore keeps them off."""
     path = socket_path or os.environ.get(ENVIRONMENT)
     if not path:
         raise UsageError(f"no dataset given and {ENVIRONMENT} is not set: pass a packed dataset directory, or run "
@@ -144,7 +147,11 @@ def open_served_dataset(socket_path: str | None = None) -> Dataset:
     if status != OK:
         raise UsageError(f"{path}: the node's serve process refused to describe its dataset")
     node = json.loads(payload)
-    index = Index.load(node["dest"])
+    try:
+        index = Index.load(node["index_dir"])
+    except DatasetNotFound:
+        raise DatasetNotFound(f"{Path(node['index_dir']) / INDEX_NAME}: the node's copy of the index is gone (the "
+                              f"serve process writes it once staged: removed from --local-dir since?)") from None
     sizes = index.chunks["size"]
     dest = LocalChunkSource(node["dest"], sizes)
     rank = int(node["rank"])

@@ -6,7 +6,9 @@ them unchanged, and the placement guarantees no read reaches a hole. Spread piec
 rank alone; each replicated chunk is read from DEST by one rank (Placement.replicated_reader), which sends it to
 the others over MPI: every stored byte leaves the shared file system once per job. Every blob is checked against
 its checksum as it arrives. A manifest lists the ranges verified, so a job restarted on the same nodes stages only
-what its directory lacks (what it holds is checked again, locally, first).
+what its directory lacks (what it holds is checked again, locally, first). Once staged, the directory also gets a
+copy of DEST's index file (copy_index), which the node's readers load instead of DEST's; the manifest's checks and
+reuse look at chunk files alone.
 
 Every wait here is a Testsome or an Improbe between sleeps (polling.py): staging runs while other ranks are still
 reading DEST, and must not spin their cores.
@@ -61,7 +63,8 @@ class StagingError(FanstoreError):
 
 class StagingBroken(StagingError):
     """This rank's local directory failed once the ranks had begun moving bytes (full, out of inodes, an I/O
-    error): the others are half-way through the same collective work, so the job has to end."""
+    error), or took no copy of the index once they were done: the others are half-way through the same collective
+    work, or about to wait on this rank, so the job has to end."""
 
 
 def claim_local_dir(path: Path) -> int | None:
@@ -117,10 +120,28 @@ class Span:
     end: int
 
 
+def index_identity(index_bytes: bytes) -> str:
+    """What tells one packed dataset from another: the checksum of its index file's bytes."""
+    return f"{xxhash.xxh3_64_intdigest(index_bytes):016x}"
+
+
 def dataset_identity(dest: Path) -> str:
-    """What tells one packed dataset from another: the checksum of its index file."""
+    """The identity (index_identity) of the dataset in `dest`, its index file read for it."""
     with open(dest / INDEX_NAME, "rb") as index_file:
-        return f"{xxhash.xxh3_64_intdigest(index_file.read()):016x}"
+        return index_identity(index_file.read())
+
+
+def copy_index(local_dir: Path, index_bytes: bytes, rank: int) -> Path:
+    """Put DEST's index file, byte for byte, in the local directory under its own name, once staging succeeded: the
+    node's readers (every DataLoader worker, every epoch) load it from there, never from DEST. The directory failing
+    here ends the job as it does during staging (StagingBroken): the other ranks are about to wait on this one."""
+    path = local_dir / INDEX_NAME
+    try:
+        write_atomically(path, index_bytes)
+    except OSError as exc:
+        raise StagingBroken(f"rank {rank} on {socket.gethostname()}: --local-dir {local_dir}: cannot write {path}: "
+                            f"{exc.strerror}") from None
+    return path
 
 
 def spans_of(blobs: BlobTable, chunk: int, start: int, end: int, span_bytes: int = SPAN_BYTES) -> list[Span]:

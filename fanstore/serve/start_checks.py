@@ -45,7 +45,7 @@ def shared_paths(comm: Any, host: str, paths: dict[str, Path | None]) -> str | N
 
 
 def other_dataset(comm: Any, host: str, dest: Path, identity: str | None) -> str | None:
-    """Whether this rank's DEST holds another dataset than rank 0's (`identity`: staging.dataset_identity; None
+    """Whether this rank's DEST holds another dataset than rank 0's (`identity`: staging.index_identity; None
     where this rank has none): a copy re-packed meanwhile, another path on this node. Each rank would place and
     ask for blobs by an index the others do not have."""
     mine = np.array([int(identity, 16) if identity else 0], dtype=np.uint64)
