@@ -454,21 +454,7 @@ class ServeJob:
         """End whatever is left of the job: mpiexec gets SIGTERM (it passes it on to the ranks), then every process
         it started (hydra's proxy and each rank run in sessions of their own) is killed by pid; the mounts are
         removed, and the ranks' watchdogs, which end once their rank is gone, are waited for."""
-        started = dict(self.tree)
-        if self.proc.poll() is None:  # not reaped yet, so the pid is still mpiexec's
-            started.update(process_tree(self.proc.pid))
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
-        for pid, start in started.items():  # the watchdogs excepted: they unmount once their rank is gone
-            if process_start(pid) == start and b"watchdog.py" not in command_line(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        if self.proc.poll() is None:
-            self.proc.wait()
+        end_job(self.proc, self.tree)
         unmount_all(self.mountpoints)
         deadline = time.monotonic() + 10
         while (left := processes_mentioning(str(self.workdir))) and time.monotonic() < deadline:
@@ -478,6 +464,26 @@ class ServeJob:
                 os.kill(pid, signal.SIGKILL)
         for ready in self.ready_files():
             ready.unlink(missing_ok=True)
+
+
+def end_job(proc: subprocess.Popen[bytes], seen: dict[int, int]) -> None:
+    """End an mpiexec started in a session of its own: the session gets SIGTERM (mpiexec passes it on to the ranks),
+    then every process of the job (`seen` while it ran, pid -> start time, and those below it now; hydra's proxy
+    and each rank run in sessions of their own) is killed by pid, the ranks' watchdogs excepted: they unmount once
+    their rank is gone."""
+    seen = dict(seen)
+    if proc.poll() is None:  # not reaped yet, so the pid is still mpiexec's
+        seen.update(process_tree(proc.pid))
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(30)
+    for pid, start in seen.items():
+        if process_start(pid) == start and b"watchdog.py" not in command_line(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.wait()
 
 
 def process_start(pid: int) -> int | None:

@@ -82,7 +82,6 @@ import json
 import os
 import resource
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -98,8 +97,8 @@ sys.path.insert(0, str(REPO))  # measure this checkout, not some installed fanst
 
 from bench_read import back_memory, print_table, unmount_and_wait, wait_until_mounted, warm, \
     write_files  # noqa: E402
-from bench_serve import command_line, cpu_ticks, exit_on_signals, machine_lines, mpiexec_command, process_start, \
-    process_tree, reap, reaped_workdir, serve_requirements_missing, unmount_all  # noqa: E402
+from bench_serve import cpu_ticks, end_job, exit_on_signals, machine_lines, mpiexec_command, process_tree, reap, \
+    reaped_workdir, serve_requirements_missing, unmount_all  # noqa: E402
 from machine_load import OtherLoad, wait_for_quiet  # noqa: E402
 
 KIB, MIB = 1024, 1 << 20
@@ -487,19 +486,7 @@ class ServeJob:
         """mpiexec's session gets SIGTERM (mpiexec passes it to the ranks, which unmount); every process seen in
         the job (hydra's proxy and the ranks run in sessions of their own) is then killed by pid, the ranks'
         watchdogs excepted (they unmount once their rank is gone), and the mounts are removed."""
-        seen = dict(self.tree)
-        if self.proc.poll() is None:
-            seen.update(process_tree(self.proc.pid))
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(30)
-        for pid, start in seen.items():
-            if process_start(pid) == start and b"watchdog.py" not in command_line(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        if self.proc.poll() is None:
-            self.proc.wait()
+        end_job(self.proc, self.tree)
         unmount_all(self.mountpoints)
 
 

@@ -18,7 +18,7 @@ _TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
 _KTHREADD = 2
 
 
-def _cpu_busy_idle() -> tuple[int, int]:
+def cpu_busy_idle() -> tuple[int, int]:
     """Busy and idle jiffies of all CPUs together, from the first line of /proc/stat."""
     with open("/proc/stat") as stat_file:
         fields = [int(value) for value in stat_file.readline().split()[1:]]
@@ -28,9 +28,9 @@ def _cpu_busy_idle() -> tuple[int, int]:
 
 def busy_fraction(seconds: float = 1.0) -> float:
     """Share of all CPUs' time spent busy over the next `seconds`."""
-    busy_before, idle_before = _cpu_busy_idle()
+    busy_before, idle_before = cpu_busy_idle()
     time.sleep(seconds)
-    busy_after, idle_after = _cpu_busy_idle()
+    busy_after, idle_after = cpu_busy_idle()
     busy, idle = busy_after - busy_before, idle_after - idle_before
     return busy / (busy + idle) if busy + idle else 0.0
 
