@@ -6,16 +6,19 @@ Every test runs the real launcher, real MPI and real FUSE mounts, and checks wha
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -24,9 +27,10 @@ import pytest
 from client_files import make_client_tree
 from conftest import REPO, assert_one_line_error, flip_byte, run_cli, tree_digest, wait_until
 from fanstore import PackOptions, open_dataset, pack
-from fanstore.format import INDEX_NAME
+from fanstore.format import INDEX_NAME, chunk_file_name
 from fanstore.mount import fuse_mounted_at, fuse_unavailable_reason, unmount
-from fanstore.serve.placement import place
+from fanstore.serve.placement import BlobTable, place
+from fanstore.serve.staging import spans_of
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
@@ -373,6 +377,85 @@ def test_a_chunk_damaged_in_dest_fails_its_files_alone_on_every_rank(served_data
     assert code == 0, out + err
     assert expected in err, err
     assert "Traceback" not in err, err
+    _assert_nothing_left(job)
+
+
+IN_OPEN, IN_CLOSE_NOWRITE = 0x20, 0x10  # inotify
+INOTIFY_EVENT = struct.Struct("iIII")  # wd, mask, cookie, length of the name that follows
+
+
+def _watch_opens_and_closes(paths: list[Path]) -> tuple[int, dict[int, Path]]:
+    """An inotify descriptor hearing every open and close of `paths` from now on, by any process, and its watches.
+    inotify merges like events in a row, so a file one process opens and closes in turn is counted exactly."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    watch = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+    if watch < 0:
+        raise OSError(ctypes.get_errno(), "inotify_init1")
+    watched = {}
+    for path in paths:
+        number = libc.inotify_add_watch(watch, os.fsencode(path), IN_OPEN | IN_CLOSE_NOWRITE)
+        if number < 0:
+            raise OSError(ctypes.get_errno(), f"{path}: cannot watch it with inotify")
+        watched[number] = path
+    return watch, watched
+
+
+def _opens_and_closes(watch: int, watched: dict[int, Path]) -> dict[Path, Counter[str]]:
+    """What the watch heard since, by path: counts of "open" and "close"."""
+    heard: dict[Path, Counter[str]] = {path: Counter() for path in watched.values()}
+    while True:
+        try:
+            events = os.read(watch, 1 << 16)
+        except BlockingIOError:
+            return heard
+        at = 0
+        while at < len(events):
+            number, mask, _, name_length = INOTIFY_EVENT.unpack_from(events, at)
+            at += INOTIFY_EVENT.size + name_length
+            if number in watched:
+                heard[watched[number]]["open"] += bool(mask & IN_OPEN)
+                heard[watched[number]]["close"] += bool(mask & IN_CLOSE_NOWRITE)
+
+
+def test_staging_opens_each_dest_chunk_file_once_per_rank_that_reads_it(tmp_path, jobs):
+    """On Lustre or GPFS each open and close is a request to the metadata server, the load fanstore takes off it: a
+    rank reads all its spans of a chunk (about 8 MiB each) through one open. Watched with inotify while a real job
+    stages a replicated chunk of three spans (read by one rank) and a spread chunk cut into three pieces of
+    several spans each."""
+    src = tmp_path / "src"
+    rng = np.random.default_rng(5)
+    for group, count in (("train", 36), ("val", 20)):
+        (src / group).mkdir(parents=True)
+        for i in range(count):
+            (src / group / f"{i:02d}.bin").write_bytes(rng.integers(0, 256, 1 << 20, np.uint8).tobytes())
+    dest = tmp_path / "dest"
+    pack(src, dest, PackOptions(codec="zstd:1", chunk_size=64 << 20, replicate=("val/**",), workers=1))
+    with open_dataset(dest) as ds:
+        placement = place(ds.index, RANKS)
+        blobs, sizes = BlobTable.of(ds.index), ds.index.chunks["size"]
+    readers = {chunk: {placement.replicated_reader(chunk)} for chunk in placement.replicated_chunks}
+    reads = {chunk: len(spans_of(blobs, chunk, 0, int(sizes[chunk]))) for chunk in placement.replicated_chunks}
+    for rank in range(RANKS):
+        for piece in placement.pieces(rank):
+            readers.setdefault(piece.chunk, set()).add(rank)
+            reads[piece.chunk] = reads.get(piece.chunk, 0) + (piece.start > 0) + len(
+                spans_of(blobs, piece.chunk, piece.start, piece.end))
+    alone = [chunk for chunk in readers if len(readers[chunk]) == 1 and reads[chunk] >= 3]
+    shared = [chunk for chunk in readers if len(readers[chunk]) == RANKS and reads[chunk] >= 2 * RANKS]
+    assert alone and shared, (readers, reads)  # else an open a span would pass too
+    watch, watched = _watch_opens_and_closes([dest / chunk_file_name(chunk) for chunk in readers])
+    try:
+        job = Job(tmp_path, dest, command=["true"])
+        jobs.append(job)
+        code, out, err = job.finish()
+        heard = _opens_and_closes(watch, watched)
+    finally:
+        os.close(watch)
+    assert code == 0, out + err
+    for chunk in alone:  # one rank opened it, read every span, closed it
+        assert heard[dest / chunk_file_name(chunk)] == {"open": 1, "close": 1}, (chunk, reads[chunk], heard)
+    for chunk in shared:  # each rank opened it once (ranks opening it at once may be heard as one)
+        assert 1 <= heard[dest / chunk_file_name(chunk)]["open"] <= RANKS, (chunk, reads[chunk], heard)
     _assert_nothing_left(job)
 
 

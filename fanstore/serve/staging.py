@@ -4,11 +4,12 @@ A rank's local directory mirrors DEST's chunk files by name, as sparse files of 
 rank's bytes (its pieces, every replicated chunk, and the header of each): the single-node LocalChunkSource reads
 them unchanged, and the placement guarantees no read reaches a hole. Spread pieces are read from DEST by their
 rank alone; each replicated chunk is read from DEST by one rank (Placement.replicated_reader), which sends it to
-the others over MPI: every stored byte leaves the shared file system once per job. Every blob is checked against
-its checksum as it arrives. A manifest lists the ranges verified, so a job restarted on the same nodes stages only
-what its directory lacks (what it holds is checked again, locally, first). Once staged, the directory also gets a
-copy of DEST's index file (copy_index), which the node's readers load instead of DEST's; the manifest's checks and
-reuse look at chunk files alone.
+the others over MPI: every stored byte leaves the shared file system once per job, and each chunk file a rank reads
+is opened once, not once a span (dest_files.py). Every blob is checked against its checksum as it arrives. A
+manifest lists the ranges verified, so a job restarted on the same nodes stages only what its directory lacks (what
+it holds is checked again, locally, first). Once staged, the directory also gets a copy of DEST's index file
+(copy_index), which the node's readers load instead of DEST's; the manifest's checks and reuse look at chunk files
+alone.
 
 Every wait here is a Testsome or an Improbe between sleeps (polling.py): staging runs while other ranks are still
 reading DEST, and must not spin their cores.
@@ -37,6 +38,7 @@ from ..errors import FanstoreError
 from ..format import CHUNK_HEADER_LEN, INDEX_NAME, chunk_file_name
 from ..index import Index
 from ..units import format_bytes
+from .dest_files import DestChunkFiles
 from .placement import BlobTable, Placement
 from .polling import Backoff, first_failed_rank, wait_all
 
@@ -255,6 +257,7 @@ class Stager:
         self.placement = placement
         self.dest = dest
         self.local = LocalDirectory(local_dir, index.chunks["size"])
+        self._dest_files = DestChunkFiles(dest)  # each chunk file opened once however many spans it gives
         self.blobs = BlobTable.of(index)
         self.report = StagingReport()
         self._progress = progress
@@ -370,7 +373,11 @@ class Stager:
                  + sum(s.end - s.start for s in own_spans)
                  + sum(span.end - span.start for span in missing if span.chunk in position
                        and self._readers[span.chunk] != self.rank))
-        self._move(own_spans, to_send, expected, total)
+        self._dest_files.expect([span.chunk for span in own_spans] + [span.chunk for span, _, _ in to_send])
+        try:
+            self._move(own_spans, to_send, expected, total)
+        finally:
+            self._dest_files.close()
         self.local.close()
         self._record(missing)
 
@@ -458,10 +465,9 @@ class Stager:
             backoff.sleep()
 
     def _read_dest(self, span: Span) -> bytes | None:
-        path = self.dest / chunk_file_name(span.chunk)
+        path = self._dest_files.path(span.chunk)
         try:
-            with open(path, "rb", buffering=0) as chunk_file:
-                data = os.pread(chunk_file.fileno(), span.end - span.start, span.start)
+            data = self._dest_files.read(span.chunk, span.start, span.end - span.start)
         except OSError as exc:
             self._unreadable(span.chunk, f"{path}: {exc.strerror}")
             return None
@@ -476,6 +482,7 @@ class Stager:
         if any(a <= span.start and span.end <= b for a, b in self._verified.get(span.chunk, [])):
             data = self.local.read(span)
             if data is not None:
+                self._dest_files.done(span.chunk)
                 return data
         return self._read_dest(span)
 
