@@ -596,6 +596,52 @@ def test_a_local_dir_too_small_is_one_line_before_anything_is_copied(served_data
     _assert_nothing_left(job)
 
 
+def test_a_local_dir_with_room_for_the_chunks_but_not_the_index_copy_is_refused_before_anything_is_copied(
+        tmp_path, jobs):
+    """Once staged, each rank writes a copy of DEST's index into its directory, where the node's readers load it: the
+    space check at start counts it, so a directory that would fill there stops the job before anything is copied,
+    not once every rank has staged (when the whole job must be aborted). A dataset of many small files, whose index
+    is larger than a rank's share of the chunks."""
+    src = tmp_path / "src"
+    rng = np.random.default_rng(3)
+    for i in range(3000):
+        folder = src / f"d{i % 10}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"a_file_with_a_longer_name_{i:05d}.txt").write_bytes(rng.integers(0, 256, 40, np.uint8).tobytes())
+    dest = tmp_path / "dest"
+    pack(src, dest, PackOptions(codec="zstd:3", chunk_size=64 * 1024, workers=1))
+    index_bytes = (dest / INDEX_NAME).stat().st_size
+    with open_dataset(dest) as ds:
+        shares = [place(ds.index, RANKS).stored_bytes(rank) for rank in range(RANKS)]
+    room = 256 * 1024  # the ranks' directories share it: each sees it free, less the others' lock files
+    assert sum(shares) + 32 * 4096 < room < min(shares) + index_bytes, (shares, index_bytes)
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room}", "tmpfs", str(small)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        job = Job(tmp_path, dest, command=["true"], local=str(small / "local{rank}"))
+        jobs.append(job)
+        code, out, err = job.finish()
+        copied = sorted(str(path.relative_to(small)) for path in small.rglob("*")
+                        if path.suffix == ".fsc" or path.name == INDEX_NAME)
+    finally:
+        subprocess.run(["umount", "-l", str(small)])
+    assert code != 0, out + err
+    assert "Traceback" not in err, err
+    lines = sorted(err.splitlines())
+    assert len(lines) == RANKS, err
+    for rank, line in enumerate(lines):
+        said = re.fullmatch(rf"fanstore: error: rank {rank} on \S+: --local-dir {small}/local{rank}: not enough space: "
+                            rf"needs .* \((\d+) bytes\), .* free, for its share of the chunk files \((\d+) bytes\) "
+                            rf"and its copy of DEST's index \((\d+) bytes\)", line)
+        assert said, line
+        assert [int(n) for n in said.groups()] == [shares[rank] + index_bytes, shares[rank], index_bytes], line
+    assert copied == []
+    _assert_nothing_left(job)
+
+
 @pytest.mark.parametrize("failure", ["out of inodes", "a directory in the way"])
 def test_a_local_dir_failing_during_staging_ends_the_job_with_one_line(served_dataset, tmp_path, jobs, failure):
     """The local directory fails once staging has begun (the space check passed): the rank says so in one line

@@ -310,7 +310,8 @@ def run(options: ServeOptions) -> int:
 
     bar = _progress_bar(rank, options.progress)
     try:
-        report = Stager(comm, index, placement, options.dest, local_dir, progress=bar, identity=identity).run()
+        report = Stager(comm, index, placement, options.dest, local_dir, progress=bar, identity=identity,
+                        index_copy_bytes=len(index_bytes)).run()
         copy_index(local_dir, index_bytes, rank)  # where the node's readers load the index (HELLO: index_dir)
     except (StagingBroken, mpi.Exception) as exc:
         # The other ranks are half-way through staging with this one, or about to wait on it in the next collective

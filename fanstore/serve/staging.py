@@ -249,7 +249,7 @@ class Stager:
 
     def __init__(self, comm: Any, index: Index, placement: Placement, dest: Path, local_dir: Path,
                  progress: Callable[[int, int], None] | None = None, stall_report: float = STALL_REPORT,
-                 identity: str | None = None) -> None:
+                 identity: str | None = None, index_copy_bytes: int = 0) -> None:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
@@ -266,6 +266,7 @@ class Stager:
         self._readers = placement.replicated_readers()
         self._replicated = frozenset(placement.replicated_chunks)
         self._identity = identity  # dataset_identity(dest), when the caller has it already
+        self._index_copy_bytes = index_copy_bytes  # what the caller's copy_index writes here once staged
         self._verified: dict[int, list[tuple[int, int]]] = {}
         self._unverified: set[int] = set()  # chunks with a bad or missing span: not recorded in the manifest
 
@@ -382,9 +383,11 @@ class Stager:
         self._record(missing)
 
     def _check_capacity(self, missing: list[Span]) -> None:
-        """Every rank checks its directory's free space before anything is copied; if one cannot take its share,
-        no rank copies anything, and that rank says why in one line."""
-        needed = sum(span.end - span.start for span in missing)
+        """Every rank checks its directory's free space before anything is copied, for its share and the copy of the
+        index written once staged; if one cannot take them, no rank copies anything, and that rank says why in one
+        line (not once staged, when the whole job would have to end)."""
+        chunk_bytes = sum(span.end - span.start for span in missing)
+        needed = chunk_bytes + self._index_copy_bytes
         try:
             self.local.path.mkdir(parents=True, exist_ok=True)
             info = os.statvfs(self.local.path)
@@ -395,7 +398,9 @@ class Stager:
         failed = first_failed_rank(self.comm, bool(problem))
         if problem:
             raise StagingError(f"rank {self.rank} on {socket.gethostname()}: --local-dir {self.local.path}: {problem}: "
-                               f"needs {format_bytes(needed)} ({needed} bytes), {format_bytes(free)} free")
+                               f"needs {format_bytes(needed)} ({needed} bytes), {format_bytes(free)} free, for its "
+                               f"share of the chunk files ({chunk_bytes} bytes) and its copy of DEST's index "
+                               f"({self._index_copy_bytes} bytes)")
         if failed is not None:
             raise StagingError(f"rank {failed} cannot stage its share (see its message); nothing was copied")
 
