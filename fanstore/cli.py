@@ -376,6 +376,7 @@ def _run_mount(args: argparse.Namespace) -> int:
     import logging
     import math
 
+    from .dest_apart import check_apart_from_dest
     from .mount import MountOptions, check_outside, default_log_path, mount_background, mount_foreground, \
         resolve_mountpoint
 
@@ -402,6 +403,8 @@ def _run_mount(args: argparse.Namespace) -> int:
     private_log = args.log is None
     log_path = default_log_path(mountpoint) if private_log else Path(args.log)
     check_outside(mountpoint, {"DEST": Path(args.dest), "--log": log_path})
+    log_name = "the default log (--log puts it elsewhere)" if private_log else "--log"
+    check_apart_from_dest(Path(args.dest), {log_name: log_path})
     pid = mount_background(Path(args.dest), mountpoint, args.argv, log_path, private_log=private_log)
     print(f"mounted {args.dest} at {args.mountpoint} (daemon pid {pid}, log {log_path}); "
           f"`fanstore umount {args.mountpoint}` to unmount")

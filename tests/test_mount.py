@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_one_line_error, make_tree, run_cli, tree_digest, wait_until
+from conftest import REPO, assert_one_line_error, dir_bytes, make_tree, run_cli, tree_digest, wait_until
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.format import CHUNK_HEADER_LEN, chunk_file_name
 from fanstore.errors import UsageError
@@ -443,6 +443,31 @@ def test_mount_argument_errors_are_one_line(packed, tmp_path, monkeypatch, comma
         failed = run_cli(*args, timeout=30)
     assert_one_line_error(failed, *(needle.format(tmp=tmp_path) for needle in needles))
     assert not fuse_mounted_at(tmp_path / "mp")
+
+
+@pytest.mark.parametrize("log, needle", [
+    ("{dest}/fanstore.index", "--log {dest}/fanstore.index lies inside DEST {dest}"),
+    ("{dest}/chunks/mount.log", "--log {dest}/chunks/mount.log lies inside DEST {dest}"),
+    ("{tmp}/link/fanstore.index",
+     "--log {tmp}/link/fanstore.index (links followed: {dest}/fanstore.index) lies inside DEST {dest}"),
+    (None, "the default log (--log puts it elsewhere) {dest}/fanstore/mount-mp.log lies inside DEST {dest}"),
+])
+def test_a_mount_log_in_dest_is_refused_and_dest_left_as_it_was(packed, tmp_path, monkeypatch, log, needle):
+    """The daemon appends to its log: one in DEST (its index, say) would ruin the dataset, and nothing but a pack
+    writes there. The default log too, in a DEST that happens to be the runtime directory."""
+    _, ds = packed
+    dest = tmp_path / "ds"
+    shutil.copytree(ds, dest)
+    (tmp_path / "link").symlink_to(dest)
+    (tmp_path / "mp").mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(dest))
+    before, files_before = tree_digest(dest), dir_bytes(dest)
+    options = ["--log", log.format(dest=dest, tmp=tmp_path)] if log else []
+    with _left_unmounted(tmp_path / "mp"):
+        failed = run_cli("mount", str(dest), str(tmp_path / "mp"), *options, timeout=30)
+    assert_one_line_error(failed, needle.format(dest=dest, tmp=tmp_path))
+    assert not fuse_mounted_at(tmp_path / "mp")
+    assert tree_digest(dest) == before and dir_bytes(dest) == files_before
 
 
 @pytest.mark.parametrize("runtime_dir", [True, False], ids=["XDG_RUNTIME_DIR", "home-cache"])

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from client_files import make_client_tree
-from conftest import REPO, assert_one_line_error, flip_byte, run_cli, tree_digest, wait_until
+from conftest import REPO, assert_one_line_error, dir_bytes, flip_byte, run_cli, tree_digest, wait_until
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.format import INDEX_NAME, chunk_file_name
 from fanstore.mount import fuse_mounted_at, fuse_unavailable_reason, unmount
@@ -875,6 +875,63 @@ def test_local_dirs_that_ranks_cannot_use_are_refused_before_anything_is_copied(
         assert needle.format(tmp=tmp_path, rank=rank) in line, line
     assert not list(tmp_path.rglob("*.fsc"))
     _assert_nothing_left(job)
+
+
+@pytest.mark.parametrize("layout, options, needle, failing", [
+    ("dest", ["--local-dir", "{dest}"], "--local-dir {dest} is DEST {dest}", [0, 1, 2]),
+    ("dest", ["--local-dir", "{dest}/local{rank}"], "--local-dir {dest}/local{rank} lies inside DEST {dest}",
+     [0, 1, 2]),
+    ("dest", ["--local-dir", "{tmp}/link/local{rank}"],
+     "--local-dir {tmp}/link/local{rank} (links followed: {dest}/local{rank}) lies inside DEST {dest}", [0, 1, 2]),
+    ("dest", ["--local-dir", "{tmp}/bind/local{rank}"], "--local-dir {tmp}/bind/local{rank} lies inside DEST {dest}",
+     [0, 1, 2]),
+    ("in rank 1's local dir", ["--local-dir", "{tmp}/node{rank}"], "DEST {dest} lies inside --local-dir {tmp}/node1",
+     [1]),
+    ("dest", ["--ready-file", "{dest}/fanstore.index"], "--ready-file {dest}/fanstore.index lies inside DEST {dest}",
+     [0, 1, 2]),
+], ids=["is DEST", "inside DEST", "inside DEST through a link", "inside DEST bind-mounted", "holding DEST",
+        "ready file in DEST"])
+def test_paths_overlapping_dest_are_refused_before_anything_is_written(served_dataset, tmp_path, jobs, layout,
+                                                                       options, needle, failing):
+    """Staging into DEST would truncate the dataset's own chunk files; a ready file there would replace its index,
+    and be removed at the end. Every overlap of DEST with what a rank writes (links followed, a bind mount seen
+    through) stops every rank at start, the one at fault in one line naming both paths, and DEST is left as it was,
+    byte for byte."""
+    _, packed = served_dataset
+    dest = tmp_path / "node1" / "dest" if layout == "in rank 1's local dir" else tmp_path / "dest"
+    shutil.copytree(packed, dest)
+    (tmp_path / "link").symlink_to(dest)
+    bound = False
+    if "{tmp}/bind/local{rank}" in options:
+        (tmp_path / "bind").mkdir()
+        mounted = subprocess.run(["mount", "--bind", str(dest), str(tmp_path / "bind")], capture_output=True)
+        if mounted.returncode != 0:
+            pytest.skip(f"cannot bind-mount (needs root): {mounted.stderr.decode().strip()}")
+        bound = True
+    before, files_before = tree_digest(dest), dir_bytes(dest)
+    shm_before = _shm_files()
+    try:
+        local = options[1].format(dest=dest, tmp=tmp_path, rank="{rank}") if options[0] == "--local-dir" else None
+        extra = [] if local else [options[0], options[1].format(dest=dest)]
+        job = Job(tmp_path, dest, *extra, command=["true"], local=local)
+        jobs.append(job)
+        code, _, err = job.finish(timeout=60)
+    finally:
+        if bound:
+            subprocess.run(["umount", str(tmp_path / "bind")], check=True)
+    assert code != 0 and "Traceback" not in err, err
+    lines = err.splitlines()
+    assert len(lines) == RANKS, err
+    for rank in failing:
+        said = [line for line in lines if line.startswith(f"fanstore: error: rank {rank} on ")]
+        assert len(said) == 1 and needle.format(dest=dest, tmp=tmp_path, rank=rank) in said[0], err
+        assert said[0].endswith("only a pack may write into a dataset; choose a path apart from DEST"), said[0]
+    assert lines.count(f"fanstore: error: rank {failing[0]} cannot start (see its message); stopping") == \
+        RANKS - len(failing), err
+    assert tree_digest(dest) == before and dir_bytes(dest) == files_before
+    assert not [path for path in tmp_path.rglob("*") if path.suffix == ".fsc" and dest / "chunks" not in path.parents]
+    _assert_nothing_left(job)
+    wait_until(lambda: _shm_files() <= shm_before, "the job's shared memory files removed", 5)
 
 
 GOOD_LINE = b"train/dog/img_000.bin\n"

@@ -32,6 +32,7 @@ import xxhash
 
 from ..api import Dataset
 from ..chunk_source import LocalChunkSource
+from ..dest_apart import check_apart_from_dest
 from ..durable import write_atomically
 from ..errors import ChunkCorrupt, ChunkUnavailable, FanstoreError, UsageError, say_line
 from ..format import INDEX_NAME
@@ -282,6 +283,12 @@ def run(options: ServeOptions) -> int:
             mount_options = replace(mount_options, prefetch_list=prefetch_list)
             prefetch_order = read_prefetch_list(index, prefetch_list, mountpoint)  # a bad one stops all, now
         check_outside(mountpoint, {"DEST": options.dest, "--local-dir": local_dir, "--ready-file": ready_file})
+        # Before anything below writes (the ready file of a killed job removed, DIR made), and before any copy:
+        # staging into DEST would truncate its chunk files.
+        writes = {"--local-dir": local_dir}
+        if options.ready_file or not options.command:  # a ready file named is removed at start, command or not
+            writes["--ready-file" if options.ready_file else "the ready file MOUNTPOINT.ready"] = ready_file
+        check_apart_from_dest(options.dest, writes)
         if not options.command and not os.access(ready_file.parent, os.W_OK | os.X_OK):
             option = "--ready-file" if options.ready_file else "MOUNTPOINT.ready (--ready-file puts it elsewhere)"
             raise UsageError(f"{option}: cannot write {ready_file}: its directory does not exist or is not writable")
