@@ -9,9 +9,9 @@ of the data a way reads.
 
 The job: N ranks under `mpiexec -n N` (default 4), each a PyTorch training process (this script with --train):
 DataLoader(batch_size BATCH, num_workers W, otherwise its defaults: persistent_workers off, so every epoch starts
-its workers afresh; an item is a digest of its file's bytes, see `digest`), a
-DistributedSampler with shuffle (seed SEED), a fixed compute time per image as a sleep (default 0.4 ms, about one
-A100 on ResNet-50), E epochs (default 3). The ranks meet at a barrier before each epoch and after the last (a
+its workers afresh; an item is a digest of its file's bytes, see `digest`), a DistributedSampler with shuffle
+(seed SEED), a fixed compute time per image as a sleep (default 0.4 ms, about one A100 on ResNet-50), E epochs
+(default 3). The ranks meet at a barrier before each epoch and after the last (a
 real job's ranks meet at every step): the model marks its phases there, so each epoch's requests are counted apart.
 
 Ways of reading, each a fresh job over a fresh file system (empty caches):
@@ -41,10 +41,16 @@ Datasets: a generated image-like set (--files, default 20,000, sizes log-uniform
 JPEG header: incompressible as JPEG is; packed stored as is, `--codec none`, in --chunk-size chunks) and the demo
 set (`fanstore demo`'s, packed as the demo packs it). Made once under --cache.
 
-Usage: python bench/bench_cluster.py [--quick] [--ranks N] [--epochs E] [--files N] [--png FILE] [--json FILE]
-           [--time-scale K] [shared_fs.py's options, e.g. --mds-background 0.9 --oss-bandwidth 5GB]
---quick: 600 files, N = 2, 1 epoch, 2 workers, no sweeps, no demo set, no capacity table: the suite runs it for the
-request counters. The bench cleans up its mounts, jobs and files whatever ends it (bench_serve's reaper).
+Usage: python bench/bench_cluster.py [--quick] [--parts main,load,scaling,capacity] [--ranks N] [--epochs E]
+           [--files N] [--png FILE] [--json FILE] [--time-scale K] [shared_fs.py's options, e.g.
+           --mds-background 0.9 --oss-bandwidth 5GB]
+       python bench/bench_cluster.py --report-from A.json [B.json ...] [--parts capacity] [--png FILE]
+The whole run takes about 10 minutes on 16 cores at --time-scale 2 (6 for main and load, 4 for scaling), and
+over an hour on 2 cores, where --time-scale 4 or more keeps the machine from deciding the times. --json saves
+every job's figures as it ends; --report-from reports parts run apart (on a host lent for a few minutes) as one,
+the capacity table made where it runs (it depends on no machine). --quick: 600 files, N = 2, 1 epoch, 2 workers,
+the main part of the generated set only: the suite runs it for the request counters. The bench cleans up its
+mounts, jobs and files whatever ends it (bench_serve's reaper).
 """
 
 from __future__ import annotations
@@ -539,25 +545,28 @@ def cpu_rows(results: Sequence[Result]) -> list[list[str]]:
     return rows
 
 
-def capacity_rows(shared: Path, sets: Sequence[DataSet]) -> list[list[str]]:
-    """stored/raw with --codec auto, and the fullest node's share at each of CAPACITY_NODES."""
+def capacity_rows(shared: Path, sets: Sequence[DataSet], compute_ms: float) -> list[list[str]]:
+    """stored/raw with --codec auto, at the decode budget one rank needs to keep its compute busy (files at
+    1/compute_ms each, of the set's mean size), and the fullest node's share at each of CAPACITY_NODES."""
     from fanstore.index import Index
     from fanstore.serve.placement import place
 
     rows = []
     for data in sets:
         auto = shared / f"{data.original}.auto.fanstore"
-        if not (auto / "index.fsi").exists() and not any(auto.glob("*.fsi")):
-            progress(f"packing {data.label} with --codec auto (once) ...")
+        budget = math.ceil(data.raw_bytes / len(data.paths) * 1e3 / compute_ms / 1e6)
+        if not (auto / "complete").exists():
+            progress(f"packing {data.label} with --codec auto --budget {budget}MB/s (once) ...")
             shutil.rmtree(auto, ignore_errors=True)
-            fanstore("pack", shared / data.original, auto, "--codec", "auto", "--quiet")
+            fanstore("pack", shared / data.original, auto, "--codec", "auto", "--budget", f"{budget}MB/s", "--quiet")
+            (auto / "complete").write_text("")
         stored = _tree_bytes(auto)
         index = Index.load(auto)
         shares = []
         for nodes in CAPACITY_NODES:
             placement = place(index, nodes)
             shares.append(max(placement.stored_bytes(rank) for rank in range(nodes)))
-        rows.append([data.label, f"{len(data.paths):,}", f"{data.raw_bytes / MIB:,.1f} MiB",
+        rows.append([data.label, f"{len(data.paths):,}", f"{budget:,} MB/s", f"{data.raw_bytes / MIB:,.1f} MiB",
                      f"{stored / MIB:,.1f} MiB", f"{stored / data.raw_bytes:.3f}",
                      *(f"{share / MIB:,.2f} MiB" for share in shares)])
     return rows
@@ -698,7 +707,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"bench_cluster.py: error: {exc}\n")
     shared = args.cache.resolve() / "cluster"
     if args.report_from:
-        capacity = capacity_rows(shared, run.sets) if "capacity" in parts else []
+        capacity = []
+        if "capacity" in parts:  # machine-independent: made here from the same generated sets
+            shared.mkdir(parents=True, exist_ok=True)
+            capacity = capacity_rows(shared, [build_images(shared, len(data.paths), args.chunk_size)
+                                              if data.label == "images" else build_demo(shared)
+                                              for data in run.sets], args.compute_ms)
         report(run, capacity, args.png)
         return 0
     missing = serve_requirements_missing()
@@ -706,7 +720,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"bench_cluster.py: error: missing {'; '.join(missing)}\n")
     exit_on_signals("bench_cluster")
     run = measure(args, parameters, parts, workers_sweep, shared)
-    report(run, capacity_rows(shared, run.sets) if "capacity" in parts else [], args.png)
+    report(run, capacity_rows(shared, run.sets, args.compute_ms) if "capacity" in parts else [], args.png)
     return 0
 
 
@@ -742,6 +756,7 @@ class BenchRun:
             if (other.ranks, other.epochs, other.background) != (first.ranks, first.epochs, first.background):
                 raise ValueError(f"--report-from {path}: another run's settings than {paths[0]}'s")
             first.results += other.results
+            first.header.append(f"and from {path.name}: {other.header[0]}; {other.header[2]}")
         return first
 
 
@@ -809,8 +824,8 @@ def report(run: BenchRun, capacity: list[list[str]], png: Path) -> None:
     """The run's tables, its targets (PASS or FAIL) last, and its plot."""
     main_runs: dict[str, dict[str, Result]] = {}
     for result in run.results:
-        if result.part == "main":
-            main_runs.setdefault(result.data, {})[result.way] = result
+        if result.part == "main":  # runs reported together: the first file's main rows
+            main_runs.setdefault(result.data, {}).setdefault(result.way, result)
     images = main_runs["images"]
     background_runs = {run.background: (images["direct"], images["served"])}
     scaling = {run.ranks: (images["direct"], images["served"])}
@@ -857,14 +872,15 @@ def report(run: BenchRun, capacity: list[list[str]], png: Path) -> None:
         out.append(table(["ranks", "direct epoch s", "served epoch s", "direct files/s", "served files/s"], rows))
     if capacity:
         out.append("\ncapacity, --codec auto (each node's share: the fullest node, as `fanstore plan` places it):")
-        out.append(table(["dataset", "files", "raw", "stored", "stored/raw",
+        out.append(table(["dataset", "files", "budget", "raw", "stored", "stored/raw",
                           *(f"N = {n}" for n in CAPACITY_NODES)], capacity))
     targets = target_lines(images, background_runs, run.background)
     out.append("\ntargets (images):")
     out += [f"  {'PASS' if ok else 'FAIL'}  {line}" for ok, line in targets]
     print("\n".join(out))
     try:
-        plot(png, images, background_runs, run.header[0])
+        title = run.header[0].split("; parts")[0] + " | " + run.header[1].split(",")[0].replace("machine: ", "")
+        plot(png, images, background_runs, title)
         print(f"\nplot: {png}")
     except ImportError:
         print("\nplot: matplotlib is not installed (pip install matplotlib)")

@@ -448,7 +448,14 @@ class Model:
                 self._client_pids[fd] = (int(json.loads(bytes(body))["node"]), pid)
                 self._answer(connection, asdict(self.parameters))
             elif kind == CONTROL:
-                self._control(connection, json.loads(bytes(body)))
+                try:
+                    self._control(connection, json.loads(bytes(body)))
+                except (ValueError, KeyError, TypeError) as exc:  # a malformed command: said, not fatal
+                    self._answer(connection, {"error": f"malformed control message: {exc!r}"})
+            else:
+                body.release()
+                self._forget(fd)  # not a client of this model
+                return
             body.release()
             position = end
         del buffer[:position]
@@ -473,7 +480,7 @@ class Model:
         starts = [phase.started for phase in self.phases]
         for at, kind, achieved, configured in zip(values[0::4], values[1::4], values[2::4], values[3::4]):
             phase = self.phases[max(0, bisect.bisect_right(starts, at) - 1)]
-            phase.latencies[int(kind)].extend((achieved, configured))  # type: ignore[index]
+            phase.latencies[int(kind)].extend((achieved, configured))
 
     def _send_due(self) -> None:
         due = self._due

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, wait_until
 
 sys.path.insert(0, str(REPO / "bench"))
 from bench_serve import serve_requirements_missing  # noqa: E402
@@ -89,3 +90,41 @@ def test_the_report_ends_with_the_targets_and_nothing_is_left(quick: tuple[dict,
         except OSError:
             continue
         assert b"bench-cluster-" not in command and b"shared_fs.py --" not in command, command
+
+
+def test_a_bench_killed_mid_job_leaves_nothing(tmp_path: Path) -> None:
+    """SIGKILL while a job runs: its reaper ends the job, the file system's processes and every mount, and removes
+    the work directory."""
+    cache = tmp_path / "cache"
+    bench = subprocess.Popen([sys.executable, str(REPO / "bench" / "bench_cluster.py"), "--quick", "--cache",
+                              str(cache), "--png", str(tmp_path / "run.png")], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        wait_until(lambda: bench.poll() is not None or _fuse_mounts("bench-cluster-"), "the first job's mounts", 300)
+        assert bench.poll() is None, bench.stderr.read() if bench.stderr else ""
+        mount = Path(_fuse_mounts("bench-cluster-")[0])
+        workdir = next(folder for folder in mount.parents if folder.name.startswith("bench-cluster-"))
+        os.kill(bench.pid, signal.SIGKILL)
+        bench.wait()
+        wait_until(lambda: not _fuse_mounts("bench-cluster-") and not _processes_mentioning(str(workdir))
+                   and not workdir.exists(), "the reaper's clean-up", 120)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+
+
+def _fuse_mounts(text: str) -> list[str]:
+    with open("/proc/self/mountinfo") as mountinfo:
+        return [line.split()[4] for line in mountinfo if text in line.split()[4] and " - fuse" in line]
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
