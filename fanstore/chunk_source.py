@@ -240,13 +240,14 @@ class LocalChunkSource(ChunkSource):
 
 
 class FallbackChunkSource(ChunkSource):
-    """Reads from `primary`, and from `fallback` whatever `primary` cannot give now (ChunkUnavailable): a peer node
-    first, the shared file system when the peer is slow or gone. A corrupt answer is not retried here: the reader
-    verifies the bytes it gets, whichever source gave them, and asks for the fallback's copy (read_other_copy)
-    of a blob that fails."""
+    """Reads from `primary`, and from `fallback` whatever `primary` cannot give (ChunkUnavailable) or gives from a
+    copy found corrupt (ChunkCorrupt: a peer node's copy is damaged, DEST's may be sound): a peer node first, the
+    shared file system when the peer is slow, gone or damaged. Bytes the primary gave that fail the reader's
+    checksum are read from the fallback too (read_other_copy): either way, once; what the fallback gives is final.
+    `on_fallback(error, length)` counts each blob read from the fallback."""
 
     def __init__(self, primary: ChunkSource, fallback: ChunkSource,
-                 on_fallback: Callable[[ChunkUnavailable, int], None] | None = None) -> None:
+                 on_fallback: Callable[[ChunkError, int], None] | None = None) -> None:
         self.primary = primary
         self.fallback = fallback
         self._on_fallback = on_fallback
@@ -254,12 +255,15 @@ class FallbackChunkSource(ChunkSource):
     def read(self, chunk_id: int, offset: int, length: int) -> bytes:
         try:
             return self.primary.read(chunk_id, offset, length)
-        except ChunkUnavailable as exc:
+        except ChunkError as exc:
             if self._on_fallback is not None:
                 self._on_fallback(exc, length)
             return self.fallback.read(chunk_id, offset, length)
 
     def read_other_copy(self, chunk_id: int, offset: int, length: int) -> bytes:
+        if self._on_fallback is not None:
+            self._on_fallback(ChunkCorrupt(f"chunk {chunk_id}: the blob at offset {offset} ({length} bytes) fails "
+                                           f"its checksum", chunk_id=chunk_id), length)
         return self.fallback.read(chunk_id, offset, length)
 
     def may_block(self, chunks: np.ndarray, offsets: np.ndarray) -> np.ndarray:

@@ -51,6 +51,18 @@ class ChunkSourceContract:
             with pytest.raises(ChunkUnavailable, match="chunk 0"):
                 source.read(0, size - 2, 10)
 
+    def test_another_copy_is_the_same_bytes_or_none(self, dataset, make_source):
+        """What the reader asks for a blob that failed its checksum: the same bytes from another copy, or
+        ChunkUnavailable naming the chunk where the source keeps no other (the reader then calls it corrupt)."""
+        with make_source() as source:
+            raw = (dataset / chunk_file_name(1)).read_bytes()
+            try:
+                other = source.read_other_copy(1, CHUNK_HEADER_LEN, 64)
+            except ChunkUnavailable as exc:
+                assert exc.chunk_id == 1 and "chunk 1" in str(exc)
+            else:
+                assert other == raw[CHUNK_HEADER_LEN:CHUNK_HEADER_LEN + 64]
+
     def test_concurrent_reads(self, dataset, make_source):
         with open_dataset(dataset) as ds, make_source() as source:
             expected = {c: (dataset / chunk_file_name(c)).read_bytes() for c in range(len(ds.index.chunks))}

@@ -31,11 +31,12 @@ from mpi4py import MPI  # noqa: E402
 import trio  # noqa: E402
 
 from fanstore.chunk_source import BlobRead  # noqa: E402
-from fanstore.errors import ChunkCorrupt, ChunkUnavailable, say_line  # noqa: E402
+from fanstore.errors import ChunkCorrupt, ChunkError, ChunkUnavailable, say_line  # noqa: E402
 from fanstore.serve.doorbell import Doorbell, open_doorbell  # noqa: E402
 from fanstore.serve.loop_requests import LoopRequests  # noqa: E402
 from fanstore.serve.polling import wait_all  # noqa: E402
-from fanstore.serve.transport import PeerOptions, PeerTransport, RequestRefused  # noqa: E402
+from fanstore.serve.statuses import RequestRefused  # noqa: E402
+from fanstore.serve.transport import PeerOptions, PeerTransport  # noqa: E402
 
 BLOB = bytes(range(256)) * 300
 OTHER = bytes(range(255, -1, -1)) * 100
@@ -48,6 +49,11 @@ SERVING_BUG = 7  # rank 1's server meets a bug (not a ChunkError) serving this c
 CORRUPT = 5  # rank 1 finds this chunk's blobs corrupt, with a reason far longer than a small blob
 SMALL = 5  # bytes of a small blob: its reply's reason is longer than the blob
 rings_to_lose: list[int] = []  # rank 1: the replies whose ring to the asker's reply bell is not sent
+
+
+def failed(error: ChunkError) -> str:
+    """An error an asker was given, with its kind (statuses.py: a peer's CORRUPT is corrupt, the rest unavailable)."""
+    return f"{'corrupt' if isinstance(error, ChunkCorrupt) else 'unavailable'}: {error}"
 
 
 def serve(peer: int, chunk: int, offset: int, length: int) -> bytes:
@@ -71,8 +77,8 @@ async def ask(loop: LoopRequests, chunk: int, length: int = len(BLOB), ahead: bo
     arrived = trio.Event()
     outcome: list[object] = []
 
-    def done(blob: bytes | None, error: ChunkUnavailable | None) -> None:
-        outcome.append(blob if error is None else f"unavailable: {error}")
+    def done(blob: bytes | None, error: ChunkError | None) -> None:
+        outcome.append(blob if error is None else failed(error))
         arrived.set()
 
     if not loop.start(1, chunk, 0, length, done, ahead):
@@ -87,8 +93,8 @@ async def ask_many(loop: LoopRequests, chunks: list[int]) -> tuple[bool, list[ob
     arrived = trio.Event()
 
     def done_for(number: int):
-        def done(blob: memoryview | None, error: ChunkUnavailable | None) -> None:
-            outcomes[number] = bytes(blob) if error is None else f"unavailable: {error}"
+        def done(blob: memoryview | None, error: ChunkError | None) -> None:
+            outcomes[number] = bytes(blob) if error is None else failed(error)
             if len(outcomes) == len(chunks):
                 arrived.set()
         return done
@@ -160,7 +166,7 @@ def fetch_many_outcomes(transport: PeerTransport) -> list[object]:
 
     def done_for(number: int):
         def done(blob, error) -> None:
-            outcomes[number] = bytes(blob) in (BLOB, OTHER) if error is None else f"unavailable: {error}"
+            outcomes[number] = bytes(blob) in (BLOB, OTHER) if error is None else failed(error)
             if len(outcomes) == 3:
                 arrived.set()
         return done
@@ -177,8 +183,8 @@ def fetch_outcomes(transport: PeerTransport) -> list[str]:
     for chunk, length in ((2, SMALL), (CORRUPT, SMALL), (1, len(BLOB))):
         try:
             outcomes.append("the blob" if transport.fetch(1, chunk, 0, length) == BLOB else "another blob")
-        except ChunkUnavailable as exc:
-            outcomes.append(f"unavailable: {exc}")
+        except ChunkError as exc:
+            outcomes.append(failed(exc))
     return outcomes
 
 

@@ -28,8 +28,9 @@ from fanstore.serve.placement import BlobTable, place  # noqa: E402
 from fanstore.serve.polling import wait_all  # noqa: E402
 from fanstore.serve.staged_source import StagedChunkSource  # noqa: E402
 from fanstore.serve.staging import Stager  # noqa: E402
-from fanstore.serve.peer_messages import FIRST_REPLY_TAG, MAX_BLOBS, MORE_BLOB, OK, REFUSED, REPLY_HEADER, \
-    REPLY_MAGIC, REQUEST, REQUEST_MAGIC, TAG_REQUEST  # noqa: E402
+from fanstore.serve.peer_messages import FIRST_REPLY_TAG, MAX_BLOBS, MORE_BLOB, REPLY_HEADER, REPLY_MAGIC, \
+    REQUEST, REQUEST_MAGIC, TAG_REQUEST  # noqa: E402
+from fanstore.serve.statuses import Status  # noqa: E402
 from fanstore.serve.transport import PeerOptions, PeerTransport  # noqa: E402
 
 
@@ -59,15 +60,15 @@ def attack(comm, placement, blobs: BlobTable, sizes: list[int]) -> dict[str, obj
     (chunk, offset, length, checksum), second = owned[0], owned[-1]
     good, other = (chunk, offset, length), blobs_owned_by(placement, blobs, 1)[0][:3]
     answered = {  # name: (the blobs asked, reply expected)
-        "unknown chunk": ([(10**6, 0, 10)], REFUSED),
-        "chunk of another rank": ([other], REFUSED),
-        "inside a blob": ([(chunk, offset + 1, length - 1)], REFUSED),
-        "past the chunk": ([(chunk, sizes[chunk] - 4, 1 << 40)], REFUSED),
-        "the header": ([(chunk, 0, 32)], REFUSED),
-        "a bad blob after good ones": ([good, second[:3], (chunk, offset + 1, length - 1)], REFUSED),
-        "a good one": ([good], OK),
-        "several good ones": ([good, second[:3], good], OK),
-        "several, too many bytes": ([good] * 4, REFUSED),
+        "unknown chunk": ([(10**6, 0, 10)], Status.REFUSED),
+        "chunk of another rank": ([other], Status.REFUSED),
+        "inside a blob": ([(chunk, offset + 1, length - 1)], Status.REFUSED),
+        "past the chunk": ([(chunk, sizes[chunk] - 4, 1 << 40)], Status.REFUSED),
+        "the header": ([(chunk, 0, 32)], Status.REFUSED),
+        "a bad blob after good ones": ([good, second[:3], (chunk, offset + 1, length - 1)], Status.REFUSED),
+        "a good one": ([good], Status.OK),
+        "several good ones": ([good, second[:3], good], Status.OK),
+        "several, too many bytes": ([good] * 4, Status.REFUSED),
     }
     expected_bytes = {"a good one": [checksum], "several good ones": [checksum, second[3], checksum]}
     too_many = [good] * (MAX_BLOBS + 1)

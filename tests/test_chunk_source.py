@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -57,6 +59,65 @@ def test_fallback_counts_what_it_could_not_have_from_the_primary(tmp_path):
             assert ds.read(path) == (tmp_path / "src" / path).read_bytes()
     assert fell_back and all(chunk != 0 for chunk, _ in fell_back)
     assert not source.may_block(np.array([0, 1]), np.array([32, 32])).any()
+
+
+class _CountingSource(LocalChunkSource):
+    """A local source that counts its reads, by (chunk, offset)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.reads: Counter[tuple[int, int]] = Counter()
+
+    def read(self, chunk_id: int, offset: int, length: int) -> bytes:
+        self.reads[(chunk_id, offset)] += 1
+        return super().read(chunk_id, offset, length)
+
+
+def test_fallback_reads_what_the_primary_has_corrupt_from_the_fallback_once(tmp_path):
+    """A primary copy found corrupt (a chunk file with a wrong header: ChunkCorrupt), or whose bytes fail the
+    reader's checksum (read_other_copy), is read from the fallback, once a blob and counted; damaged in the
+    fallback too, the file is ChunkCorrupt naming the chunk, after one read of the fallback, and the others read."""
+    from conftest import flip_byte, make_tree
+    from fanstore import PackOptions, pack
+
+    src, dest, copy = tmp_path / "src", tmp_path / "ds", tmp_path / "copy"
+    pack(make_tree(src), dest, PackOptions(chunk_size=16 * 1024, workers=1))
+    shutil.copytree(dest, copy)
+    with open_dataset(dest) as ds:
+        sizes = ds.index.chunks["size"].copy()
+        rows = {path: ds.index.entries[ds.resolve(path)] for path in ds.files()}
+        blobs = {path: (int(row["chunk"]), int(row["offset"]), int(row["stored_len"])) for path, row in rows.items()}
+    whole = {path: blob for path, blob in blobs.items() if blob[2] > 16}
+    flipped_path, (flipped_chunk, flipped_offset, flipped_length) = next(iter(whole.items()))
+    bad_header_chunk = next(chunk for chunk, _, _ in whole.values() if chunk != flipped_chunk)
+    flip_byte(copy / chunk_file_name(flipped_chunk), flipped_offset + flipped_length // 2)
+    flip_byte(copy / chunk_file_name(bad_header_chunk), 0)
+    fell_back: list[tuple[str, int]] = []
+
+    def copy_then_dest() -> tuple[FallbackChunkSource, _CountingSource]:
+        fallback = _CountingSource(dest, sizes)
+        return FallbackChunkSource(LocalChunkSource(copy, sizes), fallback, on_fallback=lambda exc, length:
+                                   fell_back.append((type(exc).__name__, exc.chunk_id))), fallback
+
+    source, fallback = copy_then_dest()
+    with open_dataset(dest, source=source) as ds:
+        for path in ds.files():
+            assert ds.read(path) == (src / path).read_bytes(), path
+    assert fallback.reads[(flipped_chunk, flipped_offset)] == 1
+    assert fell_back.count(("ChunkCorrupt", flipped_chunk)) == 1
+    in_bad_header = [path for path, blob in blobs.items() if blob[0] == bad_header_chunk and blob[2]]
+    assert fell_back.count(("ChunkCorrupt", bad_header_chunk)) == len(in_bad_header)
+    assert {kind for kind, _ in fell_back} == {"ChunkCorrupt"}
+
+    flip_byte(dest / chunk_file_name(flipped_chunk), flipped_offset + flipped_length // 2)
+    source, fallback = copy_then_dest()
+    with open_dataset(dest, source=source) as ds:
+        with pytest.raises(ChunkCorrupt, match=f"chunk {flipped_chunk} ") as failed:
+            ds.read(flipped_path)
+        assert failed.value.chunk_id == flipped_chunk and isinstance(failed.value, OSError)
+        assert fallback.reads[(flipped_chunk, flipped_offset)] == 1
+        others = [path for path in whole if path != flipped_path]
+        assert all(ds.read(path) == (src / path).read_bytes() for path in others)
 
 
 def test_chunk_with_a_wrong_header_is_refused(tmp_path):

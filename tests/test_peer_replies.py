@@ -4,9 +4,15 @@ themselves go over real MPI in tests/serve_loop_requests.py and tests/test_serve
 
 from __future__ import annotations
 
+import pytest
+
 from fanstore.chunk_source import BlobRead
-from fanstore.serve.peer_messages import (CORRUPT, MAX_BLOBS, OK, PARTIAL, REPLY_HEADER, REPLY_MAGIC, UNAVAILABLE,
-                                      PeerCounters, error_reply, hand_out_reply, partial_reply, reply_room)
+from fanstore.errors import ChunkCorrupt, ChunkUnavailable
+from fanstore.serve.peer_messages import (MAX_BLOBS, REPLY_HEADER, REPLY_MAGIC, PeerCounters, error_reply,
+                                          hand_out_reply, partial_reply, reply_room)
+from fanstore.serve.statuses import RequestRefused, Status, status_error, status_of
+
+OK, REFUSED, UNAVAILABLE, CORRUPT, PARTIAL = Status
 
 
 class Outcomes:
@@ -17,9 +23,13 @@ class Outcomes:
         self.reads = [BlobRead(1, 100 * number, length, self._done_for(number))
                       for number, length in enumerate(lengths)]
 
+        self.kinds: dict[int, type] = {}  # the error's class, for each read that got one
+
     def _done_for(self, number: int):
         def done(blob, error) -> None:
             self.got[number] = bytes(blob) if error is None else str(error)
+            if error is not None:
+                self.kinds[number] = type(error)
         return done
 
 
@@ -46,6 +56,7 @@ def test_a_blob_the_peer_could_not_give_costs_that_blob_alone():
     assert asked.got[0] == b"abc" and asked.got[2] == b"de"
     assert asked.got[1] == "rank 1 found corrupt chunk 1 at 100: chunk 1 at 100: fails its checksum"
     assert asked.got[3] == "rank 1 could not read chunk 1 at 300"  # the reason is the first failed blob's
+    assert asked.kinds == {1: ChunkCorrupt, 3: ChunkUnavailable}  # one table: a peer's CORRUPT is corrupt
     assert (counters.fetched, counters.fetched_bytes, counters.failed) == (2, 5, 2)
 
 
@@ -65,7 +76,13 @@ def test_a_reply_with_no_blob_fails_every_read_with_its_reason():
                    counters)
     assert asked.got == {number: "rank 1 refused a request for 2 blobs: chunk 9 at 0 is not a blob of this rank"
                          for number in (0, 1)}
+    assert asked.kinds == {0: ChunkUnavailable, 1: ChunkUnavailable}
     assert (counters.fetched, counters.failed) == (0, 2)
+    corrupt = Outcomes(3)
+    hand_out_reply(2, corrupt.reads, *receive(error_reply(CORRUPT, "its copy is cut short"), corrupt.reads),
+                   PeerCounters())
+    assert corrupt.got == {0: "rank 2 found corrupt chunk 1 at 0: its copy is cut short"}
+    assert corrupt.kinds == {0: ChunkCorrupt}
 
 
 def test_malformed_replies_fail_every_read_and_hand_out_nothing():
@@ -83,4 +100,19 @@ def test_malformed_replies_fail_every_read_and_hand_out_nothing():
         asked, counters = Outcomes(*lengths), PeerCounters()
         hand_out_reply(1, asked.reads, *receive(reply, asked.reads), counters)
         assert all("sent a malformed reply" in str(got) for got in asked.got.values()), (reply, asked.got)
+        assert set(asked.kinds.values()) == {ChunkUnavailable}, reply
         assert len(asked.got) == len(lengths) and (counters.fetched, counters.failed) == (0, len(lengths))
+
+
+@pytest.mark.parametrize("status, error", [(REFUSED, ChunkUnavailable), (UNAVAILABLE, ChunkUnavailable),
+                                           (CORRUPT, ChunkCorrupt), (99, ChunkUnavailable)])
+def test_one_table_from_statuses_to_errors(status, error):
+    """What a peer's reply and the node endpoint's reply say map to the same errors, each naming the chunk; and
+    the errors an answerer meets map to the statuses that come back to them."""
+    made = status_error(status, "the reason", 7)
+    assert type(made) is error and made.chunk_id == 7 and str(made) == "the reason"
+    assert str(status_error(status, "", 7, "rank 3", "chunk 7 at 0")).startswith("rank 3 ")
+    if status != 99:
+        back = RequestRefused("not a blob") if status == REFUSED else made
+        assert status_of(back) == status
+    assert isinstance(RequestRefused("x"), ValueError)  # a request naming bytes that are not served is bad input

@@ -318,6 +318,79 @@ def test_a_copy_damaged_on_a_node_is_read_from_dest_and_reported_once(served_dat
     _assert_nothing_left(job)
 
 
+# Run on a rank through the node socket (FANSTORE_SERVE_SOCKET), as a PyTorch worker reads: each path given is
+# read, and one line says what each read gave: "ok", "differs", or the error's class and message.
+API_READS = r"""
+import sys
+from fanstore.errors import say_line
+from fanstore.serve.node_client import open_served_dataset
+src = sys.argv[1]
+with open_served_dataset() as ds:
+    for path in sys.argv[2:]:
+        try:
+            same = ds.read(path) == open(f"{src}/{path}", "rb").read()
+            say_line(f"{path}: {'ok' if same else 'differs'}", sys.stdout)
+        except Exception as exc:
+            say_line(f"{path}: {type(exc).__name__}: {exc}", sys.stdout)
+"""
+
+
+def test_a_peer_copy_damaged_after_staging_is_read_from_dest_once_and_corrupt_when_dest_is_too(
+        served_dataset, tmp_path, jobs):
+    """A rank's copy of three blobs of one chunk damaged while the job runs (after staging verified it): the other
+    ranks read the first two right, from DEST, each counted as a fallback, and each reading rank logs the chunk
+    once. The third is damaged in DEST too: an I/O error through the mount, ChunkCorrupt naming the chunk through
+    the API, and every other file still reads right."""
+    src, packed = served_dataset
+    dest = tmp_path / "dest"
+    shutil.copytree(packed, dest)
+    job = Job(tmp_path, dest, "--stats")
+    jobs.append(job)
+    job.wait_ready()
+    owner, chunk, damaged = next((owner, chunk, [f for f in files if f[1] == chunk and f[3] > 1024][:3])
+                                 for owner, files in sorted(_whole_files_by_owner(dest).items())
+                                 for chunk in sorted({f[1] for f in files})
+                                 if sum(f[1] == chunk and f[3] > 1024 for f in files) >= 3)
+    copy = Path(job.local.replace("{rank}", str(owner))) / chunk_file_name(chunk)
+    for _, _, offset, length in damaged:
+        flip_byte(copy, offset + length // 2)
+    (first, *_), (second, *_), (both, _, both_offset, both_length) = damaged
+    flip_byte(dest / chunk_file_name(chunk), both_offset + both_length // 2)
+    readers = [rank for rank in range(RANKS) if rank != owner]
+    for rank in readers:
+        mountpoint = job.mountpoints[rank]
+        for path in (first, second):
+            assert (mountpoint / path).read_bytes() == (src / path).read_bytes(), (rank, path)
+        stats = json.loads(os.getxattr(mountpoint, "user.fanstore.stats"))["source"]
+        assert stats["fallback"] == 2, (rank, stats)
+        with pytest.raises(OSError) as failed:
+            (mountpoint / both).read_bytes()
+        assert failed.value.errno == errno.EIO, (rank, both)
+        for original in src.rglob("*"):
+            relative = str(original.relative_to(src))
+            if original.is_file() and not original.is_symlink() and relative != both:
+                assert (mountpoint / relative).read_bytes() == original.read_bytes(), (rank, relative)
+    socket_path = job.ready_files()[readers[0]].read_text().split()[2]
+    api = subprocess.run([sys.executable, "-c", API_READS, str(src), first, both, "train/empty.txt"],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO), "FANSTORE_SERVE_SOCKET": socket_path})
+    assert api.returncode == 0, api.stdout + api.stderr
+    said = dict(line.split(": ", 1) for line in api.stdout.splitlines())
+    assert said[first] == "ok" and said["train/empty.txt"] == "ok", said
+    assert said[both].startswith(f"ChunkCorrupt: {both}: checksum mismatch in chunk {chunk} "), said
+    os.killpg(job.proc.pid, signal.SIGTERM)
+    code, out, err = job.finish()
+    assert code == 0, out + err
+    for rank in readers:  # once a reading rank for the chunk, whichever of its blobs failed
+        logged = [line for line in err.splitlines()
+                  if f"rank {rank}: " in line and f"what fails of chunk {chunk} is read from DEST" in line]
+        assert len(logged) == 1, err
+    assert sum(f"EIO: {both}: checksum mismatch in chunk {chunk} " in line for line in err.splitlines()) == \
+        len(readers), err
+    assert "Traceback" not in err, err
+    _assert_nothing_left(job)
+
+
 def _chunks_of_files(dest: Path) -> dict[str, set[int]]:
     """Each regular file with stored bytes, by path: the chunks its blob or blocks lie in."""
     with open_dataset(dest) as ds:
@@ -787,7 +860,8 @@ def test_the_mounts_loop_asks_peers_itself_within_the_same_rules(tmp_path):
     taken, errors = seen[0]["several, one refused"]
     assert taken and len(errors) == 3, seen[0]
     assert all("rank 1 refused a request for 3 blobs: chunk 2 at 0 is not" in error for error in errors), errors
-    corrupt = "unavailable: rank 1 found corrupt chunk 5 at 0: chunk 5 at 0: its copy here fails its checksum; "
+    # A peer's CORRUPT is ChunkCorrupt (statuses.py), its refusal ChunkUnavailable: the reader falls back on both.
+    corrupt = "corrupt: rank 1 found corrupt chunk 5 at 0: chunk 5 at 0: its copy here fails its checksum; "
     for outcome in (seen[0]["several, one corrupt"][1], seen[0]["several, one corrupt, via the MPI thread"]):
         assert outcome[0] is True and outcome[2] is True and outcome[1].startswith(corrupt), seen[0]  # that one alone
     assert seen[0]["ring lost"] == [True, True], seen[0]  # the reply is found without its ring, in time
@@ -796,10 +870,10 @@ def test_the_mounts_loop_asks_peers_itself_within_the_same_rules(tmp_path):
     refused = "rank 1 refused chunk 2 at 0: chunk 2 at 0 is not a blob of this rank"
     corrupt = "rank 1 found corrupt chunk 5 at 0: chunk 5 at 0: its copy here fails its checksum; "
     assert seen[0]["small, refused"] == [f"unavailable: {refused}"], seen[0]
-    assert seen[0]["small, corrupt"][0].startswith(f"unavailable: {corrupt}"), seen[0]
+    assert seen[0]["small, corrupt"][0].startswith(f"corrupt: {corrupt}"), seen[0]
     assert seen[0]["small, corrupt"][0].endswith("read it elsewhere"), seen[0]
     via_thread = seen[0]["small, via the MPI thread"]
-    assert via_thread[0] == f"unavailable: {refused}" and via_thread[1].startswith(f"unavailable: {corrupt}"), seen[0]
+    assert via_thread[0] == f"unavailable: {refused}" and via_thread[1].startswith(f"corrupt: {corrupt}"), seen[0]
     assert via_thread[2] == "the blob" and seen[0]["asked after"], seen[0]
     assert "MPI_ERROR" not in stderr, stderr
     assert seen[0]["ahead"] == [False, True], seen[0]  # no ring: collected where the loop runs anyway

@@ -51,7 +51,8 @@ from .sources import PeerChunkSource, PlacedChunkSource
 from .start_checks import other_dataset, shared_paths
 from .staged_source import StagedChunkSource
 from .staging import StagingBroken, StagingError, StagingReport, Stager, claim_local_dir, copy_index, index_identity
-from .transport import PeerOptions, PeerTransport, RequestRefused, mpi_failure
+from .statuses import RequestRefused
+from .transport import PeerOptions, PeerTransport, mpi_failure
 
 log = logging.getLogger("fanstore.serve")
 

@@ -4,7 +4,8 @@ and what one rank counts of them, per peer. docs/SERVE.md, "Peer requests", has 
 A request names up to MAX_BLOBS blobs: the first in the 32-byte header, each further one in 20 bytes after it. Its
 reply carries every blob one after the other (OK); or, to a request for several of which the peer could not give
 some, a status byte a blob, the blobs that came and why the first other one failed (PARTIAL); or no blob and a
-reason. The asker posts its receive before the reply is known, so every reply fits in reply_room.
+reason. The asker posts its receive before the reply is known, so every reply fits in reply_room. The statuses,
+and the error an asker makes of each, are statuses.py's (shared with the node endpoint's replies).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..chunk_source import BlobRead
-from ..errors import ChunkUnavailable
+from .statuses import Status, status_error
 
 TAG_REQUEST = 1
 FIRST_REPLY_TAG = 16  # reply tags run from here to the library's TAG_UB: the MPI thread's the lower half, the
@@ -27,11 +28,11 @@ RING_REPLY_BELL = 1  # request flag: the asker's event loop waits for this reply
 QUIET_REPLY = 2  # request flag: ring nobody for this reply; the asker polls for it (a fetch ahead of its reader)
 REPLY_HEADER = struct.Struct("<4sI")  # magic, status; the blobs, some of them (PARTIAL) or a UTF-8 reason follow
 REPLY_MAGIC = b"FSRP"
-OK, REFUSED, UNAVAILABLE, CORRUPT, PARTIAL = 0, 1, 2, 3, 4  # PARTIAL: some blobs of several, see hand_out_reply
+_OK, _PARTIAL = Status.OK.value, Status.PARTIAL.value  # plain ints, compared once a reply
+_NO_BLOB = frozenset(int(status) for status in Status) - {_OK, _PARTIAL}  # a reply of these carries a reason alone
 # Room for a reason in any reply, however few bytes were asked: the asker's receive is posted before the reply is
 # known, and a reply longer than it would fail in MPI itself (a 5-byte blob found corrupt has a 150-byte reason).
 REASON_ROOM = 1024
-_STATUS_NAMES = {REFUSED: "refused", UNAVAILABLE: "could not read", CORRUPT: "found corrupt"}
 
 
 @dataclass
@@ -72,38 +73,39 @@ def partial_reply(statuses: bytes, parts: list[bytes], reason: str, blobs_bytes:
     `parts`): the statuses, the blobs that came, and the reason the first failed one did not, cut to what the
     asker's receive still holds (reply_room of the `blobs_bytes` asked)."""
     room = reply_room(blobs_bytes, len(statuses)) - REPLY_HEADER.size - len(statuses) - sum(map(len, parts))
-    return b"".join([REPLY_HEADER.pack(REPLY_MAGIC, PARTIAL), statuses, *parts, reason.encode()[:max(0, room)]])
+    return b"".join([REPLY_HEADER.pack(REPLY_MAGIC, _PARTIAL), statuses, *parts, reason.encode()[:max(0, room)]])
 
 
 def hand_out_reply(peer: int, reads: Sequence[BlobRead], buffer: bytearray, count: int, counters: PeerCounters,
                    copy: bool = False) -> None:
     """Give each read its blob from a reply of `count` bytes in `buffer` (views of it, or bytes with `copy`), or
-    the reason it did not come (ChunkUnavailable: the reader reads it elsewhere); counted blob by blob.
+    the error the peer's status stands for (statuses.status_error: the reader reads the blob elsewhere, DEST);
+    counted blob by blob.
 
     The reply carries every blob one after the other (OK); or some of them (PARTIAL: a status a blob, then the
     blobs that came, then why the first one that did not failed); or no blob and a reason (any other status)."""
     header, blobs = REPLY_HEADER.size, len(reads)
     magic, code = REPLY_HEADER.unpack_from(buffer) if count >= header else (b"", -1)
     statuses, start, fits = None, header, False
-    if magic == REPLY_MAGIC and code == OK:
+    if magic == REPLY_MAGIC and code == _OK:
         fits = count == header + sum(read.length for read in reads)
-    elif magic == REPLY_MAGIC and code == PARTIAL and blobs > 1 and count >= header + blobs:
+    elif magic == REPLY_MAGIC and code == _PARTIAL and blobs > 1 and count >= header + blobs:
         statuses, start = bytes(buffer[header : header + blobs]), header + blobs
-        fits = count >= start + sum(read.length for read, status in zip(reads, statuses) if status == OK)
+        fits = count >= start + sum(read.length for read, status in zip(reads, statuses) if status == _OK)
     if not fits:
         counters.failed += blobs
         asked = f"chunk {reads[0].chunk_id} at {reads[0].offset}" if blobs == 1 else f"a request for {blobs} blobs"
-        if magic == REPLY_MAGIC and code in _STATUS_NAMES:
-            error = f"rank {peer} {_STATUS_NAMES[code]} {asked}: {_text(buffer[header:count])}"  # names the blob
+        if magic == REPLY_MAGIC and code in _NO_BLOB:  # the reason follows (it names the blob)
+            reason, answerer = _text(buffer[header:count]), f"rank {peer}"
         else:
-            error = f"rank {peer} sent a malformed reply ({count} bytes) to {asked}"
+            reason, answerer, code = f"rank {peer} sent a malformed reply ({count} bytes) to {asked}", "", -1
         for read in reads:
-            read.done(None, ChunkUnavailable(error, chunk_id=read.chunk_id))
+            read.done(None, status_error(code, reason, read.chunk_id, answerer, asked))
         return
     view = memoryview(buffer)
     reason: str | None = None  # why the first blob that did not come failed: the reply's last bytes
     for number, read in enumerate(reads):
-        if statuses is None or statuses[number] == OK:
+        if statuses is None or statuses[number] == _OK:
             blob = view[start : start + read.length]
             start += read.length
             counters.fetched += 1
@@ -111,13 +113,12 @@ def hand_out_reply(peer: int, reads: Sequence[BlobRead], buffer: bytearray, coun
             read.done(bytes(blob) if copy else blob, None)
             continue
         counters.failed += 1
-        error = f"rank {peer} {_STATUS_NAMES.get(statuses[number], 'could not give')} chunk {read.chunk_id} at " \
-                f"{read.offset}"
-        if reason is None:
-            carried = sum(other.length for other, status in zip(reads, statuses) if status == OK)
+        first = reason is None
+        if first:
+            carried = sum(other.length for other, status in zip(reads, statuses) if status == _OK)
             reason = _text(buffer[header + blobs + carried : count])
-            error += f": {reason}" if reason else ""
-        read.done(None, ChunkUnavailable(error, chunk_id=read.chunk_id))
+        read.done(None, status_error(statuses[number], reason if first else "", read.chunk_id, f"rank {peer}",
+                                     f"chunk {read.chunk_id} at {read.offset}"))
 
 
 def _text(raw: bytes | bytearray) -> str:

@@ -3,13 +3,16 @@
     PlacedChunkSource -> StagedChunkSource(local directory -> blobs this rank stores, replicated ones included,
                                            DEST            -> for a blob whose staged copy is found damaged)
                       -> FallbackChunkSource(PeerChunkSource -> the owning rank over MPI,
-                                             DEST            -> when the peer is skipped or misses its deadline)
+                                             DEST            -> when the peer is skipped, misses its deadline or
+                                                                cannot give the blob, or what it gave fails its
+                                                                checksum: once, then the blob is corrupt)
 
 The read path above them (Reader, cache, mount, API) is the single-node one; it never knows which answered.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
@@ -17,13 +20,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..chunk_source import BlobRead, ChunkSource, FallbackChunkSource, ReadDone
-from ..errors import ChunkUnavailable
+from ..errors import ChunkCorrupt, ChunkError, ChunkUnavailable
 from .loop_requests import LoopRequests
 from .placement import NO_OWNER, Placement
 from .staged_source import PlacedReads, StagedChunkSource
 from .peer_messages import MAX_BLOBS
 from .transport import PeerTransport
 
+log = logging.getLogger("fanstore.serve")
 
 # Bytes of blobs one request asks for at most (a larger blob goes alone): the first file of a batch waits for the
 # whole reply, and the serving rank holds it twice while it builds it.
@@ -99,13 +103,14 @@ class SourceCounters:
 
     local: int = 0
     local_bytes: int = 0
-    fallback: int = 0  # blobs read from DEST because their peer could not give them, or their copy here is damaged
+    fallback: int = 0  # blobs read from DEST: their peer could not give them or its copy is damaged, or ours is
     fallback_bytes: int = 0
 
 
 class PlacedChunkSource(PlacedReads):
     """The mount's source under serve: this rank's staged copy, or its peers with DEST behind them (PlacedReads);
-    counts where each read went."""
+    counts where each read went, and logs once per chunk a peer's copy found damaged (by the peer, or by this
+    rank's checksum of what it sent)."""
 
     def __init__(self, rank: int, placement: Placement, local: StagedChunkSource, peers: PeerChunkSource,
                  dest: ChunkSource, direct: set[int] | frozenset[int] = frozenset()) -> None:
@@ -114,6 +119,7 @@ class PlacedChunkSource(PlacedReads):
         self._peers = peers
         self.counters = SourceCounters()
         self._lock = threading.Lock()
+        self._damaged_on_peers: set[int] = set()  # chunks whose damage on a peer is logged
 
     def _read_local(self, chunk_id: int, offset: int, length: int) -> bytes:
         data = self._local.read(chunk_id, offset, length)
@@ -136,10 +142,25 @@ class PlacedChunkSource(PlacedReads):
     def collect_started(self) -> None:
         self._peers.collect_started()
 
-    def _count_fallback(self, _reason: ChunkUnavailable, length: int) -> None:
+    def read_other_copy(self, chunk_id: int, offset: int, length: int) -> bytes:
+        if self._from_peer(chunk_id, offset):  # the peer sent what its copy holds: that copy is damaged
+            self._report_damaged_on_peer(chunk_id, f"rank {self._placement.owner(chunk_id, offset)} sent chunk "
+                                                   f"{chunk_id} at {offset}, which fails its checksum")
+        return super().read_other_copy(chunk_id, offset, length)
+
+    def _count_fallback(self, reason: ChunkError, length: int) -> None:
         with self._lock:
             self.counters.fallback += 1
             self.counters.fallback_bytes += length
+        if isinstance(reason, ChunkCorrupt):
+            self._report_damaged_on_peer(reason.chunk_id, str(reason))
+
+    def _report_damaged_on_peer(self, chunk_id: int, what: str) -> None:
+        with self._lock:
+            if chunk_id in self._damaged_on_peers:
+                return
+            self._damaged_on_peers.add(chunk_id)
+        log.warning("rank %d: %s; what fails of chunk %d is read from DEST", self._rank, what, chunk_id)
 
     def may_block(self, chunks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         return np.fromiter((self._from_peer(int(c), int(o)) for c, o in zip(chunks, offsets)), dtype=bool,

@@ -27,23 +27,19 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 from ..chunk_source import BlobRead, ReadDone
-from ..errors import ChunkCorrupt, ChunkError, ChunkUnavailable, FanstoreError
+from ..errors import ChunkError, ChunkUnavailable
 from .doorbell import Doorbell
-from .peer_messages import CORRUPT, FIRST_REPLY_TAG, MAX_BLOBS, MORE_BLOB, OK, QUIET_REPLY, REFUSED, REPLY_HEADER, \
-    REPLY_MAGIC, REQUEST, REQUEST_MAGIC, RING_REPLY_BELL, TAG_REQUEST, UNAVAILABLE, PeerCounters, error_reply, \
-    hand_out_reply, partial_reply, reply_room, request_message
+from .peer_messages import FIRST_REPLY_TAG, MAX_BLOBS, MORE_BLOB, QUIET_REPLY, REPLY_HEADER, REPLY_MAGIC, REQUEST, \
+    REQUEST_MAGIC, RING_REPLY_BELL, TAG_REQUEST, PeerCounters, error_reply, hand_out_reply, partial_reply, \
+    reply_room, request_message
 from .polling import Backoff, precise_sleeps, wait_all
+from .statuses import RequestRefused, Status, status_of
 
 log = logging.getLogger("fanstore.serve")
 
 # How much longer than `timeout` a reply we send may take to be received before it is cancelled: the requester
 # gave up on it by then.
 _SEND_GRACE = 4.0
-
-
-class RequestRefused(FanstoreError):
-    """A peer's request names bytes this rank does not serve (a chunk it does not hold, a range that is not one of
-    its blobs): refused and logged, never read."""
 
 
 class RequestServer(Protocol):
@@ -161,7 +157,8 @@ class PeerTransport:
 
     def fetch(self, peer: int, chunk: int, offset: int, length: int) -> bytes:
         """The stored blob at `offset` of `chunk`, from rank `peer`; ChunkUnavailable when the peer cannot give it
-        in time (the caller then reads it elsewhere)."""
+        in time, ChunkCorrupt when it found its copy corrupt (statuses.py; either way the caller reads it
+        elsewhere)."""
         arrived = threading.Event()
         outcome: list[tuple[bytes | None, ChunkError | None]] = []
 
@@ -180,7 +177,7 @@ class PeerTransport:
         return result  # type: ignore[return-value]
 
     def fetch_later(self, peer: int, chunk: int, offset: int, length: int, done: ReadDone) -> None:
-        """`fetch` for a caller that must not wait: `done(blob, None)` or `done(None, ChunkUnavailable)` comes
+        """`fetch` for a caller that must not wait: `done(blob, None)` or `done(None, ChunkError)` comes
         later from the MPI thread (by the request's deadline), or at once once the transport has stopped, and must
         only hand the outcome on."""
         self._submit(_Fetch(peer, (BlobRead(chunk, offset, length, done),)))
@@ -527,24 +524,22 @@ class PeerTransport:
                     if not more:
                         raise
                     # One blob this rank cannot give costs that blob alone: the asker reads it elsewhere.
-                    statuses[number] = CORRUPT if isinstance(exc, ChunkCorrupt) else UNAVAILABLE
+                    statuses[number] = status_of(exc)
                     reason = reason or str(exc)
             reply = partial_reply(bytes(statuses), parts, reason, asked_bytes) if reason else \
-                b"".join([REPLY_HEADER.pack(REPLY_MAGIC, OK), *parts])
+                b"".join([REPLY_HEADER.pack(REPLY_MAGIC, Status.OK), *parts])
             counters.served += len(parts)
             counters.served_bytes += sum(map(len, parts))
         except RequestRefused as exc:
             counters.refused += 1
             log.warning("rank %d: request refused: %s", source, exc)
-            reply = error_reply(REFUSED, str(exc))
-        except ChunkCorrupt as exc:
-            reply = error_reply(CORRUPT, str(exc))
+            reply = error_reply(Status.REFUSED, str(exc))
         except ChunkError as exc:
-            reply = error_reply(UNAVAILABLE, str(exc))
+            reply = error_reply(status_of(exc), str(exc))
         except Exception as exc:  # noqa: BLE001 - a bug serving one request costs it (the peer falls back to DEST),
             # never this rank's MPI thread, which every other request and collective needs
             log.exception("rank %d: serving rank %d chunk %d at %d failed", self.rank, source, chunk, offset)
-            reply = error_reply(UNAVAILABLE, f"a bug on rank {self.rank}: {exc!r}")
+            reply = error_reply(Status.UNAVAILABLE, f"a bug on rank {self.rank}: {exc!r}")
         send = self.comm.Isend([reply, self._mpi.BYTE], dest=source, tag=tag)
         self._send_deadlines[id(send)] = (send, time.monotonic() + _SEND_GRACE * self.options.timeout)
         self._poll(send, lambda _status, reply=reply: None)  # the closure keeps the buffer alive until sent
