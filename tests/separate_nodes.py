@@ -1,0 +1,187 @@
+"""A job of separate nodes on one machine: each rank in a network, UTS and mount namespace of its own, as the nodes
+of a cluster share nothing but a network and a shared file system.
+
+Ranks on one host share a hostname, /tmp, /dev/shm, the page cache and the loopback interface, and MPICH moves their
+messages through shared memory; a design that leans on any of that passes every one-host test and fails on the
+first cluster. Here each node gets:
+  - its own network namespace with one interface, eth0, at 10.SUBNET.(rank+1) on a bridge that lives in a "switch"
+    namespace of its own (SeparateNodes starts it; it and every link go away with the processes that hold them);
+  - its own hostname (node0, node1, ...) and /etc/hosts naming every node;
+  - a mount namespace with its own /tmp and /dev/shm (tmpfs); paths the job needs from outside (this checkout, the
+    Python environment, the shared directory) stay visible at their own paths, as a shared file system is.
+MPI goes over TCP between the nodes: MPIR_CVAR_NOLOCAL=1 tells MPICH not to use shared memory between ranks it
+believes local (node_environment gives it).
+
+    with SeparateNodes(3, shared_dir) as nodes:
+        argv = ["mpiexec"] + nodes.mpmd([[python, "-m", "fanstore", "serve", ...], ...])
+
+A rank's command is this script with --node: it enters the namespaces, sets up the node, then execs the real
+command in the same process, so mpiexec sees its rank as usual. Nothing is left once the job's processes and the
+SeparateNodes block have ended, whatever ends them: the switch dies with its parent (PR_SET_PDEATHSIG) and a node's
+namespaces with its last process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWNET = 0x00020000, 0x04000000, 0x40000000
+PR_SET_PDEATHSIG = 1
+MS_BIND = 4096
+BRIDGE = "br0"
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def unshare(flags: int) -> None:
+    if _libc().unshare(flags) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"unshare: {os.strerror(errno)}")
+
+
+def run(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True)
+
+
+def unavailable_reason() -> str | None:
+    """Why this machine cannot make separate nodes, or None: they need root, iproute2 and namespaces."""
+    if os.geteuid() != 0:
+        return "separate nodes need root (network and mount namespaces)"
+    if subprocess.run(["ip", "-V"], capture_output=True).returncode != 0:
+        return "separate nodes need iproute2's ip"
+    probe = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                            "import separate_nodes as s; s.unshare(s.CLONE_NEWNET | s.CLONE_NEWNS | s.CLONE_NEWUTS)",
+                            str(Path(__file__).parent)], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"unshare of network, mount and UTS namespaces is refused here: {probe.stderr.strip()[-200:]}"
+    return None
+
+
+class SeparateNodes:
+    """The switch of a job of `count` separate nodes; `mpmd` makes the mpiexec arguments that start them."""
+
+    def __init__(self, count: int, shared: Path, keep_visible: Sequence[Path] = ()) -> None:
+        self.count = count
+        self.subnet = f"10.{100 + os.getpid() % 100}.{os.getpid() // 100 % 250}"
+        self.shared = shared
+        self.hosts = shared / "hosts"
+        self.keep_visible = [Path(sys.prefix).resolve(), Path(__file__).resolve().parent.parent, shared.resolve(),
+                             *keep_visible]
+        self._switch: subprocess.Popen[bytes] | None = None
+
+    def address(self, rank: int) -> str:
+        return f"{self.subnet}.{rank + 1}"
+
+    def __enter__(self) -> "SeparateNodes":
+        self.hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{self.address(rank)} node{rank}\n"
+                                                               for rank in range(self.count)))
+        self._switch = subprocess.Popen([sys.executable, __file__, "--switch"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, start_new_session=True)
+        ready = self._switch.stdout.readline()  # type: ignore[union-attr]
+        if ready.strip() != b"ready":
+            self.__exit__()
+            raise RuntimeError("separate_nodes: the switch did not start")
+        return self
+
+    @property
+    def switch_pid(self) -> int:
+        assert self._switch is not None
+        return self._switch.pid
+
+    def node_command(self, rank: int, argv: Sequence[str], make_dirs: Sequence[str] = ()) -> list[str]:
+        """`argv` run as node `rank` (for mpiexec's MPMD form: one `-n 1` section a node)."""
+        visible = ",".join(str(path) for path in self.keep_visible)
+        return [sys.executable, str(Path(__file__).resolve()), "--node", str(rank), str(self.switch_pid),
+                self.subnet, str(self.hosts), visible, ",".join(make_dirs), "--", *argv]
+
+    def mpmd(self, argvs: Sequence[Sequence[str]], make_dirs: Sequence[str] = ()) -> list[str]:
+        """mpiexec's arguments for one rank a node, rank r running argvs[r]."""
+        sections: list[str] = []
+        for rank, argv in enumerate(argvs):
+            sections += [":"] if sections else []
+            sections += ["-n", "1", *self.node_command(rank, argv, make_dirs)]
+        return sections
+
+    @staticmethod
+    def environment() -> dict[str, str]:
+        """What MPICH needs to talk TCP between nodes it takes for one host's."""
+        return {"MPIR_CVAR_NOLOCAL": "1"}
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._switch is not None:
+            self._switch.stdin.close()  # type: ignore[union-attr]
+            self._switch.wait()
+            self._switch = None
+
+
+def serve_switch() -> int:
+    """--switch: a network namespace holding the bridge, alive until stdin closes or the parent dies."""
+    _libc().prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
+    unshare(CLONE_NEWNET)
+    run("ip", "link", "add", BRIDGE, "type", "bridge")
+    run("ip", "link", "set", BRIDGE, "up")
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    sys.stdin.buffer.read()
+    return 0
+
+
+def enter_node(rank: int, switch_pid: int, subnet: str, hosts: str, visible: list[str], make_dirs: list[str],
+               argv: list[str]) -> int:
+    """--node: become node `rank` (namespaces, link, hostname, /etc/hosts, /tmp, /dev/shm), then exec `argv`."""
+    unshare(CLONE_NEWNET | CLONE_NEWUTS | CLONE_NEWNS)
+    inside, outside = "eth0", f"fsn{os.getpid()}"
+    run("ip", "link", "add", inside, "type", "veth", "peer", "name", outside, "netns", str(switch_pid))
+    run("nsenter", "-t", str(switch_pid), "-n", "ip", "link", "set", outside, "master", BRIDGE, "up")
+    run("ip", "addr", "add", f"{subnet}.{rank + 1}/24", "dev", inside)
+    run("ip", "link", "set", inside, "up")
+    run("ip", "link", "set", "lo", "up")
+    name = f"node{rank}"
+    if _libc().sethostname(name.encode(), len(name)) != 0:
+        raise OSError(ctypes.get_errno(), "sethostname")
+    run("mount", "--make-rprivate", "/")
+    run("mount", "--bind", hosts, "/etc/hosts")
+    # Held open in this namespace before /tmp is covered over, then bound back at their own paths.
+    kept = [(path, os.open(path, os.O_PATH | os.O_CLOEXEC)) for path in visible
+            if path.startswith(("/tmp/", "/dev/shm/"))]
+    for private in ("/dev/shm", "/tmp"):
+        run("mount", "-t", "tmpfs", "-o", "mode=1777", "tmpfs", private)
+    for path, fd in kept:
+        os.makedirs(path, exist_ok=True)
+        # mount(2) itself: mount(8) would resolve the descriptor's path again, now inside the new /tmp.
+        if _libc().mount(f"/proc/self/fd/{fd}".encode(), path.encode(), None, MS_BIND, None) != 0:
+            raise OSError(ctypes.get_errno(), f"bind mount of {path}")
+        os.close(fd)
+    for directory in make_dirs:
+        os.makedirs(directory, exist_ok=True)
+    os.execvp(argv[0], argv)
+    return 127  # not reached
+
+
+def main(arguments: list[str]) -> int:
+    if arguments[:1] == ["--switch"]:
+        return serve_switch()
+    if arguments[:1] == ["--node"] and "--" in arguments:
+        split = arguments.index("--")
+        rank, switch_pid, subnet, hosts, visible, make_dirs = arguments[1:split]
+        return enter_node(int(rank), int(switch_pid), subnet, hosts, [p for p in visible.split(",") if p],
+                          [d for d in make_dirs.split(",") if d], arguments[split + 1:])
+    if arguments[:1] == ["--check"]:
+        reason = unavailable_reason()
+        print(reason or "separate nodes can be made here")
+        return 1 if reason else 0
+    print(__doc__.split("\n\n")[0], file=sys.stderr)
+    print("usage: separate_nodes.py --check | --switch | --node RANK SWITCH_PID SUBNET HOSTS VISIBLE DIRS -- CMD",
+          file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

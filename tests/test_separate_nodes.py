@@ -1,0 +1,153 @@
+"""`fanstore serve` on three separate nodes made on this machine (tests/separate_nodes.py): each rank with its own
+network, hostname, /etc/hosts, /tmp and /dev/shm, MPI over TCP between them, DEST on a directory all of them see as
+a shared file system. Every rank reads every file; the doorbells ring the nodes' own addresses; nothing is left,
+the namespaces included, however the job ends."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, wait_until
+from fanstore import PackOptions, pack
+from fanstore.mount import fuse_unavailable_reason
+from separate_nodes import SeparateNodes, unavailable_reason
+from test_serve import MPIEXEC, RANK_CHECK, RANKS, _mpi_unavailable_reason, make_serve_tree
+
+_REASON = fuse_unavailable_reason() or _mpi_unavailable_reason() or unavailable_reason()
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"needs FUSE, MPI and namespaces: {_REASON}")
+
+# The same paths on every node, as a user's job script gives them: each node's /tmp is its own.
+MOUNTPOINT, LOCAL_DIR = "/tmp/fanstore-mnt", "/tmp/fanstore-local"
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    base = tmp_path_factory.mktemp("nodes")
+    src = make_serve_tree(base / "src")
+    dest = base / "dest"
+    pack(src, dest, PackOptions(codec="zstd:3", chunk_size=256 * 1024, replicate=("val/**",), workers=1,
+                                blocks_above=4 << 20, block_size=1 << 20))
+    return src, dest
+
+
+def namespaces_of(pids: list[int]) -> set[str]:
+    """The network namespaces these processes are in (a namespace lives as long as a process holds it)."""
+    found = set()
+    for pid in pids:
+        try:
+            found.add(os.readlink(f"/proc/{pid}/ns/net"))
+        except OSError:
+            continue
+    return found
+
+
+def processes_mentioning(text: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if text.encode() in command and int(pid) != os.getpid():
+            found.append(int(pid))
+    return found
+
+
+def serve_argv(nodes: SeparateNodes, dest: Path, command: list[str]) -> list[str]:
+    serve = [sys.executable, "-m", "fanstore", "serve", str(dest), MOUNTPOINT, "--local-dir", LOCAL_DIR, "--stats",
+             "--", *command]
+    return [str(MPIEXEC), *nodes.mpmd([serve] * RANKS, make_dirs=[MOUNTPOINT])]
+
+
+def environment(nodes: SeparateNodes) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), **nodes.environment()}
+
+
+def test_separate_nodes_serve_every_file_as_placed(dataset: tuple[Path, Path], tmp_path: Path) -> None:
+    src, dest = dataset
+    check = tmp_path / "check_rank.py"
+    check.write_text(RANK_CHECK)
+    with SeparateNodes(RANKS, tmp_path, keep_visible=[src.parent]) as nodes:
+        switch = nodes.switch_pid
+        proc = subprocess.run(serve_argv(nodes, dest, [sys.executable, str(check), str(src)]), capture_output=True,
+                              text=True, env=environment(nodes), timeout=300)
+        out, err = proc.stdout, proc.stderr
+        assert proc.returncode == 0, out + err
+        assert sorted(line for line in out.splitlines() if line.endswith(": ok")) == \
+            [f"rank {r}: ok" for r in range(RANKS)], out + err
+        for rank in range(RANKS):
+            # Each node's bell rings on its own address, found through its own hostname and /etc/hosts.
+            line = re.search(rf"^rank {rank} \((\S+)\): reads from local chunks (\d+) .*doorbell on \(([\d.]+):\d+\)",
+                             out, re.M)
+            assert line is not None, out
+            assert (line[1], line[3]) == (f"node{rank}", nodes.address(rank)), line[0]
+            assert int(line[2]) > 0
+        peers = re.findall(r"^  from rank (\d): (\d+) ", out, re.M)
+        assert len(peers) == RANKS * (RANKS - 1) and all(int(count) > 0 for _, count in peers), out
+        assert re.findall(r"^  from DEST \(fallback\): (\d+)", out, re.M) == ["0"] * RANKS, out
+        assert "0 B during the epochs (0 B)" in out, out
+        assert "Traceback" not in err, err
+    # The nodes' namespaces lived in their processes, the switch's in its own: none of them is left.
+    wait_until(lambda: not processes_mentioning(str(tmp_path)) and not namespaces_of([switch]),
+               "every node's and the switch's processes gone", 15)
+
+
+def test_separate_nodes_leave_nothing_when_the_job_is_killed(dataset: tuple[Path, Path], tmp_path: Path) -> None:
+    _src, dest = dataset
+    with SeparateNodes(RANKS, tmp_path, keep_visible=[dest.parent]) as nodes:
+        switch = nodes.switch_pid
+        job = subprocess.Popen(serve_argv(nodes, dest, ["sleep", "600"]), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=environment(nodes), start_new_session=True)
+        nodes_namespaces: set[str] = set()
+        try:
+            def every_node_runs_its_command() -> bool:
+                if job.poll() is not None:
+                    raise AssertionError(f"the job ended ({job.returncode}): {job.communicate()}")
+                # The ranks themselves (mpiexec's command line names the same paths, from the host's namespace).
+                ranks = processes_starting(f"{sys.executable} -m fanstore serve {dest} {MOUNTPOINT}")
+                nodes_namespaces.update(namespaces_of(ranks))
+                on_nodes = set(processes_in(nodes_namespaces))
+                sleeping = [pid for pid in processes_starting("sleep 600") if pid in on_nodes]
+                return len(nodes_namespaces) == RANKS and len(sleeping) == RANKS
+
+            wait_until(every_node_runs_its_command, "every node running its command", 120)
+        finally:
+            os.killpg(job.pid, signal.SIGKILL)  # mpiexec and its proxy; the ranks run in sessions of their own
+            job.communicate()
+        # As a batch system ends what is left of a job: every process on the nodes.
+        for pid in processes_in(nodes_namespaces):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not processes_in(nodes_namespaces), "the nodes' namespaces gone", 30)
+    wait_until(lambda: not namespaces_of([switch]), "the switch's namespace gone", 15)
+    assert not processes_mentioning(str(dest))
+
+
+def processes_starting(text: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").startswith(text.encode()):
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def processes_in(namespaces: set[str]) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/ns/net") in namespaces:
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
