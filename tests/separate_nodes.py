@@ -6,11 +6,12 @@ messages through shared memory; a design that leans on any of that passes every 
 first cluster. Here each node gets:
   - its own network namespace with one interface, eth0, at 10.SUBNET.(rank+1) on a bridge that lives in a "switch"
     namespace of its own (SeparateNodes starts it; it and every link go away with the processes that hold them);
-  - its own hostname (node0, node1, ...) and /etc/hosts naming every node;
+  - its own hostname (node0, node1, ...) and /etc/hosts naming every node, and its own System V IPC;
   - a mount namespace with its own /tmp and /dev/shm (tmpfs); paths the job needs from outside (this checkout, the
     Python environment, the shared directory) stay visible at their own paths, as a shared file system is.
-MPI goes over TCP between the nodes: MPIR_CVAR_NOLOCAL=1 tells MPICH not to use shared memory between ranks it
-believes local (node_environment gives it).
+MPI goes over TCP between the nodes (`environment`): MPIR_CVAR_NOLOCAL=1 tells MPICH not to use shared memory
+between ranks it believes local, and UCX_TLS=tcp keeps its UCX netmod, which sees one machine, off shared memory
+and cross-memory attach. A node whose link is down (set_link) then hears nothing from the others.
 
     with SeparateNodes(3, shared_dir) as nodes:
         argv = ["mpiexec"] + nodes.mpmd([[python, "-m", "fanstore", "serve", ...], ...])
@@ -30,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWNET = 0x00020000, 0x04000000, 0x40000000
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWNET = 0x00020000, 0x04000000, 0x08000000, 0x40000000
 PR_SET_PDEATHSIG = 1
 MS_BIND = 4096
 BRIDGE = "br0"
@@ -57,7 +58,7 @@ def unavailable_reason() -> str | None:
     if subprocess.run(["ip", "-V"], capture_output=True).returncode != 0:
         return "separate nodes need iproute2's ip"
     probe = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
-                            "import separate_nodes as s; s.unshare(s.CLONE_NEWNET | s.CLONE_NEWNS | s.CLONE_NEWUTS)",
+                            "import separate_nodes as s; s.unshare(s.CLONE_NEWNET | s.CLONE_NEWNS | s.CLONE_NEWUTS | s.CLONE_NEWIPC)",
                             str(Path(__file__).parent)], capture_output=True, text=True)
     if probe.returncode != 0:
         return f"unshare of network, mount and UTS namespaces is refused here: {probe.stderr.strip()[-200:]}"
@@ -109,16 +110,28 @@ class SeparateNodes:
             sections += ["-n", "1", *self.node_command(rank, argv, make_dirs)]
         return sections
 
+    def set_link(self, rank: int, up: bool) -> None:
+        """Plug node `rank`'s cable in or pull it out (its port on the switch), as a failing link or switch does."""
+        run("nsenter", "-t", str(self.switch_pid), "-n", "ip", "link", "set", switch_port(rank),
+            "up" if up else "down")
+
     @staticmethod
     def environment() -> dict[str, str]:
-        """What MPICH needs to talk TCP between nodes it takes for one host's."""
-        return {"MPIR_CVAR_NOLOCAL": "1"}
+        """What MPICH needs to talk TCP between nodes it takes for one host's: not its own shared memory between
+        ranks (MPIR_CVAR_NOLOCAL), and not UCX's either (UCX sees one machine, by its boot id, and would move
+        messages by shared memory or cross-memory attach): TCP on eth0 alone."""
+        return {"MPIR_CVAR_NOLOCAL": "1", "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
 
     def __exit__(self, *exc_info: object) -> None:
         if self._switch is not None:
             self._switch.stdin.close()  # type: ignore[union-attr]
             self._switch.wait()
             self._switch = None
+
+
+def switch_port(rank: int) -> str:
+    """The name of node `rank`'s link on the switch side (each job's switch is a namespace of its own)."""
+    return f"node{rank}"
 
 
 def serve_switch() -> int:
@@ -136,8 +149,8 @@ def serve_switch() -> int:
 def enter_node(rank: int, switch_pid: int, subnet: str, hosts: str, visible: list[str], make_dirs: list[str],
                argv: list[str]) -> int:
     """--node: become node `rank` (namespaces, link, hostname, /etc/hosts, /tmp, /dev/shm), then exec `argv`."""
-    unshare(CLONE_NEWNET | CLONE_NEWUTS | CLONE_NEWNS)
-    inside, outside = "eth0", f"fsn{os.getpid()}"
+    unshare(CLONE_NEWNET | CLONE_NEWUTS | CLONE_NEWNS | CLONE_NEWIPC)
+    inside, outside = "eth0", switch_port(rank)
     run("ip", "link", "add", inside, "type", "veth", "peer", "name", outside, "netns", str(switch_pid))
     run("nsenter", "-t", str(switch_pid), "-n", "ip", "link", "set", outside, "master", BRIDGE, "up")
     run("ip", "addr", "add", f"{subnet}.{rank + 1}/24", "dev", inside)

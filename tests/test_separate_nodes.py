@@ -6,11 +6,13 @@ the namespaces included, however the job ends."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -151,3 +153,49 @@ def processes_in(namespaces: set[str]) -> list[int]:
         except OSError:
             continue
     return found
+
+
+def test_a_node_cut_off_past_the_deadline_costs_reads_from_dest_then_comes_back(dataset: tuple[Path, Path],
+                                                                                 tmp_path: Path) -> None:
+    """Node 2's link goes down for longer than the peer deadline while every node reads files it has not read yet,
+    then comes back. The others read node 2's files from DEST after one deadline and fail none; node 2 reads its
+    own from its local directory, the others' from DEST; once the link is back, reads from node 2 resume."""
+    src, dest = dataset
+    check = Path(__file__).with_name("serve_partition_check.py")
+    timeout, retry = 2.0, 3.0
+    with SeparateNodes(RANKS, tmp_path, keep_visible=[src.parent]) as nodes:
+        serve = [sys.executable, "-m", "fanstore", "serve", str(dest), MOUNTPOINT, "--local-dir", LOCAL_DIR,
+                 "--stats", "--prefetch", "0", "--peer-timeout", str(timeout), "--peer-retry", str(retry), "--",
+                 sys.executable, str(check), str(src), str(tmp_path)]
+        job = subprocess.Popen([str(MPIEXEC), *nodes.mpmd([serve] * RANKS, make_dirs=[MOUNTPOINT])],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(nodes),
+                               start_new_session=True)
+        try:
+            def phase(name: str) -> list[dict]:
+                (tmp_path / f"go-{name}").touch()
+                wait_until(lambda: job.poll() is not None or all((tmp_path / f"done-{name}-{r}").exists()
+                                                                 for r in range(RANKS)), f"phase {name}", 240)
+                assert job.poll() is None or job.returncode == 0, job.communicate()
+                results = [json.loads((tmp_path / f"done-{name}-{r}").read_text()) for r in range(RANKS)]
+                assert all(not result["problems"] for result in results), results
+                return [result["change"] for result in results]
+
+            before = phase("before")
+            nodes.set_link(2, up=False)
+            cut = phase("cut")
+            nodes.set_link(2, up=True)
+            time.sleep(retry + 0.5)  # node 2 is skipped that long after its missed deadline
+            after = phase("after")
+            out, err = job.communicate(timeout=120)
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+                job.communicate()
+    assert job.returncode == 0, out + err
+    assert all(change["peers"]["2"]["fetched"] > 0 for change in before[:2]), before
+    for rank in (0, 1):  # node 2's files: one deadline missed, then DEST; the other peer still answers
+        assert cut[rank]["fallback"] > 0 and cut[rank]["peers"]["2"]["fetched"] == 0, cut
+        assert cut[rank]["peers"][str(1 - rank)]["fetched"] > 0, cut
+    assert cut[2]["local"] > 0 and cut[2]["fallback"] > 0, cut  # its own files, and the others' from DEST
+    assert all(change["peers"]["2"]["fetched"] > 0 for change in after[:2]), after  # node 2 answers again
+    assert all(change["fallback"] == 0 for change in after), after
