@@ -282,9 +282,10 @@ def _whole_files_by_owner(dest: Path) -> dict[int, list[tuple[str, int, int, int
 
 def test_a_copy_damaged_on_a_node_is_read_from_dest_and_reported_once(served_dataset, tmp_path, jobs):
     """Node-local storage damaged while the job runs: a blob of one rank's copy no longer matches its checksum,
-    another rank's copy of a chunk is cut short, a third rank's copy of a blob of two bytes (the reason its peers
-    are given is longer than the blob) is damaged too. Every rank still reads every file right (the owner from
-    DEST, the others asking the owner, then DEST), and each owner logs its damaged chunk once, naming the file."""
+    another rank's copy of a chunk is cut short, a third rank's copy of a blob of two bytes is damaged too. Every
+    rank still reads every file right (the owner from DEST, the others asking the owner, then DEST), and each owner
+    logs its damaged chunk once, naming the file. An owner does not hash what it sends (staging verified it): a
+    flipped byte is found by the reader's checksum, and each rank that meets it logs the peer's chunk once."""
     src, dest = served_dataset
     job = Job(tmp_path, dest, "--stats")
     jobs.append(job)
@@ -312,8 +313,11 @@ def test_a_copy_damaged_on_a_node_is_read_from_dest_and_reported_once(served_dat
     assert any(f"rank 0: {local}: a blob at offset {offset} " in line for line in damaged), damaged
     assert any(f"rank 1: {cut}: " in line and f"copy of chunk {cut_chunk} is damaged" in line
                for line in damaged), damaged
-    assert any(f"rank 2: {small}: a blob at offset {small_offset}, asked by rank " in line for line in damaged), \
+    assert any(f"rank 2: {small}: a blob at offset {small_offset} fails its checksum" in line for line in damaged), \
         "\n".join(damaged)
+    for rank in (1, 2):
+        assert sum(f"rank {rank}: rank 0 sent chunk {flipped_chunk} at {offset}, which fails its checksum" in line
+                   for line in err.splitlines()) == 1, err
     assert "Traceback" not in err and "EIO" not in err, err
     _assert_nothing_left(job)
 
