@@ -1,7 +1,7 @@
 """The COMMAND of test_torch's serve test, run by every rank of `mpiexec -n 2 fanstore serve DEST ... -- python
 serve_torch_job.py SRC DEST`: read this rank's share through fanstore.torch (no FUSE), compare each file with the
-source, train a few steps, and poke the node's socket with a request for bytes that are not a blob and a plan of
-such rows. It also says where its processes (DataLoader workers too) loaded the index from, and whether anything
+source, train a few steps, and poke the node's socket with a request for bytes that are not a blob, a plan of such
+rows, and a plan with rows out of range. It also says where its processes (DataLoader workers too) loaded the index from, and whether anything
 opened DEST's index meanwhile: the node's readers must take it from the local directory. Prints one JSON line."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from fanstore.errors import say_line
 from fanstore.format import INDEX_NAME
 from fanstore.serve.node_client import NodeConnection
-from fanstore.serve.node_endpoint import ENVIRONMENT, OK, PLAN, PLAN_ROW, READ, REFUSED, STATS
+from fanstore.serve.node_endpoint import ENVIRONMENT
+from fanstore.serve.node_protocol import OK, PLAN, PLAN_ROW, READ, REFUSED, STATS
 from fanstore.torch import EpochSampler, FileDataset
 
 
@@ -86,17 +87,22 @@ def main() -> int:
     connection = NodeConnection(os.environ[ENVIRONMENT])
     status, _ = connection.ask(READ, 0, 1, 5)  # inside a blob, not one
     refused = "refused" if status == REFUSED else f"status {status}"
-    # A plan whose rows are not blobs: inside one in every chunk (some stored on the other rank), no chunk, a
-    # negative offset. The node takes the plan and fetches none of them (no peer is asked, so none refuses).
-    bogus = np.array([(chunk, 33, 1) for chunk in range(64)] + [(-1, 0, 10), (0, -5, 10)], dtype=PLAN_ROW)
+    # A plan whose rows are in range but no blob: inside one in every chunk (some stored on the other rank). The
+    # node takes the plan and fetches none of them (no peer is asked, so none refuses).
+    chunks = len(dataset.dataset.index.chunks)
+    bogus = np.array([(chunk, 33, 1) for chunk in range(chunks)], dtype=PLAN_ROW)
     status, _ = connection.ask(PLAN, length=len(bogus), payload=bogus.tobytes())
     bogus_plan = "taken" if status == OK else f"status {status}"
+    # Rows out of range (no such chunk, a negative offset) refuse the whole plan, naming the row and the field.
+    out_of_range = np.array([(0, 33, 1), (-1, 0, 10), (0, -5, 10)], dtype=PLAN_ROW)
+    status, reason = connection.ask(PLAN, length=len(out_of_range), payload=out_of_range.tobytes())
+    bad_plan = reason.decode() if status == REFUSED else f"status {status}"
     time.sleep(0.3)  # what the node would fetch for it has come by now
     status, payload = connection.ask(STATS)
     stats = json.loads(payload) if status == OK else {}
     say_line(json.dumps({"rank": rank, "read": len(got), "expected": len(order), "bad": bad, "steps": steps,
                          "loss": loss, "refused": refused, "remote_ahead": stats.get("ahead_hits", 0),
-                         "bogus_plan": bogus_plan, "index_paths": index_paths,
+                         "bogus_plan": bogus_plan, "bad_plan": bad_plan, "index_paths": index_paths,
                          "dest_index_opened": opened(dest_index)}), sys.stdout)
     return 0
 

@@ -1,4 +1,4 @@
-"""The serve process's fetches ahead for the node's PyTorch readers (fanstore/serve/node_endpoint.py, BlobsAhead),
+"""The serve process's fetches ahead for the node's PyTorch readers (fanstore/serve/blobs_ahead.py),
 over a source that answers from another thread, as the transport's MPI thread does, and the node's socket in a
 deep directory. The whole path, with real MPI and real readers, runs in tests/serve_torch_job.py."""
 
@@ -9,13 +9,17 @@ import socket
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from conftest import numbered_files
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.chunk_source import BlobRead, LocalChunkSource
 from fanstore.errors import ChunkUnavailable
-from fanstore.serve.node_endpoint import SOCKET_NAME, UNIX_PATH_MAX, BlobsAhead, unix_address
+from fanstore.serve.blobs_ahead import BLOB_OVERHEAD, BlobsAhead
+from fanstore.serve.node_endpoint import SOCKET_NAME, UNIX_PATH_MAX, unix_address
+from fanstore.serve.node_protocol import BlobLookup
+from fanstore.serve.placement import BlobTable
 
 
 class AnsweredLater:
@@ -59,12 +63,23 @@ def dataset(tmp_path_factory):
         yield ds
 
 
-def plan_of(dataset) -> list[tuple[int, int, int]]:
+@pytest.fixture(scope="module")
+def lookup(dataset):
+    return BlobLookup(BlobTable.of(dataset.index), len(dataset.index.chunks))
+
+
+def plan_of(dataset, lookup) -> np.ndarray:
+    """Every file's blob row, in path order."""
     rows = []
     for path in sorted(dataset.files()):
         entry = dataset.index.entries[dataset.resolve(path)]
-        rows.append((int(entry["chunk"]), int(entry["offset"]), int(entry["stored_len"])))
-    return rows
+        rows.append(lookup.read_row(int(entry["chunk"]), int(entry["offset"]), int(entry["stored_len"])))
+    return np.array(rows, dtype=lookup.row_dtype)
+
+
+def cost_of(lookup, row) -> int:
+    """What holding blob `row` counts in the bounds."""
+    return lookup.locate(int(row))[2] + BLOB_OVERHEAD
 
 
 def wait_for(condition, what: str) -> None:
@@ -74,49 +89,56 @@ def wait_for(condition, what: str) -> None:
         time.sleep(0.002)
 
 
-def test_every_blob_of_the_plan_is_fetched_once_within_the_bounds(dataset):
+def test_every_blob_of_the_plan_is_fetched_once_within_the_bounds(dataset, lookup):
     source = AnsweredLater(dataset)
-    plan = plan_of(dataset)
-    largest = max(length for _, _, length in plan)
-    ahead = BlobsAhead(source, capacity=20_000, in_flight=6_000)
+    plan = plan_of(dataset, lookup)
+    largest = max(cost_of(lookup, row) for row in plan)
+    ahead = BlobsAhead(source, lookup.locate, capacity=20_000, in_flight=6_000)
     try:
-        ahead.replace_plan(plan)
-        for chunk, offset, _ in plan:  # the reader takes each in turn, making room for the next
-            wait_for(lambda: ahead.take(chunk, offset) is not None, f"the blob at {offset} of chunk {chunk}")
+        ahead.replace_plan("c1", plan)
+        for row in plan:  # the reader takes each in turn, making room for the next
+            wait_for(lambda row=row: ahead.take(int(row)) is not None, f"blob row {row}")
         assert ahead.fetched == ahead.hits == len(plan)
         assert source.most_out <= 6_000 + largest  # a new batch starts only below the in-flight bound
     finally:
         ahead.close()
 
 
-def test_a_blob_that_fails_or_is_local_is_left_to_its_reader_and_the_rest_still_come(dataset):
+def test_a_blob_that_fails_or_is_local_is_left_to_its_reader_and_the_rest_still_come(dataset, lookup):
     source = AnsweredLater(dataset)
-    plan = plan_of(dataset)
-    source.failing = {plan[3][0]}
-    source.local = {plan[-1][0]}
-    ahead = BlobsAhead(source)
+    plan = plan_of(dataset, lookup)
+    source.failing = {lookup.locate(int(plan[3]))[0]}
+    source.local = {lookup.locate(int(plan[-1]))[0]}
+    ahead = BlobsAhead(source, lookup.locate)
     try:
-        ahead.replace_plan(plan)
-        left = {(chunk, offset) for chunk, offset, _ in plan if chunk in source.failing | source.local}
+        ahead.replace_plan("c1", plan)
+        left = {int(row) for row in plan if lookup.locate(int(row))[0] in source.failing | source.local}
         wait_for(lambda: ahead.fetched == len(plan) - len(left), "every other blob")
-        assert all(ahead.take(chunk, offset) is None for chunk, offset in left)
-        chunk, offset, length = next(row for row in plan if (row[0], row[1]) not in left)
-        assert bytes(ahead.take(chunk, offset)) == source._chunks.read(chunk, offset, length)
+        assert all(ahead.take(row) is None for row in left)
+        row = next(int(row) for row in plan if int(row) not in left)
+        assert bytes(ahead.take(row)) == source._chunks.read(*lookup.locate(row))
     finally:
         ahead.close()
 
 
-def test_a_new_plan_drops_what_came_for_the_old_one(dataset):
+def test_a_new_plan_drops_what_came_for_the_old_one_and_a_closed_connection_its_plan(dataset, lookup):
     source = AnsweredLater(dataset, delay=0.2)
-    plan = plan_of(dataset)
-    ahead = BlobsAhead(source)
+    plan = plan_of(dataset, lookup)
+    ahead = BlobsAhead(source, lookup.locate)
     try:
-        ahead.replace_plan(plan[:10])
+        ahead.replace_plan("c1", plan[:10])
         time.sleep(0.05)  # asked, not come yet
-        ahead.replace_plan(plan[10:20])
+        ahead.replace_plan("c2", plan[10:20])
         wait_for(lambda: ahead.fetched == 10 and source.out == 0, "the new plan's blobs")
-        assert all(ahead.take(chunk, offset) is None for chunk, offset, _ in plan[:10])
-        assert all(ahead.take(chunk, offset) is not None for chunk, offset, _ in plan[10:20])
+        assert ahead.stats()["ahead_held_bytes"] == sum(cost_of(lookup, row) for row in plan[10:20])
+        assert all(ahead.take(int(row)) is None for row in plan[:10])
+        assert all(ahead.take(int(row)) is not None for row in plan[10:20])
+        ahead.replace_plan("c2", plan[20:30])
+        wait_for(lambda: ahead.fetched == 20, "the third plan's blobs")
+        ahead.drop_plan_of("c1")  # its plan was replaced: nothing of the current one goes
+        assert list(ahead.stats()["plans"]) == ["c2"]
+        ahead.drop_plan_of("c2")
+        assert ahead.stats()["plans"] == {} and ahead.stats()["ahead_held_bytes"] == 0
     finally:
         ahead.close()
 
@@ -136,23 +158,25 @@ class FailsOnce:
         return self.source(reads)
 
 
-def test_a_batch_the_source_fails_to_start_is_logged_and_the_rest_of_the_plan_still_comes(dataset, caplog):
+def test_a_batch_the_source_fails_to_start_is_logged_and_the_rest_of_the_plan_still_comes(dataset, lookup,
+                                                                                         caplog):
     source = AnsweredLater(dataset)
-    plan = plan_of(dataset)
+    plan = plan_of(dataset, lookup)
     first_batch = 5
-    ahead = BlobsAhead(FailsOnce(source), in_flight=sum(length for _, _, length in plan[:first_batch]))
+    ahead = BlobsAhead(FailsOnce(source), lookup.locate,
+                       in_flight=sum(cost_of(lookup, row) for row in plan[:first_batch]))
     try:
-        ahead.replace_plan(plan)
+        ahead.replace_plan("c1", plan)
         rest = plan[first_batch:]
-        for chunk, offset, _ in rest:
-            wait_for(lambda: ahead.take(chunk, offset) is not None, f"the blob at {offset} of chunk {chunk}")
+        for row in rest:
+            wait_for(lambda row=row: ahead.take(int(row)) is not None, f"blob row {row}")
         wait_for(lambda: source.out == 0, "the first batch's one started read")
         # The failed batch, its one started read too, is left to the readers; its bytes no longer count as asked,
         # so the bound let the rest through and nothing of the next plan is held back.
-        assert all(ahead.take(chunk, offset) is None for chunk, offset, _ in plan[:first_batch])
+        assert all(ahead.take(int(row)) is None for row in plan[:first_batch])
         assert ahead.failed_batches == 1 and ahead.fetched == len(rest)
         assert "fetching ahead for this node's readers failed" in caplog.text and "a bug in the source" in caplog.text
-        ahead.replace_plan(plan[:first_batch])
+        ahead.replace_plan("c1", plan[:first_batch])
         wait_for(lambda: ahead.fetched == len(plan), "the next plan's blobs")
     finally:
         ahead.close()

@@ -202,6 +202,7 @@ def test_a_few_training_steps_under_mpiexec_fanstore_serve(packed, tmp_path):
         assert result["refused"] == "refused" and result["steps"] == 3 and np.isfinite(result["loss"]), result
         assert result["remote_ahead"] > 0, result  # the node fetched remote blobs ahead of the workers
         assert result["bogus_plan"] == "taken", result
+        assert result["bad_plan"].startswith("plan row 1: chunk -1: the dataset's chunks are 0 to "), result
     # The plan's rows that are not blobs were dropped: none reached a peer, and none broke the node's fetches ahead.
     assert "request refused" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 

@@ -19,13 +19,14 @@ import numpy as np
 
 from ..api import Dataset
 from ..chunk_source import ChunkSource, FallbackChunkSource, LocalChunkSource
-from ..errors import ChunkCorrupt, ChunkUnavailable, DatasetNotFound, UsageError
+from ..errors import ChunkUnavailable, DatasetNotFound, UsageError
 from ..format import FLAG_BLOCKED, INDEX_NAME
 from ..index import Index
-from .node_endpoint import (CORRUPT, ENVIRONMENT, HELLO, OK, PLAN, PLAN_ROW, READ, REPLY, REPLY_MAGIC, REQUEST,
-                            REQUEST_MAGIC, unix_address)
+from .node_endpoint import ENVIRONMENT, unix_address
+from .node_protocol import HELLO, OK, PLAN, PLAN_ROW, READ, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC
 from .placement import NO_OWNER, Placement, place
 from .staged_source import PlacedReads, StagedChunkSource
+from .statuses import status_error
 
 log = logging.getLogger("fanstore.serve")
 
@@ -89,10 +90,7 @@ class NodeServeSource(ChunkSource):
         status, payload = self.connection.ask(READ, chunk_id, offset, length)
         if status == OK:
             return payload
-        reason = payload.decode("utf-8", "replace")
-        if status == CORRUPT:
-            raise ChunkCorrupt(reason, chunk_id=chunk_id)
-        raise ChunkUnavailable(reason, chunk_id=chunk_id)
+        raise status_error(status, payload.decode("utf-8", "replace"), chunk_id)
 
 
 class NodeChunkSource(PlacedReads):
@@ -101,11 +99,12 @@ class NodeChunkSource(PlacedReads):
     fail)."""
 
     def __init__(self, connection: NodeConnection, rank: int, placement: Placement, local: StagedChunkSource,
-                 dest: ChunkSource, direct: frozenset[int]) -> None:
+                 dest: ChunkSource, direct: frozenset[int], plan_rows: int | None = None) -> None:
         super().__init__(rank, placement, local,
                          FallbackChunkSource(NodeServeSource(connection), dest, on_fallback=self._fell_back), dest,
                          direct)
         self._connection = connection
+        self._plan_rows = plan_rows  # the longest plan the serve process takes (its dataset's blobs), if known
         self._reported = False
         self.fallbacks = 0
 
@@ -116,12 +115,15 @@ class NodeChunkSource(PlacedReads):
             log.warning("%s; reading such files from the dataset directory", reason)
 
     def announce(self, index: Index, entries: np.ndarray) -> None:
-        """The files this rank reads next, in order: the serve process fetches their remote blobs ahead."""
+        """The files this rank reads next, in order: the serve process fetches their remote blobs ahead. An order
+        longer than the dataset (a sampler that draws with replacement) is announced up to the longest plan the
+        node takes."""
         rows = index.entries[entries]
         rows = rows[(rows["flags"] & FLAG_BLOCKED) == 0]  # large files are read block by block, as they come
         rows = rows[rows["stored_len"] > 0]
         remote = [i for i, (chunk, offset) in enumerate(zip(rows["chunk"].tolist(), rows["offset"].tolist()))
                   if chunk not in self._direct and self._placement.owner(chunk, offset) not in (NO_OWNER, self._rank)]
+        remote = remote[:self._plan_rows]
         plan = np.zeros(len(remote), dtype=PLAN_ROW)
         plan["chunk"], plan["offset"], plan["length"] = (rows["chunk"][remote], rows["offset"][remote],
                                                          rows["stored_len"][remote])
@@ -157,5 +159,5 @@ def open_served_dataset(socket_path: str | None = None) -> Dataset:
     rank = int(node["rank"])
     source = NodeChunkSource(connection, rank, place(index, int(node["size"])),
                              StagedChunkSource(LocalChunkSource(Path(node["local_dir"]), sizes), dest, rank), dest,
-                             frozenset(int(c) for c in node["direct"]))
+                             frozenset(int(c) for c in node["direct"]), node.get("blobs"))
     return Dataset(index, source)

@@ -2,52 +2,39 @@
 
 A reader reads chunks this node stores straight from its local directory; for the others it asks the serve process
 here, over a Unix socket in that directory, and gets the stored blob (still compressed: the reader verifies and
-decodes it, in parallel with the other workers). An epoch's plan (the remote blobs in the order the sampler
-drew) makes the serve process fetch them ahead from their owners, bounded in bytes.
-
-Wire format, little-endian. A request: REQUEST (magic FSNQ, kind, chunk, offset, length) and, for PLAN, `length`
-rows of (chunk, offset, length) as int64. A reply: REPLY (magic FSNP, status, payload length) and the payload:
-the blob, the node's description (HELLO, JSON), its readers' counters (STATS, JSON), or a UTF-8 reason (status
-not OK).
+decodes it, in parallel with the other workers). An epoch's plan (the remote blobs in the order the sampler drew)
+makes the serve process fetch them ahead from their owners (blobs_ahead.py), bounded in bytes.
+The wire format and its checks are node_protocol.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import os
 import socket
 import socketserver
-import struct
 import threading
-from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, BinaryIO, Iterator
 
 import numpy as np
 
-from ..chunk_source import BlobRead, ChunkSource
-from ..errors import ChunkCorrupt, ChunkError
+from ..chunk_source import ChunkSource
+from ..errors import ChunkError
+from .blobs_ahead import BlobsAhead
+from .node_protocol import (HELLO, KIND_NAMES, OK, PLAN, PLAN_ROW, READ, REFUSED, REPLY, REPLY_MAGIC, REQUEST,
+                            REQUEST_MAGIC, BlobLookup, Refused)
 from .placement import BlobTable
+from .statuses import status_of
 
 log = logging.getLogger("fanstore.serve")
 
 SOCKET_NAME = "fanstore-node.sock"
 UNIX_PATH_MAX = 108  # bytes of a Unix socket's path, its final NUL included (Linux's sockaddr_un)
 ENVIRONMENT = "FANSTORE_SERVE_SOCKET"  # set for COMMAND; a job started otherwise sets it from the ready file
-REQUEST = struct.Struct("<4sIIQQ")  # magic, kind, chunk, offset, length (PLAN: rows that follow)
-REPLY = struct.Struct("<4sIQ")  # magic, status, payload length
-REQUEST_MAGIC, REPLY_MAGIC = b"FSNQ", b"FSNP"
-HELLO, READ, PLAN, STATS = 1, 2, 3, 4
-OK, REFUSED, UNAVAILABLE, CORRUPT = 0, 1, 2, 3
-PLAN_ROW = np.dtype([("chunk", "<i8"), ("offset", "<i8"), ("length", "<i8")])
-MAX_PLAN_ROWS = 1 << 26
-AHEAD_BYTES = 256 << 20  # remote blobs fetched ahead and not read yet, at most
-# Of those, bytes asked of peers and not come yet: a request queued behind many others could miss its deadline.
-AHEAD_IN_FLIGHT = 16 << 20
-AHEAD_ROWS = 64  # plan rows started at once; the source asks each peer for its blobs among them together
+PLAN_PIECE_ROWS = 1 << 16  # plan rows read and checked at a time (1.5 MiB)
 
 
 @contextlib.contextmanager
@@ -65,129 +52,27 @@ def unix_address(path: Path) -> Iterator[str]:
         os.close(directory)
 
 
-class BlobsAhead:
-    """Remote blobs of the current plan, fetched in plan order and held until read once. One thread starts the
-    fetches (ChunkSource.start_reads: each peer's blobs several to a request), and they are handed over as they
-    arrive: no thread waits for a peer."""
-
-    def __init__(self, start_reads: Callable[[Sequence[BlobRead]], list[bool]], capacity: int = AHEAD_BYTES,
-                 in_flight: int = AHEAD_IN_FLIGHT) -> None:
-        self._start_reads = start_reads
-        self._capacity = capacity
-        self._in_flight = in_flight
-        self._held: OrderedDict[tuple[int, int], bytes | memoryview] = OrderedDict()
-        self._held_bytes = 0
-        self._reserved = 0  # bytes asked for and not come yet
-        self._asked: dict[int, int] = {}  # fetch number -> its length, while it is asked and not come
-        self._fetch_number = 0
-        self._plan: list[tuple[int, int, int]] = []
-        self._next = 0
-        self._generation = 0
-        self._changed = threading.Condition()
-        self._closed = False
-        self.hits = self.fetched = self.failed_batches = 0
-        self._thread = threading.Thread(target=self._work, name="fanstore-node-ahead", daemon=True)
-        self._thread.start()
-
-    def replace_plan(self, rows: list[tuple[int, int, int]]) -> None:
-        with self._changed:
-            self._plan = rows
-            self._next = 0
-            self._generation += 1
-            self._held.clear()
-            self._held_bytes = 0
-            self._changed.notify_all()
-
-    def take(self, chunk: int, offset: int) -> bytes | memoryview | None:
-        """The blob if it was fetched ahead (it is then forgotten: each is read once an epoch), else None."""
-        with self._changed:
-            blob = self._held.pop((chunk, offset), None)
-            if blob is not None:
-                self._held_bytes -= len(blob)
-                self.hits += 1
-                self._changed.notify_all()
-            return blob
-
-    def _work(self) -> None:
-        while True:
-            with self._changed:
-                while not self._closed and (self._next >= len(self._plan) or self._full()):
-                    self._changed.wait()
-                if self._closed:
-                    return
-                reads: list[BlobRead] = []
-                numbers: list[int] = []
-                while self._next < len(self._plan) and len(reads) < AHEAD_ROWS and (not reads or not self._full()):
-                    chunk, offset, length = self._plan[self._next]
-                    self._next += 1
-                    self._fetch_number += 1
-                    self._asked[self._fetch_number] = length
-                    numbers.append(self._fetch_number)
-                    self._reserved += length  # so that what is asked stays within the bounds
-                    reads.append(BlobRead(chunk, offset, length, functools.partial(
-                        self._arrived, self._generation, self._fetch_number, chunk, offset)))
-            try:
-                started = self._start_reads(reads)
-            except Exception:  # noqa: BLE001 - a bug in a source must not end fetching ahead for the whole job
-                self._batch_failed(numbers)
-                continue
-            for read, read_started in zip(reads, started):
-                if not read_started:  # stored on this node after all: its reader reads it from here
-                    read.done(None, None)
-
-    def _batch_failed(self, numbers: list[int]) -> None:
-        """Forget a batch the source failed to start (a late answer to any of it is dropped): its readers fetch
-        those blobs themselves, and the next batch is tried."""
-        self.failed_batches += 1
-        if self.failed_batches == 1:
-            log.exception("fetching ahead for this node's readers failed; they fetch those %d blobs themselves",
-                          len(numbers))
-        with self._changed:
-            for number in numbers:
-                self._release(number)
-            self._changed.notify_all()
-
-    def _release(self, number: int) -> bool:
-        """Ends fetch `number`'s reservation, once: False if it had ended already."""
-        length = self._asked.pop(number, None)
-        if length is None:
-            return False
-        self._reserved -= length
-        return True
-
-    def _full(self) -> bool:
-        return self._held_bytes + self._reserved >= self._capacity or self._reserved >= self._in_flight
-
-    def _arrived(self, generation: int, number: int, chunk: int, offset: int, blob: bytes | memoryview | None,
-                 _error: ChunkError | None) -> None:
-        """A fetch's outcome, from the MPI thread. A blob that did not come is left to its reader, which meets the
-        error itself when it asks, and reports it."""
-        with self._changed:
-            if self._release(number) and blob is not None and generation == self._generation and not self._closed:
-                self._held[(chunk, offset)] = blob
-                self._held_bytes += len(blob)
-                self.fetched += 1
-            self._changed.notify_all()
-
-    def close(self) -> None:
-        with self._changed:
-            self._closed = True
-            self._changed.notify_all()
-        self._thread.join()
-
-
 class NodeEndpoint:
-    """Serves HELLO, READ and PLAN to this node's readers from a thread per connection."""
+    """Serves HELLO, READ, PLAN and STATS to this node's readers from a thread per connection.
+
+    What a connection can make this process hold is bounded by the dataset, never by what the reader claims: a
+    request is checked field by field before use (node_protocol.BlobLookup), a plan is read and checked in pieces
+    of PLAN_PIECE_ROWS rows, has at most as many rows as the dataset has blobs, and is kept as 4-byte blob rows of
+    the remote blobs it names; it is given back when the next plan replaces it or its connection closes. A refused request gets one reply that names the field at fault; the connection goes on unless what
+    follows can no longer be told apart (a bad magic, a plan longer than the dataset)."""
 
     def __init__(self, local_dir: Path, description: dict[str, Any], source: ChunkSource, blobs: BlobTable,
                  chunk_count: int) -> None:
         self.path = local_dir / SOCKET_NAME
-        self._hello = json.dumps(description).encode()
+        self._lookup = BlobLookup(blobs, chunk_count)
+        # `blobs`: the longest plan taken (a reader cuts a longer order: a sampler may draw with replacement).
+        self._hello = json.dumps({**description, "blobs": len(blobs)}).encode()
         self._source = source
-        self._blobs = blobs
-        self._chunk_count = chunk_count
-        self.ahead = BlobsAhead(source.start_reads)
-        self.asked = 0
+        self._remote: np.ndarray | None = None  # per blob row: whether this node fetches it from a peer
+        self._remote_lock = threading.Lock()
+        self._refusals = 0  # requests refused; the first is logged
+        self._refusals_lock = threading.Lock()
+        self.ahead = BlobsAhead(source.start_reads, self._lookup.locate)
         self.path.unlink(missing_ok=True)  # left by a killed job
         endpoint = self
 
@@ -204,74 +89,113 @@ class NodeEndpoint:
         self._thread.start()
 
     def _serve(self, connection: socket.socket) -> None:
+        """One connection's requests, in turn, until it closes; then its plan is given back."""
+        holder = id(connection)  # its plan's holder: unique while it is open, and the plan goes before it closes
         stream = connection.makefile("rb")
         try:
             while True:
                 header = stream.read(REQUEST.size)
                 if len(header) < REQUEST.size:
                     return
-                magic, kind, chunk, offset, length = REQUEST.unpack(header)
-                if magic != REQUEST_MAGIC:
-                    log.warning("a local reader sent a malformed request: connection closed")
-                    return
-                if kind == PLAN:
-                    if length > MAX_PLAN_ROWS:
-                        self._reply(connection, REFUSED, f"a plan of {length} rows is too long".encode())
+                try:
+                    if not self._answer(connection, stream, holder, *REQUEST.unpack(header)):
                         return
-                    raw = stream.read(length * PLAN_ROW.itemsize)
-                    if len(raw) < length * PLAN_ROW.itemsize:
+                except Refused as refused:
+                    self._refused(connection, refused)
+                    if refused.fatal:
                         return
-                    self.ahead.replace_plan(self._blobs_of(np.frombuffer(raw, dtype=PLAN_ROW)))
-                    self._reply(connection, OK, b"")
-                elif kind == HELLO:
-                    self._reply(connection, OK, self._hello)
-                elif kind == STATS:
-                    self._reply(connection, OK, json.dumps(self.stats()).encode())
-                elif kind == READ:
-                    self._answer_read(connection, chunk, offset, length)
-                else:
-                    self._reply(connection, REFUSED, f"unknown request kind {kind}".encode())
         except OSError:
             return  # the reader went away
         finally:
+            self.ahead.drop_plan_of(holder)
             stream.close()
             connection.close()
 
-    def stats(self) -> dict[str, int]:
-        """The node's readers: blobs they asked for, blobs fetched ahead, and how many of their reads found one."""
-        return {"asked": self.asked, "fetched_ahead": self.ahead.fetched, "ahead_hits": self.ahead.hits,
-                "ahead_failed_batches": self.ahead.failed_batches}
+    def _answer(self, connection: socket.socket, stream: BinaryIO, holder: int, magic: bytes, kind: int,
+                chunk: int, offset: int, length: int) -> bool:
+        """Answer one request; False when the connection ended in the middle of it. Refused for a bad one."""
+        if magic != REQUEST_MAGIC:
+            raise Refused(f"magic {magic!r}: a request starts with {REQUEST_MAGIC!r}", fatal=True)
+        if kind not in KIND_NAMES:
+            raise Refused(f"kind {kind}: the kinds are " + ", ".join(f"{k} {n}" for k, n in KIND_NAMES.items()))
+        if kind == READ:
+            self._answer_read(connection, self._lookup.read_row(chunk, offset, length), length)
+            return True
+        unused = {"chunk": chunk, "offset": offset} if kind == PLAN else \
+            {"chunk": chunk, "offset": offset, "length": length}
+        for field, value in unused.items():
+            if value:
+                raise Refused(f"{field} {value}: {KIND_NAMES[kind]} takes 0 there", fatal=kind == PLAN)
+        if kind == PLAN:
+            return self._take_plan(connection, stream, holder, length)
+        self._reply(connection, OK, self._hello if kind == HELLO else json.dumps(self.stats()).encode())
+        return True
 
-    def _answer_read(self, connection: socket.socket, chunk: int, offset: int, length: int) -> None:
-        self.asked += 1
-        blob = self.ahead.take(chunk, offset)
+    def _take_plan(self, connection: socket.socket, stream: BinaryIO, holder: int, rows: int) -> bool:
+        """Read a plan of `rows` rows piece by piece; keep the rows that name remote blobs, as blob rows, as the
+        node's plan. False when the connection ended in the middle of it."""
+        if rows > len(self._lookup):
+            raise Refused(f"length {rows}: a plan has at most as many rows as the dataset has blobs "
+                          f"({len(self._lookup)})", fatal=True)
+        remote = self._remote_blobs()
+        kept: list[np.ndarray] = []
+        refused: Refused | None = None
+        for first in range(0, rows, PLAN_PIECE_ROWS):
+            count = min(PLAN_PIECE_ROWS, rows - first)
+            raw = stream.read(count * PLAN_ROW.itemsize)
+            if len(raw) < count * PLAN_ROW.itemsize:
+                return False
+            if refused is not None:
+                continue  # read to its end, so that the connection goes on after the one reply
+            try:
+                found = self._lookup.plan_rows(np.frombuffer(raw, dtype=PLAN_ROW), first)
+            except Refused as exc:
+                refused, kept = exc, []
+                continue
+            found = found[found >= 0]
+            kept.append(found[remote[found]].astype(self._lookup.row_dtype))
+        if refused is not None:
+            raise refused
+        self.ahead.replace_plan(holder, np.concatenate(kept) if kept else np.empty(0, dtype=self._lookup.row_dtype))
+        self._reply(connection, OK, b"")
+        return True
+
+    def _remote_blobs(self) -> np.ndarray:
+        """Per blob row, whether this node gets it from a peer: worked out once, at the first plan."""
+        with self._remote_lock:
+            if self._remote is None:
+                blobs = self._lookup.blobs
+                self._remote = self._source.may_block(blobs.chunk.astype(np.int64), blobs.offset.astype(np.int64))
+            return self._remote
+
+    def stats(self) -> dict[str, Any]:
+        """The node's readers: blobs they asked for, blobs fetched ahead, how many of their reads found one, and
+        the plan's rows."""
+        with self._refusals_lock:
+            refusals = self._refusals
+        return {**self.ahead.stats(), "refused": refusals}
+
+    def _answer_read(self, connection: socket.socket, row: int, length: int) -> None:
+        blob = self.ahead.take(row)
         try:
             if blob is None or len(blob) != length:
-                blob = self._read_checked(chunk, offset, length)
-        except _Refused as exc:
-            self._reply(connection, REFUSED, str(exc).encode())
-        except ChunkCorrupt as exc:
-            self._reply(connection, CORRUPT, str(exc).encode())
+                blob = self._source.read(*self._lookup.locate(row))
         except ChunkError as exc:
-            self._reply(connection, UNAVAILABLE, str(exc).encode())
+            self._reply(connection, status_of(exc), str(exc).encode())
         else:
             self._reply(connection, OK, blob)
 
-    def _blobs_of(self, plan: np.ndarray) -> list[tuple[int, int, int]]:
-        """The plan's rows that name whole blobs of the dataset: no fetch ahead reads outside one."""
-        return [(chunk, offset, length) for chunk, offset, length in plan.tolist()
-                if self._blobs.blob_row(chunk, offset, length) is not None]
-
-    def _read_checked(self, chunk: int, offset: int, length: int) -> bytes:
-        """Whole blobs of the dataset only: a reader's request never reads outside one."""
-        if not 0 <= chunk < self._chunk_count:
-            raise _Refused(f"chunk {chunk} is not in the dataset")
-        if self._blobs.blob_row(chunk, offset, length) is None:
-            raise _Refused(f"chunk {chunk}: no blob of {length} bytes at offset {offset}")
-        return self._source.read(chunk, offset, length)
+    def _refused(self, connection: socket.socket, refused: Refused) -> None:
+        with self._refusals_lock:
+            self._refusals += 1
+            first = self._refusals == 1
+        if first:
+            log.warning("a reader on this node sent a request the node does not take: %s (--stats counts any more)",
+                        refused)
+        self._reply(connection, REFUSED, str(refused).encode())
 
     @staticmethod
-    def _reply(connection: socket.socket, status: int, payload: bytes) -> None:
+    def _reply(connection: socket.socket, status: int, payload: bytes | memoryview) -> None:
         connection.sendall(REPLY.pack(REPLY_MAGIC, status, len(payload)) + payload)
 
     def close(self) -> None:
@@ -280,6 +204,3 @@ class NodeEndpoint:
         self.ahead.close()
         self.path.unlink(missing_ok=True)
 
-
-class _Refused(ChunkError):
-    """A request for bytes that are not one blob of the dataset."""

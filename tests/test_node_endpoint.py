@@ -1,0 +1,316 @@
+"""The node socket (fanstore/serve/node_endpoint.py) over a real Unix socket, the way a hostile or broken reader would
+use it: every field of a request and every row of a plan is range-checked, a bad one answers one refusal naming it,
+and what a connection can make the serve process hold is bounded by the dataset and given back. The same probes
+against a real `mpiexec -n 2 fanstore serve` job, with the serve process's memory read from /proc, are in
+test_a_serve_job_refuses_hostile_requests_and_holds_no_more_for_them."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO, numbered_files
+from fanstore import PackOptions, open_dataset, pack
+from fanstore.chunk_source import BlobRead, ChunkSource, LocalChunkSource
+from fanstore.serve.node_endpoint import NodeEndpoint
+from fanstore.serve.node_protocol import (HELLO, OK, PLAN, PLAN_ROW, READ, REFUSED, REPLY, REPLY_MAGIC, REQUEST,
+                                          REQUEST_MAGIC, STATS)
+from fanstore.serve.placement import BlobTable
+
+
+class HalfRemote(ChunkSource):
+    """A node's source over a dataset directory: blobs of odd chunks are 'remote' (may_block; fetched ahead from a
+    thread of their own, as the transport's would), blobs of even chunks are this node's."""
+
+    def __init__(self, dataset) -> None:
+        self.chunks = LocalChunkSource(dataset.path, dataset.index.chunks["size"])
+        self.started = 0
+        self._lock = threading.Lock()
+
+    def read(self, chunk_id: int, offset: int, length: int) -> bytes:
+        return self.chunks.read(chunk_id, offset, length)
+
+    def may_block(self, chunks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        return np.asarray(chunks) % 2 == 1
+
+    def start_reads(self, reads, ahead: bool = False) -> list[bool]:
+        started = [read.chunk_id % 2 == 1 for read in reads]
+        remote = [read for read, ok in zip(reads, started) if ok]
+        with self._lock:
+            self.started += len(remote)
+        threading.Timer(0.001, self._answer, (remote,)).start()
+        return started
+
+    def _answer(self, reads: list[BlobRead]) -> None:
+        for read in reads:
+            read.done(self.chunks.read(read.chunk_id, read.offset, read.length), None)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("endpoint")
+    numbered_files(root / "src", 80, lambda number: 500 + 61 * number)
+    pack(root / "src", root / "ds", PackOptions(codec="none", chunk_size=8 * 1024, workers=1))
+    with open_dataset(root / "ds") as ds:
+        yield ds
+
+
+@pytest.fixture
+def endpoint(dataset, tmp_path):
+    source = HalfRemote(dataset)
+    node = NodeEndpoint(tmp_path, {"rank": 0}, source, BlobTable.of(dataset.index), len(dataset.index.chunks))
+    node.source = source
+    yield node
+    node.close()
+
+
+class Reader:
+    """A connection to the node socket that sends what it is told, byte for byte."""
+
+    def __init__(self, path: Path) -> None:
+        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.socket.connect(str(path))
+        self.socket.settimeout(10)
+
+    def ask(self, kind: int, chunk: int = 0, offset: int = 0, length: int = 0, payload: bytes = b"",
+            magic: bytes = REQUEST_MAGIC) -> tuple[int, bytes]:
+        self.socket.sendall(REQUEST.pack(magic, kind, chunk, offset, length) + payload)
+        return self.reply()
+
+    def reply(self) -> tuple[int, bytes]:
+        magic, status, size = REPLY.unpack(self.exactly(REPLY.size))
+        assert magic == REPLY_MAGIC
+        return status, self.exactly(size)
+
+    def exactly(self, size: int) -> bytes:
+        data = b""
+        while len(data) < size:
+            more = self.socket.recv(size - len(data))
+            assert more, "the node closed the connection"
+            data += more
+        return data
+
+    def closed(self) -> bool:
+        """Whether the node closed this connection (nothing more comes, ever)."""
+        return self.socket.recv(1) == b""
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+def blobs_of(dataset) -> list[tuple[int, int, int]]:
+    """(chunk, offset, stored length) of every file, in path order."""
+    rows = []
+    for path in sorted(dataset.files()):
+        entry = dataset.index.entries[dataset.resolve(path)]
+        rows.append((int(entry["chunk"]), int(entry["offset"]), int(entry["stored_len"])))
+    return rows
+
+
+def plan_bytes(rows) -> bytes:
+    return np.array(rows, dtype=PLAN_ROW).tobytes()
+
+
+def test_each_bad_field_of_a_request_is_refused_once_by_name_and_the_connection_goes_on(dataset, endpoint):
+    chunk, offset, length = blobs_of(dataset)[0]
+    largest = max(row[2] for row in blobs_of(dataset))
+    chunks = len(dataset.index.chunks)
+    cases = {  # what is sent: (kind, chunk, offset, length) -> the reason's start
+        (READ, chunk, 2**64 - 1, length): f"offset {2**64 - 1} of chunk {chunk}: past the end of the chunk's blobs",
+        (READ, chunk, 2**63, length): f"offset {2**63} of chunk {chunk}: past the end",
+        (READ, 2**32 - 1, offset, length): f"chunk {2**32 - 1}: the dataset's chunks are 0 to {chunks - 1}",
+        (READ, chunks, offset, length): f"chunk {chunks}: the dataset's chunks are 0 to {chunks - 1}",
+        (READ, chunk, offset, 0): f"length 0: a blob of this dataset is 1 to {largest} bytes long",
+        (READ, chunk, offset, 2**64 - 1): f"length {2**64 - 1}: a blob of this dataset is 1 to {largest} bytes",
+        (READ, chunk, offset, largest + 1): f"length {largest + 1}: a blob",
+        (READ, chunk, offset + 1, length - 1): f"no blob of {length - 1} bytes at offset {offset + 1} of chunk",
+        (READ, chunk, offset, length + 1): f"no blob of {length + 1} bytes at offset {offset} of chunk",
+        (HELLO, 5, 0, 0): "chunk 5: HELLO takes 0 there",
+        (STATS, 0, 0, 1): "length 1: STATS takes 0 there",
+        (99, 0, 0, 0): "kind 99: the kinds are 1 HELLO, 2 READ, 3 PLAN, 4 STATS",
+    }
+    reader = Reader(endpoint.path)
+    try:
+        for request, reason in cases.items():
+            status, payload = reader.ask(*request)
+            assert (status, payload.decode()[:len(reason)]) == (REFUSED, reason), request
+            assert reader.ask(HELLO)[0] == OK  # one reply, and the connection still answers
+        assert reader.ask(READ, chunk, offset, length) == (OK, dataset.reader.source.read(chunk, offset, length))
+        assert endpoint.stats()["refused"] == len(cases)
+    finally:
+        reader.close()
+
+
+def test_a_request_whose_end_cannot_be_told_is_refused_once_and_its_connection_closed(dataset, endpoint):
+    blob_count = len(BlobTable.of(dataset.index))
+    cases = [  # (magic, kind, chunk, offset, length) -> the reason's start
+        ((b"XXXX", HELLO, 0, 0, 0), "magic b'XXXX': a request starts with b'FSNQ'"),
+        ((REQUEST_MAGIC, PLAN, 0, 0, 1 << 24), f"length {1 << 24}: a plan has at most as many rows as the dataset "
+                                               f"has blobs ({blob_count})"),
+        ((REQUEST_MAGIC, PLAN, 0, 0, 2**64 - 1), f"length {2**64 - 1}: a plan has at most"),
+        ((REQUEST_MAGIC, PLAN, 3, 0, 1), "chunk 3: PLAN takes 0 there"),
+        ((REQUEST_MAGIC, PLAN, 0, 7, 1), "offset 7: PLAN takes 0 there"),
+    ]
+    for (magic, *fields), reason in cases:
+        reader = Reader(endpoint.path)
+        try:
+            status, payload = reader.ask(*fields, magic=magic)
+            assert (status, payload.decode()[:len(reason)]) == (REFUSED, reason)
+            assert reader.closed()
+        finally:
+            reader.close()
+    other = Reader(endpoint.path)  # the node goes on serving
+    assert other.ask(HELLO)[0] == OK
+    other.close()
+
+
+def test_a_plan_row_out_of_range_refuses_the_plan_by_row_and_field_and_the_connection_goes_on(dataset, endpoint):
+    blobs = blobs_of(dataset)
+    chunk, offset, length = blobs[1]
+    largest = max(row[2] for row in blobs)
+    cases = {
+        (-1, offset, length): "plan row 2: chunk -1: the dataset's chunks are 0 to",
+        (chunk, -5, length): f"plan row 2: offset -5 of chunk {chunk}: negative",
+        (chunk, 2**63 - 1, length): f"plan row 2: offset {2**63 - 1} of chunk {chunk}: past the end",
+        (chunk, offset, 0): "plan row 2: length 0: a blob of this dataset is 1 to",
+        (chunk, offset, -1): "plan row 2: length -1: a blob",
+        (chunk, offset, largest + 1): f"plan row 2: length {largest + 1}: a blob",
+    }
+    reader = Reader(endpoint.path)
+    try:
+        for bad, reason in cases.items():
+            rows = [blobs[0], blobs[1], bad, blobs[2]]
+            status, payload = reader.ask(PLAN, length=len(rows), payload=plan_bytes(rows))
+            assert (status, payload.decode()[:len(reason)]) == (REFUSED, reason), bad
+            assert endpoint.stats()["plans"] == {}  # nothing of a refused plan is kept
+        assert reader.ask(PLAN, length=len(blobs), payload=plan_bytes(blobs)) == (OK, b"")
+    finally:
+        reader.close()
+
+
+def test_a_plan_keeps_only_the_remote_blobs_it_names_and_is_given_back_when_its_connection_closes(dataset,
+                                                                                                endpoint):
+    blobs = blobs_of(dataset)
+    not_blobs = [(chunk, offset + 1, 1) for chunk, offset, _ in blobs[:5]]  # in range, inside a blob
+    remote = [row for row in blobs[5:] if row[0] % 2 == 1]
+    reader = Reader(endpoint.path)
+    try:
+        rows = blobs[5:] + not_blobs
+        assert reader.ask(PLAN, length=len(rows), payload=plan_bytes(rows)) == (OK, b"")
+        (plan,) = endpoint.stats()["plans"].values()
+        assert plan["rows"] == len(remote)
+        # The node's readers read every remote blob (fetched ahead by now, or on their way).
+        for chunk, offset, length in remote:
+            assert reader.ask(READ, chunk, offset, length) == (OK, endpoint.source.read(chunk, offset, length))
+        assert endpoint.source.started == len(remote)
+    finally:
+        reader.close()
+    wait_until_true(lambda: endpoint.stats()["plans"] == {}, "the plan given back")
+    assert endpoint.stats()["ahead_held_bytes"] == 0
+
+
+def test_a_plan_has_at_most_as_many_rows_as_the_dataset_has_blobs(dataset, endpoint):
+    remote = [row for row in blobs_of(dataset) if row[0] % 2 == 1]
+    most = len(BlobTable.of(dataset.index))
+    reader = Reader(endpoint.path)
+    try:
+        rows = (remote * most)[:most]  # a blob listed many times (a sampler may draw with replacement)
+        assert reader.ask(PLAN, length=len(rows), payload=plan_bytes(rows)) == (OK, b"")
+        assert [plan["rows"] for plan in endpoint.stats()["plans"].values()] == [most]
+        assert json.loads(reader.ask(HELLO)[1])["blobs"] == most  # what a reader cuts its plan to
+    finally:
+        reader.close()
+    reader = Reader(endpoint.path)
+    try:
+        rows = (remote * (most + 1))[:most + 1]
+        status, payload = reader.ask(PLAN, length=len(rows), payload=plan_bytes(rows))
+        assert status == REFUSED and payload.decode().startswith(f"length {most + 1}: a plan has at most")
+    finally:
+        reader.close()
+
+
+def test_a_plan_cut_short_by_its_reader_is_dropped_with_its_connection(dataset, endpoint):
+    blobs = blobs_of(dataset)
+    reader = Reader(endpoint.path)
+    reader.socket.sendall(REQUEST.pack(REQUEST_MAGIC, PLAN, 0, 0, len(blobs)) + plan_bytes(blobs)[:-5])
+    reader.socket.shutdown(socket.SHUT_WR)
+    assert reader.closed()
+    reader.close()
+    assert endpoint.stats()["plans"] == {}
+    other = Reader(endpoint.path)
+    assert other.ask(HELLO)[0] == OK
+    other.close()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """4,000 small files: a maximal plan (as many rows as blobs) is worth measuring."""
+    root = tmp_path_factory.mktemp("served")
+    rng = np.random.default_rng(7)
+    for number in range(4000):
+        path = root / "src" / f"d{number % 10}" / f"f{number:04d}.bin"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(rng.integers(0, 16, 200 + number % 1800, np.uint8).tobytes())
+    pack(root / "src", root / "dest", PackOptions(codec="zstd:3", chunk_size=64 * 1024, workers=1))
+    return root / "src", root / "dest"
+
+
+# The serve process's resident memory may grow this much while it refuses the probes and holds a maximal plan of
+# this dataset (4,000 rows: 16 KiB kept) and serves every file: its threads' stacks touched, its allocator's pools.
+RSS_GROWTH_KIB = 24 << 10
+
+
+def test_a_serve_job_refuses_hostile_requests_and_holds_no_more_for_them(served, tmp_path):
+    """The probes that found it: a plan of 2^24 rows took a serve process from 74 MiB to 3.3 GiB (3 GiB stayed),
+    a READ at offset 2^64-1 ended its connection with an OverflowError traceback. Now each hostile request answers
+    one refusal naming its field, the serve process's memory stays within RSS_GROWTH_KIB of what it was, plans are
+    given back with their connections, and the job goes on serving every file right."""
+    from test_serve import _REASON, MPIEXEC
+
+    if _REASON is not None:
+        pytest.skip(f"needs FUSE and MPI: {_REASON}")
+    src, dest = served
+    for rank in range(2):
+        (tmp_path / f"mp{rank}").mkdir()
+    done = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "fanstore", "serve", str(dest),
+                           str(tmp_path / "mp{rank}"), "--local-dir", str(tmp_path / "local{rank}"), "--quiet",
+                           "--", sys.executable, str(Path(__file__).with_name("serve_node_probe.py")), str(src),
+                           str(dest)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = {line["rank"]: line for line in map(json.loads, done.stdout.splitlines())}
+    assert set(results) == {0, 1}, done.stdout
+    for rank, result in results.items():
+        answers = result["answers"]
+        assert {status for status, _ in answers.values()} == {REFUSED}, answers  # one refusal each
+        assert answers["plan of 2^24 rows"][1].startswith(
+            f"length {1 << 24}: a plan has at most as many rows as the dataset has blobs ({result['blobs']})"), answers
+        assert answers["READ at offset 2^64-1"][1].startswith(f"offset {2**64 - 1} of chunk "), answers
+        assert answers["plan with a negative offset"][1].startswith(f"plan row 1: offset {-(2**63)} of chunk "), \
+            answers
+        assert answers["bad magic"][1].startswith("magic b'QQQQ'"), answers
+        assert result["closed"] == {"plan of 2^24 rows": True, "bad magic": True}, result  # those two alone
+        assert result["hello_after"] == OK and result["maximal_plan"] == [OK, ""], result
+        assert result["plan_rows_held"] == [result["blobs"]] and result["plans_after"] == {}, result
+        rss = result["rss_kib"]
+        assert max(rss.values()) - rss["before"] <= RSS_GROWTH_KIB, rss
+        assert result["bad"] == 0 and result["read"] == 4000, result
+    assert "Traceback" not in done.stderr and "OverflowError" not in done.stderr, done.stderr
+    print({rank: result["rss_kib"] for rank, result in results.items()})
+
+
+def wait_until_true(condition, what: str, timeout: float = 10) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
