@@ -1,6 +1,7 @@
-"""The serve process's fetches ahead for the node's PyTorch readers (fanstore/serve/blobs_ahead.py),
-over a source that answers from another thread, as the transport's MPI thread does, and the node's socket in a
-deep directory. The whole path, with real MPI and real readers, runs in tests/serve_torch_job.py."""
+"""The serve process's fetches ahead for the node's PyTorch readers (fanstore/serve/blobs_ahead.py), one plan per
+training process, over a source that answers from another thread, as the transport's MPI thread does; and the
+node's socket in a deep directory. The whole path, with real MPI and real readers, runs in tests/serve_torch_job.py
+and tests/serve_torch_processes.py."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from conftest import numbered_files
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.chunk_source import BlobRead, LocalChunkSource
 from fanstore.errors import ChunkUnavailable
-from fanstore.serve.blobs_ahead import BLOB_OVERHEAD, BlobsAhead
+from fanstore.serve.blobs_ahead import BLOB_OVERHEAD, BlobsAhead, PlanRefused
 from fanstore.serve.node_endpoint import SOCKET_NAME, UNIX_PATH_MAX, unix_address
 from fanstore.serve.node_protocol import BlobLookup
 from fanstore.serve.placement import BlobTable
@@ -77,9 +78,8 @@ def plan_of(dataset, lookup) -> np.ndarray:
     return np.array(rows, dtype=lookup.row_dtype)
 
 
-def cost_of(lookup, row) -> int:
-    """What holding blob `row` counts in the bounds."""
-    return lookup.locate(int(row))[2] + BLOB_OVERHEAD
+def ahead_of(source, lookup, **bounds) -> BlobsAhead:
+    return BlobsAhead(source, lookup.locate, **bounds)
 
 
 def wait_for(condition, what: str) -> None:
@@ -89,17 +89,28 @@ def wait_for(condition, what: str) -> None:
         time.sleep(0.002)
 
 
+def length_of(lookup, row) -> int:
+    return lookup.locate(int(row))[2]
+
+
+def cost_of(lookup, row) -> int:
+    """What holding blob `row` counts in the bounds."""
+    return length_of(lookup, row) + BLOB_OVERHEAD
+
+
 def test_every_blob_of_the_plan_is_fetched_once_within_the_bounds(dataset, lookup):
     source = AnsweredLater(dataset)
     plan = plan_of(dataset, lookup)
-    largest = max(cost_of(lookup, row) for row in plan)
-    ahead = BlobsAhead(source, lookup.locate, capacity=20_000, in_flight=6_000)
+    largest = max(length_of(lookup, row) for row in plan)
+    ahead = ahead_of(source, lookup, capacity=20_000, in_flight=6_000)
     try:
-        ahead.replace_plan("c1", plan)
+        ahead.replace_plan(1, "c1", plan)
         for row in plan:  # the reader takes each in turn, making room for the next
-            wait_for(lambda row=row: ahead.take(int(row)) is not None, f"blob row {row}")
-        assert ahead.fetched == ahead.hits == len(plan)
+            wait_for(lambda row=row: ahead.holds(int(row)), f"blob row {row}")
+            assert ahead.take(int(row)) is not None
+        assert ahead.cancelled == 0 and ahead.fetched == ahead.hits == len(plan)
         assert source.most_out <= 6_000 + largest  # a new batch starts only below the in-flight bound
+        assert ahead.stats()["ahead_held_bytes"] == 0
     finally:
         ahead.close()
 
@@ -109,11 +120,13 @@ def test_a_blob_that_fails_or_is_local_is_left_to_its_reader_and_the_rest_still_
     plan = plan_of(dataset, lookup)
     source.failing = {lookup.locate(int(plan[3]))[0]}
     source.local = {lookup.locate(int(plan[-1]))[0]}
-    ahead = BlobsAhead(source, lookup.locate)
+    ahead = ahead_of(source, lookup)
     try:
-        ahead.replace_plan("c1", plan)
+        ahead.replace_plan(1, "c1", plan)
         left = {int(row) for row in plan if lookup.locate(int(row))[0] in source.failing | source.local}
         wait_for(lambda: ahead.fetched == len(plan) - len(left), "every other blob")
+        assert ahead.stats()["plans"]["1"]["outstanding_bytes"] == sum(
+            cost_of(lookup, row) for row in plan if int(row) not in left)  # what did not come is not held
         assert all(ahead.take(row) is None for row in left)
         row = next(int(row) for row in plan if int(row) not in left)
         assert bytes(ahead.take(row)) == source._chunks.read(*lookup.locate(row))
@@ -121,24 +134,124 @@ def test_a_blob_that_fails_or_is_local_is_left_to_its_reader_and_the_rest_still_
         ahead.close()
 
 
-def test_a_new_plan_drops_what_came_for_the_old_one_and_a_closed_connection_its_plan(dataset, lookup):
+def test_a_new_plan_of_a_process_gives_back_what_came_for_its_old_one(dataset, lookup):
     source = AnsweredLater(dataset, delay=0.2)
     plan = plan_of(dataset, lookup)
-    ahead = BlobsAhead(source, lookup.locate)
+    ahead = ahead_of(source, lookup)
     try:
-        ahead.replace_plan("c1", plan[:10])
+        ahead.replace_plan(1, "c1", plan[:10])
         time.sleep(0.05)  # asked, not come yet
-        ahead.replace_plan("c2", plan[10:20])
+        ahead.replace_plan(1, "c2", plan[10:20])  # the same process, from another of its connections
         wait_for(lambda: ahead.fetched == 10 and source.out == 0, "the new plan's blobs")
         assert ahead.stats()["ahead_held_bytes"] == sum(cost_of(lookup, row) for row in plan[10:20])
         assert all(ahead.take(int(row)) is None for row in plan[:10])
         assert all(ahead.take(int(row)) is not None for row in plan[10:20])
-        ahead.replace_plan("c2", plan[20:30])
-        wait_for(lambda: ahead.fetched == 20, "the third plan's blobs")
-        ahead.drop_plan_of("c1")  # its plan was replaced: nothing of the current one goes
-        assert list(ahead.stats()["plans"]) == ["c2"]
-        ahead.drop_plan_of("c2")
+        ahead.drop_plans_of("c1")  # the first connection closes: its plan was replaced already
+        assert list(ahead.stats()["plans"]) == ["1"]
+        ahead.drop_plans_of("c2")
         assert ahead.stats()["plans"] == {} and ahead.stats()["ahead_held_bytes"] == 0
+    finally:
+        ahead.close()
+
+
+def test_each_process_has_its_plan_and_both_are_fetched_ahead_within_one_bound(dataset, lookup):
+    """Two training processes on a node, each announcing its own half: neither replaces the other, fetches take
+    turns by need, and together they stay within the bounds."""
+    source = AnsweredLater(dataset)
+    plan = plan_of(dataset, lookup)
+    first, second = plan[0::2], plan[1::2]
+    largest = max(cost_of(lookup, row) for row in plan)
+    ahead = ahead_of(source, lookup, capacity=12_000, in_flight=5_000)
+    try:
+        ahead.replace_plan(101, "a", first)
+        ahead.replace_plan(102, "b", second)
+        wait_for(lambda: ahead.stats()["ahead_held_bytes"] + ahead.stats()["ahead_asked_bytes"] >= 12_000 - largest,
+                 "the bound filled")
+        time.sleep(0.05)
+        stats = ahead.stats()
+        assert stats["ahead_held_bytes"] + stats["ahead_asked_bytes"] <= 12_000 + largest
+        held = {owner: counters["outstanding_bytes"] for owner, counters in stats["plans"].items()}
+        assert held["101"] > 0 and held["102"] > 0  # both, not the last announced alone
+        for row_a, row_b in zip(first, second):  # both processes read, in turn
+            for row in (row_a, row_b):
+                wait_for(lambda row=row: ahead.holds(int(row)), f"blob row {row}")
+                assert ahead.take(int(row)) is not None
+        stats = ahead.stats()
+        assert stats["plans"]["101"]["hits"] == len(first) and stats["plans"]["102"]["hits"] == len(second)
+        assert source.most_out <= 5_000 + largest
+    finally:
+        ahead.close()
+
+
+def test_a_process_that_does_not_read_gives_back_what_it_holds_past_its_share(dataset, lookup):
+    """A plan announced and never read fills the bound; when a second process announces, the first gives back its
+    furthest blobs down to its share, and the second's are fetched ahead as it reads: no process starves another."""
+    source = AnsweredLater(dataset)
+    plan = plan_of(dataset, lookup)
+    idle, reading = plan[:30], plan[30:]
+    ahead = ahead_of(source, lookup, capacity=20_000)
+    try:
+        ahead.replace_plan(1, "idle", idle)
+        wait_for(lambda: ahead.stats()["ahead_held_bytes"] >= 20_000 - 4_000 or ahead.fetched == len(idle),
+                 "the idle plan's blobs")
+        ahead.replace_plan(2, "reading", reading)
+        for row in reading:
+            wait_for(lambda row=row: ahead.holds(int(row)), f"the reading plan's blob row {row}")
+            assert ahead.take(int(row)) is not None
+        stats = ahead.stats()
+        assert stats["plans"]["2"]["hits"] == len(reading) and stats["ahead_given_back"] > 0
+        # Once the reading plan has every row started, the idle one may fill the bound again: nothing else needs it.
+    finally:
+        ahead.close()
+
+
+def test_a_blob_two_plans_list_is_fetched_once_and_held_until_both_read_it(dataset, lookup):
+    source = AnsweredLater(dataset)
+    plan = plan_of(dataset, lookup)
+    ahead = ahead_of(source, lookup)
+    try:
+        ahead.replace_plan(1, "a", plan[:5])
+        ahead.replace_plan(2, "b", plan[:5])
+        wait_for(lambda: ahead.fetched == 5, "the shared blobs")
+        time.sleep(0.02)
+        assert ahead.fetched == 5 and source.most_out <= sum(length_of(lookup, row) for row in plan[:5])
+        assert all(ahead.take(int(row)) is not None for row in plan[:5])
+        assert all(ahead.take(int(row)) is not None for row in plan[:5])  # the second reader's
+        assert ahead.take(int(plan[0])) is None and ahead.stats()["ahead_held_bytes"] == 0
+    finally:
+        ahead.close()
+
+
+def test_a_read_before_its_blob_was_started_cancels_the_start(dataset, lookup):
+    """A reader ahead of the fetches reads a blob itself: the fetcher must not fetch it afterwards and hold it."""
+    source = AnsweredLater(dataset, delay=0.3)
+    plan = plan_of(dataset, lookup)
+    length = length_of(lookup, plan[0])
+    ahead = ahead_of(source, lookup, in_flight=length)  # one blob at a time
+    try:
+        ahead.replace_plan(1, "a", plan[:4])
+        wait_for(lambda: source.out > 0, "the first fetch")
+        assert ahead.take(int(plan[2])) is None  # read before it was started
+        assert ahead.take(int(plan[0])) is None  # read while on its way: dropped when it comes
+        wait_for(lambda: ahead.fetched == 2 and source.out == 0, "the other two")
+        time.sleep(0.4)
+        assert ahead.fetched == 2 and ahead.cancelled == 1
+        assert ahead.stats()["ahead_held_bytes"] == sum(cost_of(lookup, row) for row in (plan[1], plan[3]))
+    finally:
+        ahead.close()
+
+
+def test_a_node_keeps_plans_of_a_bounded_number_of_processes(dataset, lookup):
+    ahead = ahead_of(AnsweredLater(dataset), lookup, max_plans=2)
+    plan = plan_of(dataset, lookup)
+    try:
+        ahead.replace_plan(1, "a", plan[:2])
+        ahead.replace_plan(2, "b", plan[2:4])
+        with pytest.raises(PlanRefused, match="2 processes at most"):
+            ahead.replace_plan(3, "c", plan[4:6])
+        ahead.replace_plan(2, "b", plan[6:8])  # a process with a plan may always replace it
+        ahead.drop_plans_of("a")
+        ahead.replace_plan(3, "c", plan[4:6])
     finally:
         ahead.close()
 
@@ -163,20 +276,21 @@ def test_a_batch_the_source_fails_to_start_is_logged_and_the_rest_of_the_plan_st
     source = AnsweredLater(dataset)
     plan = plan_of(dataset, lookup)
     first_batch = 5
-    ahead = BlobsAhead(FailsOnce(source), lookup.locate,
-                       in_flight=sum(cost_of(lookup, row) for row in plan[:first_batch]))
+    ahead = ahead_of(FailsOnce(source), lookup,
+                     in_flight=sum(cost_of(lookup, row) for row in plan[:first_batch]))
     try:
-        ahead.replace_plan("c1", plan)
+        ahead.replace_plan(1, "a", plan)
         rest = plan[first_batch:]
         for row in rest:
-            wait_for(lambda row=row: ahead.take(int(row)) is not None, f"blob row {row}")
+            wait_for(lambda row=row: ahead.holds(int(row)), f"blob row {row}")
+            assert ahead.take(int(row)) is not None
         wait_for(lambda: source.out == 0, "the first batch's one started read")
         # The failed batch, its one started read too, is left to the readers; its bytes no longer count as asked,
         # so the bound let the rest through and nothing of the next plan is held back.
         assert all(ahead.take(int(row)) is None for row in plan[:first_batch])
         assert ahead.failed_batches == 1 and ahead.fetched == len(rest)
         assert "fetching ahead for this node's readers failed" in caplog.text and "a bug in the source" in caplog.text
-        ahead.replace_plan("c1", plan[:first_batch])
+        ahead.replace_plan(1, "a", plan[:first_batch])
         wait_for(lambda: ahead.fetched == len(plan), "the next plan's blobs")
     finally:
         ahead.close()

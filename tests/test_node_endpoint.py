@@ -20,6 +20,7 @@ import pytest
 from conftest import REPO, numbered_files
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.chunk_source import BlobRead, ChunkSource, LocalChunkSource
+from fanstore.serve.blobs_ahead import BLOB_OVERHEAD
 from fanstore.serve.node_endpoint import NodeEndpoint
 from fanstore.serve.node_protocol import (HELLO, OK, PLAN, PLAN_ROW, READ, REFUSED, REPLY, REPLY_MAGIC, REQUEST,
                                           REQUEST_MAGIC, STATS)
@@ -248,6 +249,50 @@ def test_a_plan_cut_short_by_its_reader_is_dropped_with_its_connection(dataset, 
     other = Reader(endpoint.path)
     assert other.ask(HELLO)[0] == OK
     other.close()
+
+
+OTHER_PROCESS = r"""
+import socket, sys
+import numpy as np
+from fanstore.serve.node_protocol import PLAN, PLAN_ROW, REPLY, REQUEST, REQUEST_MAGIC
+rows = np.array([tuple(int(v) for v in row.split(",")) for row in sys.argv[2:]], dtype=PLAN_ROW)
+with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+    connection.connect(sys.argv[1])
+    connection.sendall(REQUEST.pack(REQUEST_MAGIC, PLAN, 0, 0, len(rows)) + rows.tobytes())
+    connection.recv(REPLY.size)
+    print("announced", flush=True)
+    sys.stdin.readline()  # holds its connection, and so its plan, until told
+"""
+
+
+def test_each_process_has_a_plan_of_its_own_whichever_connection_brings_it(dataset, endpoint):
+    """A DataLoader's parent announces on one connection, its workers read on others; a second training process
+    on the node announces its own order. A process's new plan replaces its own, never another process's."""
+    remote = [row for row in blobs_of(dataset) if row[0] % 2 == 1]
+    mine, theirs = remote[: len(remote) // 2], remote[len(remote) // 2 :]
+    other = subprocess.Popen([sys.executable, "-c", OTHER_PROCESS, str(endpoint.path),
+                              *(",".join(map(str, row)) for row in theirs)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    first, second = Reader(endpoint.path), Reader(endpoint.path)
+    try:
+        assert other.stdout.readline() == "announced\n"
+        assert first.ask(PLAN, length=len(remote), payload=plan_bytes(remote)) == (OK, b"")
+        assert second.ask(PLAN, length=len(mine), payload=plan_bytes(mine)) == (OK, b"")  # replaces the first
+        plans = endpoint.stats()["plans"]
+        assert {owner: plan["rows"] for owner, plan in plans.items()} == {str(os.getpid()): len(mine),
+                                                                          str(other.pid): len(theirs)}
+        first.close()  # its plan was replaced: closing it gives back nothing of the second's
+        wait_until_true(lambda: endpoint.stats()["ahead_held_bytes"] == sum(row[2] + BLOB_OVERHEAD for row in remote),
+                        "both plans fetched ahead")
+        assert set(endpoint.stats()["plans"]) == {str(os.getpid()), str(other.pid)}
+        for chunk, offset, length in remote:  # whoever reads a blob takes it
+            assert second.ask(READ, chunk, offset, length) == (OK, endpoint.source.read(chunk, offset, length))
+        stats = endpoint.stats()
+        assert stats["ahead_hits"] == len(remote) and stats["plans"][str(other.pid)]["hits"] == len(theirs)
+    finally:
+        other.communicate("\n", timeout=10)
+        second.close()
+    wait_until_true(lambda: endpoint.stats()["plans"] == {}, "both plans given back")
 
 
 @pytest.fixture(scope="module")

@@ -207,6 +207,39 @@ def test_a_few_training_steps_under_mpiexec_fanstore_serve(packed, tmp_path):
     assert "request refused" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
+def test_two_training_processes_on_a_rank_each_have_their_plan_fetched_ahead(packed, tmp_path):
+    """One training process per GPU: two on each rank of `mpiexec -n 2 fanstore serve`, each with its own
+    DataLoader and DistributedSampler share, announcing its own order. The node keeps a plan for each (a node that
+    kept one would have fetched ahead for the last to announce alone): both processes' reads find remote blobs
+    fetched ahead, and every file is the source's, byte for byte."""
+    from test_serve import _REASON, MPIEXEC
+
+    if _REASON is not None:
+        pytest.skip(f"needs FUSE and MPI: {_REASON}")
+    src, dest = packed
+    for rank in range(2):
+        (tmp_path / f"mp{rank}").mkdir()
+    job = Path(__file__).with_name("serve_torch_processes.py")
+    done = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "fanstore", "serve", str(dest),
+                           str(tmp_path / "mp{rank}"), "--local-dir", str(tmp_path / "local{rank}"), "--quiet",
+                           "--", sys.executable, str(job), str(src), str(dest)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = {line["rank"]: line for line in map(json.loads, done.stdout.splitlines())}
+    assert set(results) == {0, 1}, done.stdout
+    for result in results.values():
+        assert result["exit_codes"] == [0, 0], result
+        trainers = result["trainers"]
+        assert [trainer["number"] for trainer in trainers] == [0, 1], result
+        for trainer in trainers:
+            assert trainer["bad"] == 0 and trainer["read"] == trainer["expected"] == 15, trainer
+            assert trainer["plans"] == 2, trainer  # both processes' plans held at once
+            assert trainer["plan"]["rows"] > 0 and trainer["plan"]["hits"] > 0, trainer
+        assert result["node"]["ahead_hits"] == sum(trainer["plan"]["hits"] for trainer in trainers), result
+        assert result["node"]["plans"] == {}, result  # each given back when its process's connections closed
+    assert "Traceback" not in done.stderr, done.stderr
+
+
 def test_an_empty_class_is_refused_unless_allowed(tmp_path):
     src = tmp_path / "src"
     (src / "val" / "empty").mkdir(parents=True)

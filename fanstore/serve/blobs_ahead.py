@@ -1,5 +1,12 @@
-"""Remote blobs fetched ahead for the node's readers (fanstore.torch workers), in the order of the node's plan,
-within one bound.
+"""Remote blobs fetched ahead for the node's readers (fanstore.torch workers): one epoch plan per training process
+that announces one, all within one bound.
+
+Several training processes may share a node (one per GPU, each with its own DataLoader and sampler share): each
+announces its own order, and each order is fetched ahead. Plans take turns by need: the next blob started is
+always for the plan with the fewest bytes started and not yet read. When the bound is full and a plan holds less
+than its share (the bound over the number of plans) while another holds more, the other gives back its furthest
+blobs down to its share and fetches them again later: a process that announced first, or that reads slowly or
+not at all, cannot keep the others from fetching ahead.
 """
 
 from __future__ import annotations
@@ -7,7 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from typing import Any, Callable, Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -16,146 +23,325 @@ from ..errors import ChunkError
 
 log = logging.getLogger("fanstore.serve")
 
-AHEAD_BYTES = 256 << 20  # remote blobs fetched ahead and not read yet, at most
+AHEAD_BYTES = 256 << 20  # remote blobs fetched ahead and not read yet, at most, for all plans together
+# What holding a blob costs besides its bytes (its entry, its want, the bytes object): counted in the bounds, so
+# that AHEAD_BYTES bounds memory for blobs of a few hundred bytes too.
+BLOB_OVERHEAD = 512
 # Of those, bytes asked of peers and not come yet: a request queued behind many others could miss its deadline.
 AHEAD_IN_FLIGHT = 16 << 20
 AHEAD_ROWS = 64  # plan rows started at once; the source asks each peer for its blobs among them together
-# What holding a blob costs besides its bytes (its entry, the bytes object): counted in the bounds, so that
-# AHEAD_BYTES bounds memory for blobs of a few hundred bytes too.
-BLOB_OVERHEAD = 512
+MAX_PLANS = 64  # training processes with a plan at once on a node (one per GPU is a handful)
+# A read that comes before its blob was started cancels that start when it lies this close ahead in a plan: a
+# reader that runs ahead of the fetches must not leave blobs fetched after it passed them, held until the next plan.
+CANCEL_WINDOW = 1024
+PASSED = -1  # a plan row whose blob was read, failed, or was read before it was started: never started again
+
+
+class PlanRefused(Exception):
+    """A plan the holder does not take (the node has as many plans as it keeps)."""
+
+
+class _Plan:
+    """One process's epoch: blob rows in its order of need, and its wants (rows started and not read yet)."""
+
+    __slots__ = ("fetched", "hits", "holder", "live", "next", "outstanding", "owner", "rows", "started")
+
+    def __init__(self, owner: Hashable, holder: Hashable, rows: np.ndarray) -> None:
+        self.owner = owner  # the announcing process (a new plan of it replaces this one)
+        self.holder = holder  # the connection it came on (its plan goes when that connection closes)
+        self.rows = rows  # blob rows; PASSED where there is nothing (more) to start
+        self.next = 0  # the first row not started yet
+        self.outstanding = 0  # what its wants cost (blobs held for it, or asked and not come)
+        self.live: dict[int, int] = {}  # place in `rows` -> blob row, of each want, in the order started
+        self.started = self.fetched = self.hits = 0
+
+    def left(self) -> bool:
+        return self.next < len(self.rows)
+
+
+class _Wanted:
+    """A blob started for one or more plans and not yet read by all of them."""
+
+    __slots__ = ("blob", "cost", "fetch", "wants")
+
+    def __init__(self, length: int, fetch: int) -> None:
+        self.cost = length + BLOB_OVERHEAD
+        # (plan, place in its rows) of each want, in the order started: a plan that lists the blob twice wants it
+        # twice, and the first want is the one a read ends.
+        self.wants: list[tuple[_Plan, int]] = []
+        self.blob: bytes | memoryview | None = None  # None while asked and not come
+        self.fetch = fetch  # the fetch it waits for: an answer to an earlier fetch of the same blob is not it
+
+    def want(self, plan: _Plan, place: int, row: int) -> None:
+        self.wants.append((plan, place))
+        plan.live[place] = row
+        plan.outstanding += self.cost
+
+    def unwant(self, number: int) -> tuple[_Plan, int]:
+        """End want `number` of this blob (0: the first); its plan and place."""
+        plan, place = self.wants.pop(number)
+        del plan.live[place]
+        plan.outstanding -= self.cost
+        return plan, place
 
 
 class BlobsAhead:
-    """Remote blobs of the current plan, fetched in plan order and held until read once. One thread starts the
-    fetches (ChunkSource.start_reads: each peer's blobs several to a request), and they are handed over as they
-    arrive: no thread waits for a peer."""
+    """Remote blobs of the node's plans, fetched in each plan's order and held until read once (a blob two plans
+    list is fetched once and held until both read it).
+
+    One thread (fanstore-node-ahead) starts the fetches (ChunkSource.start_reads: each peer's blobs several to a
+    request), and they are handed over as they arrive from the source's thread: no thread waits for a peer.
+
+    """
 
     def __init__(self, start_reads: Callable[[Sequence[BlobRead]], list[bool]],
                  locate: Callable[[int], tuple[int, int, int]], capacity: int = AHEAD_BYTES,
-                 in_flight: int = AHEAD_IN_FLIGHT) -> None:
+                 in_flight: int = AHEAD_IN_FLIGHT, max_plans: int = MAX_PLANS) -> None:
         self._start_reads = start_reads
         self._locate = locate  # blob row -> (chunk, offset, stored length)
         self._capacity = capacity
         self._in_flight = in_flight
-        self._held: dict[int, bytes | memoryview] = {}  # blob row -> the blob, come and not read
-        self._held_bytes = 0
-        self._reserved = 0  # bytes asked for and not come yet
+        self._max_plans = max_plans
+        self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)
+        self._plans: dict[Hashable, _Plan] = {}  # owner -> its plan
+        self._wanted: dict[int, _Wanted] = {}  # blob row -> the blob started for plans and not read by all
+        self._held_bytes = 0  # what blobs come and not read cost (their bytes, BLOB_OVERHEAD each)
+        self._reserved = 0  # what blobs asked for and not come yet cost
         self._asked: dict[int, int] = {}  # fetch number -> its cost, while it is asked and not come
         self._fetch_number = 0
-        self._plan = np.empty(0, dtype=np.int32)  # blob rows, in the order the readers need them
-        self._holder: Hashable = None  # the connection the plan came on: it goes when that connection closes
-        self._next = 0
-        self._generation = 0
-        self._changed = threading.Condition()
         self._closed = False
-        self.asked = self.hits = self.fetched = self.failed_batches = 0
+        self.asked = self.hits = self.fetched = self.failed_batches = self.cancelled = self.given_back = 0
         self._thread = threading.Thread(target=self._work, name="fanstore-node-ahead", daemon=True)
         self._thread.start()
 
-    def replace_plan(self, holder: Hashable, rows: np.ndarray) -> None:
-        """The plan is now `rows` (blob rows; empty: none), which came on connection `holder`; what came for the
-        previous one and was not read is given back."""
-        with self._changed:
-            self._plan, self._holder = rows, holder
-            self._next = 0
-            self._generation += 1
-            self._held.clear()
-            self._held_bytes = 0
-            self._changed.notify_all()
+    # --- the endpoint's side -------------------------------------------------------------------------------------
 
-    def drop_plan_of(self, holder: Hashable) -> None:
-        """Give back the plan if it came on connection `holder`, which has closed."""
-        with self._changed:
-            if self._holder == holder:
-                self._plan, self._holder, self._next = np.empty(0, dtype=np.int32), None, 0
-                self._generation += 1
-                self._held.clear()
-                self._held_bytes = 0
-                self._changed.notify_all()
+    def replace_plan(self, owner: Hashable, holder: Hashable, rows: np.ndarray) -> None:
+        """`owner`'s plan is now `rows` (blob rows in its order of need; empty: none), which came on connection
+        `holder`; what was started for its previous plan and not read is given back. PlanRefused when the node
+        keeps plans of MAX_PLANS other processes already."""
+        with self._lock:
+            old = self._plans.pop(owner, None)
+            if old is not None:
+                self._forget(old)
+            if len(rows):
+                if len(self._plans) >= self._max_plans:
+                    raise PlanRefused(f"this node keeps plans of {self._max_plans} processes at most, and has as many")
+                self._plans[owner] = _Plan(owner, holder, rows.copy())  # its own: rows read are marked in it
+            self._wake_fetcher()
+
+    def drop_plans_of(self, holder: Hashable) -> None:
+        """Give back the plans that came on connection `holder`, which has closed."""
+        with self._lock:
+            gone = [plan for plan in self._plans.values() if plan.holder == holder]
+            for plan in gone:
+                del self._plans[plan.owner]
+                self._forget(plan)
+            if gone:
+                self._wake_fetcher()
 
     def take(self, row: int) -> bytes | memoryview | None:
-        """Blob `row` if it was fetched ahead (it is then forgotten: each is read once an epoch), else None."""
-        with self._changed:
+        """Blob `row` if it was fetched ahead, else None (its reader fetches it). Either way the read is one of the
+        blob's wants: a blob still on its way is dropped when it comes if no other plan wants it, and a read that
+        comes before its blob was started cancels that start."""
+        with self._lock:
             self.asked += 1
-            blob = self._held.pop(row, None)
+            entry = self._wanted.get(row)
+            if entry is None:
+                self._cancel_start(row)
+                return None
+            plan, place = entry.unwant(0)
+            plan.rows[place] = PASSED
+            blob = entry.blob
             if blob is not None:
-                self._held_bytes -= len(blob) + BLOB_OVERHEAD
                 self.hits += 1
-                self._changed.notify_all()
+                plan.hits += 1
+            if not entry.wants:
+                del self._wanted[row]
+                if blob is not None:
+                    self._held_bytes -= entry.cost
+            self._wake_fetcher()
             return blob
+
+    def holds(self, row: int) -> bool:
+        """Whether blob `row` has come and waits for a read (a take that finds it not come yet counts as its read)."""
+        with self._lock:
+            entry = self._wanted.get(row)
+            return entry is not None and entry.blob is not None
+
+    def stats(self) -> dict[str, object]:
+        """The node's readers' counters, and each plan's, by the process that announced it. Bytes held and asked
+        count BLOB_OVERHEAD a blob besides its own."""
+        with self._lock:
+            return {"asked": self.asked, "fetched_ahead": self.fetched, "ahead_hits": self.hits,
+                    "ahead_failed_batches": self.failed_batches, "ahead_cancelled": self.cancelled,
+                    "ahead_given_back": self.given_back, "ahead_held_bytes": self._held_bytes,
+                    "ahead_asked_bytes": self._reserved,
+                    "plans": {str(plan.owner): {"rows": len(plan.rows), "started": plan.started,
+                                                "fetched": plan.fetched, "hits": plan.hits,
+                                                "outstanding_bytes": plan.outstanding}
+                              for plan in self._plans.values()}}
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._room.notify_all()
+        self._thread.join()
+
+    # --- the fetching thread -------------------------------------------------------------------------------------
 
     def _work(self) -> None:
         while True:
-            with self._changed:
-                while not self._closed and (self._next >= len(self._plan) or self._full()):
-                    self._changed.wait()
+            with self._lock:
+                while not self._closed:
+                    self._share_room()
+                    if self._next_plan() is not None:
+                        break
+                    self._room.wait()
                 if self._closed:
                     return
-                reads: list[BlobRead] = []
-                numbers: list[int] = []
-                while self._next < len(self._plan) and len(reads) < AHEAD_ROWS and (not reads or not self._full()):
-                    row = int(self._plan[self._next])
-                    chunk, offset, length = self._locate(row)
-                    self._next += 1
-                    self._fetch_number += 1
-                    self._asked[self._fetch_number] = length + BLOB_OVERHEAD
-                    numbers.append(self._fetch_number)
-                    self._reserved += length + BLOB_OVERHEAD  # so that what is asked stays within the bounds
-                    reads.append(BlobRead(chunk, offset, length, functools.partial(
-                        self._arrived, self._generation, self._fetch_number, row)))
+                reads, fetches = self._next_reads()
+            if not reads:
+                continue  # every row taken was wanted already, or passed
             try:
                 started = self._start_reads(reads)
-            except Exception:  # noqa: BLE001 - a bug in a source must not end fetching ahead for the whole job
-                self._batch_failed(numbers)
+            except Exception:  # noqa: BLE001 - a bug in a source must not end fetching ahead for the whole node
+                self._batch_failed(fetches)
                 continue
             for read, read_started in zip(reads, started):
                 if not read_started:  # stored on this node after all: its reader reads it from here
                     read.done(None, None)
 
-    def _batch_failed(self, numbers: list[int]) -> None:
-        """Forget a batch the source failed to start (a late answer to any of it is dropped): its readers fetch
+    def _next_reads(self) -> tuple[list[BlobRead], list[tuple[int, int]]]:
+        """Up to AHEAD_ROWS plan rows to start now, taken one at a time for the plan that needs one most; with
+        each read, its (fetch number, blob row)."""
+        reads: list[BlobRead] = []
+        fetches: list[tuple[int, int]] = []
+        while len(reads) < AHEAD_ROWS:
+            plan = self._next_plan()
+            if plan is None:
+                break
+            place = plan.next
+            row = int(plan.rows[place])
+            plan.next += 1
+            if row == PASSED:
+                continue
+            entry = self._wanted.get(row)
+            if entry is None:
+                chunk, offset, length = self._locate(row)
+                self._fetch_number += 1
+                entry = self._wanted[row] = _Wanted(length, self._fetch_number)
+                self._asked[self._fetch_number] = entry.cost
+                self._reserved += entry.cost  # so that what is asked stays within the bounds
+                fetches.append((self._fetch_number, row))
+                reads.append(BlobRead(chunk, offset, length,
+                                      functools.partial(self._arrived, self._fetch_number, row)))
+                plan.started += 1
+            entry.want(plan, place, row)
+        return reads, fetches
+
+    def _arrived(self, fetch: int, row: int, blob: bytes | memoryview | None, _error: ChunkError | None) -> None:
+        """A fetch's outcome, from the source's thread. A blob that did not come is left to its readers, which
+        meet the error themselves when they ask, and report it."""
+        with self._lock:
+            cost = self._asked.pop(fetch, None)
+            if cost is None:  # its batch failed to start, and was given back already
+                return
+            self._reserved -= cost
+            entry = self._wanted.get(row)
+            if entry is not None and entry.fetch == fetch and entry.blob is None:
+                if blob is None or self._closed:
+                    self._drop(row, entry)
+                else:
+                    entry.blob = blob
+                    self._held_bytes += entry.cost
+                    self.fetched += 1
+                    for plan in {plan for plan, _ in entry.wants}:
+                        plan.fetched += 1
+            self._wake_fetcher()
+
+    def _batch_failed(self, fetches: list[tuple[int, int]]) -> None:
+        """Give back a batch the source failed to start (a late answer to any of it is dropped): its readers fetch
         those blobs themselves, and the next batch is tried."""
-        self.failed_batches += 1
-        if self.failed_batches == 1:
+        with self._lock:
+            self.failed_batches += 1
+            first = self.failed_batches == 1
+            for number, row in fetches:
+                self._reserved -= self._asked.pop(number, 0)
+                entry = self._wanted.get(row)
+                if entry is not None and entry.fetch == number:
+                    self._drop(row, entry)
+            self._wake_fetcher()
+        if first:
             log.exception("fetching ahead for this node's readers failed; they fetch those %d blobs themselves",
-                          len(numbers))
-        with self._changed:
-            for number in numbers:
-                self._release(number)
-            self._changed.notify_all()
+                          len(fetches))
 
-    def _release(self, number: int) -> bool:
-        """Ends fetch `number`'s reservation, once: False if it had ended already."""
-        cost = self._asked.pop(number, None)
-        if cost is None:
-            return False
-        self._reserved -= cost
-        return True
+    # --- under the lock ------------------------------------------------------------------------------------------
 
-    def _full(self) -> bool:
-        return self._held_bytes + self._reserved >= self._capacity or self._reserved >= self._in_flight
+    def _next_plan(self) -> _Plan | None:
+        """The plan with rows left that has the fewest bytes wanted; None when no fetch may start now (the bounds
+        are reached, or no plan has rows left)."""
+        if self._held_bytes + self._reserved >= self._capacity or self._reserved >= self._in_flight:
+            return None
+        best: _Plan | None = None
+        for plan in self._plans.values():
+            if plan.left() and (best is None or plan.outstanding < best.outstanding):
+                best = plan
+        return best
 
-    def _arrived(self, generation: int, number: int, row: int, blob: bytes | memoryview | None,
-                 _error: ChunkError | None) -> None:
-        """A fetch's outcome, from the MPI thread. A blob that did not come is left to its reader, which meets the
-        error itself when it asks, and reports it."""
-        with self._changed:
-            if self._release(number) and blob is not None and generation == self._generation and not self._closed:
-                self._held[row] = blob
-                self._held_bytes += len(blob) + BLOB_OVERHEAD
-                self.fetched += 1
-            self._changed.notify_all()
+    def _share_room(self) -> None:
+        """When the bound is full and a plan with rows left holds less than half its share, the plans holding more
+        than their share give back their furthest wants down to it (started again when their turn comes). Half:
+        a plan just over its share never gives back a blob only to fetch it again at once."""
+        if self._held_bytes + self._reserved < self._capacity or len(self._plans) < 2:
+            return
+        share = self._capacity // len(self._plans)
+        if not any(plan.left() and plan.outstanding < share // 2 for plan in self._plans.values()):
+            return
+        for plan in self._plans.values():
+            while plan.outstanding > share and plan.live:
+                furthest = next(reversed(plan.live))
+                row = plan.live[furthest]
+                entry = self._wanted[row]
+                entry.unwant(entry.wants.index((plan, furthest)))
+                plan.next = furthest  # started again when its turn comes
+                self.given_back += 1
+                if not entry.wants:
+                    del self._wanted[row]
+                    if entry.blob is not None:
+                        self._held_bytes -= entry.cost
 
-    def stats(self) -> dict[str, Any]:
-        """The node's readers' counters, and the plan's (by the connection it came on). Bytes held count
-        BLOB_OVERHEAD a blob besides its own."""
-        with self._changed:
-            return {"asked": self.asked, "fetched_ahead": self.fetched, "ahead_hits": self.hits,
-                    "ahead_failed_batches": self.failed_batches, "ahead_held_bytes": self._held_bytes,
-                    "plans": {str(self._holder): {"rows": len(self._plan)}} if len(self._plan) else {}}
+    def _drop(self, row: int, entry: _Wanted) -> None:
+        """A blob that will not come: its wants end, and their rows are not started again."""
+        del self._wanted[row]
+        while entry.wants:
+            plan, place = entry.unwant(0)
+            plan.rows[place] = PASSED
 
-    def close(self) -> None:
-        with self._changed:
-            self._closed = True
-            self._changed.notify_all()
-        self._thread.join()
+    def _forget(self, plan: _Plan) -> None:
+        """Take `plan`'s wants out; blobs no other plan wants are given back (one on its way is dropped when it
+        comes)."""
+        for row in set(plan.live.values()):
+            entry = self._wanted[row]
+            entry.wants = [(other, place) for other, place in entry.wants if other is not plan]
+            if not entry.wants:
+                del self._wanted[row]
+                if entry.blob is not None:
+                    self._held_bytes -= entry.cost
+        plan.live.clear()
+        plan.outstanding = 0
+
+    def _cancel_start(self, row: int) -> None:
+        """A read of `row` that no want was waiting for: the first plan that lists it within CANCEL_WINDOW of its
+        next row does not start it (the read was that want)."""
+        for plan in self._plans.values():
+            window = plan.rows[plan.next : plan.next + CANCEL_WINDOW]
+            places = np.flatnonzero(window == row)
+            if len(places):
+                plan.rows[plan.next + int(places[0])] = PASSED
+                self.cancelled += 1
+                return
+
+    def _wake_fetcher(self) -> None:
+        self._room.notify_all()

@@ -115,9 +115,9 @@ class NodeChunkSource(PlacedReads):
             log.warning("%s; reading such files from the dataset directory", reason)
 
     def announce(self, index: Index, entries: np.ndarray) -> None:
-        """The files this rank reads next, in order: the serve process fetches their remote blobs ahead. An order
-        longer than the dataset (a sampler that draws with replacement) is announced up to the longest plan the
-        node takes."""
+        """The files this process reads next, in order: the serve process fetches their remote blobs ahead, for this
+        process's plan alone (another training process on the node has its own). An order longer than the dataset
+        (a sampler that draws with replacement) is announced up to the longest plan the node takes."""
         rows = index.entries[entries]
         rows = rows[(rows["flags"] & FLAG_BLOCKED) == 0]  # large files are read block by block, as they come
         rows = rows[rows["stored_len"] > 0]

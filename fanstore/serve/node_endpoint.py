@@ -2,8 +2,8 @@
 
 A reader reads chunks this node stores straight from its local directory; for the others it asks the serve process
 here, over a Unix socket in that directory, and gets the stored blob (still compressed: the reader verifies and
-decodes it, in parallel with the other workers). An epoch's plan (the remote blobs in the order the sampler drew)
-makes the serve process fetch them ahead from their owners (blobs_ahead.py), bounded in bytes.
+decodes it, in parallel with the other workers). Each training process's epoch plan (the remote blobs in the order
+its sampler drew) makes the serve process fetch them ahead from their owners (blobs_ahead.py), bounded in bytes.
 The wire format and its checks are node_protocol.py's.
 """
 
@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import socketserver
+import struct
 import threading
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
@@ -23,7 +24,7 @@ import numpy as np
 
 from ..chunk_source import ChunkSource
 from ..errors import ChunkError
-from .blobs_ahead import BlobsAhead
+from .blobs_ahead import BlobsAhead, PlanRefused
 from .node_protocol import (HELLO, KIND_NAMES, OK, PLAN, PLAN_ROW, READ, REFUSED, REPLY, REPLY_MAGIC, REQUEST,
                             REQUEST_MAGIC, BlobLookup, Refused)
 from .placement import BlobTable
@@ -58,7 +59,8 @@ class NodeEndpoint:
     What a connection can make this process hold is bounded by the dataset, never by what the reader claims: a
     request is checked field by field before use (node_protocol.BlobLookup), a plan is read and checked in pieces
     of PLAN_PIECE_ROWS rows, has at most as many rows as the dataset has blobs, and is kept as 4-byte blob rows of
-    the remote blobs it names; it is given back when the next plan replaces it or its connection closes. A refused request gets one reply that names the field at fault; the connection goes on unless what
+    the remote blobs it names; it is given back when its process announces the next one or its connection
+    closes. A refused request gets one reply that names the field at fault; the connection goes on unless what
     follows can no longer be told apart (a bad magic, a plan longer than the dataset)."""
 
     def __init__(self, local_dir: Path, description: dict[str, Any], source: ChunkSource, blobs: BlobTable,
@@ -90,15 +92,16 @@ class NodeEndpoint:
 
     def _serve(self, connection: socket.socket) -> None:
         """One connection's requests, in turn, until it closes; then its plan is given back."""
-        holder = id(connection)  # its plan's holder: unique while it is open, and the plan goes before it closes
+        holder = id(connection)  # its plans' holder: unique while it is open, and they go before it closes
         stream = connection.makefile("rb")
         try:
+            process = _peer_process(connection)
             while True:
                 header = stream.read(REQUEST.size)
                 if len(header) < REQUEST.size:
                     return
                 try:
-                    if not self._answer(connection, stream, holder, *REQUEST.unpack(header)):
+                    if not self._answer(connection, stream, holder, process, *REQUEST.unpack(header)):
                         return
                 except Refused as refused:
                     self._refused(connection, refused)
@@ -107,12 +110,12 @@ class NodeEndpoint:
         except OSError:
             return  # the reader went away
         finally:
-            self.ahead.drop_plan_of(holder)
+            self.ahead.drop_plans_of(holder)
             stream.close()
             connection.close()
 
-    def _answer(self, connection: socket.socket, stream: BinaryIO, holder: int, magic: bytes, kind: int,
-                chunk: int, offset: int, length: int) -> bool:
+    def _answer(self, connection: socket.socket, stream: BinaryIO, holder: int, process: int, magic: bytes,
+                kind: int, chunk: int, offset: int, length: int) -> bool:
         """Answer one request; False when the connection ended in the middle of it. Refused for a bad one."""
         if magic != REQUEST_MAGIC:
             raise Refused(f"magic {magic!r}: a request starts with {REQUEST_MAGIC!r}", fatal=True)
@@ -127,13 +130,14 @@ class NodeEndpoint:
             if value:
                 raise Refused(f"{field} {value}: {KIND_NAMES[kind]} takes 0 there", fatal=kind == PLAN)
         if kind == PLAN:
-            return self._take_plan(connection, stream, holder, length)
+            return self._take_plan(connection, stream, holder, process, length)
         self._reply(connection, OK, self._hello if kind == HELLO else json.dumps(self.stats()).encode())
         return True
 
-    def _take_plan(self, connection: socket.socket, stream: BinaryIO, holder: int, rows: int) -> bool:
-        """Read a plan of `rows` rows piece by piece; keep the rows that name remote blobs, as blob rows, as the
-        node's plan. False when the connection ended in the middle of it."""
+    def _take_plan(self, connection: socket.socket, stream: BinaryIO, holder: int, process: int,
+                   rows: int) -> bool:
+        """Read a plan of `rows` rows piece by piece; keep the rows that name remote blobs, as blob rows, as
+        `process`'s plan. False when the connection ended in the middle of it."""
         if rows > len(self._lookup):
             raise Refused(f"length {rows}: a plan has at most as many rows as the dataset has blobs "
                           f"({len(self._lookup)})", fatal=True)
@@ -156,7 +160,11 @@ class NodeEndpoint:
             kept.append(found[remote[found]].astype(self._lookup.row_dtype))
         if refused is not None:
             raise refused
-        self.ahead.replace_plan(holder, np.concatenate(kept) if kept else np.empty(0, dtype=self._lookup.row_dtype))
+        try:
+            self.ahead.replace_plan(process, holder, np.concatenate(kept) if kept else
+                                    np.empty(0, dtype=self._lookup.row_dtype))
+        except PlanRefused as exc:
+            raise Refused(str(exc)) from None
         self._reply(connection, OK, b"")
         return True
 
@@ -170,7 +178,7 @@ class NodeEndpoint:
 
     def stats(self) -> dict[str, Any]:
         """The node's readers: blobs they asked for, blobs fetched ahead, how many of their reads found one, and
-        the plan's rows."""
+        each plan's counters (by the process that announced it)."""
         with self._refusals_lock:
             refusals = self._refusals
         return {**self.ahead.stats(), "refused": refusals}
@@ -204,3 +212,9 @@ class NodeEndpoint:
         self.ahead.close()
         self.path.unlink(missing_ok=True)
 
+
+def _peer_process(connection: socket.socket) -> int:
+    """The process at the other end of a Unix socket (SO_PEERCRED): a training process's plan is its own, whichever
+    of its connections brought it."""
+    credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", credentials)[0]
