@@ -241,6 +241,30 @@ def test_a_read_before_its_blob_was_started_cancels_the_start(dataset, lookup):
         ahead.close()
 
 
+def test_a_read_wakes_the_fetcher_only_when_it_makes_the_room_the_fetcher_waits_for(dataset, lookup):
+    source = AnsweredLater(dataset, delay=0.001)
+    plan = plan_of(dataset, lookup)
+    ahead = ahead_of(source, lookup)
+    try:
+        ahead.replace_plan(1, "a", plan)
+        wait_for(lambda: ahead.fetched == len(plan), "the whole plan")
+        wakeups = ahead.wakeups
+        assert all(ahead.take(int(row)) is not None for row in plan)
+        assert ahead.wakeups == wakeups  # nothing left to fetch: no read woke the fetcher
+    finally:
+        ahead.close()
+    bounded = ahead_of(AnsweredLater(dataset, delay=0.001), lookup, capacity=length_of(lookup, plan[0]))
+    try:
+        bounded.replace_plan(1, "a", plan[:3])
+        wait_for(lambda: bounded.fetched == 1, "the first blob")
+        wakeups = bounded.wakeups
+        assert bounded.take(int(plan[0])) is not None
+        wait_for(lambda: bounded.fetched == 2, "the second blob, once the first made room")
+        assert bounded.wakeups == wakeups + 1
+    finally:
+        bounded.close()
+
+
 def test_a_node_keeps_plans_of_a_bounded_number_of_processes(dataset, lookup):
     ahead = ahead_of(AnsweredLater(dataset), lookup, max_plans=2)
     plan = plan_of(dataset, lookup)

@@ -92,6 +92,11 @@ class BlobsAhead:
     One thread (fanstore-node-ahead) starts the fetches (ChunkSource.start_reads: each peer's blobs several to a
     request), and they are handed over as they arrive from the source's thread: no thread waits for a peer.
 
+    Locking: `_lock` guards every field below and the plans' and wants' fields; the endpoint's threads (take,
+    replace_plan, drop_plans_of, stats) and the source's thread (_arrived) hold it briefly and call nothing outside
+    while they do. The fetching thread is the only one that waits on `_room` (for a plan it may start a row of);
+    it is woken (notify: one thread) only while it waits, and by a read or an arrival only when that lets it start
+    a fetch, so a read that frees bytes the fetcher is not waiting for wakes no one.
     """
 
     def __init__(self, start_reads: Callable[[Sequence[BlobRead]], list[bool]],
@@ -110,8 +115,10 @@ class BlobsAhead:
         self._reserved = 0  # what blobs asked for and not come yet cost
         self._asked: dict[int, int] = {}  # fetch number -> its cost, while it is asked and not come
         self._fetch_number = 0
+        self._fetcher_waits = False
         self._closed = False
         self.asked = self.hits = self.fetched = self.failed_batches = self.cancelled = self.given_back = 0
+        self.wakeups = 0  # times a read, an arrival or a plan woke the fetching thread
         self._thread = threading.Thread(target=self._work, name="fanstore-node-ahead", daemon=True)
         self._thread.start()
 
@@ -129,7 +136,7 @@ class BlobsAhead:
                 if len(self._plans) >= self._max_plans:
                     raise PlanRefused(f"this node keeps plans of {self._max_plans} processes at most, and has as many")
                 self._plans[owner] = _Plan(owner, holder, rows.copy())  # its own: rows read are marked in it
-            self._wake_fetcher()
+            self._wake_fetcher(always=True)  # the shares changed: the fetcher may have room to make
 
     def drop_plans_of(self, holder: Hashable) -> None:
         """Give back the plans that came on connection `holder`, which has closed."""
@@ -139,7 +146,7 @@ class BlobsAhead:
                 del self._plans[plan.owner]
                 self._forget(plan)
             if gone:
-                self._wake_fetcher()
+                self._wake_fetcher(always=True)
 
     def take(self, row: int) -> bytes | memoryview | None:
         """Blob `row` if it was fetched ahead, else None (its reader fetches it). Either way the read is one of the
@@ -186,7 +193,7 @@ class BlobsAhead:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            self._room.notify_all()
+            self._room.notify()
         self._thread.join()
 
     # --- the fetching thread -------------------------------------------------------------------------------------
@@ -198,6 +205,7 @@ class BlobsAhead:
                     self._share_room()
                     if self._next_plan() is not None:
                         break
+                    self._fetcher_waits = True
                     self._room.wait()
                 if self._closed:
                     return
@@ -343,5 +351,9 @@ class BlobsAhead:
                 self.cancelled += 1
                 return
 
-    def _wake_fetcher(self) -> None:
-        self._room.notify_all()
+    def _wake_fetcher(self, always: bool = False) -> None:
+        """Wake the fetching thread if it waits, and (unless `always`) only if it could start a fetch now."""
+        if self._fetcher_waits and (always or self._closed or self._next_plan() is not None):
+            self._fetcher_waits = False
+            self.wakeups += 1
+            self._room.notify()
