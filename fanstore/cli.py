@@ -377,8 +377,8 @@ def _run_mount(args: argparse.Namespace) -> int:
     import math
 
     from .dest_apart import check_apart_from_dest
-    from .mount import MountOptions, check_outside, default_log_path, mount_background, mount_foreground, \
-        resolve_mountpoint
+    from .mount import MountOptions, check_outside, dataset_paths, default_log_path, mount_background, \
+        mount_foreground, resolve_mountpoint
 
     options = MountOptions(
         cache_size=parse_size(args.cache_size, "--cache-size") if args.cache_size else None,
@@ -397,12 +397,12 @@ def _run_mount(args: argparse.Namespace) -> int:
     # Resolved once, here: mountinfo lists resolved paths, and the check, the mount and the messages must agree.
     mountpoint = resolve_mountpoint(Path(args.mountpoint))
     if args.foreground:
-        check_outside(mountpoint, {"DEST": Path(args.dest)})
+        check_outside(mountpoint, dataset_paths(Path(args.dest)))
         logging.basicConfig(level=logging.INFO, format="%(asctime)s fanstore: %(message)s", stream=sys.stderr)
         return mount_foreground(Path(args.dest), mountpoint, options, ready_fd=args.ready_fd)
     private_log = args.log is None
     log_path = default_log_path(mountpoint) if private_log else Path(args.log)
-    check_outside(mountpoint, {"DEST": Path(args.dest), "--log": log_path})
+    check_outside(mountpoint, {**dataset_paths(Path(args.dest)), "--log": log_path})
     log_name = "the default log (--log puts it elsewhere)" if private_log else "--log"
     check_apart_from_dest(Path(args.dest), {log_name: log_path})
     pid = mount_background(Path(args.dest), mountpoint, args.argv, log_path, private_log=private_log)

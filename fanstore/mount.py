@@ -27,7 +27,9 @@ from typing import Callable, Iterable
 from .api import Dataset, open_dataset
 from .cache import DecodedCache
 from .daemon_tuning import install_fast_session_loop, keep_freed_memory
+from .dest_apart import overlap
 from .errors import FanstoreError, UsageError
+from .format import CHUNK_DIR, INDEX_NAME
 from .kernel_holds import KernelHolds
 from .prefetch import FileOrder, Prefetcher, read_prefetch_list
 
@@ -119,16 +121,30 @@ def available_memory() -> int:
     return 1 << 30
 
 
+def dataset_paths(dest: Path) -> dict[str, Path]:
+    """What a daemon serving DEST reads from it once mounted, by name for messages (check_outside)."""
+    return {"DEST": dest, "DEST's index": dest / INDEX_NAME, "DEST's chunk directory": dest / CHUNK_DIR}
+
+
 def check_outside(mountpoint: Path, paths: dict[str, Path]) -> None:
-    """Paths the daemon uses once mounted (the dataset, its log, a node's local directory, by option name) must
-    lie outside MOUNTPOINT: the mount would hide them, and a daemon reading through its own mount waits on itself
-    for good (unkillable, in the kernel). `mountpoint` is resolved (resolve_mountpoint)."""
-    top = str(mountpoint)
+    """Paths the daemon uses once mounted (the dataset, its index and chunk directory, its log, a node's local
+    directory and its chunks, by name) must be neither MOUNTPOINT nor inside it: the mount would hide them, and a
+    daemon reading through its own mount waits on itself for good (its readers too, unkillable, in the kernel).
+
+    Each path counts as written (the daemon opens it so, through any link on the way) and as resolved (where it
+    really is), and a directory reached by two paths (a bind mount) is one (dest_apart.overlap). `mountpoint` is
+    resolved (resolve_mountpoint), and looked up only where no FUSE mount holds it: one whose daemon hangs would
+    hold the lookup for good (check_mountpoint then says what it is).
+    """
+    look = _fuse_mount_holding(str(mountpoint), _fuse_mounts()) is None
     for name, path in paths.items():
-        # As given (the daemon opens it so, through any link on the way) and as resolved (where it really is).
-        if any(os.path.commonpath([top, form]) == top for form in (os.path.abspath(path), os.path.realpath(path))):
-            raise UsageError(f"MOUNTPOINT {top}: {name} {path} lies inside it, and the mount would hide it from "
-                             f"fanstore itself; mount elsewhere")
+        lies = overlap(path, mountpoint, as_written=True, look_at_other=look)
+        if lies == "is":
+            raise UsageError(f"MOUNTPOINT {mountpoint} is {name} {path}: the mount would hide it from fanstore "
+                             f"itself; mount elsewhere")
+        if lies == "inside":
+            raise UsageError(f"MOUNTPOINT {mountpoint}: {name} {path} lies inside it, and the mount would hide it "
+                             f"from fanstore itself; mount elsewhere")
 
 
 def check_mountpoint(mountpoint: Path) -> None:

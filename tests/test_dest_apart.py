@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fanstore.dest_apart import check_apart_from_dest
+from fanstore.dest_apart import check_apart_from_dest, overlap
 from fanstore.errors import UsageError
 
 WHY = "fanstore writes there, and only a pack may write into a dataset; choose a path apart from DEST"
@@ -87,3 +87,18 @@ def test_a_dest_that_is_no_dataset_is_left_to_the_command(tmp_path):
     """`fanstore mount DIR MP` with DIR not a dataset says so (its own message), whatever the log's path."""
     check_apart_from_dest(tmp_path, {"--log": tmp_path / "mount.log"})
     check_apart_from_dest(tmp_path / "absent", {"--log": tmp_path / "absent" / "mount.log"})
+
+
+def test_overlap_as_written_counts_the_path_spelled_too(tmp_path):
+    """A mount at TOP hides TOP/link/file from a process that opens it so, though the link leads elsewhere; a
+    writer that follows the link writes elsewhere. Names tell first; an `other` not looked up is judged by name."""
+    (tmp_path / "top").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "top" / "link").symlink_to(tmp_path / "elsewhere")
+    through = tmp_path / "top" / "link" / "file"
+    assert overlap(through, tmp_path / "top", as_written=True) == "inside"
+    assert overlap(through, tmp_path / "top") is None
+    assert overlap(through, tmp_path / "elsewhere") == "inside"
+    assert overlap(tmp_path / "top" / "link", tmp_path / "elsewhere") == "is"
+    assert overlap(tmp_path, tmp_path / "top") == "holds"
+    assert overlap(tmp_path / "top", tmp_path / "elsewhere", as_written=True, look_at_other=False) is None

@@ -445,6 +445,51 @@ def test_mount_argument_errors_are_one_line(packed, tmp_path, monkeypatch, comma
     assert not fuse_mounted_at(tmp_path / "mp")
 
 
+@pytest.mark.parametrize("dest, mountpoint, options, needle", [
+    ("ds", "ds/chunks", [], "MOUNTPOINT {tmp}/ds/chunks is DEST's chunk directory ds/chunks: "),
+    ("ds", "ds/chunks", ["--foreground"], "MOUNTPOINT {tmp}/ds/chunks is DEST's chunk directory ds/chunks: "),
+    ("ds", "to_chunks", [], "MOUNTPOINT {tmp}/ds/chunks is DEST's chunk directory ds/chunks: "),
+    ("to_ds", "ds/chunks", [], "MOUNTPOINT {tmp}/ds/chunks is DEST's chunk directory to_ds/chunks: "),
+    ("linked", "store", [], "MOUNTPOINT {tmp}/store: DEST's chunk directory linked/chunks lies inside it"),
+    ("linked", "store", ["--foreground"], "MOUNTPOINT {tmp}/store: DEST's chunk directory linked/chunks lies inside"),
+    ("ds", "bind/chunks", [], "MOUNTPOINT {tmp}/bind/chunks is DEST's chunk directory ds/chunks: "),
+], ids=["relative", "relative, foreground", "through a link", "DEST through a link", "chunks a link under it",
+        "chunks a link under it, foreground", "bind-mounted"])
+def test_a_mountpoint_hiding_the_chunks_is_refused_before_mounting(packed, tmp_path, monkeypatch, dest, mountpoint,
+                                                                   options, needle):
+    """A mount over the dataset's chunk directory hides the chunk files from the daemon itself: every read would go
+    through its own mount and wait on itself for good, its readers in uninterruptible sleep. Refused in one line
+    before mounting, whatever way it is given: relative, through a link, a chunk directory that is a link, a bind
+    mount."""
+    _, ds = packed
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # the default log stays in here
+    shutil.copytree(ds, tmp_path / "ds")
+    (tmp_path / "to_chunks").symlink_to("ds/chunks")
+    (tmp_path / "to_ds").symlink_to("ds")
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / "fanstore.index").write_bytes((ds / "fanstore.index").read_bytes())
+    shutil.copytree(ds / "chunks", tmp_path / "store" / "chunks")
+    (tmp_path / "linked" / "chunks").symlink_to(tmp_path / "store" / "chunks")
+    if mountpoint.startswith("bind/"):
+        (tmp_path / "bind").mkdir()
+        mounted = subprocess.run(["mount", "--bind", str(tmp_path / "ds"), str(tmp_path / "bind")],
+                                 capture_output=True)
+        if mounted.returncode != 0:
+            pytest.skip(f"cannot bind-mount (needs root): {mounted.stderr.decode().strip()}")
+    resolved = Path(os.path.realpath(tmp_path / mountpoint))
+    try:
+        failed = subprocess.run([sys.executable, "-m", "fanstore", "mount", dest, mountpoint, *options],
+                                capture_output=True, text=True, cwd=tmp_path, timeout=30,
+                                env={**os.environ, "PYTHONPATH": str(REPO)})
+    finally:
+        if fuse_mounted_at(resolved):  # mounted after all: its daemon ends once unmounted
+            run_cli("umount", str(resolved))
+        if mountpoint.startswith("bind/"):
+            subprocess.run(["umount", "-l", str(tmp_path / "bind")], check=True)
+    assert_one_line_error(failed, needle.format(tmp=tmp_path), "the mount would hide it from fanstore itself")
+    assert not fuse_mounted_at(resolved)
+
+
 @pytest.mark.parametrize("log, needle", [
     ("{dest}/fanstore.index", "--log {dest}/fanstore.index lies inside DEST {dest}"),
     ("{dest}/chunks/mount.log", "--log {dest}/chunks/mount.log lies inside DEST {dest}"),

@@ -82,23 +82,26 @@ def served_dataset(tmp_path_factory) -> tuple[Path, Path]:
 class Job:
     """A real `mpiexec -n 3 fanstore serve` in its own session, cleaned up whatever the test does."""
 
-    def __init__(self, tmp_path: Path, dest: Path, *options: str, command: list[str] | None = None,
-                 local: str | None = None, make_mountpoints: bool = True) -> None:
+    def __init__(self, tmp_path: Path, dest: Path | str, *options: str, command: list[str] | None = None,
+                 local: str | None = None, make_mountpoints: bool = True, mountpoint: str | None = None) -> None:
+        """`mountpoint` (a MOUNTPOINT with `{rank}`, default TMP/mp{rank}) and `local` may be relative: the job
+        runs in `tmp_path`."""
         self.tmp = tmp_path
-        self.mountpoints = [tmp_path / f"mp{rank}" for rank in range(RANKS)]
-        for mountpoint in self.mountpoints if make_mountpoints else ():
+        mountpoint = mountpoint or str(tmp_path / "mp{rank}")
+        self.mountpoints = [Path(os.path.realpath(tmp_path / mountpoint.format(rank=rank))) for rank in range(RANKS)]
+        for mountpoint_made in self.mountpoints if make_mountpoints else ():
             try:
-                mountpoint.mkdir()
+                mountpoint_made.mkdir(parents=True)
             except FileExistsError:  # a stat could fail with ENOTCONN: a stale mount a test left on purpose
                 pass
         self.local = local or str(tmp_path / "local{rank}")
         argv = [str(MPIEXEC), "-n", str(RANKS), sys.executable, "-m", "fanstore", "serve", str(dest),
-                str(tmp_path / "mp{rank}"), "--local-dir", self.local, "--quiet", *options]
+                mountpoint, "--local-dir", self.local, "--quiet", *options]
         if command:
             argv += ["--", *command]
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                     start_new_session=True)
+                                     start_new_session=True, cwd=tmp_path)
 
     def ready_files(self) -> list[Path]:
         return [mountpoint.with_name(mountpoint.name + ".ready") for mountpoint in self.mountpoints]
@@ -952,6 +955,52 @@ def test_local_dirs_that_ranks_cannot_use_are_refused_before_anything_is_copied(
     for rank, line in enumerate(_refused_by_every_rank(job)):
         assert needle.format(tmp=tmp_path, rank=rank) in line, line
     assert not list(tmp_path.rglob("*.fsc"))
+    _assert_nothing_left(job)
+
+
+@pytest.mark.parametrize("mountpoint, local, needle", [
+    ("local{rank}/chunks", "local{rank}",
+     "MOUNTPOINT {tmp}/local{rank}/chunks is --local-dir's chunk directory {tmp}/local{rank}/chunks: the mount would "
+     "hide it from fanstore itself"),
+    ("to_chunks{rank}", "local{rank}",  # a link to it, given relative
+     "MOUNTPOINT {tmp}/local{rank}/chunks is --local-dir's chunk directory {tmp}/local{rank}/chunks: "),
+    ("store{rank}", "linked{rank}",  # the local dir's chunks a link to a directory the mount would cover
+     "MOUNTPOINT {tmp}/store{rank}: --local-dir's chunk directory {tmp}/linked{rank}/chunks lies inside it"),
+    ("dest/chunks", "local{rank}", "MOUNTPOINT {tmp}/dest/chunks is DEST's chunk directory dest/chunks: "),
+    ("bind/chunks", "local{rank}", "MOUNTPOINT {tmp}/bind/chunks is DEST's chunk directory dest/chunks: "),
+], ids=["local chunks", "local chunks through a link", "a linked local chunk directory", "DEST's chunks",
+        "DEST's chunks bind-mounted"])
+def test_a_mountpoint_hiding_what_the_rank_reads_is_refused_before_mounting(served_dataset, tmp_path, jobs,
+                                                                             mountpoint, local, needle):
+    """A MOUNTPOINT that is, or holds, the chunks a rank reads once mounted (its local directory's, or DEST's): every
+    read of the rank's own chunk files would go through its own mount and wait on itself for good (its readers in
+    uninterruptible sleep). Every rank refuses it in one line before anything is mounted or copied, whatever way the
+    path is given: relative, through a link, a bind mount."""
+    _, packed = served_dataset
+    shutil.copytree(packed, tmp_path / "dest")
+    for rank in range(RANKS):
+        (tmp_path / f"local{rank}" / "chunks").mkdir(parents=True)
+        (tmp_path / f"to_chunks{rank}").symlink_to(f"local{rank}/chunks")
+        (tmp_path / f"store{rank}" / "chunks").mkdir(parents=True)
+        (tmp_path / f"linked{rank}").mkdir()
+        (tmp_path / f"linked{rank}" / "chunks").symlink_to(tmp_path / f"store{rank}" / "chunks")
+    bound = mountpoint.startswith("bind/")
+    if bound:
+        (tmp_path / "bind").mkdir()
+        mounted = subprocess.run(["mount", "--bind", str(tmp_path / "dest"), str(tmp_path / "bind")],
+                                 capture_output=True)
+        if mounted.returncode != 0:
+            pytest.skip(f"cannot bind-mount (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        job = Job(tmp_path, "dest", command=["true"], local=local, mountpoint=mountpoint)
+        jobs.append(job)
+        lines = _refused_by_every_rank(job)
+    finally:
+        if bound:
+            subprocess.run(["umount", "-l", str(tmp_path / "bind")], check=True)
+    for rank, line in enumerate(lines):
+        assert needle.format(tmp=tmp_path, rank=rank) in line, line
+    assert not [path for path in tmp_path.rglob("*.fsc") if "dest" not in path.parts and "bind" not in path.parts]
     _assert_nothing_left(job)
 
 

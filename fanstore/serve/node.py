@@ -34,9 +34,9 @@ from ..chunk_source import LocalChunkSource
 from ..dest_apart import check_apart_from_dest
 from ..durable import write_atomically
 from ..errors import ChunkUnavailable, FanstoreError, UsageError, say_line
-from ..format import INDEX_NAME
+from ..format import CHUNK_DIR, INDEX_NAME
 from ..index import Index, read_index_file
-from ..mount import MountOptions, check_mountpoint, check_outside, fuse_answer, fuse_mounted_at, \
+from ..mount import MountOptions, check_mountpoint, check_outside, dataset_paths, fuse_answer, fuse_mounted_at, \
     resolve_mountpoint, serve_dataset, unmount
 from ..prefetch import read_prefetch_list
 from ..units import format_bytes
@@ -279,7 +279,11 @@ def run(options: ServeOptions) -> int:
                 raise UsageError(f"--prefetch-list: {str(prefetch_list)!r} is not a file")
             mount_options = replace(mount_options, prefetch_list=prefetch_list)
             prefetch_order = read_prefetch_list(index, prefetch_list, mountpoint)  # a bad one stops all, now
-        check_outside(mountpoint, {"DEST": options.dest, "--local-dir": local_dir, "--ready-file": ready_file})
+        # Nothing this rank reads once mounted may lie under its mount: its reads would wait on itself for good.
+        check_outside(mountpoint, {**dataset_paths(options.dest), "--local-dir": local_dir,
+                                   "--local-dir's chunk directory": local_dir / CHUNK_DIR,
+                                   "--local-dir's copy of the index": local_dir / INDEX_NAME,
+                                   "--ready-file": ready_file})
         # Before anything below writes (the ready file of a killed job removed, DIR made), and before any copy:
         # staging into DEST would truncate its chunk files.
         writes = {"--local-dir": local_dir}
