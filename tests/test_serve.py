@@ -83,7 +83,8 @@ class Job:
     """A real `mpiexec -n 3 fanstore serve` in its own session, cleaned up whatever the test does."""
 
     def __init__(self, tmp_path: Path, dest: Path | str, *options: str, command: list[str] | None = None,
-                 local: str | None = None, make_mountpoints: bool = True, mountpoint: str | None = None) -> None:
+                 local: str | None = None, make_mountpoints: bool = True, mountpoint: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
         """`mountpoint` (a MOUNTPOINT with `{rank}`, default TMP/mp{rank}) and `local` may be relative: the job
         runs in `tmp_path`."""
         self.tmp = tmp_path
@@ -99,7 +100,7 @@ class Job:
                 mountpoint, "--local-dir", self.local, "--quiet", *options]
         if command:
             argv += ["--", *command]
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                      start_new_session=True, cwd=tmp_path)
 
@@ -653,27 +654,67 @@ def test_a_ready_file_that_cannot_be_written_once_mounted_ends_the_job_with_one_
     _assert_nothing_left(job)
 
 
-def test_a_local_dir_too_small_is_one_line_before_anything_is_copied(served_dataset, tmp_path, jobs):
+def test_a_local_dir_too_small_is_one_line_before_anything_is_copied_the_same_every_run(served_dataset, tmp_path,
+                                                                                       jobs):
+    """A refusal at start ends every rank with fanstore's own status and one line each, the same in every run: each
+    rank finalises MPI before it leaves. A rank that left without (a refusal once the watchdog had started) had the
+    launcher SIGKILL the others in most runs: exit 9 and its BAD TERMINATION banner, rc 1 in the rest."""
     _, dest = served_dataset
     small = tmp_path / "small"
     small.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], capture_output=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {mounted.stderr.decode().strip()}")
+    shm_before = _shm_files()
+    runs = []
     try:
-        job = Job(tmp_path, dest, command=["true"], local=str(small / "local{rank}"))
-        jobs.append(job)
-        code, out, err = job.finish()
+        for _ in range(5):
+            job = Job(tmp_path, dest, command=["true"], local=str(small / "local{rank}"))
+            jobs.append(job)
+            code, out, err = job.finish()
+            runs.append((code, out, sorted(err.splitlines())))
+            _assert_nothing_left(job)
         copied = [p for p in small.rglob("*.fsc")]
+        watchdog_said = [p.read_text() for p in small.rglob("fanstore-watchdog.log")]
     finally:
         subprocess.run(["umount", "-l", str(small)])
-    assert code != 0
-    assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if "not enough space" in line]
-    assert len(lines) == RANKS, err  # every rank's own line: they all share the one small directory
-    assert re.search(r"rank \d on \S+: --local-dir \S+: not enough space: needs .* \(\d+ bytes\), .* free", lines[0])
-    assert copied == []
+    code, out, lines = runs[0]
+    assert code == 1 and out == "", runs[0]  # no launcher's banner
+    assert all(run == runs[0] for run in runs), runs
+    assert "Traceback" not in "".join(lines), lines
+    assert len(lines) == RANKS, lines  # every rank's own line: they all share the one small directory
+    for rank, line in enumerate(lines):
+        assert re.fullmatch(rf"fanstore: error: rank {rank} on \S+: --local-dir {small}/local{rank}: not enough "
+                            rf"space: needs .* \(\d+ bytes\), .* free, .*", line), line
+    assert copied == [] and watchdog_said == [""] * RANKS, watchdog_said  # a clean end: nothing to clean up
+    wait_until(lambda: _shm_files() <= shm_before, "the job's shared memory files removed", 5)
+
+
+def test_a_rank_that_cannot_mount_ends_the_job_together_with_one_line_each(served_dataset, tmp_path, jobs):
+    """Rank 1's MOUNTPOINT is gone by the time staging ends (it passed the check at start): it says so, the others
+    learn it in the agreement that every rank mounted, skip COMMAND and unmount, and every rank ends MPI properly:
+    fanstore's own status, one line a rank, no launcher's banner, nothing left."""
+    _, dest = served_dataset
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    shm_before = _shm_files()
+    ran = tmp_path / "ran"
+    job = Job(tmp_path, dest, command=["sh", "-c", f'echo "$FANSTORE_RANK" >> {ran}'],
+              env={"FANSTORE_PAUSE_AT": "serve: staged", "FANSTORE_PAUSE_DIR": str(pause)})
+    jobs.append(job)
+    wait_until(lambda: (pause / "paused").exists() or job.proc.poll() is not None, "a rank staged", 60)
+    job.mountpoints[1].rmdir()
+    (pause / "resume").write_text("")
+    code, out, err = job.finish(timeout=60)
+    assert code == 1 and out == "", (code, out, err)
+    lines = sorted(err.splitlines())
+    assert lines == ["fanstore serve: error: rank 0: rank 1 could not mount (see its message); stopping",
+                     f"fanstore serve: error: rank 1 on {os.uname().nodename}: MOUNTPOINT '{job.mountpoints[1]}' does "
+                     f"not exist; create the directory first",
+                     "fanstore serve: error: rank 2: rank 1 could not mount (see its message); stopping"], err
+    assert not ran.exists()
     _assert_nothing_left(job)
+    wait_until(lambda: _shm_files() <= shm_before, "the job's shared memory files removed", 5)
 
 
 def test_a_local_dir_with_room_for_the_chunks_but_not_the_index_copy_is_refused_before_anything_is_copied(

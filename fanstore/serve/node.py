@@ -2,7 +2,7 @@
 
     place (every rank alone) -> check every rank can start (agreed; start_checks.py) -> watchdog -> stage (collective)
     -> index copied into the local directory (the node's readers load it there) -> transport thread
-    -> mount (local | peer -> DEST) -> all mounted (Ibarrier) -> COMMAND or ready file
+    -> mount (local | peer -> DEST) -> all mounted (agreed) -> COMMAND or ready file
     -> all done (Iallreduce of the worst status) -> unmount -> counters to rank 0 -> stop MPI
 
 One process per node holds MPI, the mount and the command's parent. MPI is called by the main thread until the
@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -38,6 +38,7 @@ from ..format import CHUNK_DIR, INDEX_NAME
 from ..index import Index, read_index_file
 from ..mount import MountOptions, check_mountpoint, check_outside, dataset_paths, fuse_answer, fuse_mounted_at, \
     resolve_mountpoint, serve_dataset, unmount
+from ..pause import pause_point
 from ..prefetch import read_prefetch_list
 from ..units import format_bytes
 from . import node_endpoint, watchdog
@@ -170,8 +171,9 @@ class RequestChecker:
 
 
 class Lifecycle:
-    """What runs while the mount is up: wait for every rank's mount, run COMMAND (or write the ready file and wait
-    for a signal), then agree with every rank on the job's status."""
+    """What runs while the mount is up: agree with every rank that each mounted, run COMMAND (or write the ready file
+    and wait for a signal), then agree with every rank on the job's status. A rank that could not mount takes part
+    in both agreements all the same (`without_mount`), so the job still ends together, each rank with one line."""
 
     def __init__(self, transport: PeerTransport, options: ServeOptions, mountpoint: Path, ready_file: Path,
                  endpoint: Path) -> None:
@@ -180,15 +182,45 @@ class Lifecycle:
         self.options = options
         self.mountpoint = mountpoint
         self.ready_file = ready_file
+        self.started = False  # the agreements have begun on this rank
         self.agreed = False
 
     def __call__(self, stop: threading.Event) -> int:
+        self.started = True
+        lowest = self._agree_mounted(True, stop)
+        if lowest is None:
+            return 128 + signal.SIGTERM
+        if lowest < self.transport.size:
+            say_line(f"fanstore serve: error: rank {self.transport.rank}: rank {lowest} could not mount (see its "
+                     f"message); stopping")
+            status = 1
+        else:
+            status = self._run_command(stop) if self.options.command else self._wait_for_signal(stop)
+        return self._agree_status(status, stop)
+
+    def without_mount(self, status: int) -> int:
+        """This rank could not mount (it said why): it takes part in the agreements the mounted ranks make, so that
+        they stop at once and every rank ends MPI properly. The job's status."""
+        self.started = True
+        stop = threading.Event()
+        self._agree_mounted(False, stop)
+        return self._agree_status(status, stop)
+
+    def _agree_mounted(self, mounted: bool, stop: threading.Event) -> int | None:
+        """The lowest rank that could not mount, or the job's size when every rank did (an Iallreduce); None when
+        a signal came first."""
         from mpi4py import MPI
 
-        mounted = self.transport.collective(lambda comm: (comm.Ibarrier(), lambda: None))
-        if not _wait(mounted, stop):
-            return 128 + signal.SIGTERM
-        status = self._run_command(stop) if self.options.command else self._wait_for_signal(stop)
+        mine = np.array([self.transport.size if mounted else self.transport.rank], dtype=np.int32)
+        lowest = np.zeros(1, dtype=np.int32)
+        everyone = self.transport.collective(lambda comm: (
+            comm.Iallreduce([mine, MPI.INT32_T], [lowest, MPI.INT32_T], op=MPI.MIN), lambda: int(lowest[0])))
+        return everyone.result() if _wait(everyone, stop) else None
+
+    def _agree_status(self, status: int, stop: threading.Event) -> int:
+        """The worst status of every rank (an Iallreduce); this rank's own when the others cannot be waited for."""
+        from mpi4py import MPI
+
         mine = np.array([status], dtype=np.int32)
         worst = np.zeros(1, dtype=np.int32)
         everyone = self.transport.collective(lambda comm: (
@@ -309,11 +341,7 @@ def run(options: ServeOptions) -> int:
             problem = f"rank {rank} on {host}: {exc}"
     failed = first_failed_rank(comm, problem is not None)
     if problem is not None or failed is not None:
-        # Every rank stops here together, so MPI can end properly: it then removes its /dev/shm files (no watchdog
-        # runs yet to do it).
-        comm.Free()
-        mpi.Finalize()
-        raise ServeError(problem or f"rank {failed} cannot start (see its message); stopping")
+        _refuse_together(comm, mpi, problem or f"rank {failed} cannot start (see its message); stopping")
     keep_alive = start_watchdog(mountpoint, ready_file, local_dir / "fanstore-watchdog.log")
 
     bar = _progress_bar(rank, options.progress)
@@ -328,6 +356,10 @@ def run(options: ServeOptions) -> int:
             f"rank {rank} on {host}: staging failed: {mpi_failure(exc)} (has another rank died?)"
         say_line(f"fanstore serve: error: {reason}; stopping the job")
         comm.Abort(1)
+    except StagingError as exc:  # refused before any copy, every rank agreeing (a local dir too small)
+        if bar is not None:
+            bar(-1, -1)
+        _refuse_together(comm, mpi, str(exc), keep_alive)
     if bar is not None:
         bar(-1, -1)
     sizes = index.chunks["size"]
@@ -347,13 +379,17 @@ def run(options: ServeOptions) -> int:
                                         "direct": sorted(unverified)},
                             source, BlobTable.of(index), len(sizes))
     lifecycle = Lifecycle(transport, options, mountpoint, ready_file, endpoint.path)
+    pause_point("serve: staged")
     try:
+        check_mountpoint(mountpoint)  # again: staging may have taken long enough for it to go
         with Dataset(index, source) as dataset:
             status = serve_dataset(dataset, mountpoint, mount_options, while_mounted=lifecycle,
                                    prefetch_order=prefetch_order)
     except FanstoreError as exc:
-        say_line(f"fanstore serve: rank {rank} on {host}: {exc}")
+        say_line(f"fanstore serve: error: rank {rank} on {host}: {exc}")
         status = 1
+    if not lifecycle.started:  # never mounted: the mounted ranks wait for its word
+        status = lifecycle.without_mount(status)
     endpoint.close()
     if lifecycle.agreed:
         if options.stats:
@@ -368,6 +404,19 @@ def run(options: ServeOptions) -> int:
         os.write(keep_alive, watchdog.CLEAN_EXIT)
     os.close(keep_alive)
     return status
+
+
+def _refuse_together(comm: Any, mpi: Any, message: str, keep_alive: int | None = None) -> NoReturn:
+    """End this rank at start, once every rank has agreed that one of them cannot go on (first_failed_rank): each
+    finalises MPI and leaves with fanstore's own status and its own line (`message`). A rank that left without
+    MPI_Finalize would have the launcher SIGKILL the others, in some runs and not others (`BAD TERMINATION`, exit
+    9), and leave MPI's /dev/shm files to a watchdog. A watchdog started (`keep_alive`) is told the end is clean."""
+    comm.Free()
+    mpi.Finalize()
+    if keep_alive is not None:
+        os.write(keep_alive, watchdog.CLEAN_EXIT)
+        os.close(keep_alive)
+    raise ServeError(message)
 
 
 def _progress_bar(rank: int, enabled: bool) -> Any:
