@@ -606,10 +606,26 @@ def _run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None)
         print(f"{prog}: interrupted" + ("; run the same command again to resume" if resumable else ""),
               file=sys.stderr)
         return EXIT_INTERRUPTED
-    except BrokenPipeError:
+    except BrokenPipeError as exc:
+        if not _stdout_closed():  # another pipe (a child's, a socket's) closed under us: say so, it is a fault
+            say_line(f"{prog}: error: {exc.strerror or 'Broken pipe'}: a pipe or socket it wrote to was closed "
+                     f"by its other end")
+            return EXIT_FAILURE
         # The reader of our output went away (`fanstore select SRC | head`): not an error worth a traceback.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_FAILURE
+
+
+def _stdout_closed() -> bool:
+    """Whether the reader of stdout has gone (a pipe's read end closed: poll says POLLERR), or stdout is no file."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError):
+        return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:

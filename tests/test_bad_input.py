@@ -8,6 +8,7 @@ import shutil
 import socket
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -343,3 +344,32 @@ def test_an_error_line_leaves_in_one_write(monkeypatch):
     monkeypatch.setattr(sys, "stderr", Recorder())
     say_line("fanstore: error: rank 1 on host: MOUNTPOINT '/x' does not exist")
     assert writes == ["fanstore: error: rank 1 on host: MOUNTPOINT '/x' does not exist\n"]
+
+
+# A command that meets a closed pipe that is not its stdout (a child's, a socket's), as `fanstore serve` did when a
+# rank's watchdog was killed.
+_BROKEN_PIPE_COMMAND = """
+import argparse, sys
+from fanstore import cli
+def run(args):
+    raise BrokenPipeError(32, "Broken pipe")
+parser = argparse.ArgumentParser(prog="fanstore")
+parser.set_defaults(run=run)
+sys.exit(cli._run("fanstore", parser, []))
+"""
+
+
+def test_a_closed_pipe_other_than_stdout_is_one_line_and_a_closed_stdout_is_quiet():
+    """A closed stdout (`fanstore select SRC | head`) is no error worth a word; any other closed pipe is one line."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    other = subprocess.run([sys.executable, "-c", _BROKEN_PIPE_COMMAND], capture_output=True, text=True, env=env)
+    assert_one_line_error(other, "fanstore: error: Broken pipe: a pipe or socket it wrote to was closed by its other "
+                                 "end")
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        quiet = subprocess.run([sys.executable, "-c", _BROKEN_PIPE_COMMAND], stdout=write_end,
+                               stderr=subprocess.PIPE, text=True, env=env)
+    finally:
+        os.close(write_end)
+    assert quiet.returncode == 1 and quiet.stderr == "", quiet.stderr

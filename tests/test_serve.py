@@ -602,6 +602,29 @@ def test_a_killed_job_leaves_no_mount_process_or_shared_memory(served_dataset, t
     wait_until(lambda: _shm_files() <= shm_before, "MPICH's /dev/shm files removed", 5)
 
 
+def test_a_killed_watchdog_is_logged_and_leaves_the_jobs_status_to_its_readers(served_dataset, tmp_path, jobs):
+    """kill -9 of rank 1's watchdog while COMMAND runs: rank 1 says so in one line (it has none from then on), and
+    a job whose readers all succeeded still exits 0 and leaves nothing behind. Its end wrote to the watchdog's
+    pipe, found it closed, and the BrokenPipeError made the job exit 1 without a word."""
+    _, dest = served_dataset
+    go = tmp_path / "go"
+    job = Job(tmp_path, dest, command=["sh", "-c", f'while [ ! -e {go} ]; do sleep 0.05; done; test -f '
+                                                   f'"$FANSTORE_MOUNT/train/big.bin"'])
+    jobs.append(job)
+    wait_until(lambda: all(fuse_mounted_at(mp) for mp in job.mountpoints), "every rank mounted", 60)
+    watchdog = [line for line in _processes_mentioning("watchdog.py") if f" {job.mountpoints[1]} " in line]
+    assert len(watchdog) == 1, watchdog
+    os.kill(int(watchdog[0].split(":")[0]), signal.SIGKILL)
+    go.write_text("")
+    code, out, err = job.finish()
+    assert code == 0, out + err
+    assert "Traceback" not in err, err
+    said = [line for line in err.splitlines() if "watchdog" in line]
+    assert len(said) == 1 and re.search(r"rank 1: its watchdog \(pid \d+\) has ended \(killed by signal 9\); the "
+                                        r"rank goes on without one", said[0]), err
+    _assert_nothing_left(job)
+
+
 def test_a_stale_mount_from_a_killed_job_is_cleared(served_dataset, tmp_path, jobs):
     _, dest = served_dataset
     shm_before = _shm_files()

@@ -117,19 +117,64 @@ def shm_files_mapped() -> list[str]:
     return sorted(paths)
 
 
-def start_watchdog(mountpoint: Path, ready_file: Path, log_path: Path) -> int:
-    """Start the watchdog (watchdog.py) in a session of its own; return the pipe end this process keeps open."""
-    read_end, write_end = os.pipe()
-    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
-    try:
-        subprocess.Popen([sys.executable, "-I", "-S", watchdog.__file__, str(read_end), str(mountpoint),
-                          str(ready_file), *shm_files_mapped()],
-                         pass_fds=(read_end,), stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
-                         start_new_session=True)
-    finally:
-        os.close(read_end)
-        os.close(log_fd)
-    return write_end
+class RankWatchdog:
+    """This rank's watchdog (watchdog.py) as the rank holds it: started in a session of its own, kept alive by the
+    write end of a pipe, and told at the rank's end whether that end is clean.
+
+    A thread, "watchdog watch", owns the wait for the watchdog's end and nothing else. A watchdog that ends before
+    the rank (killed by hand, by the OOM killer) is logged once, naming the rank: from then on the rank has none,
+    and a rank killed leaves its mount and ready file behind. It never changes the job's status: the rank's end
+    (`close`) does not fail on a watchdog gone.
+    """
+
+    def __init__(self, rank: int, mountpoint: Path, ready_file: Path, log_path: Path) -> None:
+        self._rank = rank
+        self._mountpoint = mountpoint
+        read_end, self._keep_alive = os.pipe()
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-I", "-S", watchdog.__file__, str(read_end), str(mountpoint), str(ready_file),
+                 *shm_files_mapped()],
+                pass_fds=(read_end,), stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
+                start_new_session=True)
+        finally:
+            os.close(read_end)
+            os.close(log_fd)
+        self._lock = threading.Lock()  # guards _ending and _reported, which the watch thread reads
+        self._ending = False  # the rank is ending: the watchdog's end is expected
+        self._reported = False
+        threading.Thread(target=self._watch, name="watchdog watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        code = self._process.wait()
+        with self._lock:
+            if self._ending:
+                return
+        self._report_gone(code)
+
+    def _report_gone(self, code: int | None) -> None:
+        with self._lock:
+            if self._reported:
+                return
+            self._reported = True
+        how = "" if code is None else f" (killed by signal {-code})" if code < 0 else f" (exit status {code})"
+        log.warning("rank %d: its watchdog (pid %d) has ended%s; the rank goes on without one: should it die now, "
+                    "its mount at %s stays behind (`fanstore umount %s` clears it)", self._rank, self._process.pid,
+                    how, self._mountpoint, self._mountpoint)
+
+    def close(self, clean: bool) -> None:
+        """The rank is ending: `clean` when MPI was finalised (the watchdog then leaves MPI's files alone, since
+        other ranks may still be finishing with them); else the watchdog cleans up after the rank."""
+        with self._lock:
+            self._ending = True
+        try:
+            if clean:
+                os.write(self._keep_alive, watchdog.CLEAN_EXIT)
+        except BrokenPipeError:  # gone before the rank's end, whatever the watch thread saw of it
+            self._report_gone(self._process.returncode)
+        finally:
+            os.close(self._keep_alive)
 
 
 def clear_stale_mount(mountpoint: Path) -> None:
@@ -342,7 +387,7 @@ def run(options: ServeOptions) -> int:
     failed = first_failed_rank(comm, problem is not None)
     if problem is not None or failed is not None:
         _refuse_together(comm, mpi, problem or f"rank {failed} cannot start (see its message); stopping")
-    keep_alive = start_watchdog(mountpoint, ready_file, local_dir / "fanstore-watchdog.log")
+    guard = RankWatchdog(rank, mountpoint, ready_file, local_dir / "fanstore-watchdog.log")
 
     bar = _progress_bar(rank, options.progress)
     try:
@@ -359,7 +404,7 @@ def run(options: ServeOptions) -> int:
     except StagingError as exc:  # refused before any copy, every rank agreeing (a local dir too small)
         if bar is not None:
             bar(-1, -1)
-        _refuse_together(comm, mpi, str(exc), keep_alive)
+        _refuse_together(comm, mpi, str(exc), guard)
     if bar is not None:
         bar(-1, -1)
     sizes = index.chunks["size"]
@@ -401,21 +446,19 @@ def run(options: ServeOptions) -> int:
     if lifecycle.agreed:
         comm.Free()
         mpi.Finalize()
-        os.write(keep_alive, watchdog.CLEAN_EXIT)
-    os.close(keep_alive)
+    guard.close(clean=lifecycle.agreed)
     return status
 
 
-def _refuse_together(comm: Any, mpi: Any, message: str, keep_alive: int | None = None) -> NoReturn:
+def _refuse_together(comm: Any, mpi: Any, message: str, guard: RankWatchdog | None = None) -> NoReturn:
     """End this rank at start, once every rank has agreed that one of them cannot go on (first_failed_rank): each
     finalises MPI and leaves with fanstore's own status and its own line (`message`). A rank that left without
     MPI_Finalize would have the launcher SIGKILL the others, in some runs and not others (`BAD TERMINATION`, exit
-    9), and leave MPI's /dev/shm files to a watchdog. A watchdog started (`keep_alive`) is told the end is clean."""
+    9), and leave MPI's /dev/shm files to a watchdog. A watchdog started (`guard`) is told the end is clean."""
     comm.Free()
     mpi.Finalize()
-    if keep_alive is not None:
-        os.write(keep_alive, watchdog.CLEAN_EXIT)
-        os.close(keep_alive)
+    if guard is not None:
+        guard.close(clean=True)
     raise ServeError(message)
 
 
