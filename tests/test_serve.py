@@ -415,7 +415,7 @@ def _chunks_of_files(dest: Path) -> dict[str, set[int]]:
     return found
 
 
-@pytest.mark.parametrize("damage", ["a flipped byte", "cut short", "missing"])
+@pytest.mark.parametrize("damage", ["a flipped byte", "cut short", "missing", "a damaged header"])
 def test_a_chunk_damaged_in_dest_fails_its_files_alone_on_every_rank(served_dataset, tmp_path, jobs, damage):
     """Staging finds the damage and names the chunk file; the file damaged (cut short or missing: the files of that
     chunk) is an I/O error on every rank, every other file reads right."""
@@ -430,6 +430,10 @@ def test_a_chunk_damaged_in_dest_fails_its_files_alone_on_every_rank(served_data
     elif damage == "cut short":
         os.truncate(chunk_file, offset + length // 2)
         expected = f"staging: {chunk_file}: shorter than the index says"
+    elif damage == "a damaged header":  # no blob's checksum covers it
+        flip_byte(chunk_file, 0)
+        expected = (f"staging: {chunk_file}: chunk {chunk} is not a fanstore chunk file (bad magic); the files in "
+                    f"that chunk will fail to read")
     else:
         chunk_file.unlink()
         expected = f"staging: {chunk_file}: No such file or directory"
@@ -442,7 +446,7 @@ def test_a_chunk_damaged_in_dest_fails_its_files_alone_on_every_rank(served_data
             relative = str(original.relative_to(src))
             if not original.is_file() or original.is_symlink():
                 continue
-            if relative == victim or (damage == "missing" and relative in in_chunk):
+            if relative == victim or (damage in ("missing", "a damaged header") and relative in in_chunk):
                 with pytest.raises(OSError) as failed:
                     (mountpoint / relative).read_bytes()
                 assert failed.value.errno == errno.EIO, relative
@@ -496,6 +500,37 @@ def _opens_and_closes(watch: int, watched: dict[int, Path]) -> dict[Path, Counte
             if number in watched:
                 heard[watched[number]]["open"] += bool(mask & IN_OPEN)
                 heard[watched[number]]["close"] += bool(mask & IN_CLOSE_NOWRITE)
+
+
+def test_a_header_damaged_in_a_local_dir_is_staged_again_by_the_next_job(served_dataset, tmp_path, jobs):
+    """A chunk header in rank 1's local directory damaged between two jobs (no blob's checksum covers it): the next
+    job finds it at start, logs it once and stages it again from DEST, and during the epoch reads nothing of that
+    chunk from DEST. It was never staged again: every later job read that chunk's files from DEST."""
+    src, dest = served_dataset
+    script = tmp_path / "check_rank.py"
+    script.write_text(RANK_CHECK)
+    first = Job(tmp_path, dest, command=["true"])
+    jobs.append(first)
+    assert first.finish()[0] == 0
+    with open_dataset(dest) as ds:
+        chunk = place(ds.index, RANKS).pieces(1)[0].chunk
+    local_chunk = tmp_path / "local1" / chunk_file_name(chunk)
+    flip_byte(local_chunk, 0)
+    rerun = Job(tmp_path, dest, "--stats", command=[sys.executable, str(script), str(src)])
+    jobs.append(rerun)
+    code, out, err = rerun.finish()
+    assert code == 0, out + err
+    assert sorted(line for line in out.splitlines() if line.endswith(": ok")) == [f"rank {r}: ok" for r in range(3)]
+    staged = {int(rank): size for rank, size in re.findall(r"^rank (\d) .*\n(?:  .*\n)*?  staging: (\S+ \S+) from DEST",
+                                                            out, re.M)}
+    assert staged[0] == staged[2] == "0 B" and staged[1] != "0 B", out  # rank 1 read that chunk's bytes again
+    assert re.search(r"bytes read from DEST: .* staging \([1-9]\d* B\), 0 B during the epochs \(0 B\)", out), out
+    said = [line for line in err.splitlines() if f"chunk {chunk}" in line]
+    assert len(said) == 1 and f"rank 1: staging: {local_chunk}: chunk {chunk} is not a fanstore chunk file (bad " \
+        f"magic): this node's copy of chunk {chunk}, verified by an earlier job, is damaged; staging it again" in \
+        said[0], err
+    assert "Traceback" not in err, err
+    _assert_nothing_left(rerun)
 
 
 def test_staging_opens_each_dest_chunk_file_once_per_rank_that_reads_it(tmp_path, jobs):

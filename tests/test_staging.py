@@ -17,7 +17,7 @@ from fanstore import PackOptions, open_dataset, pack
 from fanstore.format import CHUNK_HEADER_LEN, INDEX_NAME, chunk_file_name
 from fanstore.serve.placement import BlobTable
 from fanstore.serve.staging import LOCK_NAME, LocalDirectory, Span, StagingBroken, StagingError, check_span, \
-    claim_local_dir, copy_index, dataset_identity, index_identity, spans_of
+    claim_local_dir, copy_index, dataset_identity, header_problem, index_identity, spans_of
 
 
 def _packed(tmp_path):
@@ -55,6 +55,32 @@ def test_check_span_names_the_damaged_blob(tmp_path):
     data[second + 3] ^= 0xFF
     assert check_span(blobs, span, data) == [second]
     assert check_span(blobs, Span(0, 0, CHUNK_HEADER_LEN), data[:CHUNK_HEADER_LEN]) == []
+
+
+@pytest.mark.parametrize("offset, said", [
+    (0, "chunk 2 is not a fanstore chunk file (bad magic)"),
+    (8, "fanstore format version 254.1 is not supported (this fanstore reads version 1.x)"),
+    (12, "holds chunk 253, the index expects chunk 2"),
+])
+def test_a_damaged_header_is_named_though_no_blob_covers_it(tmp_path, offset, said):
+    """The header holds no blob, so blob checksums never see it: it is checked as a reader checks it."""
+    dest = _packed(tmp_path)
+    path = dest / chunk_file_name(2)
+    data = bytearray(path.read_bytes())
+    header, rest = Span(2, 0, CHUNK_HEADER_LEN), Span(2, CHUNK_HEADER_LEN, len(data))
+    assert header_problem(header, data[:CHUNK_HEADER_LEN], path) is None
+    data[offset] ^= 0xFF
+    assert header_problem(header, data[:CHUNK_HEADER_LEN], path) == f"{path}: {said}"
+    assert header_problem(Span(2, 0, len(data)), data, path) == f"{path}: {said}"
+    assert header_problem(rest, data[CHUNK_HEADER_LEN:], path) is None  # a span that does not start the chunk
+
+
+def test_a_local_chunk_that_is_not_a_regular_file_reads_as_missing(tmp_path):
+    """A fifo in a chunk file's place must not hold staging's check of what an earlier job left."""
+    local = LocalDirectory(tmp_path / "local", np.array([4096], dtype=np.uint64))
+    local.chunk_path(0).parent.mkdir(parents=True)
+    os.mkfifo(local.chunk_path(0))
+    assert local.read(Span(0, 0, CHUNK_HEADER_LEN)) is None
 
 
 def test_manifest_is_for_one_dataset_only(tmp_path):

@@ -7,9 +7,9 @@ rank alone; each replicated chunk is read from DEST by one rank (Placement.repli
 the others over MPI: every stored byte leaves the shared file system once per job, and each chunk file a rank reads
 is opened once, not once a span (dest_files.py). Every blob is checked against its checksum as it arrives. A
 manifest lists the ranges verified, so a job restarted on the same nodes stages only what its directory lacks (what
-it holds is checked again, locally, first). Once staged, the directory also gets a copy of DEST's index file
-(copy_index), which the node's readers load instead of DEST's; the manifest's checks and reuse look at chunk files
-alone.
+it holds is checked again, locally, first: the file, the headers and the blobs; a range that fails is logged and
+staged again). Once staged, the directory also gets a copy of DEST's index file (copy_index), which the node's
+readers load instead of DEST's; the manifest's checks and reuse look at chunk files alone.
 
 Every wait here is a Testsome or an Improbe between sleeps (polling.py): staging runs while other ranks are still
 reading DEST, and must not spin their cores.
@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import struct
 import time
 from collections import Counter, deque
@@ -34,8 +35,8 @@ import numpy as np
 import xxhash
 
 from ..durable import write_atomically
-from ..errors import FanstoreError
-from ..format import CHUNK_HEADER_LEN, INDEX_NAME, chunk_file_name
+from ..errors import FanstoreError, FormatError
+from ..format import CHUNK_HEADER_LEN, INDEX_NAME, check_chunk_header, chunk_file_name
 from ..index import Index
 from ..units import format_bytes
 from .dest_files import DestChunkFiles
@@ -195,14 +196,21 @@ class LocalDirectory:
             pass
 
     def read(self, span: Span) -> bytes | None:
-        """The span's bytes as the local file holds them, or None when the file is missing or short."""
+        """The span's bytes as the local file holds them, or None when the file is missing, not a regular file (a
+        fifo put there must not hold the read), or not the chunk's size."""
         try:
-            with open(self.chunk_path(span.chunk), "rb") as chunk_file:
-                if os.fstat(chunk_file.fileno()).st_size != self._sizes[span.chunk]:
-                    return None
-                data = os.pread(chunk_file.fileno(), span.end - span.start, span.start)
+            fd = os.open(self.chunk_path(span.chunk), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:
             return None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size != self._sizes[span.chunk]:
+                return None
+            data = os.pread(fd, span.end - span.start, span.start)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
         return data if len(data) == span.end - span.start else None
 
     def open_for_staging(self, chunk: int, keep: bool) -> None:
@@ -229,6 +237,19 @@ class LocalDirectory:
             finally:
                 os.close(fd)
         self._fds.clear()
+
+
+def header_problem(span: Span, data: bytes | memoryview, what: Path) -> str | None:
+    """Why the chunk header at the start of `span` is not one a reader takes (format.check_chunk_header: magic,
+    version, chunk id), naming `what`; None when it is, or when the span does not start the chunk. No blob holds
+    the header, so its checksums never cover it."""
+    if span.start != 0:
+        return None
+    try:
+        check_chunk_header(bytes(data[:CHUNK_HEADER_LEN]), span.chunk, what)
+    except FormatError as exc:
+        return str(exc)
+    return None
 
 
 def check_span(blobs: BlobTable, span: Span, data: bytes | memoryview) -> list[int]:
@@ -283,15 +304,30 @@ class Stager:
         return share
 
     def _reusable(self, share: list[Span], identity: str) -> set[Span]:
-        """Ranges of the share that the manifest lists and that still check: not staged again."""
+        """Ranges of the share that the manifest lists and that still check as staging checked them (the file's type
+        and size, the chunk's header, every blob): not staged again. A range listed that no longer checks is staged
+        again, and its chunk's damage logged once: its readers would otherwise read DEST, job after job."""
         held = self.local.read_manifest(identity)
         reusable = set()
+        damaged: dict[int, str] = {}
         for span in share:
             if not any(a <= span.start and span.end <= b for a, b in held.get(span.chunk, [])):
                 continue
+            path = self.local.chunk_path(span.chunk)
             data = self.local.read(span)
-            if data is not None and not check_span(self.blobs, span, data):
+            if data is None:
+                problem = f"{path}: missing, unreadable, or not chunk {span.chunk}'s size"
+            else:
+                bad = check_span(self.blobs, span, data)
+                problem = header_problem(span, data, path) or (
+                    f"{path}: {len(bad)} blob(s) fail their checksum (first at offset {bad[0]})" if bad else None)
+            if problem is None:
                 reusable.add(span)
+            else:
+                damaged.setdefault(span.chunk, problem)
+        for chunk, problem in sorted(damaged.items()):
+            log.warning("rank %d: staging: %s: this node's copy of chunk %d, verified by an earlier job, is damaged; "
+                        "staging it again", self.rank, problem, chunk)
         return reusable
 
     def run(self) -> StagingReport:
@@ -518,6 +554,10 @@ class Stager:
         return len(data)
 
     def _check_and_write(self, span: Span, data: bytes | memoryview) -> None:
+        problem = header_problem(span, data, self.dest / chunk_file_name(span.chunk))
+        if problem is not None:
+            self._unverified.add(span.chunk)
+            log.error("staging: %s; the files in that chunk will fail to read", problem)
         bad = check_span(self.blobs, span, data)
         if bad:
             self.report.bad_blobs += len(bad)
