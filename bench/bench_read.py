@@ -42,7 +42,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -125,13 +125,14 @@ def file_bytes(rng: np.random.Generator, size: int) -> bytes:
 GENERATED_TIME_NS = 1_700_000_000 * 10**9  # every generated file's mtime and atime
 
 
-def write_files(root: Path, paths: Iterable[str], rng: np.random.Generator, size: int) -> None:
-    """Files of `size` bytes (file_bytes, in the order of `paths`) under `root`, all with the same fixed times, so
-    that the same seed gives the same tree, and the same pack, on every run."""
+def write_files(root: Path, paths: Iterable[str], rng: np.random.Generator, size: int,
+                make: Callable[[np.random.Generator, int], bytes] = file_bytes) -> None:
+    """Files of `size` bytes (`make`'s, file_bytes by default, in the order of `paths`) under `root`, all with the
+    same fixed times, so that the same seed gives the same tree, and the same pack, on every run."""
     for rel in paths:
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(file_bytes(rng, size))
+        path.write_bytes(make(rng, size))
         os.utime(path, ns=(GENERATED_TIME_NS, GENERATED_TIME_NS))
 
 
