@@ -1,13 +1,19 @@
-"""bench_serve: under `mpiexec -n 3 fanstore serve` on this one machine, how fast is a dataset staged, and how fast
-does each rank read files stored on itself, on every rank (replicated) and on another rank, beside a plain
-directory and the Python API, and what do the ranks cost when idle?
+"""bench_serve: under `mpiexec -n 3 fanstore serve` on this one machine, how fast is a dataset staged, how fast does
+each rank read files stored on itself, on every rank (replicated) and on another rank, and at what CPU cost to each
+process, beside a plain directory and the Python API, and what do the ranks cost when idle?
 
-One run, one table (and a staging table): three datasets, each packed with a chunk size that makes chunks
+One run, one table (and a staging table): four datasets, each packed with a chunk size that makes chunks
 outnumber the ranks many times over, with val/ replicated (--replicate 'val/**'):
 
-  demo      fanstore's demo training set (fanstore/demo_data.py, scale 1; codec zstd-dict:9, as `fanstore demo`);
-  128 KiB   generated files of 128 KiB in train/ and val/ (codec lz4, bytes as bench_read makes them);
-  4 KiB     generated files of 4 KiB, likewise.
+  demo          fanstore's demo training set (fanstore/demo_data.py, scale 1; codec zstd-dict:9, as `fanstore demo`);
+  128 KiB       20,000 + 600 generated files of 128 KiB in train/ and val/ (codec lz4, bytes as bench_read makes
+                them, stored in about 43%);
+  128 KiB JPEG  as many files of random bytes behind a JPEG header, as photos are: incompressible, so stored as is
+                (--codec none), and a remote blob is as large as the file;
+  4 KiB         3,000 + 300 generated files of 4 KiB (lz4, likewise).
+
+The two 128 KiB sets are the ones judged: every stored file is local to one rank and remote to the two others, so
+each job reads each train/ file once as a local file and twice as a remote one, 20,000 local and 40,000 remote reads.
 
 The epoch. Every file with a blob is read once per mount, in one order that every rank follows: the replicated
 files, then the files stored on rank 0, on rank 1, on rank 2 (placement.place(index, 3)), each group shuffled
@@ -16,9 +22,14 @@ order is also the --prefetch-list, so prefetch follows the reader exactly. One r
 process, open + read all + close per file), the other ranks serving it, as they would another node; its
 `user.fanstore.stats` counters are read before and after, to check each read came from where the placement says.
 
-Beside each rank's files/s: wall milliseconds per file, and the CPU milliseconds per file that the reading rank's
-process used (local files) and that it and the two serving ranks used (remote files), sampled from /proc at each
-group's start and end: where a remote read's time goes, waiting or working.
+CPU. Beside each rank's files/s, the CPU microseconds per file of each process: the reading rank's serving process,
+each of the two ranks serving it, and the reader, over its local and over its remote files. Each is read at each
+group's start and end from the process's CPU-time clock (machine_load.cpu_ns: nanoseconds, every thread, those that
+ended meanwhile too). /proc/PID/stat counts 10 ms ticks, which over a group read in seconds cannot tell 5 us a file
+apart; summing /proc/PID/task/*/schedstat counts nanoseconds but loses a thread that ends between two samples, and
+getrusage sees only this process and its children once they end (the ranks are mpiexec's). The judged figures sum
+every rank's epoch: CPU per remote file less CPU per local file of the reading rank, over the job's 20,000 local and
+40,000 remote reads.
 
 Ways of reading, each the same epoch, split the same way for each rank:
 
@@ -34,25 +45,35 @@ The first job of each placement stages from scratch, with the page cache dropped
 /proc/sys/vm/drop_caches, as root) so DEST is read from disk; its --stats give each rank's staging seconds and the
 bytes read from DEST, compared with `cp -r DEST/chunks` into a fresh directory on the same file system, then an
 fsync of each copy (staging fsyncs each chunk file), also from a dropped cache. The second job finds every chunk
-verified in its local directory. Once every rank is mounted, before any read, each rank's CPU time
-(/proc/PID/stat utime + stime, all its threads) is sampled over a few seconds of idling, in the first job and in
-the one without doorbells.
+verified in its local directory. Once every rank is mounted, before any read, each rank's CPU time (its CPU-time
+clock, as above) is sampled over a few seconds of idling, in the first job and in the one without doorbells.
 
-Placement: 'a CPU per node' = each rank stands for a node of its own: the rank that reads and its reader on CPU 0,
-the two ranks serving it on CPU 1 (every thread of each is moved before each rank's epoch), as another node's CPUs
-would be theirs; the job starts under `taskset -c 0`, so staging, cp and the idle sample run on CPU 0. With every
-rank on one CPU a remote read would also cost the reader's only CPU what the serving rank spends on it, which on a
-cluster another node pays (the CPU+peers column shows it). 'unpinned' = every CPU this process may use, the
-scheduler's choice. Every figure is one run: on the 2-CPU virtual machines this was written on, runs
-vary by up to 30%. So the judged ways (prefetch off, prefetch-list) each run three fresh jobs, and their targets
-are judged on the median job's ratio, every job's printed beside it; the table shows that median job. Targets are
-printed last, PASS or FAIL. --quick: 1/5 of the generated files, 1/5 of each group of the demo's epoch, a CPU
-per node only, one job per way, 3 s of idling (about a minute).
+Placement, chosen by the CPUs this process may use:
+  '2 CPUs per rank' (8 CPUs or more): rank r on CPUs 2r and 2r+1 of them, every thread of it, for the whole job,
+      and the reader on its rank's two while that rank reads, as each node's CPUs would be its own; the job starts,
+      stages and idles on those six, and cp runs on them. The files/s targets are judged here alone.
+  'a CPU per node' (fewer, as on the 2-CPU VMs this was written on): each rank stands for a node of its own on a
+      machine that has a CPU for each side: the rank that reads and its reader on CPU 0, the two ranks serving it
+      on CPU 1 (every thread of each is moved before each rank's epoch); the job starts under `taskset -c 0`, so
+      staging, cp and the idle sample run on CPU 0. With every rank on one CPU a remote read would also cost the
+      reader's only CPU what the serving rank spends on it, which on a cluster another node pays.
+  'unpinned' (besides either, without --quick or --pinned-only): every CPU this process may use, the scheduler's
+      choice.
+
+Runs. The judged ways run by turns, a fresh job each: prefetch off, prefetch-list, prefetch off, prefetch-list,
+prefetch off, prefetch-list (JUDGED_JOBS of each), so that the machine's drift falls on both alike; each target is
+judged on the median of its jobs' figures, every job's printed beside it, and the table shows the job whose
+remote/local files/s is the median (one job's ratio of the same code swung from 70% to 97% on the 2-CPU VMs). The
+files/s targets need CPUs of their own per rank: elsewhere they print 'not judged here' with their figures. Targets
+are printed last, PASS or FAIL. --quick is a smoke test, never a verdict: 1/10 of the generated files, 1/10 of each
+group of the demo's epoch, one placement, one job per way, 3 s of idling (two to three minutes); its CPU and files/s
+lines give their figures and judge nothing (what does not depend on the files' count, bytes from DEST and idle CPU,
+is still judged).
 
 The bench cleans up whatever ends it: the job's processes (by pid), the mounts, the work directory; a helper
 started in a session of its own (this script with --reap) does it when the bench is killed outright.
 
-Usage: python bench/bench_serve.py [--quick] [--pinned-only] [--cache DIR]
+Usage: python bench/bench_serve.py [--quick] [--pinned-only] [--only DATASETS] [--cache DIR]
 """
 
 from __future__ import annotations
@@ -64,7 +85,6 @@ import json
 import multiprocessing
 import multiprocessing.pool
 import os
-import platform
 import random
 import re
 import shutil
@@ -75,7 +95,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -83,25 +103,45 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 sys.path.insert(0, str(REPO))  # measure this checkout, not some installed fanstore
 
-from bench_read import UNPINNED, Placement, back_memory, print_table, warm, write_files  # noqa: E402
-from machine_load import OtherLoad, wait_for_quiet  # noqa: E402
+from bench_read import back_memory, file_bytes, print_table, warm, write_files  # noqa: E402
+from machine_load import OtherLoad, cpu_ns, machine_lines, wait_for_quiet  # noqa: E402
 
 from fanstore.format import CHUNK_HEADER_LEN, NO_CHUNK  # noqa: E402
 from fanstore.mount import fuse_mounted_at, fuse_unavailable_reason  # noqa: E402
 
 KIB, MIB = 1024, 1 << 20
 RANKS = 3
-PER_NODE = Placement("a CPU per node", frozenset({0}))  # the reading rank and its reader; see the docstring
-SERVING_CPUS = frozenset({1})  # the ranks serving it, under PER_NODE
 MPIEXEC_BESIDE_PYTHON = Path(sys.executable).parent / "mpiexec"
-GENERATED = {  # label: (file size, train files, val files, chunk size)
-    "128 KiB": (128 * KIB, 1500, 150, 1 * MIB),
-    "4 KiB": (4 * KIB, 3000, 300, 64 * KIB),
+JPEG_HEADER = bytes.fromhex("ffd8ffe000104a46494600010100000100010000")  # SOI, then a JFIF APP0 segment
+JPEG_END = bytes.fromhex("ffd9")  # EOI
+
+
+def jpeg_like_bytes(rng: np.random.Generator, size: int) -> bytes:
+    """A photo as a codec sees it: random bytes behind a JPEG header, incompressible."""
+    return JPEG_HEADER + rng.bytes(size - len(JPEG_HEADER) - len(JPEG_END)) + JPEG_END
+
+
+@dataclass(frozen=True, slots=True)
+class Generated:
+    """A generated dataset: files of one size, `train` in train/ and `val` in val/ (replicated)."""
+
+    size: int
+    codec: str
+    make: Callable[[np.random.Generator, int], bytes]  # a file's bytes
+    train: int
+    val: int
+    chunk_size: int
+
+
+JPEG_LABEL = "128 KiB JPEG"
+GENERATED = {
+    "128 KiB": Generated(128 * KIB, "lz4", file_bytes, 20_000, 600, 1 * MIB),
+    JPEG_LABEL: Generated(128 * KIB, "none", jpeg_like_bytes, 20_000, 600, 1 * MIB),
+    "4 KiB": Generated(4 * KIB, "lz4", file_bytes, 3000, 300, 64 * KIB),
 }
-QUICK_DIVISOR = 5
+QUICK_DIVISOR = 10
 FEW_FILES = 50  # a rank storing fewer of the epoch's files than this gets a note: its local figures are rough
 MIN_FILES = 10  # per group of the epoch, when --quick reads only part of the demo's
-GENERATED_CODEC = "lz4"
 GENERATED_VERSION = "bench_serve files v1"
 DEMO_LABEL, DEMO_SCALE, DEMO_CHUNK_SIZE = "demo", 1, 128 * KIB
 REPLICATE = "val/**"
@@ -118,20 +158,63 @@ DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 STATS_XATTR = "user.fanstore.stats"
 CLASSES = ("local", "replicated", "remote")
 
-TARGET_DATASET = "128 KiB"
-TARGET_REMOTE_OFF = 0.70  # remote files/s as a share of local files/s, --prefetch 0
-TARGET_REMOTE_LIST = 0.90  # the same with --prefetch-list
+TARGET_DATASETS = ("128 KiB", JPEG_LABEL)
+TARGET_REMOTE_OFF = 0.80  # remote files/s as a share of local files/s, --prefetch 0 (2 CPUs per rank)
+TARGET_REMOTE_LIST = 0.95  # the same with --prefetch-list
+TARGET_CPU_GAP_US = 5.0  # the reading rank's CPU per remote file over its CPU per local file, --prefetch-list
 TARGET_IDLE = 0.05  # of a core, per rank
+JUDGED_READS = 20_000  # local reads (every rank's summed; remote ones are twice as many) a judged job makes at least
 
 CONFIGS = (("prefetch off", ("--prefetch", "0")), ("prefetch-list", ("--prefetch-list",)),
            ("off, no bell", ("--prefetch", "0", "--no-doorbell")))
 JUDGED = {"prefetch off": TARGET_REMOTE_OFF, "prefetch-list": TARGET_REMOTE_LIST}  # the configs with a target
-# Jobs run for each judged config (--quick: 1); the target is judged on the median job's ratio. One job's ratio of
-# the same code swung from 70% to 97% here: a local group read while something else ran sets the whole ratio.
+# Jobs run for each judged config, by turns (--quick: 1); each target is judged on the median of its jobs' figures.
+# One job's ratio of the same code swung from 70% to 97% on a 2-CPU VM: a local group read while something else
+# ran sets the whole ratio.
 JUDGED_JOBS = 3
+CPUS_PER_RANK = 2
+PER_RANK_MIN_CPUS = 8  # CPUs this process may use for '2 CPUs per rank': the ranks' six, and the bench's own
 STAGING_LINE = re.compile(r"^  staging: .+? from DEST, .+? from peers, .+? reused, (?P<seconds>[\d.]+) s", re.M)
 TOTALS_LINE = re.compile(r"^job \(\d+ ranks\): .*bytes read from DEST: .* staging \((?P<staging>\d+) B\), "
                          r".* during the epochs \((?P<epochs>\d+) B\)", re.M)
+
+
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlacement:
+    """Where the job, each rank and the reader run (see the docstring); None: wherever the scheduler likes."""
+
+    label: str
+    job: frozenset[int] | None  # the job starts here (staging, the idle sample); cp runs here
+    own: tuple[frozenset[int], ...] = ()  # 2 CPUs per rank: rank r's own CPUs, its reader's too while it reads
+    reading: frozenset[int] | None = None  # a CPU per node: the reading rank's and its reader's
+    serving: frozenset[int] | None = None  # a CPU per node: the ranks serving it
+
+    def rank_cpus(self, rank: int, reading: int) -> frozenset[int] | None:
+        """The CPUs of `rank` while rank `reading` reads (its reader's are those of `reading`)."""
+        if self.own:
+            return self.own[rank]
+        return self.reading if rank == reading else self.serving
+
+    def wrap(self, command: Sequence[str]) -> list[str]:
+        if self.job is None:
+            return list(command)
+        return ["taskset", "-c", ",".join(map(str, sorted(self.job))), *command]
+
+
+PER_NODE = RankPlacement("a CPU per node", frozenset({0}), reading=frozenset({0}), serving=frozenset({1}))
+UNPINNED = RankPlacement("unpinned", None)
+
+
+def pinned_placement() -> RankPlacement:
+    """2 CPUs per rank where this process may use PER_RANK_MIN_CPUS CPUs or more (the first six of them); a CPU per
+    node otherwise."""
+    usable = sorted(os.sched_getaffinity(0))
+    if len(usable) < PER_RANK_MIN_CPUS:
+        return PER_NODE
+    own = tuple(frozenset(usable[CPUS_PER_RANK * rank:CPUS_PER_RANK * (rank + 1)]) for rank in range(RANKS))
+    return RankPlacement(f"{CPUS_PER_RANK} CPUs per rank", frozenset().union(*own), own=own)
 
 
 _STARTED = time.monotonic()
@@ -180,18 +263,22 @@ def fanstore_pack(src: Path, dest: Path, codec: str, chunk_size: int) -> None:
          "--replicate", REPLICATE, "--quiet", "--force"], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
-def build_generated(cache: Path, label: str, size: int, train: int, val: int, chunk_size: int) -> tuple[Path, Path]:
-    """Files of one size in train/ and val/, and their dataset: made once, reused while the marker matches."""
-    base = cache / f"serve-{size}-{train}-{val}-{chunk_size}"
+def build_generated(cache: Path, label: str, spec: Generated, divisor: int) -> tuple[Path, Path]:
+    """1/`divisor` of the files of `spec` in train/ and val/, and their dataset: made once, reused while the marker
+    matches."""
+    train, val = spec.train // divisor, spec.val // divisor
+    kind = "" if spec.make is file_bytes else f"-{spec.make.__name__}"
+    base = cache / f"serve-{spec.size}{kind}-{spec.codec}-{train}-{val}-{spec.chunk_size}"
     src, dest, marker = base / "files", base / "dataset", base / "complete"
-    if not marker.exists() or marker.read_text() != f"{GENERATED_VERSION} {GENERATED_CODEC}\n":
+    if not marker.exists() or marker.read_text() != f"{GENERATED_VERSION} {spec.codec}\n":
         progress(f"[{label}] generating {train + val:,} files into {base} (once) ...")
         shutil.rmtree(base, ignore_errors=True)
-        rng = np.random.default_rng(size * 7919 + train)
+        rng = np.random.default_rng(spec.size * 7919 + train)
         for group, count in (("train", train), ("val", val)):
-            write_files(src / group, (f"d{i // FILES_PER_DIR:03d}/f{i:06d}.bin" for i in range(count)), rng, size)
-        fanstore_pack(src, dest, GENERATED_CODEC, chunk_size)
-        marker.write_text(f"{GENERATED_VERSION} {GENERATED_CODEC}\n")
+            write_files(src / group, (f"d{i // FILES_PER_DIR:03d}/f{i:06d}.bin" for i in range(count)), rng,
+                        spec.size, spec.make)
+        fanstore_pack(src, dest, spec.codec, spec.chunk_size)
+        marker.write_text(f"{GENERATED_VERSION} {spec.codec}\n")
     return src, dest
 
 
@@ -273,13 +360,14 @@ def _start_reader(dest: str | None) -> None:
 
 
 def _read_segments(root: str | None, segments: list[tuple[str, ...]], pids: list[int]
-                   ) -> list[tuple[float, int, list[int]]]:
+                   ) -> list[tuple[float, int, list[int], int]]:
     """What a data-loader worker does per sample (open, read it all, close; or the API's read), timed per segment:
-    (seconds, bytes, CPU ticks each of `pids` used meanwhile) of each."""
+    (seconds, bytes, CPU nanoseconds each of `pids` used meanwhile, CPU nanoseconds of this reader) of each."""
     timings = []
     for paths in segments:
         total = 0
-        ticks = [cpu_ticks(pid) for pid in pids]
+        cpu = [cpu_ns(pid) for pid in pids]
+        own = time.process_time_ns()  # this process's CPU-time clock, as cpu_ns reads the others'
         started = time.perf_counter()
         if root is None:
             for rel in paths:
@@ -289,16 +377,18 @@ def _read_segments(root: str | None, segments: list[tuple[str, ...]], pids: list
                 with open(os.path.join(root, rel), "rb") as f:
                     total += len(f.read())
         seconds = time.perf_counter() - started
-        timings.append((seconds, total, [cpu_ticks(pid) - before for pid, before in zip(pids, ticks)]))
+        own = time.process_time_ns() - own
+        timings.append((seconds, total, [cpu_ns(pid) - before for pid, before in zip(pids, cpu)], own))
     return timings
 
 
 @contextlib.contextmanager
-def reader_process(placement: Placement, api_dest: Path | None = None) -> Iterator[multiprocessing.pool.Pool]:
-    """One reader process, started before timing, placed as asked (it inherits this process's affinity)."""
+def reader_process(cpus: frozenset[int] | None, api_dest: Path | None = None) -> Iterator[multiprocessing.pool.Pool]:
+    """One reader process, started before timing, on `cpus` (it inherits this process's affinity; None: this
+    process's)."""
     before = os.sched_getaffinity(0)
-    if placement.cpus is not None:
-        os.sched_setaffinity(0, placement.cpus)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
     try:
         with multiprocessing.get_context("fork").Pool(1, _start_reader, (api_dest and str(api_dest),)) as pool:
             pool.apply(abs, (0,))  # up, and the API's dataset open
@@ -316,14 +406,19 @@ class Epoch:
     files: dict[str, int]
     others: float  # cores
     cpu: dict[str, list[float]]  # through a mount: CPU seconds of each rank's serving process, per segment
+    reader_cpu: dict[str, float]  # CPU seconds of the reader, per segment
     sources: dict[str, int] = field(default_factory=dict)  # local, fetched, fallback: reads during the pass
 
     def rate(self, segments: list[str]) -> float:
         return sum(self.files[s] for s in segments) / sum(self.seconds[s] for s in segments)
 
     def cpu_per_file(self, segments: list[str], ranks: list[int]) -> float:
-        """Milliseconds of CPU the processes of `ranks` used per file of `segments`."""
-        return 1e3 * sum(self.cpu[s][r] for s in segments for r in ranks) / sum(self.files[s] for s in segments)
+        """Microseconds of CPU the processes of `ranks` used per file of `segments`."""
+        return 1e6 * sum(self.cpu[s][r] for s in segments for r in ranks) / sum(self.files[s] for s in segments)
+
+    def reader_cpu_per_file(self, segments: list[str]) -> float:
+        """Microseconds of CPU the reader used per file of `segments`."""
+        return 1e6 * sum(self.reader_cpu[s] for s in segments) / sum(self.files[s] for s in segments)
 
 
 def timed_epoch(pool: multiprocessing.pool.Pool, root: Path | None, data: DataSet, pids: Sequence[int] = ()) -> Epoch:
@@ -337,13 +432,13 @@ def timed_epoch(pool: multiprocessing.pool.Pool, root: Path | None, data: DataSe
         wall = time.perf_counter() - started
     names = [name for name, _ in data.segments]
     expected = [sum((data.src / rel).stat().st_size for rel in paths) for _, paths in data.segments]
-    if [total for _, total, _ in timings] != expected:
-        raise SystemExit(f"bench_serve: [{data.label}] read {[t for _, t, _ in timings]} bytes by segment "
+    if [total for _, total, _, _ in timings] != expected:
+        raise SystemExit(f"bench_serve: [{data.label}] read {[t for _, t, _, _ in timings]} bytes by segment "
                          f"from {root or 'the API'}, expected {expected}")
-    tick = os.sysconf("SC_CLK_TCK")
-    return Epoch({name: seconds for name, (seconds, _, _) in zip(names, timings)},
+    return Epoch({name: seconds for name, (seconds, _, _, _) in zip(names, timings)},
                  {name: len(paths) for name, paths in data.segments}, others.cpu_seconds / wall,
-                 {name: [t / tick for t in ticks] for name, (_, _, ticks) in zip(names, timings)})
+                 {name: [ns / 1e9 for ns in cpu] for name, (_, _, cpu, _) in zip(names, timings)},
+                 {name: own / 1e9 for name, (_, _, _, own) in zip(names, timings)})
 
 
 def class_segments(rank: int) -> dict[str, list[str]]:
@@ -359,7 +454,8 @@ def mpiexec_command() -> str | None:
 
 
 def cpu_ticks(pid: int) -> int:
-    """utime + stime of a process, every thread of it, in clock ticks."""
+    """utime + stime of a process, every thread of it, in clock ticks (10 ms here: machine_load.cpu_ns reads
+    nanoseconds)."""
     with open(f"/proc/{pid}/stat") as stat_file:
         text = stat_file.read()
     fields = text[text.rindex(")") + 2 :].split()
@@ -396,7 +492,8 @@ class ServeJob:
     of its own; whatever happens, on exit every process of the job is gone, and so are the mounts and the ranks'
     watchdogs."""
 
-    def __init__(self, data: DataSet, workdir: Path, placement: Placement, options: Sequence[str], name: str) -> None:
+    def __init__(self, data: DataSet, workdir: Path, placement: RankPlacement, options: Sequence[str],
+                 name: str) -> None:
         self.workdir = workdir
         self.mountpoints = [workdir / f"mp{rank}" for rank in range(RANKS)]
         for mountpoint in self.mountpoints:
@@ -543,12 +640,12 @@ def source_counts(mountpoint: Path) -> dict[str, int]:
 def idle_cpu(pids: list[int], seconds: float) -> list[float]:
     """Each process's CPU use over `seconds` of wall time, as a share of one core."""
     time.sleep(IDLE_SETTLE)
-    before = [cpu_ticks(pid) for pid in pids]
+    before = [cpu_ns(pid) for pid in pids]
     started = time.monotonic()
     time.sleep(seconds)
-    after = [cpu_ticks(pid) for pid in pids]
+    after = [cpu_ns(pid) for pid in pids]
     wall = time.monotonic() - started
-    return [(b - a) / os.sysconf("SC_CLK_TCK") / wall for a, b in zip(before, after)]
+    return [(b - a) / 1e9 / wall for a, b in zip(before, after)]
 
 
 def drop_caches() -> bool:
@@ -568,7 +665,7 @@ class Run:
     """Everything measured for one dataset under one placement."""
 
     data: DataSet
-    placement: str
+    placement: RankPlacement
     epochs: dict[str, list[Epoch]] = field(default_factory=dict)  # way of reading -> one Epoch per rank
     jobs: dict[str, JobReport] = field(default_factory=dict)  # config -> its (first) job's report
     # config -> every job's epochs and report, in the order run; `epochs` holds the median job's (judged configs)
@@ -577,7 +674,7 @@ class Run:
     cold: bool = False  # the page cache was dropped before staging and before cp
 
 
-def copy_chunks(data: DataSet, workdir: Path, placement: Placement) -> tuple[float, float, bool]:
+def copy_chunks(data: DataSet, workdir: Path, placement: RankPlacement) -> tuple[float, float, bool]:
     """Seconds to `cp -r DEST/chunks` into a fresh directory on this file system, and to fsync every copy after."""
     target = workdir / "cp-chunks"
     shutil.rmtree(target, ignore_errors=True)
@@ -596,7 +693,7 @@ def copy_chunks(data: DataSet, workdir: Path, placement: Placement) -> tuple[flo
     return copied, synced, cold
 
 
-def serve_epochs(data: DataSet, workdir: Path, placement: Placement, config: str, options: Sequence[str],
+def serve_epochs(data: DataSet, workdir: Path, placement: RankPlacement, config: str, options: Sequence[str],
                  idle_seconds: float | None) -> tuple[list[Epoch], JobReport]:
     """One fresh job: (idle CPU,) each rank's epoch through its own mount, one rank at a time; its --stats."""
     with ServeJob(data, workdir, placement, options, f"{data.label.replace(' ', '')}-{config}") as job:
@@ -609,7 +706,7 @@ def serve_epochs(data: DataSet, workdir: Path, placement: Placement, config: str
         for rank, mountpoint in enumerate(job.mountpoints):
             progress(f"[{data.label}, {placement.label}] {config}: rank {rank} reads ...")
             place_ranks(placement, pids, rank)
-            with reader_process(placement) as pool:
+            with reader_process(placement.rank_cpus(rank, rank)) as pool:
                 before = source_counts(mountpoint)
                 epoch = timed_epoch(pool, mountpoint, data, pids)
                 after = source_counts(mountpoint)
@@ -621,44 +718,46 @@ def serve_epochs(data: DataSet, workdir: Path, placement: Placement, config: str
     return epochs, report
 
 
-def place_ranks(placement: Placement, pids: Sequence[int], reading: int) -> None:
-    """Under PER_NODE, rank `reading` goes to the reader's CPU and the others to SERVING_CPUS: every thread of each
-    (threads started later inherit their starter's CPUs)."""
-    if placement is not PER_NODE:
-        return
+def place_ranks(placement: RankPlacement, pids: Sequence[int], reading: int) -> None:
+    """Each rank to its CPUs while rank `reading` reads (RankPlacement.rank_cpus): every thread of each (threads
+    started later inherit their starter's CPUs); unpinned, none is moved."""
     for rank, pid in enumerate(pids):
-        cpus = placement.cpus if rank == reading else SERVING_CPUS
+        cpus = placement.rank_cpus(rank, reading)
+        if cpus is None:
+            continue
         for tid in os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(ProcessLookupError):  # a thread that has just ended
                 os.sched_setaffinity(int(tid), cpus)
 
 
-def measure(data: DataSet, workdir: Path, placement: Placement, idle_seconds: float, epoch_list: Path,
+def measure(data: DataSet, workdir: Path, placement: RankPlacement, idle_seconds: float, epoch_list: Path,
             judged_jobs: int = JUDGED_JOBS) -> Run:
-    result = Run(data, placement.label)
+    """Plain and api, then the serve jobs: the judged ways by turns (off, list, off, list, ...), the first staging
+    from scratch, then the way without doorbells."""
+    result = Run(data, placement)
     progress(f"[{data.label}, {placement.label}] cp of the chunk files ...")
     copied, synced, cold = copy_chunks(data, workdir, placement)
     result.copy_seconds = (copied, synced)
     progress(f"[{data.label}, {placement.label}] plain and api ...")
     warm(data.src)
-    with reader_process(placement) as pool:
+    with reader_process(placement.rank_cpus(0, 0)) as pool:
         result.epochs["plain"] = [timed_epoch(pool, data.src, data)]
     warm(data.dest)
-    with reader_process(placement, api_dest=data.dest) as pool:
+    with reader_process(placement.rank_cpus(0, 0), api_dest=data.dest) as pool:
         result.epochs["api"] = [timed_epoch(pool, None, data)]
     for rank in range(RANKS):
         shutil.rmtree(workdir / f"local{rank}", ignore_errors=True)
-    for number, (config, options) in enumerate(CONFIGS):
+    turns = [(config, options) for _ in range(judged_jobs) for config, options in CONFIGS if config in JUDGED]
+    turns += [(config, options) for config, options in CONFIGS if config not in JUDGED]
+    for number, (config, options) in enumerate(turns):
         if number == 0:
             result.cold = drop_caches() and cold  # staging reads DEST from disk, as it would a shared file system
         if config == "prefetch-list":
             options = (*options, str(epoch_list))
         measure_idle = number == 0 or "--no-doorbell" in options
-        rounds = []
-        for job in range(judged_jobs if config in JUDGED else 1):
-            rounds.append(serve_epochs(data, workdir, placement, config, options,
-                                       idle_seconds if measure_idle and job == 0 else None))
-        result.rounds[config] = rounds
+        result.rounds.setdefault(config, []).append(
+            serve_epochs(data, workdir, placement, config, options, idle_seconds if measure_idle else None))
+    for config, rounds in result.rounds.items():
         result.jobs[config] = rounds[0][1]  # the first job: staging from scratch (first config), idle CPU
         ratios = [aggregate_ratio(epochs) for epochs, _ in rounds]
         result.epochs[config] = rounds[sorted(range(len(rounds)), key=ratios.__getitem__)[len(rounds) // 2]][0]
@@ -692,15 +791,16 @@ def epoch_rows(runs: list[Run]) -> list[list[str]]:
                 megabytes = result.data.raw_bytes / 1e6 / sum(epoch.seconds.values())
                 checked = sources_as_placed(epoch, result.data, rank) if epoch.sources else ""
                 flag = " !" if epoch.others > NOISY_OTHERS else ""
-                cpu_local = cpu_remote = ""
+                cpu = {name: ["", ""] for name in ("local", "remote")}  # the reading rank's, each serving rank's
                 if epoch.sources:
                     peers = [r for r in range(RANKS) if r != rank]
-                    cpu_local = f"{epoch.cpu_per_file(classes['local'], [rank]):.2f}"
-                    cpu_remote = (f"{epoch.cpu_per_file(classes['remote'], [rank]):.2f}"
-                                  f"+{epoch.cpu_per_file(classes['remote'], peers):.2f}")
-                rows.append([result.data.label, result.placement, way, str(rank), f"{local:,.0f}",
-                             f"{replicated:,.0f}", f"{remote:,.0f}", f"{remote / local:.0%}", f"{megabytes:,.0f}",
-                             f"{1e3 / local:.2f}", cpu_local, f"{1e3 / remote:.2f}", cpu_remote,
+                    for name in cpu:
+                        cpu[name] = [f"{epoch.cpu_per_file(classes[name], [rank]):.1f}",
+                                     " ".join(f"{epoch.cpu_per_file(classes[name], [peer]):.1f}" for peer in peers)]
+                rows.append([result.data.label, result.placement.label, way, str(rank), f"{local:,.0f}",
+                             *cpu["local"], f"{epoch.reader_cpu_per_file(classes['local']):.1f}", f"{remote:,.0f}",
+                             *cpu["remote"], f"{epoch.reader_cpu_per_file(classes['remote']):.1f}",
+                             f"{remote / local:.0%}", f"{replicated:,.0f}", f"{megabytes:,.0f}",
                              f"{epoch.others:.2f}{flag}", checked])
     return rows
 
@@ -726,8 +826,9 @@ def staging_rows(runs: list[Run]) -> list[list[str]]:
         ok, _ = staging_ok(result)
         epoch_bytes = "/".join(f"{sum(report.epoch_bytes for _, report in result.rounds[config]):,}"
                                for config, _ in CONFIGS)
-        rows.append([data.label, result.placement, f"{data.files():,}", f"{data.chunks} ({data.replicated_chunks} r)",
-                     f"{data.chunk_bytes / 1e6:,.1f}", f"{data.local_dir_bytes / 1e6:,.1f}",
+        rows.append([data.label, result.placement.label, f"{data.files():,}",
+                     f"{data.chunks} ({data.replicated_chunks} r)", f"{data.chunk_bytes / 1e6:,.1f}",
+                     f"{data.local_dir_bytes / 1e6:,.1f}",
                      " ".join(f"{s:.1f}" for s in first.staging_seconds), rate,
                      f"{data.chunk_bytes / 1e6 / copied:,.0f}", f"{data.chunk_bytes / 1e6 / synced:,.0f}",
                      f"{first.staging_bytes:,}" + (" ok" if ok else " FAIL"), f"{second.staging_bytes:,}",
@@ -736,34 +837,80 @@ def staging_rows(runs: list[Run]) -> list[list[str]]:
     return rows
 
 
+def class_totals(epochs: list[Epoch], name: str) -> tuple[int, float, float]:
+    """Files, seconds and the reading rank's CPU seconds of a job's files of class `name` (local, remote), every
+    rank's epoch summed."""
+    pairs = [(epochs[r], s, r) for r in range(RANKS) for s in class_segments(r)[name]]
+    return (sum(epoch.files[s] for epoch, s, _ in pairs), sum(epoch.seconds[s] for epoch, s, _ in pairs),
+            sum(epoch.cpu[s][r] for epoch, s, r in pairs))
+
+
 def aggregate_ratio(epochs: list[Epoch]) -> float:
     """Remote files/s over local files/s of a job's epochs, every rank's files and seconds summed."""
-    totals = {}
-    for name in ("local", "remote"):
-        files = sum(epochs[r].files[s] for r in range(RANKS) for s in class_segments(r)[name])
-        seconds = sum(epochs[r].seconds[s] for r in range(RANKS) for s in class_segments(r)[name])
-        totals[name] = files / seconds
-    return totals["remote"] / totals["local"]
+    (local_files, local_seconds, _), (remote_files, remote_seconds, _) = (class_totals(epochs, name)
+                                                                          for name in ("local", "remote"))
+    return (remote_files / remote_seconds) / (local_files / local_seconds)
 
 
-def target_lines(runs: list[Run]) -> list[str]:
+def rank_cpu_per_file(epochs: list[Epoch]) -> tuple[float, float]:
+    """Microseconds of CPU the reading rank used per local and per remote file of a job, every rank's epoch
+    summed."""
+    local_files, _, local_cpu = class_totals(epochs, "local")
+    remote_files, _, remote_cpu = class_totals(epochs, "remote")
+    return 1e6 * local_cpu / local_files, 1e6 * remote_cpu / remote_files
+
+
+def median_of(values: list[float]) -> float:
+    """The median of an odd count (the jobs by turns); of an even one, the lower middle (a figure measured)."""
+    return sorted(values)[(len(values) - 1) // 2]
+
+
+def target_lines(runs: list[Run], quick: bool) -> list[str]:
+    """PASS or FAIL for what this run can judge; '----' with the figures for what it cannot (and for the figures
+    beside a target)."""
     lines = []
 
-    def line(ok: bool, what: str, result: Run, detail: str) -> None:
-        lines.append(f"{'PASS' if ok else 'FAIL'}  {what:<47}  {result.data.label:>7}, {result.placement:<14}  "
-                     f"{detail}")
+    def line(status: bool | None, what: str, result: Run, detail: str) -> None:
+        word = "----" if status is None else "PASS" if status else "FAIL"
+        lines.append(f"{word}  {what:<58}  {result.data.label + ',':<13} {result.placement.label:<15}  {detail}")
 
+    usable = len(os.sched_getaffinity(0))
     for result in runs:
-        if result.data.label == TARGET_DATASET:
+        if result.data.label in TARGET_DATASETS:
+            local_reads = min(class_totals(epochs, "local")[0] for config in JUDGED
+                              for epochs, _ in result.rounds[config])
+            smoke = (f"smoke test (--quick), not a verdict: {local_reads:,} local reads a job, judged over "
+                     f">= {JUDGED_READS:,}; " if quick or local_reads < JUDGED_READS else "")
+            for config in JUDGED:
+                figures = [rank_cpu_per_file(epochs) for epochs, _ in result.rounds[config]]
+                gaps = [remote - local for local, remote in figures]
+                gap = median_of(gaps)
+                local, remote = figures[gaps.index(gap)]
+                each = (f"; median of {len(gaps)} jobs by turns: " + " ".join(f"{g:+.1f}" for g in gaps)
+                        if len(gaps) > 1 else "")
+                detail = f"{remote:.1f} vs {local:.1f} us: {gap:+.1f} us{each}"
+                if config == "prefetch-list":
+                    line(None if smoke else gap <= TARGET_CPU_GAP_US,
+                         f"rank CPU per remote file <= local + {TARGET_CPU_GAP_US:g} us, {config}", result,
+                         smoke + detail)
+                else:
+                    line(None, f"(no target) rank CPU per remote file - local, {config}", result, detail)
             for config, target in JUDGED.items():
                 ratios = [aggregate_ratio(epochs) for epochs, _ in result.rounds[config]]
-                ratio = aggregate_ratio(result.epochs[config])  # the median job's (measure)
-                each = f"median of {len(ratios)} jobs: " + " ".join(f"{r:.0%}" for r in ratios) + ", " \
-                    if len(ratios) > 1 else ""
-                line(ratio >= target, f"remote >= {target:.0%} of local files/s, {config}", result,
-                     f"{ratio:.1%} ({each}every rank's files and seconds summed)")  # 89.6% is no pass
-            lines.append(f"----  {'(no target) the same, off, no bell':<47}  {result.data.label:>7}, "
-                         f"{result.placement:<14}  {aggregate_ratio(result.epochs['off, no bell']):.0%}")
+                ratio = median_of(ratios)
+                each = (f"median of {len(ratios)} jobs by turns: " + " ".join(f"{r:.1%}" for r in ratios) + ", "
+                        if len(ratios) > 1 else "")
+                detail = f"{ratio:.1%} ({each}every rank's files and seconds summed)"
+                if not result.placement.own:
+                    why = (f"not judged here: needs {PER_RANK_MIN_CPUS} CPUs ({CPUS_PER_RANK} per rank), this "
+                           f"process may use {usable}; " if usable < PER_RANK_MIN_CPUS else
+                           f"not judged {result.placement.label}: judged with {CPUS_PER_RANK} CPUs per rank; ")
+                    line(None, f"remote >= {target:.0%} of local files/s, {config}", result, why + detail)
+                else:  # 89.6% is no pass
+                    line(None if smoke else ratio >= target, f"remote >= {target:.0%} of local files/s, {config}",
+                         result, smoke + detail)
+            line(None, "(no target) the same, off, no bell", result,
+                 f"{aggregate_ratio(result.epochs['off, no bell']):.1%}")
         epoch_bytes = [report.epoch_bytes for config, _ in CONFIGS for _, report in result.rounds[config]]
         line(not any(epoch_bytes), "0 B from DEST during the epochs", result,
              f"{' and '.join(f'{b:,} B' for b in epoch_bytes)} (every job)")
@@ -773,15 +920,6 @@ def target_lines(runs: list[Run]) -> list[str]:
         line(max(idle) <= TARGET_IDLE, f"idle CPU per rank <= {TARGET_IDLE:.0%} of a core", result,
              ", ".join(f"{c:.1%}" for c in idle))
     return lines
-
-
-def machine_lines() -> list[str]:
-    with open("/proc/cpuinfo") as cpuinfo:
-        model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
-    with open("/proc/meminfo") as meminfo:
-        memory = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemTotal:"))
-    return [f"machine: {os.cpu_count()} CPUs ({model}), this process may use {sorted(os.sched_getaffinity(0))}; "
-            f"{memory / 2**30:.1f} GiB memory; Linux {platform.release()}, Python {platform.python_version()}"]
 
 
 def dataset_line(data: DataSet) -> str:
@@ -795,7 +933,25 @@ def dataset_line(data: DataSet) -> str:
             + (f"; --quick: the epoch reads 1/{data.divisor} of each group" if data.divisor > 1 else ""))
 
 
-def print_report(sets: list[DataSet], runs: list[Run], idle_seconds: float, notes: list[str]) -> None:
+def placement_line(placements: list[RankPlacement]) -> str:
+    """What each placement of this run put where."""
+    said = []
+    for placement in placements:
+        if placement.own:
+            cpus = "; ".join(f"rank {rank} on {sorted(cpus)}" for rank, cpus in enumerate(placement.own))
+            said.append(f"'{placement.label}' = {cpus}, every thread of each for the whole job, and the reader on "
+                        f"its rank's CPUs while that rank reads (the job started, staged and idled on "
+                        f"{sorted(placement.job or ())}; cp on them too)")
+        elif placement.reading is not None:
+            said.append(f"'{placement.label}' = the reading rank and the reader on CPU {min(placement.reading)}, the "
+                        f"ranks serving it on CPU {min(placement.serving or ())} (the job started, staged and idled "
+                        f"on CPU {min(placement.job or ())}; cp on it too)")
+        else:
+            said.append(f"'{placement.label}' = every CPU this process may use, the scheduler's choice")
+    return "placement: " + "; ".join(said)
+
+
+def print_report(sets: list[DataSet], runs: list[Run], idle_seconds: float, notes: list[str], quick: bool) -> None:
     import mpi4py
     from mpi4py import MPI
 
@@ -806,9 +962,10 @@ def print_report(sets: list[DataSet], runs: list[Run], idle_seconds: float, note
         print(line)
     print(f"MPI: {MPI.Get_library_version().splitlines()[0].strip()}, mpi4py {mpi4py.__version__}, "
           f"mpiexec {mpiexec_command()}")
-    print("placement: 'a CPU per node' = the reading rank and the reader on CPU 0, the ranks serving it on CPU 1 (the "
-          "job started, staged and idled on CPU 0; cp on CPU 0); 'unpinned' = the CPUs above, the scheduler's choice. "
-          "One run per figure: runs of small-file reads vary by up to 30% on 2-CPU VMs")
+    print(placement_line(list(dict.fromkeys(result.placement for result in runs))))
+    if quick:
+        print("--quick: a smoke test, never a verdict: 1/10 of the files, one job per way; the CPU and files/s "
+              "targets below give their figures and judge nothing")
     for data in sets:
         print(dataset_line(data))
     for note in notes:
@@ -816,19 +973,19 @@ def print_report(sets: list[DataSet], runs: list[Run], idle_seconds: float, note
     print()
     print("epochs: files/s of open + read all + close per file (api: Dataset.read), one reader process; local = "
           "files stored on this rank, replicated = val/ (on every rank), remote = stored on the other two ranks; "
-          f"every read through a mount is its first (a fresh job per way; {JUDGED_JOBS} jobs for the judged "
-          "ways, prefetch off and prefetch-list, without --quick, and the table shows the job whose ratio is the "
-          "median); MB/s = whole epoch; others = cores other "
+          f"every read through a mount is its first (a fresh job per way; {JUDGED_JOBS} jobs for each judged "
+          "way, prefetch off and prefetch-list, by turns, without --quick, and the table shows the job whose "
+          "remote/local is the median); CPU us = microseconds of CPU per file of each process, read from its "
+          "CPU-time clock (nanoseconds, every thread, ended ones too) at each group's start and end: rank = the "
+          "reading rank's serving process, peers = each of the two ranks serving it (in rank order), reader = the "
+          "reader process; MB/s = whole epoch; others = cores other "
           f"processes used meanwhile ('!' above {NOISY_OTHERS}); as placed = the rank's counters say local and "
           "replicated files came from its directory, remote ones from peers, none from DEST ('N twice': N blobs "
           "read a second time, by a prefetch that started while the reader was loading the file itself). plain and "
-          "api: one pass, split for each rank as its mount's passes are. local ms, remote ms = wall milliseconds per "
-          "file; "
-          "CPU = milliseconds of CPU the reading rank's serving process used per local file; CPU+peers = the same "
-          "per remote file, and what the two serving ranks used (utime + stime, 10 ms ticks, sampled at each "
-          "group's start and end)")
-    print_table(["dataset", "placement", "reader", "rank", "local files/s", "replicated", "remote", "remote/local",
-                 "MB/s", "local ms", "CPU", "remote ms", "CPU+peers", "others", "as placed"], epoch_rows(runs), left=4)
+          "api: one pass, split for each rank as its mount's passes are")
+    print_table(["dataset", "placement", "reader", "rank", "local files/s", "CPU us: rank", "peers", "reader",
+                 "remote files/s", "CPU us: rank", "peers", "reader", "remote/local", "replicated files/s", "MB/s",
+                 "others", "as placed"], epoch_rows(runs), left=4)
     print()
     print("staging (the first job, page cache dropped first" + ("" if all(r.cold for r in runs) else
           ": NOT dropped (not root), DEST was warm") + "): seconds per rank from --stats (0.1 s resolution); MB/s = "
@@ -842,7 +999,7 @@ def print_report(sets: list[DataSet], runs: list[Run], idle_seconds: float, note
                 staging_rows(runs), left=2)
     print()
     print("targets")
-    for line in target_lines(runs):
+    for line in target_lines(runs, quick):
         print(f"  {line}")
 
 
@@ -864,8 +1021,8 @@ def serve_requirements_missing() -> list[str]:
 def missing_requirements() -> list[str]:
     missing = serve_requirements_missing()
     missing += [f"{tool} (util-linux, coreutils)" for tool in ("taskset", "cp") if shutil.which(tool) is None]
-    if not PER_NODE.cpus | SERVING_CPUS <= os.sched_getaffinity(0):
-        missing.append(f"CPUs {sorted(PER_NODE.cpus | SERVING_CPUS)} to place the ranks on (this process may use "
+    if pinned_placement() is PER_NODE and not {0, 1} <= os.sched_getaffinity(0):
+        missing.append(f"CPUs 0 and 1 to place the ranks on, or any {PER_RANK_MIN_CPUS} CPUs (this process may use "
                        f"{sorted(os.sched_getaffinity(0))})")
     return missing
 
@@ -951,10 +1108,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if list(sys.argv[1:] if argv is None else argv) == ["--reap"]:
         return reap()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help=f"1/{QUICK_DIVISOR} of the generated files, "
-                                                             "a CPU per node only, a shorter idle sample")
-    parser.add_argument("--pinned-only", action="store_true", help="only the 'a CPU per node' placement")
-    parser.add_argument("--only", help="comma-separated datasets to run: demo,128 KiB,4 KiB (development)")
+    parser.add_argument("--quick", action="store_true", help=f"a smoke test: 1/{QUICK_DIVISOR} of the generated "
+                        "files, the pinned placement only, one job per way, a shorter idle sample")
+    parser.add_argument("--pinned-only", action="store_true", help="only the pinned placement ('2 CPUs per rank' "
+                        f"on {PER_RANK_MIN_CPUS} CPUs or more, else 'a CPU per node')")
+    parser.add_argument("--only", help=f"comma-separated datasets to run: {','.join([DEMO_LABEL, *GENERATED])}")
     parser.add_argument("--cache", type=Path, default=BENCH_DIR / ".cache", help="where inputs are made once")
     args = parser.parse_args(argv)
     missing = missing_requirements()
@@ -965,7 +1123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     notes = []
     if os.geteuid() != 0:
         notes.append("not root: the page cache cannot be dropped; staging and cp read DEST warm")
-    placements = [PER_NODE] if args.quick or args.pinned_only else [PER_NODE, UNPINNED]
+    placements = [pinned_placement()] + ([] if args.quick or args.pinned_only else [UNPINNED])
     idle_seconds = QUICK_IDLE_SECONDS if args.quick else IDLE_SECONDS
     divisor = QUICK_DIVISOR if args.quick else 1
     cache = args.cache.resolve()
@@ -975,10 +1133,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if only is None or DEMO_LABEL in only:
         src, dest, codec = build_demo(cache)
         sets.append(describe(DEMO_LABEL, src, dest, codec, DEMO_CHUNK_SIZE, divisor))
-    for label, (size, train, val, chunk_size) in GENERATED.items():
+    for label, spec in GENERATED.items():
         if only is None or label in only:
-            src, dest = build_generated(cache, label, size, train // divisor, val // divisor, chunk_size)
-            sets.append(describe(label, src, dest, GENERATED_CODEC, chunk_size))
+            src, dest = build_generated(cache, label, spec, divisor)
+            sets.append(describe(label, src, dest, spec.codec, spec.chunk_size))
     for data in sets:
         few = [name for name, paths in data.segments if name != "replicated" and len(paths) < FEW_FILES]
         if few:
@@ -992,7 +1150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for placement in placements:
                 runs.append(measure(data, workdir, placement, idle_seconds, epoch_list,
                                     1 if args.quick else JUDGED_JOBS))
-    print_report(sets, runs, idle_seconds, notes)
+    print_report(sets, runs, idle_seconds, notes, args.quick)
     return 0
 
 
