@@ -18,7 +18,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .chunk_source import ChunkSource, LocalChunkSource
-from .errors import IsADirectory, NotADirectory, NotASymlink, PathNotFound, SymlinkLoop
+from .errors import IsADirectory, NotADirectory, NotASymlink, PathNotFound, SymlinkLoop, quoted
 from .index import Index, normalize_path
 from .reader import Reader
 
@@ -173,7 +173,7 @@ class Dataset:
             if not stat.S_ISLNK(int(self.index.entries[entry]["mode"])):
                 return entry
             current = self._link_destination(entry)
-        raise SymlinkLoop(f"{os.fspath(path)!r}: too many levels of symbolic links")
+        raise SymlinkLoop(f"{quoted(path)}: too many levels of symbolic links")
 
     def resolve_many(self, paths: Sequence[str]) -> np.ndarray:
         """Entry numbers of many paths, as `resolve` gives them (the same errors), in one vectorized search:
@@ -205,7 +205,7 @@ class Dataset:
         link_path = self.index.path_of(entry)
         joined = posixpath.normpath(posixpath.join(posixpath.dirname(link_path), self.index.link_target(entry)))
         if joined.startswith("..") or joined.startswith("/"):
-            raise PathNotFound(f"{link_path!r}: symlink points outside the dataset")
+            raise PathNotFound(f"{quoted(link_path)}: symlink points outside the dataset")
         return "" if joined == "." else joined
 
     def read(self, path: str | os.PathLike[str]) -> bytes:
@@ -220,7 +220,7 @@ class Dataset:
     def _file_entry(self, path: str | os.PathLike[str]) -> int:
         entry = self.resolve(path)
         if stat.S_ISDIR(int(self.index.entries[entry]["mode"])):
-            raise IsADirectory(f"{os.fspath(path)!r} is a directory")
+            raise IsADirectory(f"{quoted(path)} is a directory")
         return entry
 
     def stat(self, path: str | os.PathLike[str], follow_symlinks: bool = True) -> EntryStat:
@@ -238,14 +238,14 @@ class Dataset:
     def readlink(self, path: str | os.PathLike[str]) -> str:
         entry = self.index.lookup(path)
         if not stat.S_ISLNK(int(self.index.entries[entry]["mode"])):
-            raise NotASymlink(f"{os.fspath(path)!r} is not a symbolic link")
+            raise NotASymlink(f"{quoted(path)} is not a symbolic link")
         return self.index.link_target(entry)
 
     def listdir(self, path: str | os.PathLike[str] = "") -> list[str]:
         """Names in a directory, sorted, like os.listdir."""
         entry = self.resolve(path)
         if not stat.S_ISDIR(int(self.index.entries[entry]["mode"])):
-            raise NotADirectory(f"{os.fspath(path)!r} is not a directory")
+            raise NotADirectory(f"{quoted(path)} is not a directory")
         return [self.index.path_of(c).rpartition("/")[2] for c in self.index.children(entry)]
 
     def walk(self, top: str | os.PathLike[str] = "") -> Iterator[tuple[str, list[str], list[str]]]:

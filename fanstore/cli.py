@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .errors import DoesNotFit, FanstoreError, UsageError, say_line
+from .errors import DoesNotFit, FanstoreError, UsageError, quoted, say_line
 from .units import format_bytes, parse_size
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ def _parse_nodes(text: str) -> int:
     try:
         nodes = int(text)
     except ValueError:
-        raise UsageError(f"--nodes: cannot read {text!r} as a number of nodes (1 to {MAX_NODES})") from None
+        raise UsageError(f"--nodes: cannot read {quoted(text)} as a number of nodes (1 to {MAX_NODES})") from None
     if not 1 <= nodes <= MAX_NODES:
         raise UsageError(f"--nodes: must be a whole number from 1 to {MAX_NODES}, got {nodes}")
     return nodes
@@ -135,7 +135,7 @@ def _parse_tolerance(text: str) -> float:
         return 0.0
     tolerance = parse_fraction(text, "--tolerance")
     if tolerance >= 1:
-        raise UsageError(f"--tolerance: {text!r} must be less than 100% (e.g. 1%)")
+        raise UsageError(f"--tolerance: {quoted(text)} must be less than 100% (e.g. 1%)")
     return tolerance
 
 
@@ -314,7 +314,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     try:
         nodes = int(args.nodes)
     except ValueError:
-        raise UsageError(f"--nodes: cannot read {args.nodes!r} as a number of nodes (1 to {MAX_NODES})") from None
+        raise UsageError(f"--nodes: cannot read {quoted(args.nodes)} as a number of nodes (1 to {MAX_NODES})") from None
     capacity = parse_size(args.local_capacity, "--local-capacity") if args.local_capacity is not None else None
     index = Index.load(args.dest)
     placement = place(index, nodes)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from .durable import PARTIAL_SUFFIX
-from .errors import UsageError
+from .errors import UsageError, quoted
 from .format import CHUNK_DIR, CHUNK_MAGIC, INDEX_MAGIC, INDEX_NAME
 from .journal import JOURNAL_DIR, STATE_FILE, JournalError, PackJournal
 
@@ -35,9 +35,9 @@ def check_src_and_dest(src: Path, dest: Path) -> None:
     """Neither may hold the other: a pack writes and deletes under DEST, and must not read what it writes."""
     real_src, real_dest = os.path.realpath(src), os.path.realpath(dest)
     if real_dest == real_src or real_dest.startswith(real_src + os.sep):
-        raise UsageError(f"DEST {str(dest)!r} is inside SRC {str(src)!r}; choose a directory outside it")
+        raise UsageError(f"DEST {quoted(dest)} is inside SRC {quoted(src)}; choose a directory outside it")
     if real_src.startswith(real_dest + os.sep):
-        raise UsageError(f"SRC {str(src)!r} is inside DEST {str(dest)!r}, where the pack writes and may delete; "
+        raise UsageError(f"SRC {quoted(src)} is inside DEST {quoted(dest)}, where the pack writes and may delete; "
                          "choose a DEST outside SRC")
 
 
@@ -54,21 +54,21 @@ def check_dest(dest: Path, journal: PackJournal, fingerprint: str, force: bool) 
     """A new or empty DEST, or the journal of this very pack to resume; a finished dataset or another pack's
     journal only with --force; anything fanstore did not write, never. Reads DEST, never writes it."""
     if dest.is_symlink() and not dest.is_dir():
-        raise UsageError(f"DEST {str(dest)!r} is a symlink to something that is not a directory")
+        raise UsageError(f"DEST {quoted(dest)} is a symlink to something that is not a directory")
     if dest.exists() and not dest.is_dir():
-        raise UsageError(f"DEST {str(dest)!r} exists and is not a directory")
+        raise UsageError(f"DEST {quoted(dest)} exists and is not a directory")
     present = set(os.listdir(dest)) if dest.is_dir() else set()
     foreign = _foreign_files(dest, present)
     if foreign:
         more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
-        raise UsageError(f"DEST {str(dest)!r} holds {str(foreign[0])!r}{more}, which fanstore did not write; "
+        raise UsageError(f"DEST {quoted(dest)} holds {quoted(foreign[0])}{more}, which fanstore did not write; "
                          "fanstore-pack never deletes what it did not write: choose an empty or new directory, "
                          "or move those files away")
     fresh = DestPlan(resume=False, remove=tuple(sorted(present)))
     chunk_files = (dest / CHUNK_DIR).is_dir() and any(True for _ in os.scandir(dest / CHUNK_DIR))
     if INDEX_NAME in present:
         if not force:
-            raise UsageError(f"DEST {str(dest)!r} already holds a fanstore dataset; pass --force to replace it")
+            raise UsageError(f"DEST {quoted(dest)} already holds a fanstore dataset; pass --force to replace it")
         return fresh
     if journal.exists():
         try:
@@ -82,12 +82,12 @@ def check_dest(dest: Path, journal: PackJournal, fingerprint: str, force: bool) 
         if force:
             return fresh
         raise UsageError(
-            f"DEST {str(dest)!r} holds an interrupted pack of other files or options "
+            f"DEST {quoted(dest)} holds an interrupted pack of other files or options "
             f"({json.dumps(previous.options if previous is not None else None)}); run that command to resume "
             "it, or pass --force"
         )
     if chunk_files and not force:
-        raise UsageError(f"DEST {str(dest)!r} holds fanstore chunk files but no index or journal (a copy, or a "
+        raise UsageError(f"DEST {quoted(dest)} holds fanstore chunk files but no index or journal (a copy, or a "
                          "pack from elsewhere); pass --force to replace them")
     return fresh  # at most an empty chunks/ and dictionaries of a pack killed at its start
 
@@ -96,13 +96,13 @@ def prepare_dest(dest: Path, journal: PackJournal, fingerprint: str, force: bool
     """Carry out what check_dest decided, the pack's first write to DEST. DEST is checked again first: time has
     passed since (the codec selection), and what is deleted must be what was found to be fanstore's."""
     if check_dest(dest, journal, fingerprint, force) != planned:
-        raise UsageError(f"DEST {str(dest)!r} changed while the pack was getting ready (is another process "
+        raise UsageError(f"DEST {quoted(dest)} changed while the pack was getting ready (is another process "
                          "writing there?); nothing was written: run the same command again")
     _remove_ours(dest, set(planned.remove))
     try:
         (dest / CHUNK_DIR).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise UsageError(f"DEST {str(dest)!r} cannot be created: {exc.strerror}") from None
+        raise UsageError(f"DEST {quoted(dest)} cannot be created: {exc.strerror}") from None
 
 
 def discard_unrecorded_chunks(dest: Path, finished: int) -> None:

@@ -8,6 +8,7 @@ answers for it (`fuse_errno`), so the mount translates any of them without a tab
 from __future__ import annotations
 
 import errno
+import os
 import sys
 from typing import TextIO
 
@@ -106,6 +107,25 @@ def fuse_errno_of(exc: BaseException) -> int:
     if isinstance(exc, OSError) and exc.errno:
         return exc.errno
     return errno.EIO
+
+
+QUOTE_LIMIT = 200  # characters of user text an error message shows
+
+
+def quoted(text: object) -> str:
+    """User text as an error message shows it (an option's value, a path, a line of a file, a field of a crafted
+    index): quoted as repr quotes it, and past QUOTE_LIMIT characters cut, with an ellipsis and its full length. A
+    50 MB line echoed whole was 50 MB of output from every rank; cut, it is one readable line."""
+    if isinstance(text, os.PathLike):
+        text = os.fspath(text)
+    if not isinstance(text, (str, bytes)):  # a field of a crafted index: a list, a number, None
+        shown = repr(text)
+        return shown if len(shown) <= QUOTE_LIMIT else f"{shown[:QUOTE_LIMIT]}... ({len(shown):,} characters)"
+    if len(text) <= QUOTE_LIMIT:
+        return repr(text)
+    head = repr(text[:QUOTE_LIMIT])  # the head alone: the whole may be huge, and escapes stay whole
+    unit = "bytes" if isinstance(text, bytes) else "characters"
+    return f"{head[:-1]}...{head[-1]} ({len(text):,} {unit})"
 
 
 def say_line(text: str, stream: TextIO | None = None) -> None:

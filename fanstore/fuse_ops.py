@@ -24,7 +24,7 @@ import trio
 
 from .cache import DecodedCache
 from .chunk_source import BlobRead, ChunkSource
-from .errors import ChunkCorrupt, ChunkError, ChunkUnavailable, FanstoreError, fuse_errno_of
+from .errors import ChunkCorrupt, ChunkError, ChunkUnavailable, FanstoreError, fuse_errno_of, quoted
 from .format import FLAG_BLOCKED, NO_CHUNK
 from .index import Index
 from .kernel_holds import KernelHolds
@@ -503,7 +503,7 @@ class FanstoreOperations(pyfuse3.Operations):
             return ""
         entry = args[0] if handler in _HANDLE_FIRST else args[0] - 1
         try:
-            return f", {self.index.path_of(entry)!r}"
+            return f", {quoted(self.index.path_of(entry))}"
         except Exception:  # noqa: BLE001 - only a log line's detail
             return f", {'handle' if handler in _HANDLE_FIRST else 'inode'} {args[0]}"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .errors import UsageError
+from .errors import UsageError, quoted
 
 SPREAD = 0
 REPLICATED = 1
@@ -17,7 +17,7 @@ _SET_SPECIAL = frozenset("\\[]^&|~")
 def glob_to_regex(pattern: str) -> re.Pattern[str]:
     """Compile a path glob: `*` and `?` stay inside one path component, `**` spans any number of them."""
     if not pattern.strip("/"):
-        raise UsageError(f"--replicate: empty pattern {pattern!r}")
+        raise UsageError(f"--replicate: empty pattern {quoted(pattern)}")
     parts = []
     i = 0
     text = pattern.strip("/")
@@ -39,7 +39,7 @@ def glob_to_regex(pattern: str) -> re.Pattern[str]:
             first = i + 2 if text.startswith("!", i + 1) else i + 1
             end = text.find("]", first + 1)
             if end < 0:
-                raise UsageError(f"--replicate: unclosed '[' in pattern {pattern!r}")
+                raise UsageError(f"--replicate: unclosed '[' in pattern {quoted(pattern)}")
             members = "".join("\\" + c if c in _SET_SPECIAL else c for c in text[first:end])
             parts.append(f"[{'^' if first == i + 2 else ''}{members}]")
             i = end + 1
@@ -50,7 +50,7 @@ def glob_to_regex(pattern: str) -> re.Pattern[str]:
     try:
         return re.compile("(?:" + "".join(parts) + r")(?:/.*)?\Z", re.DOTALL)
     except re.error as exc:  # what the translation lets through, such as a reversed range `[z-a]`
-        raise UsageError(f"--replicate: pattern {pattern!r} is not a valid glob: {exc.msg}") from None
+        raise UsageError(f"--replicate: pattern {quoted(pattern)} is not a valid glob: {exc.msg}") from None
 
 
 class GroupPlan:

@@ -17,7 +17,7 @@ import numpy as np
 import xxhash
 
 from .durable import write_atomically
-from .errors import DatasetNotFound, FormatError, PathNotFound
+from .errors import DatasetNotFound, FormatError, PathNotFound, quoted
 from .format import (
     BLOCK_DTYPE,
     CHUNK_DTYPE,
@@ -118,7 +118,7 @@ class Index:
         """Entry number of a path; PathNotFound if the dataset has no such path."""
         entry = self.lookup_key(normalize_path(path).encode("utf-8", "surrogateescape"))
         if entry is None:
-            raise PathNotFound(f"{os.fspath(path)!r}: no such file or directory in the dataset")
+            raise PathNotFound(f"{quoted(path)}: no such file or directory in the dataset")
         return entry
 
     def lookup_key(self, key: bytes) -> int | None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import FormatError
+from .errors import FormatError, quoted
 from .format import (
     CHUNK_HEADER_LEN,
     DICTIONARY_PREFIX,
@@ -57,9 +57,10 @@ def check_toc(path: Path, toc: Any, version: str) -> None:
     if not isinstance(toc, dict):
         raise refuse("table of contents", "is not a JSON object")
     if toc.get("format") != "fanstore-index":
-        raise refuse("table of contents", f"format is {toc.get('format')!r}, expected 'fanstore-index'")
+        raise refuse("table of contents", f"format is {quoted(toc.get('format'))}, expected 'fanstore-index'")
     if toc.get("version") != version:
-        raise refuse("table of contents", f"version {toc.get('version')!r} differs from the header's {version!r}")
+        raise refuse("table of contents", f"version {quoted(toc.get('version'))} differs from the header's "
+                                          f"{quoted(version)}")
     groups = toc.get("groups")
     if not isinstance(groups, list) or not groups:
         raise refuse("groups", "must be a non-empty list")
@@ -80,21 +81,21 @@ def check_toc(path: Path, toc: Any, version: str) -> None:
         dictionary = row.get("dictionary")
         if dictionary is not None and (not isinstance(dictionary, str) or not dictionary.startswith(DICTIONARY_PREFIX)
                                        or dictionary not in sections):
-            raise refuse(f"codecs[{number}].dictionary", f"{dictionary!r} names no dictionary section")
+            raise refuse(f"codecs[{number}].dictionary", f"{quoted(dictionary)} names no dictionary section")
     if codecs[0].get("spec") != "none":
-        raise refuse("codecs[0]", f"is {codecs[0].get('spec')!r}; row 0 is always 'none'")
+        raise refuse("codecs[0]", f"is {quoted(codecs[0].get('spec'))}; row 0 is always 'none'")
     for name, where in sections.items():
         if not (isinstance(where, dict) and _is_int(where.get("offset")) and _is_int(where.get("count"))
                 and isinstance(where.get("dtype"), str) and where["offset"] >= 0 and where["count"] >= 0
                 and isinstance(where.get("required", False), bool)):
-            raise refuse(f"sections[{name!r}]", "needs a non-negative offset and count, a dtype and, if marked "
+            raise refuse(f"sections[{quoted(name)}]", "needs a non-negative offset and count, a dtype and, if marked "
                                                 "required, true or false")
     if not isinstance(toc.get("meta", {}), dict):
         raise refuse("meta", "must be an object")
     if "blocks" in sections:
         block_size = toc.get("block_size")
         if not _is_int(block_size) or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
-            raise refuse("block_size", f"{block_size!r} is not a block size from {MIN_BLOCK_SIZE} to "
+            raise refuse("block_size", f"{quoted(block_size)} is not a block size from {MIN_BLOCK_SIZE} to "
                                        f"{MAX_BLOCK_SIZE} bytes")
 
 
@@ -109,16 +110,17 @@ def section_layouts(path: Path, sections: dict[str, Any], version: str) -> tuple
         dtype = known_section_dtype(name)
         if dtype is not None:
             if where["dtype"] != layout_tag(dtype):
-                raise FormatError(f"{path}: section {name!r} has layout {where['dtype']}, expected {layout_tag(dtype)}")
+                raise FormatError(f"{path}: section {quoted(name)} has layout {quoted(where['dtype'])}, expected "
+                                  f"{layout_tag(dtype)}")
             known[name], itemsizes[name] = dtype, dtype.itemsize
             continue
         if where.get("required", False):
-            raise FormatError(f"{path}: section {name!r} is required to read this version {version} index and this "
-                              f"fanstore (format {FORMAT_MAJOR}.{FORMAT_MINOR}) does not know it: read the dataset "
-                              "with a newer fanstore")
+            raise FormatError(f"{path}: section {quoted(name)} is required to read this version {version} index "
+                              f"and this fanstore (format {FORMAT_MAJOR}.{FORMAT_MINOR}) does not know it: read the "
+                              "dataset with a newer fanstore")
         itemsize = layout_itemsize(where["dtype"])
         if itemsize is None:
-            raise _Refuse(path)(f"sections[{name!r}].dtype", f"{where['dtype']!r} is not a layout tag")
+            raise _Refuse(path)(f"sections[{quoted(name)}].dtype", f"{quoted(where['dtype'])} is not a layout tag")
         itemsizes[name] = itemsize
     return known, itemsizes
 
@@ -131,13 +133,13 @@ def check_section_layout(path: Path, sections: dict[str, Any], itemsizes: dict[s
     for name, where in sections.items():
         end = where["offset"] + where["count"] * itemsizes[name]
         if where["offset"] < body_start or end > file_size:
-            raise refuse(f"sections[{name!r}]", f"bytes {where['offset']}..{end} lie outside the index's sections "
-                                                f"({body_start}..{file_size})")
+            raise refuse(f"sections[{quoted(name)}]", f"bytes {where['offset']}..{end} lie outside the index's "
+                                                      f"sections ({body_start}..{file_size})")
         spans.append((where["offset"], end, name))
     spans.sort()
     for (_, end, name), (start, _, following) in zip(spans, spans[1:]):
         if start < end:
-            raise refuse(f"sections[{following!r}]", f"overlaps section {name!r}")
+            raise refuse(f"sections[{quoted(following)}]", f"overlaps section {quoted(name)}")
 
 
 class _Columns:

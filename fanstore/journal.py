@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 from .durable import write_atomically
-from .errors import PackError
+from .errors import PackError, quoted
 from .walk import Problem
 
 JOURNAL_DIR = ".fanstore-pack"
@@ -110,7 +110,7 @@ class PackJournal:
         version = state.get("journal_version") if isinstance(state, dict) else None
         if version != JOURNAL_VERSION:
             raise JournalError(f"{path}: the interrupted pack was journaled by another fanstore (journal version "
-                               f"{version!r}, this one resumes version {JOURNAL_VERSION}); pass --force to start "
+                               f"{quoted(version)}, this one resumes version {JOURNAL_VERSION}); pass --force to start "
                                "the pack afresh")
         del state["journal_version"]
         try:

@@ -28,7 +28,7 @@ from .api import Dataset, open_dataset
 from .cache import DecodedCache
 from .daemon_tuning import install_fast_session_loop, keep_freed_memory
 from .dest_apart import overlap
-from .errors import FanstoreError, UsageError
+from .errors import FanstoreError, UsageError, quoted
 from .format import CHUNK_DIR, INDEX_NAME
 from .kernel_holds import KernelHolds
 from .prefetch import FileOrder, Prefetcher, read_prefetch_list
@@ -170,10 +170,10 @@ def check_mountpoint(mountpoint: Path) -> None:
         os.stat(mountpoint)  # no FUSE mount here; one above it has just answered
     except OSError as exc:
         if exc.errno == errno.ENOENT:
-            raise UsageError(f"MOUNTPOINT {str(mountpoint)!r} does not exist; create the directory first") from None
+            raise UsageError(f"MOUNTPOINT {quoted(mountpoint)} does not exist; create the directory first") from None
         raise MountError(f"{mountpoint}: {exc.strerror}") from None
     if not os.path.isdir(mountpoint):
-        raise UsageError(f"MOUNTPOINT {str(mountpoint)!r} is not a directory")
+        raise UsageError(f"MOUNTPOINT {quoted(mountpoint)} is not a directory")
     if os.path.ismount(mountpoint):
         raise MountError(f"{mountpoint}: something is already mounted here; `fanstore umount {mountpoint}` first")
 
@@ -379,7 +379,7 @@ def open_daemon_log(log_path: Path, private: bool = False) -> int:
         try:
             return os.open(log_path, flags, 0o666)
         except OSError as exc:
-            raise UsageError(f"--log {str(log_path)!r}: cannot open: {exc.strerror}") from None
+            raise UsageError(f"--log {quoted(log_path)}: cannot open: {exc.strerror}") from None
     directory_fd = _open_private_directory(log_path.parent)
     try:
         # Opened relative to the directory checked, so a directory swapped since cannot redirect it; O_NONBLOCK
@@ -475,7 +475,7 @@ def _resolve(mountpoint: Path, fuse_mounts: Iterable[str]) -> Path:
             continue  # not a symlink (EINVAL), or nothing there: the checks that follow say which
         links_followed += 1
         if links_followed > _MAX_SYMLINKS:
-            raise UsageError(f"MOUNTPOINT {str(mountpoint)!r}: too many levels of symbolic links")
+            raise UsageError(f"MOUNTPOINT {quoted(mountpoint)}: too many levels of symbolic links")
         resolved = "/" if target.startswith("/") else os.path.dirname(candidate)
         pending.extend(target.split("/")[::-1])
     return Path(resolved)
@@ -500,9 +500,9 @@ def unmount(mountpoint: Path) -> None:
     if str(mountpoint) not in mounts:
         if _fuse_mount_holding(str(mountpoint), mounts) is None:  # else a lookup could wait on a hung daemon
             if not os.path.lexists(mountpoint):
-                raise UsageError(f"MOUNTPOINT {str(mountpoint)!r} does not exist")
+                raise UsageError(f"MOUNTPOINT {quoted(mountpoint)} does not exist")
             if not os.path.isdir(mountpoint):
-                raise UsageError(f"MOUNTPOINT {str(mountpoint)!r} is not a directory")
+                raise UsageError(f"MOUNTPOINT {quoted(mountpoint)} is not a directory")
         raise UsageError(f"{mountpoint}: no FUSE file system is mounted here")
     tool = shutil.which("fusermount3") or shutil.which("fusermount")
     command = [tool, "-u", "-z", str(mountpoint)] if tool else ["umount", "-l", str(mountpoint)]

@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 
 from .cache import DecodedCache
-from .errors import UsageError
+from .errors import UsageError, quoted
 from .format import FLAG_BLOCKED
 from .index import Index, normalize_path
 
@@ -84,7 +84,7 @@ def read_prefetch_list(index: Index, path: Path, mountpoint: Path | None = None)
     try:
         lines = path.read_bytes().splitlines()
     except OSError as exc:
-        raise UsageError(f"--prefetch-list: cannot read {str(path)!r}: {exc.strerror}") from None
+        raise UsageError(f"--prefetch-list: cannot read {quoted(path)}: {exc.strerror}") from None
     through_mount = f"{mountpoint}/" if mountpoint is not None else None
     names: list[tuple[int, str]] = []  # (line number, the path as written)
     keys: list[bytes] = []
@@ -106,7 +106,7 @@ def read_prefetch_list(index: Index, path: Path, mountpoint: Path | None = None)
         hint = ""
         if through_mount and name.startswith("/"):
             hint = f" (a path through the mount starts with {through_mount})"
-        raise UsageError(f"--prefetch-list: {path}:{number}: {name!r} is not in the dataset{hint}")
+        raise UsageError(f"--prefetch-list: {path}:{number}: {quoted(name)} is not in the dataset{hint}")
     return entries.tolist()
 
 

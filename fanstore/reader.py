@@ -9,7 +9,7 @@ import xxhash
 from compressors import Codec, CodecError, codec_from_spec
 
 from .chunk_source import ChunkSource
-from .errors import ChunkCorrupt, ChunkError, ChunkUnavailable, FormatError, IsADirectory, UsageError
+from .errors import ChunkCorrupt, ChunkError, ChunkUnavailable, FormatError, IsADirectory, UsageError, quoted
 from .format import FLAG_BLOCKED, NO_CHUNK, chunk_file_name
 from .index import Index
 
@@ -26,7 +26,8 @@ def build_codecs(index: Index) -> list[Codec]:
         except CodecError as exc:
             raise FormatError(f"{index.path}: codec table: {exc}") from None
         if codec.codec_id != row["id"]:
-            raise FormatError(f"{index.path}: codec {row['spec']!r} has id {row['id']}, expected {codec.codec_id}")
+            raise FormatError(f"{index.path}: codec {quoted(row['spec'])} has id {row['id']}, expected "
+                              f"{codec.codec_id}")
         codecs.append(codec)
     return codecs
 
@@ -50,7 +51,7 @@ class Reader:
         """The original bytes of a regular file, whole."""
         _, size, _, offset, stored_len, checksum, _, mode, chunk, _, codec, flags = self._entries[entry].item()
         if not stat.S_ISREG(mode):
-            raise IsADirectory(f"{self.index.path_of(entry)!r} is not a regular file")
+            raise IsADirectory(f"{quoted(self.index.path_of(entry))} is not a regular file")
         if size == 0:
             return b""
         if flags & FLAG_BLOCKED:
@@ -78,7 +79,7 @@ class Reader:
         else:
             _, _, _, offset, stored_len, checksum, _, _, chunk, _, _, flags = self._entries[entry].item()
             if flags & FLAG_BLOCKED:
-                raise UsageError(f"{self.index.path_of(entry)!r} is stored in blocks: ask for one block")
+                raise UsageError(f"{quoted(self.index.path_of(entry))} is stored in blocks: ask for one block")
             if chunk == NO_CHUNK:
                 return b""
         return self._fetch(entry, block, chunk, offset, stored_len, checksum)
@@ -86,7 +87,7 @@ class Reader:
     def _block_row(self, entry: int, block: int) -> tuple:
         rows = self.index.block_rows(entry)
         if not 0 <= block < len(rows):
-            raise UsageError(f"{self.index.path_of(entry)!r} has no block {block} (it is stored in {len(rows)})")
+            raise UsageError(f"{quoted(self.index.path_of(entry))} has no block {block} (it is stored in {len(rows)})")
         return self._blocks[rows[block]].item()
 
     def _where(self, entry: int, block: int) -> str:

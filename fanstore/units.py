@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import UsageError
+from .errors import UsageError, quoted
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgtp])(ib|b)?)?\s*(?:b|bytes?)?\s*$", re.IGNORECASE)
 _POWERS = {"k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
@@ -17,14 +17,14 @@ def parse_size(text: str, option: str = "size", minimum: int = 1) -> int:
     """Bytes from `4096`, `64M`, `64MiB`, `1.5GB`; raises UsageError naming the option."""
     match = _SIZE_RE.match(str(text))
     if not match:
-        raise UsageError(f"{option}: cannot read {text!r} as a size (try 64MiB, 512K or 1048576)")
+        raise UsageError(f"{option}: cannot read {quoted(text)} as a size (try 64MiB, 512K or 1048576)")
     number, prefix, suffix = match.groups()
     value = float(number)
     if prefix:
         base = 1000 if (suffix or "").lower() == "b" else 1024
         value *= base ** _POWERS[prefix.lower()]
     if value < minimum:
-        raise UsageError(f"{option}: {text!r} must be at least {minimum} byte{'s' if minimum != 1 else ''}")
+        raise UsageError(f"{option}: {quoted(text)} must be at least {minimum} byte{'s' if minimum != 1 else ''}")
     return int(value)
 
 
@@ -51,7 +51,7 @@ def parse_rate(text: str, option: str = "rate") -> float:
     try:
         return float(parse_size(body, option))
     except UsageError:
-        raise UsageError(f"{option}: cannot read {text!r} as a throughput (try 800MB/s or 1GiB/s)") from None
+        raise UsageError(f"{option}: cannot read {quoted(text)} as a throughput (try 800MB/s or 1GiB/s)") from None
 
 
 def parse_fraction(text: str, option: str = "fraction") -> float:
@@ -60,7 +60,7 @@ def parse_fraction(text: str, option: str = "fraction") -> float:
     try:
         fraction = float(value[:-1]) / 100 if value.endswith("%") else float(value)
     except ValueError:
-        raise UsageError(f"{option}: cannot read {text!r} as a fraction (try 2% or 0.02)") from None
+        raise UsageError(f"{option}: cannot read {quoted(text)} as a fraction (try 2% or 0.02)") from None
     if not 0 < fraction <= 1:
-        raise UsageError(f"{option}: {text!r} must be more than 0% and at most 100%")
+        raise UsageError(f"{option}: {quoted(text)} must be more than 0% and at most 100%")
     return fraction

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .errors import UsageError
+from .errors import UsageError, quoted
 from .index_check import link_target_problem
 
 
@@ -82,11 +82,11 @@ def walk_source(src: str | os.PathLike[str], executor: Executor | None = None) -
     try:
         root_stat = root.stat()
     except FileNotFoundError:
-        raise UsageError(f"SRC {str(src)!r} does not exist") from None
+        raise UsageError(f"SRC {quoted(src)} does not exist") from None
     except OSError as exc:
-        raise UsageError(f"SRC {str(src)!r} cannot be read: {exc.strerror}") from None
+        raise UsageError(f"SRC {quoted(src)} cannot be read: {exc.strerror}") from None
     if not stat.S_ISDIR(root_stat.st_mode):
-        raise UsageError(f"SRC {str(src)!r} is not a directory")
+        raise UsageError(f"SRC {quoted(src)} is not a directory")
     real_root = os.path.realpath(root)
     tree = SourceTree(root=root)
     tree.entries.append(SourceEntry("", stat.S_IMODE(root_stat.st_mode) | stat.S_IFDIR, 0, root_stat.st_mtime_ns))
@@ -188,7 +188,7 @@ def _entry_for(dir_entry: os.DirEntry[str], rel: str, real_root: str, problems: 
     if kind == stat.S_IFLNK:
         target = _inside_target(abs_path, rel, real_root)
         if target is None:
-            problems.append(Problem(rel, f"symlink to {os.readlink(abs_path)!r} leaves SRC; skipped"))
+            problems.append(Problem(rel, f"symlink to {quoted(os.readlink(abs_path))} leaves SRC; skipped"))
             return None
         return SourceEntry(rel, st.st_mode, len(target.encode("utf-8")), st.st_mtime_ns, target)
     problems.append(Problem(rel, f"is {_SPECIAL_KINDS.get(kind, 'a special file')}; only files, directories "

@@ -15,6 +15,7 @@ import pytest
 
 from conftest import assert_one_line_error, dir_bytes, make_tree, run_cli
 from fanstore import PackError, PackOptions, open_dataset, pack
+from fanstore.errors import quoted
 from fanstore.walk import walk_source
 
 IS_ROOT = os.geteuid() == 0
@@ -373,3 +374,33 @@ def test_a_closed_pipe_other_than_stdout_is_one_line_and_a_closed_stdout_is_quie
     finally:
         os.close(write_end)
     assert quiet.returncode == 1 and quiet.stderr == "", quiet.stderr
+
+
+def test_quoted_user_text_is_cut_to_a_readable_length():
+    """One helper shows user text in every error: repr'd, and past 200 characters cut with its full length."""
+    assert quoted("train/a.png") == "'train/a.png'" and quoted(Path("/x/y")) == "'/x/y'"
+    assert quoted("x" * 200) == repr("x" * 200)
+    assert quoted("x" * 50_000_000) == "'" + "x" * 200 + "...' (50,000,000 characters)"
+    assert quoted(b"\xff" * 300) == repr(b"\xff" * 200)[:-1] + "...' (300 bytes)"  # escapes stay whole
+    assert quoted(list(range(1000))).endswith("... (4,890 characters)") and len(quoted(list(range(1000)))) < 240
+
+
+LONG = "9" * 100_000 + "Q"  # an option's value no size parser takes, as long as a command line allows
+
+
+@pytest.mark.parametrize("command, needle, length", [
+    (["mount", "{ds}", "{tmp}", "--cache-size", LONG], "--cache-size: cannot read '9999", len(LONG)),
+    (["fanstore-pack", "{src}", "{tmp}/out", "--replicate", "[" + LONG], "--replicate: unclosed '[' in pattern '[999",
+     len(LONG) + 1),
+    (["plan", "{ds}", "--nodes", LONG], "--nodes: cannot read '9999", len(LONG)),
+    (["fanstore-pack", "{src}", "{tmp}/out", "--codec", "auto", "--budget", LONG + "/s"], "--budget: cannot read '999",
+     len(LONG) + 2),
+], ids=["mount --cache-size", "pack --replicate", "plan --nodes", "pack --budget"])
+def test_a_long_value_is_echoed_cut_in_its_error(source_tree, tmp_path, command, needle, length):
+    """User text in an error is cut to a readable length, whatever command quotes it."""
+    dest = tmp_path / "ds"
+    run_cli("fanstore-pack", str(source_tree), str(dest), "--quiet", check=True)
+    args = [arg.format(ds=dest, src=source_tree, tmp=tmp_path) for arg in command]
+    failed = run_cli(*args, timeout=60)
+    assert_one_line_error(failed, needle, f"...' ({length:,} characters)")
+    assert len(failed.stderr) < 600, failed.stderr[:2000]

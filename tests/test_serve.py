@@ -1166,7 +1166,10 @@ GOOD_LINE = b"train/dog/img_000.bin\n"
 @pytest.mark.parametrize("lists, failing, needle", [
     ({rank: b"\xb3\x01\xff binary\n" for rank in range(RANKS)}, [0, 1, 2], "epoch{rank}.txt:1: not UTF-8 text"),
     ({0: GOOD_LINE, 1: GOOD_LINE + b"no/such.bin\n", 2: GOOD_LINE}, [1], "epoch1.txt:2: 'no/such.bin' is not in"),
-])
+    # A line of 50 MB: each rank echoed it whole (150 MB of output); cut, it is one readable line a rank.
+    ({rank: GOOD_LINE + b"x" * 50_000_000 + b"\n" for rank in range(RANKS)}, [0, 1, 2],
+     "epoch{rank}.txt:2: '" + "x" * 200 + "...' (50,000,000 characters) is not in the dataset"),
+], ids=["binary", "not in the dataset", "a line of 50 MB"])
 def test_prefetch_lists_a_rank_cannot_use_stop_every_rank_before_anything_is_copied(served_dataset, tmp_path, jobs,
                                                                                     lists, failing, needle):
     """Each rank reads its own list (`{rank}`); one that names nothing in the dataset, or is not text, is found
@@ -1177,7 +1180,8 @@ def test_prefetch_lists_a_rank_cannot_use_stop_every_rank_before_anything_is_cop
     job = Job(tmp_path, dest, "--prefetch-list", str(tmp_path / "epoch{rank}.txt"), command=["true"])
     jobs.append(job)
     code, _, err = job.finish(timeout=60)
-    assert code != 0 and "Traceback" not in err and len(err.splitlines()) == RANKS, err
+    assert code != 0 and "Traceback" not in err and len(err.splitlines()) == RANKS, err[:2000]
+    assert max(len(line) for line in err.splitlines()) < 600, err[:2000]
     for rank in range(RANKS):
         said = [line for line in err.splitlines() if line.startswith(f"fanstore: error: rank {rank} on ")]
         assert bool(said) == (rank in failing) and all(needle.format(rank=rank) in line for line in said), err

@@ -33,7 +33,7 @@ from ..api import Dataset
 from ..chunk_source import LocalChunkSource
 from ..dest_apart import check_apart_from_dest
 from ..durable import write_atomically
-from ..errors import ChunkUnavailable, FanstoreError, UsageError, say_line
+from ..errors import ChunkUnavailable, FanstoreError, UsageError, quoted, say_line
 from ..format import CHUNK_DIR, INDEX_NAME
 from ..index import Index, read_index_file
 from ..mount import MountOptions, check_mountpoint, check_outside, dataset_paths, fuse_answer, fuse_mounted_at, \
@@ -102,7 +102,8 @@ def format_for_rank(template: str, rank: int, option: str) -> Path:
     try:
         return Path(template.format(rank=rank))
     except (KeyError, IndexError, ValueError) as exc:
-        raise UsageError(f"{option} {template!r}: only {{rank}} may appear in braces ({exc})") from None
+        found = quoted(exc.args[0]) if isinstance(exc, KeyError) else exc  # a KeyError's is the name in braces
+        raise UsageError(f"{option} {quoted(template)}: only {{rank}} may appear in braces ({found})") from None
 
 
 def shm_files_mapped() -> list[str]:
@@ -284,7 +285,7 @@ class Lifecycle:
         try:
             command = subprocess.Popen(list(self.options.command), env=env)
         except OSError as exc:
-            say_line(f"fanstore serve: rank {rank}: cannot run {self.options.command[0]!r}: {exc.strerror}")
+            say_line(f"fanstore serve: rank {rank}: cannot run {quoted(self.options.command[0])}: {exc.strerror}")
             return 127
         while True:
             try:
@@ -353,7 +354,7 @@ def run(options: ServeOptions) -> int:
         if mount_options.prefetch_list is not None:  # each rank its own epoch order: a DistributedSampler's share
             prefetch_list = format_for_rank(str(mount_options.prefetch_list), rank, "--prefetch-list").absolute()
             if not prefetch_list.is_file():
-                raise UsageError(f"--prefetch-list: {str(prefetch_list)!r} is not a file")
+                raise UsageError(f"--prefetch-list: {quoted(prefetch_list)} is not a file")
             mount_options = replace(mount_options, prefetch_list=prefetch_list)
             prefetch_order = read_prefetch_list(index, prefetch_list, mountpoint)  # a bad one stops all, now
         # Nothing this rank reads once mounted may lie under its mount: its reads would wait on itself for good.

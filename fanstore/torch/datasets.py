@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 from torch.utils.data import Dataset as TorchDataset
 
 from ..api import Dataset
+from ..errors import quoted
 from .plan import EpochPlan
 from .reading import PREFETCH_BYTES, PREFETCH_THREADS, ProcessReading, open_source
 
@@ -157,7 +158,7 @@ def _is_dir(dataset: Dataset, path: str) -> bool:
 def find_classes(dataset: Dataset, root: str) -> tuple[list[str], dict[str, int]]:
     classes = sorted(name for name in dataset.listdir(root) if _is_dir(dataset, _join(root, name)))
     if not classes:
-        raise FileNotFoundError(f"ImageFolder: no class directories in {root or '/'!r} of the dataset")
+        raise FileNotFoundError(f"ImageFolder: no class directories in {quoted(root or '/')} of the dataset")
     return classes, {name: i for i, name in enumerate(classes)}
 
 
@@ -170,7 +171,7 @@ def make_samples(dataset: Dataset, root: str, class_to_idx: dict[str, int],
             found.extend((_join(folder, file), class_to_idx[name]) for file in sorted(files)
                          if file.lower().endswith(IMG_EXTENSIONS))
         if not found and not allow_empty:
-            raise FileNotFoundError(f"ImageFolder: no image files for class {name!r} in {root or '/'!r} "
+            raise FileNotFoundError(f"ImageFolder: no image files for class {quoted(name)} in {quoted(root or '/')} "
                                     f"(extensions: {', '.join(IMG_EXTENSIONS)})")
         samples.extend(found)
     return samples
