@@ -1,13 +1,15 @@
 """bench_train: in a PyTorch training loop whose step takes a fixed time, how long does the loop wait for data,
-epoch by epoch, when it reads the dataset through each of fanstore's faces, beside the plain directory?
+epoch by epoch, and at what CPU cost per file, when it reads the dataset through each of fanstore's faces, beside
+the plain directory?
 
 The loop. A DataLoader (batch_size 32, num_workers 2, persistent_workers, prefetch_factor 2, the default collate)
 sampled by DistributedSampler(shuffle=True, seed=SEED): a seeded shuffle, new each epoch (set_epoch), the same for
-every way of reading; one training process has num_replicas=1, the 2-rank ways below num_replicas=2. An item is
-the file's bytes as a uint8 tensor (one copy, as any decode step makes). For each batch the loop sleeps a fixed
-compute time: the step runs on an accelerator and the host thread waits, leaving both CPUs to the workers.
-data-wait = seconds blocked in next(iterator), summed over an epoch (its first batch too; epoch 1's includes the
-workers' start); epoch = the epoch's wall seconds; files/s = files / epoch seconds, over the 3 epochs.
+every way of reading; one training process has num_replicas=1, the 2-rank ways below num_replicas=2 (and 4 where
+each rank runs 2 training processes). An item is the file's bytes as a uint8 tensor (one copy, as any decode step
+makes). For each batch the loop sleeps a fixed compute time: the step runs on an accelerator and the host thread
+waits, leaving the CPUs to the workers. data-wait = seconds blocked in next(iterator), summed over an epoch (its
+first batch too; epoch 1's includes the workers' start); epoch = the epoch's wall seconds; files/s = files / epoch
+seconds, over the 3 epochs.
 
 The compute time is calibrated in each run, for each placement: the plain directory's 2 workers, with no compute,
 take T ms to load a batch (epochs 2 and 3); the step then lasts T ms, so the plain loop is just balanced, data and
@@ -15,11 +17,13 @@ compute each keeping the other busy (--compute-ms fixes it instead). That is als
 directory and FileDataset+EpochSampler with no compute, 1 worker and 2 workers, files/s over epochs 2 and 3. With
 no slack, data-wait follows each way's CPU per file; the two judged ways (plain, FileDataset+EpochSampler) then run
 again with a step 1.5x as long (HEADROOM: a loader with a third of its time to spare, as a job's that keeps up),
-which shows what such a job waits. Both are judged.
+which shows what such a job waits: that one is judged.
 
-The data. 3,000 generated files of 128 KiB (bytes as bench_read makes them: lz4 stores them in about 43%),
+The data. 12,000 generated files of 128 KiB (bytes as bench_read makes them: lz4 stores them in about 43%),
 packed with `fanstore pack --codec lz4 --chunk-size 1MiB` (many chunks, so each of 2 ranks stores about half);
-made once under --cache. Every way reads the same sorted list of paths, item i being path i.
+made once under --cache. Every way reads the same sorted list of paths, item i being path i. So an epoch lasts
+seconds (at 4,000 files/s, 3 s) and a run reads 36,000 files: a CPU target is judged over runs of at least
+JUDGED_FILES (20,000) reads, every epoch, rank and process summed.
 
 Ways of reading, each a training process of its own (this script with --child), each mount or job a fresh one:
 
@@ -42,41 +46,63 @@ Ways of reading, each a training process of its own (this script with --child), 
   serve mount                the same, serve's defaults (--prefetch 16: remote files are always worth prefetching);
   serve mount --prefetch-list  with epoch 1's whole order (a rank's own next files are every other line);
   serve FileDataset(None)    FileDataset(None)+EpochSampler under serve, the node's served dataset, when this
-                             checkout has fanstore/serve/node_client.py; else a row saying it is not available.
+                             checkout has fanstore/serve/node_client.py; else a row saying it is not available;
+  ...: local files           the same, but each rank reads only the files stored on it (placement.place), in an
+  ...: remote files          order of its own, and then only the files stored on the other rank: run by turns,
+                             they split a worker's CPU and the serve process's between local and remote files;
+  ...: 2 processes a rank    no compute: each rank runs 2 training processes (a fresh interpreter each, as one per
+  ...: 1 process of 4 workers  GPU, each its own DataLoader of 2 workers and its own DistributedSampler share of 4,
+                             all reading through the rank's serve process), and by turns 1 process of 4 workers.
 
 The mounts keep the kernel's page cache (keep_cache), so a mount's epochs 2 and 3 find the files its epoch 1 read
 in the page cache, as the plain directory does; FileDataset decodes every file every epoch. Under serve a rank's
-share changes each epoch, so it meets files its mount has not read yet. CPU ms/file = CPU time of the training
-process and its workers, + that of the daemon serving it (the mount's; the rank's serve process, which also serves
-the other rank), from the first batch to the end, per file.
+share changes each epoch, so it meets files its mount has not read yet.
 
-Placement: 'workers pinned' = DataLoader worker k on CPU k (worker_init_fn: sched_setaffinity), the training process
-and any daemon where the scheduler puts them; 'unpinned' = everything where the scheduler puts it. On this 2-CPU VM
-runs vary by up to 30%, and other people's processes share the CPUs: before each run the bench waits (at most 2 s)
-for the CPUs to be under 10% busy, and 'others' is the cores other processes used during it; a run the targets are
-judged on (plain, FileDataset+EpochSampler, the pure data rate) is made again when others used over 0.1 cores, and
-the less disturbed of the two kept. The data-wait target compares plain and FileDataset+EpochSampler run by turns,
-three pairs (JUDGED_PAIRS): each pair's ratio sets neighbouring runs side by side, and the median pair is the one
-shown and judged (identical runs gave 0.89x and 1.73x one after the other, so one pair decides nothing). Targets
-are printed last, PASS or FAIL, for each placement.
+CPU us/file = microseconds of CPU of the training process and its workers, + that of the daemon serving it (the
+mount's; the rank's serve process, which also serves the other rank), from the first batch to the end, per file.
+The training process and its workers are read with getrusage (RUSAGE_SELF, and RUSAGE_CHILDREN once the workers
+have ended and been waited for: microseconds, every thread, as they are its children); the daemon, which is not,
+from its CPU-time clock (machine_load.cpu_ns: nanoseconds, every thread, ended ones too). /proc/PID/stat's 10 ms
+ticks, used before, could not tell a few microseconds a file apart. The decode floor, measured before each judged
+pair: the CPU per file of Reader.read (pread, checksum, decode) over every file, in one thread of the bench.
+
+Placement: 'workers pinned' = DataLoader worker k of the run's training process p (numbered rank by rank, then
+process on the rank) on CPU p x workers + k of those this process may use, modulo their count (worker_init_fn:
+sched_setaffinity): on 2 CPUs worker k on CPU k, as before; on 8 or more each worker of a run on a CPU of its own.
+The training processes and any daemon go where the scheduler puts them. 'unpinned' = everything where the scheduler
+puts it. On 2-CPU VMs runs vary by up to 30%, and other people's processes share the CPUs: before each run the bench
+waits (at most 2 s) for the CPUs to be under 10% busy, and 'others' is the cores other processes used during it; a
+run a target is judged on is made again when others used over 0.1 cores, and the less disturbed of the two kept.
+
+Runs by turns. Each target is judged on pairs run by turns, three (JUDGED_PAIRS): way A, way B, way A, way B, ...;
+each pair's figure sets neighbouring runs side by side, and the target is judged on the median figure, every pair's
+printed beside it (identical runs gave 0.89x and 1.73x one after the other, so one pair decides nothing). The pairs:
+plain and FileDataset+EpochSampler (CPU per file over plain's + the decode floor; data-wait with the 1.5x step), local
+files and remote files (a worker's CPU per remote file over per local file; the serve process's per remote file),
+2 processes and 1 with 4 workers (files/s). Targets are printed last for each placement: PASS or FAIL where this
+machine can judge them; the timing ones (files/s, data-wait) need CPUs of their own for every worker, loop and serve
+process (TIMED_MIN_CPUS, 8; the 2-worker scaling 3) and say 'not judged here' with their figures on fewer.
 
 Each training run is a fresh interpreter, as a job's is. (Forked from a fork server that had imported torch, runs
 started 2 s sooner, but their workers took twice the page faults per file, 61 against 33 for the plain directory,
-and read 10-30% slower: glibc's malloc state came with the fork.) The full run takes about 8 minutes, more when
-other processes keep the CPUs busy. --quick: 600 files, workers pinned only, one pair, no second runs, no waiting
-for quiet CPUs; about a minute and a half, its figures rough (epochs of a few tenths of a second).
+and read 10-30% slower: glibc's malloc state came with the fork.) The full run takes about an hour on a 2-CPU VM,
+more when other processes keep the CPUs busy. --quick is a smoke test, never a verdict: 600 files, workers pinned
+only, one pair of each, no second runs, no waiting for quiet CPUs; a few minutes, its figures rough (epochs of a few
+tenths of a second) and its targets not judged.
 
 The bench cleans up whatever ends it: training processes, mount daemons, serve jobs (mpiexec's session, then each
 of its processes by pid), mounts, the work directory; a helper in a session of its own (this script with --reap)
 does it when the bench is killed outright.
 
-Usage: python bench/bench_train.py [--quick] [--pinned-only] [--compute-ms MS] [--plot FILE.png] [--cache DIR]
+Usage: python bench/bench_train.py [--quick] [--pinned-only] [--compute-ms MS] [--only WAYS] [--plot FILE.png]
+                                   [--cache DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -87,7 +113,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -97,13 +123,13 @@ sys.path.insert(0, str(REPO))  # measure this checkout, not some installed fanst
 
 from bench_read import back_memory, print_table, unmount_and_wait, wait_until_mounted, warm, \
     write_files  # noqa: E402
-from bench_serve import cpu_ticks, end_job, exit_on_signals, machine_lines, mpiexec_command, process_tree, reap, \
-    reaped_workdir, serve_requirements_missing, unmount_all  # noqa: E402
-from machine_load import OtherLoad, wait_for_quiet  # noqa: E402
+from bench_serve import end_job, exit_on_signals, mpiexec_command, process_tree, reap, reaped_workdir, \
+    serve_requirements_missing, unmount_all  # noqa: E402
+from machine_load import OtherLoad, cpu_ns, machine_lines, wait_for_quiet  # noqa: E402
 
 KIB, MIB = 1024, 1 << 20
 FILE_SIZE = 128 * KIB
-FILES, QUICK_FILES = 3000, 600
+FILES, QUICK_FILES = 12_000, 600
 FILES_PER_DIR = 1000
 CODEC, CHUNK_SIZE = "lz4", 1 * MIB
 GENERATED_VERSION = "bench_train files v1"
@@ -118,8 +144,18 @@ RUN_TIMEOUT = 900.0  # seconds for one training run
 BARRIER_TIMEOUT = 120.0  # seconds the ranks of a run wait for each other before the clock starts
 INLINE_NOTE_BYTES = 256 * KIB  # fuse_ops.INLINE_DECODE_BYTES: the mount's default --prefetch-min-size
 
-TARGET_WAIT_OVER_PLAIN = 1.10  # FileDataset+EpochSampler data-wait, 3 epochs, at most this times plain's
+TARGET_WAIT_OVER_PLAIN = 1.10  # FileDataset+EpochSampler data-wait, 3 epochs, step 1.5x, at most this times plain's
 TARGET_SCALING = 1.8  # FileDataset+EpochSampler files/s, 2 workers over 1, no compute
+TARGET_CPU_OVER_FLOOR_US = 15.0  # FileDataset+EpochSampler CPU per file over plain's + the decode floor, at most
+TARGET_WORKER_REMOTE_US = 10.0  # served: a worker's CPU per remote file over its CPU per local file, at most
+TARGET_SERVE_REMOTE_US = 15.0  # served: the serve process's CPU per remote file, at most
+TARGET_SERVED_RATE = 0.90  # serve FileDataset(None) files/s per rank, at least this share of FileDataset(DEST)'s
+TARGET_PROCESSES = 0.90  # 2 training processes on a rank, files/s, at least this share of 1 with twice the workers
+JUDGED_FILES = 20_000  # file reads (every epoch, rank and process summed) a run a CPU target is judged on makes
+# CPUs a timing target (files/s, data-wait) needs to be judged: the training processes' workers, their loops and the
+# serve processes each on CPUs of their own (2 ranks x (2 workers + the loop) + 2 serve processes); the 2-worker
+# scaling needs its workers' and the loop's alone.
+TIMED_MIN_CPUS, SCALING_MIN_CPUS = 8, WORKERS + 1
 # The judged ways again with a step this many times the calibrated one: a loader with a third of its time to spare,
 # as a job whose data loading keeps up has. The balanced step leaves no slack, so there data-wait follows CPU per
 # file (FileDataset decodes, the plain directory copies); here it shows what such a job would wait.
@@ -150,6 +186,10 @@ class Way:
     via: str  # plain | mount | api | serve
     options: tuple[str, ...] = ()  # of `fanstore mount` or `fanstore serve`
     ranks: int = 1
+    share: str = "all"  # all: every file, dealt out to every training process; local | remote: each rank reads only
+    #                     the files stored on it | on the other rank, dealt out to its own processes
+    processes: int = 1  # training processes per rank
+    workers: int = 0  # DataLoader workers of each; 0: the run's (WORKERS; 1 and 2 for the pure data rate)
 
 
 WAYS = (
@@ -168,7 +208,15 @@ WAYS = (
     Way("serve FileDataset(None)", "fanstore-epoch", "serve", ranks=RANKS),
 )
 BASELINE, BASELINE_RANKS, TARGET_WAY = "plain", "plain, 2 ranks", "FileDataset+EpochSampler"
+SERVED = "serve FileDataset(None)"
 SCALING = (("plain", "files", "plain"), ("FileDataset+EpochSampler", "fanstore-epoch", "api"))
+# Run by turns (each pair's figures judged by their median), beside WAYS:
+SERVED_LOCAL = Way(f"{SERVED}: local files", "fanstore-epoch", "serve", ranks=RANKS, share="local")
+SERVED_REMOTE = Way(f"{SERVED}: remote files", "fanstore-epoch", "serve", ranks=RANKS, share="remote")
+TWO_PROCESSES = Way(f"{SERVED}: 2 processes a rank", "fanstore-epoch", "serve", ranks=RANKS, processes=2)
+ONE_PROCESS = Way(f"{SERVED}: 1 process of {2 * WORKERS} workers", "fanstore-epoch", "serve", ranks=RANKS,
+                  workers=2 * WORKERS)
+TURNS = (SERVED_LOCAL, SERVED_REMOTE, TWO_PROCESSES, ONE_PROCESS)
 
 
 def progress(message: str) -> None:
@@ -248,34 +296,53 @@ class DirectoryFiles:
             return to_tensor(f.read())
 
 
-def pin_worker(worker_id: int) -> None:
-    """worker_init_fn: DataLoader worker k on CPU k (modulo the CPUs this process may use)."""
+def pin_worker(first: int, worker_id: int) -> None:
+    """worker_init_fn (with `first` bound): DataLoader worker k of a training process on CPU first + k, modulo the
+    CPUs this process may use. `first` is the process's number among the run's (rank, then process on the rank)
+    times its workers, so on a machine with the CPUs every worker of the run has one of its own."""
     cpus = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cpus[worker_id % len(cpus)]})
+    os.sched_setaffinity(0, {cpus[(first + worker_id) % len(cpus)]})
 
 
-def wait_for_ranks(barrier: Path, rank: int, size: int) -> None:
-    """Every rank of a run starts its clock together: each leaves a file and waits for all of them."""
-    (barrier / f"ready-{rank}").touch()
+def wait_for_ranks(barrier: Path, name: str, size: int) -> None:
+    """Every training process of a run starts its clock together: each leaves a file and waits for all of them."""
+    (barrier / f"ready-{name}").touch()
     deadline = time.monotonic() + BARRIER_TIMEOUT
     while sum(1 for _ in barrier.glob("ready-*")) < size:
         if time.monotonic() > deadline:
-            raise SystemExit(f"bench_train: rank {rank}: the other ranks did not start within {BARRIER_TIMEOUT:g} s")
+            raise SystemExit(f"bench_train: {name}: the other training processes did not start within "
+                             f"{BARRIER_TIMEOUT:g} s")
         time.sleep(0.01)
 
 
-def cpu_seconds(pid: int) -> float:
-    return cpu_ticks(pid) / os.sysconf("SC_CLK_TCK")
+def launch_processes(argv: Sequence[str], processes: int) -> int:
+    """Under serve, the rank's command when it runs several training processes: each a fresh interpreter (this
+    script with --process N), as one per GPU would be, all read through the rank's serve process (this process's
+    parent, whose CPU each samples). The first to fail gives the exit code."""
+    runs = [subprocess.Popen([sys.executable, __file__, *argv, "--process", str(number), "--daemon-pid",
+                              str(os.getppid())]) for number in range(processes)]
+    codes = [run_process.wait() for run_process in runs]
+    return next((code for code in codes if code), 0)
 
 
 def train(args: argparse.Namespace) -> int:
     """The loop, in its own process: per epoch, the seconds blocked in next(), the epoch's seconds, its files; and
-    the CPU the loop, its workers and the daemon serving it used. Written as JSON to --out ({rank} filled in)."""
+    the CPU the loop, its workers and the daemon serving it used. Written as JSON to --out ({rank} and {process}
+    filled in).
+
+    CPU: this process's and its workers' from getrusage (microseconds; the workers' once they have ended and been
+    waited for, RUSAGE_CHILDREN), the daemon's from its CPU-time clock (machine_load.cpu_ns: nanoseconds, every
+    thread, ended ones too), each from the first batch asked for to the end."""
     import torch
     from torch.utils.data import DataLoader, DistributedSampler
 
     rank, size = int(os.environ.get("FANSTORE_RANK", "0")), int(os.environ.get("FANSTORE_SIZE", "1"))
-    paths = Path(args.paths).read_text().split()
+    number, processes = max(args.process, 0), args.processes
+    paths = Path(args.paths.format(rank=rank)).read_text().split()
+    if "{rank}" in args.paths:  # the rank's own list (its local or its remote files): shared by its processes
+        replicas, replica = processes, number
+    else:  # one list, shared by every training process of the run
+        replicas, replica = size * processes, rank * processes + number
     root = args.root or os.environ.get("FANSTORE_MOUNT")  # under serve: the rank's mount, or its served dataset
     if args.reader == "files":
         if root is None:
@@ -285,19 +352,20 @@ def train(args: argparse.Namespace) -> int:
         from fanstore.torch import FileDataset
 
         dataset = FileDataset(args.root or None, paths, transform=to_tensor)
-    sampler: Any = DistributedSampler(dataset, num_replicas=size, rank=rank, shuffle=True, seed=args.seed)
+    sampler: Any = DistributedSampler(dataset, num_replicas=replicas, rank=replica, shuffle=True, seed=args.seed)
     if args.reader == "fanstore-epoch":
         from fanstore.torch import EpochSampler
 
         sampler = EpochSampler(sampler, dataset)
+    pin = functools.partial(pin_worker, (rank * processes + number) * args.workers) if args.pin_workers else None
     loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, num_workers=args.workers,
-                        persistent_workers=args.workers > 0, worker_init_fn=pin_worker if args.pin_workers else None)
+                        persistent_workers=args.workers > 0, worker_init_fn=pin)
     daemon = os.getppid() if args.daemon_pid == -1 else args.daemon_pid  # -1: the serve rank that started us
     compute = args.compute_ms / 1e3
-    if size > 1:
-        wait_for_ranks(Path(args.barrier), rank, size)
+    if size * processes > 1:
+        wait_for_ranks(Path(args.barrier), f"{rank}.{number}", size * processes)
     self_before = resource.getrusage(resource.RUSAGE_SELF)
-    daemon_before = cpu_seconds(daemon) if daemon else 0.0
+    daemon_before = cpu_ns(daemon) if daemon else 0
     epochs = []
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
@@ -315,14 +383,15 @@ def train(args: argparse.Namespace) -> int:
             if compute:
                 time.sleep(compute)
         epochs.append({"wait": waited, "seconds": time.perf_counter() - started, "files": files})
-    daemon_cpu = cpu_seconds(daemon) - daemon_before if daemon else 0.0
+    daemon_cpu = (cpu_ns(daemon) - daemon_before) / 1e9 if daemon else 0.0
     del batches, loader  # persistent workers end and are waited for: their CPU shows in RUSAGE_CHILDREN
     self_after, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     main_cpu = self_after.ru_utime + self_after.ru_stime - self_before.ru_utime - self_before.ru_stime
-    Path(args.out.format(rank=rank)).write_text(json.dumps(
-        {"rank": rank, "epochs": epochs, "main_cpu": main_cpu, "workers_cpu": children.ru_utime + children.ru_stime,
-         "daemon_cpu": daemon_cpu, "main_faults": self_after.ru_minflt - self_before.ru_minflt,
-         "workers_faults": children.ru_minflt, "torch": torch.__version__}))
+    Path(args.out.format(rank=rank, process=number)).write_text(json.dumps(
+        {"rank": rank, "process": number, "epochs": epochs, "main_cpu": main_cpu,
+         "workers_cpu": children.ru_utime + children.ru_stime, "daemon_cpu": daemon_cpu,
+         "main_faults": self_after.ru_minflt - self_before.ru_minflt, "workers_faults": children.ru_minflt,
+         "torch": torch.__version__}))
     return 0
 
 
@@ -330,17 +399,17 @@ def train(args: argparse.Namespace) -> int:
 
 @dataclass(slots=True)
 class Result:
-    """One way under one placement: each rank's epochs, CPU, and what other processes used meanwhile."""
+    """One way under one placement: each training process's epochs and CPU (one per rank but where a rank runs
+    several: `ranks` holds one entry per process, rank by rank), and what other processes used meanwhile."""
 
     way: str
     placement: str
     workers: int
     compute_ms: float
-    ranks: list[dict[str, Any]] = field(default_factory=list)
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # per training process: rank, process, epochs, CPU
     others: float = 0.0  # cores
     unavailable: str = ""  # why the way could not run here
     tries: int = 1  # runs made to find one other processes left alone (see least_disturbed)
-    pair_ratios: list[float] = field(default_factory=list)  # judged ways: every pair's ratio, sorted (judged_pair)
 
     def waits(self, rank: int) -> list[float]:
         return [e["wait"] for e in self.ranks[rank]["epochs"]]
@@ -358,12 +427,42 @@ class Result:
         figures = self.ranks[rank]
         return (figures["main_faults"] + figures["workers_faults"]) / sum(e["files"] for e in figures["epochs"])
 
-    def cpu_ms_per_file(self, rank: int) -> str:
-        """Milliseconds of CPU per file: the training process and its workers, + the daemon serving them."""
-        figures = self.ranks[rank]
+    def files(self, rank: int | None = None) -> int:
+        """Files read over every epoch by the training processes of `rank` (None: of every rank)."""
+        return sum(e["files"] for figures in self.ranks if rank is None or figures["rank"] == rank
+                   for e in figures["epochs"])
+
+    def rank_rate(self, rank: int, first_epoch: int = 0) -> float:
+        """Files/s of a rank: its training processes' summed (they run side by side)."""
+        return sum(self.files_per_second(number, first_epoch) for number, figures in enumerate(self.ranks)
+                   if figures["rank"] == rank)
+
+    def rank_count(self) -> int:
+        return len({figures["rank"] for figures in self.ranks})
+
+    def cpu_us(self, part: str) -> float:
+        """Microseconds of CPU per file, every epoch, rank and process summed, of one part: main_cpu (the training
+        processes), workers_cpu (their DataLoader workers), loop (both), or daemon_cpu (the mount's daemon, or the
+        rank's serve process; where a rank runs several training processes, each samples the same serve process
+        over about the same time: its largest sample is taken)."""
+        if part == "loop":
+            return self.cpu_us("main_cpu") + self.cpu_us("workers_cpu")
+        if part == "daemon_cpu":
+            cpu = sum(max(figures["daemon_cpu"] for figures in self.ranks if figures["rank"] == rank)
+                      for rank in {figures["rank"] for figures in self.ranks})
+        else:
+            cpu = sum(figures[part] for figures in self.ranks)
+        return 1e6 * cpu / self.files()
+
+    def cpu_us_per_file(self, number: int) -> str:
+        """Microseconds of CPU per file of one training process: it and its workers, + the daemon serving it (per
+        file its rank read)."""
+        figures = self.ranks[number]
         files = sum(e["files"] for e in figures["epochs"])
-        loop = f"{1e3 * (figures['main_cpu'] + figures['workers_cpu']) / files:.2f}"
-        return loop + (f"+{1e3 * figures['daemon_cpu'] / files:.2f}" if figures["daemon_cpu"] else "")
+        loop = f"{1e6 * (figures['main_cpu'] + figures['workers_cpu']) / files:.0f}"
+        rank = figures["rank"]
+        daemon = max(f["daemon_cpu"] for f in self.ranks if f["rank"] == rank)
+        return loop + (f"+{1e6 * daemon / self.files(rank):.0f}" if daemon else "")
 
     def loop_share(self, rank: int) -> float:
         """The training process's own part of the loop's CPU (receiving batches from its workers): CPU the workers
@@ -380,16 +479,19 @@ class Setup:
     workdir: Path
     paths_file: Path
     prefetch_list: Path
+    shares: dict[str, str]  # local | remote: the list of a rank's files of that class, its name holding {rank}
     epochs: int
     quiet_wait: float  # seconds a run may wait for the CPUs to be quiet (wait_for_quiet)
 
 
-def child_args(setup: Setup, reader: str, root: Path | None, out: Path, workers: int, compute_ms: float,
+def child_args(setup: Setup, way: Way, root: Path | None, out: Path, workers: int, compute_ms: float,
                placement: Placement, daemon_pid: int = 0, barrier: Path | None = None) -> list[str]:
     """The arguments of one training run (`--child ...`)."""
-    args = ["--child", "--reader", reader, "--root", str(root or ""), "--paths", str(setup.paths_file), "--out",
-            str(out), "--workers", str(workers), "--batch", str(BATCH), "--compute-ms", str(compute_ms), "--epochs",
-            str(setup.epochs), "--seed", str(SEED), "--daemon-pid", str(daemon_pid), "--barrier", str(barrier or "")]
+    paths = setup.paths_file if way.share == "all" else setup.shares[way.share]
+    args = ["--child", "--reader", way.reader, "--root", str(root or ""), "--paths", str(paths), "--out", str(out),
+            "--workers", str(workers), "--batch", str(BATCH), "--compute-ms", str(compute_ms), "--epochs",
+            str(setup.epochs), "--seed", str(SEED), "--daemon-pid", str(daemon_pid), "--barrier", str(barrier or ""),
+            "--processes", str(way.processes)]
     return args + (["--pin-workers"] if placement.pin_workers else [])
 
 
@@ -506,34 +608,94 @@ def least_disturbed(setup: Setup, way: Way, placement: Placement, compute_ms: fl
     return best
 
 
-def judged_pair(setup: Setup, ways: Sequence[Way], placement: Placement, compute_ms: float, pairs: int,
-                tries: int) -> tuple[Result, Result]:
-    """The plain directory and the target way, run by turns `pairs` times: the pair whose ratio (the target's
-    data-wait over the plain run's just before it) is the median. Runs here vary by 30% and more; a ratio of
-    neighbouring runs cancels the machine's drift, and the median a single run's luck."""
-    plain_way, target_way = (next(w for w in ways if w.label == label) for label in (BASELINE, TARGET_WAY))
-    runs = []
+@dataclass(slots=True)
+class Pair:
+    """Two ways run one right after the other, and (FileDataset+EpochSampler against plain) the decode floor
+    measured just before them."""
+
+    first: Result
+    second: Result
+    floor_us: float = 0.0
+
+
+@dataclass(slots=True)
+class Judged:
+    """One placement's runs by turns: each target is judged on the median of its pairs' figures."""
+
+    placement: str
+    wait: list[Pair] = field(default_factory=list)  # plain, FileDataset+EpochSampler at the calibrated step
+    headroom: list[Pair] = field(default_factory=list)  # the same with a step HEADROOM times as long
+    served: list[Pair] = field(default_factory=list)  # FileDataset(None) under serve: local files, remote files
+    processes: list[Pair] = field(default_factory=list)  # 2 training processes a rank, 1 with twice the workers
+
+
+def by_turns(setup: Setup, first: Way, second: Way, placement: Placement, compute_ms: float, pairs: int,
+             tries: int, floor: bool = False) -> list[Pair]:
+    """`first` and `second` by turns, `pairs` times (first, second, first, second, ...), with the decode floor
+    before each pair where asked. Runs here vary by 30% and more: a figure of neighbouring runs cancels the
+    machine's drift, and the median of the pairs' figures a single run's luck."""
+    turns = []
     for number in range(pairs):
-        plain = least_disturbed(setup, plain_way, placement, compute_ms, tries=tries, first_attempt=number * tries)
-        ours = least_disturbed(setup, target_way, placement, compute_ms, tries=tries, first_attempt=number * tries)
-        runs.append((ours.total_wait() / plain.total_wait(), plain, ours))
-    runs.sort(key=lambda run: run[0])
-    ratios = [ratio for ratio, _, _ in runs]
-    _, plain, ours = runs[len(runs) // 2]
-    plain.pair_ratios = ours.pair_ratios = ratios
-    return plain, ours
+        floor_us = decode_floor_us(setup.data) if floor else 0.0
+        one = least_disturbed(setup, first, placement, compute_ms, tries=tries, first_attempt=number * tries)
+        two = least_disturbed(setup, second, placement, compute_ms, tries=tries, first_attempt=number * tries)
+        turns.append(Pair(one, two, floor_us))
+    return turns
+
+
+def median_pair(turns: list[Pair], figure: Callable[[Pair], float]) -> tuple[Pair, float, list[float]]:
+    """The pair whose figure is the median (of an even count, the lower middle one), that figure, and every pair's
+    in the order run."""
+    figures = [figure(pair) for pair in turns]
+    middle = sorted(range(len(turns)), key=figures.__getitem__)[(len(turns) - 1) // 2]
+    return turns[middle], figures[middle], figures
+
+
+def shown(turns: list[Pair], figure: Callable[[Pair], float] | None = None) -> tuple[Result, Result]:
+    """The runs the tables show of pairs by turns: those of the pair whose figure (wait_ratio by default) is the
+    median."""
+    pair = median_pair(turns, figure or wait_ratio)[0]
+    return pair.first, pair.second
+
+
+def wait_ratio(pair: Pair) -> float:
+    """The second way's data-wait over the first's (FileDataset+EpochSampler's over plain's)."""
+    return pair.second.total_wait() / pair.first.total_wait()
+
+
+def served_worker_gap(pair: Pair) -> float:
+    """Microseconds of CPU the workers used per remote file over per local file (FileDataset(None) under serve)."""
+    if pair.first.unavailable or pair.second.unavailable:
+        return 0.0
+    return pair.second.cpu_us("workers_cpu") - pair.first.cpu_us("workers_cpu")
+
+
+def decode_floor_us(data: DataSet) -> float:
+    """Microseconds of CPU per file that reading through the API cannot go below: the pread, checksum and decode of
+    each file (Reader.read of its entry, looked up first), in one thread of this process, DEST warm."""
+    import fanstore
+
+    warm(data.dest)
+    with fanstore.open_dataset(data.dest) as dataset:
+        entries = dataset.resolve_many(list(data.paths)).tolist()
+        read = dataset.reader.read
+        started = time.thread_time_ns()
+        for entry in entries:
+            read(entry)
+        return (time.thread_time_ns() - started) / 1e3 / len(entries)
 
 
 def measure_way(setup: Setup, way: Way, placement: Placement, compute_ms: float, workers: int = WORKERS,
                 attempt: int = 0) -> Result:
     """One fresh run of the training loop for `way`: its mount or serve job made for it, its ranks at once."""
+    workers = way.workers or workers
     result = Result(way.label, placement.label, workers, compute_ms)
     if way.via == "serve" and way.reader != "files" and importlib.util.find_spec("fanstore.serve.node_client") is None:
         result.unavailable = "not available (see the note)"
         return result
     name = "-".join("".join(c for c in part if c.isalnum()) for part in (placement.label, way.label, f"{workers}w",
                                                                           f"{compute_ms:g}ms", f"try{attempt}"))
-    out, barrier = setup.workdir / f"{name}-rank{{rank}}.json", setup.workdir / f"{name}-barrier"
+    out, barrier = setup.workdir / f"{name}-rank{{rank}}.{{process}}.json", setup.workdir / f"{name}-barrier"
     barrier.mkdir()
     options = [setup.prefetch_list.as_posix() if option == LIST else option for option in way.options]
     wait_for_quiet(QUIET_BUSY, setup.quiet_wait)
@@ -541,14 +703,14 @@ def measure_way(setup: Setup, way: Way, placement: Placement, compute_ms: float,
     logs = [setup.workdir / f"{name}-rank{rank}.log" for rank in range(way.ranks)]
     envs = [{"FANSTORE_RANK": str(rank), "FANSTORE_SIZE": str(way.ranks)} for rank in range(way.ranks)]
     if way.via == "serve":  # each rank's serve process starts the run: a fresh interpreter, which imports torch
-        args = child_args(setup, way.reader, None, out, workers, compute_ms, placement, -1, barrier)
+        args = child_args(setup, way, None, out, workers, compute_ms, placement, -1, barrier)
         with ServeJob(setup, options, [sys.executable, __file__, *args], name) as job, OtherLoad() as others:
             started_at = time.perf_counter()
             job.wait()
             wall = time.perf_counter() - started_at
     elif way.via == "mount":
         with mounted(setup, options, name) as (mountpoint, daemon):
-            args = child_args(setup, way.reader, mountpoint, out, workers, compute_ms, placement, daemon)
+            args = child_args(setup, way, mountpoint, out, workers, compute_ms, placement, daemon)
             with OtherLoad() as others, training(args, logs, envs) as runs:
                 started_at = time.perf_counter()
                 wait_training(runs, logs)
@@ -556,19 +718,40 @@ def measure_way(setup: Setup, way: Way, placement: Placement, compute_ms: float,
     else:
         root = setup.data.src if way.via == "plain" else setup.data.dest
         warm(root)
-        args = child_args(setup, way.reader, root, out, workers, compute_ms, placement, 0, barrier)
+        args = child_args(setup, way, root, out, workers, compute_ms, placement, 0, barrier)
         with OtherLoad() as others, training(args, logs, envs) as runs:
             started_at = time.perf_counter()
             wait_training(runs, logs)
             wall = time.perf_counter() - started_at
-    result.ranks = [json.loads(Path(str(out).format(rank=rank)).read_text()) for rank in range(way.ranks)]
+    result.ranks = [json.loads(Path(str(out).format(rank=rank, process=number)).read_text())
+                    for rank in range(way.ranks) for number in range(way.processes)]
     result.others = others.cpu_seconds / wall
     progress(f"  data-wait {result.total_wait():.2f} s, " + ", ".join(
-        f"{result.files_per_second(rank):,.0f}" for rank in range(way.ranks)) + f" files/s, others {result.others:.2f}")
+        f"{result.rank_rate(rank):,.0f}" for rank in range(way.ranks)) + " files/s a rank, CPU "
+        f"{result.cpu_us('loop'):.0f}+{result.cpu_us('daemon_cpu'):.0f} us a file, others {result.others:.2f}")
     return result
 
 
 # --- report ------------------------------------------------------------------------------------------------------
+
+def write_shares(data: DataSet, workdir: Path) -> dict[str, str]:
+    """For each rank, the list of the files stored on it and the list of those stored on the other rank (its
+    local and remote files under `fanstore serve` of RANKS ranks: placement.place), as the local-files and
+    remote-files runs read them; {rank} in the names."""
+    from fanstore.index import Index
+    from fanstore.serve.placement import place
+
+    index = Index.load(data.dest)
+    placement = place(index, RANKS)
+    entries = index.entries
+    owners = [placement.owner(int(entries["chunk"][entry]), int(entries["offset"][entry]))
+              for entry in (index.lookup(rel) for rel in data.paths)]
+    for rank in range(RANKS):
+        for share, mine in (("local", True), ("remote", False)):
+            (workdir / f"{share}-{rank}.txt").write_text("".join(
+                f"{rel}\n" for rel, owner in zip(data.paths, owners) if (owner == rank) == mine))
+    return {share: str(workdir / f"{share}-{{rank}}.txt") for share in ("local", "remote")}
+
 
 def calibrated_compute_ms(plain: Result) -> float:
     """The plain directory's loading time per batch with no compute (its 2 workers, epochs 2 and 3): a step of
@@ -594,15 +777,25 @@ def way_rows(results: list[Result]) -> list[list[str]]:
             rows.append([result.way, result.placement, "", result.unavailable] + [""] * 6)
             continue
         baseline = by_key.get((BASELINE if len(result.ranks) == 1 else BASELINE_RANKS, result.placement))
-        for rank in range(len(result.ranks)):
-            waits = result.waits(rank)
-            share = f"{sum(waits) / sum(baseline.waits(rank)):.2f}x" if baseline else ""
-            rows.append([result.way, result.placement, str(rank) if len(result.ranks) > 1 else "",
-                         seconds_list(waits), f"{sum(waits):.2f}", share,
-                         seconds_list([e["seconds"] for e in result.ranks[rank]["epochs"]]),
-                         f"{result.files_per_second(rank):,.0f}", result.cpu_ms_per_file(rank),
+        for number, figures in enumerate(result.ranks):
+            waits = result.waits(number)
+            share = (f"{sum(waits) / sum(baseline.waits(number)):.2f}x"
+                     if baseline and number < len(baseline.ranks) else "")
+            rows.append([result.way, result.placement, process_label(result, number), seconds_list(waits),
+                         f"{sum(waits):.2f}", share, seconds_list([e["seconds"] for e in figures["epochs"]]),
+                         f"{result.files_per_second(number):,.0f}", result.cpu_us_per_file(number),
                          others_cell(result)])
     return rows
+
+
+def process_label(result: Result, number: int) -> str:
+    """A training process's row label: its rank, and its number on the rank where a rank runs several ('' for a
+    run of one process)."""
+    figures = result.ranks[number]
+    if len(result.ranks) == 1:
+        return ""
+    return f"{figures['rank']}.{figures['process']}" if len(result.ranks) > result.rank_count() else \
+        str(figures["rank"])
 
 
 def scaling_ceiling(two: Result) -> float:
@@ -611,13 +804,38 @@ def scaling_ceiling(two: Result) -> float:
     return min(2.0, len(os.sched_getaffinity(0)) * (1.0 - two.loop_share(0)))
 
 
+def processes_rows(judged: list[Judged]) -> list[list[str]]:
+    """The median pair of 2 training processes a rank and 1 with twice the workers: each rank's files/s (epochs 2
+    and 3), each pair's ratio."""
+    rows = []
+    for placement in judged:
+        if not placement.processes or any(r.unavailable for pair in placement.processes for r in (pair.first,
+                                                                                                   pair.second)):
+            continue
+        pair, _, ratios = median_pair(placement.processes, processes_ratio)
+        for result in (pair.first, pair.second):
+            for rank in range(result.rank_count()):
+                rows.append([result.way, result.placement, str(rank), f"{result.workers}",
+                             f"{result.rank_rate(rank, 1):,.0f}",
+                             f"{result.cpu_us('loop'):.0f}+{result.cpu_us('daemon_cpu'):.0f}", others_cell(result),
+                             " ".join(f"{r:.2f}x" for r in ratios) if result is pair.first and not rank else ""])
+    return rows
+
+
+def processes_ratio(pair: Pair) -> float:
+    """Files/s of the 2-process run over the 1-process run's, epochs 2 and 3, every rank's summed."""
+    two, one = pair.first, pair.second
+    return (sum(two.rank_rate(rank, 1) for rank in range(two.rank_count()))
+            / sum(one.rank_rate(rank, 1) for rank in range(one.rank_count())))
+
+
 def scaling_rows(scaling: list[tuple[Result, Result]]) -> list[list[str]]:
     rows = []
     for one, two in scaling:
         rate_one, rate_two = one.files_per_second(0, 1), two.files_per_second(0, 1)
         rows.append([one.way, one.placement, f"{rate_one:,.0f}", f"{rate_two:,.0f}", f"{rate_two / rate_one:.2f}x",
                      f"{100 * two.loop_share(0):.0f}%", f"{scaling_ceiling(two):.2f}x",
-                     one.cpu_ms_per_file(0), two.cpu_ms_per_file(0), f"{one.faults_per_file(0):.0f}",
+                     one.cpu_us_per_file(0), two.cpu_us_per_file(0), f"{one.faults_per_file(0):.0f}",
                      f"{two.faults_per_file(0):.0f}", others_cell(one), others_cell(two)])
     return rows
 
@@ -629,29 +847,92 @@ def disturbed(*runs: Result) -> str:
     return f"  (disturbed: others used {'; '.join(noisy)})" if noisy else ""
 
 
-def target_lines(results: list[Result], scaling: list[tuple[Result, Result]], step: str = "") -> list[str]:
+def target_lines(judged: list[Judged], results: list[Result], scaling: list[tuple[Result, Result]],
+                 quick: bool) -> list[str]:
+    """PASS or FAIL for what this run can judge; '----' with the figures for what it cannot: a CPU target under
+    --quick (a smoke test) or over runs of fewer than JUDGED_FILES reads, a timing target on a machine with fewer
+    CPUs than it needs."""
     lines = []
+    usable = len(os.sched_getaffinity(0))
 
-    def line(ok: bool, what: str, placement: str, detail: str) -> None:
-        lines.append(f"{'PASS' if ok else 'FAIL'}  {what:<72} {placement:<15} {detail}")
+    def line(status: bool | None, what: str, placement: str, detail: str) -> None:
+        word = "----" if status is None else "PASS" if status else "FAIL"
+        lines.append(f"{word}  {what:<78} {placement:<15} {detail}")
+
+    def cpu_verdict(ok: bool, turns: list[Pair]) -> tuple[bool | None, str]:
+        fewest = min(run.files() for pair in turns for run in (pair.first, pair.second))
+        if quick or fewest < JUDGED_FILES:
+            return None, (f"smoke test (--quick), not a verdict: {fewest:,} file reads a run, judged over >= "
+                          f"{JUDGED_FILES:,}; ")
+        return ok, ""
+
+    def timed_verdict(ok: bool, needs: int) -> tuple[bool | None, str]:
+        if usable < needs:
+            return None, f"not judged here: needs {needs} CPUs, this process may use {usable}; "
+        if quick:
+            return None, "smoke test (--quick), not a verdict; "
+        return ok, ""
+
+    def each(figures: list[float], form: str) -> str:
+        return (f" (median of {len(figures)} pairs by turns: {' '.join(format(f, form) for f in figures)})"
+                if len(figures) > 1 else "")
 
     by_key = {(r.way, r.placement): r for r in results}
-    for placement in dict.fromkeys(r.placement for r in results):
-        plain, ours = by_key.get((BASELINE, placement)), by_key.get((TARGET_WAY, placement))
-        if plain and ours:
-            ratio = ours.total_wait() / plain.total_wait()
-            what = f"{TARGET_WAY} data-wait <= {TARGET_WAIT_OVER_PLAIN:.2f}x plain's{step}"
-            pairs = (f" (median of {len(ours.pair_ratios)} pairs run by turns: "
-                     f"{' '.join(f'{r:.2f}x' for r in ours.pair_ratios)})" if len(ours.pair_ratios) > 1 else "")
-            line(ratio <= TARGET_WAIT_OVER_PLAIN, what,
-                 placement, f"{ours.total_wait():.2f} s vs {plain.total_wait():.2f} s over {len(ours.waits(0))} "
-                 f"epochs: {ratio:.3f}x" + pairs + disturbed(plain, ours))
+    for placement in judged:
+        where = placement.placement
+        if placement.wait:
+            pair, gap, gaps = median_pair(placement.wait, lambda p: p.second.cpu_us("loop") - p.first.cpu_us("loop")
+                                          - p.floor_us)
+            status, why = cpu_verdict(gap <= TARGET_CPU_OVER_FLOOR_US, placement.wait)
+            line(status, f"{TARGET_WAY} CPU per file <= plain + decode floor + {TARGET_CPU_OVER_FLOOR_US:g} us",
+                 where, why + f"{pair.second.cpu_us('loop'):.1f} vs {pair.first.cpu_us('loop'):.1f} + "
+                 f"{pair.floor_us:.1f} us: {gap:+.1f} us" + each(gaps, "+.1f") + disturbed(pair.first, pair.second))
+            pair, ratio, ratios = median_pair(placement.wait, wait_ratio)
+            line(None, f"(no target) {TARGET_WAY} data-wait over plain's, the calibrated step", where,
+                 f"{pair.second.total_wait():.2f} s vs {pair.first.total_wait():.2f} s: {ratio:.3f}x"
+                 + each(ratios, ".2f"))
+        if placement.headroom:
+            pair, ratio, ratios = median_pair(placement.headroom, wait_ratio)
+            status, why = timed_verdict(ratio <= TARGET_WAIT_OVER_PLAIN, TIMED_MIN_CPUS)
+            line(status, f"{TARGET_WAY} data-wait <= {TARGET_WAIT_OVER_PLAIN:.2f}x plain's, step {HEADROOM:g}x",
+                 where, why + f"{pair.second.total_wait():.2f} s vs {pair.first.total_wait():.2f} s over "
+                 f"{len(pair.second.waits(0))} epochs: {ratio:.3f}x" + each(ratios, ".2f")
+                 + disturbed(pair.first, pair.second))
+        if placement.served and any(r.unavailable for pair in placement.served for r in (pair.first, pair.second)):
+            line(None, f"{SERVED} targets", where, "not available here (see the note)")
+        elif placement.served:
+            pair, gap, gaps = median_pair(placement.served, served_worker_gap)
+            status, why = cpu_verdict(gap <= TARGET_WORKER_REMOTE_US, placement.served)
+            line(status, f"{SERVED}: workers' CPU per remote file <= per local file + {TARGET_WORKER_REMOTE_US:g} us",
+                 where, why + f"{pair.second.cpu_us('workers_cpu'):.1f} vs {pair.first.cpu_us('workers_cpu'):.1f} "
+                 f"us: {gap:+.1f} us" + each(gaps, "+.1f"))
+            pair, serve_us, figures = median_pair(placement.served, lambda p: p.second.cpu_us("daemon_cpu"))
+            status, why = cpu_verdict(serve_us <= TARGET_SERVE_REMOTE_US, placement.served)
+            line(status, f"{SERVED}: the serve process's CPU per remote file <= {TARGET_SERVE_REMOTE_US:g} us", where,
+                 why + f"{serve_us:.1f} us (it also sent the other rank as many; {pair.first.cpu_us('daemon_cpu'):.1f}"
+                 f" us per local file)" + each(figures, ".1f"))
+        served, dest = by_key.get((SERVED, where)), by_key.get((TARGET_WAY, where))
+        if served and dest and not served.unavailable:
+            rates = [served.rank_rate(rank) for rank in range(served.rank_count())]
+            ratio = min(rates) / dest.files_per_second(0)
+            status, why = timed_verdict(ratio >= TARGET_SERVED_RATE, TIMED_MIN_CPUS)
+            line(status, f"{SERVED}: files/s per rank >= {TARGET_SERVED_RATE:.0%} of {TARGET_WAY}'s (DEST)", where,
+                 why + f"{' and '.join(f'{r:,.0f}' for r in rates)} vs {dest.files_per_second(0):,.0f} files/s: "
+                 f"{ratio:.1%} (the slower rank; one run each)")
+        if placement.processes and not any(r.unavailable for pair in placement.processes
+                                           for r in (pair.first, pair.second)):
+            pair, ratio, ratios = median_pair(placement.processes, processes_ratio)
+            status, why = timed_verdict(ratio >= TARGET_PROCESSES, TIMED_MIN_CPUS)
+            line(status, f"2 training processes a rank >= {TARGET_PROCESSES:g}x the files/s of 1 with "
+                 f"{2 * WORKERS} workers", where, why + f"{ratio:.3f}x, no compute, epochs 2 and 3, both ranks"
+                 + each(ratios, ".2f"))
     for one, two in scaling:
         if one.way == TARGET_WAY:
             ratio = two.files_per_second(0, 1) / one.files_per_second(0, 1)
-            line(ratio >= TARGET_SCALING, f"{TARGET_WAY} files/s, 2 workers >= {TARGET_SCALING}x 1 worker",
-                 one.placement, f"{two.files_per_second(0, 1):,.0f} vs {one.files_per_second(0, 1):,.0f} files/s, "
-                 f"no compute: {ratio:.3f}x (ceiling here {scaling_ceiling(two):.2f}x)" + disturbed(one, two))
+            status, why = timed_verdict(ratio >= TARGET_SCALING, SCALING_MIN_CPUS)
+            line(status, f"{TARGET_WAY} files/s, 2 workers >= {TARGET_SCALING}x 1 worker", one.placement,
+                 why + f"{two.files_per_second(0, 1):,.0f} vs {one.files_per_second(0, 1):,.0f} files/s, no compute: "
+                 f"{ratio:.3f}x (ceiling here {scaling_ceiling(two):.2f}x)" + disturbed(one, two))
     return lines
 
 
@@ -694,7 +975,8 @@ def tries_text(target_tries: int) -> str:
 
 
 def print_report(setup: Setup, results: list[Result], scaling: list[tuple[Result, Result]], headroom: list[Result],
-                 calibrated: bool, target_tries: int, plot_path: Path, notes: list[str]) -> None:
+                 judged: list[Judged], calibrated: bool, target_tries: int, plot_path: Path, notes: list[str],
+                 quick: bool) -> None:
     import mpi4py
     import torch
     from mpi4py import MPI
@@ -711,9 +993,13 @@ def print_report(setup: Setup, results: list[Result], scaling: list[tuple[Result
     print(f"data: {len(data.paths):,} files of {FILE_SIZE // KIB} KiB, {data.raw_bytes() / 1e6:,.0f} MB; "
           f"codec {CODEC}, --chunk-size {CHUNK_SIZE // MIB} MiB: {data.chunks} chunks, "
           f"{data.stored_bytes / 1e6:,.0f} MB ({data.raw_bytes() / data.stored_bytes:.2f}x)")
-    print("placement: 'workers pinned' = DataLoader worker k on CPU k, the rest where the scheduler puts it; "
-          "'unpinned' = everything where the scheduler puts it. One run per figure: on this 2-CPU VM runs vary by "
-          "up to 30%")
+    print("placement: 'workers pinned' = DataLoader worker k of the run's training process p (rank by rank, then "
+          "process on the rank) on CPU p x workers + k of those this process may use (modulo their count), the rest "
+          "where the scheduler puts it; 'unpinned' = everything where the scheduler puts it. One run per figure but "
+          "where pairs run by turns; on 2-CPU VMs runs vary by up to 30%")
+    if quick:
+        print(f"--quick: a smoke test, never a verdict: {len(data.paths):,} files, epochs of a few tenths of a "
+              "second, one pair by turns; the CPU and timing targets below give their figures and judge nothing")
     for one, two in scaling:
         compute_ms = next((r.compute_ms for r in results if r.placement == one.placement), None)
         if one.way == BASELINE and compute_ms is not None:
@@ -726,32 +1012,50 @@ def print_report(setup: Setup, results: list[Result], scaling: list[tuple[Result
         print(f"note: {note}")
     print()
     print("data-wait and epoch seconds of each epoch (e1 e2 e3), files/s over all epochs; vs plain = data-wait over "
-          "every epoch / plain's (same placement); CPU ms/file = the training process and its workers, + the "
-          "mount's daemon (serve: the rank's serve process, which also serves the other rank), per file; others = "
-          f"cores other processes used meanwhile ('!' above {NOISY_OTHERS}; plain and {TARGET_WAY}, on which the "
-          f"targets are judged: the median of the pairs run by turns, each run {tries_text(target_tries)}); 2-rank "
-          "ways: one row per rank, each reading half of every epoch")
+          "every epoch / plain's (same placement); CPU us/file = microseconds of CPU per file of the training "
+          "process and its workers (getrusage), + the mount's daemon (serve: the rank's serve process, which also "
+          "serves the other rank; its CPU-time clock), per file; others = "
+          f"cores other processes used meanwhile ('!' above {NOISY_OTHERS}; plain and {TARGET_WAY}, and {SERVED} "
+          "with local files and with remote files, on which targets are judged: the median of the pairs run by "
+          f"turns, each run {tries_text(target_tries)}); 2-rank ways: one row per rank, each reading half of every "
+          "epoch (local files, remote files: each rank reads the files stored on it, on the other rank)")
     print_table(["way", "placement", "rank", "data-wait e1 e2 e3 (s)", "total", "vs plain", "epoch e1 e2 e3 (s)",
-                 "files/s", "CPU ms/file", "others"], way_rows(results), left=3)
+                 "files/s", "CPU us/file", "others"], way_rows(results), left=3)
     print()
-    print("pure data rate: no compute, files/s over epochs 2 and 3, 1 and 2 DataLoader workers; CPU ms/file and "
+    print("pure data rate: no compute, files/s over epochs 2 and 3, 1 and 2 DataLoader workers; CPU us/file and "
           "others as above; loop 2w = the training process's own share of that CPU with 2 workers (receiving their "
           "batches); ceiling = the most 2/1 can be here with CPU-bound workers, min(2, usable CPUs x (1 - loop "
           "share)); faults = minor page faults of the training process and its workers per file (a 128 KiB "
           f"file is 32 pages); {tries_text(target_tries)} each")
-    print_table(["way", "placement", "1 worker files/s", "2 workers", "2/1", "loop 2w", "ceiling", "CPU ms/file 1w",
+    print_table(["way", "placement", "1 worker files/s", "2 workers", "2/1", "loop 2w", "ceiling", "CPU us/file 1w",
                  "2w", "faults 1w", "2w", "others 1w", "2w"], scaling_rows(scaling), left=2)
+    rows = processes_rows(judged)
+    if rows:
+        print()
+        print(f"training processes a rank: {SERVED}+EpochSampler under `mpiexec -n {RANKS} fanstore serve`, no "
+              f"compute, each rank running 2 training processes of {WORKERS} workers (each its own DataLoader and "
+              f"DistributedSampler share, all reading through the rank's serve process) or 1 of {2 * WORKERS}; "
+              "files/s = the rank's, its processes' summed, over epochs 2 and 3; CPU us/file = the training "
+              "processes and their workers + the serve processes, every rank's files; the pair whose 2/1 ratio "
+              "(both ranks summed) is the median of the pairs run by turns, each pair's ratio in the last column")
+        print_table(["way", "placement", "rank", "workers", "files/s", "CPU us/file", "others", "2/1 each pair"], rows,
+                    left=3)
     if headroom:
         print()
         print(f"with headroom: the judged ways again, the step {HEADROOM:g}x the calibrated one (the loader has a "
               "third of its time to spare, as in a job whose data loading keeps up); columns as in the first table")
         print_table(["way", "placement", "rank", "data-wait e1 e2 e3 (s)", "total", "vs plain", "epoch e1 e2 e3 (s)",
-                     "files/s", "CPU ms/file", "others"], way_rows(headroom), left=3)
+                     "files/s", "CPU us/file", "others"], way_rows(headroom), left=3)
     print()
     print(f"plot: {plot_path}")
     print()
-    print("targets")
-    for line in [*target_lines(results, scaling), *target_lines(headroom, [], f", step {HEADROOM:g}x")]:
+    floors = [pair.floor_us for placement in judged for pair in placement.wait]
+    if floors:
+        print(f"decode floor: {' '.join(f'{f:.1f}' for f in floors)} us per file (before each pair by turns): "
+              "Reader.read of each file's entry (pread, checksum, decode) in one thread of the bench, DEST warm")
+    print("targets (CPU ones judged on any machine over runs of "
+          f">= {JUDGED_FILES:,} file reads; timing ones where the CPUs they need are there)")
+    for line in target_lines(judged, results, scaling, quick):
         print(f"  {line}")
 
 
@@ -779,7 +1083,13 @@ def child_main(argv: Sequence[str]) -> int:
     parser.add_argument("--daemon-pid", type=int, default=0, help="0: none; -1: this process's parent")
     parser.add_argument("--barrier", default="")
     parser.add_argument("--pin-workers", action="store_true")
-    return train(parser.parse_args(argv))
+    parser.add_argument("--processes", type=int, default=1, help="training processes per rank")
+    parser.add_argument("--process", type=int, default=-1, help="this one's number on its rank (-1: the rank's "
+                                                                 "command, which starts --processes of them)")
+    args = parser.parse_args(argv)
+    if args.processes > 1 and args.process < 0:
+        return launch_processes(argv, args.processes)
+    return train(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -795,7 +1105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--compute-ms", type=float, help="compute per batch (a sleep; default: calibrated, the "
                                                           "plain directory's loading time per batch)")
     parser.add_argument("--plot", type=Path, help="the PNG (default: CACHE/bench_train.png)")
-    parser.add_argument("--only", help="comma-separated ways to run, plain always included (development)")
+    parser.add_argument("--only", help="comma-separated ways to run, plain always included (development); a way "
+                                       "run by turns needs its pair's other way named too")
     parser.add_argument("--cache", type=Path, default=BENCH_DIR / ".cache", help="where inputs are made once")
     args = parser.parse_args(argv)
     missing = missing_requirements()
@@ -811,9 +1122,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     target_tries = 1 if args.quick else TARGET_TRIES
     pairs = 1 if args.quick else JUDGED_PAIRS
     only = None if args.only is None else {BASELINE, BASELINE_RANKS, *args.only.split(",")}
-    if only is not None and only - {way.label for way in WAYS}:
-        parser.error(f"--only: no way named {', '.join(sorted(only - {way.label for way in WAYS}))}")
+    if only is not None and only - {way.label for way in (*WAYS, *TURNS)}:
+        parser.error(f"--only: no way named {', '.join(sorted(only - {way.label for way in (*WAYS, *TURNS)}))}")
     ways = [way for way in WAYS if only is None or way.label in only]
+    turns = {way.label for way in TURNS if only is None or way.label in only}
     notes = []
     stored_per_file = data.stored_bytes / len(data.paths)
     if any(way.via == "mount" for way in ways) and stored_per_file < INLINE_NOTE_BYTES:
@@ -821,7 +1133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      f"--prefetch-min-size ({INLINE_NOTE_BYTES // KIB} KiB): the mount then prefetches none of them, "
                      "so 'mount --prefetch 0', 'mount' and 'mount --prefetch-list' run the same way here (their "
                      "spread is the run-to-run noise); '--prefetch-min-size 0' is the list at work")
-    if any(way.via == "serve" and way.reader != "files" for way in ways) \
+    if (turns or any(way.via == "serve" and way.reader != "files" for way in ways)) \
             and importlib.util.find_spec("fanstore.serve.node_client") is None:
         notes.append("serve FileDataset(None): not available, this checkout has no fanstore/serve/node_client.py "
                      "(FileDataset(None) imports open_served_dataset from it)")
@@ -829,13 +1141,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         notes.append(f"{len(data.paths)} files: the last batch of each epoch is short")
     results: list[Result] = []
     scaling: list[tuple[Result, Result]] = []
-    headroom: list[Result] = []  # the judged ways with HEADROOM times the calibrated step
+    headroom: list[Result] = []  # the judged ways with HEADROOM times the calibrated step (the median pair's)
+    judged_turns: list[Judged] = []
     with reaped_workdir(WORKDIR_PREFIX, __file__) as workdir:
         paths_file, prefetch_list = workdir / "paths.txt", workdir / "epoch1.txt"
         paths_file.write_text("".join(f"{rel}\n" for rel in data.paths))
         prefetch_list.write_text("".join(f"{data.paths[i]}\n" for i in epoch_order(len(data.paths), 0)))
-        setup = Setup(data, workdir, paths_file, prefetch_list, EPOCHS, 0.0 if args.quick else QUIET_MAX_WAIT)
+        setup = Setup(data, workdir, paths_file, prefetch_list, write_shares(data, workdir), EPOCHS,
+                      0.0 if args.quick else QUIET_MAX_WAIT)
         for placement in placements:
+            judged_here = Judged(placement.label)
+            judged_turns.append(judged_here)
             for label, reader, via in SCALING:
                 progress(f"[{placement.label}] pure data rate: {label}, 1 and 2 workers ...")
                 way = Way(label, reader, via)
@@ -843,26 +1159,42 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 least_disturbed(setup, way, placement, 0.0, 2, target_tries)))
             plain = next(two for one, two in scaling if one.way == BASELINE and one.placement == placement.label)
             compute_ms = args.compute_ms if args.compute_ms is not None else calibrated_compute_ms(plain)
-            judging = {BASELINE, TARGET_WAY} <= {way.label for way in ways}  # --only may leave one out
+            plain_way, target_way = (next((w for w in ways if w.label == label), None)
+                                     for label in (BASELINE, TARGET_WAY))
             judged = {}
-            if judging:
+            if plain_way and target_way:  # --only may leave one out
                 progress(f"[{placement.label}] {BASELINE} and {TARGET_WAY} by turns, {compute_ms:g} ms compute per "
                          f"batch, {pairs} pair(s) ...")
-                judged = dict(zip((BASELINE, TARGET_WAY), judged_pair(setup, ways, placement, compute_ms, pairs,
-                                                                      target_tries)))
+                judged_here.wait = by_turns(setup, plain_way, target_way, placement, compute_ms, pairs, target_tries,
+                                            floor=True)
+                judged = dict(zip((BASELINE, TARGET_WAY), shown(judged_here.wait)))
             for way in ways:
                 if way.label in judged:
                     results.append(judged[way.label])
                     continue
                 progress(f"[{placement.label}] {way.label}, {compute_ms:g} ms compute per batch ...")
                 results.append(least_disturbed(setup, way, placement, compute_ms))
-            if args.compute_ms is None and judging:
+            if SERVED_LOCAL.label in turns and SERVED_REMOTE.label in turns:
+                progress(f"[{placement.label}] {SERVED_LOCAL.label} and {SERVED_REMOTE.label} by turns, "
+                         f"{compute_ms:g} ms compute per batch, {pairs} pair(s) ...")
+                judged_here.served = by_turns(setup, SERVED_LOCAL, SERVED_REMOTE, placement, compute_ms, pairs,
+                                              target_tries)
+                results.extend(shown(judged_here.served, served_worker_gap))
+            if TWO_PROCESSES.label in turns and ONE_PROCESS.label in turns:
+                progress(f"[{placement.label}] {TWO_PROCESSES.label} and {ONE_PROCESS.label} by turns, no compute, "
+                         f"{pairs} pair(s) ...")
+                judged_here.processes = by_turns(setup, TWO_PROCESSES, ONE_PROCESS, placement, 0.0, pairs,
+                                                 target_tries)
+            if args.compute_ms is None and plain_way and target_way:
                 spare_ms = round(HEADROOM * compute_ms, 1)
                 progress(f"[{placement.label}] {BASELINE} and {TARGET_WAY} by turns, {spare_ms:g} ms compute per "
                          f"batch (headroom), {pairs} pair(s) ...")
-                headroom.extend(judged_pair(setup, ways, placement, spare_ms, pairs, target_tries))
+                judged_here.headroom = by_turns(setup, plain_way, target_way, placement, spare_ms, pairs,
+                                                target_tries, floor=True)
+                headroom.extend(shown(judged_here.headroom))
     plot(results, plot_path)
-    print_report(setup, results, scaling, headroom, args.compute_ms is None, target_tries, plot_path, notes)
+    print_report(setup, results, scaling, headroom, judged_turns, args.compute_ms is None, target_tries, plot_path,
+                 notes, args.quick)
     return 0
 
 
