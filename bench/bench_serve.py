@@ -872,7 +872,7 @@ def target_lines(runs: list[Run], quick: bool) -> list[str]:
 
     def line(status: bool | None, what: str, result: Run, detail: str) -> None:
         word = "----" if status is None else "PASS" if status else "FAIL"
-        lines.append(f"{word}  {what:<58}  {result.data.label + ',':<13} {result.placement.label:<15}  {detail}")
+        lines.append(f"{word}  {what:<58}  {result.data.label:<12}  {result.placement.label:<15}  {detail}")
 
     usable = len(os.sched_getaffinity(0))
     for result in runs:
