@@ -199,3 +199,41 @@ def test_a_node_cut_off_past_the_deadline_costs_reads_from_dest_then_comes_back(
     assert cut[2]["local"] > 0 and cut[2]["fallback"] > 0, cut  # its own files, and the others' from DEST
     assert all(change["peers"]["2"]["fetched"] > 0 for change in after[:2]), after  # node 2 answers again
     assert all(change["fallback"] == 0 for change in after), after
+
+
+def test_a_node_lost_for_good_does_not_hold_the_job(dataset: tuple[Path, Path], tmp_path: Path) -> None:
+    """Node 2's link goes down for good just before the commands end: the closing agreement cannot complete, so
+    rank 0, which hears nothing from node 2 for six deadlines, names it in one line and ends the job; well within
+    60 s of the commands' end, not when TCP gives up (about 15 minutes)."""
+    _src, dest = dataset
+    wait = ("import os, sys, time\nopen(sys.argv[1] + os.environ['FANSTORE_RANK'], 'w').close()\n"
+            "while not os.path.exists(sys.argv[2]): time.sleep(0.05)\n")
+    command = [sys.executable, "-c", wait, str(tmp_path / "started-"), str(tmp_path / "go")]
+    with SeparateNodes(RANKS, tmp_path, keep_visible=[dest.parent]) as nodes:
+        serve = [sys.executable, "-m", "fanstore", "serve", str(dest), MOUNTPOINT, "--local-dir", LOCAL_DIR,
+                 "--peer-timeout", "2", "--", *command]
+        job = subprocess.Popen([str(MPIEXEC), *nodes.mpmd([serve] * RANKS, make_dirs=[MOUNTPOINT])],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(nodes),
+                               start_new_session=True)
+        try:
+            wait_until(lambda: job.poll() is not None or all((tmp_path / f"started-{r}").exists()
+                                                             for r in range(RANKS)), "every command started", 120)
+            assert job.poll() is None, job.communicate()
+            nodes.set_link(2, up=False)
+            (tmp_path / "go").touch()
+            ended = time.monotonic()
+            out, err = job.communicate(timeout=90)
+            took = time.monotonic() - ended
+            wait_until(lambda: not processes_mentioning(str(dest)), "every rank and watchdog gone", 15)
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+                job.communicate()
+            for pid in processes_mentioning(str(dest)):  # only if the test failed
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    assert job.returncode != 0, out + err
+    assert took < 60, (took, out + err)
+    named = [line for line in (out + err).splitlines() if line.startswith("fanstore serve: error: rank 0 on node0:")]
+    assert len(named) == 1 and "rank 2 (node2) answered nothing for 12 s" in named[0], out + err
+    assert "Traceback" not in err, err

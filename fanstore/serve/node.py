@@ -32,7 +32,6 @@ import numpy as np
 from ..api import Dataset
 from ..chunk_source import LocalChunkSource
 from ..dest_apart import check_apart_from_dest
-from ..durable import write_atomically
 from ..errors import ChunkUnavailable, FanstoreError, UsageError, quoted, say_line
 from ..format import CHUNK_DIR, INDEX_NAME
 from ..index import Index, read_index_file
@@ -41,14 +40,15 @@ from ..mount import MountOptions, check_mountpoint, check_outside, dataset_paths
 from ..pause import pause_point
 from ..prefetch import read_prefetch_list
 from ..units import format_bytes
-from . import node_endpoint, watchdog
+from . import watchdog
 from .doorbell import open_doorbell
+from .lifecycle import Lifecycle
 from .loop_requests import LoopRequests
 from .node_endpoint import NodeEndpoint
 from .placement import BlobTable, Placement, place
 from .polling import first_failed_rank
 from .sources import PeerChunkSource, PlacedChunkSource
-from .start_checks import other_dataset, shared_paths
+from .start_checks import host_names, other_dataset, shared_paths
 from .staged_source import StagedChunkSource
 from .staging import StagingBroken, StagingError, StagingReport, Stager, claim_local_dir, copy_index, index_identity
 from .statuses import RequestRefused
@@ -56,8 +56,6 @@ from .transport import PeerOptions, PeerTransport, mpi_failure
 
 log = logging.getLogger("fanstore.serve")
 
-AGREE_TIMEOUT = 600.0  # seconds the final agreement waits after a signal before the rank leaves without it
-STOP_GRACE = 10.0  # seconds a COMMAND gets between SIGTERM and SIGKILL
 
 
 class ServeError(FanstoreError):
@@ -216,121 +214,6 @@ class RequestChecker:
         return self._local.read_staged(chunk, offset, length)
 
 
-class Lifecycle:
-    """What runs while the mount is up: agree with every rank that each mounted, run COMMAND (or write the ready file
-    and wait for a signal), then agree with every rank on the job's status. A rank that could not mount takes part
-    in both agreements all the same (`without_mount`), so the job still ends together, each rank with one line."""
-
-    def __init__(self, transport: PeerTransport, options: ServeOptions, mountpoint: Path, ready_file: Path,
-                 endpoint: Path) -> None:
-        self.transport = transport
-        self.endpoint = endpoint
-        self.options = options
-        self.mountpoint = mountpoint
-        self.ready_file = ready_file
-        self.started = False  # the agreements have begun on this rank
-        self.agreed = False
-
-    def __call__(self, stop: threading.Event) -> int:
-        self.started = True
-        lowest = self._agree_mounted(True, stop)
-        if lowest is None:
-            return 128 + signal.SIGTERM
-        if lowest < self.transport.size:
-            say_line(f"fanstore serve: error: rank {self.transport.rank}: rank {lowest} could not mount (see its "
-                     f"message); stopping")
-            status = 1
-        else:
-            status = self._run_command(stop) if self.options.command else self._wait_for_signal(stop)
-        return self._agree_status(status, stop)
-
-    def without_mount(self, status: int) -> int:
-        """This rank could not mount (it said why): it takes part in the agreements the mounted ranks make, so that
-        they stop at once and every rank ends MPI properly. The job's status."""
-        self.started = True
-        stop = threading.Event()
-        self._agree_mounted(False, stop)
-        return self._agree_status(status, stop)
-
-    def _agree_mounted(self, mounted: bool, stop: threading.Event) -> int | None:
-        """The lowest rank that could not mount, or the job's size when every rank did (an Iallreduce); None when
-        a signal came first."""
-        from mpi4py import MPI
-
-        mine = np.array([self.transport.size if mounted else self.transport.rank], dtype=np.int32)
-        lowest = np.zeros(1, dtype=np.int32)
-        everyone = self.transport.collective(lambda comm: (
-            comm.Iallreduce([mine, MPI.INT32_T], [lowest, MPI.INT32_T], op=MPI.MIN), lambda: int(lowest[0])))
-        return everyone.result() if _wait(everyone, stop) else None
-
-    def _agree_status(self, status: int, stop: threading.Event) -> int:
-        """The worst status of every rank (an Iallreduce); this rank's own when the others cannot be waited for."""
-        from mpi4py import MPI
-
-        mine = np.array([status], dtype=np.int32)
-        worst = np.zeros(1, dtype=np.int32)
-        everyone = self.transport.collective(lambda comm: (
-            comm.Iallreduce([mine, MPI.INT32_T], [worst, MPI.INT32_T], op=MPI.MAX), lambda: int(worst[0])))
-        try:
-            worst_status = everyone.result(timeout=None if not stop.is_set() else AGREE_TIMEOUT)
-        except Exception:  # noqa: BLE001 - a timeout or the transport gone: leave without the others
-            return status if status else 1
-        self.agreed = True
-        return worst_status
-
-    def _run_command(self, stop: threading.Event) -> int:
-        rank, size = self.transport.rank, self.transport.size
-        env = dict(os.environ, FANSTORE_MOUNT=str(self.mountpoint), FANSTORE_RANK=str(rank),
-                   FANSTORE_SIZE=str(size), **{node_endpoint.ENVIRONMENT: str(self.endpoint)})
-        try:
-            command = subprocess.Popen(list(self.options.command), env=env)
-        except OSError as exc:
-            say_line(f"fanstore serve: rank {rank}: cannot run {quoted(self.options.command[0])}: {exc.strerror}")
-            return 127
-        while True:
-            try:
-                code = command.wait(timeout=0.2)
-                break
-            except subprocess.TimeoutExpired:
-                if stop.is_set():
-                    command.terminate()
-                    try:
-                        code = command.wait(timeout=STOP_GRACE)
-                    except subprocess.TimeoutExpired:
-                        command.kill()
-                        code = command.wait()
-                    break
-        return code if code >= 0 else 128 - code
-
-    def _wait_for_signal(self, stop: threading.Event) -> int:
-        # The mount point, the process serving it (to signal it, or to find it in a listing), and the socket of
-        # the node's readers (fanstore.torch: FANSTORE_SERVE_SOCKET).
-        try:
-            write_atomically(self.ready_file, f"{self.mountpoint}\n{os.getpid()}\n{self.endpoint}\n".encode())
-        except OSError as exc:  # checked at start; a full disk, say: a batch script would wait for it for good
-            say_line(f"fanstore serve: error: rank {self.transport.rank}: cannot write the ready file "
-                     f"{self.ready_file}: {exc.strerror}; stopping")
-            return 1
-        try:
-            stop.wait()
-        finally:
-            try:
-                self.ready_file.unlink()
-            except FileNotFoundError:
-                pass
-        return 0
-
-
-def _wait(future: Any, stop: threading.Event) -> bool:
-    while not stop.is_set():
-        try:
-            future.result(timeout=0.2)
-            return True
-        except TimeoutError:
-            continue
-    return False
-
-
 def run(options: ServeOptions) -> int:
     """Serve on this rank until the job ends; the exit status is the worst of every rank's COMMAND."""
     # `kill -USR2 PID` prints every thread's stack: what a stuck rank waits on. Not USR1: mpiexec sends it to
@@ -388,6 +271,7 @@ def run(options: ServeOptions) -> int:
     failed = first_failed_rank(comm, problem is not None)
     if problem is not None or failed is not None:
         _refuse_together(comm, mpi, problem or f"rank {failed} cannot start (see its message); stopping")
+    hosts = host_names(comm, host)  # to name a rank that stops answering at the end
     guard = RankWatchdog(rank, mountpoint, ready_file, local_dir / "fanstore-watchdog.log")
 
     bar = _progress_bar(rank, options.progress)
@@ -424,7 +308,7 @@ def run(options: ServeOptions) -> int:
                                         "index_dir": str(local_dir), "rank": rank, "size": size,
                                         "direct": sorted(unverified)},
                             source, BlobTable.of(index), len(sizes))
-    lifecycle = Lifecycle(transport, options, mountpoint, ready_file, endpoint.path)
+    lifecycle = Lifecycle(transport, options.command, mountpoint, ready_file, endpoint.path, hosts)
     pause_point("serve: staged")
     try:
         check_mountpoint(mountpoint)  # again: staging may have taken long enough for it to go

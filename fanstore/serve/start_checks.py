@@ -1,5 +1,5 @@
 """Checks every rank makes at start that need the other ranks' answers (each an Iallgather of digests): what one
-rank cannot see alone. Their problems go through the start-up agreement (polling.first_failed_rank), so one rank's
+rank cannot see alone; and every rank's host name, once they have passed. Their problems go through the start-up agreement (polling.first_failed_rank), so one rank's
 problem stops every rank before anything is copied. A rank that failed already still takes part, with nothing to
 compare."""
 
@@ -13,6 +13,8 @@ import numpy as np
 import xxhash
 
 from .polling import wait_all
+
+HOST_NAME_BYTES = 64  # of a host's name gathered from every rank (host_names)
 
 
 def _gather(comm: Any, mine: np.ndarray) -> np.ndarray:
@@ -54,3 +56,14 @@ def other_dataset(comm: Any, host: str, dest: Path, identity: str | None) -> str
         return (f"rank {comm.Get_rank()} on {host}: DEST {dest} is not the dataset rank 0 serves (their indexes "
                 f"differ): every rank must serve the same one")
     return None
+
+
+def host_names(comm: Any, host: str) -> list[str]:
+    """Every rank's host name (the first HOST_NAME_BYTES bytes of it), by rank."""
+    from mpi4py import MPI
+
+    mine = np.frombuffer(host.encode("utf-8", "replace")[:HOST_NAME_BYTES].ljust(HOST_NAME_BYTES, b"\0"),
+                         dtype=np.uint8)
+    everyone = np.zeros(comm.Get_size() * HOST_NAME_BYTES, dtype=np.uint8)
+    wait_all([comm.Iallgather([mine, MPI.BYTE], [everyone, MPI.BYTE])])
+    return [bytes(row).rstrip(b"\0").decode("utf-8", "replace") for row in everyone.reshape(-1, HOST_NAME_BYTES)]

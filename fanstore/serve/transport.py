@@ -29,9 +29,9 @@ from typing import Any, Callable, Protocol, Sequence
 from ..chunk_source import BlobRead, ReadDone
 from ..errors import ChunkError, ChunkUnavailable
 from .doorbell import Doorbell
-from .peer_messages import FIRST_REPLY_TAG, MAX_BLOBS, MORE_BLOB, QUIET_REPLY, REPLY_HEADER, REPLY_MAGIC, REQUEST, \
-    REQUEST_MAGIC, RING_REPLY_BELL, TAG_REQUEST, PeerCounters, error_reply, hand_out_reply, partial_reply, \
-    reply_room, request_message
+from .peer_messages import FIRST_REPLY_TAG, MAX_BLOBS, MORE_BLOB, PING, QUIET_REPLY, REASON_ROOM, REPLY_HEADER, \
+    REPLY_MAGIC, REQUEST, REQUEST_MAGIC, RING_REPLY_BELL, TAG_REQUEST, TAG_VERDICT, VERDICT, VERDICT_MAGIC, \
+    PeerCounters, error_reply, hand_out_reply, partial_reply, reply_room, request_message
 from .polling import Backoff, precise_sleeps, wait_all
 from .statuses import RequestRefused, Status, status_of
 
@@ -68,7 +68,8 @@ def mpi_failure(exc: Exception) -> str:
 @dataclass(eq=False)
 class _Fetch:
     peer: int
-    reads: Sequence[BlobRead]  # one blob, or several asked in one request
+    reads: Sequence[BlobRead]  # one blob, or several asked in one request; a ping's one read of 0 bytes
+    flags: int = 0  # PING, or none
     deadline: float = 0.0
     tag: int = 0
     buffer: bytearray | None = None
@@ -80,6 +81,11 @@ class _Fetch:
         return self.reads[0].chunk_id
 
     @property
+    def blobs(self) -> int:
+        """Blobs asked, as the counters count them: a ping asks for none."""
+        return 0 if self.flags & PING else len(self.reads)
+
+    @property
     def total(self) -> int:
         """Bytes of every blob asked."""
         return sum(read.length for read in self.reads)
@@ -88,6 +94,12 @@ class _Fetch:
         self.buffer = None
         for read in self.reads:
             read.done(None, error)
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    peer: int
+    message: bytes
 
 
 @dataclass
@@ -138,6 +150,7 @@ class PeerTransport:
         self._probe_status = MPI.Status()
         self._abandoned: dict[tuple[int, int], float] = {}  # (peer, tag) of given-up requests -> forget when
         self._outstanding = 0  # our requests queued or in flight, to all peers
+        self._verdict: tuple[int, int, str] | None = None  # written by the MPI thread, read by the lifecycle
         self.bell = bell
         self._to_ring: set[int] = set()  # peers sent a request or reply this turn: rung once, at its end
         self._to_ring_reply: set[int] = set()  # peers sent a reply their event loop waits for: rung likewise
@@ -187,6 +200,23 @@ class PeerTransport:
         if not 0 < len(reads) <= MAX_BLOBS:
             raise ValueError(f"a request asks for 1 to {MAX_BLOBS} blobs, not {len(reads)}")
         self._submit(_Fetch(peer, tuple(reads)))
+
+    def ping(self, peer: int, done: ReadDone) -> None:
+        """Ask `peer` whether it is there: `done(b"", None)` when it answers, `done(None, ChunkUnavailable)` when
+        it misses the deadline (a peer skipped for having missed one is asked all the same: a ping is how this
+        rank learns it is back). Counted nowhere."""
+        self._submit(_Fetch(peer, (BlobRead(0, 0, 0, done),), flags=PING))
+
+    def send_verdict(self, peer: int, status: int, reason: str) -> None:
+        """Tell `peer` the job's status when the ranks cannot agree on it (some are lost): it ends with it."""
+        message = VERDICT.pack(VERDICT_MAGIC, status) + reason.encode()[:REASON_ROOM]
+        self._submitted.append(_Verdict(peer, message))
+        self._backoff.wake()
+
+    @property
+    def verdict(self) -> tuple[int, int, str] | None:
+        """(rank that sent it, status, reason) of a verdict this rank was sent, or None."""
+        return self._verdict
 
     def _submit(self, request: _Fetch) -> None:
         self._submitted.append(request)
@@ -268,6 +298,11 @@ class PeerTransport:
                 self._queue_fetch(item)
             elif isinstance(item, _GaveUp):
                 self._take_gave_up(item)
+            elif isinstance(item, _Verdict):
+                send = self.comm.Isend([item.message, self._mpi.BYTE], dest=item.peer, tag=TAG_VERDICT)
+                self._send_deadlines[id(send)] = (send, time.monotonic() + _SEND_GRACE * self.options.timeout)
+                self._poll(send, lambda _status, message=item.message: None)  # keeps the buffer alive until sent
+                self._to_ring.add(item.peer)
             else:
                 start, future = item
                 try:
@@ -308,7 +343,7 @@ class PeerTransport:
             request.fail(ChunkUnavailable(f"rank {request.peer} is not a peer of rank {self.rank}",
                                           chunk_id=request.chunk))
             return
-        if peer.skip_until > time.monotonic():
+        if peer.skip_until > time.monotonic() and not request.flags & PING:
             self.counters[request.peer].failed += len(request.reads)
             request.fail(self._skipped_error(request))
             return
@@ -333,9 +368,9 @@ class PeerTransport:
         request.buffer = bytearray(reply_room(request.total, len(request.reads)))
         # The reply's receive is posted before the request leaves, so the reply never waits unexpected.
         request.receive = self.comm.Irecv([request.buffer, self._mpi.BYTE], source=peer, tag=request.tag)
-        message = request_message(request.tag, 0, request.reads)
+        message = request_message(request.tag, request.flags, request.reads)
         request.send = self.comm.Isend([message, self._mpi.BYTE], dest=peer, tag=TAG_REQUEST)
-        self.counters[peer].asked += 1
+        self.counters[peer].asked += not request.flags & PING
         self._peers[peer].in_flight.append(request)
         self._poll(request.send, lambda _status: None)
         self._to_ring.add(peer)
@@ -390,6 +425,12 @@ class PeerTransport:
         peer.in_flight.remove(request)
         self._outstanding -= 1
         buffer, request.buffer = request.buffer, None
+        if request.flags & PING:
+            count = status.Get_count(self._mpi.BYTE)
+            answered = count >= REPLY_HEADER.size and REPLY_HEADER.unpack_from(buffer) == (REPLY_MAGIC, Status.OK)
+            request.reads[0].done(b"" if answered else None, None if answered else ChunkUnavailable(
+                f"rank {request.peer} sent a malformed answer to a ping ({count} bytes)"))
+            return
         # `fetch` gives bytes: the buffer goes back with the request
         hand_out_reply(request.peer, request.reads, buffer, status.Get_count(self._mpi.BYTE),  # type: ignore[arg-type]
                        self.counters[request.peer], copy=True)
@@ -426,10 +467,10 @@ class PeerTransport:
                 if mpi_request:  # a completed request is MPI_REQUEST_NULL, which is false and cannot be cancelled
                     mpi_request.Cancel()
             self._abandoned[(number, request.tag)] = now + 10 * self.options.retry_after
-            self.counters[number].failed += len(request.reads)
+            self.counters[number].failed += request.blobs
             request.fail(ChunkUnavailable(str(error), chunk_id=request.chunk))
         for request in peer.queued:
-            self.counters[number].failed += len(request.reads)
+            self.counters[number].failed += request.blobs
             request.fail(ChunkUnavailable(str(error), chunk_id=request.chunk))
         self._outstanding -= len(peer.in_flight) + len(peer.queued)
         peer.in_flight.clear()
@@ -490,6 +531,9 @@ class PeerTransport:
             message.Recv([buffer, self._mpi.BYTE])
             if tag == TAG_REQUEST:
                 self._answer(source, buffer)
+            elif tag == TAG_VERDICT and len(buffer) >= VERDICT.size and buffer[:4] == VERDICT_MAGIC:
+                self._verdict = (source, VERDICT.unpack_from(buffer)[1],
+                                 bytes(buffer[VERDICT.size:]).decode("utf-8", "replace"))
             elif (source, tag) in self._abandoned:
                 del self._abandoned[(source, tag)]
             else:
@@ -507,6 +551,12 @@ class PeerTransport:
         if not FIRST_REPLY_TAG <= tag <= self._tag_limit:
             counters.refused += 1
             log.warning("rank %d sent a request with reply tag %d: dropped", source, tag)
+            return
+        if flags & PING:  # no blob: the answer is that this rank is here
+            send = self.comm.Isend([REPLY_HEADER.pack(REPLY_MAGIC, Status.OK), self._mpi.BYTE], dest=source, tag=tag)
+            self._send_deadlines[id(send)] = (send, time.monotonic() + _SEND_GRACE * self.options.timeout)
+            self._poll(send, lambda _status: None)
+            self._to_ring.add(source)
             return
         blobs = [(chunk, offset, length)]
         if more:
