@@ -65,7 +65,8 @@ prefetch off, prefetch-list (JUDGED_JOBS of each), so that the machine's drift f
 judged on the median of its jobs' figures, every job's printed beside it, and the table shows the job whose
 remote/local files/s is the median (one job's ratio of the same code swung from 70% to 97% on the 2-CPU VMs). The
 files/s targets need CPUs of their own per rank: elsewhere they print 'not judged here' with their figures. Targets
-are printed last, PASS or FAIL. --quick is a smoke test, never a verdict: 1/10 of the generated files, 1/10 of each
+are printed last, PASS or FAIL. A whole run takes about an hour on a 2-CPU VM (one 128 KiB set under one
+placement: 12 minutes). --quick is a smoke test, never a verdict: 1/10 of the generated files, 1/10 of each
 group of the demo's epoch, one placement, one job per way, 3 s of idling (two to three minutes); its CPU and files/s
 lines give their figures and judge nothing (what does not depend on the files' count, bytes from DEST and idle CPU,
 is still judged).

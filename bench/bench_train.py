@@ -85,10 +85,10 @@ process (TIMED_MIN_CPUS, 8; the 2-worker scaling 3) and say 'not judged here' wi
 
 Each training run is a fresh interpreter, as a job's is. (Forked from a fork server that had imported torch, runs
 started 2 s sooner, but their workers took twice the page faults per file, 61 against 33 for the plain directory,
-and read 10-30% slower: glibc's malloc state came with the fork.) The full run takes about an hour on a 2-CPU VM,
-more when other processes keep the CPUs busy. --quick is a smoke test, never a verdict: 600 files, workers pinned
-only, one pair of each, no second runs, no waiting for quiet CPUs; a few minutes, its figures rough (epochs of a few
-tenths of a second) and its targets not judged.
+and read 10-30% slower: glibc's malloc state came with the fork.) The full run takes about 40 minutes on a 2-CPU VM
+(the judged pairs alone, workers pinned: 13), more when other processes keep the CPUs busy. --quick is a smoke
+test, never a verdict: 600 files, workers pinned only, one pair of each, no second runs, no waiting for quiet CPUs;
+under two minutes, its figures rough (epochs of a few tenths of a second) and its targets not judged.
 
 The bench cleans up whatever ends it: training processes, mount daemons, serve jobs (mpiexec's session, then each
 of its processes by pid), mounts, the work directory; a helper in a session of its own (this script with --reap)
