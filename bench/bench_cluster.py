@@ -78,9 +78,9 @@ sys.path.insert(0, str(REPO))  # measure this checkout, not some installed fanst
 sys.path.insert(0, str(BENCH_DIR))
 
 import shared_fs  # noqa: E402
-from bench_serve import cpu_ticks, end_job, exit_on_signals, machine_lines, mpiexec_command, process_tree, reap, \
+from bench_serve import end_job, exit_on_signals, machine_lines, mpiexec_command, process_tree, reap, \
     reaped_workdir, serve_requirements_missing, unmount_all  # noqa: E402
-from machine_load import cpu_busy_idle  # noqa: E402
+from machine_load import cpu_busy_idle, cpu_ns  # noqa: E402
 
 KIB, MIB = 1024, 1 << 20
 FILES, QUICK_FILES = 20_000, 600
@@ -242,7 +242,7 @@ def train(args: argparse.Namespace) -> int:
         shared_fs.control(Path(args.model), "barrier", timeout=None, name=f"epoch {epoch + 1}", size=size)
         if epoch == 0:  # CPU is counted over the epochs: starting Python and torch is not reading
             own_before, workers_before = _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN)
-            daemon_before = cpu_ticks(daemon) if daemon else 0
+            daemon_before = cpu_ns(daemon) if daemon else 0
         sampler.set_epoch(epoch)
         started, waited, files = time.perf_counter(), 0.0, 0
         batches = iter(loader)
@@ -261,7 +261,7 @@ def train(args: argparse.Namespace) -> int:
     Path(args.out.format(rank=rank)).write_text(json.dumps({
         "rank": rank, "epochs": epochs, "main_cpu": _cpu(resource.RUSAGE_SELF) - own_before,
         "workers_cpu": _cpu(resource.RUSAGE_CHILDREN) - workers_before,
-        "daemon_cpu": (cpu_ticks(daemon) - daemon_before) / os.sysconf("SC_CLK_TCK") if daemon else 0.0,
+        "daemon_cpu": (cpu_ns(daemon) - daemon_before) / 1e9 if daemon else 0.0,
         "read": sorted(set(int(i) for e in range(args.epochs) for i in _order(shuffle, e))) if args.list_items
         else []}))
     return 0
