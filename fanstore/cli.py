@@ -493,7 +493,8 @@ def _build_parser() -> argparse.ArgumentParser:
     mount_parser.add_argument("mountpoint", metavar="MOUNTPOINT")
     mount_parser.add_argument("--foreground", action="store_true", help="serve in this process until unmounted")
     mount_parser.add_argument("--cache-size", metavar="SIZE",
-                              help="memory for decoded files, e.g. 4GiB (default: a quarter of available RAM)")
+                              help="memory for decoded files, e.g. 4GiB (default: a quarter of what the job may "
+                                   "still use: available RAM, or less where its memory cgroup's limit leaves less)")
     mount_parser.add_argument("--prefetch", type=int, default=8, metavar="N",
                               help="after each file opened, decode ahead those of the next N files (in "
                                    "--prefetch-list order, else directory order) stored in at least "

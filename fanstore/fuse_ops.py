@@ -296,7 +296,8 @@ class FanstoreOperations(pyfuse3.Operations):
         prefetch["fetched_ahead"] = self._fetched_ahead  # from other nodes, by the loop (see _fetch_ahead)
         prefetch["fetches_held"] = len(self._fetching)  # begun before their read, not read yet
         prefetch["kernel_trust"] = round(self._kernel_holds.trust, 3)  # see KernelHolds
-        stats = {"cache": dataclasses.asdict(self.cache.stats()), "prefetch": prefetch}
+        stats = {"cache": {**dataclasses.asdict(self.cache.stats()), "capacity": self.cache.capacity},
+                 "prefetch": prefetch}
         source = self._source.stats() if self._source is not None else {}
         if source:
             stats["source"] = source

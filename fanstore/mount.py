@@ -30,12 +30,14 @@ from .daemon_tuning import install_fast_session_loop, keep_freed_memory
 from .dest_apart import overlap
 from .errors import FanstoreError, UsageError, quoted
 from .format import CHUNK_DIR, INDEX_NAME
+from .job_memory import JobMemory, job_memory
 from .kernel_holds import KernelHolds
 from .prefetch import FileOrder, Prefetcher, read_prefetch_list
+from .units import format_bytes
 
 log = logging.getLogger("fanstore.mount")
 
-DEFAULT_CACHE_FRACTION = 0.25  # of the memory available when the mount starts
+DEFAULT_CACHE_FRACTION = 0.25  # of the memory the job may still use when the mount starts (job_memory)
 # FUSE mounts get the kernel's default read-ahead, 128 KiB: a 2 MiB file then costs 16 read requests. At 1 MiB
 # (the most one FUSE read request carries) it costs 2.
 READ_AHEAD_KIB = 1024
@@ -44,7 +46,7 @@ PROBE_TIMEOUT = 3.0  # seconds a FUSE daemon gets to answer before its mount cou
 
 @dataclass(frozen=True, slots=True)
 class MountOptions:
-    cache_size: int | None = None  # bytes; None: a fraction of available RAM
+    cache_size: int | None = None  # bytes; None: a fraction of what the job may still use (cache_bound)
     prefetch: int = 8  # files decoded ahead of the reader; 0 turns prefetch off
     prefetch_list: Path | None = None
     prefetch_threads: int = 0  # 0: one per core
@@ -59,6 +61,37 @@ class MountOptions:
 
 class MountError(FanstoreError, OSError):
     """The mount cannot be made or removed; the message says why and what to run."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheBound:
+    """The decoded cache's bound and where it came from, as the mount's log and `serve --stats` say it."""
+
+    size: int  # bytes
+    why: str  # "--cache-size", or what the default is a fraction of
+
+    def describe(self) -> str:
+        return f"cache {format_bytes(self.size)}: {self.why}"
+
+
+def cache_bound(cache_size: int | None, memory: JobMemory | None = None, shared_by: int = 1) -> CacheBound:
+    """`cache_size` when given, else a quarter of what the job may still use: the machine's available memory or,
+    where the job's memory cgroup leaves less (a batch job's limit, a local dir on tmpfs already staged), that;
+    split evenly when `shared_by` processes (serve's ranks on one host) each take their cache from it.
+
+    A `cache_size` beyond what the job may use is kept, and logged: the job may be OOM-killed once the cache fills.
+    """
+    memory = memory or job_memory()
+    if cache_size is not None:
+        if cache_size * shared_by > memory.available:
+            log.warning("--cache-size %s%s is more than %s: the job may be killed for its memory once the caches "
+                        "fill", format_bytes(cache_size), f" on each of {shared_by} ranks" if shared_by > 1 else "",
+                        memory.describe())
+        return CacheBound(cache_size, "--cache-size")
+    why = f"a quarter of {memory.describe()}"
+    if shared_by > 1:
+        why += f", split among the {shared_by} ranks on this host that draw on it"
+    return CacheBound(int(memory.available * DEFAULT_CACHE_FRACTION / shared_by), why)
 
 
 def fuse_device(mountpoint: Path) -> str | None:
@@ -111,14 +144,6 @@ def fuse_unavailable_reason() -> str | None:
     except ImportError as exc:
         return f"pyfuse3 cannot be imported ({exc}); it builds against libfuse3-dev"
     return None
-
-
-def available_memory() -> int:
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 1 << 30
 
 
 def dataset_paths(dest: Path) -> dict[str, Path]:
@@ -214,12 +239,13 @@ def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, rea
 
 def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd: int | None = None,
                   while_mounted: Callable[[threading.Event], int] | None = None,
-                  prefetch_order: list[int] | None = None) -> int:
+                  prefetch_order: list[int] | None = None, bound: CacheBound | None = None) -> int:
     """Mount `ds` at `mountpoint` and serve until unmounted or signalled; the caller closes `ds`.
 
     `while_mounted(stop)`, when given, runs in a thread once the kernel has the mount; the mount ends when it
     returns, and its result is returned. SIGTERM or SIGINT sets `stop`, and ends the mount once it returns.
-    `prefetch_order`: the entries of options.prefetch_list, when the caller has read it already.
+    `prefetch_order`: the entries of options.prefetch_list, when the caller has read it already. `bound`: the
+    cache's, when the caller has chosen it already (cache_bound).
     """
     import pyfuse3
     import trio
@@ -229,10 +255,10 @@ def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd
 
     try:
         index = ds.index
-        capacity = options.cache_size if options.cache_size is not None else int(
-            available_memory() * DEFAULT_CACHE_FRACTION)
+        bound = bound or cache_bound(options.cache_size)
+        log.info("%s: %s", mountpoint, bound.describe())
         keep_freed_memory()
-        cache = DecodedCache(capacity, ds.reader.load)
+        cache = DecodedCache(bound.size, ds.reader.load)
         cores = len(os.sched_getaffinity(0))
         kernel_holds = KernelHolds(len(index.entries))
         prefetcher = None

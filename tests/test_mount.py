@@ -9,6 +9,7 @@ import json
 import mmap
 import os
 import random
+import re
 import shutil
 import signal
 import stat
@@ -25,7 +26,10 @@ from conftest import REPO, assert_one_line_error, dir_bytes, make_tree, run_cli,
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.format import CHUNK_HEADER_LEN, chunk_file_name
 from fanstore.errors import UsageError
-from fanstore.mount import READ_AHEAD_KIB, fuse_mounted_at, read_ahead_setting, resolve_mountpoint
+from fanstore.job_memory import job_memory
+from fanstore.mount import DEFAULT_CACHE_FRACTION, READ_AHEAD_KIB, fuse_mounted_at, read_ahead_setting, \
+    resolve_mountpoint
+from fanstore.units import format_bytes
 
 if not os.path.exists("/dev/fuse"):
     pytest.skip("/dev/fuse is missing on this machine: FUSE mounts cannot be tested", allow_module_level=True)
@@ -611,6 +615,23 @@ def test_cache_stays_within_its_bound_over_three_epochs(tmp_path):
     total = 48 * 1024 * 1024
     assert peak - before < cache_size + 12 * (1 << 20), (peak - before, total)
     assert "evictions" in mount.log.read_text()
+    assert f"{mount.mountpoint}: cache 4.0 MiB: --cache-size\n" in mount.log.read_text()
+
+
+def test_the_default_cache_is_a_quarter_of_what_the_job_may_use_and_the_log_says_which(packed, tmp_path):
+    """No --cache-size: a quarter of the machine's available memory, or of the room its memory cgroup leaves
+    where that is less (job_memory; tests/test_job_memory.py and the serve job in a cgroup test the cgroup's part).
+    The log's line says which, and the counters give the bound."""
+    _, ds = packed
+    with Mounted(ds, tmp_path / "mnt") as mount:
+        capacity = _daemon_stats(mount.mountpoint)["cache"]["capacity"]
+        said = re.search(rf"^\S+ \S+ fanstore: {mount.mountpoint}: cache (\S+ \S+): a quarter of (.*)$",
+                         mount.log.read_text(), re.M)
+    expected = job_memory().available * DEFAULT_CACHE_FRACTION
+    assert abs(capacity - expected) < 0.1 * expected, (capacity, expected)  # what was available has moved since
+    assert said and said[1] == format_bytes(capacity), mount.log.read_text()
+    assert re.fullmatch(r"the machine's available memory, .* \(MemAvailable\)(; .* leaves more)?|"
+                        r"the .* left in this job's memory cgroup .* \(limit .*, .* in use\)", said[2]), said[2]
 
 
 def _daemon_stats(mountpoint: Path) -> dict:
@@ -622,7 +643,7 @@ def test_the_stats_attribute_is_readable_and_not_listed(mounted):
     _, mnt = mounted
     (mnt / "labels.txt").read_bytes()
     stats = _daemon_stats(mnt)
-    assert set(stats["cache"]) >= {"hits", "misses", "waits", "evictions", "bytes_held"}
+    assert set(stats["cache"]) >= {"hits", "misses", "waits", "evictions", "bytes_held", "capacity"}
     assert set(stats["prefetch"]) == {"pending", "decoded", "in_order", "fetched_ahead", "fetches_held",
                                       "kernel_trust"}
     assert os.listxattr(mnt) == []  # copying tools do not carry it along
