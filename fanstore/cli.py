@@ -573,7 +573,9 @@ def _add_serve_parser(commands: Any) -> None:
     serve_parser.add_argument("--prefetch-threads", type=int, default=8, metavar="K",
                               help="threads fetching and decoding ahead (default 8)")
     serve_parser.add_argument("--cache-size", metavar="SIZE",
-                              help="decoded cache of each mount (default: a quarter of available memory)")
+                              help="decoded cache of each mount (default: a quarter of what the job may still use "
+                                   "once staged, available RAM or its memory cgroup's room, split among the ranks "
+                                   "on one host)")
     serve_parser.add_argument("--allow-other", action="store_true", help="let other users read the mounts")
     serve_parser.add_argument("--quiet", action="store_true", help="no staging progress bar")
     serve_parser.set_defaults(run=_run_serve, job_command=[])

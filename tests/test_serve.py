@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -28,7 +30,8 @@ from client_files import make_client_tree
 from conftest import REPO, assert_one_line_error, dir_bytes, flip_byte, run_cli, tree_digest, wait_until
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.format import INDEX_NAME, chunk_file_name
-from fanstore.mount import fuse_mounted_at, fuse_unavailable_reason, unmount
+from fanstore.job_memory import job_memory
+from fanstore.mount import DEFAULT_CACHE_FRACTION, fuse_mounted_at, fuse_unavailable_reason, unmount
 from fanstore.serve.placement import BlobTable, place
 from fanstore.serve.staging import spans_of
 
@@ -84,9 +87,9 @@ class Job:
 
     def __init__(self, tmp_path: Path, dest: Path | str, *options: str, command: list[str] | None = None,
                  local: str | None = None, make_mountpoints: bool = True, mountpoint: str | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, launcher: tuple[str, ...] = ()) -> None:
         """`mountpoint` (a MOUNTPOINT with `{rank}`, default TMP/mp{rank}) and `local` may be relative: the job
-        runs in `tmp_path`."""
+        runs in `tmp_path`. `launcher`: a command that execs mpiexec, given it as arguments."""
         self.tmp = tmp_path
         mountpoint = mountpoint or str(tmp_path / "mp{rank}")
         self.mountpoints = [Path(os.path.realpath(tmp_path / mountpoint.format(rank=rank))) for rank in range(RANKS)]
@@ -96,7 +99,7 @@ class Job:
             except FileExistsError:  # a stat could fail with ENOTCONN: a stale mount a test left on purpose
                 pass
         self.local = local or str(tmp_path / "local{rank}")
-        argv = [str(MPIEXEC), "-n", str(RANKS), sys.executable, "-m", "fanstore", "serve", str(dest),
+        argv = [*launcher, str(MPIEXEC), "-n", str(RANKS), sys.executable, "-m", "fanstore", "serve", str(dest),
                 mountpoint, "--local-dir", self.local, "--quiet", *options]
         if command:
             argv += ["--", *command]
@@ -887,6 +890,200 @@ def test_a_local_dir_that_cannot_take_the_index_copy_ends_the_job_with_one_line(
     assert len(broken) == 1 and not others, err
     assert (dest / INDEX_NAME).read_bytes() == index_before
     wait_until(lambda: _shm_files() <= shm_before, "the job's shared memory files removed", 5)
+
+
+class MemoryCgroup:
+    """A memory cgroup this test makes, limited to `limit` bytes (swap too, where the kernel counts it), as a batch
+    system makes one for a job; `launcher` puts mpiexec in it before it starts anything. `remove` takes it away once
+    what ran in it has ended. Under cgroup v1 it is made below this process's own memory cgroup (whose limits then
+    still hold); under v2, at the root, where the memory controller must be enabled for children already."""
+
+    made = 0
+
+    def __init__(self, limit: int) -> None:
+        if os.geteuid() != 0:
+            pytest.skip("making a memory cgroup needs root")
+        found = self._parent()
+        if isinstance(found, str):
+            pytest.skip(found)
+        self.version, parent, parent_name = found
+        MemoryCgroup.made += 1
+        leaf = f"fanstore-test-{os.getpid()}-{MemoryCgroup.made}"
+        self.path, self.name = parent / leaf, f"{parent_name.rstrip('/')}/{leaf}"
+        try:
+            self.path.mkdir()
+        except OSError as exc:
+            pytest.skip(f"cannot make a memory cgroup in {parent}: {exc.strerror}")
+        try:
+            if self.version == 1:
+                (self.path / "memory.limit_in_bytes").write_text(str(limit))
+                swap = self.path / "memory.memsw.limit_in_bytes"
+            else:
+                (self.path / "memory.max").write_text(str(limit))
+                swap = self.path / "memory.swap.max"
+            if swap.exists():
+                swap.write_text(str(limit) if self.version == 1 else "0")
+        except OSError:
+            self.path.rmdir()
+            raise
+        self.launcher = ("sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.path / "cgroup.procs"))
+
+    @staticmethod
+    def _parent() -> tuple[int, Path, str] | str:
+        """(version, directory, its cgroup path) of where to make the cgroup, or why it cannot be made."""
+        own = dict(line.split(":", 2)[1:] for line in Path("/proc/self/cgroup").read_text().splitlines())
+        mounts = [line.split() for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+        for fields in mounts:
+            fs_type, options = fields[fields.index("-") + 1], fields[-1].split(",")
+            memory_v1 = next((path for controllers, path in own.items() if "memory" in controllers.split(",")), None)
+            if fs_type == "cgroup" and "memory" in options and memory_v1 is not None:
+                inside = os.path.relpath(memory_v1, fields[3])
+                if not inside.startswith(".."):
+                    return 1, Path(fields[4]) / inside, memory_v1
+        for fields in mounts:
+            if fields[fields.index("-") + 1] == "cgroup2" and fields[3] == "/":
+                enabled = (Path(fields[4]) / "cgroup.subtree_control").read_text().split()
+                if "memory" in enabled:
+                    return 2, Path(fields[4]), "/"
+                return f"cgroup v2 at {fields[4]} does not enable the memory controller for its children"
+        return "no memory cgroup hierarchy is mounted (v1 memory controller or cgroup2)"
+
+    def oom_kills(self) -> int:
+        """Processes of the cgroup the kernel killed for its memory."""
+        events = self.path / ("memory.oom_control" if self.version == 1 else "memory.events")
+        counts = dict(line.split() for line in events.read_text().splitlines())
+        return int(counts.get("oom_kill", 0))
+
+    def remove(self) -> None:
+        procs = self.path / "cgroup.procs"
+        try:
+            wait_until(lambda: not procs.read_text().split(), "every process of the job's cgroup gone", 10)
+        finally:
+            for pid in procs.read_text().split():  # the test's own job, left running by a failure
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            wait_until(lambda: not procs.read_text().split(), "every process of the job's cgroup killed", 10)
+            self.path.rmdir()
+
+
+@pytest.fixture
+def memory_cgroups():
+    made: list[MemoryCgroup] = []
+    yield made
+    for cgroup in made:
+        if cgroup.path.exists():
+            cgroup.remove()
+
+
+# Each rank reads every file whole and compares its digest; then says what its cache held.
+DIGEST_CHECK = r"""
+import hashlib, json, os, sys
+from fanstore.errors import say_line
+mount, rank = os.environ["FANSTORE_MOUNT"], os.environ["FANSTORE_RANK"]
+expected = json.loads(open(sys.argv[1]).read())
+wrong = []
+for path, digest in sorted(expected.items()):
+    with open(os.path.join(mount, path), "rb") as served:
+        if hashlib.sha256(served.read()).hexdigest() != digest:
+            wrong.append(path)
+cache = json.loads(os.getxattr(mount, "user.fanstore.stats"))["cache"]
+say_line(f"rank {rank}: {len(expected) - len(wrong)} read, {len(wrong)} wrong; cache of {cache['capacity']} bytes, "
+         f"{cache['evictions']} evictions", sys.stdout)
+sys.exit(1 if wrong else 0)
+"""
+
+
+def test_a_job_in_a_memory_cgroup_fits_its_caches_to_the_limit_and_is_not_killed(tmp_path, jobs, memory_cgroups):
+    """A batch job's memory is its cgroup's limit. Three ranks in a cgroup of 512 MiB stage into /dev/shm (whose
+    pages the cgroup is charged for) and each read 256 MiB of files stored in blocks, which their caches keep up to
+    their bound. A default taken from the machine's memory (a quarter of it, GiBs) would let the caches outgrow the
+    limit and have the job OOM-killed; taken from the cgroup's room and split among the ranks that share it, every
+    rank reads every file right, nothing is killed, and --stats says where each cache's size came from."""
+    limit = 512 << 20
+    machine_default = job_memory().machine_available * DEFAULT_CACHE_FRACTION / RANKS
+    if machine_default < limit:
+        pytest.skip(f"the machine's memory gives a cache of {machine_default / 2**20:.0f} MiB a rank: not above the "
+                    f"limit to test against")
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    rng = np.random.default_rng(23)
+    digests = {}
+    for i in range(8):  # 32 MiB each, 64 KiB of noise repeated: 1 MiB blocks that zstd stores in about 64 KiB
+        data = rng.integers(0, 256, 64 << 10, np.uint8).tobytes() * 512
+        (src / f"part{i % 2}").mkdir(parents=True, exist_ok=True)
+        (src / f"part{i % 2}" / f"shard_{i}.bin").write_bytes(data)
+        digests[f"part{i % 2}/shard_{i}.bin"] = hashlib.sha256(data).hexdigest()
+    pack(src, dest, PackOptions(codec="zstd:3", chunk_size=1 << 20, workers=1))
+    shutil.rmtree(src)
+    (tmp_path / "digests.json").write_text(json.dumps(digests))
+    cgroup = MemoryCgroup(limit)
+    memory_cgroups.append(cgroup)
+    local = Path(tempfile.mkdtemp(prefix="fanstore-test-", dir="/dev/shm"))
+    try:
+        check = [sys.executable, "-c", DIGEST_CHECK, str(tmp_path / "digests.json")]
+        job = Job(tmp_path, dest, "--stats", command=check, local=str(local / "local{rank}"), launcher=cgroup.launcher)
+        jobs.append(job)
+        code, out, err = job.finish()
+        _assert_nothing_left(job)
+        staged = sum(path.stat().st_size for path in local.rglob("*.fsc"))
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+    killed = cgroup.oom_kills()
+    cgroup.remove()
+    assert code == 0 and killed == 0, (code, killed, out, err)
+    assert staged > 8 << 20, staged
+    for rank in range(RANKS):
+        said = re.search(rf"^rank {rank}: 8 read, 0 wrong; cache of (\d+) bytes, (\d+) evictions$", out, re.M)
+        assert said, out
+        capacity, evictions = map(int, said.groups())
+        assert 0 < capacity < limit / 4 / RANKS and evictions > 0, said[0]  # held at its bound, which it reached
+    chosen = re.findall(r"^  cache (.*)$", out, re.M)
+    assert len(chosen) == RANKS, out
+    for line in chosen:
+        assert re.fullmatch(rf"\S+ MiB: a quarter of the \S+ MiB left in this job's memory cgroup "
+                            rf"{re.escape(cgroup.name)} \(limit 512\.0 MiB, \S+ MiB in use\), split among the 3 ranks "
+                            rf"on this host that draw on it", line), line
+
+
+def test_a_share_that_cannot_fit_the_jobs_memory_cgroup_is_refused_at_start_naming_the_limit(tmp_path, jobs,
+                                                                                              memory_cgroups):
+    """A dataset replicated on every rank, 288 MiB, staged into /dev/shm by a job whose cgroup allows 256 MiB: the
+    tmpfs has room, the job's memory has not. Every rank says so in one line naming the cgroup and its limit, before
+    anything is copied (staging it would have the job OOM-killed half-way), and the job ends with fanstore's
+    status."""
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    src.mkdir()
+    for i in range(9):
+        with open(src / f"f{i}.bin", "wb") as zeros:  # sparse; stored as it is
+            zeros.truncate(32 << 20)
+    pack(src, dest, PackOptions(codec="none", chunk_size=64 << 20, replicate=("**",), workers=1))
+    cgroup = MemoryCgroup(256 << 20)
+    memory_cgroups.append(cgroup)
+    local = Path(tempfile.mkdtemp(prefix="fanstore-test-", dir="/dev/shm"))
+    try:
+        job = Job(tmp_path, dest, command=["true"], local=str(local / "local{rank}"), launcher=cgroup.launcher)
+        jobs.append(job)
+        code, out, err = job.finish()
+        _assert_nothing_left(job)
+        copied = list(local.rglob("*.fsc"))
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+        shutil.rmtree(dest)
+    killed = cgroup.oom_kills()
+    cgroup.remove()
+    assert code == 1 and out == "" and killed == 0, (code, killed, out, err)
+    lines = sorted(err.splitlines())
+    assert len(lines) == RANKS, err
+    for rank, line in enumerate(lines):
+        others = ", ".join(str(other) for other in range(RANKS) if other != rank)
+        assert re.fullmatch(rf"fanstore: error: rank {rank} on \S+: --local-dir {local}/local{rank}: not enough "
+                            rf"memory: it is on a tmpfs, whose files take the job's memory: needs 288\.0 MiB "
+                            rf"\(\d+ bytes\), 864\.0 MiB with ranks {others} on this host under the same memory "
+                            rf"cgroup, the \S+ MiB left in this job's memory cgroup {re.escape(cgroup.name)} "
+                            rf"\(limit 256\.0 MiB, \S+ MiB in use\), for its share of the chunk files \(\d+ bytes\) "
+                            rf"and its copy of DEST's index \(\d+ bytes\)", line), line
+    assert copied == []
 
 
 READERS_CHECK = r"""

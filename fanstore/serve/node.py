@@ -35,8 +35,9 @@ from ..dest_apart import check_apart_from_dest
 from ..errors import ChunkUnavailable, FanstoreError, UsageError, quoted, say_line
 from ..format import CHUNK_DIR, INDEX_NAME
 from ..index import Index, read_index_file
-from ..mount import MountOptions, check_mountpoint, check_outside, dataset_paths, fuse_answer, fuse_mounted_at, \
-    resolve_mountpoint, serve_dataset, unmount
+from ..job_memory import job_memory
+from ..mount import CacheBound, MountOptions, cache_bound, check_mountpoint, check_outside, dataset_paths, \
+    fuse_answer, fuse_mounted_at, resolve_mountpoint, serve_dataset, unmount
 from ..pause import pause_point
 from ..prefetch import read_prefetch_list
 from ..units import format_bytes
@@ -48,7 +49,7 @@ from .node_endpoint import NodeEndpoint
 from .placement import BlobTable, Placement, place
 from .polling import first_failed_rank
 from .sources import PeerChunkSource, PlacedChunkSource
-from .start_checks import host_names, other_dataset, shared_paths
+from .start_checks import host_names, other_dataset, ranks_sharing_memory, shared_paths
 from .staged_source import StagedChunkSource
 from .staging import StagingBroken, StagingError, StagingReport, Stager, claim_local_dir, copy_index, index_identity
 from .statuses import RequestRefused
@@ -272,12 +273,14 @@ def run(options: ServeOptions) -> int:
     if problem is not None or failed is not None:
         _refuse_together(comm, mpi, problem or f"rank {failed} cannot start (see its message); stopping")
     hosts = host_names(comm, host)  # to name a rank that stops answering at the end
+    cgroup = job_memory().cgroup  # the memory cgroup whose limit binds, if any
+    memory_sharers = ranks_sharing_memory(comm, host, cgroup.path if cgroup is not None else None)
     guard = RankWatchdog(rank, mountpoint, ready_file, local_dir / "fanstore-watchdog.log")
 
     bar = _progress_bar(rank, options.progress)
     try:
         report = Stager(comm, index, placement, options.dest, local_dir, progress=bar, identity=identity,
-                        index_copy_bytes=len(index_bytes)).run()
+                        index_copy_bytes=len(index_bytes), memory_sharers=memory_sharers).run()
         copy_index(local_dir, index_bytes, rank)  # where the node's readers load the index (HELLO: index_dir)
     except (StagingBroken, mpi.Exception) as exc:
         # The other ranks are half-way through staging with this one, or about to wait on it in the next collective
@@ -310,11 +313,13 @@ def run(options: ServeOptions) -> int:
                             source, BlobTable.of(index), len(sizes))
     lifecycle = Lifecycle(transport, options.command, mountpoint, ready_file, endpoint.path, hosts)
     pause_point("serve: staged")
+    # Chosen once staged: a local dir on tmpfs has taken its share of the job's memory by now.
+    bound = cache_bound(mount_options.cache_size, shared_by=len(memory_sharers))
     try:
         check_mountpoint(mountpoint)  # again: staging may have taken long enough for it to go
         with Dataset(index, source) as dataset:
             status = serve_dataset(dataset, mountpoint, mount_options, while_mounted=lifecycle,
-                                   prefetch_order=prefetch_order)
+                                   prefetch_order=prefetch_order, bound=bound)
     except FanstoreError as exc:
         say_line(f"fanstore serve: error: rank {rank} on {host}: {exc}")
         status = 1
@@ -323,7 +328,7 @@ def run(options: ServeOptions) -> int:
     endpoint.close()
     if lifecycle.agreed:
         if options.stats:
-            _report_stats(transport, source, report, endpoint.stats(), loop is not None)
+            _report_stats(transport, source, report, endpoint.stats(), loop is not None, bound)
         transport.collective(lambda comm: (comm.Ibarrier(), lambda: None)).result()
     transport.stop()
     if bell is not None:
@@ -367,20 +372,21 @@ def _progress_bar(rank: int, enabled: bool) -> Any:
 
 
 def rank_stats(transport: PeerTransport, source: PlacedChunkSource, report: StagingReport,
-               readers: dict[str, int] | None = None, loop_requests: bool = False) -> dict[str, Any]:
+               readers: dict[str, int] | None = None, loop_requests: bool = False,
+               bound: CacheBound | None = None) -> dict[str, Any]:
     return {"rank": transport.rank, "host": transport.host, "reads": source.stats(), "staging": asdict(report),
             "node_readers": readers or {},
             "doorbell": "{}:{}".format(*transport.bell.address) if transport.bell is not None else None,
-            "loop_requests": loop_requests}
+            "loop_requests": loop_requests, "cache": asdict(bound) if bound is not None else None}
 
 
 def _report_stats(transport: PeerTransport, source: PlacedChunkSource, report: StagingReport,
-                  readers: dict[str, int], loop_requests: bool) -> None:
+                  readers: dict[str, int], loop_requests: bool, bound: CacheBound) -> None:
     """Each rank's counters on its own lines; rank 0 adds the job's totals (counters sent to it over MPI)."""
     from mpi4py import MPI
 
     rank, size = transport.rank, transport.size
-    mine = rank_stats(transport, source, report, readers, loop_requests)
+    mine = rank_stats(transport, source, report, readers, loop_requests, bound)
     _say(_format_rank(mine))
     encoded = np.frombuffer(json.dumps(mine).encode(), dtype=np.uint8)
     lengths = np.zeros(size, dtype=np.int64)
@@ -424,6 +430,8 @@ def _format_rank(stats: dict[str, Any]) -> str:
                  f"{format_bytes(staging['received_bytes'])} from peers, {format_bytes(staging['sent_bytes'])} to "
                  f"peers, {format_bytes(staging['reused_bytes'])} reused, {staging['seconds']:.1f} s"
                  + (f", {staging['bad_blobs']} bad blobs" if staging["bad_blobs"] else ""))
+    if stats.get("cache"):
+        lines.append(f"  {CacheBound(**stats['cache']).describe()}")
     return "\n".join(lines)
 
 

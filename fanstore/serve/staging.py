@@ -38,6 +38,7 @@ from ..durable import write_atomically
 from ..errors import FanstoreError, FormatError
 from ..format import CHUNK_HEADER_LEN, INDEX_NAME, check_chunk_header, chunk_file_name
 from ..index import Index
+from ..job_memory import job_memory, memory_file_system
 from ..units import format_bytes
 from .dest_files import DestChunkFiles
 from .placement import BlobTable, Placement
@@ -270,7 +271,8 @@ class Stager:
 
     def __init__(self, comm: Any, index: Index, placement: Placement, dest: Path, local_dir: Path,
                  progress: Callable[[int, int], None] | None = None, stall_report: float = STALL_REPORT,
-                 identity: str | None = None, index_copy_bytes: int = 0) -> None:
+                 identity: str | None = None, index_copy_bytes: int = 0,
+                 memory_sharers: list[int] | None = None) -> None:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
@@ -288,6 +290,7 @@ class Stager:
         self._replicated = frozenset(placement.replicated_chunks)
         self._identity = identity  # dataset_identity(dest), when the caller has it already
         self._index_copy_bytes = index_copy_bytes  # what the caller's copy_index writes here once staged
+        self._memory_sharers = memory_sharers or [self.rank]  # ranks on this one's memory (ranks_sharing_memory)
         self._verified: dict[int, list[tuple[int, int]]] = {}
         self._unverified: set[int] = set()  # chunks with a bad or missing span: not recorded in the manifest
 
@@ -420,8 +423,9 @@ class Stager:
 
     def _check_capacity(self, missing: list[Span]) -> None:
         """Every rank checks its directory's free space before anything is copied, for its share and the copy of the
-        index written once staged; if one cannot take them, no rank copies anything, and that rank says why in one
-        line (not once staged, when the whole job would have to end)."""
+        index written once staged, and, where the directory is memory (tmpfs), the memory the job may still use; if
+        one cannot take them, no rank copies anything, and that rank says why in one line (not once staged, when
+        the whole job would have to end)."""
         chunk_bytes = sum(span.end - span.start for span in missing)
         needed = chunk_bytes + self._index_copy_bytes
         try:
@@ -431,14 +435,41 @@ class Stager:
             problem = "" if needed <= free else "not enough space"
         except OSError as exc:
             free, problem = 0, f"cannot use it: {exc.strerror}"
+        if problem:
+            problem += f": needs {format_bytes(needed)} ({needed} bytes), {format_bytes(free)} free"
+        problem = self._memory_problem(0 if problem else needed) or problem
         failed = first_failed_rank(self.comm, bool(problem))
         if problem:
-            raise StagingError(f"rank {self.rank} on {socket.gethostname()}: --local-dir {self.local.path}: {problem}: "
-                               f"needs {format_bytes(needed)} ({needed} bytes), {format_bytes(free)} free, for its "
-                               f"share of the chunk files ({chunk_bytes} bytes) and its copy of DEST's index "
+            raise StagingError(f"rank {self.rank} on {socket.gethostname()}: --local-dir {self.local.path}: {problem}, "
+                               f"for its share of the chunk files ({chunk_bytes} bytes) and its copy of DEST's index "
                                f"({self._index_copy_bytes} bytes)")
         if failed is not None:
             raise StagingError(f"rank {failed} cannot stage its share (see its message); nothing was copied")
+
+    def _memory_problem(self, needed: int) -> str:
+        """What a local directory on tmpfs lacks in memory ("" when nothing), for `needed` bytes written there.
+
+        Its pages take the machine's memory and are charged to the memory cgroup of the rank that writes them (a
+        batch job's limit), so they must fit what the job may still use (job_memory), together with those of the
+        ranks that draw on the same memory (memory_sharers). A collective: every rank calls it."""
+        from mpi4py import MPI
+
+        fs_type = memory_file_system(self.local.path) if needed else None
+        mine = np.array([needed if fs_type else 0], dtype=np.int64)
+        everyone = np.zeros(self.size, dtype=np.int64)
+        wait_all([self.comm.Iallgather([mine, MPI.INT64_T], [everyone, MPI.INT64_T])])
+        if fs_type is None:
+            return ""
+        memory = job_memory()
+        together = int(everyone[self._memory_sharers].sum())
+        if together <= memory.available:
+            return ""
+        others = [str(rank) for rank in self._memory_sharers if rank != self.rank and everyone[rank]]
+        where = " under the same memory cgroup" if memory.cgroup is not None else ""
+        also = (f", {format_bytes(together)} with rank{'s' if len(others) > 1 else ''} {', '.join(others)} on this "
+                f"host{where}") if others else ""
+        return (f"not enough memory: it is on a {fs_type}, whose files take the job's memory: needs "
+                f"{format_bytes(needed)} ({needed} bytes){also}, {memory.describe()}")
 
     # --- moving the bytes -------------------------------------------------------------------------------------
 

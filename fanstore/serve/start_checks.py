@@ -67,3 +67,12 @@ def host_names(comm: Any, host: str) -> list[str]:
     everyone = np.zeros(comm.Get_size() * HOST_NAME_BYTES, dtype=np.uint8)
     wait_all([comm.Iallgather([mine, MPI.BYTE], [everyone, MPI.BYTE])])
     return [bytes(row).rstrip(b"\0").decode("utf-8", "replace") for row in everyone.reshape(-1, HOST_NAME_BYTES)]
+
+
+def ranks_sharing_memory(comm: Any, host: str, cgroup: str | None) -> list[int]:
+    """The ranks, this one included, that draw on the same memory as this one: on this host, and under the same
+    memory cgroup limit (`cgroup`: the path of the one that binds, job_memory; None where none is set). Their
+    decoded caches share it, and so do their staged bytes where their local dirs are tmpfs."""
+    mine = np.array([xxhash.xxh3_64_intdigest(f"{host}\0{cgroup or ''}".encode())], dtype=np.uint64)
+    everyone = _gather(comm, mine)
+    return [rank for rank in range(comm.Get_size()) if everyone[rank, 0] == mine[0]]
