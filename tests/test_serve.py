@@ -143,6 +143,25 @@ def _shm_files() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("mpich_shm_")}
 
 
+def _mapped_by(pids: list[int] | None, names: set[str]) -> set[str]:
+    """Those of `names` (MPICH's files in /dev/shm) that one of `pids` (every live process: None) maps."""
+    found: set[str] = set()
+    for pid in pids if pids is not None else [int(p) for p in os.listdir("/proc") if p.isdigit()]:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        found |= {name for name in names if f"/dev/shm/{name}" in maps}
+    return found
+
+
+def _left_behind(before: set[str]) -> set[str]:
+    """MPICH's /dev/shm files made since `before` that no live process maps: a job's that it left behind. Another
+    MPI job running on this machine meanwhile has files of its own, which its processes map: not counted."""
+    new = _shm_files() - before
+    return new - _mapped_by(None, new) if new else set()
+
+
 def _processes_mentioning(text: str) -> list[str]:
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -222,7 +241,7 @@ def test_every_rank_sees_every_file_and_replicated_files_are_local(served_datase
     _assert_fetched_several_to_a_request(out)  # ahead of the reader, in directory order, by the mount's loop
     assert "Traceback" not in err, err
     _assert_nothing_left(job)
-    assert _shm_files() <= shm_before
+    assert not _left_behind(shm_before)
 
     # A job restarted on the same nodes finds its chunks verified in place: nothing is read from DEST. Each rank
     # takes its own epoch order ({rank} in --prefetch-list). Without doorbells the ranks poll alone, and every
@@ -633,11 +652,11 @@ def test_a_killed_job_leaves_no_mount_process_or_shared_memory(served_dataset, t
     job = Job(tmp_path, dest)
     jobs.append(job)
     pids = job.wait_ready()
-    assert _shm_files() - shm_before, "MPICH made no /dev/shm file: nothing to check"
+    assert _mapped_by(pids, _shm_files() - shm_before), "MPICH made no /dev/shm file: nothing to check"
     os.kill(pids[1], signal.SIGKILL)  # mpiexec then SIGKILLs the others: no handler runs anywhere
     job.proc.wait(30)
     _assert_nothing_left(job)
-    wait_until(lambda: _shm_files() <= shm_before, "MPICH's /dev/shm files removed", 5)
+    wait_until(lambda: not _left_behind(shm_before), "MPICH's /dev/shm files removed", 5)
 
 
 def test_a_killed_watchdog_is_logged_and_leaves_the_jobs_status_to_its_readers(served_dataset, tmp_path, jobs):
@@ -669,7 +688,8 @@ def test_a_stale_mount_from_a_killed_job_is_cleared(served_dataset, tmp_path, jo
     first = Job(tmp_path, dest)
     jobs.append(first)
     pids = first.wait_ready()
-    orphaned = _shm_files() - shm_before  # what the killed watchdogs cannot remove: this test's to remove
+    # What the killed watchdogs cannot remove: this job's to remove (its ranks map them; another job's are not).
+    orphaned = _mapped_by(pids, _shm_files() - shm_before)
     # Kill a rank and mpiexec at once, and the watchdogs too: the mounts stay behind, stale.
     watchdogs = [p for p in _processes_mentioning("watchdog.py") if str(tmp_path) in p]
     for line in watchdogs:
@@ -748,7 +768,7 @@ def test_a_local_dir_too_small_is_one_line_before_anything_is_copied_the_same_ev
         assert re.fullmatch(rf"fanstore: error: rank {rank} on \S+: --local-dir {small}/local{rank}: not enough "
                             rf"space: needs .* \(\d+ bytes\), .* free, .*", line), line
     assert copied == [] and watchdog_said == [""] * RANKS, watchdog_said  # a clean end: nothing to clean up
-    wait_until(lambda: _shm_files() <= shm_before, "the job's shared memory files removed", 5)
+    wait_until(lambda: not _left_behind(shm_before), "the job's shared memory files removed", 5)
 
 
 def test_a_rank_that_cannot_mount_ends_the_job_together_with_one_line_each(served_dataset, tmp_path, jobs):
@@ -775,7 +795,7 @@ def test_a_rank_that_cannot_mount_ends_the_job_together_with_one_line_each(serve
                      "fanstore serve: error: rank 2: rank 1 could not mount (see its message); stopping"], err
     assert not ran.exists()
     _assert_nothing_left(job)
-    wait_until(lambda: _shm_files() <= shm_before, "the job's shared memory files removed", 5)
+    wait_until(lambda: not _left_behind(shm_before), "the job's shared memory files removed", 5)
 
 
 def test_a_local_dir_with_room_for_the_chunks_but_not_the_index_copy_is_refused_before_anything_is_copied(
@@ -862,7 +882,7 @@ def test_a_local_dir_failing_during_staging_ends_the_job_with_one_line(served_da
         r"fanstore serve: error: rank \d on \S+: staging failed: MPI error: .+ \(has another rank died\?\); "
         r"stopping the job", line)]
     assert broken and not others, err
-    wait_until(lambda: _shm_files() <= shm_before, "the job's shared memory files removed", 5)
+    wait_until(lambda: not _left_behind(shm_before), "the job's shared memory files removed", 5)
 
 
 def test_a_local_dir_that_cannot_take_the_index_copy_ends_the_job_with_one_line(served_dataset, tmp_path, jobs):
@@ -889,7 +909,7 @@ def test_a_local_dir_that_cannot_take_the_index_copy_ends_the_job_with_one_line(
         r"stopping the job", line)]
     assert len(broken) == 1 and not others, err
     assert (dest / INDEX_NAME).read_bytes() == index_before
-    wait_until(lambda: _shm_files() <= shm_before, "the job's shared memory files removed", 5)
+    wait_until(lambda: not _left_behind(shm_before), "the job's shared memory files removed", 5)
 
 
 class MemoryCgroup:
@@ -1226,7 +1246,7 @@ def test_bad_serve_options_are_one_line_naming_the_option(served_dataset, tmp_pa
     shm_before = _shm_files()
     assert_one_line_error(run_cli(*args, timeout=60), needle)
     assert not fuse_mounted_at(tmp_path / "mp")
-    assert _shm_files() <= shm_before  # MPI, if started, ended properly
+    assert not _left_behind(shm_before)  # MPI, if started, ended properly
 
 
 def _refused_by_every_rank(job: Job) -> list[str]:
@@ -1354,7 +1374,7 @@ def test_paths_overlapping_dest_are_refused_before_anything_is_written(served_da
     assert tree_digest(dest) == before and dir_bytes(dest) == files_before
     assert not [path for path in tmp_path.rglob("*") if path.suffix == ".fsc" and dest / "chunks" not in path.parents]
     _assert_nothing_left(job)
-    wait_until(lambda: _shm_files() <= shm_before, "the job's shared memory files removed", 5)
+    wait_until(lambda: not _left_behind(shm_before), "the job's shared memory files removed", 5)
 
 
 GOOD_LINE = b"train/dog/img_000.bin\n"
