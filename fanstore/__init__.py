@@ -2,6 +2,7 @@
 
 Reading is what every data-loader worker does, so `import fanstore` loads the read side only; the packer (its
 worker processes, the codec selector) is imported the first time `pack`, `PackOptions` or `PackSummary` is used.
+Every error fanstore raises on purpose is a `FanstoreError`; each kind a caller may catch is importable from here.
 """
 
 from __future__ import annotations
@@ -14,11 +15,18 @@ from typing import TYPE_CHECKING, Any
 from .api import BlobFile, Dataset, EntryStat, open_dataset
 from .errors import (
     ChunkCorrupt,
+    ChunkError,
+    ChunkUnavailable,
     DatasetNotFound,
+    DoesNotFit,
     FanstoreError,
     FormatError,
+    IsADirectory,
+    NotADirectory,
+    NotASymlink,
     PackError,
     PathNotFound,
+    SymlinkLoop,
     UsageError,
 )
 
@@ -28,15 +36,22 @@ if TYPE_CHECKING:
 __all__ = [
     "BlobFile",
     "ChunkCorrupt",
+    "ChunkError",
+    "ChunkUnavailable",
     "Dataset",
     "DatasetNotFound",
+    "DoesNotFit",
     "EntryStat",
     "FanstoreError",
     "FormatError",
+    "IsADirectory",
+    "NotADirectory",
+    "NotASymlink",
     "PackError",
     "PackOptions",
     "PackSummary",
     "PathNotFound",
+    "SymlinkLoop",
     "UsageError",
     "open_dataset",
     "pack",

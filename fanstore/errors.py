@@ -12,6 +12,24 @@ import os
 import sys
 from typing import TextIO
 
+# The errors a caller may catch, importable from `fanstore` too (the helpers below are fanstore's own).
+__all__ = [
+    "ChunkCorrupt",
+    "ChunkError",
+    "ChunkUnavailable",
+    "DatasetNotFound",
+    "DoesNotFit",
+    "FanstoreError",
+    "FormatError",
+    "IsADirectory",
+    "NotADirectory",
+    "NotASymlink",
+    "PackError",
+    "PathNotFound",
+    "SymlinkLoop",
+    "UsageError",
+]
+
 
 class FanstoreError(Exception):
     """Base of every error fanstore raises on purpose; the CLI prints its message and exits non-zero."""
