@@ -506,8 +506,8 @@ def _build_parser() -> argparse.ArgumentParser:
                               help="epoch order to prefetch in: one path a line, in the dataset or through MOUNTPOINT")
     mount_parser.add_argument("--allow-other", action="store_true", help="let other users read the mount")
     mount_parser.add_argument("--log", metavar="FILE",
-                              help="daemon log (default: mount-NAME.log in $XDG_RUNTIME_DIR/fanstore or, without "
-                                   "it, ~/.cache/fanstore)")
+                              help="daemon log (default: mount-PATH-DIGEST.log, named after MOUNTPOINT's whole "
+                                   "path, in $XDG_RUNTIME_DIR/fanstore or, without it, ~/.cache/fanstore)")
     mount_parser.add_argument("--no-keep-cache", action="store_true",
                               help="drop the kernel page cache on every open (for benchmarks)")
     mount_parser.add_argument("--kernel-timeout", type=float, metavar="SECONDS",

@@ -10,6 +10,7 @@ the command that clears it is named.
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
 import re
@@ -388,10 +389,23 @@ def mount_background(dataset: Path, mountpoint: Path, argv: list[str], log_path:
 def default_log_path(mountpoint: Path) -> Path:
     """Where a background mount logs without --log: in a directory of this user's, never a shared one like /tmp,
     where anyone could plant a symlink at the predictable name and have the daemon (often root) append to any file.
+    Named after the mount point's whole path (resolved), so mounts at /a/mnt and /b/mnt keep their logs apart.
     """
     runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
     base = Path(runtime_dir) if runtime_dir and os.path.isdir(runtime_dir) else Path.home() / ".cache"
-    return base / "fanstore" / f"mount-{mountpoint.name or 'root'}.log"
+    return base / "fanstore" / f"mount-{_log_name(mountpoint)}.log"
+
+
+_LOG_NAME_READABLE = 100  # characters of the path a log's name keeps (its end: the last names tell mounts apart)
+
+
+def _log_name(mountpoint: Path) -> str:
+    """The mount point's path as one file name: its names joined by '-' (`/scratch/u/mnt` -> `scratch-u-mnt`),
+    then a digest of the whole path, which tells apart paths the joined names do not (`/a-b/c` and `/a/b-c`,
+    a path too long to keep whole, names with characters replaced)."""
+    readable = "-".join(re.sub(r"[^A-Za-z0-9._+=,@-]", "_", part) for part in mountpoint.parts if part != "/")
+    digest = hashlib.sha256(os.fsencode(mountpoint)).hexdigest()[:8]
+    return f"{readable[-_LOG_NAME_READABLE:].lstrip('-') or 'root'}-{digest}"
 
 
 def open_daemon_log(log_path: Path, private: bool = False) -> int:

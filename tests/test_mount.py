@@ -27,8 +27,8 @@ from fanstore import PackOptions, open_dataset, pack
 from fanstore.format import CHUNK_HEADER_LEN, chunk_file_name
 from fanstore.errors import UsageError
 from fanstore.job_memory import job_memory
-from fanstore.mount import DEFAULT_CACHE_FRACTION, READ_AHEAD_KIB, fuse_mounted_at, read_ahead_setting, \
-    resolve_mountpoint
+from fanstore.mount import DEFAULT_CACHE_FRACTION, READ_AHEAD_KIB, default_log_path, fuse_mounted_at, \
+    read_ahead_setting, resolve_mountpoint
 from fanstore.units import format_bytes
 
 if not os.path.exists("/dev/fuse"):
@@ -499,7 +499,7 @@ def test_a_mountpoint_hiding_the_chunks_is_refused_before_mounting(packed, tmp_p
     ("{dest}/chunks/mount.log", "--log {dest}/chunks/mount.log lies inside DEST {dest}"),
     ("{tmp}/link/fanstore.index",
      "--log {tmp}/link/fanstore.index (links followed: {dest}/fanstore.index) lies inside DEST {dest}"),
-    (None, "the default log (--log puts it elsewhere) {dest}/fanstore/mount-mp.log lies inside DEST {dest}"),
+    (None, "the default log (--log puts it elsewhere) {default_log} lies inside DEST {dest}"),
 ])
 def test_a_mount_log_in_dest_is_refused_and_dest_left_as_it_was(packed, tmp_path, monkeypatch, log, needle):
     """The daemon appends to its log: one in DEST (its index, say) would ruin the dataset, and nothing but a pack
@@ -514,7 +514,9 @@ def test_a_mount_log_in_dest_is_refused_and_dest_left_as_it_was(packed, tmp_path
     options = ["--log", log.format(dest=dest, tmp=tmp_path)] if log else []
     with _left_unmounted(tmp_path / "mp"):
         failed = run_cli("mount", str(dest), str(tmp_path / "mp"), *options, timeout=30)
-    assert_one_line_error(failed, needle.format(dest=dest, tmp=tmp_path))
+    default_log = default_log_path(Path(os.path.realpath(tmp_path / "mp")))
+    assert default_log.parent == dest / "fanstore"
+    assert_one_line_error(failed, needle.format(dest=dest, tmp=tmp_path, default_log=default_log))
     assert not fuse_mounted_at(tmp_path / "mp")
     assert tree_digest(dest) == before and dir_bytes(dest) == files_before
 
@@ -532,7 +534,8 @@ def test_default_log_is_private(packed, tmp_path, monkeypatch, runtime_dir):
         log_dir = tmp_path / "home" / ".cache" / "fanstore"
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
-    log = log_dir / "mount-mnt.log"
+    log = default_log_path(Path(os.path.realpath(mountpoint)))
+    assert log.parent == log_dir
     with _left_unmounted(mountpoint):
         mounted = run_cli("mount", str(ds), str(mountpoint), check=True, timeout=30)
         assert f"log {log})" in mounted.stdout
@@ -542,6 +545,29 @@ def test_default_log_is_private(packed, tmp_path, monkeypatch, runtime_dir):
     assert stat.S_IMODE(os.lstat(log_dir).st_mode) == 0o700
     assert stat.S_ISREG(os.lstat(log).st_mode) and stat.S_IMODE(os.lstat(log).st_mode) == 0o600
     assert "unmounted" in log.read_text()
+
+
+def test_mounts_at_two_directories_named_alike_log_apart(packed, tmp_path, monkeypatch):
+    """Two mount points both named `mnt`: each daemon logs to a file of its own, named after the whole path."""
+    _, ds = packed
+    (tmp_path / "run").mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    mountpoints = [tmp_path / side / "mnt" for side in ("a", "b")]
+    logs = [default_log_path(Path(os.path.realpath(mountpoint))) for mountpoint in mountpoints]
+    assert logs[0] != logs[1] and all(log.parent == tmp_path / "run" / "fanstore" for log in logs)
+    with contextlib.ExitStack() as unmount_all:
+        for mountpoint, log in zip(mountpoints, logs):
+            mountpoint.mkdir(parents=True)
+            unmount_all.enter_context(_left_unmounted(mountpoint))
+            mounted = run_cli("mount", str(ds), str(mountpoint), check=True, timeout=30)
+            assert f"log {log})" in mounted.stdout
+        for mountpoint in mountpoints:
+            pid = _daemon_pid(mountpoint)
+            run_cli("umount", str(mountpoint), check=True)
+            _wait_gone(pid)
+    for log, mountpoint, other in zip(logs, mountpoints, reversed(mountpoints)):
+        text = log.read_text()
+        assert f"{mountpoint}: cache" in text and "unmounted" in text and str(other) not in text, text
 
 
 @pytest.mark.parametrize("plant, needle", [
@@ -557,7 +583,8 @@ def test_default_log_refuses_what_another_user_could_plant(packed, tmp_path, mon
     (tmp_path / "run").mkdir(mode=0o700)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
     log_dir = tmp_path / "run" / "fanstore"
-    log = log_dir / "mount-mnt.log"
+    log = default_log_path(Path(os.path.realpath(tmp_path / "mnt")))
+    assert log.parent == log_dir
     victim = tmp_path / "victim" / log.name  # where either symlink leads
     victim.parent.mkdir()
     victim.write_text("precious\n")
