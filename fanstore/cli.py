@@ -18,7 +18,7 @@ from .units import format_bytes, parse_size
 if TYPE_CHECKING:
     from selector import Selection
 
-    from .pack import PackSummary
+    from .pack import PackOptions, PackSummary
     from .serve.placement import Placement
 
 EXIT_FAILURE = 1
@@ -173,6 +173,8 @@ def _run_pack(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
+    if summary.up_to_date:
+        return _report_up_to_date(args, options, summary)
     for problem in summary.problems[:_WARNINGS_SHOWN]:
         print(f"warning: skipped {problem}", file=sys.stderr)
     if len(summary.problems) > _WARNINGS_SHOWN:
@@ -193,6 +195,21 @@ def _run_pack(args: argparse.Namespace) -> int:
     if not options.fit:
         return 0
     line, fits = _check_fit(Path(args.dest), options.fit, options.nodes, summary.selection.need().bytes)
+    print(line)
+    return 0 if fits else EXIT_DOES_NOT_FIT
+
+
+def _report_up_to_date(args: argparse.Namespace, options: PackOptions, summary: PackSummary) -> int:
+    """A second run of a finished pack: one line saying there is nothing to do, and, with --fit, whether DEST fits
+    (the exit status the first run gave)."""
+    skipped = f", {len(summary.problems):,} skipped" if summary.problems else ""
+    print(f"nothing to do: {args.dest} already holds this pack of {args.src}, the same files with the same options "
+          f"({summary.files:,} files, {format_bytes(summary.raw_bytes)} raw, {format_bytes(summary.stored_bytes)} "
+          f"stored{skipped}); --force packs it again")
+    if not options.fit:
+        return 0
+    predicted = summary.selection.need().bytes if summary.selection is not None else 0
+    line, fits = _check_fit(Path(args.dest), options.fit, options.nodes, predicted)
     print(line)
     return 0 if fits else EXIT_DOES_NOT_FIT
 

@@ -1,9 +1,11 @@
 """What a pack may do to DEST: write into it, and delete only what fanstore itself wrote there.
 
-DEST holds nothing, a finished dataset, or an interrupted pack (its journal). Before deleting anything, every
-file under fanstore's names is identified by its content too (the index's and chunks' magic numbers, the
-journal's own files), without following a symlink; a DEST holding anything else is refused, --force or not,
-naming the file: `fanstore-pack SRC ~` must never cost a home directory.
+DEST holds nothing, a finished dataset, or an interrupted pack (its journal). A finished dataset of this very pack
+(the same source listing and output-defining options, every chunk file in place) is left as it is: a second run of
+the same command has nothing to do. Before deleting anything, every file under fanstore's names is identified by
+its content too (the index's and chunks' magic numbers, the journal's own files), without following a symlink; a
+DEST holding anything else is refused, --force or not, naming the file: `fanstore-pack SRC ~` must never cost a
+home directory.
 
 Deciding and doing are two steps: `check_dest` refuses or decides without writing, and the pack runs every other
 refusal of its own (the codec selection's too) before `prepare_dest` changes DEST. A refused pack leaves the file
@@ -22,10 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from .api import open_dataset
 from .durable import PARTIAL_SUFFIX
-from .errors import UsageError, quoted
+from .errors import FanstoreError, UsageError, quoted
 from .format import CHUNK_DIR, CHUNK_MAGIC, INDEX_MAGIC, INDEX_NAME
 from .journal import JOURNAL_DIR, STATE_FILE, JournalError, PackJournal
+from .verify import chunk_problems
 
 _CHUNK_NAME = re.compile(r"[0-9]{8}\.fsc(\.partial)?\Z")
 _JOURNAL_NAME = re.compile(r"(state\.json|chunk-[0-9]{8}\.json|dict\.[0-9]+(\.[a-z]+)?\.zdict)(\.partial)?\Z")
@@ -43,16 +47,19 @@ def check_src_and_dest(src: Path, dest: Path) -> None:
 
 @dataclass(frozen=True, slots=True)
 class DestPlan:
-    """What a pack will do to DEST, decided before anything is written: resume the journal there, or remove the
-    names listed (all fanstore's own) and start afresh."""
+    """What a pack will do to DEST, decided before anything is written: nothing (`finished`: DEST holds this
+    pack already), resume the journal there, or remove the names listed (all fanstore's own) and start afresh."""
 
     resume: bool
     remove: tuple[str, ...] = ()
+    finished: bool = False
 
 
-def check_dest(dest: Path, journal: PackJournal, fingerprint: str, force: bool) -> DestPlan:
-    """A new or empty DEST, or the journal of this very pack to resume; a finished dataset or another pack's
-    journal only with --force; anything fanstore did not write, never. Reads DEST, never writes it."""
+def check_dest(dest: Path, journal: PackJournal, fingerprint: str, listing_digest: str,
+               force: bool) -> DestPlan:
+    """A new or empty DEST, the journal of this very pack to resume (its `fingerprint`), or this very pack finished
+    (its index records `listing_digest`: nothing to do); another dataset or another pack's journal only with
+    --force; anything fanstore did not write, never. Reads DEST, never writes it."""
     if dest.is_symlink() and not dest.is_dir():
         raise UsageError(f"DEST {quoted(dest)} is a symlink to something that is not a directory")
     if dest.exists() and not dest.is_dir():
@@ -67,9 +74,12 @@ def check_dest(dest: Path, journal: PackJournal, fingerprint: str, force: bool) 
     fresh = DestPlan(resume=False, remove=tuple(sorted(present)))
     chunk_files = (dest / CHUNK_DIR).is_dir() and any(True for _ in os.scandir(dest / CHUNK_DIR))
     if INDEX_NAME in present:
-        if not force:
-            raise UsageError(f"DEST {quoted(dest)} already holds a fanstore dataset; pass --force to replace it")
-        return fresh
+        if force:
+            return fresh
+        if _holds_this_pack(dest, listing_digest):
+            return DestPlan(resume=False, finished=True)
+        raise UsageError(f"DEST {quoted(dest)} already holds a fanstore dataset (of other files, or packed with "
+                         "other options); pass --force to replace it")
     if journal.exists():
         try:
             previous = journal.state()
@@ -92,10 +102,30 @@ def check_dest(dest: Path, journal: PackJournal, fingerprint: str, force: bool) 
     return fresh  # at most an empty chunks/ and dictionaries of a pack killed at its start
 
 
-def prepare_dest(dest: Path, journal: PackJournal, fingerprint: str, force: bool, planned: DestPlan) -> None:
+def _holds_this_pack(dest: Path, listing_digest: str) -> bool:
+    """Whether DEST's dataset is this pack, finished: its index records the same digest of the source listing and
+    the output-defining options. One whose chunk files are not all there as indexed is refused, naming the first:
+    packing over it takes --force."""
+    try:
+        with open_dataset(dest) as ds:
+            pack_meta = ds.index.meta.get("pack") if isinstance(ds.index.meta, dict) else None
+            if not isinstance(pack_meta, dict) or pack_meta.get("listing_digest") != listing_digest:
+                return False
+            problems = chunk_problems(ds)
+    except FanstoreError:  # an index this version cannot read: another dataset, as far as a pack can tell
+        return False
+    if problems:
+        first = problems[min(problems)]
+        raise UsageError(f"DEST {quoted(dest)} holds this pack, but a chunk file is missing or damaged ({first}; "
+                         f"{len(problems):,} in all); pass --force to pack it again")
+    return True
+
+
+def prepare_dest(dest: Path, journal: PackJournal, fingerprint: str, listing_digest: str, force: bool,
+                 planned: DestPlan) -> None:
     """Carry out what check_dest decided, the pack's first write to DEST. DEST is checked again first: time has
     passed since (the codec selection), and what is deleted must be what was found to be fanstore's."""
-    if check_dest(dest, journal, fingerprint, force) != planned:
+    if check_dest(dest, journal, fingerprint, listing_digest, force) != planned:
         raise UsageError(f"DEST {quoted(dest)} changed while the pack was getting ready (is another process "
                          "writing there?); nothing was written: run the same command again")
     _remove_ours(dest, set(planned.remove))

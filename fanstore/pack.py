@@ -1,7 +1,8 @@
 """Pack: walk SRC -> plan groups and codecs -> compress in workers -> chunk files -> index (written last).
 
 Interrupt it at any moment and run it again with the same arguments: finished chunks are kept (the journal says
-which), the rest is redone, and the result is byte-identical to an uninterrupted pack.
+which), the rest is redone, and the result is byte-identical to an uninterrupted pack. Run it again once finished,
+SRC unchanged: there is nothing to do, and DEST is left as it is.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .dest import check_dest, check_src_and_dest, discard_unrecorded_chunks, pre
 from .errors import DoesNotFit, PackError, UsageError
 from .format import BLOCK_DTYPE, CHUNK_DTYPE, FLAG_BLOCKED, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, NO_CHUNK
 from .groups import GroupPlan
-from .index import EntryRecord, IndexLayout, write_index_atomically
+from .index import EntryRecord, Index, IndexLayout, write_index_atomically
 from .journal import BlockRow, ChunkRecord, FileRow, JournalState, PackJournal
 from .pause import pause_point
 from .walk import Problem, SourceEntry, SourceTree, walk_source
@@ -102,6 +103,7 @@ class PackSummary:
     problems: list[Problem] = field(default_factory=list)
     selection: Selection | None = None  # with --codec auto: what was chosen, and what it predicted
     selection_seconds: float = 0.0  # spent selecting in this run (0 when a resumed pack reused the journaled one)
+    up_to_date: bool = False  # DEST held this very pack, finished: nothing was done, the figures are its index's
 
     @property
     def ratio(self) -> float:
@@ -170,14 +172,16 @@ def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: Sour
     files = [entry for _, members in in_order for entry in members]
     file_groups = [group for group, members in in_order for _ in members]
     del by_group, in_order
-    fingerprint = _fingerprint(tree, options)
+    fingerprint, listing_digest = _fingerprint(tree, options), _fingerprint(tree, options, ctimes=False)
     journal = PackJournal(dest_path)
-    dest_plan = check_dest(dest_path, journal, fingerprint, options.force)
+    dest_plan = check_dest(dest_path, journal, fingerprint, listing_digest, options.force)
+    if dest_plan.finished:
+        return _finished_summary(dest_path)
     selecting = time.monotonic()
     selection = _selection(options, src_path, tree, groups, journal if dest_plan.resume else None)
     selection_seconds = time.monotonic() - selecting
     # The first write to DEST: every refusal (bad options, DEST, the selection, --fit) has been raised above it.
-    prepare_dest(dest_path, journal, fingerprint, options.force, dest_plan)
+    prepare_dest(dest_path, journal, fingerprint, listing_digest, options.force, dest_plan)
     pause_point("walked")
     if selection is not None and on_selection is not None:
         on_selection(selection)
@@ -224,7 +228,8 @@ def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: Sour
         report()
         summary = _summarise(records, tree.problems)
         pause_point("index")
-        _write_index(dest_path, tree, layout, records, files, plan, groups, options, summary, selection)
+        _write_index(dest_path, tree, layout, records, files, plan, groups, options, summary, selection,
+                     listing_digest)
         background.shutdown(wait=True)  # its thread is idle by now: pack() leaves no thread behind
     except OSError as exc:
         builder.abort()
@@ -293,12 +298,17 @@ def _worker_count(workers: int) -> int:
     return workers or len(os.sched_getaffinity(0))
 
 
-def _fingerprint(tree: SourceTree, options: PackOptions) -> str:
-    """Identifies a pack's inputs: a resume must see the same tree and the same output-defining options."""
+def _fingerprint(tree: SourceTree, options: PackOptions, ctimes: bool = True) -> str:
+    """Identifies a pack's inputs: a resume must see the same tree and the same output-defining options, down to
+    each entry's ctime (a file rewritten with its mtime put back is not resumed over). Without `ctimes`, the
+    digest the index records as `listing_digest`: the index holds no time of SRC's files but their mtimes (packs of
+    a copy of SRC stay byte-identical), and a second run finds the pack finished when every path, mode, size, mtime
+    and link target is as packed, as make and rsync judge a file unchanged."""
     digest = xxhash.xxh3_128()
     digest.update(json.dumps(options.output_defining(), sort_keys=True).encode())
     for e in tree.entries:
-        digest.update(f"{e.path}\0{e.mode}\0{e.size}\0{e.mtime_ns}\0{e.ctime_ns}\0{e.link_target}\n".encode("utf-8"))
+        ctime = f"{e.ctime_ns}\0" if ctimes else ""
+        digest.update(f"{e.path}\0{e.mode}\0{e.size}\0{e.mtime_ns}\0{ctime}{e.link_target}\n".encode("utf-8"))
     for p in tree.problems:
         digest.update(f"!{p.path}\0{p.reason}\n".encode("utf-8"))
     return digest.hexdigest()
@@ -390,9 +400,11 @@ def _write_index(
     options: PackOptions,
     summary: PackSummary,
     selection: Selection | None,
+    listing_digest: str,
 ) -> None:
     """`layout` is the tree's layout, built while the files were compressed; it is built again without the files
-    that turned out not to be packable during the pack (they vanished or changed), which is rare."""
+    that turned out not to be packable during the pack (they vanished or changed), which is rare. The listing's
+    digest is recorded, so that running the same pack again finds it finished."""
     rows = [row for record in records for row in record.files]
     packed = frozenset(row.path for row in rows)
     if len(packed) == len(tree.files):
@@ -421,6 +433,7 @@ def _write_index(
             "raw_bytes": summary.raw_bytes,
             "stored_bytes": summary.stored_bytes,
             "skipped": [{"path": p.path, "reason": p.reason} for p in summary.problems],
+            "listing_digest": listing_digest,
         }
     }
     if selection is not None:
@@ -428,6 +441,24 @@ def _write_index(
     index_bytes = index_layout.to_bytes(chunks, groups.table(), plan.rows, plan.dictionaries, meta, blocks=blocks,
                                         block_size=options.block_size)
     write_index_atomically(dest, index_bytes)
+
+
+def _finished_summary(dest: Path) -> PackSummary:
+    """What DEST's finished pack holds, from its index (check_dest found it to be this pack): a second run of the
+    same command reports it and does nothing."""
+    index = Index.load(dest)
+    pack_meta = index.meta["pack"]
+    summary = PackSummary(files=pack_meta["files"], raw_bytes=pack_meta["raw_bytes"],
+                          stored_bytes=pack_meta["stored_bytes"], chunks=len(index.chunks),
+                          problems=[Problem(p["path"], p["reason"]) for p in pack_meta["skipped"]], up_to_date=True)
+    if index.meta.get("selection"):
+        from selector import Selection, SelectionError
+
+        try:
+            summary.selection = Selection.from_json(index.meta["selection"])
+        except (SelectionError, KeyError, TypeError):  # informational: a --fit check then goes unpredicted
+            pass
+    return summary
 
 
 def _blocks_table(index_layout: IndexLayout, records: list[ChunkRecord], rows: list[FileRow],

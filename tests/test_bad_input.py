@@ -49,6 +49,73 @@ def test_dest_holding_another_dataset_needs_force(source_tree, tmp_path):
         assert ds.listdir("") == ["a.txt"]
 
 
+def _files_as_they_are(root: Path) -> dict[str, tuple[bytes, int]]:
+    """Each file's bytes and mtime: what a run that does nothing leaves exactly as it was."""
+    return {name: (data, (root / name).stat().st_mtime_ns) for name, data in dir_bytes(root).items()}
+
+
+def test_a_finished_pack_run_again_has_nothing_to_do(source_tree, tmp_path):
+    """README: run the same command again. Once the pack has finished, with SRC as it was, that is exit 0 and one
+    line saying so, DEST untouched; options that do not change the output (--workers) make no difference."""
+    dest = tmp_path / "ds"
+    arguments = [str(source_tree), str(dest), "--codec", "lz4", "--replicate", "val/**", "--quiet"]
+    first = run_cli("fanstore-pack", *arguments, "--workers", "2", check=True)
+    assert "packed" in first.stdout
+    before = _files_as_they_are(dest)
+    for workers in ("2", "1"):
+        again = run_cli("fanstore-pack", *arguments, "--workers", workers, check=True)
+        assert again.stdout.startswith(f"nothing to do: {dest} already holds this pack of {source_tree}"), again.stdout
+        assert len(again.stdout.splitlines()) == 1 and "error" not in again.stderr, again.stderr
+        assert _files_as_they_are(dest) == before
+    summary = pack(source_tree, dest, PackOptions(codec="lz4", replicate=("val/**",), workers=1))
+    assert summary.up_to_date
+    with open_dataset(dest) as ds:
+        assert (summary.files, summary.chunks) == (ds.index.file_count, len(ds.index.chunks))
+    assert _files_as_they_are(dest) == before
+
+
+@pytest.mark.parametrize("change", ["other options", "a file rewritten", "a file added"])
+def test_a_finished_pack_of_other_files_or_options_is_still_refused(source_tree, tmp_path, change):
+    dest = tmp_path / "ds"
+    arguments = [str(source_tree), str(dest), "--codec", "lz4", "--workers", "1", "--quiet"]
+    run_cli("fanstore-pack", *arguments, check=True)
+    before = _files_as_they_are(dest)
+    if change == "other options":
+        arguments[3] = "zstd:3"
+    elif change == "a file rewritten":
+        (source_tree / "labels.txt").write_text("other labels\n")
+    else:
+        (source_tree / "new.txt").write_text("new\n")
+    refused = run_cli("fanstore-pack", *arguments)
+    assert_one_line_error(refused, f"DEST {quoted(str(dest))} already holds a fanstore dataset", "--force")
+    assert _files_as_they_are(dest) == before, "a refused pack must not touch DEST"
+    forced = run_cli("fanstore-pack", *arguments, "--force", check=True)
+    assert "packed" in forced.stdout
+
+
+def test_a_finished_pack_missing_a_chunk_file_is_refused_naming_it(source_tree, tmp_path):
+    dest = tmp_path / "ds"
+    arguments = [str(source_tree), str(dest), "--chunk-size", "64KiB", "--workers", "1", "--quiet"]
+    run_cli("fanstore-pack", *arguments, check=True)
+    (dest / "chunks" / "00000001.fsc").unlink()
+    refused = run_cli("fanstore-pack", *arguments)
+    assert_one_line_error(refused, "holds this pack, but a chunk file is missing or damaged", "00000001.fsc",
+                          "--force")
+    run_cli("fanstore-pack", *arguments, "--force", check=True)
+    assert run_cli("fanstore-pack", *arguments, check=True).stdout.startswith("nothing to do")
+
+
+def test_packs_of_a_copy_of_src_are_byte_identical(source_tree, tmp_path):
+    """The index records the listing's digest without ctimes (a copy's are new), so a copy that keeps mtimes and
+    modes packs to the same bytes, and a run over the copy's DEST with the original finds it finished."""
+    copy = tmp_path / "copy"
+    shutil.copytree(source_tree, copy, symlinks=True)
+    pack(source_tree, tmp_path / "ds1", PackOptions(workers=1))
+    pack(copy, tmp_path / "ds2", PackOptions(workers=1))
+    assert dir_bytes(tmp_path / "ds1") == dir_bytes(tmp_path / "ds2")
+    assert pack(source_tree, tmp_path / "ds2", PackOptions(workers=1)).up_to_date
+
+
 def test_dest_with_unrelated_files_is_refused_even_with_force(source_tree, tmp_path):
     dest = tmp_path / "home"
     dest.mkdir()

@@ -266,6 +266,21 @@ def test_a_refused_pack_leaves_dest_as_it_found_it(mixed_tree: Path, tmp_path: P
         assert sorted(dest.rglob("*")) == before and dir_bytes(dest) == contents
 
 
+def test_a_finished_auto_pack_run_again_selects_nothing_and_checks_its_fit(mixed_tree: Path, tmp_path: Path) -> None:
+    """The second run of a finished --codec auto pack does not measure again (its choice is the index's): one line
+    saying there is nothing to do, and, with --fit, the fit of DEST as it stands, with the exit status it gives."""
+    dest = tmp_path / "ds"
+    arguments = [str(mixed_tree), str(dest), "--codec", "auto", "--fit", "1GB", "--workers", "1", "--quiet"]
+    first = run_cli("fanstore-pack", *arguments, check=True)
+    assert "codec selection" in first.stdout
+    contents = dir_bytes(dest)
+    again = run_cli("fanstore-pack", *arguments, check=True)
+    lines = again.stdout.splitlines()
+    assert lines[0].startswith(f"nothing to do: {dest} already holds this pack") and len(lines) == 2, again.stdout
+    assert lines[1].startswith("fit: DEST takes") and "predicted" in lines[1], lines[1]
+    assert "codec selection" not in again.stdout and dir_bytes(dest) == contents
+
+
 @pytest.mark.parametrize(("options", "option"), [
     ({"budget": float("inf")}, "--budget"), ({"budget": 1e9, "sample": 0.0}, "--sample"),
     ({"budget": 1e9, "seed": -1}, "--seed"), ({"budget": 1e9, "seed": 1 << 64}, "--seed"),
