@@ -30,13 +30,12 @@ class CodecSpecError(CodecError, ValueError):
 class Codec(abc.ABC):
     """One compression method with fixed parameters: stateless to callers, safe to share between threads, picklable.
 
-    Subclasses set `codec_id` (stable, written in every index), `name` (the first field of the spec),
-    `spec_grammar` (shown in error messages) and, for zstd-dict only, `needs_dictionary`.
+    Subclasses set `codec_id` (stable, written in every index), `name` (the first field of the spec) and, for
+    zstd-dict only, `needs_dictionary`; the forms a spec takes are the registry's SPEC_FORMS.
     """
 
     codec_id: int
     name: str
-    spec_grammar: str
     needs_dictionary: bool = False
 
     @property
@@ -136,7 +135,7 @@ def check_field_count(cls: type[Codec], fields: list[str], most: int) -> None:
     """CodecSpecError when a spec has more fields than its grammar allows."""
     if len(fields) > most:
         extra = ":".join(fields[most:])
-        raise CodecSpecError(f"unexpected field(s) {extra!r} after {cls.name} (expected {cls.spec_grammar})")
+        raise CodecSpecError(f"unexpected field(s) {extra!r} after {cls.name}")
 
 
 def check_raw_size(raw_size: int) -> None:

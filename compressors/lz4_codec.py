@@ -32,7 +32,6 @@ class Lz4Codec(SegmentedCodec):
 
     codec_id = 2
     name = "lz4"
-    spec_grammar = f"lz4 or lz4:hc[:LEVEL], LEVEL {MIN_HC_LEVEL}..{MAX_HC_LEVEL}, default {DEFAULT_HC_LEVEL}"
 
     def __init__(self, hc_level: int | None = None, *, segment_size: int = SEGMENT_SIZE) -> None:
         super().__init__(segment_size)

@@ -12,7 +12,6 @@ class NullCodec(Codec):
 
     codec_id = 0
     name = "none"
-    spec_grammar = "none"
 
     @property
     def spec(self) -> str:

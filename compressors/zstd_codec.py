@@ -100,7 +100,6 @@ class ZstdCodec(_ZstdBase):
 
     codec_id = 1
     name = "zstd"
-    spec_grammar = f"zstd[:LEVEL], LEVEL {MIN_LEVEL}..{MAX_LEVEL}, default {DEFAULT_LEVEL}"
 
     @classmethod
     def from_spec_fields(cls, fields: list[str], dictionary: bytes | None) -> ZstdCodec:
@@ -119,7 +118,6 @@ class ZstdDictCodec(_ZstdBase):
 
     codec_id = 4
     name = "zstd-dict"
-    spec_grammar = f"zstd-dict[:LEVEL], LEVEL {MIN_LEVEL}..{MAX_LEVEL}, default {DEFAULT_LEVEL}"
     needs_dictionary = True
 
     def __init__(self, level: int = DEFAULT_LEVEL, dictionary: BytesLike | None = None) -> None:

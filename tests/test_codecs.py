@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import random
+import re
 import struct
 import subprocess
 import sys
@@ -26,8 +27,9 @@ from hypothesis import strategies as st
 
 from compressors import CODEC_TYPES, Codec, CodecError, CodecSpecError, codec_from_spec, train_dictionary
 from compressors.base import SEGMENT_SIZE
-from compressors.blosc_codec import BloscCodec, auto_typesize
+from compressors.blosc_codec import INNER_COMPRESSORS, SHUFFLES, BloscCodec, auto_typesize
 from compressors.lz4_codec import Lz4Codec
+from compressors.registry import GRAMMAR_WIDTH, SPEC_FORMS, codec_grammar, spec_form
 from compressors.zstd_codec import ZstdDictCodec
 from conftest import python2_npy
 
@@ -343,6 +345,65 @@ def test_bad_spec_messages_say_what_is_allowed() -> None:
         codec_from_spec("zstf:3")
     with pytest.raises(CodecSpecError, match=r"zstd level must be an integer from -7 to 22, got 'x' in spec 'zstd:x'"):
         codec_from_spec("zstd:x")
+
+
+def _range_after(text: str, name: str) -> tuple[int, int]:
+    """The `NAME LOW..HIGH` a grammar line gives."""
+    match = re.search(rf"{name} (-?[0-9]+)\.\.(-?[0-9]+)", text)
+    assert match, (name, text)
+    return int(match[1]), int(match[2])
+
+
+def _accepts(spec: str) -> bool:
+    try:
+        codec_from_spec(spec)
+    except CodecSpecError:
+        return False
+    return True
+
+
+def test_the_grammar_says_what_the_codecs_accept() -> None:
+    """SPEC_FORMS is the one grammar README.md, --help and the errors show: each range and default it states is
+    the codecs' own, at both ends and one past them, and every codec type has a line."""
+    assert set(SPEC_FORMS) == set(CODEC_TYPES)
+    for name, prefix in (("zstd", "zstd:"), ("zstd-dict", "zstd-dict:"), ("lz4", "lz4:hc:")):
+        meaning = SPEC_FORMS[name][1]
+        low, high = _range_after(meaning, "LEVEL")
+        assert [_accepts(f"{prefix}{level}") for level in (low - 1, low, high, high + 1)] == [False, True, True, False]
+        default = int(re.search(r"default (-?[0-9]+)", meaning)[1])
+        assert codec_from_spec(prefix.rstrip(":")).spec == f"{prefix}{default}"
+    blosc = SPEC_FORMS["blosc"][1]
+    inner = re.search(r"INNER ([a-z0-9, ]+?);", blosc)[1].replace(" or ", ", ").split(", ")
+    assert inner == list(INNER_COMPRESSORS) and all(_accepts(f"blosc:{name}:5") for name in inner)
+    low, high = _range_after(blosc, "LEVEL")
+    assert [_accepts(f"blosc:lz4:{level}") for level in (low - 1, low, high, high + 1)] == [False, True, True, False]
+    shuffles = re.search(r"SHUFFLE ([a-z (),]+?);", blosc)[1].replace(" (default)", "").replace(" or ", ", ")
+    assert shuffles.split(", ") == list(SHUFFLES) and "shuffle (default)" in blosc
+    assert codec_from_spec("blosc:lz4:5").spec == codec_from_spec("blosc:lz4:5:shuffle:auto").spec
+    low, high = _range_after(blosc, "TYPESIZE")
+    assert [_accepts(f"blosc:lz4:5:{size}") for size in (low - 1, low, high, high + 1)] == [False, True, True, False]
+    assert codec_from_spec("lz4").spec == "lz4" and _accepts("none") and not _accepts("none:1")
+
+
+@pytest.mark.parametrize("spec, codec", [("zstd:99", "zstd"), ("lz4:hc:9:1", "lz4"), ("blosc:lz4", "blosc"),
+                                         ("zstd-dict:x", "zstd-dict"), ("none:3", "none")])
+def test_a_bad_spec_shows_its_codecs_line_of_the_grammar(spec: str, codec: str) -> None:
+    with pytest.raises(CodecSpecError) as caught:
+        codec_from_spec(spec)
+    assert str(caught.value).endswith(f"in spec {spec!r}; expected {spec_form(codec)}"), caught.value
+    assert spec_form(codec) == ": ".join(SPEC_FORMS[codec])
+
+
+def test_a_spec_naming_no_codec_shows_every_form() -> None:
+    with pytest.raises(CodecSpecError) as caught:
+        codec_from_spec("gzip:9")
+    assert str(caught.value).endswith("; a spec is " + " | ".join(form for form, _ in SPEC_FORMS.values()))
+
+
+def test_the_grammar_lists_every_form_with_its_meaning_wrapped_in_a_column() -> None:
+    grammar = codec_grammar()
+    assert all(len(line) <= GRAMMAR_WIDTH for line in grammar.splitlines())
+    assert " ".join(grammar.split()) == " ".join(" ".join(pair) for pair in SPEC_FORMS.values())
 
 
 def test_non_string_spec_raises_codec_spec_error() -> None:
