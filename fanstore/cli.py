@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .serve.placement import Placement
 
 EXIT_FAILURE = 1
+EXIT_USAGE = 2  # argparse's, for a command line it cannot parse
 EXIT_DOES_NOT_FIT = 3  # `fanstore plan` and --fit: distinct from an error, so a batch script can try more nodes
 EXIT_INTERRUPTED = 130
 _WARNINGS_SHOWN = 20
@@ -31,15 +32,104 @@ _WARNINGS_SHOWN = 20
 SERVE_PREFETCH = 16
 
 
+EPILOG_WIDTH = 78  # columns of the exit statuses, as argparse wraps the rest of --help for an 80-column terminal
+_ERROR = (EXIT_FAILURE, "an error, said in one line on stderr")
+_USAGE = (EXIT_USAGE, "the command line is wrong (a usage message says how)")
+_INTERRUPTED = (EXIT_INTERRUPTED, "interrupted (Ctrl-C, or SIGTERM)")
+
+
+def package_version() -> str:
+    """fanstore's version: the installed distribution's, else (run from a checkout) pyproject.toml's."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("fanstore")
+    except metadata.PackageNotFoundError:
+        pass
+    import tomllib
+
+    try:
+        with open(Path(__file__).resolve().parent.parent / "pyproject.toml", "rb") as pyproject:
+            return str(tomllib.load(pyproject)["project"]["version"])
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return "unknown"
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """A description (one paragraph) wrapped to the terminal, as argparse wraps the rest; an epilog (exit statuses,
+    an example, the codec grammar: several lines) kept as laid out, its columns and the example's line whole."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" not in text:
+            return super()._fill_text(text, width, indent)
+        return "".join(indent + line for line in text.splitlines(keepends=True))
+
+
+class _VersionAction(argparse.Action):
+    """--version: the version is looked up only when asked (importlib.metadata is no light import for every run)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0,
+                         help="print fanstore's version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"{parser.prog} {package_version()}")
+        parser.exit()
+
+
+def _command_help(description: str, exits: Sequence[tuple[int | str, str]], example: str,
+                  more: str = "") -> dict[str, Any]:
+    """A command's --help beyond its options, as keywords for its parser: the description (one paragraph), then
+    `more`, the exit statuses and an example, laid out here."""
+    import textwrap
+
+    width = max(len(str(status)) for status, _ in exits) + 2
+    statuses = "\n".join(textwrap.fill(meaning, EPILOG_WIDTH, initial_indent=f"  {status!s:<{width}}",
+                                        subsequent_indent=" " * (width + 2)) for status, meaning in exits)
+    epilog = f"{more}\n\n" if more else ""
+    epilog += f"exit status:\n{statuses}\n\nexample:\n  {example}"
+    return {"description": description, "epilog": epilog, "formatter_class": _HelpFormatter}
+
+
+def _pack_help(prog: str) -> dict[str, Any]:
+    """fanstore-pack's and `fanstore pack`'s --help, the codec grammar included (compressors.registry's)."""
+    from compressors.registry import codec_grammar
+
+    from .pack import AUTO_CODEC
+
+    grammar = "\n".join(f"  {line}" for line in codec_grammar().splitlines())
+    return _command_help(
+        "Pack the directory tree SRC into the dataset directory DEST: each file compressed on its own, so that any "
+        "file reads without its neighbours, into chunk files and an index written last. DEST is new or empty; or "
+        "an interrupted pack of the same SRC with the same options, which this resumes from its last finished chunk "
+        "to the bytes an uninterrupted pack gives; or this very pack, finished, and there is nothing to do. "
+        "Another dataset is replaced only with --force, and what fanstore did not write never. Files that cannot be "
+        "packed (unreadable, fifos, links that leave SRC, ...) are skipped with a warning, and `fanstore info DEST` "
+        "lists them.",
+        [(0, "packed; or DEST already held this very pack, finished (nothing to do)"),
+         (EXIT_FAILURE, "an error, said in one line on stderr: a bad option, a DEST it may not use, a file that "
+                        "cannot be packed with --strict, a full disk (what was finished stays: the same command "
+                        "resumes)"),
+         _USAGE,
+         (EXIT_DOES_NOT_FIT, "--fit cannot be met: refused before anything is written, or DEST as packed is "
+                             "larger than --fit"),
+         (EXIT_INTERRUPTED, "interrupted (Ctrl-C, or SIGTERM): the same command resumes")],
+        f"{prog} /data/imagenet /scratch/imagenet.fanstore --codec zstd:3 --replicate 'val/**'",
+        more=f"codec specs (--codec SPEC, unless {AUTO_CODEC}):\n{grammar}\n  A file that would not shrink is stored "
+             "as it is.")
+
+
 def _add_pack_arguments(parser: argparse.ArgumentParser) -> None:
     from .pack import DEFAULT_BLOCK_SIZE, DEFAULT_BLOCKS_ABOVE, DEFAULT_CHUNK_SIZE, DEFAULT_CODEC
 
-    parser.add_argument("src", metavar="SRC", help="directory tree to pack")
-    parser.add_argument("dest", metavar="DEST", help="dataset directory to write (new, empty, or an interrupted pack)")
+    parser.add_argument("src", metavar="SRC", help="directory tree to pack (it is only read)")
+    parser.add_argument("dest", metavar="DEST",
+                        help="dataset directory to write: new, empty, an interrupted pack to resume, or this pack "
+                             "finished")
     parser.add_argument("--codec", default=DEFAULT_CODEC, metavar="SPEC",
-                        help="none | zstd:LEVEL | zstd-dict:LEVEL | lz4 | lz4:hc | blosc:INNER:LEVEL[:shuffle|"
-                             f"bitshuffle] | auto (measure and choose per file kind; see --budget) "
-                             f"(default {DEFAULT_CODEC})")
+                        help="a codec spec (below), or auto: measure codecs on a sample of SRC and choose per file "
+                             f"kind (see --budget and --fit) (default {DEFAULT_CODEC})")
     parser.add_argument("--chunk-size", default=str(DEFAULT_CHUNK_SIZE), metavar="SIZE",
                         help="a chunk file closes before the next stored blob (a file stored whole, or one block) "
                              "would take it past SIZE, e.g. 64MiB (default); a blob larger than SIZE gets a chunk "
@@ -386,6 +476,8 @@ def _spread_of(shares: list[int]) -> str:
 def _run_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
+    if args.scale < 1:
+        raise UsageError(f"--scale: must be 1 or more, got {args.scale}")
     return run_demo(workdir=args.workdir, scale=args.scale, mount=not args.no_mount)
 
 
@@ -469,13 +561,32 @@ def _run_umount(args: argparse.Namespace) -> int:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fanstore", description="Compressed, read-only training datasets.")
+    parser = argparse.ArgumentParser(prog="fanstore", **_command_help(
+        "Compressed, read-only training datasets: pack a directory tree once, then read any file of it fast, "
+        "through a mount, the Python API (fanstore.open_dataset) or, across the nodes of a job, `fanstore serve`. "
+        "`fanstore COMMAND --help` says more of each command.",
+        [(0, "the command did what it was asked"), _ERROR, _USAGE,
+         ("other", "each command's --help lists its own")],
+        "fanstore demo"))
+    parser.add_argument("--version", action=_VersionAction)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    pack_parser = commands.add_parser("pack", help="pack a directory tree into a dataset (as fanstore-pack)")
+    pack_parser = commands.add_parser("pack", help="pack a directory tree into a dataset (as fanstore-pack)",
+                                      **_pack_help("fanstore pack"))
     _add_pack_arguments(pack_parser)
     pack_parser.set_defaults(run=_run_pack)
-    select_parser = commands.add_parser("select", help="measure codecs on a sample of SRC and choose per file kind")
-    select_parser.add_argument("src", metavar="SRC")
+    select_parser = commands.add_parser(
+        "select", help="measure codecs on a sample of SRC and choose per file kind", **_command_help(
+            "Measure every codec setting on a sample of SRC, on this machine, and choose one per file kind (JPEG, "
+            "PNG, .npy arrays, text, ...): the one that stores least while decoding at least --budget (each of K "
+            "--prefetch-threads needs only budget/K), or, with --fit SIZE, the ones that decode fastest while the "
+            "whole dataset fits in SIZE. Prints every candidate with the choice marked, then the predicted stored "
+            "size and pack time; nothing is written but --plot's file. `fanstore-pack --codec auto` with the same "
+            "options chooses the same way, and packs with its choice.",
+            [(0, "chosen, and printed"), (EXIT_FAILURE, "an error, said in one line on stderr (SRC unreadable, a bad "
+                                                        "option, neither --budget nor --fit given)"),
+             _USAGE, (EXIT_DOES_NOT_FIT, "--fit cannot be met, not even with the strongest settings"), _INTERRUPTED],
+            "fanstore select /data/imagenet --budget 800MB/s --prefetch-threads 4 --replicate 'val/**'"))
+    select_parser.add_argument("src", metavar="SRC", help="the directory tree to pack (it is only read)")
     _add_selection_arguments(select_parser, auto_only=False)
     select_parser.add_argument("--replicate", action="append", default=[], metavar="GLOB",
                                help="as for fanstore-pack: the sample is stratified by group too (and with --nodes, "
@@ -486,28 +597,64 @@ def _build_parser() -> argparse.ArgumentParser:
     select_parser.add_argument("--plot", metavar="FILE.png",
                                help="draw ratio against decode throughput, and stored size against pack time")
     select_parser.set_defaults(run=_run_select)
-    verify_parser = commands.add_parser("verify", help="check and decode every file; list the bad ones")
-    verify_parser.add_argument("dest", metavar="DEST")
+    verify_parser = commands.add_parser(
+        "verify", help="check and decode every file; list the bad ones", **_command_help(
+            "Check the dataset DEST whole: every chunk file's header and size, and every file's stored bytes "
+            "against the index's checksum, decoded to the size the index records. Lists each bad chunk file and "
+            "each bad file (only the files of a bad chunk are lost), then a count. Run it on a dataset copied or "
+            "staged by other means, or when reads fail.",
+            [(0, "every file and every chunk file is good"),
+             (EXIT_FAILURE, "a bad file or chunk file was found (listed on stdout), or DEST cannot be opened (said "
+                            "in one line on stderr)"),
+             _USAGE, _INTERRUPTED],
+            "fanstore verify /scratch/imagenet.fanstore"))
+    verify_parser.add_argument("dest", metavar="DEST", help="the dataset directory (its fanstore.index and chunks/)")
     verify_parser.set_defaults(run=_run_verify)
-    info_parser = commands.add_parser("info", help="version, groups, codecs, counts, sizes and ratio")
-    info_parser.add_argument("dest", metavar="DEST")
+    info_parser = commands.add_parser(
+        "info", help="version, groups, codecs, counts, sizes and ratio", **_command_help(
+            "Describe the dataset DEST from its index: format version; counts of files, directories and symlinks; "
+            "raw and stored bytes and the ratio; chunks; chunk files missing or not as indexed (their headers and "
+            "sizes only: `fanstore verify` reads every file); the groups (spread or replicated) and codecs, with "
+            "files and bytes for each; the options it was packed with and the paths the pack skipped; with "
+            "--codec auto, what the selector chose and predicted.",
+            [(0, "described (damaged chunk files, if any, are listed)"),
+             (EXIT_FAILURE, "DEST cannot be opened: no dataset there, or an index this version cannot read (said "
+                            "in one line on stderr)"),
+             _USAGE],
+            "fanstore info /scratch/imagenet.fanstore --all-skipped"))
+    info_parser.add_argument("dest", metavar="DEST", help="the dataset directory (its fanstore.index and chunks/)")
     info_parser.add_argument("--all-skipped", action="store_true",
                              help="list every path the pack skipped (by default the first 50, and how many more)")
     info_parser.set_defaults(run=_run_info)
     plan_parser = commands.add_parser(
         "plan", help="what each node of an N-node job stores, and whether it fits its local storage",
-        description="Print, from the index alone, how an N-node job places the dataset: bytes stored per node, "
-                    "replicated bytes, chunks split between nodes, bytes read from DEST to stage the job.",
-        epilog=f"Exit status: 0 when every node's share fits in --local-capacity (or none is given), "
-               f"{EXIT_DOES_NOT_FIT} when the fullest node's does not, {EXIT_FAILURE} (or 2, argparse's) on an error.")
-    plan_parser.add_argument("dest", metavar="DEST")
+        **_command_help(
+            "Print, from the index alone, how an N-node job (`fanstore serve`) places the dataset: bytes stored per "
+            "node, replicated bytes, chunks split between nodes, bytes read from DEST to stage the job; with "
+            "--local-capacity, whether the fullest node's share fits.",
+            [(0, "every node's share fits in --local-capacity (or none is given)"),
+             _ERROR, _USAGE, (EXIT_DOES_NOT_FIT, "the fullest node's share does not fit in --local-capacity")],
+            "fanstore plan /scratch/imagenet.fanstore --nodes 64 --local-capacity 1.5TiB"))
+    plan_parser.add_argument("dest", metavar="DEST", help="the dataset directory (its index is all that is read)")
     plan_parser.add_argument("--nodes", required=True, metavar="N", help="nodes in the job, 1 to 4096")
     plan_parser.add_argument("--local-capacity", metavar="SIZE",
                              help="local storage each node has for the dataset, e.g. 1.5TiB")
     plan_parser.set_defaults(run=_run_plan)
-    mount_parser = commands.add_parser("mount", help="show the dataset as a read-only directory (FUSE)")
-    mount_parser.add_argument("dest", metavar="DEST")
-    mount_parser.add_argument("mountpoint", metavar="MOUNTPOINT")
+    mount_parser = commands.add_parser(
+        "mount", help="show the dataset as a read-only directory (FUSE)", **_command_help(
+            "Show the dataset DEST at MOUNTPOINT as an ordinary read-only directory (FUSE), each file decoded when "
+            "read, with a bounded cache of decoded files and prefetch. A daemon serves the mount in the "
+            "background, logging to --log, and the command returns once the mount answers; `fanstore umount "
+            "MOUNTPOINT` (or SIGTERM to the daemon) ends it. --foreground serves in this process instead, until "
+            "unmounted, SIGTERM or Ctrl-C.",
+            [(0, "mounted (with --foreground: served, then unmounted)"),
+             (EXIT_FAILURE, "an error, said in one line on stderr: DEST is no dataset, MOUNTPOINT is missing or in "
+                            "use or inside the dataset, FUSE is unavailable, the daemon could not start"),
+             _USAGE, (EXIT_INTERRUPTED, "interrupted (Ctrl-C, or SIGTERM) before the mount answered")],
+            "fanstore mount /scratch/imagenet.fanstore /tmp/imagenet --cache-size 4GiB"))
+    mount_parser.add_argument("dest", metavar="DEST", help="the dataset directory (its fanstore.index and chunks/)")
+    mount_parser.add_argument("mountpoint", metavar="MOUNTPOINT",
+                              help="an existing directory, outside the dataset, where its files appear")
     mount_parser.add_argument("--foreground", action="store_true", help="serve in this process until unmounted")
     mount_parser.add_argument("--cache-size", metavar="SIZE",
                               help="memory for decoded files, e.g. 4GiB (default: a quarter of what the job may "
@@ -531,14 +678,41 @@ def _build_parser() -> argparse.ArgumentParser:
                               help="entry and attribute timeout (default one day; for benchmarks)")
     mount_parser.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     mount_parser.set_defaults(run=_run_mount)
-    umount_parser = commands.add_parser("umount", help="unmount a fanstore mount (live or stale)")
-    umount_parser.add_argument("mountpoint", metavar="MOUNTPOINT")
+    umount_parser = commands.add_parser(
+        "umount", help="unmount a fanstore mount (live or stale)", **_command_help(
+            "Unmount the fanstore mount at MOUNTPOINT, live or stale (one whose daemon was killed), lazily "
+            "(fusermount3 -u -z, or umount -l where there is no fusermount): files open through it stay readable "
+            "until closed, and the daemon then exits by itself.",
+            [(0, "unmounted"),
+             (EXIT_FAILURE, "an error, said in one line on stderr: nothing is mounted at MOUNTPOINT, it does not "
+                            "exist, or the unmount failed"),
+             _USAGE],
+            "fanstore umount /tmp/imagenet"))
+    umount_parser.add_argument("mountpoint", metavar="MOUNTPOINT", help="where `fanstore mount` mounted the dataset")
     umount_parser.set_defaults(run=_run_umount)
     demo_parser = commands.add_parser(
-        "demo", help="build, pack, mount and read back a small training dataset; train on it through the mount")
-    demo_parser.add_argument("--workdir", metavar="DIR", help="keep the demo files here (default: a temporary dir)")
-    demo_parser.add_argument("--scale", type=int, default=1, help="grow the demo dataset (default 1)")
-    demo_parser.add_argument("--no-mount", action="store_true", help="read through the Python API only")
+        "demo", help="build, pack, mount and read back a small training dataset; train on it through the mount",
+        **_command_help(
+            "Build a small training set (digit PNGs and photo crops from scikit-learn, float32 fields, labels), "
+            "pack it and read every file back through the Python API; then, where FUSE is there, through a mount "
+            "(two timed epochs, and a small model trained on it as on the original directory); with torch, train a "
+            "small CNN from the original, through fanstore.torch and through the mount; with mpi4py and mpiexec, "
+            "serve it on two ranks of this machine. Every reader must give back the original bytes; a table "
+            "compares their speeds with the plain directory's. A part whose requirement is missing is skipped, "
+            "saying why.",
+            [(0, "every file read back equals its original"),
+             (EXIT_FAILURE, "a file read back differs or is missing (listed), or an error said in one line on "
+                            "stderr"),
+             _USAGE, _INTERRUPTED],
+            "fanstore demo --workdir /tmp/fanstore-demo"))
+    demo_parser.add_argument("--workdir", metavar="DIR",
+                             help="keep the demo's files here: its source tree, the dataset, the mount's log "
+                                  "(default: a temporary directory, removed at the end)")
+    demo_parser.add_argument("--scale", type=int, default=1, metavar="N",
+                             help="N times as many photo crops and float32 fields (the 1,797 digits stay as "
+                                  "they are; default 1)")
+    demo_parser.add_argument("--no-mount", action="store_true",
+                             help="read through the Python API only: no mount, no serve")
     demo_parser.set_defaults(run=_run_demo)
     _add_serve_parser(commands)
     return parser
@@ -548,12 +722,22 @@ def _add_serve_parser(commands: Any) -> None:
     serve_parser = commands.add_parser(
         "serve", help="under mpiexec or srun (one rank per node): stage, mount everywhere, run -- COMMAND",
         usage="mpiexec -n N fanstore serve DEST MOUNTPOINT --local-dir DIR [options] [-- COMMAND ...]",
-        description="Spread DEST's chunks over the job's nodes (replicated groups on every node), stage each "
-                    "node's share into --local-dir, and mount the whole dataset at MOUNTPOINT on every node; files "
-                    "stored on another node come from it over MPI. With -- COMMAND, run COMMAND on every rank once "
-                    "all are mounted (FANSTORE_MOUNT, FANSTORE_RANK, FANSTORE_SIZE in its environment), then "
-                    "unmount and exit with the worst status; without, serve until SIGTERM. {rank} in MOUNTPOINT, "
-                    "--local-dir and --ready-file gives each rank its own path (several ranks on one host).")
+        **_command_help(
+            "Spread DEST's chunks over the job's nodes (replicated groups on every node), stage each node's share "
+            "into --local-dir, and mount the whole dataset at MOUNTPOINT on every node; files stored on another "
+            "node come from it over MPI. With -- COMMAND, run COMMAND on every rank once all are mounted "
+            "(FANSTORE_MOUNT, FANSTORE_RANK, FANSTORE_SIZE in its environment), then unmount and exit with the "
+            "worst status; without, write MOUNTPOINT.ready once all are mounted and serve until SIGTERM. {rank} in "
+            "MOUNTPOINT, --local-dir and --ready-file gives each rank its own path (several ranks on one host).",
+            [(0, "every rank's COMMAND exited 0; without COMMAND, the job served until SIGTERM and unmounted"),
+             (EXIT_FAILURE, "a rank could not start, stage or mount (each rank stops, and says why in one line), "
+                            "or a rank was lost"),
+             _USAGE,
+             ("N", "the highest status of any rank's COMMAND: 128+S for one killed by signal S, 127 for one that "
+                   "could not be run"),
+             (128 + signal.SIGTERM, "SIGTERM before every rank was mounted")],
+            "srun --ntasks-per-node=1 fanstore serve /lustre/imagenet.fanstore /tmp/imagenet --local-dir "
+            "$TMPDIR/fs -- python train.py --data /tmp/imagenet/train"))
     serve_parser.add_argument("dest", metavar="DEST", help="the packed dataset, on the shared file system")
     serve_parser.add_argument("mountpoint", metavar="MOUNTPOINT", help="an existing empty directory on each node")
     serve_parser.add_argument("--local-dir", required=True, metavar="DIR",
@@ -653,7 +837,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def pack_main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fanstore-pack", description="Pack a directory tree into a dataset.")
+    parser = argparse.ArgumentParser(prog="fanstore-pack", **_pack_help("fanstore-pack"))
+    parser.add_argument("--version", action=_VersionAction)
     _add_pack_arguments(parser)
     parser.set_defaults(run=_run_pack)
     return _run("fanstore-pack", parser, argv)

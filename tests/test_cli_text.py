@@ -3,12 +3,15 @@ against the behaviour it describes, through the real CLI."""
 
 from __future__ import annotations
 
+import argparse
 import os
+import tomllib
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from conftest import run_cli
+from conftest import REPO, assert_one_line_error, run_cli
 from fanstore import open_dataset
 from fanstore.fuse_ops import INLINE_DECODE_BYTES
 from fanstore.info import SKIPPED_SHOWN
@@ -86,3 +89,98 @@ def test_every_skipped_path_is_listed_or_counted_with_how_to_list_them(tmp_path:
     assert f"  ... and {count - SKIPPED_SHOWN} more: {command} lists them all" in info.splitlines()
     every = run_cli("info", str(dest), "--all-skipped", check=True).stdout
     assert listed(every) == fifos and "more:" not in every
+
+
+COMMANDS = ("pack", "select", "verify", "info", "plan", "mount", "umount", "demo", "serve")
+
+
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every parser the CLI builds, by the command line that shows its --help."""
+    from fanstore.cli import _build_parser
+
+    main_parser = _build_parser()
+    subparsers = next(action for action in main_parser._actions if isinstance(action, argparse._SubParsersAction))
+    return {"fanstore": main_parser, **{f"fanstore {name}": parser for name, parser in subparsers.choices.items()}}
+
+
+def test_every_command_is_described_and_every_argument_explained() -> None:
+    parsers = _parsers()
+    assert set(parsers) == {"fanstore", *(f"fanstore {name}" for name in COMMANDS)}
+    for prog, parser in parsers.items():
+        assert parser.description and len(parser.description.split()) >= 12, prog
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                assert all(choice.help for choice in action._choices_actions), prog
+            elif action.help != argparse.SUPPRESS:
+                assert action.help and len(action.help.split()) >= 3, (prog, action.option_strings or action.dest)
+
+
+@pytest.mark.parametrize("command", [("fanstore-pack",), (), *((name,) for name in COMMANDS)],
+                         ids=lambda command: " ".join(command) or "fanstore")
+def test_every_help_has_a_description_its_exit_statuses_and_an_example(command: tuple[str, ...]) -> None:
+    shown = run_cli(*command, "--help", check=True).stdout
+    prog = "fanstore-pack" if command == ("fanstore-pack",) else " ".join(("fanstore", *command))
+    description = shown.split("\n\n")[1]
+    assert not description.startswith(("positional", "options")) and len(description.split()) >= 12, shown
+    statuses = shown.split("\nexit status:\n")[1].split("\n\n")[0]
+    codes = [line.split()[0] for line in statuses.splitlines() if line.startswith("  ") and line[2] != " "]
+    assert codes[:3] == ["0", "1", "2"], statuses  # then the command's own, if any
+    example = shown.split("\nexample:\n")[1].strip().splitlines()
+    launcher = "srun --ntasks-per-node=1 " if command == ("serve",) else ""
+    assert len(example) == 1 and example[0].startswith(launcher + prog + " "), example
+
+
+def test_exit_statuses_in_help_are_the_codes_the_cli_returns() -> None:
+    """The statuses a help names beyond 0, 1 and 2 are the CLI's own constants."""
+    from fanstore.cli import EXIT_DOES_NOT_FIT, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE
+
+    assert (EXIT_FAILURE, EXIT_USAGE, EXIT_DOES_NOT_FIT, EXIT_INTERRUPTED) == (1, 2, 3, 130)
+    for command in ("plan", "select", "pack"):
+        assert f"{EXIT_DOES_NOT_FIT} --fit" in _help(command) or f"{EXIT_DOES_NOT_FIT} the fullest" in _help(command)
+    assert run_cli("plan", "--nodes", "2").returncode == EXIT_USAGE  # argparse: DEST missing
+
+
+def _pyproject_version() -> str:
+    with open(REPO / "pyproject.toml", "rb") as pyproject:
+        return tomllib.load(pyproject)["project"]["version"]
+
+
+def test_version() -> None:
+    version = _pyproject_version()
+    assert run_cli("--version", check=True).stdout == f"fanstore {version}\n"
+    assert run_cli("fanstore-pack", "--version", check=True).stdout == f"fanstore-pack {version}\n"
+
+
+def test_the_version_falls_back_on_pyproject_outside_an_installation(monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib import metadata
+
+    from fanstore.cli import package_version
+
+    def not_installed(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    assert package_version() == _pyproject_version()
+
+
+def test_one_codec_grammar_in_help_readme_and_errors(tmp_path: Path) -> None:
+    """The grammar is written once (compressors.registry): --help shows it whole, README.md verbatim, and the error
+    for a bad spec the line of the codec it names, or every form: each is in --help, word for word."""
+    from compressors.registry import SPEC_FORMS, codec_grammar
+
+    grammar = codec_grammar()
+    assert grammar in (REPO / "README.md").read_text()
+    for command in (("fanstore-pack",), ("pack",)):
+        shown = run_cli(*command, "--help", check=True).stdout
+        assert "\n".join(f"  {line}" for line in grammar.splitlines()) in shown
+    help_words = " ".join(_help("fanstore-pack").split())
+    for spec, codec in (("zstd:99", "zstd"), ("lz4:hc:x", "lz4"), ("blosc:lz4", "blosc"), ("gzip:9", None)):
+        failed = run_cli("fanstore-pack", str(tmp_path), str(tmp_path / "ds"), "--codec", spec)
+        assert_one_line_error(failed, "--codec: ", repr(spec))
+        error = " ".join(failed.stderr.split())
+        named = [SPEC_FORMS[codec]] if codec else list(SPEC_FORMS.values())
+        for form, meaning in named:
+            assert form in error and form in help_words, (form, error)
+            if codec:
+                assert f"expected {form}: {meaning}" in error and " ".join(meaning.split()) in help_words
+        assert not (tmp_path / "ds").exists()

@@ -293,7 +293,8 @@ def test_plan_through_the_real_command_line(equal_chunks):
     too_small = run_cli("plan", str(equal_chunks), "--nodes", "4", "--local-capacity", "64KiB")
     assert too_small.returncode == EXIT_DOES_NOT_FIT and "does not fit" in too_small.stdout
     assert too_small.stderr == ""
-    assert "Exit status" in run_cli("plan", "--help").stdout
+    assert "exit status:\n" in run_cli("plan", "--help").stdout
+    assert f"\n  {EXIT_DOES_NOT_FIT}  the fullest node's share does not fit" in run_cli("plan", "--help").stdout
 
 
 def test_a_request_must_name_exactly_one_blob():
