@@ -29,7 +29,7 @@ from .estimate import (
     training_heads,
     usable_workers,
 )
-from .measure import Measurement, candidate_specs, measure_kind
+from .measure import DECODE_NOISE, Measurement, candidate_specs, measure_kind
 from .policy import MIN_SAVING, Budget, Choice, DoesNotFit, Goal, KindScale, Need, choose, choose_to_fit, need_of
 from .sample import (
     DEFAULT_FRACTION,
@@ -121,7 +121,8 @@ class Selection:
         return {
             "version": SELECTION_VERSION,
             "budget": {"bytes_per_s": self.budget.bytes_per_s, "prefetch_threads": self.budget.prefetch_threads,
-                       "required_decode_mbps": round(self.budget.required_decode_mbps, 3)},
+                       "required_decode_mbps": round(self.budget.required_decode_mbps, 3),
+                       "decode_noise": DECODE_NOISE},
             "goal": {"fit_bytes": self.goal.fit_bytes, "nodes": self.goal.nodes, "tolerance": self.goal.tolerance,
                      "pack_mbps": self.goal.pack_mbps, "workers": self.goal.workers},
             "sample": {"fraction": self.fraction, "seed": self.seed, "max_bytes": self.max_bytes,
@@ -138,6 +139,7 @@ class Selection:
             "choices": {kind: {"spec": choice.spec, "meets_budget": choice.meets_budget, "reason": choice.reason}
                         for kind, choice in sorted(self.choices.items())},
             "predicted": {"stored_bytes": round(need.total), "need_bytes": round(need.bytes),
+                          "stored_bound_bytes": round(need.total_bound), "need_bound_bytes": round(need.bound),
                           "pack_seconds": round(estimate.seconds, 3),
                           "walk_seconds": round(estimate.walk_seconds, 3),
                           "train_seconds": round(estimate.train_seconds, 3),
@@ -243,7 +245,7 @@ def select_codecs(
         budget=budget,
         fraction=fraction,
         seed=seed,
-        sample_files=len(sample),
+        sample_files=len({f.path for f in sample}),
         sample_bytes=sum(len(f.data) for f in sample),
         choices=choices,
         measurements=measurements,

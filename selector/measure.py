@@ -4,15 +4,20 @@ Everything is measured the way the packer stores and the reader decodes, so the 
 dataset: each file is encoded on its own and stored raw (codec `none`) when that is not smaller; decoding goes file
 by file, one `decode(stored, raw_size)` call each, per-call overhead included, single-threaded, in this process,
 each file right after its stored bytes are checksummed, as `Reader.read` verifies them before decoding.
+
+Decoding is timed on the thread's CPU clock, the best of a few passes: another process on the machine takes wall
+time from the measuring thread but not CPU time, so a loaded machine measures the speeds a quiet one does (within a
+few percent) and a choice near the budget does not flip with the load (policy.py names settings within
+DECODE_NOISE of it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
-import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Sequence
@@ -31,6 +36,7 @@ from compressors import (
 )
 from compressors.kinds import NPY, OTHER
 
+from .bound import StoredEstimate, stored_estimate
 from .errors import SelectionError
 from .sample import SampleFile
 
@@ -50,6 +56,11 @@ _SLOW_ZSTD_LEVEL = 16
 _SLOW_BLOSC_ZSTD_LEVEL = 7  # blosc's zstd level 7 is zstd 13, 9 is zstd 22
 _SLOW_LZ4_HC_LEVEL = 10
 _MIN_SECONDS = 1e-9  # a timer that read zero must not make a throughput infinite (JSON has no infinity)
+# How far apart two measurements of one decoder's speed fall: on the 2-core development machine, decoding JPEG and
+# text samples with lz4, zstd and zstd-dict, timed on the thread's CPU clock as the best of DEFAULT_REPEATS passes,
+# three quiet runs and three with both cores busy with other processes differed by up to 15% (wall-clock time
+# halved under the load). A speed within this share above the budget is not told apart from one below it.
+DECODE_NOISE = 0.15
 # A timed pass over a small sample is repeated within the pass until it lasts this long, so that timer resolution
 # and one-off interruptions do not decide the throughput.
 MIN_PASS_SECONDS = 0.005
@@ -83,7 +94,8 @@ class Measurement:
     """One codec setting on one kind's sample. `files` and `raw_bytes` say what was measured (slow settings: a
     prefix); `stored_bytes` counts files that did not shrink at their raw size, as the packer stores them, and is
     what `raw_bytes` would store in SRC's mix: each file weighted by the bytes of the tree it stands for
-    (SampleFile.weight), as the encode speed is too."""
+    (SampleFile.weight), as the encode speed is too. `stored_rse` is the sampling error of the kind's stored bytes
+    in SRC as a share of them (bound.py): the prediction's confidence bound is BOUND_Z of it above."""
 
     kind: str
     spec: str
@@ -99,6 +111,7 @@ class Measurement:
     # longer than compressing the whole kind: the pack-time estimate scales this figure to the packer's bytes.
     train_seconds: float = 0.0
     train_bytes: int = 0
+    stored_rse: float = 0.0
 
     @property
     def ratio(self) -> float:
@@ -126,6 +139,7 @@ class Measurement:
         record["encode_mbps"] = round(self.encode_mbps, 3)
         record["decode_mbps"] = round(self.decode_mbps, 3)
         record["train_seconds"] = round(self.train_seconds, 4)
+        record["stored_rse"] = round(self.stored_rse, 5)
         return record
 
     @classmethod
@@ -202,10 +216,12 @@ def _single_threaded_blosc() -> Iterator[None]:
 
 
 def _prefix(files: list[SampleFile], limit: int) -> list[SampleFile]:
-    """The first files up to `limit` bytes (at least one): a random sub-sample, since the sample is in seeded order."""
+    """The first files up to `limit` bytes (at least one): a random sub-sample, since the sample is in seeded order.
+    Files drawn for certain come first: each stands for itself alone, and a kind's bytes may be mostly one of them
+    (a large file of random bytes among small compressible ones)."""
     prefix: list[SampleFile] = []
     total = 0
-    for sample_file in files:
+    for sample_file in sorted(files, key=lambda f: f.inclusion < 1.0):  # stable: the seeded order otherwise
         if prefix and total + len(sample_file.data) > limit:
             break
         prefix.append(sample_file)
@@ -277,9 +293,9 @@ def _timed_train(files: list[SampleFile], level: int) -> tuple[bytes | None, flo
             break
     if not samples:
         return None, 0.0, 0
-    started = time.perf_counter()
+    started = time.thread_time()  # this thread's CPU time: what the training costs, whatever else runs
     dictionary = train_dictionary(samples, level=level)
-    return dictionary, time.perf_counter() - started, total
+    return dictionary, time.thread_time() - started, total
 
 
 def _measure(
@@ -289,7 +305,7 @@ def _measure(
     work: list[_DecodeWork] = []
     raw_files = 0
     clock = time.perf_counter
-    weighted_raw = weighted_stored = weighted_seconds = 0.0
+    weighted_raw = weighted_seconds = unweighted_seconds = 0.0
     for sample_file, codec in zip(files, codecs):
         started = clock()
         try:
@@ -302,11 +318,11 @@ def _measure(
             raw_files += 1
         work.append((codec.decode, stored, len(sample_file.data)))
         weighted_raw += sample_file.weight * len(sample_file.data)
-        weighted_stored += sample_file.weight * len(stored)
         weighted_seconds += sample_file.weight * seconds
+        unweighted_seconds += seconds
     # One untimed pass checks every file comes back intact and warms the per-thread decoders, as a running
-    # reader's are; then the timed passes, each decoding the whole sample `loops` times.
-    started = time.perf_counter()
+    # reader's are; then the timed passes, each decoding the whole sample `loops` times, the best of them counted.
+    started = time.thread_time()
     for (decode, stored, raw_size), sample_file in zip(work, files):
         try:
             intact = decode(stored, raw_size) == sample_file.data
@@ -314,25 +330,28 @@ def _measure(
             raise CodecError(f"decoding {sample_file.path!r} failed: {exc}") from exc
         if not intact:
             raise CodecError(f"decoding {sample_file.path!r} did not give back its bytes")
-    check_seconds = time.perf_counter() - started
+    check_seconds = time.thread_time() - started
     loops = min(_MAX_LOOPS, max(1, math.ceil(MIN_PASS_SECONDS / max(check_seconds, _MIN_SECONDS))))
     batches = read_path_batches(work)
     pass_seconds = []
     for _ in range(repeats):
         pass_seconds.append(sum(_timed_decode_pass(batches) for _ in range(loops)) / loops)
     raw_bytes = sum(len(sample_file.data) for sample_file in files)
-    if weighted_raw <= 0:  # every weight 0: an estimate rounded away; the sample's own mix then
-        weighted_raw, weighted_stored = raw_bytes, sum(len(stored) for _, stored, _ in work)
+    estimate = stored_estimate(files, [len(stored) for _, stored, _ in work])
+    if weighted_raw <= 0 or estimate.raw <= 0:  # every weight 0: an estimate rounded away; the sample's own mix then
+        weighted_raw, weighted_seconds = raw_bytes, unweighted_seconds
+        estimate = StoredEstimate(raw_bytes, sum(len(stored) for _, stored, _ in work), 0.0)
     return Measurement(
         kind=kind,
         spec=spec,
-        files=len(files),
+        files=len({sample_file.path for sample_file in files}),
         raw_bytes=raw_bytes,
-        stored_bytes=max(1, round(raw_bytes * weighted_stored / weighted_raw)),
+        stored_bytes=max(1, round(raw_bytes * estimate.fraction)),
         encode_mbps=weighted_raw / MB / max(weighted_seconds, _MIN_SECONDS),
-        decode_mbps=raw_bytes / MB / max(statistics.median(pass_seconds), _MIN_SECONDS),
+        decode_mbps=raw_bytes / MB / max(min(pass_seconds), _MIN_SECONDS),
         raw_files=raw_files,
         dict_bytes=dict_bytes,
+        stored_rse=estimate.relative_error,
     )
 
 
@@ -353,7 +372,8 @@ def read_path_batches(work: list[_DecodeWork]) -> list[list[_DecodeWork]]:
 
 
 def _timed_decode_pass(batches: list[list[_DecodeWork]]) -> float:
-    """Seconds spent decoding every file once, each batch right after its stored bytes were checksummed.
+    """CPU seconds this thread spent decoding every file once, each batch right after its stored bytes were
+    checksummed (the clock's own cost taken off each reading).
 
     This is what the read path does (Reader.read verifies the xxh3 of a blob, then decodes it): the decoder reads
     bytes in cache, but its own tables and dictionary are no longer as warm as in a tight loop of decodes. Timed in
@@ -362,12 +382,25 @@ def _timed_decode_pass(batches: list[list[_DecodeWork]]) -> float:
     layout), while dictionary codecs on small files promised 15-25% more.
     """
     checksum = xxhash.xxh3_64_intdigest
+    clock, clock_cost = time.thread_time, _clock_cost()
     seconds = 0.0
     for batch in batches:
         for _, stored, _ in batch:
             checksum(stored)
-        started = time.perf_counter()
+        started = clock()
         for decode, stored, raw_size in batch:
             decode(stored, raw_size)
-        seconds += time.perf_counter() - started
+        seconds += max(0.0, clock() - started - clock_cost)
     return seconds
+
+
+@functools.cache
+def _clock_cost() -> float:
+    """What one reading of the thread's CPU clock costs (a system call on some virtual machines: 0.8 us, as much as
+    decoding a small file), the least of many."""
+    clock = time.thread_time
+    least = math.inf
+    for _ in range(200):
+        started = clock()
+        least = min(least, clock() - started)
+    return least

@@ -20,7 +20,12 @@ The 5% minimum saving of the default mode does not apply: a saving of 2% may be 
 
 Floors apply in both modes: --budget (each decoder must reach budget / K) and --pack-speed (each kind must pack
 at that rate with the pack's workers, its dictionaries' training included, so the whole tree's compression does
-too). `none` always meets both; it is stored when nothing else does.
+too). `none` always meets both; it is stored when nothing else does. A decode speed within DECODE_NOISE of what is
+required is named as such and does not count as reaching it: the faster-decoding setting is taken, so that the
+same command makes the same choice on a quiet machine and a loaded one (measured speeds vary by that much).
+
+--fit plans against the bound of each prediction, not the prediction: the predicted stored bytes plus BOUND_Z
+deviations of their sampling error (bound.py), so that a pack --fit accepts fits (99 times in 100).
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from .bound import BOUND_Z
 from .errors import SelectionError
-from .measure import MB, Measurement
+from .measure import DECODE_NOISE, MB, Measurement
 
 NONE_SPEC = "none"
 # A codec must save at least this share of a kind's bytes to be worth decoding on every read: 1-3% on JPEGs buys
@@ -142,6 +148,12 @@ class KindScale:
             return float(self.raw_bytes)
         return self.raw_bytes / m.ratio + (m.dict_bytes * self.groups if m.dict_bytes else 0)
 
+    def stored_error(self, m: Measurement | None) -> float:
+        """The deviation of the kind's predicted stored bytes from sampling (its dictionaries' are exact)."""
+        if m is None:
+            return 0.0
+        return self.raw_bytes / m.ratio * m.stored_rse
+
     def stored_replicated(self, m: Measurement | None) -> float:
         return self.replicated_bytes / (m.ratio if m is not None else 1.0)
 
@@ -180,13 +192,16 @@ class Choice:
 
 @dataclass(frozen=True, slots=True)
 class Need:
-    """The bytes that must fit: the whole dataset's, or with --nodes one node's (replicated + spread / N)."""
+    """The bytes that must fit: the whole dataset's, or with --nodes one node's (replicated + spread / N); and the
+    deviation of each from sampling, which puts their bound BOUND_Z deviations above."""
 
     total: float  # the whole dataset, dictionaries and `fixed` bytes included
     replicated: float
     spread: float
     nodes: int
     fixed: float = 0.0  # bytes stored whatever the codecs (index, chunk headers), counted in `total` only
+    total_error: float = 0.0
+    node_error: float = 0.0
 
     @property
     def bytes(self) -> float:
@@ -195,11 +210,21 @@ class Need:
             return self.replicated + math.ceil(self.spread / self.nodes)
         return self.total
 
+    @property
+    def bound(self) -> float:
+        """`bytes` at the one-sided 99% confidence bound of the sample: what --fit plans against."""
+        return self.bytes + BOUND_Z * (self.node_error if self.nodes else self.total_error)
+
+    @property
+    def total_bound(self) -> float:
+        return self.total + BOUND_Z * self.total_error
+
     def describe(self) -> str:
+        at_most = f", at most {decimal_bytes(self.bound)}" if self.bound - self.bytes >= 0.5 else ""
         if not self.nodes:
-            return decimal_bytes(self.bytes)
+            return decimal_bytes(self.bytes) + at_most
         return (f"{decimal_bytes(self.bytes)} per node ({decimal_bytes(self.replicated)} replicated + "
-                f"{decimal_bytes(self.spread)} spread / {self.nodes:,})")
+                f"{decimal_bytes(self.spread)} spread / {self.nodes:,}){at_most}")
 
 
 class DoesNotFit(SelectionError):
@@ -207,8 +232,16 @@ class DoesNotFit(SelectionError):
 
 
 def meets(measurement: Measurement, budget: Budget) -> bool:
-    """Whether one decoder of this setting keeps up with the budget."""
-    return budget.bytes_per_s == 0 or measurement.decode_mbps >= budget.required_decode_mbps
+    """Whether one decoder of this setting keeps up with the budget, beyond the noise of the measurement: a speed
+    within DECODE_NOISE of the budget does not count (see near_budget)."""
+    return budget.bytes_per_s == 0 or measurement.decode_mbps >= budget.required_decode_mbps * (1 + DECODE_NOISE)
+
+
+def near_budget(measurement: Measurement, budget: Budget) -> bool:
+    """Whether the setting's decode speed is within the noise of the budget (DECODE_NOISE either side): measured
+    again, it could fall on either side, so it does not count as reaching it, and the choice repeats."""
+    required = budget.required_decode_mbps
+    return budget.bytes_per_s > 0 and abs(measurement.decode_mbps / required - 1) < DECODE_NOISE
 
 
 def meets_pack_speed(measurement: Measurement, scale: KindScale, goal: Goal) -> bool:
@@ -243,7 +276,8 @@ def choose(
     if worthwhile:
         best, smallest, near = _within_tolerance(worthwhile, order, goal, scale)
         return Choice(kind, best.spec, best, True,
-                      _chosen_reason(best, smallest, near, budget, goal, scale, len(fast_enough)))
+                      _chosen_reason(best, smallest, near, budget, goal, scale, len(fast_enough))
+                      + _noise_note(codecs, best.saving, budget))
     none_meets = none_measurement is None or meets(none_measurement, budget)
     reason = _fallback_reason(codecs, fast_enough, none_measurement, budget, min_saving)
     if fast_enough and not packs_fast:
@@ -252,7 +286,21 @@ def choose(
                   f"{goal.pack_mbps:,.0f} MB/s; the fastest, {quickest.spec}, packs at "
                   f"{scale.pack_mbps(quickest, goal.workers):,.0f} MB/s with {goal.workers} worker(s); files are "
                   "stored as they are")
-    return Choice(kind, NONE_SPEC, none_measurement, none_meets, reason)
+    return Choice(kind, NONE_SPEC, none_measurement, none_meets, reason + _noise_note(codecs, 0.0, budget))
+
+
+def _noise_note(codecs: list[Measurement], chosen_saving: float, budget: Budget) -> str:
+    """The settings left out for reaching the budget by less than the noise, where they would have saved more: the
+    rule named, so that a person reading two runs sees why they agree."""
+    required = budget.required_decode_mbps
+    left_out = [m for m in codecs if required <= m.decode_mbps and not meets(m, budget) and m.saving > chosen_saving]
+    if not left_out:
+        return ""
+    best = max(left_out, key=lambda m: (m.saving, m.decode_mbps))
+    others = f" and {len(left_out) - 1} more" if len(left_out) > 1 else ""
+    return (f"; {best.spec} (saves {best.saving:.1%}, decodes at {best.decode_mbps:,.0f} MB/s){others} reach "
+            f"{required:,.0f} MB/s by less than the noise ({DECODE_NOISE:.0%}): not counted as reaching it, so that "
+            "the same command chooses the same on a loaded machine")
 
 
 def _within_tolerance(measurements: list[Measurement], order: dict[str, int], goal: Goal, scale: KindScale
@@ -315,8 +363,12 @@ def _fallback_reason(
         return "no codec was measured" + tail
     if not fast_enough:
         fastest = max(codecs, key=lambda m: m.decode_mbps)
+        if fastest.decode_mbps >= required:  # _noise_note names it
+            return f"budget not met: no codec reaches {required:,.0f} MB/s by more than the noise" + tail
+        short = ("within the noise of it" if near_budget(fastest, budget)
+                 else f"{required / fastest.decode_mbps:,.1f}x too slow")
         return (f"budget not met: no codec reaches {required:,.0f} MB/s; the fastest, {fastest.spec}, decodes at "
-                f"{fastest.decode_mbps:,.0f} MB/s, {required / fastest.decode_mbps:,.1f}x too slow" + tail)
+                f"{fastest.decode_mbps:,.0f} MB/s, {short}" + tail)
     saving_enough = [m for m in codecs if m.saving >= min_saving]
     best_fast = max(fast_enough, key=lambda m: m.saving)
     if saving_enough:
@@ -350,14 +402,21 @@ class _Front:
 
 def need_of(chosen: dict[str, Measurement | None], scales: dict[str, KindScale], goal: Goal,
             fixed_bytes: float = 0.0) -> Need:
-    """The bytes these settings store: the whole dataset's and, for --nodes, its replicated and spread parts."""
-    total = replicated = spread = 0.0
+    """The bytes these settings store: the whole dataset's and, for --nodes, its replicated and spread parts; and
+    their deviations from sampling (kinds as independent: their samples are)."""
+    total = replicated = spread = total_variance = node_variance = 0.0
     for kind, m in chosen.items():
         scale = scales[kind]
         total += scale.stored(m)
         replicated += scale.stored_replicated(m)
         spread += scale.stored_spread(m)
-    return Need(total + fixed_bytes, replicated, spread, goal.nodes, fixed_bytes)
+        error = scale.stored_error(m)
+        total_variance += error**2
+        if goal.nodes and scale.raw_bytes:
+            replicated_share = scale.replicated_bytes / scale.raw_bytes
+            node_variance += (error * (replicated_share + (1 - replicated_share) / goal.nodes)) ** 2
+    return Need(total + fixed_bytes, replicated, spread, goal.nodes, fixed_bytes, math.sqrt(total_variance),
+                math.sqrt(node_variance))
 
 
 def choose_to_fit(
@@ -368,8 +427,9 @@ def choose_to_fit(
     fixed_bytes: float = 0.0,
 ) -> dict[str, Choice]:
     """The --fit mode (see the module docstring) over every kind in `scales`: per kind, the setting that decodes
-    fastest while the whole dataset (or one node's share) still fits in goal.fit_bytes. `fixed_bytes` (the index,
-    chunk headers) count against a total --fit. Raises DoesNotFit, one line saying by how much, when it cannot."""
+    fastest while the whole dataset (or one node's share) still fits in goal.fit_bytes, its prediction taken at its
+    bound. `fixed_bytes` (the index, chunk headers) count against a total --fit. Raises DoesNotFit, one line saying
+    by how much, when it cannot."""
     if not goal.fit_bytes:
         raise SelectionError("--fit: choose_to_fit needs a capacity to fit")
     fronts = [_front(kind, [m for m in measurements if m.kind == kind], scales[kind], budget, goal)
@@ -379,10 +439,10 @@ def choose_to_fit(
         return need_of({front.kind: front.current for front in fronts}, scales, goal, fixed_bytes)
 
     strongest = need_of({front.kind: front.options[-1] for front in fronts}, scales, goal, fixed_bytes)
-    if strongest.bytes > goal.fit_bytes:
+    if strongest.bound > goal.fit_bytes:
         raise DoesNotFit(_shortfall(strongest, budget, goal))
     moves = 0
-    while need().bytes > goal.fit_bytes:
+    while need().bound > goal.fit_bytes:
         front = max((f for f in fronts if f.at + 1 < len(f.options)), key=lambda f: _gain(f, goal))
         front.at += 1
         front.moved.append(moves)
@@ -394,7 +454,7 @@ def choose_to_fit(
         stepped_back = False
         for front in sorted((f for f in fronts if f.at), key=lambda f: -f.moved[-1]):
             front.at -= 1
-            if need().bytes <= goal.fit_bytes:
+            if need().bound <= goal.fit_bytes:
                 front.moved.pop()
                 stepped_back = True
                 break
@@ -456,7 +516,7 @@ def _fit_choice(front: _Front, final: Need, budget: Budget, goal: Goal) -> Choic
 
 def _shortfall(strongest: Need, budget: Budget, goal: Goal) -> str:
     where = f" --nodes {goal.nodes:,}" if goal.nodes else ""
-    over = strongest.bytes - goal.fit_bytes
+    over = strongest.bound - goal.fit_bytes
     floors = [text for text, given in ((f"--budget {budget.bytes_per_s / MB:,.0f} MB/s", budget.bytes_per_s),
                                        (f"--pack-speed {goal.pack_mbps:,.0f} MB/s", goal.pack_mbps)) if given]
     settings = "the strongest settings" + (f" that meet {' and '.join(floors)}" if floors else "")

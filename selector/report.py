@@ -12,16 +12,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .bound import BOUND_Z
 from .errors import SelectionError
-from .measure import MB, Measurement
-from .policy import NONE_SPEC, decimal_bytes, meets, meets_pack_speed
-from .sample import MIN_FILES, MIN_SAMPLE_BYTES, MIN_STRATUM_BYTES
+from .measure import DECODE_NOISE, MB, Measurement
+from .policy import NONE_SPEC, decimal_bytes, meets, meets_pack_speed, near_budget
+from .sample import FILE_CAP, MIN_FILES, MIN_SAMPLE_BYTES, MIN_STRATUM_BYTES, PIECE_BYTES
 
 if TYPE_CHECKING:
     from . import Selection
 
-_COLUMNS = ("", "spec", "ratio", "saving", "decode MB/s", "encode MB/s", "stored", "pack s", "meets budget",
-            "sample")
+_COLUMNS = ("", "spec", "ratio", "saving", "decode MB/s", "encode MB/s", "stored", "at most", "pack s",
+            "meets budget", "sample")
 
 
 def _size(count: float) -> str:
@@ -34,15 +35,19 @@ def format_selection(selection: Selection) -> str:
     budget = selection.budget
     lines = [
         f"codec selection: {_budget_line(selection)}",
-        f"prefetch threads K={budget.prefetch_threads}; sample: {selection.sample_files} files, "
+        f"prefetch threads K={budget.prefetch_threads}; sample: {selection.sample_files} files drawn by bytes (a "
+        f"file's chance grows with its size; one over {_size(FILE_CAP)} is read by {_size(PIECE_BYTES)} pieces), "
         f"{_size(selection.sample_bytes)} (--sample {selection.fraction:.1%} of SRC, but at least "
         f"{_size(MIN_SAMPLE_BYTES)}, and per kind {MIN_FILES} files and up to "
         f"{_size(MIN_STRATUM_BYTES)} if it has them; at most {_size(selection.max_bytes)})"
         f", seed {selection.seed}; measured in {selection.seconds:.1f} s",
         selection.goal.describe(),
         ("a codec must save at least " f"{selection.min_saving:.0%} to be chosen; " if not selection.goal.fit_bytes
-         else "") + "'*' marks the choice; stored: predicted for the kind in SRC, dictionaries included; pack s: "
-        "its compression on the workers plus its dictionaries' training"
+         else "") + "'*' marks the choice; stored: predicted for the kind in SRC, dictionaries included; at most: "
+        "its one-sided 99% confidence bound from the sample; pack s: its compression on the workers plus its "
+        "dictionaries' training"
+        + (f"; 'noise' = within {DECODE_NOISE:.0%} of the budget, either side: does not count as reaching it"
+           if budget.bytes_per_s else "")
         + ("; 'no: pack' = meets the budget, not --pack-speed" if selection.goal.pack_mbps else ""),
     ]
     scales = selection.scales_by_kind()
@@ -68,8 +73,9 @@ def format_selection(selection: Selection) -> str:
                 f"{m.decode_mbps:,.0f}",
                 f"{m.encode_mbps:,.0f}",
                 decimal_bytes(scales[kind].stored(m)),
+                decimal_bytes(scales[kind].stored(m) + BOUND_Z * scales[kind].stored_error(m)),
                 f"{scales[kind].pack_seconds(m, workers):,.1f}",
-                ("yes" if packs_fast else "no: pack") if meets(m, budget) else "no",
+                _meets_column(m, selection, packs_fast),
                 partial,
             ))
         widths = [max(len(row[column]) for row in table) for column in range(len(_COLUMNS))]
@@ -87,11 +93,19 @@ def format_selection(selection: Selection) -> str:
         lines.append("")
         lines.append(f"predicted for SRC with these choices: ratio {predicted:.2f} (saves {1 - 1 / predicted:.1%}), "
                      "each kind's ratio weighted by its estimated bytes; stored "
-                     f"{decimal_bytes(need.total - need.fixed)}, {decimal_bytes(need.total)} with the index")
+                     f"{decimal_bytes(need.total - need.fixed)}, {decimal_bytes(need.total)} with the index, at most "
+                     f"{decimal_bytes(need.total_bound)} (the sample's one-sided 99% confidence bound)")
         lines.append(f"estimated pack time of SRC ({selection.tree_files:,} files, "
                      f"{decimal_bytes(selection.tree_bytes)}): {estimate.describe()}")
         lines.extend(_fit_lines(selection))
     return "\n".join(lines)
+
+
+def _meets_column(m: Measurement, selection: Selection, packs_fast: bool) -> str:
+    """Whether the setting reaches the budget: yes, no, or within the noise of it (which does not count)."""
+    if meets(m, selection.budget):
+        return "yes" if packs_fast else "no: pack"
+    return "noise" if near_budget(m, selection.budget) else "no"
 
 
 def _budget_line(selection: Selection) -> str:
@@ -106,7 +120,8 @@ def _fit_lines(selection: Selection) -> list[str]:
     if not goal.fit_bytes:
         return []
     need = selection.need()
-    lines = [f"fits --fit {decimal_bytes(goal.fit_bytes)}: {need.describe()} ({need.bytes / goal.fit_bytes:.0%})"]
+    lines = [f"fits --fit {decimal_bytes(goal.fit_bytes)}: {need.describe()} ({need.bound / goal.fit_bytes:.0%} at "
+             "the bound, which --fit is planned against)"]
     if goal.nodes:
         lines.append(f"  per node: replicated bytes + spread bytes / {goal.nodes:,}, rounded up; the placement "
                      "balances spread bytes to within a few percent, and chunk headers add a little: `fanstore plan "

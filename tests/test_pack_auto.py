@@ -18,6 +18,7 @@ from fanstore import PackOptions, open_dataset, pack
 from fanstore.errors import UsageError
 from fanstore.journal import JOURNAL_DIR, STATE_FILE
 from compressors.kinds import HEAD_BYTES, file_kind
+from selector.measure import DECODE_NOISE
 
 KINDS = {"jpeg", "npy", "text"}
 
@@ -84,7 +85,8 @@ def test_auto_pack_records_and_uses_a_choice_per_kind(mixed_tree: Path, auto_pac
     with open_dataset(dest) as ds:
         index = ds.index
         selection = index.meta["selection"]
-        assert selection["budget"] == {"bytes_per_s": 800e6, "prefetch_threads": 2, "required_decode_mbps": 400.0}
+        assert selection["budget"] == {"bytes_per_s": 800e6, "prefetch_threads": 2, "required_decode_mbps": 400.0,
+                                       "decode_noise": DECODE_NOISE}
         bytes_by_kind: dict[str, int] = {}
         for path in ds.files():
             if ds.stat(path).st_size:
