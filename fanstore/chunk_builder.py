@@ -34,7 +34,7 @@ class _BlockedFile:
 
 class ChunkBuilder:
     """Feeds batches of blobs into chunk files; `files_done`, `raw_done`, `stored_done` and `problems` say how
-    far it got."""
+    far it got, `chunk_bytes()` what its chunk files take."""
 
     def __init__(self, dest: Path, journal: PackJournal, chunk_size: int, files: list[SourceEntry],
                  file_groups: list[int], layout: BlockLayout, finished: list[ChunkRecord]) -> None:
@@ -58,6 +58,10 @@ class ChunkBuilder:
         self.raw_done = sum(row.size for r in finished for row in r.files)
         self.stored_done = sum(row.stored_len for r in finished for row in r.files)
         self.skipped: list[Problem] = [problem for r in finished for problem in r.problems]
+        self._closed_bytes: dict[int, int] = {}  # group -> bytes of its closed chunk files, headers included
+        for record in finished:
+            if record.chunk_id != NO_CHUNK:
+                self._closed_bytes[record.group] = self._closed_bytes.get(record.group, 0) + record.size
         self._skipped_blocked: set[int] = set()  # files in blocks that were skipped after some blocks went out
         self._blocked: _BlockedFile | None = None
         # Where compressing resumes: after the journaled chunks, inside a file in blocks, or past it if that file
@@ -174,6 +178,7 @@ class ChunkBuilder:
         if self.writer is None:
             raise RuntimeError("no chunk is open")
         size = self.writer.finish()
+        self._closed_bytes[self.writer.group] = self._closed_bytes.get(self.writer.group, 0) + size
         record = ChunkRecord(self.writer.chunk_id, self.writer.group, size, self.first_file, end_file,
                              self.first_block, end_block, self.rows, self.blocks, self.problems)
         self.journal.record_chunk(record)
@@ -183,6 +188,14 @@ class ChunkBuilder:
         pause_point(f"chunk:{self.next_chunk}")
         self.first_file, self.first_block = end_file, end_block
         self.rows, self.blocks, self.problems = [], [], []
+
+    def chunk_bytes(self) -> dict[int, int]:
+        """Per group, the bytes of its chunk files so far, headers included: the closed ones and the open one (every
+        blob of the batches added is in it: the running total a --fit pack watches)."""
+        by_group = dict(self._closed_bytes)
+        if self.writer is not None:
+            by_group[self.writer.group] = by_group.get(self.writer.group, 0) + self.writer.size
+        return by_group
 
     def close_all(self) -> list[ChunkRecord]:
         """Finish the last chunk; trailing empty files and skips go in a record with no chunk file."""

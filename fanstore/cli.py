@@ -112,8 +112,9 @@ def _pack_help(prog: str) -> dict[str, Any]:
                         "cannot be packed with --strict, a full disk (what was finished stays: the same command "
                         "resumes)"),
          _USAGE,
-         (EXIT_DOES_NOT_FIT, "--fit cannot be met: refused before anything is written, or DEST as packed is "
-                             "larger than --fit"),
+         (EXIT_DOES_NOT_FIT, "--fit cannot be met: refused before anything is written, stopped while packing "
+                             "once it can no longer fit (what it wrote is removed), or DEST as packed is larger "
+                             "than --fit"),
          (EXIT_INTERRUPTED, "interrupted (Ctrl-C, or SIGTERM): the same command resumes")],
         f"{prog} /data/imagenet /scratch/imagenet.fanstore --codec zstd:3 --replicate 'val/**'",
         more=f"codec specs (--codec SPEC, unless {AUTO_CODEC}):\n{grammar}\n  A file that would not shrink is stored "

@@ -11,6 +11,11 @@ Deciding and doing are two steps: `check_dest` refuses or decides without writin
 refusal of its own (the codec selection's too) before `prepare_dest` changes DEST. A refused pack leaves the file
 system as it found it: no DEST where there was none, and an existing one as it was (empty, or holding the dataset
 that --force would have replaced).
+
+A pack that stops part way because it can no longer fit its --fit (fit_watch.py) puts DEST back with `undo_pack`:
+it removes what this run wrote, files it did not find after `prepare_dest` (chunk files, journal records,
+dictionaries) and directories it created (DEST and its missing parents too), and nothing else. What
+`prepare_dest` had removed by then (with --force, the dataset being replaced) is gone, and the message says so.
 """
 
 from __future__ import annotations
@@ -197,3 +202,79 @@ def _remove_ours(dest: Path, present: set[str]) -> None:
             shutil.rmtree(target)
         else:
             target.unlink()
+
+
+@dataclass(frozen=True, slots=True)
+class DestFound:
+    """DEST as the command found it, for `undo_pack`: the directories a pack would create (DEST and the parents it
+    lacks, deepest first) and DEST's names, both before `prepare_dest`."""
+
+    missing: tuple[Path, ...]
+    names: frozenset[str]
+
+
+def dest_as_found(dest: Path) -> DestFound:
+    """DEST before `prepare_dest` (after check_dest: a directory, or nothing)."""
+    missing: list[Path] = []
+    at = Path(os.path.abspath(dest))
+    while not os.path.lexists(at) and at.parent != at:
+        missing.append(at)
+        at = at.parent
+    return DestFound(tuple(missing), frozenset(os.listdir(dest)) if not missing else frozenset())
+
+
+def files_of_ours(dest: Path) -> frozenset[str]:
+    """The files in DEST's chunk and journal directories now ('chunks/00000000.fsc'): taken once `prepare_dest` has
+    done its part, what `undo_pack` keeps."""
+    found = set()
+    for directory in (CHUNK_DIR, JOURNAL_DIR):
+        if (dest / directory).is_dir() and not (dest / directory).is_symlink():
+            found.update(f"{directory}/{name}" for name in os.listdir(dest / directory))
+    return frozenset(found)
+
+
+def undo_pack(dest: Path, found: DestFound, kept: frozenset[str], planned: DestPlan, force: bool) -> str:
+    """Remove what this pack wrote to DEST (any open chunk already aborted): the files under fanstore's names in
+    its chunk and journal directories that are not in `kept`, then those directories and DEST and its parents if
+    the pack created them (only when empty: os.rmdir). Returns, in a few words, how DEST is left."""
+    failed: list[str] = []
+    for directory, names in ((CHUNK_DIR, _CHUNK_NAME), (JOURNAL_DIR, _JOURNAL_NAME)):
+        where = dest / directory
+        if where.is_symlink() or not where.is_dir():
+            continue
+        for entry in sorted(os.scandir(where), key=lambda e: e.name):
+            if (f"{directory}/{entry.name}" not in kept and names.match(entry.name)
+                    and entry.is_file(follow_symlinks=False)):
+                try:
+                    os.unlink(entry.path)
+                except OSError as exc:
+                    failed.append(f"{entry.path}: {exc.strerror}")
+        if directory not in found.names:
+            _remove_empty(where, failed)
+    for directory in found.missing:  # deepest first: DEST, then the parents the pack made for it
+        if not _remove_empty(directory, failed):
+            break
+    if failed:
+        return f"what it wrote could not all be removed ({failed[0]})"
+    if found.missing:
+        return "nothing of it is kept: DEST does not exist, as before"
+    if planned.resume:
+        return "this run's chunks are removed: DEST holds the interrupted pack as it was"
+    replaced = [what for name, what in ((INDEX_NAME, "dataset"), (JOURNAL_DIR, "interrupted pack"))
+                if name in planned.remove]
+    if replaced:
+        return (f"what it wrote is removed, and DEST holds no {replaced[0]}: the one it held was removed before "
+                "packing" + (" (--force)" if force else ""))
+    return "what it wrote is removed: DEST is as it was"
+
+
+def _remove_empty(directory: Path, failed: list[str]) -> bool:
+    """rmdir: whether `directory` is gone; one that is not empty (someone else's files) is left, and said."""
+    try:
+        os.rmdir(directory)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        failed.append(f"{directory}: {exc.strerror}")
+        return False
+    return True

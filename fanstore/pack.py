@@ -2,7 +2,8 @@
 
 Interrupt it at any moment and run it again with the same arguments: finished chunks are kept (the journal says
 which), the rest is redone, and the result is byte-identical to an uninterrupted pack. Run it again once finished,
-SRC unchanged: there is nothing to do, and DEST is left as it is.
+SRC unchanged: there is nothing to do, and DEST is left as it is. A --fit pack that can no longer fit while packing
+(fit_watch.py) stops there and removes what it wrote, as if refused (dest.py).
 """
 
 from __future__ import annotations
@@ -27,8 +28,17 @@ from compressors.kinds import OTHER
 from .chunk_builder import ChunkBuilder
 from .codec_plan import ANY_KIND, CodecPlan, build_codec_plan
 from .compress import BlockLayout, PlanFiles, Skipped, WorkerPool, compress_in_order
-from .dest import check_dest, check_src_and_dest, discard_unrecorded_chunks, prepare_dest
+from .dest import (
+    check_dest,
+    check_src_and_dest,
+    dest_as_found,
+    discard_unrecorded_chunks,
+    files_of_ours,
+    prepare_dest,
+    undo_pack,
+)
 from .errors import DoesNotFit, PackError, UsageError
+from .fit_watch import FitWatch
 from .format import BLOCK_DTYPE, CHUNK_DTYPE, FLAG_BLOCKED, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, NO_CHUNK
 from .groups import GroupPlan
 from .index import EntryRecord, Index, IndexLayout, write_index_atomically
@@ -50,8 +60,9 @@ DEFAULT_BLOCK_SIZE = 1 << 20
 DEFAULT_BLOCKS_ABOVE = 4 << 20
 AUTO_CODEC = "auto"
 DEFAULT_TOLERANCE = 0.01  # selector.policy.DEFAULT_TOLERANCE (the selector is imported only with --codec auto)
-# The index takes about this much per entry besides its path (64-byte record, name offsets), measured on the
-# generated bench tree (114,204 entries, 12.8 MB): a total --fit counts it.
+# The index takes this much per entry besides its path: its 64-byte record, 8-byte path hash and 4-byte place in the
+# lookup order; beyond them only its table of contents and dictionaries (on the generated bench tree, 114,204
+# entries, 12.8 MB). A total --fit counts it; a pack watching its --fit counts it as the least the index takes.
 INDEX_BYTES_PER_ENTRY = 76
 PROGRESS_INTERVAL = 0.1  # seconds between progress callbacks: once per file costs more than packing a small file
 
@@ -135,7 +146,8 @@ def pack(
 ) -> PackSummary:
     """Pack SRC into the dataset directory DEST. `tree` is a walk of SRC the caller already made. With --codec
     auto, `on_selection` is given the selection before compressing starts (its predictions, for the person who
-    waits)."""
+    waits). DoesNotFit when --fit cannot be met: refused before DEST is written, or, once the chunk files written
+    can no longer fit, stopped with what this run wrote removed."""
     started = time.monotonic()
     _check_options(options)
     check_src_and_dest(Path(src), Path(dest))
@@ -181,7 +193,9 @@ def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: Sour
     selection = _selection(options, src_path, tree, groups, journal if dest_plan.resume else None)
     selection_seconds = time.monotonic() - selecting
     # The first write to DEST: every refusal (bad options, DEST, the selection, --fit) has been raised above it.
+    found = dest_as_found(dest_path)
     prepare_dest(dest_path, journal, fingerprint, listing_digest, options.force, dest_plan)
+    kept = files_of_ours(dest_path)  # what a pack stopped by its --fit keeps: all this run wrote goes
     pause_point("walked")
     if selection is not None and on_selection is not None:
         on_selection(selection)
@@ -197,6 +211,7 @@ def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: Sour
                            finished)
     start_file, start_block = builder.resume_from
     raw_total = sum(f.size for f in files)
+    watch = _fit_watch(options, selection, groups, tree, plan, raw_total)
     plan_files = PlanFiles([f.path for f in files], [f.size for f in files], file_groups, [f.ino for f in files],
                            [f.mtime_ns for f in files], [f.ctime_ns for f in files], options.block_layout)
     next_report = 0.0
@@ -219,6 +234,8 @@ def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: Sour
                 if skipped is not None:
                     raise PackError(f"--strict: {skipped.problem}")
             builder.add_batch(batch)
+            if watch is not None:
+                watch.check(builder.chunk_bytes(), builder.raw_done)
             if time.monotonic() >= next_report:
                 report()
                 next_report = time.monotonic() + PROGRESS_INTERVAL
@@ -234,6 +251,9 @@ def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: Sour
     except OSError as exc:
         builder.abort()
         raise _global_error(exc, dest_path) from None
+    except DoesNotFit as exc:  # the running total broke --fit: DEST goes back to what the command found
+        builder.abort()
+        raise DoesNotFit(f"{exc}; {undo_pack(dest_path, found, kept, dest_plan, options.force)}") from None
     except BaseException:
         builder.abort()
         raise
@@ -243,6 +263,16 @@ def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: Sour
     summary.reused_chunks = len(finished)
     summary.selection, summary.selection_seconds = selection, selection_seconds
     return summary
+
+
+def _fit_watch(options: PackOptions, selection: Selection | None, groups: GroupPlan, tree: SourceTree,
+               plan: CodecPlan, raw_total: int) -> FitWatch | None:
+    """With --fit, what the pack watches after each batch (fit_watch.py); None without."""
+    if not options.fit or selection is None:
+        return None
+    replicated = frozenset(number for number, group in enumerate(groups.table()) if group["replicated"])
+    return FitWatch.for_pack(options.fit, options.nodes, replicated, index_bytes_estimate(tree),
+                             sum(map(len, plan.dictionaries.values())), raw_total, selection.need())
 
 
 def _summarise(records: list[ChunkRecord], walk_problems: list[Problem]) -> PackSummary:
