@@ -24,12 +24,18 @@ One run measures, and prints as tables:
     whole top-level entries in name order up to about 150 MB; 30 MB with --quick): Python source and bytecode,
     shared libraries, fonts and data. Pack time is the pack's own, after the selection (which the user has
     already waited for when the estimate is printed); stored size is the files' stored bytes and the whole of DEST.
+  * the held-out tree (issue 33, bench/held_out_tree.py): a small training tree whose kind `other` is mostly one
+    3 MiB file of random bytes among 320 small compressible ones, which a sample drawn by files missed. A `--codec
+    auto --budget B` selection gives the bound of its prediction; a real pack (fanstore.pack.pack, pinned like the
+    CLI pack) with the same budget and `--fit` 2% above that bound then stores what it stores: its stored bytes
+    beside the prediction and its bound, and whether DEST fits. Only bytes are compared, so this section does not
+    wait for a quiet machine.
 
 A final section checks the project's targets. Timings are warm-cache (the page cache is not dropped; the source
 tree is read once first); each waits for a quiet machine and reports what other processes used meanwhile.
 
 Usage: python bench/bench_select.py [--cache DIR] [--quick] [--budget 800MB/s] [--prefetch-threads K]
-                                    [--whole-pack-only]
+                                    [--whole-pack-only | --held-out-only] [--json FILE]
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ import numpy as np
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
+from held_out_tree import write_held_out_tree  # noqa: E402
 from machine_load import machine_lines  # noqa: E402
 from bench_pack import (  # noqa: E402  (bench_pack puts this checkout first on sys.path)
     NOISY_OTHERS,
@@ -73,7 +80,7 @@ from compressors.kinds import HEAD_BYTES, JPEG, NPY, PNG, TEXT, file_kind  # noq
 from fanstore.units import parse_rate  # noqa: E402
 from selector import Selection  # noqa: E402
 from selector.measure import MB, READ_PATH_BATCH_FILES, read_path_batches  # noqa: E402
-from selector.policy import NONE_SPEC, Budget, choose  # noqa: E402
+from selector.policy import NONE_SPEC, Budget, choose, decimal_bytes  # noqa: E402
 
 PACK_BUDGET, PACK_THREADS = "800MB/s", 0  # the issue's example; --budget / --prefetch-threads change them
 TRADEOFF_BUDGETS_MBPS = (4000, 2000, 1000, 500, 200, 100, 0)
@@ -94,6 +101,9 @@ TARGET_STORED = 0.05  # predicted stored size within 5%
 
 REAL_TREE_BYTES = {False: 150_000_000, True: 30_000_000}
 REAL_TREE_VERSION = "bench_select site-packages copy v1"
+
+HELD_OUT_VERSION = "bench_select held-out tree v1"
+HELD_OUT_FIT_MARGIN = 0.02  # --fit of the held-out pack: the bound of a --budget selection's prediction, plus this
 
 CLI = [sys.executable, "-m", "fanstore"]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -452,10 +462,13 @@ def time_select(tree: LinkedTree, placement: Placement, runs: int, budget: str, 
     results = []
     for _ in range(runs):
         run = run_timed(placement.wrap([*CLI, *select_command(str(tree.root), budget, threads)]), env=ENV, cwd=REPO)
-        found = re.search(r"sample: ([\d,]+ files, [\d.]+ \w+) .*; measured in ([\d.]+) s", run.stdout)
+        # "sample: 1,555 files drawn by bytes (...), 48.2 MB (--sample ...), seed 0; measured in 9.1 s"
+        found = re.search(r"sample: ([\d,]+ files?)\b.*?, ([\d.]+ [kMGT]?i?B) \(.*; measured in ([\d.]+) s",
+                          run.stdout)
         if found is None:
             raise BenchError(f"cannot find the sample line in the output of fanstore select: {run.stdout[:200]!r}")
-        results.append(SelectRun(run.seconds, run.others, float(found.group(2)), found.group(1)))
+        results.append(SelectRun(run.seconds, run.others, float(found.group(3)),
+                                 f"{found.group(1)}, {found.group(2)}"))
     return results
 
 
@@ -614,6 +627,168 @@ def print_whole_packs(runs: list[WholePack], placement: Placement, budget: str, 
     print_table(whole_pack_table(runs), left=1)
 
 
+# --- the held-out tree (issue 33) ---------------------------------------------------------------------------
+
+
+def ensure_held_out(cache: Path) -> Path:
+    """bench/held_out_tree.py's tree under `cache`, written once (a marker says it is complete)."""
+    root, marker = cache / "held-out", cache / "held-out.complete"
+    if marker.is_file() and marker.read_text().strip().startswith(HELD_OUT_VERSION) and root.is_dir():
+        print(f"reusing {root}")
+        return root
+    marker.unlink(missing_ok=True)
+    shutil.rmtree(root, ignore_errors=True)
+    files, raw_bytes = write_held_out_tree(root)
+    marker.write_text(f"{HELD_OUT_VERSION} files={files} bytes={raw_bytes}\n")
+    return root
+
+
+def held_out_worker(src: Path, dest: Path, budget: str, threads: int, workers: int) -> None:
+    """Child process: the selection that plans the --fit (--budget alone: its prediction's bound), then the --fit
+    pack through fanstore.pack.pack; the figures as JSON on stdout. A pack refused or stopped by its --fit is a
+    figure too (its message), not a failure of the bench."""
+    from fanstore.errors import DoesNotFit
+    from fanstore.groups import GroupPlan
+    from fanstore.pack import PackOptions, make_goal, pack, select_for
+    from fanstore.walk import walk_source
+    from selector.sample import DEFAULT_FRACTION
+
+    rate = parse_rate(budget, "--budget")
+    tree = walk_source(src)
+    planning = select_for(src, tree, GroupPlan(()), rate, threads, DEFAULT_FRACTION, 0, make_goal(workers=workers))
+    fit = math.ceil(planning.need().total_bound * (1 + HELD_OUT_FIT_MARGIN))
+    options = PackOptions(codec="auto", budget=rate, prefetch_threads=threads, workers=workers, fit=fit)
+    record = {"fit": fit, "planning": planning.to_json(), "stopped": ""}
+    try:
+        summary = pack(src, dest, options, tree=tree)
+    except DoesNotFit as exc:
+        record["stopped"] = str(exc)
+    else:
+        assert summary.selection is not None
+        record.update(files=summary.files, raw_bytes=summary.raw_bytes, stored_bytes=summary.stored_bytes,
+                      dest_bytes=sum(path.stat().st_size for path in dest.rglob("*") if path.is_file()),
+                      selection=summary.selection.to_json())
+    print(json.dumps(record))
+
+
+@dataclass(frozen=True, slots=True)
+class HeldOut:
+    """The held-out tree's --fit pack beside what its selection predicted and bounded."""
+
+    src: Path
+    files: int
+    raw_bytes: int
+    fit: int
+    planning: Selection  # the --budget selection whose bound (+ HELD_OUT_FIT_MARGIN) is --fit
+    selection: Selection | None  # the pack's own (with --fit); None when the pack did not finish
+    stored_bytes: int  # the files' stored bytes, as the pack reports them
+    dest_bytes: int  # chunk files + index
+    stopped: str  # why the pack did not finish (--fit refused or broken while packing), else ""
+
+    @property
+    def predicted_stored(self) -> float:
+        return self.selection.predicted_blob_bytes() if self.selection is not None else math.nan
+
+    @property
+    def stored_bound(self) -> float:
+        """The files' stored bytes at the bound: the prediction plus the bound's margin on the whole."""
+        if self.selection is None:
+            return math.nan
+        need = self.selection.need()
+        return self.predicted_stored + need.total_bound - need.total
+
+    @property
+    def fits(self) -> bool:
+        return not self.stopped and self.dest_bytes <= self.fit
+
+    def to_json(self) -> dict[str, object]:
+        return {"src": str(self.src), "files": self.files, "raw_bytes": self.raw_bytes, "fit": self.fit,
+                "stored_bytes": self.stored_bytes, "predicted_stored": self.predicted_stored,
+                "stored_bound": self.stored_bound, "dest_bytes": self.dest_bytes,
+                "predicted_dest": self.selection.need().total if self.selection is not None else None,
+                "dest_bound": self.selection.need().total_bound if self.selection is not None else None,
+                "choices": self.selection.codec_by_kind() if self.selection is not None else None,
+                "planning_choices": self.planning.codec_by_kind(), "stopped": self.stopped}
+
+
+def held_out_pack(src: Path, workdir: Path, budget: str, threads: int, placement: Placement) -> HeldOut:
+    """Run held_out_worker pinned to `placement`, without waiting for a quiet machine (bytes only)."""
+    import subprocess
+
+    dest = workdir / "held-out-ds"
+    command = placement.wrap([sys.executable, str(Path(__file__).resolve()), "--held-out-worker", str(src),
+                              str(dest), budget, str(threads), str(len(placement.cpus))])
+    proc = subprocess.run(command, capture_output=True, text=True, env=ENV, cwd=REPO)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+        raise BenchError(f"the held-out pack exited {proc.returncode}: {last}")
+    record = json.loads(proc.stdout)
+    shutil.rmtree(dest, ignore_errors=True)
+    files, raw_bytes = tree_totals(src)
+    selection = Selection.from_json(record["selection"]) if "selection" in record else None
+    return HeldOut(src, files, raw_bytes, record["fit"], Selection.from_json(record["planning"]), selection,
+                   record.get("stored_bytes", 0), record.get("dest_bytes", 0), record["stopped"])
+
+
+def held_out_table(run: HeldOut) -> list[list[str]]:
+    def size(count: float) -> str:
+        return decimal_bytes(count) if math.isfinite(count) else "-"
+
+    dest_predicted = run.selection.need() if run.selection is not None else None
+    off = prediction_error(run.predicted_stored, run.stored_bytes) if run.stored_bytes else math.nan
+    return [["tree", "files", "raw", "--fit", "stored pred", "stored real", "off", "stored bound", "DEST pred",
+             "DEST real", "DEST bound", "fits"],
+            ["held-out tree", f"{run.files:,}", size(run.raw_bytes), size(run.fit), size(run.predicted_stored),
+             size(run.stored_bytes) if run.stored_bytes else "-", f"{off:+.1%}" if math.isfinite(off) else "-",
+             size(run.stored_bound), size(dest_predicted.total) if dest_predicted else "-",
+             size(run.dest_bytes) if run.dest_bytes else "-",
+             size(dest_predicted.total_bound) if dest_predicted else "-", "yes" if run.fits else "NO"]]
+
+
+def print_held_out(run: HeldOut, placement: Placement, budget: str, threads: int) -> None:
+    print(f"5. the held-out tree: `fanstore pack SRC DEST --codec auto --budget {budget} --prefetch-threads {threads} "
+          f"--workers {len(placement.cpus)} --fit F` (as fanstore.pack.pack, on {placement.label}), F the bound of a "
+          f"--budget selection's prediction + {HELD_OUT_FIT_MARGIN:.0%}")
+    print(f"   SRC: {run.src} (bench/held_out_tree.py): kind `other` is mostly one 3 MiB file of random bytes")
+    print(f"   planning selection: {', '.join(f'{k} {v}' for k, v in run.planning.codec_by_kind().items())}; "
+          f"{run.planning.need().describe()}")
+    if run.selection is not None:
+        print(f"   the pack's selection: "
+              f"{', '.join(f'{k} {v}' for k, v in run.selection.codec_by_kind().items())}")
+    print("   stored: the files' stored bytes; its bound: the prediction plus the one-sided 99% margin of the sample "
+          "(what --fit plans against); DEST: chunk files + index, predicted with the dictionaries and the index's "
+          "entries and paths (not its table of contents, which holds the selection record); off: (predicted - "
+          "real) / real; fits: DEST within --fit")
+    if run.stopped:
+        print(f"   the pack did not finish: {run.stopped}")
+    print_table(held_out_table(run), left=1)
+
+
+def held_out_targets(run: HeldOut) -> list[tuple[str, str, str]]:
+    if run.selection is None:
+        return [("held-out tree: the --fit pack finishes", run.stopped, "FAIL")]
+    off = prediction_error(run.predicted_stored, run.stored_bytes)
+    return [
+        (f"held-out tree: predicted stored size within {TARGET_STORED:.0%} of the real pack",
+         f"predicted {decimal_bytes(run.predicted_stored)}, real {decimal_bytes(run.stored_bytes)} ({off:+.1%})",
+         "PASS" if abs(off) <= TARGET_STORED else "FAIL"),
+        ("held-out tree: stored size within the bound of its prediction",
+         f"real {decimal_bytes(run.stored_bytes)}, bound {decimal_bytes(run.stored_bound)}",
+         "PASS" if run.stored_bytes <= run.stored_bound else "FAIL"),
+        ("held-out tree: DEST within the --fit that the selection accepted",
+         f"{decimal_bytes(run.dest_bytes)} of --fit {decimal_bytes(run.fit)}", "PASS" if run.fits else "FAIL"),
+    ]
+
+
+def run_held_out(cache: Path, budget: str, threads: int, placement: Placement) -> HeldOut:
+    src = ensure_held_out(cache)
+    tree_totals(src)  # warms the page cache
+    with tempfile.TemporaryDirectory(prefix="bench-select-held-out-", dir=cache) as tmp:
+        print(f"[held-out] --codec auto --budget {budget} --fit (its bound + {HELD_OUT_FIT_MARGIN:.0%}) ...",
+              flush=True)
+        return held_out_pack(src, Path(tmp), budget, threads, placement)
+
+
 # --- output -------------------------------------------------------------------------------------------------
 
 
@@ -688,6 +863,7 @@ class Results:
     selects: list[SelectRun]
     whole: list[WholePack]
     whole_notes: list[str]
+    held_out: HeldOut
 
 
 def print_predictions(r: Results) -> None:
@@ -777,10 +953,12 @@ def print_report(r: Results, notes: list[str]) -> None:
     print()
     print_whole_packs(r.whole, r.both, r.budget, r.threads, r.whole_notes)
     print()
+    print_held_out(r.held_out, r.both, r.budget, r.threads)
+    print()
     print("targets")
     for target, measured, verdict in (target_lines(predictions(r.packed.selection), r.kinds, r.speeds, r.selects,
                                                    r.linked, r.quick, len(r.both.cpus))
-                                      + whole_pack_targets(r.whole)):
+                                      + whole_pack_targets(r.whole) + held_out_targets(r.held_out)):
         print(f"  {verdict:<4}  {target}: {measured}")
 
 
@@ -797,10 +975,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help=f"budget of the auto pack and of the timed `fanstore select` (default {PACK_BUDGET})")
     parser.add_argument("--prefetch-threads", type=int, default=PACK_THREADS,
                         help=f"K of the auto pack and of the timed `fanstore select` (default {PACK_THREADS})")
-    parser.add_argument("--whole-pack-only", action="store_true",
+    choice = parser.add_mutually_exclusive_group()
+    choice.add_argument("--whole-pack-only", action="store_true",
                         help="only the whole-pack predictions (section 4) and their targets: a few minutes")
+    choice.add_argument("--held-out-only", action="store_true",
+                        help="only the held-out tree (section 5) and its targets: under a minute")
+    parser.add_argument("--json", type=Path, metavar="FILE",
+                        help="also write the held-out tree's figures (section 5) to FILE as JSON")
     parser.add_argument("--decode-worker", nargs=3, metavar=("DEST", "SRC", "PLAN"), help=argparse.SUPPRESS)
     parser.add_argument("--pack-worker", nargs=5, metavar=("SRC", "DEST", "BUDGET", "K", "WORKERS"),
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--held-out-worker", nargs=5, metavar=("SRC", "DEST", "BUDGET", "K", "WORKERS"),
                         help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -815,16 +1000,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         src, dest, budget, threads, workers = args.pack_worker
         pack_worker(Path(src), Path(dest), budget, int(threads), int(workers))
         return 0
+    if args.held_out_worker:
+        src, dest, budget, threads, workers = args.held_out_worker
+        held_out_worker(Path(src), Path(dest), budget, int(threads), int(workers))
+        return 0
     parse_rate(args.budget, "--budget")  # fail now, not after generating
     cpus = sorted(os.sched_getaffinity(0))
     pinned = Tools.find().taskset is not None
     one, both = Placement((cpus[0],), pinned), Placement(tuple(cpus[:2]), pinned)
     notes = [] if pinned else ["taskset not found (util-linux): nothing is pinned, placement not controlled"]
+    cache = args.cache.resolve()
+    cache.mkdir(parents=True, exist_ok=True)
+    if args.held_out_only:  # the held-out tree is one size, quick or not
+        held_out = run_held_out(cache, args.budget, args.prefetch_threads, both)
+        write_json(args.json, held_out)
+        print_held_out_report(held_out, both, args, notes)
+        return 0
     if args.quick:
         notes.append("quick run: the tree is so small that each kind's sample is a few files or a few hundred KiB, "
                      "so the predictions are rough; the full run answers the question")
-    cache = args.cache.resolve()
-    cache.mkdir(parents=True, exist_ok=True)
     src = ensure_generated(cache, args.quick, processes=len(cpus))
     src_files, src_bytes = tree_totals(src)  # also warms the page cache
     real = ensure_real_tree(cache, REAL_TREE_BYTES[args.quick], args.quick)
@@ -845,9 +1039,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"[select] fanstore select on {linked.raw_bytes / 2**30:.1f} GiB of hard links, "
           f"{SELECT_RUNS[args.quick]} run(s) ...", flush=True)
     selects = time_select(linked, both, SELECT_RUNS[args.quick], args.budget, args.prefetch_threads)
+    held_out = run_held_out(cache, args.budget, args.prefetch_threads, both)
+    write_json(args.json, held_out)
     print_report(Results(args.quick, args.budget, args.prefetch_threads, src, src_files, src_bytes, one, both,
-                         packed, kinds, speeds, decode_others, linked, selects, whole, whole_notes), notes)
+                         packed, kinds, speeds, decode_others, linked, selects, whole, whole_notes, held_out), notes)
     return 0
+
+
+def write_json(path: Path | None, held_out: HeldOut) -> None:
+    if path is not None:
+        path.write_text(json.dumps({"held_out": held_out.to_json()}, indent=1) + "\n")
+
+
+def print_held_out_report(held_out: HeldOut, placement: Placement, args: argparse.Namespace,
+                          run_notes: list[str]) -> None:
+    print()
+    print("bench_select --held-out-only: what a --fit pack of the held-out tree stores, beside its prediction")
+    for line in machine_lines():
+        print(line)
+    for note in run_notes:
+        print(f"note: {note}")
+    print()
+    print_held_out(held_out, placement, args.budget, args.prefetch_threads)
+    print()
+    print("targets")
+    for target, measured, verdict in held_out_targets(held_out):
+        print(f"  {verdict:<4}  {target}: {measured}")
 
 
 def whole_packs(cache: Path, generated: Path, real: Path, budget: str, threads: int,
