@@ -165,6 +165,14 @@ class Dataset:
     def close(self) -> None:
         self.reader.source.close()
 
+    def for_forked_child(self) -> "Dataset | None":
+        """In a process forked from the one that opened this dataset: the same dataset, its index shared with the
+        parent's memory (copy-on-write, never written) and its open chunk files taken over, so the child reads
+        without opening or reading anything again; None if its source cannot be carried over (the child opens
+        its own)."""
+        source = self.reader.source.for_forked_child()
+        return None if source is None else Dataset(self.index, source)
+
     def resolve(self, path: str | os.PathLike[str]) -> int:
         """Entry number of a path, following symlinks (they all stay inside the dataset)."""
         current = normalize_path(path)

@@ -76,6 +76,12 @@ class ChunkSource(ABC):
         """Counters worth showing an operator (where reads came from), or nothing."""
         return {}
 
+    def for_forked_child(self) -> "ChunkSource | None":
+        """In a process forked from the one that made this source: a source for the child that takes over the
+        descriptors the parent had open (inherited across the fork, valid as they are), or None when this source
+        cannot be carried over (sockets, threads) and the child must open its own."""
+        return None
+
     def close(self) -> None:
         """Release what the source holds open; reads after close raise ChunkUnavailable."""
 
@@ -112,7 +118,7 @@ class LocalChunkSource(ChunkSource):
     """Chunk files in a dataset directory on this node, opened on first use (type, header and size checked), read
     with pread, and kept open up to `max_open` at a time, least recently used closed first."""
 
-    def __init__(self, dataset_dir: str | os.PathLike[str], chunk_sizes: np.ndarray,
+    def __init__(self, dataset_dir: str | os.PathLike[str], chunk_sizes: np.ndarray | Sequence[int],
                  max_open: int | None = None) -> None:
         self._dir = Path(dataset_dir)
         self._sizes = [int(s) for s in chunk_sizes]
@@ -142,6 +148,32 @@ class LocalChunkSource(ChunkSource):
     def path(self, chunk_id: int) -> Path:
         """The chunk file, for messages."""
         return self._dir / chunk_file_name(chunk_id)
+
+    def open_ahead(self) -> int:
+        """Open (and check) chunk files now, up to the bound, so that processes forked from this one inherit
+        them: DataLoader workers, forked afresh each epoch, then open nothing on the shared file system (one open a
+        chunk per job, not one per worker per epoch). A chunk that cannot be opened is left for its reads to report.
+        Returns how many are open."""
+        for chunk_id in range(min(len(self._sizes), self._max_open)):
+            try:
+                self._release(self._acquire(chunk_id))
+            except ChunkError:
+                continue
+        with self._lock:
+            return len(self._open)
+
+    def for_forked_child(self) -> "LocalChunkSource":
+        """A source for a forked child over the same directory that owns the descriptors this (inherited) copy
+        held: the child's copy forgets them, so they are closed once, by the new source. No lock is taken: a
+        thread of the parent may have held it at the fork, and in the child no other thread runs."""
+        child = LocalChunkSource(self._dir, self._sizes, self._max_open)
+        if not self._closed:
+            for chunk_id, handle in self._open.items():
+                if not handle.retired:
+                    child._open[chunk_id] = _OpenChunk(handle.fd)
+        self._open = OrderedDict()
+        self._closed = True
+        return child
 
     def _acquire(self, chunk_id: int) -> _OpenChunk:
         with self._lock:

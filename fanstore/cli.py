@@ -251,7 +251,7 @@ def _run_pack(args: argparse.Namespace) -> int:
     def show(p: PackProgress) -> None:
         nonlocal bar
         if bar is None:
-            bar = tqdm(total=p.raw_total, unit="B", unit_scale=True, unit_divisor=1024, desc="packing",
+            bar = tqdm(total=p.raw_total, unit="B", unit_scale=True, unit_divisor=1000, desc="packing",
                        disable=args.quiet or None, file=sys.stderr, mininterval=0.25)
         if bar.disable:
             return
@@ -308,9 +308,7 @@ def _report_up_to_date(args: argparse.Namespace, options: PackOptions, summary: 
 def _check_fit(dest: Path, capacity: int, nodes: int, predicted: float) -> tuple[str, bool]:
     """The packed DEST measured against --fit, not predicted: the whole directory (chunk files and index), or with
     --nodes the fullest node of the placement `fanstore plan` and `fanstore serve` use. One line, and whether it
-    fits; sizes in the decimal units the selector reports --fit in."""
-    from selector.policy import decimal_bytes
-
+    fits."""
     if nodes:
         from .index import Index
         from .serve.placement import place
@@ -321,12 +319,12 @@ def _check_fit(dest: Path, capacity: int, nodes: int, predicted: float) -> tuple
     else:
         stored = sum(path.stat().st_size for path in dest.rglob("*") if path.is_file())
         where = "DEST takes"
-    off = f"predicted {decimal_bytes(predicted)}, {stored / predicted - 1:+.1%}" if predicted else "not predicted"
+    off = f"predicted {format_bytes(predicted)}, {stored / predicted - 1:+.1%}" if predicted else "not predicted"
     if stored <= capacity:
-        return (f"fit: {where} {decimal_bytes(stored)} of --fit {decimal_bytes(capacity)} ({stored / capacity:.0%}; "
+        return (f"fit: {where} {format_bytes(stored)} of --fit {format_bytes(capacity)} ({stored / capacity:.0%}; "
                 f"{off})"), True
-    return (f"does not fit: {where} {decimal_bytes(stored)}, {decimal_bytes(stored - capacity)} over --fit "
-            f"{decimal_bytes(capacity)} ({off})"), False
+    return (f"does not fit: {where} {format_bytes(stored)}, {format_bytes(stored - capacity)} over --fit "
+            f"{format_bytes(capacity)} ({off})"), False
 
 
 def _warn_failed_codecs(selection: Selection) -> None:
@@ -336,23 +334,19 @@ def _warn_failed_codecs(selection: Selection) -> None:
 
 def _announce_selection(selection: Selection) -> None:
     """What --codec auto chose and predicts, printed before compressing starts: the person waiting sees how long."""
-    from selector.policy import decimal_bytes
-
     _warn_failed_codecs(selection)
     need, estimate = selection.need(), selection.estimate()
     choices = ", ".join(f"{kind} {spec}" for kind, spec in selection.codec_by_kind().items()) or "nothing sampled"
     print(f"codec selection ({selection.seconds:.1f} s): {choices}")
     fit = ""
     if selection.goal.fit_bytes:
-        fit = (f"; {need.describe()} of --fit {decimal_bytes(selection.goal.fit_bytes)} "
+        fit = (f"; {need.describe()} of --fit {format_bytes(selection.goal.fit_bytes)} "
                f"({need.bytes / selection.goal.fit_bytes:.0%})")
-    print(f"predicted: {decimal_bytes(need.total)} stored with the index{fit}; pack {estimate.describe()}", flush=True)
+    print(f"predicted: {format_bytes(need.total)} stored with the index{fit}; pack {estimate.describe()}", flush=True)
 
 
 def _predicted_beside_packed(summary: PackSummary) -> str:
     """The pack's time (the selection not counted) and stored bytes beside what the selection predicted."""
-    from selector.policy import decimal_bytes
-
     selection = summary.selection
     if selection is None:
         return "no prediction: not packed with --codec auto"
@@ -565,7 +559,8 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fanstore", **_command_help(
         "Compressed, read-only training datasets: pack a directory tree once, then read any file of it fast, "
         "through a mount, the Python API (fanstore.open_dataset) or, across the nodes of a job, `fanstore serve`. "
-        "`fanstore COMMAND --help` says more of each command.",
+        "`fanstore COMMAND --help` says more of each command. Sizes are printed in SI units (kB, MB, GB: powers of "
+        "1000), as speeds are in MB/s; a SIZE option takes either kind: 64MB, or 64MiB for powers of 1024.",
         [(0, "the command did what it was asked"), _ERROR, _USAGE,
          ("other", "each command's --help lists its own")],
         "fanstore demo"))

@@ -59,8 +59,8 @@ class JobMemory:
         return self.cgroup is not None and self.cgroup.left < self.machine_available
 
     def describe(self) -> str:
-        """Where `available` comes from, for a log line or a refusal: "the 3.6 GiB left in this job's memory
-        cgroup /slurm/job_42 (limit 4.8 GiB, 1.2 GiB in use)"."""
+        """Where `available` comes from, for a log line or a refusal: "the 3.6 GB left in this job's memory
+        cgroup /slurm/job_42 (limit 4.8 GB, 1.2 GB in use)"."""
         said = f"the machine's available memory, {format_bytes(self.machine_available)} (MemAvailable)"
         if self.cgroup is None:
             return said

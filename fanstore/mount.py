@@ -34,7 +34,7 @@ from .format import CHUNK_DIR, INDEX_NAME
 from .job_memory import JobMemory, job_memory
 from .kernel_holds import KernelHolds
 from .prefetch import FileOrder, Prefetcher, read_prefetch_list
-from .units import format_bytes
+from .units import format_bytes, size_option
 
 log = logging.getLogger("fanstore.mount")
 
@@ -72,7 +72,8 @@ class CacheBound:
     why: str  # "--cache-size", or what the default is a fraction of
 
     def describe(self) -> str:
-        return f"cache {format_bytes(self.size)}: {self.why}"
+        given = f" {size_option(self.size)}" if self.why == "--cache-size" else ""  # as it was given, exactly
+        return f"cache {format_bytes(self.size)}: {self.why}{given}"
 
 
 def cache_bound(cache_size: int | None, memory: JobMemory | None = None, shared_by: int = 1) -> CacheBound:
@@ -86,7 +87,7 @@ def cache_bound(cache_size: int | None, memory: JobMemory | None = None, shared_
     if cache_size is not None:
         if cache_size * shared_by > memory.available:
             log.warning("--cache-size %s%s is more than %s: the job may be killed for its memory once the caches "
-                        "fill", format_bytes(cache_size), f" on each of {shared_by} ranks" if shared_by > 1 else "",
+                        "fill", size_option(cache_size), f" on each of {shared_by} ranks" if shared_by > 1 else "",
                         memory.describe())
         return CacheBound(cache_size, "--cache-size")
     why = f"a quarter of {memory.describe()}"

@@ -1,6 +1,10 @@
-"""Human sizes on the command line (`64MiB`, `512K`, `1GB`), parsed in one place.
+"""Human sizes on the command line (`64MiB`, `512K`, `1GB`), parsed in one place; and sizes and counts as every
+command prints them, formatted in one place.
 
-Follows coreutils: `K`, `M`, `G` and `KiB`, `MiB`, `GiB` are powers of 1024; `KB`, `MB`, `GB` powers of 1000.
+Parsing follows coreutils: `K`, `M`, `G` and `KiB`, `MiB`, `GiB` are powers of 1024; `KB`, `MB`, `GB` powers of
+1000. Printing uses one unit family, SI's powers of 1000 (kB, MB, GB), as the speeds beside the sizes do (MB/s):
+a size and a speed on one line then divide without a conversion, and --fit 500GB reads back as 500 GB. An option's
+own value is echoed as the option takes it (`--chunk-size 64MiB`), exactly: see size_option.
 """
 
 from __future__ import annotations
@@ -28,15 +32,40 @@ def parse_size(text: str, option: str = "size", minimum: int = 1) -> int:
     return int(value)
 
 
+_SI_UNITS = ("kB", "MB", "GB", "TB", "PB")
+
+
 def format_bytes(count: float) -> str:
-    """A byte count a person reads at a glance: 1.5 GiB, 12.0 KiB, 17 B."""
-    if count < 1024:
-        return f"{int(count)} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        count /= 1024
-        if count < 1024:
-            return f"{count:.1f} {unit}"
-    return f"{count:.1f} PiB"
+    """A byte count a person reads at a glance, in SI units to three significant digits: 17 B, 6.1 kB, 12.7 MB,
+    950 MB, 1.5 GB. (selector.policy.decimal_bytes prints the same: the selector knows nothing of fanstore.)"""
+    value = float(count)
+    if abs(round(value)) < 1000:
+        return f"{value:.0f} B"
+    for unit in _SI_UNITS:
+        value /= 1000
+        if abs(float(f"{value:.3g}")) < 1000:  # 999.96 kB would round to 1e+03 kB: it is 1 MB
+            return f"{value:.3g} {unit}"
+    return f"{value:,.0f} {_SI_UNITS[-1]}"
+
+
+# Exact units for echoing an option's value, largest first; a value that is none of their multiples is echoed
+# in bytes.
+_EXACT_UNITS = (("TiB", 1 << 40), ("TB", 10**12), ("GiB", 1 << 30), ("GB", 10**9), ("MiB", 1 << 20),
+                ("MB", 10**6), ("KiB", 1 << 10), ("kB", 10**3))
+
+
+def size_option(count: int) -> str:
+    """A size as a SIZE option takes it and gives it back exactly: 64MiB, 500GB, 4097 (what parse_size reads as
+    `count`), for echoing options: `--chunk-size 64MiB`, where format_bytes would say 67.1 MB."""
+    for unit, scale in _EXACT_UNITS:
+        if count >= scale and count % scale == 0:
+            return f"{count // scale}{unit}"
+    return str(count)
+
+
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """`count` and the noun it takes: 1 file, 2 files, 1,883 files (`nouns` where adding an s is wrong)."""
+    return f"{count:,} {noun if count == 1 else nouns or noun + 's'}"
 
 
 _RATE_RE = re.compile(r"^\s*(.+?)\s*/\s*s(?:ec)?\s*$", re.IGNORECASE)

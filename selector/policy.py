@@ -525,10 +525,22 @@ def _shortfall(strongest: Need, budget: Budget, goal: Goal) -> str:
 
 
 def decimal_bytes(count: float) -> str:
-    """A size in decimal units, as --fit and --budget are usually given: 10 GB, 12.3 GB, 950 MB."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(count) >= scale:
-            value = count / scale
-            text = f"{value:.3g}" if value < 1000 else f"{value:,.0f}"
-            return f"{text} {unit}"
-    return f"{count:.0f} B"
+    """A size in SI units to three significant digits, as --fit and --budget are usually given: 10 GB, 12.3 GB,
+    950 MB. The same text as fanstore.units.format_bytes, which every fanstore command prints sizes with (the
+    selector knows nothing of fanstore; a test holds the two equal)."""
+    value = float(count)
+    if abs(round(value)) < 1000:
+        return f"{value:.0f} B"
+    for unit in _SI_UNITS:
+        value /= 1000
+        if abs(float(f"{value:.3g}")) < 1000:  # 999.96 kB would round to 1e+03 kB: it is 1 MB
+            return f"{value:.3g} {unit}"
+    return f"{value:,.0f} {_SI_UNITS[-1]}"
+
+
+_SI_UNITS = ("kB", "MB", "GB", "TB", "PB")
+
+
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """`count` and the noun it takes: 1 worker, 2 workers, 1,000 files (as fanstore.units.plural)."""
+    return f"{count:,} {noun if count == 1 else nouns or noun + 's'}"

@@ -55,7 +55,7 @@ def test_without_a_memory_cgroup_limit_the_machines_available_memory_is_the_answ
     memory = job_memory(root)
     assert memory == JobMemory(12 * GIB, None)
     assert memory.available == 12 * GIB
-    assert memory.describe() == "the machine's available memory, 12.0 GiB (MemAvailable)"
+    assert memory.describe() == "the machine's available memory, 12.9 GB (MemAvailable)"
 
 
 def test_a_v1_job_limit_below_the_machines_memory_bounds_it_and_page_cache_counts_as_room(tmp_path):
@@ -71,8 +71,8 @@ def test_a_v1_job_limit_below_the_machines_memory_bounds_it_and_page_cache_count
     memory = job_memory(root)
     assert memory.cgroup == CgroupLimit(job, 1, 4 * GIB, 1024 * MIB)
     assert memory.available == 3 * GIB
-    assert memory.describe() == ("the 3.0 GiB left in this job's memory cgroup /slurm/uid_1000/job_42 (limit 4.0 GiB, "
-                                 "1.0 GiB in use)")
+    assert memory.describe() == ("the 3.22 GB left in this job's memory cgroup /slurm/uid_1000/job_42 (limit 4.29 GB, "
+                                 "1.07 GB in use)")
 
 
 def test_the_cgroup_that_leaves_least_room_binds_not_the_nearest(tmp_path):
@@ -98,8 +98,8 @@ def test_a_limit_above_what_the_machine_has_leaves_the_machine_as_the_bound_and_
     root = fake_system(tmp_path, V1_MOUNTS, "4:memory:/job\n", files, available=10 * GIB)
     memory = job_memory(root)
     assert memory.available == 10 * GIB and not memory.bound_by_cgroup
-    assert memory.describe() == ("the machine's available memory, 10.0 GiB (MemAvailable); this job's memory cgroup "
-                                 "/job (limit 64.0 GiB, 1.0 GiB in use) leaves more")
+    assert memory.describe() == ("the machine's available memory, 10.7 GB (MemAvailable); this job's memory cgroup "
+                                 "/job (limit 68.7 GB, 1.07 GB in use) leaves more")
 
 
 def test_cgroup_v2_memory_max_and_current_with_max_meaning_none(tmp_path):
@@ -164,16 +164,16 @@ def test_the_cache_default_is_a_quarter_of_what_the_job_may_use_and_says_which(c
     limited = JobMemory(20 * GIB, CgroupLimit("/slurm/job_42", 1, int(4.8 * GIB), 0))
     bound = cache_bound(None, limited)
     assert bound.size == int(1.2 * GIB)
-    assert bound.describe() == ("cache 1.2 GiB: a quarter of the 4.8 GiB left in this job's memory cgroup "
-                                "/slurm/job_42 (limit 4.8 GiB, 0 B in use)")
+    assert bound.describe() == ("cache 1.29 GB: a quarter of the 5.15 GB left in this job's memory cgroup "
+                                "/slurm/job_42 (limit 5.15 GB, 0 B in use)")
     shared = cache_bound(None, limited, shared_by=3)
     assert shared.size == int(1.2 * GIB / 3)
     assert shared.why.endswith(", split among the 3 ranks on this host that draw on it")
     assert cache_bound(None, JobMemory(8 * GIB, None)).describe() == \
-        "cache 2.0 GiB: a quarter of the machine's available memory, 8.0 GiB (MemAvailable)"
+        "cache 2.15 GB: a quarter of the machine's available memory, 8.59 GB (MemAvailable)"
     with caplog.at_level(logging.WARNING, logger="fanstore.mount"):
         assert cache_bound(GIB, limited).size == GIB
         assert caplog.text == ""
-        assert cache_bound(2 * GIB, limited, shared_by=3).describe() == "cache 2.0 GiB: --cache-size"
-    assert "--cache-size 2.0 GiB on each of 3 ranks is more than the 4.8 GiB left in this job's memory cgroup" \
+        assert cache_bound(2 * GIB, limited, shared_by=3).describe() == "cache 2.15 GB: --cache-size 2GiB"
+    assert "--cache-size 2GiB on each of 3 ranks is more than the 5.15 GB left in this job's memory cgroup" \
         in caplog.text

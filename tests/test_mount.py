@@ -642,7 +642,7 @@ def test_cache_stays_within_its_bound_over_three_epochs(tmp_path):
     total = 48 * 1024 * 1024
     assert peak - before < cache_size + 12 * (1 << 20), (peak - before, total)
     assert "evictions" in mount.log.read_text()
-    assert f"{mount.mountpoint}: cache 4.0 MiB: --cache-size\n" in mount.log.read_text()
+    assert f"{mount.mountpoint}: cache 4.19 MB: --cache-size 4MiB\n" in mount.log.read_text()
 
 
 def test_the_default_cache_is_a_quarter_of_what_the_job_may_use_and_the_log_says_which(packed, tmp_path):

@@ -1061,8 +1061,8 @@ def test_a_job_in_a_memory_cgroup_fits_its_caches_to_the_limit_and_is_not_killed
     chosen = re.findall(r"^  cache (.*)$", out, re.M)
     assert len(chosen) == RANKS, out
     for line in chosen:
-        assert re.fullmatch(rf"\S+ MiB: a quarter of the \S+ MiB left in this job's memory cgroup "
-                            rf"{re.escape(cgroup.name)} \(limit 512\.0 MiB, \S+ MiB in use\), split among the 3 ranks "
+        assert re.fullmatch(rf"\S+ [kMG]?B: a quarter of the \S+ [kMG]?B left in this job's memory cgroup "
+                            rf"{re.escape(cgroup.name)} \(limit 537 MB, \S+ [kMG]?B in use\), split among the 3 ranks "
                             rf"on this host that draw on it", line), line
 
 
@@ -1098,10 +1098,10 @@ def test_a_share_that_cannot_fit_the_jobs_memory_cgroup_is_refused_at_start_nami
     for rank, line in enumerate(lines):
         others = ", ".join(str(other) for other in range(RANKS) if other != rank)
         assert re.fullmatch(rf"fanstore: error: rank {rank} on \S+: --local-dir {local}/local{rank}: not enough "
-                            rf"memory: it is on a tmpfs, whose files take the job's memory: needs 288\.0 MiB "
-                            rf"\(\d+ bytes\), 864\.0 MiB with ranks {others} on this host under the same memory "
-                            rf"cgroup, the \S+ MiB left in this job's memory cgroup {re.escape(cgroup.name)} "
-                            rf"\(limit 256\.0 MiB, \S+ MiB in use\), for its share of the chunk files \(\d+ bytes\) "
+                            rf"memory: it is on a tmpfs, whose files take the job's memory: needs 302 MB "
+                            rf"\(\d+ bytes\), 906 MB with ranks {others} on this host under the same memory "
+                            rf"cgroup, the \S+ [kMG]?B left in this job's memory cgroup {re.escape(cgroup.name)} "
+                            rf"\(limit 268 MB, \S+ [kMG]?B in use\), for its share of the chunk files \(\d+ bytes\) "
                             rf"and its copy of DEST's index \(\d+ bytes\)", line), line
     assert copied == []
 

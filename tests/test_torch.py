@@ -131,6 +131,40 @@ def test_forked_workers_look_the_paths_up_again_when_the_dataset_changed_on_disk
     assert [data for batch in loader for data in batch] == [b"b" * 100, b"c, rewritten"]
 
 
+def test_forked_workers_open_nothing_again_every_epoch(tmp_path):
+    """A DataLoader forks its workers afresh each epoch; on a shared file system each opening the index and every
+    chunk file again is W x (chunks + 1) opens an epoch. They take the parent's instead: here the chunk files are
+    removed and the index file's bytes overwritten in place (same inode, size and mtime) once the parent has opened
+    the dataset, and two epochs of forked workers still read every file; spawned workers, which must open their
+    own, meet the damage."""
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(3)
+    expected = {}
+    for number in range(40):  # random bytes: stored as they are, about 4 KiB a file, several chunks
+        expected[f"f{number:02d}"] = rng.integers(0, 256, 3000 + 97 * number, dtype=np.uint8).tobytes()
+        (src / f"f{number:02d}").write_bytes(expected[f"f{number:02d}"])
+    dest = tmp_path / "dest"
+    pack(src, dest, PackOptions(codec="zstd:3", chunk_size=16 * 1024, workers=1))
+    chunk_files = sorted((dest / "chunks").iterdir())
+    assert len(chunk_files) > 3
+    dataset = FileDataset(dest)
+    assert len(dataset) == 40  # opened in this process: the index and (for the workers it forks) the chunk files
+    for chunk_file in chunk_files:
+        chunk_file.unlink()
+    index_file = dest / INDEX_NAME
+    info = index_file.stat()
+    with open(index_file, "r+b") as damaged:
+        damaged.write(b"\xff" * info.st_size)
+    os.utime(index_file, ns=(info.st_atime_ns, info.st_mtime_ns))
+    loader = DataLoader(dataset, batch_size=4, num_workers=2, collate_fn=list, multiprocessing_context="fork")
+    for _ in range(2):
+        assert [data for batch in loader for data in batch] == [expected[path] for path in dataset.paths]
+    spawned = DataLoader(dataset, batch_size=4, num_workers=1, collate_fn=list, multiprocessing_context="spawn")
+    with pytest.raises(Exception, match=INDEX_NAME):
+        next(iter(spawned))
+
+
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_image_folder_matches_torchvision_classes_samples_and_labels(packed, context):
     src, dest = packed

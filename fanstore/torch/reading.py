@@ -17,6 +17,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..api import Dataset, open_dataset
+from ..chunk_source import LocalChunkSource
+from ..format import INDEX_NAME
 from ..daemon_tuning import keep_freed_memory
 from ..index import Index
 from .plan import EpochPlan
@@ -73,6 +75,30 @@ def _decode_batch(read: Callable[[int], bytes], entries: list[int]) -> dict[int,
     return decoded
 
 
+def _take_over(inherited: "ProcessReading | None", source: str | None) -> Dataset | None:
+    """The parent's open dataset, carried into this forked process: its index (shared memory, copy-on-write) and its
+    open chunk files. A DataLoader forks its workers afresh every epoch (persistent_workers off, the default); each
+    opening the index and every chunk file again would cost W x (chunks + 1) opens an epoch on the shared file
+    system, and a private copy of the index each. None where nothing can be taken (spawned workers, under serve,
+    another source): the process opens its own."""
+    if inherited is None or source is None or inherited.source != source:
+        return None
+    if inherited.index_file is None or _index_file(source) != inherited.index_file:
+        return None  # packed again since the parent opened it (one stat, not an open): read what is there now
+    return inherited.dataset.for_forked_child()
+
+
+def _index_file(source: str | None) -> tuple[int, int, int, int] | None:
+    """Which index file a dataset directory holds (device, inode, size, mtime), or None (none, or under serve)."""
+    if source is None:
+        return None
+    try:
+        info = os.stat(os.path.join(source, INDEX_NAME))
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
+
+
 def _same_index(one: Index, other: Index) -> bool:
     """Whether two loaded indexes hold the same entries and paths, byte for byte (a memory compare: milliseconds
     for a million files, where looking their paths up again takes seconds)."""
@@ -89,13 +115,19 @@ class ProcessReading:
     def __init__(self, source: str | None, paths: Sequence[str] | None, plan: Callable[[], EpochPlan | None],
                  prefetch_bytes: int, prefetch_threads: int, inherited: "ProcessReading | None" = None) -> None:
         self.pid = os.getpid()
-        if _in_a_dataloader_worker():
+        self.source = source
+        in_a_worker = _in_a_dataloader_worker()
+        if in_a_worker:
             # A worker decodes all day: glibc would map each decoded file afresh (files of 128 KiB and more) and
             # fault it in page by page. The mount's daemon keeps freed buffers for reuse; so does a worker.
             keep_freed_memory()
-        self.dataset = open_source(source)
+        taken = _take_over(inherited, source)
+        self.index_file = _index_file(source) if taken is None else inherited.index_file  # type: ignore[union-attr]
+        self.dataset = taken if taken is not None else open_source(source)
         index = self.dataset.index
-        if inherited is not None and _same_index(inherited.dataset.index, index):
+        if taken is not None:  # the parent's index itself: its items are this process's
+            self.entries = inherited.entries  # type: ignore[union-attr]
+        elif inherited is not None and _same_index(inherited.dataset.index, index):
             # A forked worker: the parent's items are this index's too (the same bytes), so it need not look up a
             # million paths again. Only the array is taken; the parent's open files stay the parent's.
             self.entries = inherited.entries
@@ -104,6 +136,8 @@ class ProcessReading:
             self.entries = self.entries[np.argsort([index.path_of(int(e)) for e in self.entries], kind="stable")]
         else:
             self.entries = self.dataset.resolve_many(paths)
+        if source is not None and not in_a_worker and isinstance(self.dataset.reader.source, LocalChunkSource):
+            self.dataset.reader.source.open_ahead()  # for the workers this process forks (see _take_over)
         self._sizes = index.entries["size"]
         self._plan = plan  # the holder's plan, looked up each batch: an EpochSampler may come after the first read
         self._plan_serial = -1
