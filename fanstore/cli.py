@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .errors import DoesNotFit, FanstoreError, UsageError, quoted, say_line
-from .units import format_bytes, parse_size
+from .units import format_bytes, parse_size, plural
 
 if TYPE_CHECKING:
     from selector import Selection
@@ -354,10 +354,11 @@ def _predicted_beside_packed(summary: PackSummary) -> str:
     if not blobs or not estimate.seconds:
         return "no prediction: the selector's sample was empty"
     packing = summary.seconds - summary.selection_seconds
-    resumed = f", resumed: {summary.reused_chunks} chunks were already packed" if summary.reused_chunks else ""
+    resumed = (f", resumed: {plural(summary.reused_chunks, 'chunk')} {'was' if summary.reused_chunks == 1 else 'were'} "
+               "already packed" if summary.reused_chunks else "")
     return (f"pack time {packing:.1f} s after the selection (predicted {estimate.seconds:.1f} s, "
-            f"{packing / estimate.seconds - 1:+.0%}{resumed}); stored {decimal_bytes(summary.stored_bytes)} "
-            f"(predicted {decimal_bytes(blobs)}, {summary.stored_bytes / blobs - 1:+.1%})")
+            f"{packing / estimate.seconds - 1:+.0%}{resumed}); stored {format_bytes(summary.stored_bytes)} "
+            f"(predicted {format_bytes(blobs)}, {summary.stored_bytes / blobs - 1:+.1%})")
 
 
 def _run_select(args: argparse.Namespace) -> int:
