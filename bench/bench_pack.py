@@ -266,10 +266,10 @@ def pack_once(src: Path, dest: Path, codec: str, workers: int, placement: Placem
                               "--quiet"])
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     run = run_timed(command, env=env, cwd=REPO)
-    skipped = re.search(r"(\d+) skipped", run.stdout)
+    skipped = re.search(r"([\d,]+) skipped", run.stdout)
     stored = directory_bytes(dest)
     shutil.rmtree(dest)
-    return PackRun(run.seconds, run.others, stored, int(skipped.group(1)) if skipped else -1)
+    return PackRun(run.seconds, run.others, stored, int(skipped.group(1).replace(",", "")) if skipped else -1)
 
 
 def skipped_note(runs: Sequence[PackRun]) -> str:

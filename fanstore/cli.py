@@ -273,13 +273,11 @@ def _run_pack(args: argparse.Namespace) -> int:
 
         print(f"warning: ... and {len(summary.problems) - _WARNINGS_SHOWN} more skipped "
               f"({all_skipped_command(args.dest)} lists them all)", file=sys.stderr)
-    reused = f", {summary.reused_chunks} chunks kept from the interrupted run" if summary.reused_chunks else ""
-    print(
-        f"packed {summary.files:,} files into {summary.chunks} chunks{reused}: "
-        f"{format_bytes(summary.raw_bytes)} raw, {format_bytes(summary.stored_bytes)} stored, "
-        f"ratio {summary.ratio:.2f}x, {summary.seconds:.1f} s, {summary.mb_per_s:.1f} MB/s, "
-        f"{len(summary.problems)} skipped"
-    )
+    reused = (f", {plural(summary.reused_chunks, 'chunk')} kept from the interrupted run" if summary.reused_chunks
+              else "")
+    print(f"packed {plural(summary.files, 'file')} into {plural(summary.chunks, 'chunk')}{reused}: "
+          f"{format_bytes(summary.raw_bytes)} raw, {format_bytes(summary.stored_bytes)} stored, ratio "
+          f"{summary.ratio:.2f}x, {_pack_time(summary)}, {len(summary.problems):,} skipped")
     if summary.selection is None:
         return 0
     print(_predicted_beside_packed(summary))
@@ -290,13 +288,25 @@ def _run_pack(args: argparse.Namespace) -> int:
     return 0 if fits else EXIT_DOES_NOT_FIT
 
 
+def _pack_time(summary: PackSummary) -> str:
+    """The pack's time and speed, the codec selection's time apart (it is no part of packing), and no speed for a
+    resumed pack (some of its bytes were packed by the interrupted run)."""
+    selecting = (f" after {summary.selection_seconds:.1f} s choosing codecs" if summary.selection is not None
+                 and summary.selection_seconds else "")
+    packing = summary.seconds - summary.selection_seconds
+    took = f"{packing:.1f} s" if packing >= 1 else f"{packing:.2f} s"
+    if summary.reused_chunks:  # part of raw_bytes was packed before: no speed can be told
+        return f"{took} this run{selecting}"
+    return f"{took} at {summary.mb_per_s:,.1f} MB/s{selecting}"
+
+
 def _report_up_to_date(args: argparse.Namespace, options: PackOptions, summary: PackSummary) -> int:
     """A second run of a finished pack: one line saying there is nothing to do, and, with --fit, whether DEST fits
     (the exit status the first run gave)."""
     skipped = f", {len(summary.problems):,} skipped" if summary.problems else ""
     print(f"nothing to do: {args.dest} already holds this pack of {args.src}, the same files with the same options "
-          f"({summary.files:,} files, {format_bytes(summary.raw_bytes)} raw, {format_bytes(summary.stored_bytes)} "
-          f"stored{skipped}); --force packs it again")
+          f"({plural(summary.files, 'file')}, {format_bytes(summary.raw_bytes)} raw, "
+          f"{format_bytes(summary.stored_bytes)} stored{skipped}); --force packs it again")
     if not options.fit:
         return 0
     predicted = summary.selection.need().bytes if summary.selection is not None else 0
@@ -395,9 +405,9 @@ def _run_verify(args: argparse.Namespace) -> int:
         print(f"BAD CHUNK {chunk}: {problem}")
     for bad in report.bad:
         print(f"BAD {bad}")
-    chunks = f", {len(report.bad_chunks)} bad chunk(s)" if report.bad_chunks else ""
-    print(f"checked {report.files_checked:,} files ({format_bytes(report.raw_bytes)}): "
-          f"{len(report.bad)} bad{chunks}")
+    chunks = f", {plural(len(report.bad_chunks), 'bad chunk file')}" if report.bad_chunks else ""
+    print(f"checked {plural(report.files_checked, 'file')} ({format_bytes(report.raw_bytes)}): "
+          f"{len(report.bad):,} bad{chunks}")
     return 0 if report.ok else EXIT_FAILURE
 
 
@@ -439,8 +449,9 @@ def _describe_plan(dest: str, chunk_count: int, placement: Placement, capacity: 
         f"dataset      {dest}",
         f"nodes        {nodes:,}",
         f"chunks       {chunk_count:,}: {chunk_count - replicated:,} spread, {replicated:,} replicated; "
-        f"{len(split):,} split between nodes ({split_pieces:,} pieces)",
-        f"spread       per node {_spread_of(spread)}" + (f"; {empty:,} nodes store none" if empty else ""),
+        f"{len(split):,} split between nodes ({plural(split_pieces, 'piece')})",
+        f"spread       per node {_spread_of(spread)}"
+        + (f"; {plural(empty, 'node stores', 'nodes store')} none" if empty else ""),
         f"replicated   {format_bytes(placement.replicated_bytes)} on every node",
         f"total        per node {_spread_of(total)}",
     ]
@@ -454,8 +465,8 @@ def _describe_plan(dest: str, chunk_count: int, placement: Placement, capacity: 
     else:
         over = sum(share > capacity for share in total)
         lines.append(f"capacity     does not fit: the fullest node stores {format_bytes(fullest)}, "
-                     f"{format_bytes(fullest - capacity)} over {format_bytes(capacity)} ({over:,} of {nodes:,} "
-                     f"nodes over)")
+                     f"{format_bytes(fullest - capacity)} over {format_bytes(capacity)} ({over:,} of "
+                     f"{plural(nodes, 'node')} over)")
     lines.append(f"staging      {format_bytes(placement.staging_read_bytes())} read from DEST (each stored byte once; "
                  f"a replicated chunk by one node, which sends it on)")
     return lines, fits

@@ -10,7 +10,7 @@ import numpy as np
 
 from .api import Dataset
 from .format import FLAG_BLOCKED, FORMAT_MAJOR, FORMAT_MINOR, NO_CHUNK, chunk_file_name
-from .units import format_bytes
+from .units import format_bytes, plural, size_option
 from .verify import chunk_problems
 
 SKIPPED_SHOWN = 50  # skipped paths `fanstore info` lists unless asked for all
@@ -40,8 +40,9 @@ def describe_dataset(ds: Dataset, all_skipped: bool = False) -> str:
     blocked = int(np.count_nonzero(entries["flags"] & FLAG_BLOCKED))
     if blocked:
         noun = "large file" if blocked == 1 else "large files"
-        lines.append(f"blocks       {blocked:,} {noun} in {len(index.blocks):,} blocks of "
-                     f"{format_bytes(index.block_size)}, each decodable alone")
+        lines.append(f"blocks       {blocked:,} {noun} in {plural(len(index.blocks), 'block')} of "
+                     f"{format_bytes(index.block_size)} (--block-size {size_option(index.block_size)}), each "
+                     "decodable alone")
     lines.extend(_describe_chunk_files(ds))
     lines.extend(["", "groups:"])
     # A file's group is its chunk's; empty files have no chunk and count as group 0.
@@ -54,7 +55,7 @@ def describe_dataset(ds: Dataset, all_skipped: bool = False) -> str:
         where = "every node" if group["replicated"] else "spread over nodes"
         patterns = f" ({', '.join(group['patterns'])})" if group.get("patterns") else ""
         lines.append(
-            f"  {group['name']:<11} {where}{patterns}: {len(chosen):,} files, {chunk_count:,} chunks, "
+            f"  {group['name']:<11} {where}{patterns}: {plural(len(chosen), 'file')}, {plural(chunk_count, 'chunk')}, "
             f"{format_bytes(int(chosen['stored_len'].sum()))} stored"
         )
     lines.append("")
@@ -63,13 +64,17 @@ def describe_dataset(ds: Dataset, all_skipped: bool = False) -> str:
     width = max(map(len, names), default=0)
     for number, row in enumerate(index.codecs):
         chosen = files[files["codec"] == number]
-        if not len(chosen) and number == 0 and row["spec"] == "none":
-            continue
         c_raw, c_stored = int(chosen["size"].sum()), int(chosen["stored_len"].sum())
-        lines.append(
-            f"  {names[number]:<{width}}  {len(chosen):,} files, {format_bytes(c_raw)} -> "
-            f"{format_bytes(c_stored)} ({c_raw / c_stored if c_stored else 1.0:.2f}x)"
-        )
+        if row["spec"] == "none":
+            if len(chosen):
+                lines.append(f"  {names[number]:<{width}}  {plural(len(chosen), 'file')}, {format_bytes(c_raw)} "
+                             "stored as is")
+        elif not len(chosen):  # given to files, it made none of them smaller: `none` holds them
+            lines.append(f"  {names[number]:<{width}}  no files: it made none of the files given it smaller, so "
+                         "they are stored as is")
+        else:
+            lines.append(f"  {names[number]:<{width}}  {plural(len(chosen), 'file')}, {format_bytes(c_raw)} -> "
+                         f"{format_bytes(c_stored)} ({c_raw / c_stored if c_stored else 1.0:.2f}x)")
     describe_pack = partial(_describe_pack, dataset=str(ds.path), shown=None if all_skipped else SKIPPED_SHOWN)
     for key, describe in (("pack", describe_pack), ("selection", _describe_selection)):
         if index.meta.get(key):
@@ -89,10 +94,10 @@ def _described_meta(key: str, record: Any, describe: Callable[[Any], list[str]])
 
 def _describe_pack(pack_meta: dict, dataset: str, shown: int | None) -> list[str]:
     """The pack's options and the paths it skipped: the first `shown`, then how many more and how to see them."""
-    lines = [f"packed with   --codec {pack_meta['codec']} --chunk-size {pack_meta['chunk_size']}"
+    lines = [f"packed with   --codec {pack_meta['codec']} --chunk-size {size_option(int(pack_meta['chunk_size']))}"
              + "".join(f" --replicate {p}" for p in pack_meta.get("replicate", []))]
     skipped = pack_meta.get("skipped", [])
-    lines.append(f"skipped      {len(skipped)} path(s)" + (":" if skipped else ""))
+    lines.append(f"skipped      {plural(len(skipped), 'path')}:" if skipped else "skipped      none")
     lines.extend(f"  {s['path']}: {s['reason']}" for s in skipped[:shown])
     if shown is not None and len(skipped) > shown:
         lines.append(f"  ... and {len(skipped) - shown} more: {all_skipped_command(dataset)} lists them all")
@@ -108,18 +113,28 @@ def _describe_selection(selection: dict) -> list[str]:
     """The selector's choice per kind and what it predicted from the sample (recorded by `--codec auto`)."""
     budget = selection["budget"]
     threads = budget["prefetch_threads"]
-    regime = f"{threads} prefetch threads" if threads else "decoding on the read path"
+    regime = f"{plural(threads, 'prefetch thread')}" if threads else "decoding on the read path"
+    fit = selection.get("goal", {}).get("fit_bytes")
+    if budget["bytes_per_s"]:
+        floor = (f"budget {budget['bytes_per_s'] / 1e6:,.0f} MB/s, {regime}, so each decode must reach "
+                 f"{budget['required_decode_mbps']:,.0f} MB/s")
+    else:
+        floor = "no decode floor (no --budget)" if fit else "no speed requirement (budget 0): best ratio"
+    if fit:
+        floor = f"--fit {format_bytes(fit)}, {floor}"
     sample = selection["sample"]
-    lines = [
-        f"codec selection (--codec auto): budget {budget['bytes_per_s'] / 1e6:,.0f} MB/s, {regime}, so each decode "
-        f"must reach {budget['required_decode_mbps']:,.0f} MB/s; sample {sample['files']:,} files, "
-        f"{format_bytes(sample['bytes'])}, seed {sample['seed']}",
-    ]
+    lines = [f"codec selection (--codec auto): {floor}; sample {plural(sample['files'], 'file')}, "
+             f"{format_bytes(sample['bytes'])}, seed {sample['seed']}"]
     predicted = {(m["kind"], m["spec"]): m for m in selection["measurements"]}
     for kind, choice in selection["choices"].items():
         m = predicted.get((kind, choice["spec"]))
         ratio = m["raw_bytes"] / m["stored_bytes"] if m and m["stored_bytes"] else 1.0
-        figures = f"predicted {ratio:.2f}x at {m['decode_mbps']:,.0f} MB/s decode" if m else "not measured"
+        if not m:
+            figures = "not measured"
+        elif choice["spec"] == "none" or m["stored_bytes"] >= m["raw_bytes"]:
+            figures = "stored as is: nothing to decode"  # its measured speed is a copy's
+        else:
+            figures = f"predicted {ratio:.2f}x at {m['decode_mbps']:,.0f} MB/s decode"
         note = "" if choice["meets_budget"] else " (nothing met the budget)"
         lines.append(f"  {kind:<8} {choice['spec']:<28} {figures}{note}")
     return lines
@@ -141,5 +156,5 @@ def _describe_chunk_files(ds: Dataset) -> list[str]:
         np.add.at(files_in, np.unique(index.blocks["chunk"][rows.start : rows.stop]), 1)
     lines = [f"chunk files  {len(problems):,} of {len(index.chunks):,} cannot be read; their files fail:"]
     for chunk, problem in sorted(problems.items()):
-        lines.append(f"  {chunk_file_name(chunk)}: {int(files_in[chunk]):,} file(s): {problem}")
+        lines.append(f"  {chunk_file_name(chunk)}: {plural(int(files_in[chunk]), 'file')}: {problem}")
     return lines

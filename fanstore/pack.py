@@ -122,7 +122,9 @@ class PackSummary:
 
     @property
     def mb_per_s(self) -> float:
-        return self.raw_bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
+        """Raw MB packed a second: the codec selection's seconds are not counted, as it packs nothing."""
+        packing = self.seconds - self.selection_seconds
+        return self.raw_bytes / 1e6 / packing if packing > 0 else 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,7 +84,7 @@ def test_every_skipped_path_is_listed_or_counted_with_how_to_list_them(tmp_path:
         return [line.split(":")[0].strip() for line in output.splitlines() if line.startswith("  pipes/")]
 
     info = run_cli("info", str(dest), check=True).stdout
-    assert f"skipped      {count} path(s):" in info
+    assert f"skipped      {count} paths:" in info
     assert listed(info) == fifos[:SKIPPED_SHOWN]
     assert f"  ... and {count - SKIPPED_SHOWN} more: {command} lists them all" in info.splitlines()
     every = run_cli("info", str(dest), "--all-skipped", check=True).stdout

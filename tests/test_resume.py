@@ -77,7 +77,7 @@ def test_sigkill_then_resume_is_byte_identical(big_tree, reference, tmp_path, ev
     assert "packed" in resumed.stdout
     if event.startswith("chunk:") or event == "index":
         kept = int(event.split(":")[1]) if ":" in event else len(list((dest / "chunks").iterdir()))
-        assert f"{kept} chunks kept from the interrupted run" in resumed.stdout
+        assert f"{kept} chunk{'s' if kept != 1 else ''} kept from the interrupted run" in resumed.stdout
     assert dir_bytes(dest) == reference
 
 
