@@ -37,7 +37,7 @@ from typing import Callable, Mapping, Sequence
 from compressors import DICT_TRAIN_FILE_BYTES, DICT_TRAIN_FILES, DICT_TRAIN_TOTAL_BYTES
 
 from .measure import MB, Measurement
-from .policy import KindScale
+from .policy import KindScale, plural
 from .sample import SampleFile, SourceFile, extension_key
 
 # Fitted to `fanstore pack --codec none` (nothing compressed) with 1 and 2 workers on this project's 2-core
@@ -80,7 +80,8 @@ class PackEstimate:
 
     def describe(self) -> str:
         busy = f"; other processes used {self.others_cores:.1f} cores meanwhile" if self.others_cores >= 0.1 else ""
-        return (f"{self.seconds:,.1f} s with {self.workers} worker(s): walk and index {self.walk_seconds:,.1f} s, "
+        return (f"{self.seconds:,.1f} s with {plural(self.workers, 'worker')}: walk and index "
+                f"{self.walk_seconds:,.1f} s, "
                 f"dictionaries {self.train_seconds:,.1f} s, reading {self.read_seconds:,.1f} s and compressing "
                 f"{self.compress_seconds:,.1f} s on the workers while chunk files are written "
                 f"({self.write_seconds:,.1f} s){busy}")

@@ -128,7 +128,7 @@ class Goal:
             mode = (f"--tolerance {self.tolerance:.1%}: the fastest pack among settings storing within "
                     f"{self.tolerance:.1%} of the smallest")
         floor = f"; --pack-speed {self.pack_mbps:,.0f} MB/s per kind" if self.pack_mbps else ""
-        return f"{mode}{floor}; pack estimated with {self.workers} worker(s)"
+        return f"{mode}{floor}; pack estimated with {plural(self.workers, 'worker')}"
 
 
 
@@ -231,6 +231,12 @@ class DoesNotFit(SelectionError):
     """--fit cannot be met even with the strongest settings; the message says by how much."""
 
 
+def stores_as_is(measurement: Measurement) -> bool:
+    """Whether the setting stores the kind's files as they are (`none`, or a codec that made no file smaller): a
+    read then decodes nothing, and its measured decode speed is a copy's, which says nothing of the codec."""
+    return measurement.spec == NONE_SPEC or measurement.stored_bytes >= measurement.raw_bytes
+
+
 def meets(measurement: Measurement, budget: Budget) -> bool:
     """Whether one decoder of this setting keeps up with the budget, beyond the noise of the measurement: a speed
     within DECODE_NOISE of the budget does not count (see near_budget)."""
@@ -284,8 +290,8 @@ def choose(
         quickest = max(fast_enough, key=lambda m: scale.pack_mbps(m, goal.workers))
         reason = (f"--pack-speed not met: no codec that reaches the budget packs this kind at "
                   f"{goal.pack_mbps:,.0f} MB/s; the fastest, {quickest.spec}, packs at "
-                  f"{scale.pack_mbps(quickest, goal.workers):,.0f} MB/s with {goal.workers} worker(s); files are "
-                  "stored as they are")
+                  f"{scale.pack_mbps(quickest, goal.workers):,.0f} MB/s with {plural(goal.workers, 'worker')}; "
+                  "files are stored as they are")
     return Choice(kind, NONE_SPEC, none_measurement, none_meets, reason + _noise_note(codecs, 0.0, budget))
 
 
@@ -332,19 +338,40 @@ def _best(measurements: list[Measurement], order: dict[str, int]) -> Measurement
 
 def _chosen_reason(best: Measurement, smallest: Measurement, near: list[Measurement], budget: Budget, goal: Goal,
                    scale: KindScale, fast_enough: int) -> str:
+    """Why `best` was chosen, in the terms of the table beside it (ratio, decode MB/s, pack s): every claim it makes
+    ('the fastest to pack') holds for the figures printed there."""
+    def pack(m: Measurement) -> float:
+        return scale.pack_seconds(m, goal.workers)
+
     what = (f"saves {best.saving:.1%} (ratio {best.ratio:.2f}), decodes at {best.decode_mbps:,.0f} MB/s, packs in "
-            f"{scale.pack_seconds(best, goal.workers):,.1f} s")
+            f"{format_seconds(pack(best))} s")
     if budget.bytes_per_s == 0:
         pool = "the best ratio, as there is no speed requirement"
     else:
-        pool = (f"the best ratio of the {fast_enough} codec setting(s) that reach "
-                f"{budget.required_decode_mbps:,.0f} MB/s")
+        pool = (f"the best ratio of the {plural(fast_enough, 'codec setting')} that "
+                f"{'reaches' if fast_enough == 1 else 'reach'} {budget.required_decode_mbps:,.0f} MB/s")
+    fastest = min(near, key=lambda m: (pack(m), m is not best))
+    among = f"the {len(near)} within {goal.tolerance:.1%} of {'it' if best is smallest else 'the best'}"
+    if fastest is best:
+        quickest = f"the fastest to pack of {among}"
+    else:  # within _SAME_PACK_TIME of the fastest: timing noise must not decide, so the smaller stored size wins
+        quickest = (f"of {among}, {fastest.spec} packs faster ({format_seconds(pack(fastest))} s), but this takes "
+                    f"at most {_SAME_PACK_TIME - 1:.0%} longer, which counts as a tie, and stores "
+                    f"{'less' if best.ratio > fastest.ratio else 'as little'}")
     if best is smallest:
-        if len(near) > 1:
-            pool += f", and the fastest to pack of the {len(near)} within {goal.tolerance:.1%} of it"
-        return f"{what}: {pool}"
+        return f"{what}: {pool}" + (f", and {quickest}" if len(near) > 1 else "")
     return (f"{what}: within {goal.tolerance:.1%} of {pool} ({smallest.spec}, ratio {smallest.ratio:.2f}, "
-            f"{scale.pack_seconds(smallest, goal.workers):,.1f} s to pack), and the fastest to pack of the {len(near)}")
+            f"{format_seconds(pack(smallest))} s to pack), and {quickest}")
+
+
+def format_seconds(seconds: float) -> str:
+    """A time to three significant digits, so that short ones still compare: 0.000523, 0.25, 12.5, 1,234."""
+    if seconds <= 0:
+        return "0"
+    rounded = float(f"{seconds:.3g}")  # 9.999 is 10.0, not 10.00
+    if rounded >= 100:
+        return f"{seconds:,.0f}"
+    return f"{rounded:.{max(0, 2 - math.floor(math.log10(rounded)))}f}"
 
 
 def _fallback_reason(

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 from .bound import BOUND_Z
 from .errors import SelectionError
 from .measure import DECODE_NOISE, MB, Measurement
-from .policy import NONE_SPEC, decimal_bytes, meets, meets_pack_speed, near_budget
+from .policy import NONE_SPEC, decimal_bytes, format_seconds, meets, meets_pack_speed, near_budget, plural, \
+    stores_as_is
 from .sample import FILE_CAP, MIN_FILES, MIN_SAMPLE_BYTES, MIN_STRATUM_BYTES, PIECE_BYTES
 
 if TYPE_CHECKING:
@@ -23,65 +24,69 @@ if TYPE_CHECKING:
 
 _COLUMNS = ("", "spec", "ratio", "saving", "decode MB/s", "encode MB/s", "stored", "at most", "pack s",
             "meets budget", "sample")
-
-
-def _size(count: float) -> str:
-    """A byte count at a glance, in the units `fanstore select` prints (KiB below one MiB)."""
-    return f"{count / 2**20:,.1f} MiB" if count >= 2**20 else f"{count / 2**10:,.1f} KiB"
+NOTHING = "-"  # a cell whose figure would mean nothing: a copy's speed, a budget that was not given
 
 
 def format_selection(selection: Selection) -> str:
     """A header (budget, K, sample, time), then per kind a table of every measured setting and the choice."""
     budget = selection.budget
+    kind_bytes = {kind: max(m.raw_bytes for m in selection.measurements if m.kind == kind)
+                  for kind in {m.kind for m in selection.measurements}}
+    partial = any(m.raw_bytes < kind_bytes[m.kind] for m in selection.measurements)
     lines = [
         f"codec selection: {_budget_line(selection)}",
-        f"prefetch threads K={budget.prefetch_threads}; sample: {selection.sample_files} files drawn by bytes (a "
-        f"file's chance grows with its size; one over {_size(FILE_CAP)} is read by {_size(PIECE_BYTES)} pieces), "
-        f"{_size(selection.sample_bytes)} (--sample {selection.fraction:.1%} of SRC, but at least "
-        f"{_size(MIN_SAMPLE_BYTES)}, and per kind {MIN_FILES} files and up to "
-        f"{_size(MIN_STRATUM_BYTES)} if it has them; at most {_size(selection.max_bytes)})"
+        f"prefetch threads K={budget.prefetch_threads}; sample: {plural(selection.sample_files, 'file')} drawn by "
+        f"bytes (a file's chance grows with its size; one over {decimal_bytes(FILE_CAP)} is read in "
+        f"{decimal_bytes(PIECE_BYTES)} pieces), "
+        f"{decimal_bytes(selection.sample_bytes)} (--sample {selection.fraction:.1%} of SRC, but at least "
+        f"{decimal_bytes(MIN_SAMPLE_BYTES)}, and per kind {plural(MIN_FILES, 'file')} and up to "
+        f"{decimal_bytes(MIN_STRATUM_BYTES)} if it has them; at most {decimal_bytes(selection.max_bytes)})"
         f", seed {selection.seed}; measured in {selection.seconds:.1f} s",
         selection.goal.describe(),
         ("a codec must save at least " f"{selection.min_saving:.0%} to be chosen; " if not selection.goal.fit_bytes
          else "") + "'*' marks the choice; stored: predicted for the kind in SRC, dictionaries included; at most: "
         "its one-sided 99% confidence bound from the sample; pack s: its compression on the workers plus its "
-        "dictionaries' training"
+        "dictionaries' training; '-': stored as is (decoding is a copy), or no floor to meet"
+        + ("; sample: what a slow setting was measured on, where it is part of the kind's sample" if partial else "")
         + (f"; 'noise' = within {DECODE_NOISE:.0%} of the budget, either side: does not count as reaching it"
            if budget.bytes_per_s else "")
         + ("; 'no: pack' = meets the budget, not --pack-speed" if selection.goal.pack_mbps else ""),
     ]
     scales = selection.scales_by_kind()
     workers = selection.goal.workers
+    floors = bool(budget.bytes_per_s or selection.goal.pack_mbps)
     for kind in sorted(selection.choices):
         choice = selection.choices[kind]
         rows = [m for m in selection.measurements if m.kind == kind]
         kind_files = max((m.files for m in rows), default=0)
-        kind_bytes = max((m.raw_bytes for m in rows), default=0)
         in_src = selection.kind_bytes.get(kind)
         lines.append("")
-        lines.append(f"{kind}: {kind_files} files, {_size(kind_bytes)} sampled"
-                     + (f" of about {_size(in_src)} in SRC" if in_src else ""))
+        lines.append(f"{kind}: {plural(kind_files, 'file')}, {decimal_bytes(kind_bytes.get(kind, 0))} sampled"
+                     + (f" of about {decimal_bytes(in_src)} in SRC" if in_src else ""))
         table = [_COLUMNS]
-        for m in sorted(rows, key=lambda m: (-m.ratio, -m.decode_mbps, m.spec)):
-            partial = "" if m.raw_bytes >= kind_bytes else f"{m.files} files"
+        # Settings that store the kind as it is decode at a copy's speed, which only noise orders: by name then.
+        for m in sorted(rows, key=lambda m: (-m.ratio, 0 if stores_as_is(m) else -m.decode_mbps, m.spec)):
+            copies = stores_as_is(m) and meets(m, selection.budget)
             packs_fast = meets_pack_speed(m, scales[kind], selection.goal) or m.spec == NONE_SPEC
             table.append((
                 "*" if m.spec == choice.spec else "",
-                m.spec + (f" (dict {_size(m.dict_bytes)})" if m.dict_bytes else ""),
+                m.spec + (f" (dict {decimal_bytes(m.dict_bytes)})" if m.dict_bytes else ""),
                 f"{m.ratio:.2f}",
                 f"{m.saving:.1%}",
-                f"{m.decode_mbps:,.0f}",
-                f"{m.encode_mbps:,.0f}",
+                NOTHING if copies else f"{m.decode_mbps:,.0f}",
+                NOTHING if m.spec == NONE_SPEC else f"{m.encode_mbps:,.0f}",
                 decimal_bytes(scales[kind].stored(m)),
                 decimal_bytes(scales[kind].stored(m) + BOUND_Z * scales[kind].stored_error(m)),
-                f"{scales[kind].pack_seconds(m, workers):,.1f}",
-                _meets_column(m, selection, packs_fast),
-                partial,
+                NOTHING if m.spec == NONE_SPEC else format_seconds(scales[kind].pack_seconds(m, workers)),
+                _meets_column(m, selection, packs_fast) if floors else NOTHING,
+                "" if m.raw_bytes >= kind_bytes[kind] else f"{plural(m.files, 'file')}, {decimal_bytes(m.raw_bytes)}",
             ))
-        widths = [max(len(row[column]) for row in table) for column in range(len(_COLUMNS))]
+        shown = [column for column in range(len(_COLUMNS))  # the sample column only where a setting has one
+                 if _COLUMNS[column] != "sample" or any(row[column] for row in table[1:])]
+        widths = {column: max(len(row[column]) for row in table) for column in shown}
         for row in table:
-            cells = [cell.ljust(width) if column < 2 else cell.rjust(width)
-                     for column, (cell, width) in enumerate(zip(row, widths))]
+            cells = [row[column].ljust(widths[column]) if column < 2 else row[column].rjust(widths[column])
+                     for column in shown]
             lines.append("  " + "  ".join(cells).rstrip())
         lines.append(f"  choice for {kind}: {choice.spec} - {choice.reason}")
     if not selection.choices:
@@ -149,7 +154,7 @@ def plot_selection(selection: Selection, path: Path) -> None:
     estimate, need = selection.estimate(), selection.need()
     figure.suptitle(f"{_budget_line(selection)}\n{selection.goal.describe()}\npredicted: "
                     f"{decimal_bytes(need.total)} stored, pack about {estimate.seconds:,.1f} s with "
-                    f"{estimate.workers} worker(s)", fontsize=9)
+                    f"{plural(estimate.workers, 'worker')}", fontsize=9)
     try:
         figure.savefig(path, dpi=100)
     except (OSError, ValueError) as exc:
@@ -208,7 +213,8 @@ def _plot_pack_time(axes: Any, selection: Selection, kind: str) -> None:
         x, y = point(choice.measurement)
         axes.scatter([x], [y], s=160, marker="*", color="tab:green", zorder=3, label=f"choice: {choice.spec}")
     axes.set_xscale("log")
-    axes.set_xlabel(f"estimated pack time of the kind, s ({workers} worker(s), dictionaries included; log scale)")
+    axes.set_xlabel(f"estimated pack time of the kind, s ({plural(workers, 'worker')}, dictionaries included; log "
+                    "scale)")
     axes.set_ylabel(f"stored in SRC, MB (of {scale.raw_bytes / MB:,.1f} MB raw)")
     axes.set_title(f"{kind}: capacity vs pack time")
     axes.legend(fontsize=7, loc="best")

@@ -113,7 +113,7 @@ def test_auto_pack_prints_its_predictions_before_and_after(auto_pack) -> None:
     announced = next(number for number, line in enumerate(lines) if line.startswith("predicted: "))
     packed = next(number for number, line in enumerate(lines) if line.startswith("packed "))
     assert announced < packed, "the estimate is printed before the pack, for the person who waits"
-    assert "stored with the index; pack " in lines[announced] and "with 1 worker(s)" in lines[announced]
+    assert "stored with the index; pack " in lines[announced] and "with 1 worker:" in lines[announced]
     assert lines[packed + 1].startswith("pack time ") and "after the selection (predicted " in lines[packed + 1]
 
 

@@ -215,7 +215,7 @@ def test_the_pack_time_estimate_overlaps_the_workers_with_the_chunk_writes() -> 
     assert estimate.read_seconds + estimate.compress_seconds > estimate.write_seconds
     assert estimate.seconds == pytest.approx(estimate.walk_seconds + estimate.train_seconds + estimate.read_seconds
                                              + estimate.compress_seconds)
-    assert "with 2 worker(s)" in estimate.describe()
+    assert "with 2 workers" in estimate.describe()
     assert 1 <= usable_workers(64) == usable_workers(0) and usable_workers(1) == 1
     # Nothing compressed, large files: writing the chunk files is the slower stage, and sets the time.
     stored_as_is = estimate_pack({"npy": None}, {"npy": KindScale(10_000_000_000)}, 10, 10_000_000_000, workers=2)
@@ -353,7 +353,7 @@ def test_select_shows_the_fit_and_the_pack_time(small_tree: Path, tmp_path: Path
     result = run_cli("select", str(small_tree), "--fit", "1GB", "--nodes", "3", "--replicate", "val/**",
                      "--workers", "1", "--plot", str(plot), check=True)
     assert "--fit 1 GB on each of 3 nodes: the fastest decode that fits" in result.stdout
-    assert "estimated pack time of SRC (13 files" in result.stdout and "with 1 worker(s)" in result.stdout
+    assert "estimated pack time of SRC (13 files" in result.stdout and "with 1 worker:" in result.stdout
     assert "fits --fit 1 GB:" in result.stdout and "per node" in result.stdout
     assert "choice for text: none - decodes fastest" in result.stdout
     assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
