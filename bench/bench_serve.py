@@ -176,8 +176,8 @@ JUDGED_JOBS = 3
 CPUS_PER_RANK = 2
 PER_RANK_MIN_CPUS = 8  # CPUs this process may use for '2 CPUs per rank': the ranks' six, and the bench's own
 STAGING_LINE = re.compile(r"^  staging: .+? from DEST, .+? from peers, .+? reused, (?P<seconds>[\d.]+) s", re.M)
-TOTALS_LINE = re.compile(r"^job \(\d+ ranks\): .*bytes read from DEST: .* staging \((?P<staging>\d+) B\), "
-                         r".* during the epochs \((?P<epochs>\d+) B\)", re.M)
+TOTALS_LINE = re.compile(r"^job \(\d+ ranks\): .*bytes read from DEST: .* staging \((?P<staging>[\d,]+) B\), "
+                         r".* during the epochs \((?P<epochs>[\d,]+) B\)", re.M)
 
 
 
@@ -545,8 +545,8 @@ class ServeJob:
                 or not all(staging.values()):
             raise SystemExit(f"bench_serve: the job ended with {self.proc.returncode} and no --stats totals:\n{out}"
                              f"\n{self.log.read_text()[-1500:]}")
-        return JobReport([float(staging[r]["seconds"]) for r in range(RANKS)], int(totals["staging"]),
-                         int(totals["epochs"]))
+        return JobReport([float(staging[r]["seconds"]) for r in range(RANKS)], int(totals["staging"].replace(",", "")),
+                         int(totals["epochs"].replace(",", "")))
 
     def close(self) -> None:
         """End whatever is left of the job: mpiexec gets SIGTERM (it passes it on to the ranks), then every process

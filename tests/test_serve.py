@@ -233,7 +233,7 @@ def test_every_rank_sees_every_file_and_replicated_files_are_local(served_datase
                           re.M)) == RANKS, out
     totals = [line for line in out.splitlines() if line.startswith("job (3 ranks)")]
     assert len(totals) == 1, out
-    staged = int(re.search(r"bytes read from DEST: .* staging \((\d+) B\)", totals[0])[1])
+    staged = int(re.search(r"bytes read from DEST: .* staging \(([\d,]+) B\)", totals[0])[1].replace(",", ""))
     chunk_bytes = sum(p.stat().st_size for p in (dest / "chunks").iterdir())
     # Every stored byte once (a piece that starts inside a chunk also copies that chunk's 32-byte header).
     assert chunk_bytes <= staged <= chunk_bytes + 32 * RANKS * 2, totals[0]
@@ -263,8 +263,8 @@ def test_every_rank_sees_every_file_and_replicated_files_are_local(served_datase
 
 def _assert_fetched_several_to_a_request(out: str) -> None:
     """Files fetched ahead of the reader went to their peer several to a request (the --stats lines say)."""
-    from_peers = [(int(blobs), int(requests)) for blobs, requests
-                  in re.findall(r"^  from rank \d: (\d+) \(.*?\) in (\d+) requests", out, re.M)]
+    from_peers = [(int(blobs.replace(",", "")), int(requests.replace(",", ""))) for blobs, requests
+                  in re.findall(r"^  from rank \d: ([\d,]+) blobs? \(.*?\) in ([\d,]+) requests?", out, re.M)]
     assert len(from_peers) == RANKS * (RANKS - 1), out
     assert sum(blobs for blobs, _ in from_peers) > sum(requests for _, requests in from_peers) > 0, out
 
@@ -546,7 +546,7 @@ def test_a_header_damaged_in_a_local_dir_is_staged_again_by_the_next_job(served_
     staged = {int(rank): size for rank, size in re.findall(r"^rank (\d) .*\n(?:  .*\n)*?  staging: (\S+ \S+) from DEST",
                                                             out, re.M)}
     assert staged[0] == staged[2] == "0 B" and staged[1] != "0 B", out  # rank 1 read that chunk's bytes again
-    assert re.search(r"bytes read from DEST: .* staging \([1-9]\d* B\), 0 B during the epochs \(0 B\)", out), out
+    assert re.search(r"bytes read from DEST: .* staging \([1-9][\d,]* B\), 0 B during the epochs \(0 B\)", out), out
     said = [line for line in err.splitlines() if f"chunk {chunk}" in line]
     assert len(said) == 1 and f"rank 1: staging: {local_chunk}: chunk {chunk} is not a fanstore chunk file (bad " \
         f"magic): this node's copy of chunk {chunk}, verified by an earlier job, is damaged; staging it again" in \

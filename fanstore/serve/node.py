@@ -41,7 +41,7 @@ from ..mount import CacheBound, MountOptions, cache_bound, check_mountpoint, che
     fuse_answer, fuse_mounted_at, resolve_mountpoint, serve_dataset, unmount
 from ..pause import pause_point
 from ..prefetch import read_prefetch_list
-from ..units import format_bytes
+from ..units import format_bytes, plural
 from . import watchdog
 from .doorbell import open_doorbell
 from .lifecycle import Lifecycle
@@ -413,27 +413,31 @@ def _say(text: str) -> None:
 
 
 def _format_rank(stats: dict[str, Any]) -> str:
+    """A rank's counters. They count blobs, what a read fetches: a file stored whole, or one block of a large one;
+    a blob fetched ahead (prefetch) counts as fetched whether or not a read comes for it."""
     local, staging = stats["reads"], stats["staging"]
-    lines = [f"rank {stats['rank']} ({stats['host']}): reads from local chunks {local['local']} "
+    lines = [f"rank {stats['rank']} ({stats['host']}): {plural(local['local'], 'blob')} read from local chunks "
              f"({format_bytes(local['local_bytes'])}); "
              + (f"doorbell on ({stats['doorbell']})" if stats.get("doorbell") else "doorbell off")
              + ("; the mount's loop asks peers" if stats.get("loop_requests") else "")]
     for peer, counters in local["peers"].items():
-        lines.append(f"  from rank {peer}: {counters['fetched']} ({format_bytes(counters['fetched_bytes'])}) in "
-                     f"{counters['asked']} requests, "
-                     f"to rank {peer}: {counters['served']} ({format_bytes(counters['served_bytes'])}), "
-                     f"failed {counters['failed']}, refused {counters['refused']}")
-    lines.append(f"  from DEST (fallback): {local['fallback']} ({format_bytes(local['fallback_bytes'])})")
+        lines.append(f"  from rank {peer}: {plural(counters['fetched'], 'blob')} "
+                     f"({format_bytes(counters['fetched_bytes'])}) in {plural(counters['asked'], 'request')}; "
+                     f"to rank {peer}: {plural(counters['served'], 'blob')} "
+                     f"({format_bytes(counters['served_bytes'])}); "
+                     f"failed {counters['failed']:,}, refused {counters['refused']:,}")
+    lines.append(f"  from DEST (fallback): {plural(local['fallback'], 'blob')} "
+                 f"({format_bytes(local['fallback_bytes'])})")
     readers = stats.get("node_readers") or {}
     if readers.get("asked"):
-        lines.append(f"  fanstore.torch readers on this node: asked {readers['asked']} remote blobs, "
-                     f"{readers['ahead_hits']} of them fetched ahead ({readers['fetched_ahead']} fetched ahead)"
-                     + (f", {readers['ahead_failed_batches']} batches failed to start (logged)"
+        lines.append(f"  fanstore.torch readers on this node: asked {plural(readers['asked'], 'remote blob')}, "
+                     f"{readers['ahead_hits']:,} of them fetched ahead ({readers['fetched_ahead']:,} fetched ahead)"
+                     + (f", {plural(readers['ahead_failed_batches'], 'batch', 'batches')} failed to start (logged)"
                         if readers.get("ahead_failed_batches") else ""))
     lines.append(f"  staging: {format_bytes(staging['dest_bytes'])} from DEST, "
                  f"{format_bytes(staging['received_bytes'])} from peers, {format_bytes(staging['sent_bytes'])} to "
                  f"peers, {format_bytes(staging['reused_bytes'])} reused, {staging['seconds']:.1f} s"
-                 + (f", {staging['bad_blobs']} bad blobs" if staging["bad_blobs"] else ""))
+                 + (f", {plural(staging['bad_blobs'], 'bad blob')}" if staging["bad_blobs"] else ""))
     if stats.get("cache"):
         lines.append(f"  {CacheBound(**stats['cache']).describe()}")
     return "\n".join(lines)
@@ -445,6 +449,7 @@ def _format_totals(ranks: list[dict[str, Any]]) -> str:
     local = sum(r["reads"]["local"] for r in ranks)
     remote = sum(c["fetched"] for r in ranks for c in r["reads"]["peers"].values())
     remote_bytes = sum(c["fetched_bytes"] for r in ranks for c in r["reads"]["peers"].values())
-    return (f"job ({len(ranks)} ranks): reads {local} local, {remote} from peers ({format_bytes(remote_bytes)}), "
-            f"{sum(r['reads']['fallback'] for r in ranks)} from DEST; bytes read from DEST: "
-            f"{format_bytes(staged)} staging ({staged} B), {format_bytes(fallback)} during the epochs ({fallback} B)")
+    return (f"job ({plural(len(ranks), 'rank')}): blobs read {local:,} local, {remote:,} from peers "
+            f"({format_bytes(remote_bytes)}), {sum(r['reads']['fallback'] for r in ranks):,} from DEST; bytes read "
+            f"from DEST: {format_bytes(staged)} staging ({staged:,} B), {format_bytes(fallback)} during the epochs "
+            f"({fallback:,} B)")
