@@ -94,3 +94,42 @@ def test_demo_without_the_mount_or_torch(tmp_path):
     assert skipped == ["skipping the PyTorch run: torch is not installed; for the CPU build: "
                        "pip install torch --index-url https://download.pytorch.org/whl/cpu"], proc.stdout
     assert not TORCH_ROW.search(proc.stdout)
+
+
+def _count(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+def test_demo_explains_its_counts_in_its_own_words(demo_run):
+    """Was: 1,438+359 images in one table, 1,488+369 in the next, 1,884 files read on each rank beside 1,883
+    packed, and more blobs read than files, each unexplained. Now the tree's line splits its files into the parts
+    each later count is made of, the two training tables say which images they read, and each rank sums where its
+    blobs came from."""
+    workdir, proc = demo_run
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    tree = re.search(r"^  ([\d,]+) files, \S+ [kMG]?B: ([\d,]+) digit PNGs and ([\d,]+) photo crops, ([\d,]+) in "
+                     r"train/ and ([\d,]+) in val/; ([\d,]+) float32 fields in science/; ([\d,]+) other files "
+                     r"\(labels\.txt, README\.txt\); and 1 symlink$", out, re.M)
+    assert tree, out
+    files, digits, photos, train, val, fields, other = map(_count, tree.groups())
+    assert files == digits + photos + fields + other and digits + photos == train + val, tree[0]
+    assert re.search(rf"^  {tree[1]} files, \S+ [kMG]?B -> \S+ [kMG]?B \(ratio [\d.]+x\) in 2 chunks, ", out, re.M)
+    if fuse_unavailable_reason() is not None:
+        pytest.skip(f"the demo's mount part needs FUSE: {fuse_unavailable_reason()}")
+    digits_only = re.search(r"it classifies the digit PNGs only, ([\d,]+) in train/ and ([\d,]+) in val/$", out, re.M)
+    assert digits_only and _count(digits_only[1]) + _count(digits_only[2]) == digits, out
+    assert len(re.findall(rf" {digits_only[1]} train \+ {digits_only[2]} val images, ", out)) == 2, out
+    if TORCH_ROW.search(out):  # every class folder: digits and photos, the tree's train/ and val/ images
+        assert {(_count(t), _count(v)) for _, t, v, *_ in TORCH_ROW.findall(out)} == {(train, val)}, out
+        assert "the images of every class folder, the 10 digits and photos/" in out
+    ranks = re.findall(r"^  rank (\d): read ([\d,]+) files and 1 symlink, 0 differ; blobs: ([\d,]+) from its local "
+                       r"chunks \+ ([\d,]+) from rank \d \+ ([\d,]+) from DEST = ([\d,]+)(.*)$", out, re.M)
+    if "skipping fanstore serve" in out:
+        return
+    assert [rank for rank, *_ in ranks] == ["0", "1"], out
+    for _, read, local, peer, dest, total, more in ranks:
+        assert _count(read) == files and _count(local) + _count(peer) + _count(dest) == _count(total), out
+        assert _count(total) == files or more.startswith(f" ({_count(total) - files:,} more than the files'"), out
+    assert f"A blob is what a read fetches: a file stored whole, or one block of a large one (no file here is " \
+           f"stored in blocks: {files:,} blobs)." in out, out
