@@ -32,7 +32,7 @@ NOT_FOR_READING = (
     "torch",
 )
 # The only fanstore modules that may import the selector: the packer (--codec auto) and the command line.
-USES_THE_SELECTOR = ("pack", "cli")
+USES_THE_SELECTOR = ("pack", "fit_watch", "cli")  # fit_watch: the --fit running total of a pack
 # The only modules of fanstore/ (not fanstore/serve/) that may import the serving layer: the command line (`plan`).
 USES_THE_SERVING_LAYER = ("cli",)
 # The only module of fanstore/ that may import torch (besides the fanstore.torch package): the demo's PyTorch run.
