@@ -756,9 +756,9 @@ def print_held_out(run: HeldOut, placement: Placement, budget: str, threads: int
         print(f"   the pack's selection: "
               f"{', '.join(f'{k} {v}' for k, v in run.selection.codec_by_kind().items())}")
     print("   stored: the files' stored bytes; its bound: the prediction plus the one-sided 99% margin of the sample "
-          "(what --fit plans against); DEST: chunk files + index, predicted with the dictionaries and the index's "
-          "entries and paths (not its table of contents, which holds the selection record); off: (predicted - "
-          "real) / real; fits: DEST within --fit")
+          "(what --fit plans against); DEST: chunk files + index, predicted with the dictionaries the pack trains "
+          "and the most the rest of the index takes (pack.index_bytes_bound, selector.record_bytes); off: "
+          "(predicted - real) / real; fits: DEST within --fit")
     if run.stopped:
         print(f"   the pack did not finish: {run.stopped}")
     print_table(held_out_table(run), left=1)

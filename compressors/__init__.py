@@ -5,10 +5,12 @@
 
 from .base import Codec, CodecError, CodecSpecError
 from .registry import CODEC_TYPES, codec_from_spec
-from .zstd_codec import DICT_TRAIN_FILE_BYTES, DICT_TRAIN_FILES, DICT_TRAIN_TOTAL_BYTES, train_dictionary
+from .zstd_codec import (DEFAULT_DICT_SIZE, DICT_TRAIN_FILE_BYTES, DICT_TRAIN_FILES, DICT_TRAIN_TOTAL_BYTES,
+                         dictionary_size, train_dictionary)
 
 __all__ = [
     "CODEC_TYPES",
+    "DEFAULT_DICT_SIZE",
     "DICT_TRAIN_FILES",
     "DICT_TRAIN_FILE_BYTES",
     "DICT_TRAIN_TOTAL_BYTES",
@@ -16,5 +18,6 @@ __all__ = [
     "CodecError",
     "CodecSpecError",
     "codec_from_spec",
+    "dictionary_size",
     "train_dictionary",
 ]

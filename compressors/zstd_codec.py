@@ -159,6 +159,13 @@ class ZstdDictCodec(_ZstdBase):
         return f"{type(self).__name__}({self.spec!r}, {size})"
 
 
+def dictionary_size(training_bytes: int, dict_size: int = DEFAULT_DICT_SIZE) -> int:
+    """The size of the dictionary train_dictionary trains on `training_bytes` of samples (at most; zstd may return
+    fewer), 0 when they are too few: the rule written once, for the selector to predict what a pack stores."""
+    size = min(dict_size, training_bytes // _SAMPLE_BYTES_PER_DICT_BYTE)
+    return size if size >= _MIN_DICT_SIZE else 0
+
+
 def train_dictionary(
     samples: list[bytes], dict_size: int = DEFAULT_DICT_SIZE, level: int = DEFAULT_LEVEL
 ) -> bytes | None:
@@ -171,8 +178,8 @@ def train_dictionary(
     check_int(level, "zstd level", MIN_LEVEL, MAX_LEVEL)
     check_int(dict_size, "dictionary size", 1, 1 << 31)
     training = [bytes(sample) for sample in samples if len(sample)]
-    dict_size = min(dict_size, sum(map(len, training)) // _SAMPLE_BYTES_PER_DICT_BYTE)
-    if dict_size < _MIN_DICT_SIZE:
+    dict_size = dictionary_size(sum(map(len, training)), dict_size)
+    if not dict_size:
         return None
     try:
         trained = zstandard.train_dictionary(

@@ -39,7 +39,8 @@ from .dest import (
 )
 from .errors import DoesNotFit, PackError, UsageError
 from .fit_watch import FitWatch
-from .format import BLOCK_DTYPE, CHUNK_DTYPE, FLAG_BLOCKED, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, NO_CHUNK
+from .format import (BLOCK_DTYPE, CHUNK_DTYPE, CHUNK_HEADER_LEN, FLAG_BLOCKED, INDEX_HEADER_LEN, MAX_BLOCK_SIZE,
+                     MIN_BLOCK_SIZE, NO_CHUNK)
 from .groups import GroupPlan
 from .index import EntryRecord, Index, IndexLayout, write_index_atomically
 from .journal import BlockRow, ChunkRecord, FileRow, JournalState, PackJournal
@@ -64,6 +65,10 @@ DEFAULT_TOLERANCE = 0.01  # selector.policy.DEFAULT_TOLERANCE (the selector is i
 # lookup order; beyond them only its table of contents and dictionaries (on the generated bench tree, 114,204
 # entries, 12.8 MB). A total --fit counts it; a pack watching its --fit counts it as the least the index takes.
 INDEX_BYTES_PER_ENTRY = 76
+# The rest of an index's table of contents, the selection record aside: format and version, one line a section, the
+# codec table (a line a codec), the pack's counters and the sections' alignment. 1.5-2.5 KB on the packs of the
+# suite and the benches; twice that, so that a --fit planned with it is not short.
+TOC_ALLOWANCE = 4096
 PROGRESS_INTERVAL = 0.1  # seconds between progress callbacks: once per file costs more than packing a small file
 
 
@@ -361,7 +366,7 @@ def _selection(options: PackOptions, src: Path, tree: SourceTree, groups: GroupP
             raise PackError(f"{resumed.dir}: the journaled codec selection cannot be read ({exc}); pass --force to "
                             "start the pack afresh") from None
     return select_for(src, tree, groups, options.budget, options.prefetch_threads, options.sample, options.seed,
-                      _goal(options))
+                      _goal(options), options)
 
 
 def _goal(options: PackOptions) -> Goal:
@@ -386,17 +391,19 @@ def make_goal(fit: int = 0, nodes: int = 0, tolerance: float = DEFAULT_TOLERANCE
 
 
 def select_for(src: Path, tree: SourceTree, groups: GroupPlan, budget: float, prefetch_threads: int,
-               fraction: float, seed: int, goal: Goal | None = None) -> Selection:
-    """The selector's choice for a walked SRC (`budget` in bytes/s, `goal` a selector.Goal, default: no --fit):
-    fanstore walks and groups, the selector samples and measures. Its errors become fanstore's one-line usage
-    errors; a --fit that cannot be met, DoesNotFit."""
+               fraction: float, seed: int, goal: Goal | None = None, options: PackOptions | None = None) -> Selection:
+    """The selector's choice for a walked SRC (`budget` in bytes/s, `goal` a selector.Goal, default: no --fit;
+    `options`, the pack's, for the chunk and block sizes the index is bounded with): fanstore walks and groups, the
+    selector samples and measures. Its errors become fanstore's one-line usage errors; a --fit that cannot be met,
+    DoesNotFit."""
     from selector import Budget, DoesNotFit as SelectorDoesNotFit, Goal, SelectionError, select_codecs
 
     replicated = frozenset(number for number, group in enumerate(groups.table()) if group["replicated"])
     try:
         return select_codecs(src, Budget(budget, prefetch_threads), tree.files, groups.group_of, fraction=fraction,
                              seed=seed, replicate=groups.replicate, goal=goal if goal is not None else Goal(),
-                             replicated_groups=replicated, fixed_bytes=index_bytes_estimate(tree))
+                             replicated_groups=replicated,
+                             fixed_bytes=index_bytes_bound(tree, groups, options if options is not None else PackOptions()))
     except SelectorDoesNotFit as exc:
         raise DoesNotFit(str(exc)) from None
     except SelectionError as exc:
@@ -404,8 +411,25 @@ def select_for(src: Path, tree: SourceTree, groups: GroupPlan, budget: float, pr
 
 
 def index_bytes_estimate(tree: SourceTree) -> int:
-    """About what the index of SRC will take: INDEX_BYTES_PER_ENTRY per entry, plus its path."""
+    """The least the index of SRC takes: INDEX_BYTES_PER_ENTRY per entry, plus its path."""
     return sum(INDEX_BYTES_PER_ENTRY + len(entry.path.encode("utf-8", "surrogateescape")) for entry in tree.entries)
+
+
+def index_bytes_bound(tree: SourceTree, groups: GroupPlan, options: PackOptions) -> int:
+    """The most the index and the chunk headers of a pack of SRC take, whatever the codecs, the selection record
+    aside (the selector counts its own): what --fit plans with. Its entries and paths, the block rows of the files
+    stored in blocks, a chunk row and a chunk header for each chunk there can be (stored bytes are at most raw
+    ones, and a chunk holds one group), the header, and a table of contents of the pack's options, groups, walk
+    problems and codecs, each section aligned."""
+    layout = options.block_layout
+    block_rows = sum(layout.blocks_of(entry.size) for entry in tree.files)
+    raw = sum(entry.size for entry in tree.files)
+    chunks = -(-raw // options.chunk_size) + len(groups.table())
+    contents = json.dumps({"pack": options.output_defining(), "groups": groups.table(),
+                           "skipped": [{"path": p.path, "reason": p.reason} for p in tree.problems]},
+                          separators=(",", ":"))
+    return (INDEX_HEADER_LEN + index_bytes_estimate(tree) + block_rows * BLOCK_DTYPE.itemsize
+            + chunks * (CHUNK_DTYPE.itemsize + CHUNK_HEADER_LEN) + len(contents.encode()) + TOC_ALLOWANCE)
 
 
 def _spec_by_kind(selection: Selection) -> dict[str, str]:

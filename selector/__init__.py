@@ -14,6 +14,7 @@ and which groups are replicated, and reports a SelectionError as its own.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,9 @@ __all__ = ["Budget", "Choice", "DoesNotFit", "Goal", "Measurement", "PackEstimat
            "SourceFile", "select_codecs"]
 
 SELECTION_VERSION = 1
+# A selection's record in the index besides its measurements: per kind its choice and reason, and once its budget,
+# goal, sample, tree and predictions. 0.5-1.5 KB a kind on the suite's and the benches' packs; this leaves room.
+RECORD_BYTES_PER_KIND = 2048
 
 
 @dataclass(slots=True)
@@ -198,6 +202,14 @@ def _one_group(path: str) -> int:
     return 0
 
 
+def record_bytes(measurements: Sequence[Measurement], kinds: int) -> int:
+    """The most the record of a selection takes in the index's table of contents (Selection.to_json): its
+    measurements, exactly as written there, and RECORD_BYTES_PER_KIND for each kind's choice, reason and figures
+    and for the rest (budget, goal, sample, tree, predictions)."""
+    written = json.dumps([m.to_json() for m in measurements], sort_keys=True, separators=(",", ":"))
+    return len(written.encode()) + RECORD_BYTES_PER_KIND * (kinds + 1)
+
+
 def select_codecs(
     src: Path,
     budget: Budget,
@@ -238,9 +250,10 @@ def select_codecs(
         measurements.extend(kind_measurements)
         if not goal.fit_bytes:
             choices[kind] = choose(kind, kind_measurements, budget, goal=goal, scale=scales.get(kind))
+    kinds = sorted({m.kind for m in measurements})
+    fixed_bytes += record_bytes(measurements, len(kinds))  # the record of this selection, in the index
     if goal.fit_bytes:
-        choices = choose_to_fit(measurements, {kind: scales[kind] for kind in sorted({m.kind for m in measurements})},
-                                budget, goal, fixed_bytes)
+        choices = choose_to_fit(measurements, {kind: scales[kind] for kind in kinds}, budget, goal, fixed_bytes)
     return Selection(
         budget=budget,
         fraction=fraction,

@@ -34,6 +34,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from compressors import DEFAULT_DICT_SIZE, dictionary_size
+
 from .bound import BOUND_Z
 from .errors import SelectionError
 from .measure import DECODE_NOISE, MB, Measurement
@@ -146,7 +148,20 @@ class KindScale:
         """Predicted stored bytes of the kind, its dictionaries included."""
         if m is None:
             return float(self.raw_bytes)
-        return self.raw_bytes / m.ratio + (m.dict_bytes * self.groups if m.dict_bytes else 0)
+        return self.raw_bytes / m.ratio + self.dictionary_bytes(m)
+
+    def dictionary_bytes(self, m: Measurement) -> int:
+        """The dictionaries the packer trains for this setting, one a group: their size follows the bytes it
+        trains on (train_bytes, over the groups), not the sample the selector trained on, which is smaller (a pack
+        of the held-out bench tree stored a 112,640-byte dictionary where the sample's was 16,416). At most, as the
+        groups' shares of train_bytes are not known apart."""
+        if not m.dict_bytes:
+            return 0
+        if not self.train_bytes:  # a record from before train_bytes: the sample's dictionary size
+            return m.dict_bytes * self.groups
+        # Each group's is dictionary_size(its share); over the groups, at most the rule applied to their sum.
+        most = dictionary_size(self.train_bytes, self.groups * DEFAULT_DICT_SIZE)
+        return max(most, m.dict_bytes)
 
     def stored_error(self, m: Measurement | None) -> float:
         """The deviation of the kind's predicted stored bytes from sampling (its dictionaries' are exact)."""

@@ -377,4 +377,44 @@ def test_a_record_from_before_goals_reads_as_no_fit_no_tolerance(small_tree: Pat
         del record[key]
     old = Selection.from_json(record)
     assert old.goal.tolerance == 0 and old.goal.fit_bytes == 0 and old.codec_by_kind() == selection.codec_by_kind()
-    assert old.need().total == pytest.approx(selection.need().total - 1000, rel=0.01)  # no index, no dictionaries
+    assert selection.fixed_bytes > 1000  # the selection counts its own record in the index too
+    assert old.need().total == pytest.approx(selection.need().total - selection.fixed_bytes, rel=0.01)  # no index
+
+
+def test_what_fit_plans_for_the_index_is_at_least_what_a_pack_writes(tmp_path: Path) -> None:
+    """--fit plans with the most the index and the chunk headers take (pack.index_bytes_bound) and, for a zstd-dict
+    choice, with the dictionaries the packer trains on all its heads (not the sample's smaller ones), and the
+    selection's own record (selector.record_bytes): a real auto pack with two groups, files stored in blocks and
+    dictionaries writes no more than that, and a fixed-codec pack's index and headers stay within the bound."""
+    from fanstore import PackOptions, open_dataset, pack
+    from fanstore.groups import GroupPlan
+    from fanstore.pack import index_bytes_bound
+    from fanstore.walk import walk_source
+
+    rng = np.random.default_rng(11)
+    src = tmp_path / "src"
+    words = [f"token{number}".encode() for number in range(300)]
+    for group in ("train", "val"):
+        for number in range(1500):  # small similar records: a dictionary pays, trained on more than the sample
+            path = src / group / f"r{number:04d}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b'{"id": %d, "text": "%s"}' % (number, b" ".join(rng.choice(words, 200))))
+    (src / "train" / "big.bin").write_bytes(rng.integers(0, 4, 9 << 20, dtype=np.uint8).tobytes())  # in blocks
+    options = PackOptions(codec="auto", budget=0, replicate=("val/*",), chunk_size=1 << 20, workers=1)
+    pack(src, tmp_path / "auto", options)
+    chunk_headers = 32 * sum(1 for _ in (tmp_path / "auto" / "chunks").iterdir())
+    with open_dataset(tmp_path / "auto") as dataset:
+        selection = Selection.from_json(dataset.index.meta["selection"])
+        dictionaries = sum(map(len, dataset.index.dictionaries.values()))
+    index_bytes = (tmp_path / "auto" / "fanstore.index").stat().st_size
+    assert dictionaries  # the case this is about
+    scales = selection.scales_by_kind()
+    planned_dictionaries = sum(scales[kind].dictionary_bytes(m) for kind, m in selection.chosen().items() if m)
+    assert planned_dictionaries >= dictionaries, (planned_dictionaries, dictionaries, [(m.spec, m.dict_bytes) for m in selection.chosen().values() if m])
+    assert selection.fixed_bytes + planned_dictionaries >= index_bytes + chunk_headers
+
+    fixed = PackOptions(codec="zstd:3", replicate=("val/*",), chunk_size=1 << 20, workers=1)
+    pack(src, tmp_path / "fixed", fixed)
+    written = ((tmp_path / "fixed" / "fanstore.index").stat().st_size
+               + 32 * sum(1 for _ in (tmp_path / "fixed" / "chunks").iterdir()))
+    assert written <= index_bytes_bound(walk_source(src), GroupPlan(("val/*",)), fixed) <= written + 8192
