@@ -148,6 +148,10 @@ class SeparateNodes:
         return [str(prefix / "bin" / "mpiexec"), "--allow-run-as-root", "--oversubscribe"], environment
 
     def __exit__(self, *exc_info: object) -> None:
+        # The host's port first, and at once: the kernel removes a dead namespace's links later, and an MPI starting
+        # meanwhile (the next test's) lists it, fails to look it up and says so on its stdout (UCX ERROR ... No
+        # such device), in the middle of that job's output.
+        subprocess.run(["ip", "link", "del", self._host_port], capture_output=True)
         if self._switch is not None:
             self._switch.stdin.close()  # type: ignore[union-attr]
             self._switch.wait()
