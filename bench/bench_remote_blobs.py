@@ -9,10 +9,17 @@ ways given by --ways (by default every one, by turns, ROUNDS times):
   ahead-*   a window of WINDOW blobs is fetched ahead of the reader, half a window in one request at a time, as
             fuse_ops' _fetch_ahead does with --prefetch-list;
   one-*     one request per read, none ahead (--prefetch 0);
-  *-loop    posted and completed by the loop (what loop_requests.py did: Irecv/Isend on the loop, replies
-            collected before each read);
-  *-mpi     handed to the MPI thread (PeerTransport.fetch_later / fetch_many_later), whose callback wakes the loop
-            only where a read waits.
+  *-posted  posted by the loop (RemoteBlobs.ask), driven by the MPI thread: it completes each reply and calls
+            back, which wakes the loop only where a read waits;
+  *-handed  handed to the MPI thread, which posts and drives it (RemoteBlobs.ask(hand_over=True)).
+
+`fanstore serve` posts a request a read waits for where it is asked (one-posted) and hands over the blobs fetched
+ahead (ahead-handed), where MPI gives MPI_THREAD_MULTIPLE; under MPI_THREAD_SERIALIZED (--mpi-thread-only) it hands
+every request over.
+
+This file's first version compared the two requesters RemoteBlobs replaced: loop_requests.py (the loop posting and
+completing) and the transport's MPI thread; an intermediate RemoteBlobs could also be driven by the loop (a pump on
+the reply bell). Their figures are in remote_blobs.py's docstring.
 
 CPU is rank 0's process CPU-time clock (every thread: the loop's and the MPI thread's) over the epoch, divided
 by FILES; the loop thread's own share is its thread CPU clock. Placement: rank 0 on CPU 0, rank 1 on CPU 1
@@ -39,13 +46,14 @@ import trio  # noqa: E402
 from fanstore.chunk_source import BlobRead  # noqa: E402
 from fanstore.serve.doorbell import open_doorbell  # noqa: E402
 from fanstore.serve.polling import wait_all  # noqa: E402
+from fanstore.serve.remote_blobs import RemoteBlobs  # noqa: E402
 from fanstore.serve.transport import PeerOptions, PeerTransport  # noqa: E402
 
 BLOB_BYTES = 56 * 1024
 FILES = 20_000
 WINDOW = 16
 ROUNDS = 3
-WAYS = ("ahead-loop", "ahead-mpi", "one-loop", "one-mpi")
+WAYS = ("ahead-posted", "ahead-handed", "one-posted", "one-handed")
 BLOB = bytes(BLOB_BYTES)
 
 
@@ -80,10 +88,10 @@ class Arrival:
         return self.blob
 
 
-async def epoch(way: str, transport: PeerTransport, loop: object, files: int) -> tuple[float, float]:
+async def epoch(way: str, remote: RemoteBlobs, files: int) -> tuple[float, float]:
     """(process CPU us, loop thread CPU us) per blob over one epoch read `way`."""
     token, me = trio.lowlevel.current_trio_token(), threading.get_ident()
-    ahead, on_loop = way.startswith("ahead"), way.endswith("loop")
+    ahead, hand_over = way.startswith("ahead"), way.endswith("handed")
     arrivals: dict[int, Arrival] = {}
     started = 0
     failures = 0
@@ -95,16 +103,12 @@ async def epoch(way: str, transport: PeerTransport, loop: object, files: int) ->
             for key in batch:
                 arrival = arrivals[key] = Arrival(token, me)
                 reads.append(BlobRead(1, key * BLOB_BYTES, BLOB_BYTES, arrival.arrive))
-            if not (on_loop and loop.start_many(1, reads, ahead=True)):  # type: ignore[attr-defined]
-                transport.fetch_many_later(1, reads)
+            remote.ask(1, reads, hand_over=hand_over)
             started = batch[-1] + 1
-        if on_loop and ahead:
-            loop.collect()  # type: ignore[attr-defined]
         arrival = arrivals.pop(number, None)
         if arrival is None:
             arrival = Arrival(token, me)
-            if not (on_loop and loop.start(1, 1, number * BLOB_BYTES, BLOB_BYTES, arrival.arrive)):  # type: ignore
-                transport.fetch_later(1, 1, number * BLOB_BYTES, BLOB_BYTES, arrival.arrive)
+            remote.ask(1, (BlobRead(1, number * BLOB_BYTES, BLOB_BYTES, arrival.arrive),), hand_over=hand_over)
             started = max(started, number + 1)
         if await arrival.wait() is None:
             failures += 1
@@ -128,16 +132,12 @@ def main() -> int:
     transport = PeerTransport(comm, serve, PeerOptions(timeout=30.0, max_in_flight=8), bell)
     transport.start()
     if rank == 0:
-        loop = None
-        if any(way.endswith("loop") for way in ways):
-            from fanstore.serve.loop_requests import LoopRequests
-
-            loop = LoopRequests(transport, bell)
+        remote = transport.remote
         figures: dict[str, list[tuple[float, float]]] = {way: [] for way in ways}
-        trio.run(epoch, ways[0], transport, loop, min(args.files, 2000))  # warm up
+        trio.run(epoch, ways[0], remote, min(args.files, 2000))  # warm up
         for _ in range(args.rounds):
             for way in ways:
-                figures[way].append(trio.run(epoch, way, transport, loop, args.files))
+                figures[way].append(trio.run(epoch, way, remote, args.files))
         print(f"{args.files} blobs of {BLOB_BYTES} bytes from rank 1, {args.rounds} rounds by turns; "
               f"CPU us per blob of rank 0 (process / loop thread)")
         for way in ways:

@@ -7,8 +7,8 @@ that sends a request or a reply also sends an empty UDP datagram to the receiver
 do sleeps in poll() on its own bell until it rings. The message itself still goes over MPI. The datagram carries
 nothing, so a lost one (UDP promises nothing) only costs the receiver's next timed wake.
 
-Each bell has a second socket on the same address, the reply bell: a rank whose mount's event loop asks peers
-itself (loop_requests.py) waits on it there, and a peer answering such a request rings it instead of the MPI
+Each bell has a second socket on the same address, the reply bell: a rank whose mount's event loop drives its
+requests to peers (remote_blobs.py) waits on it there, and a peer answering such a request rings it instead of the MPI
 thread's, so the reply wakes the loop that waits for it and no thread in between.
 
 Bells are on for the whole job or for no rank: each rank binds one on its host's address (the loopback address

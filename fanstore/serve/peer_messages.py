@@ -1,4 +1,4 @@
-"""The messages ranks exchange for blobs (the MPI thread's, transport.py, and the event loop's, loop_requests.py),
+"""The messages ranks exchange for blobs (asked by remote_blobs.py, answered by transport.py),
 and what one rank counts of them, per peer. docs/SERVE.md, "Peer requests", has the table.
 
 A request names up to MAX_BLOBS blobs: the first in the 32-byte header, each further one in 20 bytes after it. Its
@@ -18,8 +18,8 @@ from ..chunk_source import BlobRead
 from .statuses import Status, status_error
 
 TAG_REQUEST = 1
-FIRST_REPLY_TAG = 16  # reply tags run from here to the library's TAG_UB: the MPI thread's the lower half, the
-# event loop's (loop_requests.py) the upper half; each wraps in its own
+FIRST_REPLY_TAG = 16  # reply tags run from here to the library's TAG_UB, one range for every request of a rank
+# (remote_blobs.py), which wraps
 REQUEST = struct.Struct("<4sIIIQQ")  # magic, reply tag, chunk, flags, offset, length
 REQUEST_MAGIC = b"FSRQ"
 MORE_BLOB = struct.Struct("<IQQ")  # chunk, offset, length: each further blob of a request that asks for several
