@@ -49,7 +49,7 @@ LOST_RING = 4
 SERVING_BUG = 7  # rank 1's server meets a bug (not a ChunkError) serving this chunk
 CORRUPT = 5  # rank 1 finds this chunk's blobs corrupt, with a reason far longer than a small blob
 SMALL = 5  # bytes of a small blob: its reply's reason is longer than the blob
-rings_to_lose: list[int] = []  # rank 1: the replies whose ring to the asker's reply bell is not sent
+rings_to_lose: list[int] = []  # rank 1: the replies whose ring to the asker is not sent
 
 
 def failed(error: ChunkError) -> str:

@@ -24,8 +24,8 @@ REQUEST = struct.Struct("<4sIIIQQ")  # magic, reply tag, chunk, flags, offset, l
 REQUEST_MAGIC = b"FSRQ"
 MORE_BLOB = struct.Struct("<IQQ")  # chunk, offset, length: each further blob of a request that asks for several
 MAX_BLOBS = 64  # blobs one request may ask for: the reply carries them one after the other
-RING_REPLY_BELL = 1  # request flag: the asker's event loop waits for this reply on its reply bell (doorbell.py)
-QUIET_REPLY = 2  # request flag: ring nobody for this reply; the asker polls for it (a fetch ahead of its reader)
+# Request flags 1 and 2 (ring the asker's event loop, ring nobody) are retired: they served an event loop that
+# completed its own requests, before remote_blobs.py. A request that sets them is answered as any other.
 PING = 4  # request flag: no blob; the reply, OK and empty, says the rank is there (lifecycle.PeerWatch)
 TAG_VERDICT = 4  # from rank 0, once it gives up on lost ranks: the job's status and why (VERDICT, then the reason)
 VERDICT = struct.Struct("<4si")  # magic, status

@@ -26,8 +26,8 @@ from typing import Any, Callable, Protocol, Sequence
 from ..chunk_source import BlobRead, ReadDone
 from ..errors import ChunkError, ChunkUnavailable
 from .doorbell import Doorbell
-from .peer_messages import FIRST_REPLY_TAG, MAX_BLOBS, MORE_BLOB, PING, QUIET_REPLY, REASON_ROOM, REPLY_HEADER, \
-    REPLY_MAGIC, REQUEST, REQUEST_MAGIC, RING_REPLY_BELL, TAG_REQUEST, TAG_VERDICT, VERDICT, VERDICT_MAGIC, \
+from .peer_messages import FIRST_REPLY_TAG, MAX_BLOBS, MORE_BLOB, PING, REASON_ROOM, REPLY_HEADER, REPLY_MAGIC, \
+    REQUEST, REQUEST_MAGIC, TAG_REQUEST, TAG_VERDICT, VERDICT, VERDICT_MAGIC, \
     PeerCounters, error_reply, partial_reply
 from .polling import Backoff, precise_sleeps, wait_all
 from .remote_blobs import PeerOptions, RemoteBlobs
@@ -86,9 +86,8 @@ class PeerTransport:
         self._verdict: tuple[int, int, str] | None = None  # written by the MPI thread, read by the lifecycle
         self.bell = bell
         self._to_ring: set[int] = set()  # peers sent a request or reply this turn: rung once, at its end
-        self._to_ring_reply: set[int] = set()  # peers sent a reply their event loop waits for: rung likewise
         self._backoff = Backoff.rung_by(bell)
-        # This rank's own requests to peers: one state machine, which this thread drives unless the mount's loop does.
+        # This rank's own requests to peers: one state machine, which this thread drives.
         self.remote = RemoteBlobs(comm, options, self.counters, bell, MPI.Query_thread() == MPI.THREAD_MULTIPLE,
                                   self._backoff.wake, self._tag_limit)
         self._stopping = threading.Event()
@@ -177,7 +176,7 @@ class PeerTransport:
                 progressed |= remote.drive()
                 progressed |= self._poll_requests()
                 progressed |= self._receive_messages()
-                if self._to_ring or self._to_ring_reply:
+                if self._to_ring:
                     self._ring_peers()
                 busy = self._busy()
                 if self._send_deadlines:
@@ -237,10 +236,7 @@ class PeerTransport:
         if self.bell is not None:
             for peer in self._to_ring:
                 self.bell.ring(peer)
-            for peer in self._to_ring_reply:
-                self.bell.ring_reply(peer)
         self._to_ring.clear()
-        self._to_ring_reply.clear()
 
     def peer_counters(self) -> list[PeerCounters]:
         """What went between this rank and each peer: blobs asked and fetched, served, failed, refused."""
@@ -332,7 +328,7 @@ class PeerTransport:
             send = self.comm.Isend([REPLY_HEADER.pack(REPLY_MAGIC, Status.OK), self._mpi.BYTE], dest=source, tag=tag)
             self._send_deadlines[id(send)] = (send, time.monotonic() + _SEND_GRACE * self.options.timeout)
             self._poll(send, lambda _status: None)
-            (self._to_ring_reply if flags & RING_REPLY_BELL else self._to_ring).add(source)  # as any reply
+            self._to_ring.add(source)
             return
         blobs = [(chunk, offset, length)]
         if more:
@@ -369,8 +365,7 @@ class PeerTransport:
         send = self.comm.Isend([reply, self._mpi.BYTE], dest=source, tag=tag)
         self._send_deadlines[id(send)] = (send, time.monotonic() + _SEND_GRACE * self.options.timeout)
         self._poll(send, lambda _status, reply=reply: None)  # the closure keeps the buffer alive until sent
-        if not flags & QUIET_REPLY:
-            (self._to_ring_reply if flags & RING_REPLY_BELL else self._to_ring).add(source)
+        self._to_ring.add(source)
 
     def _shut_down(self) -> None:
         error_text = "the MPI thread has stopped" if self._failure is None else f"the MPI thread failed: " \
