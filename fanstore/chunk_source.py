@@ -54,17 +54,13 @@ class ChunkSource(ABC):
         of a buffer the source hands over, not bytes). An event loop uses it so that no thread of its own
         waits for the blob. A first try only: after an error the caller reads it with `read`, which knows the
         fallbacks. False when this source has no such path (then `read` it). `ahead`: nobody waits for the
-        blob yet (a fetch ahead of the reader), so the source may leave it for `collect_started` to find."""
+        blob yet (a fetch ahead of the reader), so the source may hand the asking to a thread of its own."""
         return False
 
     def start_reads(self, reads: Sequence[BlobRead], ahead: bool = False) -> list[bool]:
         """start_read for several blobs at once, each started or not as start_read would say: a source may ask for
         them together (one request to a peer for all of its blobs among them)."""
         return [self.start_read(*read, ahead=ahead) for read in reads]
-
-    def collect_started(self) -> None:
-        """On the event loop that started reads: call `done` now for those whose blobs have come. The loop calls
-        it where it runs anyway (before each read), so a blob fetched ahead costs it no wake-up of its own."""
 
     def read_other_copy(self, chunk_id: int, offset: int, length: int) -> bytes:
         """The same blob from another copy than the one `read` gave, which failed its checksum: a node's staged

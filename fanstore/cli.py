@@ -761,16 +761,15 @@ def _add_serve_parser(commands: Any) -> None:
     serve_parser.add_argument("--peer-retry", type=float, default=30.0, metavar="SECONDS",
                               help="how long a peer that missed a deadline is skipped (default 30)")
     serve_parser.add_argument("--max-in-flight", type=int, default=8, metavar="K",
-                              help="requests outstanding to one peer at a time, from the MPI thread and from the "
-                                   "mount's loop each (default 8)")
+                              help="requests outstanding to one peer at a time, whoever asked them (default 8)")
     serve_parser.add_argument("--no-doorbell", action="store_true",
                               help="peers do not ring each other awake with a UDP datagram (for networks that drop "
                                    "UDP between nodes; fanstore turns them off itself when a start-up check fails): "
                                    "each rank then polls MPI alone, lingering after work")
     serve_parser.add_argument("--mpi-thread-only", action="store_true",
-                              help="only the MPI thread calls MPI (initialised at MPI_THREAD_SERIALIZED): the mount "
-                                   "hands it every request to a peer instead of asking itself (for an MPI whose "
-                                   "MPI_THREAD_MULTIPLE is slow or broken)")
+                              help="only the MPI thread calls MPI (initialised at MPI_THREAD_SERIALIZED): readers "
+                                   "hand it every request to a peer instead of posting it themselves (for an MPI "
+                                   "whose MPI_THREAD_MULTIPLE is slow or broken)")
     serve_parser.add_argument("--prefetch-list", metavar="FILE",
                               help="the epoch's reading order, one path a line (in the dataset or through the rank's "
                                    "MOUNTPOINT): files are fetched and decoded ahead ({rank} is replaced by the "

@@ -326,10 +326,6 @@ class FanstoreOperations(pyfuse3.Operations):
     async def read(self, fh: int, off: int, size: int) -> memoryview | bytes:
         if self._blocked[fh]:
             return await self._read_blocks(fh, off, size)
-        if self._fetching:
-            # Blobs fetched ahead come without waking the loop (their replies ring nobody): taken here, where it
-            # runs anyway.
-            self._source.collect_started()  # type: ignore[union-attr]
         # A fetch begun before this read (at its open, or ahead of the reader) is this read's: taken before the
         # prefetcher starts the next ones, so they cannot push it out.
         fetching = self._fetching.pop(fh, None) if self._may_block[fh] else None
@@ -389,8 +385,8 @@ class FanstoreOperations(pyfuse3.Operations):
         """Of the prefetcher's next files, those from another node are fetched ahead by the loop, still stored, and
         decoded by their reads as local files are: no thread waits on a peer, and none is woken per file. They
         are started in batches, once the next one or half of them are not on their way, each peer's files in one
-        request, so one request and one wake of the peer carry several files; their replies wake nobody, as each
-        read collects what has come. The other keys are returned, for the prefetcher's threads. While the reader
+        request, so one request and one wake of the peer carry several files; they arrive without waking the loop
+        (_Fetching wakes it only for a blob a read waits for). The other keys are returned, for the prefetcher's threads. While the reader
         does not follow the order (`in_order`), such files are neither fetched nor returned: a blob fetched ahead
         is held for a few dozen reads only (`_fetches_held`), so for such a reader it would come for nothing."""
         slow: list[int] = []

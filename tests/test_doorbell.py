@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from fanstore.serve.doorbell import LOOPBACK, RECORD, Doorbell, addresses_of, bell_host, reply_ports_of
+from fanstore.serve.doorbell import LOOPBACK, RECORD, Doorbell, addresses_of, bell_host
 from fanstore.serve.polling import Backoff
 
 
@@ -17,7 +17,7 @@ def bells():
     """Two bells on this host, each knowing both addresses (ranks 0 and 1)."""
     pair = [Doorbell.bind("127.0.0.1"), Doorbell.bind("127.0.0.1")]
     for bell in pair:
-        bell.connect([other.address for other in pair], [other.reply_address[1] for other in pair])
+        bell.connect([other.address for other in pair])
     yield pair
     for bell in pair:
         bell.close()
@@ -60,18 +60,6 @@ def test_wake_ups_before_the_sleeper_takes_them_send_one_datagram_and_a_later_on
     started = time.monotonic()
     backoff.sleep()
     assert time.monotonic() - started < 0.2
-
-
-def test_a_reply_ring_wakes_the_peers_reply_bell_not_its_mpi_thread(bells):
-    """An answer to a request the peer's event loop made rings the loop's bell: its MPI thread sleeps on."""
-    import select
-
-    bells[0].ring_reply(1)
-    readable, _, _ = select.select([bells[1].reply_fileno()], [], [], 1.0)
-    assert readable
-    assert not bells[1].wait(0.05)  # the MPI thread's bell did not ring
-    bells[1].take_replies()
-    assert not select.select([bells[1].reply_fileno()], [], [], 0.05)[0]  # every ring taken
 
 
 def test_without_a_ring_the_sleep_ends_on_time(bells):
@@ -118,13 +106,12 @@ def record(address: str, port: int, host: bytes, bound: int = 1) -> bytes:
     import ipaddress
 
     ip = ipaddress.ip_address(address)
-    return RECORD.pack(bound, ip.version, port, port + 100, ip.packed, host)
+    return RECORD.pack(bound, ip.version, port, ip.packed, host)
 
 
 def test_addresses_are_agreed_only_when_every_rank_can_be_rung():
     one_host = [record("127.0.1.1", 4000 + r, b"hostAAAA") for r in range(3)]
     assert addresses_of(one_host) == [("127.0.1.1", 4000), ("127.0.1.1", 4001), ("127.0.1.1", 4002)]
-    assert reply_ports_of(one_host) == [4100, 4101, 4102]
     spread = [record("10.0.0.1", 4000, b"hostAAAA"), record("fd00::2", 4001, b"hostBBBB")]
     assert addresses_of(spread) == [("10.0.0.1", 4000), ("fd00::2", 4001)]
     # A loopback address on a job spanning hosts would ring the wrong host: no bells for anyone.

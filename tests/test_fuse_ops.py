@@ -11,7 +11,6 @@ import inspect
 import logging
 import os
 import threading
-from typing import Callable
 
 import numpy as np
 
@@ -93,7 +92,7 @@ def test_a_handler_given_nonsense_answers_not_raises(dataset):
 class DeliveredLater(LocalChunkSource):
     """The dataset's own chunk files, every blob 'slow' (as another node's are): `start_read` answers from a thread
     of its own, as the serve transport's MPI thread does (or, 'ok, on the loop', later from the event loop itself,
-    as the mount's own peer requests do), and can be told to fail or to corrupt the blob."""
+    as a source may), and can be told to fail or to corrupt the blob."""
 
     def __init__(self, dataset_dir, sizes, first_try: str = "ok") -> None:
         super().__init__(dataset_dir, sizes)
@@ -101,8 +100,6 @@ class DeliveredLater(LocalChunkSource):
         self.started: list[int] = []
         self.read_by_thread: list[int] = []
         self.ahead: list[int] = []  # started with ahead=True
-        self.held: list[Callable[[], None]] = []  # 'ok, collected': blobs fetched ahead, until collect_started
-        self.collected = 0
 
     def read(self, chunk_id, offset, length):
         self.read_by_thread.append(chunk_id)
@@ -115,10 +112,6 @@ class DeliveredLater(LocalChunkSource):
         self.started.append(chunk_id)
         if ahead:
             self.ahead.append(chunk_id)
-            if self.first_try == "ok, collected":  # as a reply that rings nobody: there once collected
-                stored = super().read(chunk_id, offset, length)
-                self.held.append(lambda: done(stored, None))
-                return True
         if self.first_try == "unavailable at once":  # as the transport answers once its MPI thread has stopped
             done(None, ChunkUnavailable("the MPI thread has stopped", chunk_id=chunk_id))
             return True
@@ -139,12 +132,6 @@ class DeliveredLater(LocalChunkSource):
         else:
             threading.Timer(0.01, deliver).start()
         return True
-
-    def collect_started(self):
-        held, self.held = self.held, []
-        self.collected += len(held)
-        for hand_over in held:
-            hand_over()
 
     def may_block(self, chunks, offsets):
         return np.ones(len(chunks), dtype=bool)
@@ -305,15 +292,14 @@ def test_prefetch_fetches_slow_files_ahead_on_the_loop_and_their_reads_take_thos
     assert sorted(source.read_by_thread) == sorted(failed)
 
 
-def test_blobs_fetched_ahead_are_collected_by_the_reads_that_follow(dataset):
-    """A fetch ahead of the reader is started with ahead=True (a fetch begun at open is not), and may come without
-    a word (under serve, its reply rings nobody): each read first collects what has come, so every file still
-    reads right, each from its own fetch."""
+def test_blobs_fetched_ahead_are_started_as_ahead(dataset):
+    """A fetch ahead of the reader is started with ahead=True (under serve, handed to the MPI thread to ask), a
+    fetch begun at open is not (its read waits: asked at once); every file reads right, each from its own fetch."""
     order = train_files(dataset)[:12]
-    operations, source = slow_operations(dataset, "ok, collected", prefetch_list=order, depth=4)
+    operations, source = slow_operations(dataset, "ok", prefetch_list=order, depth=4)
     stats = read_in_order(operations, dataset, order)
     assert len(source.started) == len(order)  # one fetch a file: the first one's at its open, not ahead
-    assert stats["fetched_ahead"] == len(source.ahead) == source.collected == len(order) - 1
+    assert stats["fetched_ahead"] == len(source.ahead) == len(order) - 1
     assert source.read_by_thread == []
 
 

@@ -1,6 +1,6 @@
 """How a rank reads a peer's reply to a request for blobs (fanstore/serve/peer_messages.py, hand_out_reply): each read
 gets its blob, or why it did not come, and a blob the peer could not give costs that blob alone. The replies
-themselves go over real MPI in tests/serve_loop_requests.py and tests/test_serve.py."""
+themselves go over real MPI in tests/serve_remote_blobs.py and tests/test_serve.py."""
 
 from __future__ import annotations
 

@@ -229,7 +229,7 @@ def test_every_rank_sees_every_file_and_replicated_files_are_local(served_datase
     assert code == 0, out + err
     assert sorted(line for line in out.splitlines() if line.endswith(": ok")) == [f"rank {r}: ok" for r in range(3)]
     # One host: the check passes, and the bells ring over loopback.
-    assert len(re.findall(r"^rank \d .*; doorbell on \(127\.0\.0\.1:\d+\); the mount's loop asks peers$", out,
+    assert len(re.findall(r"^rank \d .*; doorbell on \(127\.0\.0\.1:\d+\); readers post their peer requests$", out,
                           re.M)) == RANKS, out
     totals = [line for line in out.splitlines() if line.startswith("job (3 ranks)")]
     assert len(totals) == 1, out
@@ -255,7 +255,7 @@ def test_every_rank_sees_every_file_and_replicated_files_are_local(served_datase
     code, out, err = rerun.finish()
     assert code == 0, out + err
     assert sorted(line for line in out.splitlines() if line.endswith(": ok")) == [f"rank {r}: ok" for r in range(3)]
-    assert len(re.findall(r"^rank \d .*; doorbell off$", out, re.M)) == RANKS, out
+    assert len(re.findall(r"^rank \d .*; doorbell off; readers post their peer requests$", out, re.M)) == RANKS, out
     _assert_fetched_several_to_a_request(out)  # by the MPI thread, as there are no doorbells
     assert "bytes read from DEST: 0 B staging (0 B)" in out, out
     _assert_nothing_left(rerun)
@@ -606,9 +606,10 @@ def test_command_status_is_the_worst_of_every_rank(served_dataset, tmp_path, job
     _assert_nothing_left(job)
 
 
-@pytest.mark.parametrize("asker", ["the mount's loop", "the MPI thread"])
+@pytest.mark.parametrize("asker", ["the reading thread", "the MPI thread"])
 def test_a_stopped_peer_costs_a_deadline_not_a_read(served_dataset, tmp_path, jobs, asker):
-    """Whichever thread asks the peers (the mount's loop where MPI gives THREAD_MULTIPLE, else the MPI thread)."""
+    """Whichever thread posts the requests to peers (the one that reads where MPI gives THREAD_MULTIPLE, else the
+    MPI thread)."""
     src, dest = served_dataset
     only = ("--mpi-thread-only",) if asker == "the MPI thread" else ()
     job = Job(tmp_path, dest, "--peer-timeout", "1", "--stats", *only)
@@ -641,7 +642,7 @@ def test_a_stopped_peer_costs_a_deadline_not_a_read(served_dataset, tmp_path, jo
     code, out, err = job.finish()
     assert code == 0, out + err
     assert "no answer within 1 s" in err, err
-    loop_lines = re.findall(r"^rank \d .*; doorbell on \(.*\); the mount's loop asks peers$", out, re.M)
+    loop_lines = re.findall(r"^rank \d .*; doorbell on \(.*\); readers post their peer requests$", out, re.M)
     assert len(loop_lines) == (0 if only else RANKS), out
     _assert_nothing_left(job)
 
@@ -1172,53 +1173,48 @@ def test_malformed_peer_requests_are_refused_without_harm(served_dataset, tmp_pa
     assert len([line for line in stderr.splitlines() if "rank 2" in line]) == 13, stderr
 
 
-def test_the_mounts_loop_asks_peers_itself_within_the_same_rules(tmp_path):
-    """A blob, one whose reply's ring is lost, a refusal, fetches ahead (their replies ring nobody), a bug serving one
-    request, the per-peer cap, a stalled peer's deadline and skip, and a request still out when the loop ends
-    (handed to the MPI thread, its late reply dropped without a word): as through the MPI thread. A bug in the
-    loop's part costs only the requests out."""
-    seen, stderr = _run_mpi_script("serve_loop_requests.py", 2, cwd=tmp_path)
-    assert seen[0]["good"] and seen[0]["via the loop"] == [1, 0], seen[0]
+def test_one_state_machine_asks_peers_from_the_loop_and_from_threads_within_one_set_of_rules(tmp_path):
+    """A blob, one whose reply's ring is lost, a refusal, a bug serving one request, one per-peer cap for the loop and
+    threads together, cancel, a stalled peer's deadline (the reads go to DEST) and skip, and a request still out when
+    the loop ends (it meets its deadline, its late reply dropped without a word): remote_blobs.RemoteBlobs, posted by
+    whoever asks, driven by the MPI thread."""
+    seen, stderr = _run_mpi_script("serve_remote_blobs.py", 2, cwd=tmp_path)
+    assert seen[0]["good"], seen[0]
     assert seen[0]["several"] == [True, True, 4], seen[0]  # three blobs in one reply, each to its reader
     taken, errors = seen[0]["several, one refused"]
     assert taken and len(errors) == 3, seen[0]
     assert all("rank 1 refused a request for 3 blobs: chunk 2 at 0 is not" in error for error in errors), errors
     # A peer's CORRUPT is ChunkCorrupt (statuses.py), its refusal ChunkUnavailable: the reader falls back on both.
     corrupt = "corrupt: rank 1 found corrupt chunk 5 at 0: chunk 5 at 0: its copy here fails its checksum; "
-    for outcome in (seen[0]["several, one corrupt"][1], seen[0]["several, one corrupt, via the MPI thread"]):
+    for outcome in (seen[0]["several, one corrupt"][1], seen[0]["several, one corrupt, from a thread"]):
         assert outcome[0] is True and outcome[2] is True and outcome[1].startswith(corrupt), seen[0]  # that one alone
     assert seen[0]["ring lost"] == [True, True], seen[0]  # the reply is found without its ring, in time
     assert seen[0]["refused"], seen[0]
-    # A reason longer than the few bytes asked reaches the asker whole, and costs neither the loop nor the MPI thread.
+    # A reason longer than the few bytes asked reaches the asker whole, and costs nothing else.
     refused = "rank 1 refused chunk 2 at 0: chunk 2 at 0 is not a blob of this rank"
     corrupt = "rank 1 found corrupt chunk 5 at 0: chunk 5 at 0: its copy here fails its checksum; "
     assert seen[0]["small, refused"] == [f"unavailable: {refused}"], seen[0]
     assert seen[0]["small, corrupt"][0].startswith(f"corrupt: {corrupt}"), seen[0]
     assert seen[0]["small, corrupt"][0].endswith("read it elsewhere"), seen[0]
-    via_thread = seen[0]["small, via the MPI thread"]
-    assert via_thread[0] == f"unavailable: {refused}" and via_thread[1].startswith(f"corrupt: {corrupt}"), seen[0]
-    assert via_thread[2] == "the blob" and seen[0]["asked after"], seen[0]
+    from_thread = seen[0]["small, from a thread"]
+    assert from_thread[0] == f"unavailable: {refused}" and from_thread[1].startswith(f"corrupt: {corrupt}"), seen[0]
+    assert from_thread[2] == "the blob" and seen[0]["asked after"], seen[0]
     assert "MPI_ERROR" not in stderr, stderr
-    assert seen[0]["ahead"] == [False, True], seen[0]  # no ring: collected where the loop runs anyway
-    assert seen[0]["ahead, not collected"] == [True, True], seen[0]  # the pump's timer takes it
     taken, reply, next_served = seen[0]["serving bug"]
     assert taken and "rank 1 could not read chunk 7" in reply and next_served, seen[0]
     assert stderr.splitlines().count("RuntimeError: injected while serving") == 1, stderr
-    assert seen[0]["cap"] == [True, True, True, False], seen[0]  # past the cap the caller asks the MPI thread
-    taken, reply, seconds = seen[0]["stalled"]
-    assert taken and "did not answer within 0.5 s" in reply and 0.5 <= seconds < 2, seen[0]
-    assert seen[0]["skipped after"] == [True, False], seen[0]
-    assert seen[0]["left out at the end"] and seen[0]["refused from 1"] == 0, seen[0]
+    # CAP (3) in flight at most, the loop's and two threads' requests together, and every one answered.
+    assert seen[0]["one cap"] == [3, True], seen[0]
+    # Cancelled queued and in flight: 'cancelled' at once, the slot freed; the others answered; over is over.
+    assert seen[0]["cancel"] == [[True, True], 2, 2, 2, False], seen[0]
+    in_flight, read, seconds, missed = seen[0]["stalled"]
+    assert in_flight == 3 and read == "from DEST" and 0.5 <= seconds < 2 and missed == 2, seen[0]
+    assert seen[0]["skipped after"] == [True, True], seen[0]  # skipped: the next ask fails at once
+    assert seen[0]["left out at the end"], seen[0]
+    assert seen[0]["left out, answered"] == ["unavailable: rank 1 did not answer within 0.5 s"], seen[0]
+    assert seen[0]["from the MPI thread alone"] == "the blob" and seen[0]["refused from 1"] == 0, seen[0]
     assert "unexpected message" not in stderr, stderr
     assert stderr.count("no answer within 0.5 s") == 1, stderr
-    # A bug in the loop's pump fails what is out (it falls back), is logged once, and hands asking to the MPI thread.
-    taken, reply, taken_after = seen[0]["bug"]
-    assert taken and "asking peers from the mount's loop failed" in reply and not taken_after, seen[0]
-    assert stderr.splitlines().count("RuntimeError: injected") == 1, stderr
-    taken, errors, taken_after = seen[0]["bug in collect"]
-    assert taken and len(errors) == 1 and "asking peers from the mount's loop failed" in errors[0], seen[0]
-    assert not taken_after, seen[0]
-    assert stderr.splitlines().count("RuntimeError: injected in collect") == 1, stderr
     # A bug that ends rank 0's MPI thread: its fetches fail at once, and the job still ends together (the final
     # barrier runs without that thread), logged once.
     ended, outcome = seen[0]["MPI thread ended"]

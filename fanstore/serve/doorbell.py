@@ -7,10 +7,6 @@ that sends a request or a reply also sends an empty UDP datagram to the receiver
 do sleeps in poll() on its own bell until it rings. The message itself still goes over MPI. The datagram carries
 nothing, so a lost one (UDP promises nothing) only costs the receiver's next timed wake.
 
-Each bell has a second socket on the same address, the reply bell: a rank whose mount's event loop asks peers
-itself (loop_requests.py) waits on it there, and a peer answering such a request rings it instead of the MPI
-thread's, so the reply wakes the loop that waits for it and no thread in between.
-
 Bells are on for the whole job or for no rank: each rank binds one on its host's address (the loopback address
 when every rank runs on this one host), the ranks exchange addresses (a non-blocking allgather), every rank rings
 every other once, and the bells stay on only if every rank heard every other within CHECK_SECONDS. Otherwise (no
@@ -30,9 +26,8 @@ from typing import Any, Sequence
 
 log = logging.getLogger("fanstore.serve")
 
-# What each rank tells the others: bound (1) or not (0), address family (4 or 6), port, reply bell's port, address,
-# host digest.
-RECORD = struct.Struct("<BBHH16s8s")
+# What each rank tells the others: bound (1) or not (0), address family (4 or 6), port, address, host digest.
+RECORD = struct.Struct("<BBH16s8s")
 CHECK = struct.Struct("<4sI")  # the start-up ring: magic, the ringing rank
 CHECK_MAGIC = b"FSBL"
 CHECK_SECONDS = 2.0
@@ -43,12 +38,10 @@ _PROBE_ADDRESS = ("192.0.2.1", 9)  # TEST-NET-1: connecting a UDP socket to it s
 class Doorbell:
     """This rank's bell (a non-blocking UDP socket) and the addresses of the others'."""
 
-    def __init__(self, sock: socket.socket, reply_sock: socket.socket | None = None) -> None:
+    def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
-        self._reply_sock = reply_sock
         self._own = sock.getsockname()[:2]
         self._peers: list[Any] = []
-        self._reply_peers: list[Any] = []
         self._poller = select.poll()
         self._poller.register(sock.fileno(), select.POLLIN)
 
@@ -56,63 +49,33 @@ class Doorbell:
     def bind(cls, host: str | None = None) -> "Doorbell":
         """A bell on `host`'s address (default: this host's, as other hosts would reach it); OSError if none."""
         family, address = _reachable_address(host)
-        sockets: list[socket.socket] = []
+        sock = socket.socket(family, socket.SOCK_DGRAM)
         try:
-            for _ in range(2):
-                sockets.append(socket.socket(family, socket.SOCK_DGRAM))
-                sockets[-1].setblocking(False)
-                sockets[-1].bind((address, 0))
+            sock.setblocking(False)
+            sock.bind((address, 0))
         except OSError:
-            for sock in sockets:
-                sock.close()
+            sock.close()
             raise
-        return cls(*sockets)
+        return cls(sock)
 
     @property
     def address(self) -> tuple[str, int]:
         return self._own
 
-    @property
-    def reply_address(self) -> tuple[str, int] | None:
-        return self._reply_sock.getsockname()[:2] if self._reply_sock is not None else None
-
     def record(self) -> bytes:
         """This bell's address, packed for the exchange."""
         address = ipaddress.ip_address(self._own[0])
-        reply_port = self._reply_sock.getsockname()[1] if self._reply_sock is not None else 0
-        return RECORD.pack(1, address.version, self._own[1], reply_port, address.packed, host_digest())
+        return RECORD.pack(1, address.version, self._own[1], address.packed, host_digest())
 
-    def connect(self, addresses: Sequence[tuple[str, int]], reply_ports: Sequence[int] | None = None) -> None:
-        """The bell of each rank, by rank (this rank's own among them), and the port of each one's reply bell."""
+    def connect(self, addresses: Sequence[tuple[str, int]]) -> None:
+        """The bell of each rank, by rank (this rank's own among them)."""
         self._peers = list(addresses)
-        self._reply_peers = [(address, port) for (address, _), port in zip(addresses, reply_ports or ())]
 
     def ring(self, peer: int) -> None:
         """Wake `peer`; never blocks and never fails (a full buffer means the peer has rings to read already)."""
         try:
             self._sock.sendto(b"", self._peers[peer])
         except OSError:
-            pass
-
-    def ring_reply(self, peer: int) -> None:
-        """Wake `peer`'s event loop, which waits on its reply bell for the answer just sent it (as `ring`)."""
-        try:
-            self._sock.sendto(b"", self._reply_peers[peer])
-        except (OSError, IndexError):
-            pass
-
-    def reply_fileno(self) -> int:
-        """The reply bell's socket, for an event loop to wait on; it reads the rings with `take_replies`."""
-        if self._reply_sock is None:
-            raise ValueError("this doorbell has no reply bell")
-        return self._reply_sock.fileno()
-
-    def take_replies(self) -> None:
-        """Read a ring of the reply bell (from the event loop that waits on it, once it is readable). One: the
-        loop looks at every reply that came whatever rang, and a ring left behind only wakes it once more."""
-        try:
-            self._reply_sock.recv(64)  # type: ignore[union-attr]
-        except OSError:  # none after all, or an ICMP error from an earlier send: not a ring
             pass
 
     def ring_self(self) -> None:
@@ -171,8 +134,6 @@ class Doorbell:
 
     def close(self) -> None:
         self._sock.close()
-        if self._reply_sock is not None:
-            self._reply_sock.close()
 
 
 def host_digest() -> bytes:
@@ -186,17 +147,12 @@ def addresses_of(records: Sequence[bytes]) -> list[tuple[str, int]] | None:
     if not all(bound for bound, *_ in unpacked):
         return None
     addresses = []
-    for _, version, port, _, packed, _ in unpacked:
+    for _, version, port, packed, _ in unpacked:
         address = ipaddress.ip_address(packed[:4] if version == 4 else packed)
         if address.is_loopback and len({digest for *_, digest in unpacked}) > 1:
             return None
         addresses.append((str(address), port))
     return addresses
-
-
-def reply_ports_of(records: Sequence[bytes]) -> list[int]:
-    """Every rank's reply bell port (on its bell's address) from the gathered records."""
-    return [RECORD.unpack(record)[3] for record in records]
 
 
 def bell_host(digests: Any) -> str | None:
@@ -253,8 +209,7 @@ def open_doorbell(comm: Any, enabled: bool = True) -> Doorbell | None:
         if bell is not None:
             bell.close()
         return None
-    records = [raw[r * RECORD.size : (r + 1) * RECORD.size] for r in range(size)]
-    bell.connect(addresses, reply_ports_of(records))
+    bell.connect(addresses)
     heard = bell.check(rank, size)
     failed = first_failed_rank(comm, not heard)
     if failed is not None:

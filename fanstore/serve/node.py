@@ -6,9 +6,8 @@
     -> all done (Iallreduce of the worst status) -> unmount -> counters to rank 0 -> stop MPI
 
 One process per node holds MPI, the mount and the command's parent. MPI is called by the main thread until the
-transport starts, then by the transport's thread, and, where the library gives MPI_THREAD_MULTIPLE and the ranks
-have doorbells, by the mount's event loop for its own requests to peers (loop_requests.py). MPI_THREAD_SERIALIZED
-is the least this needs (checked at start). Every wait after start-up is non-blocking and polled (polling.py).
+transport starts, then by the transport's thread, and, where the library gives MPI_THREAD_MULTIPLE, by the threads
+that ask peers for blobs, the mount's event loop among them, to post their requests (remote_blobs.py). MPI_THREAD_SERIALIZED is the least this needs (checked at start). Every wait after start-up is non-blocking and polled (polling.py).
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ from ..units import format_bytes, plural
 from . import watchdog
 from .doorbell import open_doorbell
 from .lifecycle import Lifecycle
-from .loop_requests import LoopRequests
 from .node_endpoint import NodeEndpoint
 from .placement import BlobTable, Placement, place
 from .polling import first_failed_rank
@@ -76,7 +74,8 @@ class ServeOptions:
     mount: MountOptions = field(default_factory=MountOptions)
     progress: bool = True
     doorbell: bool = True  # peers ring each other awake over UDP (doorbell.py); else they poll alone
-    loop_requests: bool = True  # the mount's loop asks peers itself where MPI allows (loop_requests.py)
+    loop_requests: bool = True  # MPI_THREAD_MULTIPLE: readers post their own requests to peers (remote_blobs.py);
+    # else only the MPI thread calls MPI
 
 
 def start_mpi(multiple: bool = True) -> Any:
@@ -307,9 +306,7 @@ def run(options: ServeOptions) -> int:
     transport = PeerTransport(comm, RequestChecker(rank, placement, BlobTable.of(index), local, len(sizes),
                                                    unverified), options.peer, bell)
     transport.start()
-    loop = LoopRequests(transport, bell) if options.loop_requests and bell is not None \
-        and mpi.Query_thread() == mpi.THREAD_MULTIPLE else None
-    source = PlacedChunkSource(rank, placement, local, PeerChunkSource(transport, placement, loop), dest,
+    source = PlacedChunkSource(rank, placement, local, PeerChunkSource(transport, placement), dest,
                                direct=unverified)
     endpoint = NodeEndpoint(local_dir, {"dest": str(Path(options.dest).absolute()), "local_dir": str(local_dir),
                                         "index_dir": str(local_dir), "rank": rank, "size": size,
@@ -332,7 +329,7 @@ def run(options: ServeOptions) -> int:
     endpoint.close()
     if lifecycle.agreed:
         if options.stats:
-            _report_stats(transport, source, report, endpoint.stats(), loop is not None, bound)
+            _report_stats(transport, source, report, endpoint.stats(), transport.remote.any_thread, bound)
         transport.collective(lambda comm: (comm.Ibarrier(), lambda: None)).result()
     transport.stop()
     if bell is not None:
@@ -419,7 +416,7 @@ def _format_rank(stats: dict[str, Any]) -> str:
     lines = [f"rank {stats['rank']} ({stats['host']}): {plural(local['local'], 'blob')} read from local chunks "
              f"({format_bytes(local['local_bytes'])}); "
              + (f"doorbell on ({stats['doorbell']})" if stats.get("doorbell") else "doorbell off")
-             + ("; the mount's loop asks peers" if stats.get("loop_requests") else "")]
+             + ("; readers post their peer requests" if stats.get("loop_requests") else "")]
     for peer, counters in local["peers"].items():
         lines.append(f"  from rank {peer}: {plural(counters['fetched'], 'blob')} "
                      f"({format_bytes(counters['fetched_bytes'])}) in {plural(counters['asked'], 'request')}; "

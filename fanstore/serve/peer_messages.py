@@ -1,4 +1,4 @@
-"""The messages ranks exchange for blobs (the MPI thread's, transport.py, and the event loop's, loop_requests.py),
+"""The messages ranks exchange for blobs (asked by remote_blobs.py, answered by transport.py),
 and what one rank counts of them, per peer. docs/SERVE.md, "Peer requests", has the table.
 
 A request names up to MAX_BLOBS blobs: the first in the 32-byte header, each further one in 20 bytes after it. Its
@@ -18,14 +18,14 @@ from ..chunk_source import BlobRead
 from .statuses import Status, status_error
 
 TAG_REQUEST = 1
-FIRST_REPLY_TAG = 16  # reply tags run from here to the library's TAG_UB: the MPI thread's the lower half, the
-# event loop's (loop_requests.py) the upper half; each wraps in its own
+FIRST_REPLY_TAG = 16  # reply tags run from here to the library's TAG_UB, one range for every request of a rank
+# (remote_blobs.py), which wraps
 REQUEST = struct.Struct("<4sIIIQQ")  # magic, reply tag, chunk, flags, offset, length
 REQUEST_MAGIC = b"FSRQ"
 MORE_BLOB = struct.Struct("<IQQ")  # chunk, offset, length: each further blob of a request that asks for several
 MAX_BLOBS = 64  # blobs one request may ask for: the reply carries them one after the other
-RING_REPLY_BELL = 1  # request flag: the asker's event loop waits for this reply on its reply bell (doorbell.py)
-QUIET_REPLY = 2  # request flag: ring nobody for this reply; the asker polls for it (a fetch ahead of its reader)
+# Request flags 1 and 2 (ring the asker's event loop, ring nobody) are retired: they served an event loop that
+# completed its own requests, before remote_blobs.py. A request that sets them is answered as any other.
 PING = 4  # request flag: no blob; the reply, OK and empty, says the rank is there (lifecycle.PeerWatch)
 TAG_VERDICT = 4  # from rank 0, once it gives up on lost ranks: the job's status and why (VERDICT, then the reason)
 VERDICT = struct.Struct("<4si")  # magic, status

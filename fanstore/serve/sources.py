@@ -21,7 +21,6 @@ import numpy as np
 
 from ..chunk_source import BlobRead, ChunkSource, FallbackChunkSource, ReadDone
 from ..errors import ChunkCorrupt, ChunkError, ChunkUnavailable
-from .loop_requests import LoopRequests
 from .placement import NO_OWNER, Placement
 from .staged_source import PlacedReads, StagedChunkSource
 from .peer_messages import MAX_BLOBS
@@ -53,11 +52,11 @@ def batches(reads: Sequence[BlobRead], limit: int = BATCH_BYTES) -> list[list[Bl
 class PeerChunkSource(ChunkSource):
     """Blobs stored on other ranks, asked of their owner over the transport."""
 
-    def __init__(self, transport: PeerTransport, placement: Placement, loop: LoopRequests | None = None) -> None:
+    def __init__(self, transport: PeerTransport, placement: Placement) -> None:
         self.transport = transport
+        self._remote = transport.remote  # every request to a peer goes through this rank's one state machine
         self._placement = placement
         self._rank = transport.rank
-        self._loop = loop  # asks peers from the mount's event loop itself, where MPI and the doorbells allow
 
     def read(self, chunk_id: int, offset: int, length: int) -> bytes:
         owner = self._placement.owner(chunk_id, offset)
@@ -69,8 +68,7 @@ class PeerChunkSource(ChunkSource):
         owner = self._placement.owner(chunk_id, offset)
         if owner == NO_OWNER or owner == self._rank:
             return False
-        if self._loop is None or not self._loop.start(owner, chunk_id, offset, length, done, ahead):
-            self.transport.fetch_later(owner, chunk_id, offset, length, done)
+        self._remote.ask(owner, (BlobRead(chunk_id, offset, length, done),), hand_over=ahead)
         return True
 
     def start_reads(self, reads: Sequence[BlobRead], ahead: bool = False) -> list[bool]:
@@ -85,13 +83,8 @@ class PeerChunkSource(ChunkSource):
                 started[number] = True
         for owner, owned in by_owner.items():
             for batch in batches(owned):
-                if self._loop is None or not self._loop.start_many(owner, batch, ahead):
-                    self.transport.fetch_many_later(owner, batch)
+                self._remote.ask(owner, batch, hand_over=ahead)
         return started
-
-    def collect_started(self) -> None:
-        if self._loop is not None:
-            self._loop.collect()
 
     def may_block(self, chunks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         return np.ones(len(chunks), dtype=bool)
@@ -138,9 +131,6 @@ class PlacedChunkSource(PlacedReads):
         for number, ok in zip(remote, self._peers.start_reads([reads[number] for number in remote], ahead)):
             started[number] = ok
         return started
-
-    def collect_started(self) -> None:
-        self._peers.collect_started()
 
     def read_other_copy(self, chunk_id: int, offset: int, length: int) -> bytes:
         if self._from_peer(chunk_id, offset):  # the peer sent what its copy holds: that copy is damaged
