@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 import xxhash
@@ -26,6 +26,7 @@ from compressors.kinds import OTHER
 
 from .chunk_builder import ChunkBuilder
 from .codec_plan import ANY_KIND, CodecPlan, build_codec_plan
+from .archive_feed import ArchiveFeed
 from .compress import BlockLayout, PlanFiles, Skipped, WorkerPool, compress_in_order
 from .dest import check_dest, check_src_and_dest, discard_unrecorded_chunks, prepare_dest
 from .errors import DoesNotFit, PackError, UsageError
@@ -35,6 +36,7 @@ from .index import EntryRecord, Index, IndexLayout, write_index_atomically
 from .journal import BlockRow, ChunkRecord, FileRow, JournalState, PackJournal
 from .pause import pause_point
 from .walk import Problem, SourceEntry, SourceTree, walk_source
+from .walk_archive import source_paths, walk_archives
 
 if TYPE_CHECKING:
     from selector import Goal, Selection
@@ -126,24 +128,26 @@ class PackProgress:
 
 
 def pack(
-    src: str | os.PathLike[str],
+    src: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     dest: str | os.PathLike[str],
     options: PackOptions = PackOptions(),
     tree: SourceTree | None = None,
     progress: Callable[[PackProgress], None] | None = None,
     on_selection: Callable[[Selection], None] | None = None,
 ) -> PackSummary:
-    """Pack SRC into the dataset directory DEST. `tree` is a walk of SRC the caller already made. With --codec
-    auto, `on_selection` is given the selection before compressing starts (its predictions, for the person who
-    waits)."""
+    """Pack SRC into the dataset directory DEST. SRC is a directory, or one or more archives (paths or globs, see
+    walk_archive.source_paths). `tree` is a walk of SRC the caller already made. With --codec auto,
+    `on_selection` is given the selection before compressing starts (its predictions, for the person who waits)."""
     started = time.monotonic()
     _check_options(options)
-    check_src_and_dest(Path(src), Path(dest))
+    sources = source_paths(src)
+    for source in sources:
+        check_src_and_dest(source, Path(dest))
     workers = _worker_count(options.workers)
     # Workers hand blobs back through memfd shared memory (Linux); elsewhere this process compresses alone.
     pool = WorkerPool(workers) if workers > 1 and hasattr(os, "memfd_create") else None
     try:
-        summary = _pack_with(Path(src), Path(dest), options, tree, progress, on_selection, pool)
+        summary = _pack_with(sources, Path(dest), options, tree, progress, on_selection, pool)
     except BrokenProcessPool:  # from the walk or from compressing: the pool cannot go on
         raise PackError("a worker process died (killed, or out of memory); finished chunks are kept: run the same "
                         "command again to resume") from None
@@ -154,19 +158,22 @@ def pack(
     return summary
 
 
-def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: SourceTree | None,
+def _pack_with(sources: list[Path], dest_path: Path, options: PackOptions, tree: SourceTree | None,
                progress: Callable[[PackProgress], None] | None,
                on_selection: Callable[[Selection], None] | None, pool: WorkerPool | None) -> PackSummary:
     groups = GroupPlan(options.replicate)
-    if tree is None:
+    src_path = sources[0]
+    if tree is None and len(sources) == 1 and sources[0].is_dir():
         tree = walk_source(src_path, pool.executor if pool is not None else None)
+    elif tree is None:
+        tree = walk_archives(sources)
     if options.strict and tree.problems:
         raise PackError(f"--strict: {tree.problems[0]} ({len(tree.problems)} path(s) cannot be packed)")
-    # Files in (group, path) order: a chunk holds one group only, and the replicated group comes last. The walk
-    # gives them in path order already, so a stable split by group is enough. Each file's group is matched once
-    # here; the loop below only looks it up.
+    # Files in (group, path) order (archives: (group, stream order)): a chunk holds one group only, and the
+    # replicated group comes last. The walk gives them in that order already, so a stable split by group is
+    # enough. Each file's group is matched once here; the loop below only looks it up.
     by_group: dict[int, list[SourceEntry]] = {}
-    for entry in tree.files:
+    for entry in tree.files_in_read_order():
         by_group.setdefault(groups.group_of(entry.path), []).append(entry)
     in_order = sorted(by_group.items())
     files = [entry for _, members in in_order for entry in members]
@@ -210,8 +217,9 @@ def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: Sour
     # once the first batch is back, so that it does not hold the GIL while the first batches go out.
     background = ThreadPoolExecutor(1, thread_name_prefix="fanstore-index-layout")
     layout: Future[IndexLayout] | None = None
+    feed = ArchiveFeed(tree.archives, plan_files.paths, plan_files.inos) if tree.archives else None
     try:
-        for batch in compress_in_order(src_path, plan, plan_files, start_file, start_block, pool):
+        for batch in compress_in_order(src_path, plan, plan_files, start_file, start_block, pool, feed):
             if layout is None:
                 layout = background.submit(_index_layout, tree)
             if options.strict:
@@ -239,6 +247,8 @@ def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: Sour
         raise
     finally:
         background.shutdown(wait=False, cancel_futures=True)
+        if feed is not None:
+            feed.close()
     journal.remove()
     summary.reused_chunks = len(finished)
     summary.selection, summary.selection_seconds = selection, selection_seconds
@@ -306,6 +316,9 @@ def _fingerprint(tree: SourceTree, options: PackOptions, ctimes: bool = True) ->
     and link target is as packed, as make and rsync judge a file unchanged."""
     digest = xxhash.xxh3_128()
     digest.update(json.dumps(options.output_defining(), sort_keys=True).encode())
+    if ctimes:  # archives: who each archive file is (its members have no ctime of their own)
+        for identity in tree.identity:
+            digest.update(f"@{identity}\n".encode("utf-8", "surrogateescape"))
     for e in tree.entries:
         ctime = f"{e.ctime_ns}\0" if ctimes else ""
         digest.update(f"{e.path}\0{e.mode}\0{e.size}\0{e.mtime_ns}\0{ctime}{e.link_target}\n".encode("utf-8"))
