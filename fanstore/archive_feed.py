@@ -24,43 +24,71 @@ class ArchiveFeed:
     a pass goes forward; a member behind it (the next group's first) starts a new pass."""
 
     def __init__(self, archives: Sequence[tuple[Path, str]], paths: Sequence[str], keys: Sequence[int]) -> None:
-        self._archives = archives
         self._paths = paths
         self._keys = keys
+        self._members = MemberReads(archives)
+
+    @property
+    def head(self) -> bytes:
+        """The first HEAD_BYTES of the member read last (a blocks batch's sniff)."""
+        return self._members.head
+
+    def read_range(self, number: int, offset: int, into: memoryview) -> str:
+        """Bytes [offset, offset + len(into)) of plan file `number`; "" when done, or why the member cannot be
+        read (a damaged zip member: it is skipped). Damage in a tar stream, which the listing found whole, stops
+        the pack."""
+        key = self._keys[number]
+        try:
+            self._members.read(key, offset, into)
+        except _DAMAGE_ERRORS as exc:
+            archive, fmt = self._members.archives[key >> ARCHIVE_KEY_SHIFT]
+            if fmt == "zip":  # a zip's members stand apart: the others still read
+                return f"damaged in {archive} (the member at byte {key & _KEY_MASK:,}: {_reason(exc)}); skipped"
+            raise PackError(f"{archive}: {self._paths[number]} cannot be read ({_reason(exc)}): the archive changed "
+                            "since it was listed, or cannot be read; finished chunks are kept: run the same command "
+                            "again to resume") from None
+        except MemberMissing as exc:
+            raise PackError(f"{exc.archive}: {self._paths[number]} is no longer where the archive was listed; it "
+                            "changed since: pass --force to pack it afresh") from None
+        return ""
+
+    def close(self) -> None:
+        self._members.close()
+
+
+class MemberMissing(Exception):
+    """No member has the key asked for: the archive is not the one listed."""
+
+    def __init__(self, archive: Path) -> None:
+        super().__init__(str(archive))
+        self.archive = archive
+
+
+class MemberReads:
+    """Bytes of members by key, read forward through one pass at a time: within the member open, and from one
+    member to a later one; a member behind the pass starts a new one."""
+
+    def __init__(self, archives: Sequence[tuple[Path, str]]) -> None:
+        self.archives = archives
         self._stream: MemberStream | None = None
         self._members: Iterator[Member] | None = None
         self._archive = -1  # number of the archive the pass is over
         self._at = -1  # key (within that archive) of the member the pass is at
-        self._number = -1  # plan number of the open member
+        self._key = -1  # key of the open member
         self._reader: BinaryIO | None = None
         self._read = 0  # bytes of the open member read so far
         self.head = b""  # the open member's first HEAD_BYTES
 
-    def read_file(self, number: int, into: memoryview) -> str:
-        """All of plan file `number` into `into`; "" when done, or why the member cannot be read (a zip member
-        that is damaged: it is skipped). Damage in a tar stream, which the listing found whole, stops the pack."""
-        return self.read_range(number, 0, into)
-
-    def read_range(self, number: int, offset: int, into: memoryview) -> str:
-        """Bytes [offset, offset + len(into)) of plan file `number`, reading forward; see read_file."""
+    def read(self, key: int, offset: int, into: memoryview) -> None:
+        """Bytes [offset, offset + len(into)) of the member `key`; the archive's errors pass through."""
         try:
-            self._open(number)
-            if offset < self._read:
-                self._close_member()
-                self._open(number)
+            if key != self._key or offset < self._read:
+                self._open(key)
             self._skip(offset - self._read)
             self._fill(into)
-        except _DAMAGE_ERRORS as exc:
-            key = self._keys[number]
-            archive, fmt = self._archives[key >> ARCHIVE_KEY_SHIFT]
-            at = self._read
+        except BaseException:
             self._close_member()
-            if fmt == "zip":  # a zip's members stand apart: the others still read
-                return f"damaged in {archive} (the member at byte {key & _KEY_MASK:,}: {_reason(exc)}); skipped"
-            raise PackError(f"{archive}: {self._paths[number]} cannot be read at its byte {at:,} ({_reason(exc)}): "
-                            "the archive changed since it was listed, or cannot be read; finished chunks are kept: "
-                            "run the same command again to resume") from None
-        return ""
+            raise
 
     def close(self) -> None:
         self._close_member()
@@ -68,31 +96,24 @@ class ArchiveFeed:
             self._stream.close()
         self._stream = self._members = None
 
-    def _open(self, number: int) -> None:
-        if number == self._number and self._reader is not None:
-            return
+    def _open(self, key: int) -> None:
         self._close_member()
-        key = self._keys[number]
         archive, place = key >> ARCHIVE_KEY_SHIFT, key & _KEY_MASK
         if archive != self._archive or place <= self._at or self._members is None:
             self.close()
-            path, fmt = self._archives[archive]
+            path, fmt = self.archives[archive]
             self._stream = open_stream(path, fmt)
             self._members = iter(self._stream)
             self._archive, self._at = archive, -1
         for member in self._members:
             self._at = member.key
-            if member.key == place:
-                break
-            if member.key > place:
+            if member.key >= place:
                 break
         if self._at != place or self._stream is None:
-            damage = self._stream.damage if self._stream is not None else None
-            raise PackError(f"{self._archives[archive][0]}: {self._paths[number]} is no longer where the archive "
-                            f"was listed{f' ({damage})' if damage else ''}; it changed since: pass --force to pack it "
-                            "afresh")
+            self._archive = -1
+            raise MemberMissing(self.archives[archive][0])
         self._reader = self._stream.open_member()
-        self._number, self._read, self.head = number, 0, b""
+        self._key, self._read, self.head = key, 0, b""
 
     def _skip(self, length: int) -> None:
         scratch = memoryview(bytearray(min(length, _SKIP_BYTES)))
@@ -121,4 +142,4 @@ class ArchiveFeed:
                 self._reader.close()
             except _DAMAGE_ERRORS:
                 pass
-        self._reader, self._number, self._read = None, -1, 0
+        self._reader, self._key, self._read = None, -1, 0

@@ -140,15 +140,20 @@ class MemberStream:
 
     @property
     def position(self) -> int:
-        """How far into the (uncompressed) stream this pass has read: where damage found now would be."""
-        return self._counted.delivered if self._counted is not None else 0
+        """How far into the (uncompressed) stream this pass has read: where damage found now would be (an
+        uncompressed tar, which is read by seeking past the data, ends where its file ends)."""
+        counted = self._counted
+        if counted is None:
+            return 0
+        return counted.size if counted.size is not None else counted.delivered
 
     # --- tar ---------------------------------------------------------------------------------------------------
 
     def _tar_members(self) -> Iterator[Member]:
         try:
             self._counted = _CountingReader(_decompressed(self._file, self.format))
-            self._tar = tarfile.open(fileobj=self._counted, mode="r|")
+            # An uncompressed tar is listed by seeking from header to header, not by reading every byte.
+            self._tar = tarfile.open(fileobj=self._counted, mode="r:" if self.format == "tar" else "r|")
         except _DAMAGE_ERRORS as exc:
             self.damage = Damage(self.path, self.position, _reason(exc))
             return
@@ -157,7 +162,8 @@ class MemberStream:
             try:
                 info = tar.next()
             except _DAMAGE_ERRORS as exc:
-                self.damage = Damage(self.path, self.position, _reason(exc))
+                at = min(self.position, tar.offset) if tar.offset > 0 else self.position
+                self.damage = Damage(self.path, at, _reason(exc))
                 break
             # tarfile keeps every member it met (for hard links): a pass over millions must not.
             tar.members.clear()
@@ -175,7 +181,7 @@ class MemberStream:
             return None
         block = counted.recent(end_offset, tarfile.BLOCKSIZE)
         if len(block) < tarfile.BLOCKSIZE:
-            return Damage(self.path, min(counted.delivered, end_offset), "the archive ends early (truncated)")
+            return Damage(self.path, min(self.position, end_offset), "the archive ends early (truncated)")
         if block.count(0) != len(block):
             return Damage(self.path, end_offset, "a member header is corrupt")
         return None
@@ -226,7 +232,8 @@ def _decompressed(raw: BinaryIO, fmt: str) -> BinaryIO:
 
 class _CountingReader(io.RawIOBase):
     """Counts the bytes of the tar stream handed to tarfile and keeps the last few blocks, so that the end of a
-    pass can be told from damage (tarfile treats a corrupt header as the end)."""
+    pass can be told from damage (tarfile treats a corrupt header as the end). Over an uncompressed tar (a plain
+    file) it seeks, and `size` is the file's."""
 
     _KEEP = 64 << 10
 
@@ -235,13 +242,28 @@ class _CountingReader(io.RawIOBase):
         self.delivered = 0
         self._recent: deque[tuple[int, bytes]] = deque()
         self._recent_bytes = 0
+        self.size: int | None = os.fstat(inner.fileno()).st_size if isinstance(inner, io.BufferedReader) else None
 
     def readable(self) -> bool:
         return True
 
+    def seekable(self) -> bool:
+        return self.size is not None
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if self.size is None:
+            raise io.UnsupportedOperation("seek")
+        self.delivered = self._inner.seek(offset, whence)
+        return self.delivered
+
+    def tell(self) -> int:
+        return self.delivered
+
     def read(self, size: int = -1) -> bytes:
         data = self._inner.read(size)
-        if data:
+        if data and self.size is not None:
+            self.delivered += len(data)
+        elif data:
             self._recent.append((self.delivered, data))
             self._recent_bytes += len(data)
             self.delivered += len(data)
@@ -256,6 +278,8 @@ class _CountingReader(io.RawIOBase):
 
     def recent(self, offset: int, length: int) -> bytes:
         """Bytes [offset, offset + length) of the stream, as far as they were read and are still kept."""
+        if self.size is not None:
+            return os.pread(self._inner.fileno(), length, offset)
         pieces = []
         for start, data in self._recent:
             end = start + len(data)

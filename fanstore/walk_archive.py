@@ -116,7 +116,7 @@ def _format_of(path: Path) -> str:
         raise UsageError(f"SRC {quoted(path)} is a directory: several SRC must all be archives")
     fmt = archive_format(path)
     if fmt is None:
-        raise UsageError(f"SRC {quoted(path)} is neither a directory nor an archive fanstore reads "
+        raise UsageError(f"SRC {quoted(path)} is not a directory, nor an archive fanstore reads "
                          f"({', '.join(FORMATS)})")
     return fmt
 

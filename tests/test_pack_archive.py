@@ -262,7 +262,7 @@ def test_sources_that_are_not_archives_are_one_line(tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("not an archive")
     assert_one_line_error(run_cli("fanstore-pack", str(text), str(tmp_path / "ds")), str(text),
-                          "neither a directory nor an archive")
+                          "not a directory, nor an archive")
     assert_one_line_error(run_cli("fanstore-pack", str(tmp_path / "shards-*.tar"), str(tmp_path / "ds")),
                           "shards-*.tar", "no file matches")
     (tmp_path / "dir").mkdir()
