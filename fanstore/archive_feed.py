@@ -43,7 +43,7 @@ class ArchiveFeed:
         except _DAMAGE_ERRORS as exc:
             archive, fmt = self._members.archives[key >> ARCHIVE_KEY_SHIFT]
             if fmt == "zip":  # a zip's members stand apart: the others still read
-                return f"damaged in {archive} (the member at byte {key & _KEY_MASK:,}: {_reason(exc)}); skipped"
+                return f"damaged in {archive.name} (the member at byte {key & _KEY_MASK:,}: {_reason(exc)}); skipped"
             raise PackError(f"{archive}: {self._paths[number]} cannot be read ({_reason(exc)}): the archive changed "
                             "since it was listed, or cannot be read; finished chunks are kept: run the same command "
                             "again to resume") from None

@@ -374,13 +374,14 @@ def _run_select(args: argparse.Namespace) -> int:
     from selector.report import format_selection, plot_selection
 
     from .groups import GroupPlan
-    from .pack import make_goal, select_for
-    from .walk import walk_source
+    from .pack import make_goal, select_for, walk_sources
+    from .walk_archive import source_paths
 
     groups = GroupPlan(tuple(args.replicate))  # validates the patterns before the long part
     options = _selection_options(args)
     goal = make_goal(options["fit"], options["nodes"], options["tolerance"], options["pack_speed"], args.workers)
-    selection = select_for(Path(args.src), walk_source(args.src), groups, options["budget"],
+    sources = source_paths(args.src)
+    selection = select_for(sources[0], walk_sources(sources), groups, options["budget"],
                            options["prefetch_threads"], options["sample"], options["seed"], goal)
     _warn_failed_codecs(selection)
     print(format_selection(selection))
@@ -590,7 +591,8 @@ def _build_parser() -> argparse.ArgumentParser:
                                                         "option, neither --budget nor --fit given)"),
              _USAGE, (EXIT_DOES_NOT_FIT, "--fit cannot be met, not even with the strongest settings"), _INTERRUPTED],
             "fanstore select /data/imagenet --budget 800MB/s --prefetch-threads 4 --replicate 'val/**'"))
-    select_parser.add_argument("src", metavar="SRC", help="the directory tree to pack (it is only read)")
+    select_parser.add_argument("src", metavar="SRC",
+                               help="the directory tree to pack (it is only read), or an archive or a glob of them")
     _add_selection_arguments(select_parser, auto_only=False)
     select_parser.add_argument("--replicate", action="append", default=[], metavar="GLOB",
                                help="as for fanstore-pack: the sample is stratified by group too (and with --nodes, "

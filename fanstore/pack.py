@@ -7,12 +7,13 @@ SRC unchanged: there is nothing to do, and DEST is left as it is.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import operator
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ from compressors.kinds import OTHER
 from .chunk_builder import ChunkBuilder
 from .codec_plan import ANY_KIND, CodecPlan, build_codec_plan
 from .archive_feed import ArchiveFeed
+from .archive_pieces import ArchivePieces
 from .compress import BlockLayout, PlanFiles, Skipped, WorkerPool, compress_in_order
 from .dest import check_dest, check_src_and_dest, discard_unrecorded_chunks, prepare_dest
 from .errors import DoesNotFit, PackError, UsageError
@@ -163,10 +165,8 @@ def _pack_with(sources: list[Path], dest_path: Path, options: PackOptions, tree:
                on_selection: Callable[[Selection], None] | None, pool: WorkerPool | None) -> PackSummary:
     groups = GroupPlan(options.replicate)
     src_path = sources[0]
-    if tree is None and len(sources) == 1 and sources[0].is_dir():
-        tree = walk_source(src_path, pool.executor if pool is not None else None)
-    elif tree is None:
-        tree = walk_archives(sources)
+    if tree is None:
+        tree = walk_sources(sources, pool.executor if pool is not None else None)
     if options.strict and tree.problems:
         raise PackError(f"--strict: {tree.problems[0]} ({len(tree.problems)} path(s) cannot be packed)")
     # Files in (group, path) order (archives: (group, stream order)): a chunk holds one group only, and the
@@ -193,7 +193,8 @@ def _pack_with(sources: list[Path], dest_path: Path, options: PackOptions, tree:
     if selection is not None and on_selection is not None:
         on_selection(selection)
     spec_by_kind = {ANY_KIND: options.codec} if selection is None else _spec_by_kind(selection)
-    plan = build_codec_plan(spec_by_kind, groups, files, file_groups, src_path, journal)
+    with _pieces_of(src_path, tree) as pieces:
+        plan = build_codec_plan(spec_by_kind, groups, files, file_groups, pieces, journal)
     if not journal.exists():
         journal.start(JournalState(fingerprint, options.output_defining(), plan.rows,
                                    selection.to_json() if selection is not None else None))
@@ -253,6 +254,13 @@ def _pack_with(sources: list[Path], dest_path: Path, options: PackOptions, tree:
     summary.reused_chunks = len(finished)
     summary.selection, summary.selection_seconds = selection, selection_seconds
     return summary
+
+
+def walk_sources(sources: list[Path], executor: Executor | None = None) -> SourceTree:
+    """The tree SRC gives: a directory's walk, or the listing of archives (walk_archive.source_paths's list)."""
+    if len(sources) == 1 and sources[0].is_dir():
+        return walk_source(sources[0], executor)
+    return walk_archives(sources)
 
 
 def _summarise(records: list[ChunkRecord], walk_problems: list[Problem]) -> PackSummary:
@@ -369,19 +377,35 @@ def make_goal(fit: int = 0, nodes: int = 0, tolerance: float = DEFAULT_TOLERANCE
 def select_for(src: Path, tree: SourceTree, groups: GroupPlan, budget: float, prefetch_threads: int,
                fraction: float, seed: int, goal: Goal | None = None) -> Selection:
     """The selector's choice for a walked SRC (`budget` in bytes/s, `goal` a selector.Goal, default: no --fit):
-    fanstore walks and groups, the selector samples and measures. Its errors become fanstore's one-line usage
-    errors; a --fit that cannot be met, DoesNotFit."""
+    fanstore walks and groups, the selector samples and measures (archives: it reads through ArchivePieces, given
+    the files in stream order, so that its reads go forward). Its errors become fanstore's one-line usage errors;
+    a --fit that cannot be met, DoesNotFit."""
     from selector import Budget, DoesNotFit as SelectorDoesNotFit, Goal, SelectionError, select_codecs
 
     replicated = frozenset(number for number, group in enumerate(groups.table()) if group["replicated"])
+    with _pieces_of(src, tree) as pieces:
+        try:
+            return select_codecs(pieces, Budget(budget, prefetch_threads), tree.files_in_read_order(),
+                                 groups.group_of, fraction=fraction, seed=seed, replicate=groups.replicate,
+                                 goal=goal if goal is not None else Goal(), replicated_groups=replicated,
+                                 fixed_bytes=index_bytes_estimate(tree))
+        except SelectorDoesNotFit as exc:
+            raise DoesNotFit(str(exc)) from None
+        except SelectionError as exc:
+            raise UsageError(str(exc)) from None
+
+
+@contextlib.contextmanager
+def _pieces_of(src: Path, tree: SourceTree) -> Iterator[Path | ArchivePieces]:
+    """What reads SRC out of order: the directory itself, or a reader of the archives, closed after."""
+    if not tree.archives:
+        yield src
+        return
+    pieces = ArchivePieces(tree)
     try:
-        return select_codecs(src, Budget(budget, prefetch_threads), tree.files, groups.group_of, fraction=fraction,
-                             seed=seed, replicate=groups.replicate, goal=goal if goal is not None else Goal(),
-                             replicated_groups=replicated, fixed_bytes=index_bytes_estimate(tree))
-    except SelectorDoesNotFit as exc:
-        raise DoesNotFit(str(exc)) from None
-    except SelectionError as exc:
-        raise UsageError(str(exc)) from None
+        yield pieces
+    finally:
+        pieces.close()
 
 
 def index_bytes_estimate(tree: SourceTree) -> int:

@@ -164,8 +164,10 @@ def _whole_before(entries: list[SourceEntry], damage: Damage) -> list[SourceEntr
 
 
 def _damage_problem(damage: Damage, fmt: str) -> Problem:
+    """One line for a damaged archive, named by its file name: the index records skipped paths, and no path of
+    the packing machine."""
     stream = "" if fmt in ("tar", "zip") else " of its decompressed tar stream"
-    return Problem(str(damage.archive), f"damaged at byte {damage.offset:,}{stream} ({damage.reason}); the members "
+    return Problem(damage.archive.name, f"damaged at byte {damage.offset:,}{stream} ({damage.reason}); the members "
                                         "before it are packed, none after")
 
 
