@@ -3,16 +3,22 @@
 A worker compressing a directory reads each file itself; a compressed tar can only be read in order, by one
 reader. So the packing process reads: each batch's raw bytes go into a buffer the workers share (compress.py),
 and the workers compress from there. At most the batches in flight are held, whatever the archive's size.
+
+The listing (walk_archive.py) gave each member its key, where its data lies in the archive's tar stream (a zip:
+its header's offset), so reading needs no second parse of the headers: a tar stream is skipped forward to the
+data, an uncompressed tar seeks, a zip opens the member where it lies.
 """
 
 from __future__ import annotations
 
+import bisect
+import zipfile
 from pathlib import Path
-from typing import BinaryIO, Iterator, Sequence
+from typing import BinaryIO, Sequence
 
 from compressors.kinds import HEAD_BYTES
 
-from .archive_source import _DAMAGE_ERRORS, ARCHIVE_KEY_SHIFT, Member, MemberStream, _reason, open_stream
+from .archive_source import _DAMAGE_ERRORS, ARCHIVE_KEY_SHIFT, _reason, open_tar_stream
 from .errors import PackError
 
 _KEY_MASK = (1 << ARCHIVE_KEY_SHIFT) - 1
@@ -23,9 +29,11 @@ class ArchiveFeed:
     """Reads planned files (members, by their keys) in plan order. Plan order is stream order within a group, so
     a pass goes forward; a member behind it (the next group's first) starts a new pass."""
 
-    def __init__(self, archives: Sequence[tuple[Path, str]], paths: Sequence[str], keys: Sequence[int]) -> None:
+    def __init__(self, archives: Sequence[tuple[Path, str]], paths: Sequence[str], keys: Sequence[int],
+                 sizes: Sequence[int]) -> None:
         self._paths = paths
         self._keys = keys
+        self._sizes = sizes
         self._members = MemberReads(archives)
 
     @property
@@ -39,107 +47,127 @@ class ArchiveFeed:
         the pack."""
         key = self._keys[number]
         try:
-            self._members.read(key, offset, into)
-        except _DAMAGE_ERRORS as exc:
+            self._members.read(key, self._sizes[number], offset, into)
+        except (*_DAMAGE_ERRORS, KeyError) as exc:
             archive, fmt = self._members.archives[key >> ARCHIVE_KEY_SHIFT]
             if fmt == "zip":  # a zip's members stand apart: the others still read
                 return f"damaged in {archive.name} (the member at byte {key & _KEY_MASK:,}: {_reason(exc)}); skipped"
             raise PackError(f"{archive}: {self._paths[number]} cannot be read ({_reason(exc)}): the archive changed "
                             "since it was listed, or cannot be read; finished chunks are kept: run the same command "
                             "again to resume") from None
-        except MemberMissing as exc:
-            raise PackError(f"{exc.archive}: {self._paths[number]} is no longer where the archive was listed; it "
-                            "changed since: pass --force to pack it afresh") from None
         return ""
 
     def close(self) -> None:
         self._members.close()
 
 
-class MemberMissing(Exception):
-    """No member has the key asked for: the archive is not the one listed."""
-
-    def __init__(self, archive: Path) -> None:
-        super().__init__(str(archive))
-        self.archive = archive
-
-
 class MemberReads:
-    """Bytes of members by key, read forward through one pass at a time: within the member open, and from one
-    member to a later one; a member behind the pass starts a new one."""
+    """Bytes of members by key. A tar's stream is read forward, one archive at a time (a read behind it starts
+    the stream again); an uncompressed tar seeks; a zip member is opened where it lies, and read on while the
+    reads follow each other."""
 
     def __init__(self, archives: Sequence[tuple[Path, str]]) -> None:
         self.archives = archives
-        self._stream: MemberStream | None = None
-        self._members: Iterator[Member] | None = None
-        self._archive = -1  # number of the archive the pass is over
-        self._at = -1  # key (within that archive) of the member the pass is at
-        self._key = -1  # key of the open member
-        self._reader: BinaryIO | None = None
-        self._read = 0  # bytes of the open member read so far
-        self.head = b""  # the open member's first HEAD_BYTES
+        self._stream: BinaryIO | None = None
+        self._stream_archive = -1
+        self._position = 0  # of the tar stream
+        self._zips: dict[int, tuple[zipfile.ZipFile, list[zipfile.ZipInfo]]] = {}
+        self._zip_member: BinaryIO | None = None
+        self._zip_at = (-1, 0)  # (key, offset) the open zip member is at
+        self._head_key = -1
+        self.head = b""  # the first HEAD_BYTES of the member read last
 
-    def read(self, key: int, offset: int, into: memoryview) -> None:
-        """Bytes [offset, offset + len(into)) of the member `key`; the archive's errors pass through."""
-        try:
-            if key != self._key or offset < self._read:
-                self._open(key)
-            self._skip(offset - self._read)
-            self._fill(into)
-        except BaseException:
-            self._close_member()
-            raise
+    def read(self, key: int, size: int, offset: int, into: memoryview) -> None:
+        """Bytes [offset, offset + len(into)) of the member `key` of `size` bytes; the archive's errors pass
+        through (a zip member that is not where the listing found it: KeyError)."""
+        archive, place = key >> ARCHIVE_KEY_SHIFT, key & _KEY_MASK
+        if key != self._head_key:
+            head = memoryview(bytearray(min(HEAD_BYTES, size)))
+            if offset == 0 and len(into) >= len(head):
+                self._read(archive, place, key, 0, into)
+                head[:] = into[: len(head)]
+                self.head, self._head_key = bytes(head), key
+                return
+            self._read(archive, place, key, 0, head)
+            self.head, self._head_key = bytes(head), key
+        self._read(archive, place, key, offset, into)
 
     def close(self) -> None:
-        self._close_member()
+        self._close_stream()
+        self._close_zip_member()
+        for zip_file, _ in self._zips.values():
+            zip_file.close()
+        self._zips.clear()
+
+    def _read(self, archive: int, place: int, key: int, offset: int, into: memoryview) -> None:
+        path, fmt = self.archives[archive]
+        if fmt == "zip":
+            self._read_zip(archive, path, place, key, offset, into)
+            return
+        if archive != self._stream_archive or self._stream is None:
+            self._close_stream()
+            self._stream, self._stream_archive, self._position = open_tar_stream(path, fmt), archive, 0
+        target = place + offset
+        stream = self._stream
+        if fmt == "tar":
+            stream.seek(target)
+        else:
+            if target < self._position:
+                self._close_stream()
+                self._read(archive, place, key, offset, into)
+                return
+            _skip(stream, target - self._position)
+        _fill(stream, into)
+        self._position = target + len(into)
+
+    def _read_zip(self, archive: int, path: Path, place: int, key: int, offset: int, into: memoryview) -> None:
+        if self._zip_member is None or self._zip_at != (key, offset):
+            self._close_zip_member()
+            if archive not in self._zips:
+                zip_file = zipfile.ZipFile(path)
+                self._zips[archive] = zip_file, sorted(zip_file.infolist(), key=_header_offset)
+            zip_file, infos = self._zips[archive]
+            at = bisect.bisect_left(infos, place, key=_header_offset)
+            if at == len(infos) or infos[at].header_offset != place:
+                raise KeyError(f"no member at byte {place}")
+            self._zip_member = zip_file.open(infos[at])  # type: ignore[assignment]
+            self._zip_member.seek(offset)  # type: ignore[union-attr]
+        _fill(self._zip_member, into)  # type: ignore[arg-type]
+        self._zip_at = (key, offset + len(into))
+
+    def _close_stream(self) -> None:
         if self._stream is not None:
-            self._stream.close()
-        self._stream = self._members = None
-
-    def _open(self, key: int) -> None:
-        self._close_member()
-        archive, place = key >> ARCHIVE_KEY_SHIFT, key & _KEY_MASK
-        if archive != self._archive or place <= self._at or self._members is None:
-            self.close()
-            path, fmt = self.archives[archive]
-            self._stream = open_stream(path, fmt)
-            self._members = iter(self._stream)
-            self._archive, self._at = archive, -1
-        for member in self._members:
-            self._at = member.key
-            if member.key >= place:
-                break
-        if self._at != place or self._stream is None:
-            self._archive = -1
-            raise MemberMissing(self.archives[archive][0])
-        self._reader = self._stream.open_member()
-        self._key, self._read, self.head = key, 0, b""
-
-    def _skip(self, length: int) -> None:
-        scratch = memoryview(bytearray(min(length, _SKIP_BYTES)))
-        while length > 0:
-            part = scratch[: min(length, len(scratch))]
-            self._fill(part)
-            length -= len(part)
-
-    def _fill(self, into: memoryview) -> None:
-        reader = self._reader
-        if reader is None:
-            raise ValueError("no member open")
-        done = 0
-        while done < len(into):
-            got = reader.readinto(into[done:])  # type: ignore[attr-defined]
-            if not got:
-                raise EOFError(f"the member ends {len(into) - done} bytes early")
-            done += got
-        if self._read < HEAD_BYTES:
-            self.head += bytes(into[: HEAD_BYTES - self._read])
-        self._read += done
-
-    def _close_member(self) -> None:
-        if self._reader is not None:
             try:
-                self._reader.close()
+                self._stream.close()
             except _DAMAGE_ERRORS:
                 pass
-        self._reader, self._key, self._read = None, -1, 0
+        self._stream, self._stream_archive, self._position = None, -1, 0
+
+    def _close_zip_member(self) -> None:
+        if self._zip_member is not None:
+            try:
+                self._zip_member.close()
+            except _DAMAGE_ERRORS:
+                pass
+        self._zip_member, self._zip_at = None, (-1, 0)
+
+
+def _skip(stream: BinaryIO, length: int) -> None:
+    while length > 0:
+        skipped = len(stream.read(min(length, _SKIP_BYTES)))
+        if not skipped:
+            raise EOFError(f"the stream ends {length} bytes early")
+        length -= skipped
+
+
+def _fill(reader: BinaryIO, into: memoryview) -> None:
+    done = 0
+    while done < len(into):
+        got = reader.readinto(into[done:])  # type: ignore[attr-defined]
+        if not got:
+            raise EOFError(f"the member ends {len(into) - done} bytes early")
+        done += got
+
+
+def _header_offset(info: zipfile.ZipInfo) -> int:
+    return info.header_offset

@@ -349,6 +349,19 @@ def _reason(exc: BaseException) -> str:
     return text.rstrip(".")
 
 
+def open_tar_stream(path: Path, fmt: str) -> BinaryIO:
+    """The tar stream of a tar archive of format `fmt` (uncompressed: the file itself, which seeks); closing it
+    closes the file."""
+    if fmt == "tar":
+        return open(path, "rb")
+    if fmt == "tar.zst":
+        if zstandard is None:
+            raise UsageError("reading .tar.zst needs the zstandard package")
+        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), read_across_frames=True)
+    openers = {"tar.gz": gzip.open, "tar.bz2": bz2.open, "tar.xz": lzma.open}
+    return openers[fmt](path, "rb")  # type: ignore[return-value]
+
+
 def open_stream(path: Path, fmt: str) -> MemberStream:
     """A pass over the archive at `path`; a file that cannot be opened is a one-line UsageError naming it."""
     try:

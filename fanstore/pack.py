@@ -218,7 +218,9 @@ def _pack_with(sources: list[Path], dest_path: Path, options: PackOptions, tree:
     # once the first batch is back, so that it does not hold the GIL while the first batches go out.
     background = ThreadPoolExecutor(1, thread_name_prefix="fanstore-index-layout")
     layout: Future[IndexLayout] | None = None
-    feed = ArchiveFeed(tree.archives, plan_files.paths, plan_files.inos) if tree.archives else None
+    feed = None
+    if tree.archives:
+        feed = ArchiveFeed(tree.archives, plan_files.paths, plan_files.inos, plan_files.sizes)
     try:
         for batch in compress_in_order(src_path, plan, plan_files, start_file, start_block, pool, feed):
             if layout is None:
