@@ -54,7 +54,7 @@ class Member(NamedTuple):
     size: int
     mtime_ns: int
     link_target: str = ""  # a symlink's target
-    hardlink: bool = False  # a tar hard link to an earlier member (mode says regular file)
+    refusal: str = ""  # why a member that says it is a file is not packed (a hard link, a sparse file)
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,6 +301,10 @@ def _tar_member(info: tarfile.TarInfo) -> Member:
     """A tar member as a Member (the naming rules decide what is packed)."""
     perms = info.mode & 0o7777
     mtime_ns = _tar_mtime_ns(info)
+    if info.issparse():  # its data in the archive is not its bytes, which reading in place needs
+        return Member(info.offset_data, info.name, stat.S_IFREG | perms, 0, mtime_ns,
+                      refusal="is a sparse file in the archive; sparse members are not packed (make the archive "
+                              "without --sparse)")
     if info.isreg():
         return Member(info.offset_data, info.name, stat.S_IFREG | perms, info.size, mtime_ns)
     if info.isdir():
@@ -308,7 +312,9 @@ def _tar_member(info: tarfile.TarInfo) -> Member:
     if info.issym():
         return Member(info.offset_data, info.name, stat.S_IFLNK | 0o777, 0, mtime_ns, info.linkname)
     if info.islnk():
-        return Member(info.offset_data, info.name, stat.S_IFREG | perms, 0, mtime_ns, info.linkname, hardlink=True)
+        return Member(info.offset_data, info.name, stat.S_IFREG | perms, 0, mtime_ns, info.linkname,
+                      refusal=f"is a hard link to {quoted(info.linkname)} in the archive; hard links in archives "
+                              "are not packed (make the archive with tar --hard-dereference to pack their contents)")
     return Member(info.offset_data, info.name, _TAR_SPECIAL.get(info.type, 0) | perms, 0, mtime_ns)
 
 

@@ -262,7 +262,7 @@ def walk_sources(sources: list[Path], executor: Executor | None = None) -> Sourc
     """The tree SRC gives: a directory's walk, or the listing of archives (walk_archive.source_paths's list)."""
     if len(sources) == 1 and sources[0].is_dir():
         return walk_source(sources[0], executor)
-    return walk_archives(sources)
+    return walk_archives(sources, executor)
 
 
 def _summarise(records: list[ChunkRecord], walk_problems: list[Problem]) -> PackSummary:

@@ -6,7 +6,7 @@ a warning, as are devices, fifos, hard links and symlinks that leave the dataset
 later member, as extraction does; a directory that only members imply is made, as extraction makes it.
 Directories no member states get the newest member's mtime: the same archive always gives the same dataset.
 
-Memory: one SourceEntry per member (about 200 bytes), whatever the archives hold.
+Memory: one SourceEntry per member (a tuple, its path, size and key: about 250 bytes), whatever the archives hold.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import glob
 import os
 import posixpath
 import stat
+from concurrent.futures import Executor
 from pathlib import Path
-from typing import Sequence
+from typing import Any, NamedTuple, Sequence
 
 from .archive_source import ARCHIVE_KEY_SHIFT, FORMATS, Damage, archive_format, archive_identity, open_stream
 from .errors import UsageError, quoted
@@ -28,40 +29,28 @@ _DIR_MODE = stat.S_IFDIR | 0o755
 _KEY_MASK = (1 << ARCHIVE_KEY_SHIFT) - 1
 
 
-def walk_archives(archives: Sequence[str | os.PathLike[str]]) -> SourceTree:
+def walk_archives(archives: Sequence[str | os.PathLike[str]], executor: Executor | None = None) -> SourceTree:
     """Every member of the archives that can be packed, sorted by path, and every one that cannot, with reasons.
-    A damaged archive gives its members before the damage and one problem naming the archive and the offset."""
+    A damaged archive gives its members before the damage and one problem naming the archive and the offset.
+    With an `executor` (worker processes), several archives (shards) are listed in parallel: listing a compressed
+    tar is decompressing all of it."""
     paths = [Path(archive) for archive in archives]
     formats = [_format_of(path) for path in paths]
     if len(set(map(os.path.realpath, paths))) != len(paths):
         raise UsageError("SRC: the same archive is given twice")
     if len(paths) > 1 << (63 - ARCHIVE_KEY_SHIFT):
         raise UsageError(f"SRC: at most {1 << (63 - ARCHIVE_KEY_SHIFT)} archives in one pack")
-    entries: list[SourceEntry] = []
-    problems: list[Problem] = []
-    root: SourceEntry | None = None
-    newest = 0
-    for number, (path, fmt) in enumerate(zip(paths, formats)):
-        first = len(entries)
-        with open_stream(path, fmt) as stream:
-            for member in stream:
-                newest = max(newest, member.mtime_ns)
-                key = number << ARCHIVE_KEY_SHIFT | member.key
-                rel, refusal = dataset_path(member.name)
-                if refusal:
-                    problems.append(Problem(_shown(member.name), f"{refusal} (in {path.name}); skipped"))
-                    continue
-                entry, reason = _entry_for(rel, key, member.mode, member.size, member.mtime_ns, member.link_target,
-                                           member.hardlink)
-                if entry is None:  # worded as the directory walk words it: a pack of the extraction says the same
-                    problems.append(Problem(rel or ".", reason))
-                elif rel == "":
-                    root = entry
-                else:
-                    entries.append(entry)
-            if stream.damage is not None:
-                entries[first:] = _whole_before(entries[first:], stream.damage)
-                problems.append(_damage_problem(stream.damage, fmt))
+    listed = list(zip(range(len(paths)), paths, formats))
+    if executor is not None and len(paths) > 1:
+        listings = [_Listing(list(map(SourceEntry, *columns)), *rest)
+                    for columns, *rest in executor.map(_list_archive_apart, *zip(*listed))]
+    else:
+        listings = [_list_archive(number, path, fmt) for number, path, fmt in listed]
+    entries = [entry for listing in listings for entry in listing.entries]
+    problems = [problem for listing in listings for problem in listing.problems]
+    newest = max((listing.newest for listing in listings), default=0)
+    root = next((listing.root for listing in reversed(listings) if listing.root is not None), None)
+    del listings
     entries = _last_of_each_path(entries)
     entries, parent_problems = _with_parents(entries, newest)
     problems += parent_problems
@@ -70,6 +59,54 @@ def walk_archives(archives: Sequence[str | os.PathLike[str]]) -> SourceTree:
     identity = tuple(f"{path}\0{archive_identity(path)}" for path in paths)
     return SourceTree(root=paths[0], entries=[root] + entries, problems=problems,
                       archives=tuple(zip(paths, formats)), identity=identity)
+
+
+class _Listing(NamedTuple):
+    """One archive's members as entries (keys carrying its number), what was refused, its newest mtime and the
+    root entry a './' member gives."""
+
+    entries: list[SourceEntry]
+    problems: list[Problem]
+    newest: int
+    root: SourceEntry | None
+
+
+def _list_archive(number: int, path: Path, fmt: str) -> _Listing:
+    entries: list[SourceEntry] = []
+    problems: list[Problem] = []
+    root: SourceEntry | None = None
+    newest = 0
+    interned: dict[int, int] = {}
+    with open_stream(path, fmt) as stream:
+        for member in stream:
+            newest = max(newest, member.mtime_ns)
+            key = number << ARCHIVE_KEY_SHIFT | member.key
+            rel, refusal = dataset_path(member.name)
+            if refusal:
+                problems.append(Problem(_shown(member.name), f"{refusal} (in {path.name}); skipped"))
+                continue
+            # Members share a few modes and mtimes: one int object each, not one per member (32 B apiece).
+            mode = interned.setdefault(member.mode, member.mode)
+            mtime_ns = interned.setdefault(member.mtime_ns, member.mtime_ns)
+            entry, reason = _entry_for(rel, key, mode, member.size, mtime_ns, member.link_target, member.refusal)
+            if entry is None:  # worded as the directory walk words it: a pack of the extraction says the same
+                problems.append(Problem(rel or ".", reason))
+            elif rel == "":
+                root = entry
+            else:
+                entries.append(entry)
+        if stream.damage is not None:
+            entries = _whole_before(entries, stream.damage)
+            problems.append(_damage_problem(stream.damage, fmt))
+    return _Listing(entries, problems, newest, root)
+
+
+def _list_archive_apart(number: int, path: Path, fmt: str
+                        ) -> tuple[tuple[tuple[Any, ...], ...], list[Problem], int, SourceEntry | None]:
+    """_list_archive in a worker process; entries go back as columns, which pickle several times faster."""
+    listing = _list_archive(number, path, fmt)
+    columns = tuple(zip(*listing.entries)) or ((),) * len(SourceEntry._fields)
+    return columns, listing.problems, listing.newest, listing.root
 
 
 def source_paths(src: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Path]:
@@ -121,12 +158,11 @@ def _format_of(path: Path) -> str:
     return fmt
 
 
-def _entry_for(rel: str, key: int, mode: int, size: int, mtime_ns: int, link_target: str, hardlink: bool
+def _entry_for(rel: str, key: int, mode: int, size: int, mtime_ns: int, link_target: str, refusal: str
                ) -> tuple[SourceEntry | None, str]:
     kind = stat.S_IFMT(mode)
-    if hardlink:
-        return None, (f"is a hard link to {quoted(link_target)} in the archive; hard links in archives are not "
-                      "packed (make the archive with tar --hard-dereference to pack their contents)")
+    if refusal:
+        return None, refusal
     if kind == stat.S_IFREG:
         return SourceEntry(rel, mode, size, mtime_ns, "", key), ""
     if kind == stat.S_IFDIR:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_one_line_error, dataset_digest, dir_bytes, make_tree, run_cli, tree_digest
+from conftest import REPO, assert_one_line_error, dataset_digest, dir_bytes, make_tree, run_cli, tree_digest
 from fanstore import open_dataset
 
 MTIME = 1_700_000_000  # even: a zip's DOS time holds 2-second steps
@@ -163,6 +163,8 @@ def test_hostile_member_names_are_refused_with_a_warning_and_nothing_is_written_
                                       "file": "dir", "file/child.txt": tree_digest_of(b"under")}
     assert sorted(p.name for p in tmp_path.rglob("*") if p.name.endswith(".txt") and "evil" in _text(p)) == []
     assert not Path("/tmp/absolute.txt").exists()
+    for where in (work, work / "ds", REPO, REPO.parent):  # DEST, SRC's directory, the packer's cwd: no escape
+        assert not (where.parent / "escape.txt").exists() and not (where.parent / "climb.txt").exists()
 
 
 def tree_digest_of(data: bytes) -> str:
@@ -371,3 +373,19 @@ def test_a_dictionary_codec_trains_on_an_archive_as_on_its_extracted_directory(t
     assert dir_bytes(tmp_path / "from_tar") == dir_bytes(tmp_path / "from_dir")
     info = run_cli("info", str(tmp_path / "from_tar"), check=True).stdout
     assert "zstd-dict:3" in info
+
+
+def test_a_sparse_member_is_refused_with_a_warning(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    with open(src / "sparse.bin", "wb") as sparse:
+        sparse.truncate(4 << 20)
+        sparse.seek(0, os.SEEK_END)
+        sparse.write(b"end")
+    (src / "ok.txt").write_text("ok")
+    archive = _tar(src, tmp_path / "sparse.tar", "--sparse")
+    proc = run_cli("fanstore-pack", str(archive), str(tmp_path / "ds"), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert "sparse.bin: is a sparse file in the archive" in proc.stderr
+    with open_dataset(tmp_path / "ds") as ds:
+        assert ds.listdir("") == ["ok.txt"]
