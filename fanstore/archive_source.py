@@ -1,7 +1,7 @@
 """Read archives (tar, tar.gz/.bz2/.xz/.zst, zip) as streams of members, one pass front to back, never extracting.
 
 This is the one place that knows archive formats. It answers two things: the members of an archive in stream order
-(raw names and metadata, each with a `key`, its place in the stream), and the bytes of the member the stream is at.
+(raw names and metadata, each with a `key`: where its data lies, which archive_feed.py reads without parsing again).
 A compressed tar cannot seek, so everything reads forward; a reader asked for a member behind it starts again.
 
 Damage (a truncated or corrupt archive) ends a pass where it is found: `MemberStream.damage` says where, and the
@@ -13,21 +13,18 @@ from __future__ import annotations
 import bz2
 import calendar
 import gzip
-import io
 import lzma
 import os
 import stat
 import struct
-import tarfile
 import zipfile
 import zlib
-from collections import deque
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import BinaryIO, Iterator, NamedTuple
 
 from .errors import UsageError, quoted
+from .tar_headers import Header, HeaderDamage, TarHeaders
 
 # Bits of a member's key above this hold the archive's number among several SRC archives; below, its place.
 ARCHIVE_KEY_SHIFT = 48
@@ -35,7 +32,7 @@ ARCHIVE_KEY_SHIFT = 48
 _TAR_COMPRESSIONS = {"tar": None, "tar.gz": gzip.GzipFile, "tar.bz2": bz2.BZ2File, "tar.xz": lzma.LZMAFile}
 FORMATS = ("tar", "tar.gz", "tar.bz2", "tar.xz", "tar.zst", "zip")
 # Errors a decompressor or a damaged archive raises while read: all mean "damaged here".
-_DAMAGE_ERRORS: tuple[type[BaseException], ...] = (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error,
+_DAMAGE_ERRORS: tuple[type[BaseException], ...] = (zipfile.BadZipFile, EOFError, zlib.error,
                                                     lzma.LZMAError, OSError, ValueError)
 try:
     import zstandard
@@ -93,98 +90,53 @@ def archive_format(path: Path) -> str | None:
 
 
 class MemberStream:
-    """One pass over one archive: iterate it for its members in stream order; `open_member()` gives the bytes of
-    the member last yielded (valid until the next one). After damage the iteration ends and `damage` says where:
-    a member whose data reaches past `damage.offset` is not whole."""
+    """One pass over one archive: iterate it for its members in stream order. After damage the iteration ends
+    and `damage` says where: a member whose data reaches past `damage.offset` is not whole."""
 
     def __init__(self, path: Path, fmt: str) -> None:
         self.path = path
         self.format = fmt
         self.damage: Damage | None = None
         self._file: BinaryIO = open(path, "rb")
-        self._tar: tarfile.TarFile | None = None
+        self._stream: BinaryIO | None = None
+        self._headers: TarHeaders | None = None
         self._zip: zipfile.ZipFile | None = None
-        self._current: tarfile.TarInfo | zipfile.ZipInfo | None = None
-        self._counted: _CountingReader | None = None
 
-    def __enter__(self) -> "MemberStream":
+    def __enter__(self) -> MemberStream:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
-        for closable in (self._tar, self._zip, self._counted, self._file):
+        for closable in (self._zip, self._stream, self._file):
             if closable is not None:
                 try:
                     closable.close()
                 except _DAMAGE_ERRORS:
                     pass
-        self._tar = self._zip = self._counted = None
+        self._zip = self._stream = None
 
     def __iter__(self) -> Iterator[Member]:
         if self.format == "zip":
             return self._zip_members()
         return self._tar_members()
 
-    def open_member(self) -> BinaryIO:
-        """The data of the member last yielded, read forward."""
-        if self._tar is not None and isinstance(self._current, tarfile.TarInfo):
-            reader = self._tar.extractfile(self._current)
-            if reader is None:
-                raise ValueError(f"{self._current.name} has no data")
-            return reader
-        if self._zip is not None and isinstance(self._current, zipfile.ZipInfo):
-            return self._zip.open(self._current)  # type: ignore[return-value]
-        raise ValueError("no current member")
-
-    @property
-    def position(self) -> int:
-        """How far into the (uncompressed) stream this pass has read: where damage found now would be (an
-        uncompressed tar, which is read by seeking past the data, ends where its file ends)."""
-        counted = self._counted
-        if counted is None:
-            return 0
-        return counted.size if counted.size is not None else counted.delivered
-
     # --- tar ---------------------------------------------------------------------------------------------------
 
     def _tar_members(self) -> Iterator[Member]:
+        headers = None
         try:
-            self._counted = _CountingReader(_decompressed(self._file, self.format))
+            self._stream = _decompressed(self._file, self.format)
             # An uncompressed tar is listed by seeking from header to header, not by reading every byte.
-            self._tar = tarfile.open(fileobj=self._counted, mode="r:" if self.format == "tar" else "r|")
-        except _DAMAGE_ERRORS as exc:
-            self.damage = Damage(self.path, self.position, _reason(exc))
-            return
-        tar = self._tar
-        while True:
-            try:
-                info = tar.next()
-            except _DAMAGE_ERRORS as exc:
-                at = min(self.position, tar.offset) if tar.offset > 0 else self.position
-                self.damage = Damage(self.path, at, _reason(exc))
-                break
-            # tarfile keeps every member it met (for hard links): a pass over millions must not.
-            tar.members.clear()
-            if info is None:
-                self.damage = self._end_damage(tar.offset)
-                break
-            self._current = info
-            yield _tar_member(info)
-        self._current = None
-
-    def _end_damage(self, end_offset: int) -> Damage | None:
-        """tarfile ends quietly at a short or invalid header: the stream must hold an all-zero end block there."""
-        counted = self._counted
-        if counted is None:
-            return None
-        block = counted.recent(end_offset, tarfile.BLOCKSIZE)
-        if len(block) < tarfile.BLOCKSIZE:
-            return Damage(self.path, min(self.position, end_offset), "the archive ends early (truncated)")
-        if block.count(0) != len(block):
-            return Damage(self.path, end_offset, "a member header is corrupt")
-        return None
+            size = os.fstat(self._file.fileno()).st_size if self.format == "tar" else None
+            headers = TarHeaders(self._stream, size)
+            for header in headers:
+                yield _tar_member(header)
+        except HeaderDamage as damage:
+            self.damage = Damage(self.path, damage.offset, str(damage))
+        except _DAMAGE_ERRORS as exc:  # a decompressor's error: the damage is where the stream got to
+            self.damage = Damage(self.path, headers.position if headers is not None else 0, _reason(exc))
 
     # --- zip ---------------------------------------------------------------------------------------------------
 
@@ -230,103 +182,24 @@ def _decompressed(raw: BinaryIO, fmt: str) -> BinaryIO:
     return opener(fileobj=raw) if opener is gzip.GzipFile else opener(raw)  # type: ignore[call-arg]
 
 
-class _CountingReader(io.RawIOBase):
-    """Counts the bytes of the tar stream handed to tarfile and keeps the last few blocks, so that the end of a
-    pass can be told from damage (tarfile treats a corrupt header as the end). Over an uncompressed tar (a plain
-    file) it seeks, and `size` is the file's."""
-
-    _KEEP = 64 << 10
-
-    def __init__(self, inner: BinaryIO) -> None:
-        self._inner = inner
-        self.delivered = 0
-        self._recent: deque[tuple[int, bytes]] = deque()
-        self._recent_bytes = 0
-        self.size: int | None = os.fstat(inner.fileno()).st_size if isinstance(inner, io.BufferedReader) else None
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return self.size is not None
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        if self.size is None:
-            raise io.UnsupportedOperation("seek")
-        self.delivered = self._inner.seek(offset, whence)
-        return self.delivered
-
-    def tell(self) -> int:
-        return self.delivered
-
-    def read(self, size: int = -1) -> bytes:
-        data = self._inner.read(size)
-        if data and self.size is not None:
-            self.delivered += len(data)
-        elif data:
-            self._recent.append((self.delivered, data))
-            self._recent_bytes += len(data)
-            self.delivered += len(data)
-            while self._recent_bytes - len(self._recent[0][1]) >= self._KEEP:
-                self._recent_bytes -= len(self._recent.popleft()[1])
-        return data
-
-    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
-
-    def recent(self, offset: int, length: int) -> bytes:
-        """Bytes [offset, offset + length) of the stream, as far as they were read and are still kept."""
-        if self.size is not None:
-            return os.pread(self._inner.fileno(), length, offset)
-        pieces = []
-        for start, data in self._recent:
-            end = start + len(data)
-            if end <= offset or start >= offset + length:
-                continue
-            pieces.append(data[max(0, offset - start) : offset + length - start])
-        return b"".join(pieces)
-
-    def close(self) -> None:
-        if self._inner is not None and hasattr(self._inner, "close"):
-            self._inner.close()
-        super().close()
-
-
-_TAR_SPECIAL = {tarfile.CHRTYPE: stat.S_IFCHR, tarfile.BLKTYPE: stat.S_IFBLK, tarfile.FIFOTYPE: stat.S_IFIFO}
-
-
-def _tar_member(info: tarfile.TarInfo) -> Member:
+def _tar_member(header: Header) -> Member:
     """A tar member as a Member (the naming rules decide what is packed)."""
-    perms = info.mode & 0o7777
-    mtime_ns = _tar_mtime_ns(info)
-    if info.issparse():  # its data in the archive is not its bytes, which reading in place needs
-        return Member(info.offset_data, info.name, stat.S_IFREG | perms, 0, mtime_ns,
+    perms = header.mode & 0o7777
+    kind = header.kind
+    if header.sparse:  # its data in the archive is not its bytes, which reading in place needs
+        return Member(header.offset_data, header.name, stat.S_IFREG | perms, 0, header.mtime_ns,
                       refusal="is a sparse file in the archive; sparse members are not packed (make the archive "
                               "without --sparse)")
-    if info.isreg():
-        return Member(info.offset_data, info.name, stat.S_IFREG | perms, info.size, mtime_ns)
-    if info.isdir():
-        return Member(info.offset_data, info.name, stat.S_IFDIR | perms, 0, mtime_ns)
-    if info.issym():
-        return Member(info.offset_data, info.name, stat.S_IFLNK | 0o777, 0, mtime_ns, info.linkname)
-    if info.islnk():
-        return Member(info.offset_data, info.name, stat.S_IFREG | perms, 0, mtime_ns, info.linkname,
-                      refusal=f"is a hard link to {quoted(info.linkname)} in the archive; hard links in archives "
-                              "are not packed (make the archive with tar --hard-dereference to pack their contents)")
-    return Member(info.offset_data, info.name, _TAR_SPECIAL.get(info.type, 0) | perms, 0, mtime_ns)
-
-
-def _tar_mtime_ns(info: tarfile.TarInfo) -> int:
-    """The mtime in ns; a pax header's decimal mtime exactly (a float would round the nanoseconds)."""
-    pax = info.pax_headers.get("mtime")
-    if pax is not None:
-        try:
-            return int(Decimal(pax) * 1_000_000_000)
-        except InvalidOperation:
-            pass
-    return int(info.mtime) * 1_000_000_000 if float(info.mtime).is_integer() else round(info.mtime * 1e9)
+    if header.typeflag == b"1":
+        return Member(header.offset_data, header.name, stat.S_IFREG | perms, 0, header.mtime_ns, header.linkname,
+                      refusal=f"is a hard link to {quoted(header.linkname)} in the archive; hard links in "
+                              "archives are not packed (make the archive with tar --hard-dereference to pack "
+                              "their contents)")
+    if kind == stat.S_IFREG:
+        return Member(header.offset_data, header.name, kind | perms, header.size, header.mtime_ns)
+    if kind == stat.S_IFLNK:
+        return Member(header.offset_data, header.name, kind | 0o777, 0, header.mtime_ns, header.linkname)
+    return Member(header.offset_data, header.name, kind | perms, 0, header.mtime_ns)
 
 
 def _zip_mode(info: zipfile.ZipInfo) -> int:
