@@ -99,7 +99,6 @@ class MemberStream:
         self.damage: Damage | None = None
         self._file: BinaryIO = open(path, "rb")
         self._stream: BinaryIO | None = None
-        self._headers: TarHeaders | None = None
         self._zip: zipfile.ZipFile | None = None
 
     def __enter__(self) -> MemberStream:
@@ -149,7 +148,6 @@ class MemberStream:
             return
         infos = sorted(self._zip.infolist(), key=_header_offset)
         for info in infos:
-            self._current = info
             target = ""
             mode = _zip_mode(info)
             if stat.S_ISLNK(mode):
@@ -161,7 +159,6 @@ class MemberStream:
                     return
             yield Member(info.header_offset, info.filename, mode, info.file_size if stat.S_ISREG(mode) else 0,
                          _zip_mtime_ns(info), target)
-        self._current = None
 
 
 def _header_offset(info: zipfile.ZipInfo) -> int:
