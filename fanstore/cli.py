@@ -101,12 +101,15 @@ def _pack_help(prog: str) -> dict[str, Any]:
     grammar = "\n".join(f"  {line}" for line in codec_grammar().splitlines())
     return _command_help(
         "Pack the directory tree SRC into the dataset directory DEST: each file compressed on its own, so that any "
-        "file reads without its neighbours, into chunk files and an index written last. DEST is new or empty; or "
+        "file reads without its neighbours, into chunk files and an index written last. SRC may instead be one or "
+        "more archives (tar, tar.gz, tar.zst, tar.bz2, tar.xz, zip) or a quoted glob of them ('shards/*.tar'): "
+        "their members are packed as the files of an extraction, read as a stream, nothing extracted; a damaged "
+        "archive gives its members before the damage and a warning naming the offset. DEST is new or empty; or "
         "an interrupted pack of the same SRC with the same options, which this resumes from its last finished chunk "
         "to the bytes an uninterrupted pack gives; or this very pack, finished, and there is nothing to do. "
         "Another dataset is replaced only with --force, and what fanstore did not write never. Files that cannot be "
-        "packed (unreadable, fifos, links that leave SRC, ...) are skipped with a warning, and `fanstore info DEST` "
-        "lists them.",
+        "packed (unreadable, fifos, links that leave SRC, member names such as ../x, ...) are skipped with a "
+        "warning, and `fanstore info DEST` lists them.",
         [(0, "packed; or DEST already held this very pack, finished (nothing to do)"),
          (EXIT_FAILURE, "an error, said in one line on stderr: a bad option, a DEST it may not use, a file that "
                         "cannot be packed with --strict, a full disk (what was finished stays: the same command "
@@ -124,7 +127,8 @@ def _pack_help(prog: str) -> dict[str, Any]:
 def _add_pack_arguments(parser: argparse.ArgumentParser) -> None:
     from .pack import DEFAULT_BLOCK_SIZE, DEFAULT_BLOCKS_ABOVE, DEFAULT_CHUNK_SIZE, DEFAULT_CODEC
 
-    parser.add_argument("src", metavar="SRC", help="directory tree to pack (it is only read)")
+    parser.add_argument("src", metavar="SRC", nargs="+",
+                        help="directory tree to pack (it is only read), or one or more archives or globs of them")
     parser.add_argument("dest", metavar="DEST",
                         help="dataset directory to write: new, empty, an interrupted pack to resume, or this pack "
                              "finished")
@@ -304,8 +308,8 @@ def _report_up_to_date(args: argparse.Namespace, options: PackOptions, summary: 
     """A second run of a finished pack: one line saying there is nothing to do, and, with --fit, whether DEST fits
     (the exit status the first run gave)."""
     skipped = f", {len(summary.problems):,} skipped" if summary.problems else ""
-    print(f"nothing to do: {args.dest} already holds this pack of {args.src}, the same files with the same options "
-          f"({plural(summary.files, 'file')}, {format_bytes(summary.raw_bytes)} raw, "
+    print(f"nothing to do: {args.dest} already holds this pack of {' '.join(args.src)}, the same files with the "
+          f"same options ({plural(summary.files, 'file')}, {format_bytes(summary.raw_bytes)} raw, "
           f"{format_bytes(summary.stored_bytes)} stored{skipped}); --force packs it again")
     if not options.fit:
         return 0
@@ -376,13 +380,14 @@ def _run_select(args: argparse.Namespace) -> int:
     from selector.report import format_selection, plot_selection
 
     from .groups import GroupPlan
-    from .pack import make_goal, select_for
-    from .walk import walk_source
+    from .pack import make_goal, select_for, walk_sources
+    from .walk_archive import source_paths
 
     groups = GroupPlan(tuple(args.replicate))  # validates the patterns before the long part
     options = _selection_options(args)
     goal = make_goal(options["fit"], options["nodes"], options["tolerance"], options["pack_speed"], args.workers)
-    selection = select_for(Path(args.src), walk_source(args.src), groups, options["budget"],
+    sources = source_paths(args.src)
+    selection = select_for(sources[0], walk_sources(sources), groups, options["budget"],
                            options["prefetch_threads"], options["sample"], options["seed"], goal)
     _warn_failed_codecs(selection)
     print(format_selection(selection))
@@ -594,7 +599,8 @@ def _build_parser() -> argparse.ArgumentParser:
                                                         "option, neither --budget nor --fit given)"),
              _USAGE, (EXIT_DOES_NOT_FIT, "--fit cannot be met, not even with the strongest settings"), _INTERRUPTED],
             "fanstore select /data/imagenet --budget 800MB/s --prefetch-threads 4 --replicate 'val/**'"))
-    select_parser.add_argument("src", metavar="SRC", help="the directory tree to pack (it is only read)")
+    select_parser.add_argument("src", metavar="SRC",
+                               help="the directory tree to pack (it is only read), or an archive or a glob of them")
     _add_selection_arguments(select_parser, auto_only=False)
     select_parser.add_argument("--replicate", action="append", default=[], metavar="GLOB",
                                help="as for fanstore-pack: the sample is stratified by group too (and with --nodes, "

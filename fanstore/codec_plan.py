@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from compressors import (
     DICT_TRAIN_FILE_BYTES,
@@ -26,6 +26,13 @@ from compressors.kinds import HEAD_BYTES, file_kind
 from .groups import GroupPlan
 from .journal import PackJournal
 from .walk import SourceEntry
+
+
+class Pieces(Protocol):
+    """Reads SRC by path where it is no directory (archive_pieces.ArchivePieces): b"" when it cannot."""
+
+    def read(self, path: str, offset: int, size: int) -> bytes: ...
+
 
 ANY_KIND = "*"
 NONE_ROW = 0
@@ -60,7 +67,7 @@ def build_codec_plan(
     groups: GroupPlan,
     files: Sequence[SourceEntry],
     file_groups: Sequence[int],
-    src: Path,
+    src: Path | Pieces,
     journal: PackJournal,
 ) -> CodecPlan:
     """`spec_by_kind` maps kinds to specs and must hold ANY_KIND, the spec for every other kind; `file_groups`
@@ -91,7 +98,7 @@ def build_codec_plan(
     return plan
 
 
-def _dictionary_samples(src: Path, members: list[SourceEntry], listed: frozenset[str]) -> dict[str, list[bytes]]:
+def _dictionary_samples(src: Path | Pieces, members: list[SourceEntry], listed: frozenset[str]) -> dict[str, list[bytes]]:
     """An evenly spaced, deterministic sample of a group's files, each cut to its first bytes, under the row that
     will compress the file: its kind when `listed` names it, else ANY_KIND (every sample when none is listed)."""
     samples: dict[str, list[bytes]] = {}
@@ -100,11 +107,16 @@ def _dictionary_samples(src: Path, members: list[SourceEntry], listed: frozenset
     step = max(1, len(members) // DICT_TRAIN_FILES)
     total = 0
     for entry in members[::step]:
-        try:
-            with open(src / entry.path, "rb") as f:
-                sample = f.read(DICT_TRAIN_FILE_BYTES)
-        except OSError:
-            continue  # the compress step reports it
+        if not isinstance(src, Path):  # archives: archive_pieces.ArchivePieces
+            sample = src.read(entry.path, 0, DICT_TRAIN_FILE_BYTES)
+            if not sample:
+                continue
+        else:
+            try:
+                with open(src / entry.path, "rb") as f:
+                    sample = f.read(DICT_TRAIN_FILE_BYTES)
+            except OSError:
+                continue  # the compress step reports it
         kind = file_kind(entry.path, sample[:HEAD_BYTES]) if listed else ANY_KIND
         samples.setdefault(kind if kind in listed else ANY_KIND, []).append(sample)
         total += len(sample)

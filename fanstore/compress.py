@@ -25,9 +25,9 @@ import stat
 import threading
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, NamedTuple, Sequence
+from typing import Iterator, NamedTuple, Protocol, Sequence
 
 import xxhash
 
@@ -103,6 +103,17 @@ class CompressedBatch:
     blobs: memoryview
 
 
+@dataclass(frozen=True, slots=True)
+class Supplied:
+    """A batch's raw bytes read by the packing process (from archives: archive_feed.py), back to back in plan
+    order: whole files, or the batch's blocks. `head` is a blocks batch's file's first bytes (its kind's sniff);
+    `failed` the files that could not be read, and why."""
+
+    raw: memoryview
+    head: bytes = b""
+    failed: dict[int, str] = field(default_factory=dict)
+
+
 class _Changed(Exception):
     """The file is not the one the walk saw, or changed while read: it is skipped for this reason."""
 
@@ -116,26 +127,40 @@ class BlobCompressor:
         self.files = files
         self._sniffed_groups = frozenset(g for g in plan.by_group if plan.depends_on_kind(g))
 
-    def compress_into(self, batch: Batch, into: memoryview) -> list[SlotBlob | Skipped]:
-        """Compress a batch, leaving its blobs in `into` back to back."""
+    def compress_into(self, batch: Batch, into: memoryview, supplied: Supplied | None = None
+                      ) -> list[SlotBlob | Skipped]:
+        """Compress a batch, leaving its blobs in `into` back to back; its raw bytes are read from SRC, or are
+        `supplied`."""
         if batch.end_block:
+            if supplied is not None:
+                return self._supplied_blocks_into(batch, supplied, into)
             return self._blocks_into(batch.first, batch.first_block, batch.end_block, into)
-        return self._files_into(batch.first, batch.end, into)
+        return self._files_into(batch.first, batch.end, into, supplied)
 
-    def _files_into(self, first: int, end: int, into: memoryview) -> list[SlotBlob | Skipped]:
+    def _files_into(self, first: int, end: int, into: memoryview, supplied: Supplied | None = None
+                    ) -> list[SlotBlob | Skipped]:
         results: list[SlotBlob | Skipped] = []
         used = 0
+        supplied_at = 0
+        raw: bytes | bytearray | memoryview
         for number in range(first, end):
             size = self.files.sizes[number]
             if size == 0:
                 continue  # empty files have no blob; the packer records them itself
-            try:
-                with self._open(number) as fd:
-                    raw = _read_exactly(fd, size, 0)
-                    self._check_unchanged_after(fd, number)
-            except _Changed as changed:
-                results.append(Skipped(number, Problem(self.files.paths[number], str(changed))))
-                continue
+            if supplied is not None:
+                raw = supplied.raw[supplied_at : supplied_at + size]
+                supplied_at += size
+                if number in supplied.failed:
+                    results.append(Skipped(number, Problem(self.files.paths[number], supplied.failed[number])))
+                    continue
+            else:
+                try:
+                    with self._open(number) as fd:
+                        raw = _read_exactly(fd, size, 0)
+                        self._check_unchanged_after(fd, number)
+                except _Changed as changed:
+                    results.append(Skipped(number, Problem(self.files.paths[number], str(changed))))
+                    continue
             codec = self.plan.row_for(self.files.groups[number], self._kind(number, raw))
             stored, codec = self._encode(raw, codec)
             length = len(stored)
@@ -167,12 +192,30 @@ class BlobCompressor:
             return [Skipped(number, Problem(self.files.paths[number], str(changed)))]
         return results
 
-    def _encode(self, raw: bytes | bytearray, codec: int) -> tuple[bytes | bytearray, int]:
+    def _supplied_blocks_into(self, batch: Batch, supplied: Supplied, into: memoryview) -> list[SlotBlob | Skipped]:
+        """_blocks_into for blocks whose bytes were read for this process."""
+        number, block_size = batch.first, self.files.layout.block_size
+        if number in supplied.failed:
+            return [Skipped(number, Problem(self.files.paths[number], supplied.failed[number]))]
+        codec = self.plan.row_for(self.files.groups[number], self._kind(number, supplied.head))
+        results: list[SlotBlob | Skipped] = []
+        used = 0
+        for block in range(batch.first_block, batch.end_block):
+            start = (block - batch.first_block) * block_size
+            raw = supplied.raw[start : min(start + block_size, batch.raw_bytes)]
+            stored, block_codec = self._encode(raw, codec)
+            length = len(stored)
+            into[used : used + length] = stored
+            results.append((number, block, used, length, block_codec, xxhash.xxh3_64_intdigest(stored), len(raw)))
+            used += length
+        return results
+
+    def _encode(self, raw: bytes | bytearray | memoryview, codec: int) -> tuple[bytes | bytearray | memoryview, int]:
         """Stored bytes and codec row; raw bytes under `none` when compressing would not make them smaller."""
         stored = self.plan.codecs[codec].encode(raw) if codec != NONE_ROW else raw
         return (raw, NONE_ROW) if len(stored) >= len(raw) else (stored, codec)
 
-    def _kind(self, number: int, raw: bytes | bytearray | None = None, fd: int | None = None) -> str:
+    def _kind(self, number: int, raw: bytes | bytearray | memoryview | None = None, fd: int | None = None) -> str:
         if self.files.groups[number] not in self._sniffed_groups:
             return ""
         head = raw[:HEAD_BYTES] if raw is not None else os.pread(fd, HEAD_BYTES, 0)  # type: ignore[arg-type]
@@ -228,6 +271,32 @@ def _read_exactly(fd: int, length: int, offset: int) -> bytearray:
             raise _Changed(f"changed size during the pack (ended {length - done} bytes early)")
         done += got
     return buffer
+
+
+class RawFeed(Protocol):
+    """Where the packing process reads plan files' bytes from when workers cannot (archive_feed.ArchiveFeed)."""
+
+    head: bytes
+
+    def read_range(self, number: int, offset: int, into: memoryview) -> str: ...
+
+
+def read_batch(feed: RawFeed, files: PlanFiles, batch: Batch, into: memoryview) -> tuple[bytes, dict[int, str]]:
+    """A batch's raw bytes into `into`, back to back; returns the sniff head of a blocks batch's file and the
+    files that could not be read, with why."""
+    if batch.end_block:
+        failure = feed.read_range(batch.first, batch.first_block * files.layout.block_size, into[: batch.raw_bytes])
+        return feed.head, ({batch.first: failure} if failure else {})
+    failed: dict[int, str] = {}
+    used = 0
+    for number in range(batch.first, batch.end):
+        size = files.sizes[number]
+        if size:
+            failure = feed.read_range(number, 0, into[used : used + size])
+            if failure:
+                failed[number] = failure
+            used += size
+    return b"", failed
 
 
 def batch_ranges(files: PlanFiles, start: int, start_block: int = 0) -> Iterator[Batch]:
@@ -331,6 +400,7 @@ class _JobFile:
 _worker_token: str | None = None
 _worker_compressor: BlobCompressor | None = None
 _worker_slots: memoryview | None = None
+_worker_raw_slots: memoryview | None = None
 
 
 def _warm_up() -> None:
@@ -356,51 +426,92 @@ def _die_with_parent(parent_pid: int | None) -> None:
         os._exit(1)
 
 
-def _load_job(token: str, job_path: str, slots_path: str) -> BlobCompressor:
-    global _worker_token, _worker_compressor, _worker_slots
+def _load_job(token: str, job_path: str, slots_path: str, raw_slots_path: str | None) -> BlobCompressor:
+    global _worker_token, _worker_compressor, _worker_slots, _worker_raw_slots
     if token != _worker_token or _worker_compressor is None:
         with open(job_path, "rb") as job_file:
             root, plan, files = pickle.load(job_file)
         with open(slots_path, "r+b") as slots_file:
             _worker_slots = memoryview(mmap.mmap(slots_file.fileno(), 0))
+        _worker_raw_slots = None
+        if raw_slots_path is not None:
+            with open(raw_slots_path, "rb") as raw_file:
+                _worker_raw_slots = memoryview(mmap.mmap(raw_file.fileno(), 0, prot=mmap.PROT_READ))
         _worker_compressor, _worker_token = BlobCompressor(root, plan, files), token
     return _worker_compressor
 
 
+# What the packing process read for a batch (from archives): the raw slot holding its bytes (None: `data` holds
+# them, a whole file larger than a slot), the sniff head and the files that failed.
+RawBatch = tuple[int | None, bytes | None, bytes, dict[int, str]]
+
+
 def _compress_in_worker(token: str, job_path: str, slots_path: str, batch: Batch, slot: int | None,
-                        slot_bytes: int) -> tuple[list[SlotBlob | Skipped], bytes | None]:
-    """A batch into shared slot `slot`; with no slot (a whole file larger than one), its blobs come back as bytes."""
-    compressor = _load_job(token, job_path, slots_path)
+                        slot_bytes: int, raw_slots_path: str | None = None, raw: RawBatch | None = None
+                        ) -> tuple[list[SlotBlob | Skipped], bytes | None]:
+    """A batch into shared slot `slot`; with no slot (a whole file larger than one), its blobs come back as bytes.
+    With `raw`, the batch's bytes are in a raw slot (or in `raw` itself), read by the packing process."""
+    compressor = _load_job(token, job_path, slots_path, raw_slots_path)
+    supplied = None
+    if raw is not None:
+        raw_slot, data, head, failed = raw
+        if raw_slot is not None:
+            if _worker_raw_slots is None:
+                raise RuntimeError("worker has no raw slots")
+            view = _worker_raw_slots[raw_slot * slot_bytes : raw_slot * slot_bytes + batch.raw_bytes]
+        else:
+            view = memoryview(data or b"")
+        supplied = Supplied(view, head, failed)
     if slot is not None:
         if _worker_slots is None:
             raise RuntimeError("worker has no shared slots")
-        return compressor.compress_into(batch, _worker_slots[slot * slot_bytes : (slot + 1) * slot_bytes]), None
+        into = _worker_slots[slot * slot_bytes : (slot + 1) * slot_bytes]
+        return compressor.compress_into(batch, into, supplied), None
     own = memoryview(bytearray(batch.raw_bytes))
-    results = compressor.compress_into(batch, own)
+    results = compressor.compress_into(batch, own, supplied)
     used = max((r[2] + r[3] for r in results if type(r) is tuple), default=0)
     return results, bytes(own[:used])
 
 
 def compress_in_order(root: Path, plan: CodecPlan, files: PlanFiles, start: int, start_block: int,
-                      pool: WorkerPool | None) -> Iterator[CompressedBatch]:
+                      pool: WorkerPool | None, feed: RawFeed | None = None) -> Iterator[CompressedBatch]:
     """Batches from plan position (start, start_block) on, in order; at most a few per worker are in flight, so
-    memory stays bounded. With no pool the packing process compresses them itself, the same way."""
+    memory stays bounded. With no pool the packing process compresses them itself, the same way. With a `feed`
+    (archives), this process reads each batch's bytes into a shared raw slot for the worker."""
     if pool is None:
         compressor = BlobCompressor(root, plan, files)
         slot = memoryview(bytearray(_BATCH_BYTES))
+        raw_slot = memoryview(bytearray(_BATCH_BYTES)) if feed is not None else None
         for batch in batch_ranges(files, start, start_block):
             blobs = slot if batch.raw_bytes <= _BATCH_BYTES else memoryview(bytearray(batch.raw_bytes))
-            yield CompressedBatch(compressor.compress_into(batch, blobs), blobs)
+            supplied = None
+            if feed is not None and raw_slot is not None:
+                raw = raw_slot if batch.raw_bytes <= _BATCH_BYTES else memoryview(bytearray(batch.raw_bytes))
+                head, failed = read_batch(feed, files, batch, raw)
+                supplied = Supplied(raw[: batch.raw_bytes], head, failed)
+            yield CompressedBatch(compressor.compress_into(batch, blobs, supplied), blobs)
         return
     inflight_limit = pool.workers * _BATCHES_PER_WORKER
     job = _JobFile((root, plan, files))
     slots = _SharedSlots(inflight_limit, _BATCH_BYTES)
-    inflight: deque[tuple[Future[tuple[list, bytes | None]], int | None]] = deque()
+    raw_slots = _SharedSlots(inflight_limit, _BATCH_BYTES) if feed is not None else None
+    inflight: deque[tuple[Future[tuple[list, bytes | None]], int | None, int | None]] = deque()
 
     def submit(batch: Batch) -> None:
         slot = slots.free.pop() if batch.raw_bytes <= _BATCH_BYTES else None
+        raw_slot, raw = None, None
+        if feed is not None and raw_slots is not None:
+            if batch.raw_bytes <= _BATCH_BYTES:
+                raw_slot = raw_slots.free.pop()
+                head, failed = read_batch(feed, files, batch, raw_slots.slot(raw_slot))
+                raw = (raw_slot, None, head, failed)
+            else:
+                own = memoryview(bytearray(batch.raw_bytes))
+                head, failed = read_batch(feed, files, batch, own)
+                raw = (None, bytes(own), head, failed)
         inflight.append((pool.executor.submit(_compress_in_worker, job.token, job.path, slots.path, batch, slot,
-                                              slots.slot_bytes), slot))
+                                              slots.slot_bytes, raw_slots.path if raw_slots else None, raw),
+                         slot, raw_slot))
 
     try:
         batches = batch_ranges(files, start, start_block)
@@ -409,8 +520,10 @@ def compress_in_order(root: Path, plan: CodecPlan, files: PlanFiles, start: int,
             if len(inflight) >= inflight_limit:
                 break
         while inflight:
-            future, slot = inflight.popleft()
+            future, slot, raw_slot = inflight.popleft()
             results, own = future.result()
+            if raw_slot is not None and raw_slots is not None:
+                raw_slots.free.append(raw_slot)
             if slot is None:
                 yield CompressedBatch(results, memoryview(own or b""))
             else:
@@ -421,10 +534,12 @@ def compress_in_order(root: Path, plan: CodecPlan, files: PlanFiles, start: int,
             if following is not None:
                 submit(following)
     finally:
-        for future, _ in inflight:
+        for future, _, _ in inflight:
             future.cancel()
-        for future, _ in inflight:  # a worker may still be writing into a slot
+        for future, _, _ in inflight:  # a worker may still be writing into a slot
             if not future.cancelled():
                 future.exception()
         slots.close()
+        if raw_slots is not None:
+            raw_slots.close()
         job.close()

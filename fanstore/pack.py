@@ -8,16 +8,17 @@ SRC unchanged: there is nothing to do, and DEST is left as it is. A --fit pack t
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import operator
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 import xxhash
@@ -27,6 +28,8 @@ from compressors.kinds import OTHER
 
 from .chunk_builder import ChunkBuilder
 from .codec_plan import ANY_KIND, CodecPlan, build_codec_plan
+from .archive_feed import ArchiveFeed
+from .archive_pieces import ArchivePieces
 from .compress import BlockLayout, PlanFiles, Skipped, WorkerPool, compress_in_order
 from .dest import (
     check_dest,
@@ -46,6 +49,7 @@ from .index import EntryRecord, Index, IndexLayout, write_index_atomically
 from .journal import BlockRow, ChunkRecord, FileRow, JournalState, PackJournal
 from .pause import pause_point
 from .walk import Problem, SourceEntry, SourceTree, walk_source
+from .walk_archive import source_paths, walk_archives
 
 if TYPE_CHECKING:
     from selector import Goal, Selection
@@ -144,25 +148,28 @@ class PackProgress:
 
 
 def pack(
-    src: str | os.PathLike[str],
+    src: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     dest: str | os.PathLike[str],
     options: PackOptions = PackOptions(),
     tree: SourceTree | None = None,
     progress: Callable[[PackProgress], None] | None = None,
     on_selection: Callable[[Selection], None] | None = None,
 ) -> PackSummary:
-    """Pack SRC into the dataset directory DEST. `tree` is a walk of SRC the caller already made. With --codec
-    auto, `on_selection` is given the selection before compressing starts (its predictions, for the person who
-    waits). DoesNotFit when --fit cannot be met: refused before DEST is written, or, once the chunk files written
-    can no longer fit, stopped with what this run wrote removed."""
+    """Pack SRC into the dataset directory DEST. SRC is a directory, or one or more archives (paths or globs, see
+    walk_archive.source_paths). `tree` is a walk of SRC the caller already made. With --codec auto,
+    `on_selection` is given the selection before compressing starts (its predictions, for the person who waits).
+    DoesNotFit when --fit cannot be met: refused before DEST is written, or, once the chunk files written can no
+    longer fit, stopped with what this run wrote removed."""
     started = time.monotonic()
     _check_options(options)
-    check_src_and_dest(Path(src), Path(dest))
+    sources = source_paths(src)
+    for source in sources:
+        check_src_and_dest(source, Path(dest))
     workers = _worker_count(options.workers)
     # Workers hand blobs back through memfd shared memory (Linux); elsewhere this process compresses alone.
     pool = WorkerPool(workers) if workers > 1 and hasattr(os, "memfd_create") else None
     try:
-        summary = _pack_with(Path(src), Path(dest), options, tree, progress, on_selection, pool)
+        summary = _pack_with(sources, Path(dest), options, tree, progress, on_selection, pool)
     except BrokenProcessPool:  # from the walk or from compressing: the pool cannot go on
         raise PackError("a worker process died (killed, or out of memory); finished chunks are kept: run the same "
                         "command again to resume") from None
@@ -173,19 +180,20 @@ def pack(
     return summary
 
 
-def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: SourceTree | None,
+def _pack_with(sources: list[Path], dest_path: Path, options: PackOptions, tree: SourceTree | None,
                progress: Callable[[PackProgress], None] | None,
                on_selection: Callable[[Selection], None] | None, pool: WorkerPool | None) -> PackSummary:
     groups = GroupPlan(options.replicate)
+    src_path = sources[0]
     if tree is None:
-        tree = walk_source(src_path, pool.executor if pool is not None else None)
+        tree = walk_sources(sources, pool.executor if pool is not None else None)
     if options.strict and tree.problems:
         raise PackError(f"--strict: {tree.problems[0]} ({len(tree.problems)} path(s) cannot be packed)")
-    # Files in (group, path) order: a chunk holds one group only, and the replicated group comes last. The walk
-    # gives them in path order already, so a stable split by group is enough. Each file's group is matched once
-    # here; the loop below only looks it up.
+    # Files in (group, path) order (archives: (group, stream order)): a chunk holds one group only, and the
+    # replicated group comes last. The walk gives them in that order already, so a stable split by group is
+    # enough. Each file's group is matched once here; the loop below only looks it up.
     by_group: dict[int, list[SourceEntry]] = {}
-    for entry in tree.files:
+    for entry in tree.files_in_read_order():
         by_group.setdefault(groups.group_of(entry.path), []).append(entry)
     in_order = sorted(by_group.items())
     files = [entry for _, members in in_order for entry in members]
@@ -207,7 +215,8 @@ def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: Sour
     if selection is not None and on_selection is not None:
         on_selection(selection)
     spec_by_kind = {ANY_KIND: options.codec} if selection is None else _spec_by_kind(selection)
-    plan = build_codec_plan(spec_by_kind, groups, files, file_groups, src_path, journal)
+    with _pieces_of(src_path, tree) as pieces:
+        plan = build_codec_plan(spec_by_kind, groups, files, file_groups, pieces, journal)
     if not journal.exists():
         journal.start(JournalState(fingerprint, options.output_defining(), plan.rows,
                                    selection.to_json() if selection is not None else None))
@@ -232,8 +241,11 @@ def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: Sour
     # once the first batch is back, so that it does not hold the GIL while the first batches go out.
     background = ThreadPoolExecutor(1, thread_name_prefix="fanstore-index-layout")
     layout: Future[IndexLayout] | None = None
+    feed = None
+    if tree.archives:
+        feed = ArchiveFeed(tree.archives, plan_files.paths, plan_files.inos, plan_files.sizes)
     try:
-        for batch in compress_in_order(src_path, plan, plan_files, start_file, start_block, pool):
+        for batch in compress_in_order(src_path, plan, plan_files, start_file, start_block, pool, feed):
             if layout is None:
                 layout = background.submit(_index_layout, tree)
             if options.strict:
@@ -266,6 +278,8 @@ def _pack_with(src_path: Path, dest_path: Path, options: PackOptions, tree: Sour
         raise
     finally:
         background.shutdown(wait=False, cancel_futures=True)
+        if feed is not None:
+            feed.close()
     journal.remove()
     summary.reused_chunks = len(finished)
     summary.selection, summary.selection_seconds = selection, selection_seconds
@@ -280,6 +294,13 @@ def _fit_watch(options: PackOptions, selection: Selection | None, groups: GroupP
     replicated = frozenset(number for number, group in enumerate(groups.table()) if group["replicated"])
     return FitWatch.for_pack(options.fit, options.nodes, replicated, index_bytes_estimate(tree),
                              sum(map(len, plan.dictionaries.values())), raw_total, selection.need())
+
+
+def walk_sources(sources: list[Path], executor: Executor | None = None) -> SourceTree:
+    """The tree SRC gives: a directory's walk, or the listing of archives (walk_archive.source_paths's list)."""
+    if len(sources) == 1 and sources[0].is_dir():
+        return walk_source(sources[0], executor)
+    return walk_archives(sources, executor)
 
 
 def _summarise(records: list[ChunkRecord], walk_problems: list[Problem]) -> PackSummary:
@@ -343,6 +364,9 @@ def _fingerprint(tree: SourceTree, options: PackOptions, ctimes: bool = True) ->
     and link target is as packed, as make and rsync judge a file unchanged."""
     digest = xxhash.xxh3_128()
     digest.update(json.dumps(options.output_defining(), sort_keys=True).encode())
+    if ctimes:  # archives: who each archive file is (its members have no ctime of their own)
+        for identity in tree.identity:
+            digest.update(f"@{identity}\n".encode("utf-8", "surrogateescape"))
     for e in tree.entries:
         ctime = f"{e.ctime_ns}\0" if ctimes else ""
         digest.update(f"{e.path}\0{e.mode}\0{e.size}\0{e.mtime_ns}\0{ctime}{e.link_target}\n".encode("utf-8"))
@@ -394,20 +418,36 @@ def select_for(src: Path, tree: SourceTree, groups: GroupPlan, budget: float, pr
                fraction: float, seed: int, goal: Goal | None = None, options: PackOptions | None = None) -> Selection:
     """The selector's choice for a walked SRC (`budget` in bytes/s, `goal` a selector.Goal, default: no --fit;
     `options`, the pack's, for the chunk and block sizes the index is bounded with): fanstore walks and groups, the
-    selector samples and measures. Its errors become fanstore's one-line usage errors; a --fit that cannot be met,
+    selector samples and measures (archives: it reads through ArchivePieces, given the files in stream order, so
+    that its reads go forward). Its errors become fanstore's one-line usage errors; a --fit that cannot be met,
     DoesNotFit."""
     from selector import Budget, DoesNotFit as SelectorDoesNotFit, Goal, SelectionError, select_codecs
 
     replicated = frozenset(number for number, group in enumerate(groups.table()) if group["replicated"])
+    with _pieces_of(src, tree) as pieces:
+        try:
+            return select_codecs(pieces, Budget(budget, prefetch_threads), tree.files_in_read_order(),
+                                 groups.group_of, fraction=fraction, seed=seed, replicate=groups.replicate,
+                                 goal=goal if goal is not None else Goal(), replicated_groups=replicated,
+                                 fixed_bytes=index_bytes_bound(tree, groups,
+                                                               options if options is not None else PackOptions()))
+        except SelectorDoesNotFit as exc:
+            raise DoesNotFit(str(exc)) from None
+        except SelectionError as exc:
+            raise UsageError(str(exc)) from None
+
+
+@contextlib.contextmanager
+def _pieces_of(src: Path, tree: SourceTree) -> Iterator[Path | ArchivePieces]:
+    """What reads SRC out of order: the directory itself, or a reader of the archives, closed after."""
+    if not tree.archives:
+        yield src
+        return
+    pieces = ArchivePieces(tree)
     try:
-        return select_codecs(src, Budget(budget, prefetch_threads), tree.files, groups.group_of, fraction=fraction,
-                             seed=seed, replicate=groups.replicate, goal=goal if goal is not None else Goal(),
-                             replicated_groups=replicated,
-                             fixed_bytes=index_bytes_bound(tree, groups, options if options is not None else PackOptions()))
-    except SelectorDoesNotFit as exc:
-        raise DoesNotFit(str(exc)) from None
-    except SelectionError as exc:
-        raise UsageError(str(exc)) from None
+        yield pieces
+    finally:
+        pieces.close()
 
 
 def index_bytes_estimate(tree: SourceTree) -> int:

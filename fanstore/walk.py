@@ -27,7 +27,7 @@ class SourceEntry(NamedTuple):
     mtime_ns: int
     link_target: str = ""
     # Who the file was at the walk: the packer reads only that file, unchanged since (a same-size rewrite changes
-    # the ctime, a swap the inode).
+    # the ctime, a swap the inode). An archive member's is its key, its place in the archives (archive_source.py).
     ino: int = 0
     ctime_ns: int = 0
 
@@ -49,13 +49,31 @@ class Problem:
 
 @dataclass(slots=True)
 class SourceTree:
+    """What a pack reads: a directory's walk, or the listing of SRC archives (walk_archive.py). For archives,
+    `archives` holds each one's path and format (a member's `ino` is its key: archive number and place in the
+    stream, see archive_source.py) and `identity` says who each archive file was, so a resume reads the same."""
+
     root: Path
     entries: list[SourceEntry] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
+    archives: tuple[tuple[Path, str], ...] = ()
+    identity: tuple[str, ...] = ()
 
     @property
     def files(self) -> list[SourceEntry]:
         return [e for e in self.entries if e.is_file]
+
+    def files_in_read_order(self) -> list[SourceEntry]:
+        """The files in the order SRC gives them best: by path for a directory; for archives, in stream order,
+        which cannot seek (so an archive whose members come in path order packs as its extracted directory)."""
+        files = self.files
+        if self.archives:
+            files.sort(key=_ino_of)
+        return files
+
+
+def _ino_of(entry: SourceEntry) -> int:
+    return entry.ino
 
 
 _SPECIAL_KINDS = {

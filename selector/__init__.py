@@ -15,6 +15,7 @@ and which groups are replicated, and reports a SelectionError as its own.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ from .policy import MIN_SAVING, Budget, Choice, DoesNotFit, Goal, KindScale, Nee
 from .sample import (
     DEFAULT_FRACTION,
     DEFAULT_MAX_BYTES,
+    PieceSource,
     check_fraction,
     check_max_bytes,
     check_seed,
@@ -211,7 +213,7 @@ def record_bytes(measurements: Sequence[Measurement], kinds: int) -> int:
 
 
 def select_codecs(
-    src: Path,
+    src: Path | PieceSource,
     budget: Budget,
     files: Sequence[SourceFile],
     group_of: Callable[[str], int] = _one_group,
@@ -236,7 +238,7 @@ def select_codecs(
     fraction = check_fraction(fraction)
     seed = check_seed(seed)
     max_bytes = check_max_bytes(max_bytes)
-    sample = draw_sample(Path(src), files, group_of, fraction=fraction, max_bytes=max_bytes, seed=seed)
+    sample = draw_sample(Path(src) if isinstance(src, (str, os.PathLike)) else src, files, group_of, fraction=fraction, max_bytes=max_bytes, seed=seed)
     kind_bytes = estimated_kind_bytes(sample)
     by_group = files_by_group(files, group_of)
     heads = training_heads(by_group)

@@ -154,7 +154,7 @@ class _Drawn:
 
 
 def draw_sample(
-    root: Path,
+    root: Path | PieceSource,
     files: Sequence[SourceFile],
     group_of: Callable[[str], int],
     fraction: float = DEFAULT_FRACTION,
@@ -217,7 +217,7 @@ def draw_sample(
     return sample
 
 
-def _draw_stratum(root: Path, members: list[tuple[int, SourceFile]], stratum_bytes: int, quota: int,
+def _draw_stratum(root: Path | PieceSource, members: list[tuple[int, SourceFile]], stratum_bytes: int, quota: int,
                   sniff_files: int, unit_cap: int) -> list[_Drawn]:
     """Phase one in a (group, extension) stratum: the files drawn by bytes until they hold `quota` sampled bytes (and
     at least MIN_FILES), and the first `sniff_files` drawn by count; each sniffed for its kind, with the chance it
@@ -345,7 +345,7 @@ def _allocate(by_kind: dict[_Stratum, list[_Drawn]], kind_bytes: dict[_Stratum, 
     return chosen
 
 
-def _measured_files(root: Path, cell: _Cell, measured: list[_Drawn], estimate: tuple[float, float],
+def _measured_files(root: Path | PieceSource, cell: _Cell, measured: list[_Drawn], estimate: tuple[float, float],
                     kind_bytes: int) -> list[SampleFile]:
     """The measured files of one cell, read (whole, or by pieces), with their weights and design.
 
@@ -372,7 +372,7 @@ def _measured_files(root: Path, cell: _Cell, measured: list[_Drawn], estimate: t
     return sample
 
 
-def _read_pieces(root: Path, found: _Drawn) -> list[tuple[int, bytes]]:
+def _read_pieces(root: Path | PieceSource, found: _Drawn) -> list[tuple[int, bytes]]:
     """(offset, bytes) of each piece of a drawn file it is measured by: the whole file, or blocks spread over it (a
     systematic draw from a seeded start); [] when it cannot be read now."""
     size, piece_bytes = found.entry.size, found.piece_bytes
@@ -415,8 +415,17 @@ def _stratum_floor(target: int, strata: int) -> int:
     return min(MIN_STRATUM_BYTES, target // max(strata, 1))
 
 
-def _read(root: Path, path: str, offset: int, size: int) -> bytes:
+class PieceSource(Protocol):
+    """Where sampled bytes come from when SRC is no directory (fanstore's reader of archives is one): `size`
+    bytes of the file at `path` from `offset`, b"" when it cannot be read."""
+
+    def read(self, path: str, offset: int, size: int) -> bytes: ...
+
+
+def _read(root: Path | PieceSource, path: str, offset: int, size: int) -> bytes:
     """`size` bytes of a file from `offset`, or b"" when it cannot be read now."""
+    if not isinstance(root, (str, os.PathLike)):
+        return root.read(path, offset, size)
     try:
         with open(os.path.join(root, path), "rb") as f:
             f.seek(offset)

@@ -1,0 +1,252 @@
+"""Read archives (tar, tar.gz/.bz2/.xz/.zst, zip) as streams of members, one pass front to back, never extracting.
+
+This is the one place that knows archive formats. It answers two things: the members of an archive in stream order
+(raw names and metadata, each with a `key`: where its data lies, which archive_feed.py reads without parsing again).
+A compressed tar cannot seek, so everything reads forward; a reader asked for a member behind it starts again.
+
+Damage (a truncated or corrupt archive) ends a pass where it is found: `MemberStream.damage` says where, and the
+members before it were whole.
+"""
+
+from __future__ import annotations
+
+import bz2
+import calendar
+import gzip
+import lzma
+import os
+import stat
+import struct
+import zipfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Iterator, NamedTuple
+
+from .errors import UsageError, quoted
+from .tar_headers import Header, HeaderDamage, TarHeaders
+
+# Bits of a member's key above this hold the archive's number among several SRC archives; below, its place.
+ARCHIVE_KEY_SHIFT = 48
+
+_TAR_COMPRESSIONS = {"tar": None, "tar.gz": gzip.GzipFile, "tar.bz2": bz2.BZ2File, "tar.xz": lzma.LZMAFile}
+FORMATS = ("tar", "tar.gz", "tar.bz2", "tar.xz", "tar.zst", "zip")
+# Errors a decompressor or a damaged archive raises while read: all mean "damaged here".
+_DAMAGE_ERRORS: tuple[type[BaseException], ...] = (zipfile.BadZipFile, EOFError, zlib.error,
+                                                    lzma.LZMAError, OSError, ValueError)
+try:
+    import zstandard
+except ImportError:  # pragma: no cover - zstandard is a dependency; without it .tar.zst is refused by name
+    zstandard = None  # type: ignore[assignment]
+else:
+    _DAMAGE_ERRORS += (zstandard.ZstdError,)
+
+
+class Member(NamedTuple):
+    """A member as the archive states it, before fanstore's naming rules (walk_archive.py applies them)."""
+
+    key: int  # its place in the archive's stream: ascending, unique (the tar data offset; a zip's header offset)
+    name: str
+    mode: int  # full st_mode: type and permission bits
+    size: int
+    mtime_ns: int
+    link_target: str = ""  # a symlink's target
+    refusal: str = ""  # why a member that says it is a file is not packed (a hard link, a sparse file)
+
+
+@dataclass(frozen=True, slots=True)
+class Damage:
+    """Where a pass over an archive stopped because the archive is truncated or corrupt."""
+
+    archive: Path
+    offset: int  # in the archive's (uncompressed) stream
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.archive}: damaged at byte {self.offset:,}: {self.reason}"
+
+
+def archive_format(path: Path) -> str | None:
+    """The archive format of `path` from its first bytes (its name decides only for an old tar without magic);
+    None when it is none fanstore reads."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(512)
+    except OSError:
+        return None
+    if head.startswith(b"\x1f\x8b"):
+        return "tar.gz"
+    if head.startswith(b"\x28\xb5\x2f\xfd"):
+        return "tar.zst"
+    if head.startswith(b"BZh"):
+        return "tar.bz2"
+    if head.startswith(b"\xfd7zXZ\x00"):
+        return "tar.xz"
+    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
+        return "zip"
+    if head[257:262] == b"ustar" or (path.name.endswith(".tar") and len(head) in (0, 512)):
+        return "tar"
+    return None
+
+
+class MemberStream:
+    """One pass over one archive: iterate it for its members in stream order. After damage the iteration ends
+    and `damage` says where: a member whose data reaches past `damage.offset` is not whole."""
+
+    def __init__(self, path: Path, fmt: str) -> None:
+        self.path = path
+        self.format = fmt
+        self.damage: Damage | None = None
+        self._file: BinaryIO = open(path, "rb")
+        self._stream: BinaryIO | None = None
+        self._zip: zipfile.ZipFile | None = None
+
+    def __enter__(self) -> MemberStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for closable in (self._zip, self._stream, self._file):
+            if closable is not None:
+                try:
+                    closable.close()
+                except _DAMAGE_ERRORS:
+                    pass
+        self._zip = self._stream = None
+
+    def __iter__(self) -> Iterator[Member]:
+        if self.format == "zip":
+            return self._zip_members()
+        return self._tar_members()
+
+    # --- tar ---------------------------------------------------------------------------------------------------
+
+    def _tar_members(self) -> Iterator[Member]:
+        headers = None
+        try:
+            self._stream = _decompressed(self._file, self.format)
+            # An uncompressed tar is listed by seeking from header to header, not by reading every byte.
+            size = os.fstat(self._file.fileno()).st_size if self.format == "tar" else None
+            headers = TarHeaders(self._stream, size)
+            for header in headers:
+                yield _tar_member(header)
+        except HeaderDamage as damage:
+            self.damage = Damage(self.path, damage.offset, str(damage))
+        except _DAMAGE_ERRORS as exc:  # a decompressor's error: the damage is where the stream got to
+            self.damage = Damage(self.path, headers.position if headers is not None else 0, _reason(exc))
+
+    # --- zip ---------------------------------------------------------------------------------------------------
+
+    def _zip_members(self) -> Iterator[Member]:
+        try:
+            self._zip = zipfile.ZipFile(self._file)
+        except _DAMAGE_ERRORS as exc:
+            self.damage = Damage(self.path, 0, f"not a readable zip ({_reason(exc)}; its central directory is "
+                                               "missing or damaged, as when the file is truncated)")
+            return
+        infos = sorted(self._zip.infolist(), key=_header_offset)
+        for info in infos:
+            target = ""
+            mode = _zip_mode(info)
+            if stat.S_ISLNK(mode):
+                try:
+                    with self._zip.open(info) as link:
+                        target = link.read(4096).decode("utf-8", "surrogateescape")
+                except _DAMAGE_ERRORS as exc:
+                    self.damage = Damage(self.path, info.header_offset, _reason(exc))
+                    return
+            yield Member(info.header_offset, info.filename, mode, info.file_size if stat.S_ISREG(mode) else 0,
+                         _zip_mtime_ns(info), target)
+
+
+def _header_offset(info: zipfile.ZipInfo) -> int:
+    return info.header_offset
+
+
+def _decompressed(raw: BinaryIO, fmt: str) -> BinaryIO:
+    """The tar stream inside a (possibly compressed) archive file."""
+    if fmt == "tar":
+        return raw
+    if fmt == "tar.zst":
+        if zstandard is None:
+            raise UsageError("reading .tar.zst needs the zstandard package")
+        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=False)
+    opener = _TAR_COMPRESSIONS.get(fmt)
+    if opener is None:
+        raise UsageError(f"unknown archive format {fmt}")
+    return opener(fileobj=raw) if opener is gzip.GzipFile else opener(raw)  # type: ignore[call-arg]
+
+
+def _tar_member(header: Header) -> Member:
+    """A tar member as a Member (the naming rules decide what is packed)."""
+    perms = header.mode & 0o7777
+    kind = header.kind
+    if header.sparse:  # its data in the archive is not its bytes, which reading in place needs
+        return Member(header.offset_data, header.name, stat.S_IFREG | perms, 0, header.mtime_ns,
+                      refusal="is a sparse file in the archive; sparse members are not packed (make the archive "
+                              "without --sparse)")
+    if header.typeflag == b"1":
+        return Member(header.offset_data, header.name, stat.S_IFREG | perms, 0, header.mtime_ns, header.linkname,
+                      refusal=f"is a hard link to {quoted(header.linkname)} in the archive; hard links in "
+                              "archives are not packed (make the archive with tar --hard-dereference to pack "
+                              "their contents)")
+    if kind == stat.S_IFREG:
+        return Member(header.offset_data, header.name, kind | perms, header.size, header.mtime_ns)
+    if kind == stat.S_IFLNK:
+        return Member(header.offset_data, header.name, kind | 0o777, 0, header.mtime_ns, header.linkname)
+    return Member(header.offset_data, header.name, kind | perms, 0, header.mtime_ns)
+
+
+def _zip_mode(info: zipfile.ZipInfo) -> int:
+    """st_mode from a zip entry: its Unix mode when a Unix tool made it, else 0644 files and 0755 directories."""
+    unix = info.external_attr >> 16
+    if info.create_system == 3 and stat.S_IFMT(unix):
+        return unix
+    return (stat.S_IFDIR | 0o755) if info.is_dir() else (stat.S_IFREG | 0o644)
+
+
+def _zip_mtime_ns(info: zipfile.ZipInfo) -> int:
+    """A zip entry's mtime: its extended-timestamp field's (UTC seconds) when present, else its DOS time read as
+    UTC, so the same zip gives the same dataset in every time zone."""
+    extra = info.extra
+    while len(extra) >= 4:
+        tag, length = struct.unpack("<HH", extra[:4])
+        body = extra[4 : 4 + length]
+        if tag == 0x5455 and len(body) >= 5 and body[0] & 1:
+            return struct.unpack("<i", body[1:5])[0] * 1_000_000_000
+        extra = extra[4 + length :]
+    return calendar.timegm(info.date_time + (0, 0, 0)) * 1_000_000_000
+
+
+def _reason(exc: BaseException) -> str:
+    text = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    return text.rstrip(".")
+
+
+def open_tar_stream(path: Path, fmt: str) -> BinaryIO:
+    """The tar stream of a tar archive of format `fmt` (uncompressed: the file itself, which seeks); closing it
+    closes the file."""
+    if fmt == "tar":
+        return open(path, "rb")
+    if fmt == "tar.zst":
+        if zstandard is None:
+            raise UsageError("reading .tar.zst needs the zstandard package")
+        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), read_across_frames=True)
+    openers = {"tar.gz": gzip.open, "tar.bz2": bz2.open, "tar.xz": lzma.open}
+    return openers[fmt](path, "rb")  # type: ignore[return-value]
+
+
+def open_stream(path: Path, fmt: str) -> MemberStream:
+    """A pass over the archive at `path`; a file that cannot be opened is a one-line UsageError naming it."""
+    try:
+        return MemberStream(path, fmt)
+    except OSError as exc:
+        raise UsageError(f"SRC {quoted(path)} cannot be read: {exc.strerror}") from None
+
+
+def archive_identity(path: Path) -> tuple[int, int, int, int]:
+    """Who the archive file is (size, mtime, ctime, inode): a resumed pack must read the same one."""
+    info = os.stat(path)
+    return info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino

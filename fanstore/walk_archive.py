@@ -1,0 +1,254 @@
+"""List SRC archives into the tree a pack reads, with the rules a directory walk applies to what is packed.
+
+Members become entries of the same paths as an extraction would give, with nothing extracted: names are made
+relative and normalised ('./a//b' is 'a/b'); a name that could leave the dataset ('../x', '/etc/x') is refused with
+a warning, as are devices, fifos, hard links and symlinks that leave the dataset. A path given twice takes the
+later member, as extraction does; a directory that only members imply is made, as extraction makes it.
+Directories no member states get the newest member's mtime: the same archive always gives the same dataset.
+
+Memory: one SourceEntry per member (a tuple, its path, size and key: about 250 bytes), whatever the archives hold.
+"""
+
+from __future__ import annotations
+
+import bisect
+import glob
+import os
+import posixpath
+import stat
+from concurrent.futures import Executor
+from pathlib import Path
+from typing import Any, NamedTuple, Sequence
+
+from .archive_source import ARCHIVE_KEY_SHIFT, FORMATS, Damage, archive_format, archive_identity, open_stream
+from .errors import UsageError, quoted
+from .index_check import link_target_problem
+from .walk import _SPECIAL_KINDS, Problem, SourceEntry, SourceTree
+
+_DIR_MODE = stat.S_IFDIR | 0o755
+_KEY_MASK = (1 << ARCHIVE_KEY_SHIFT) - 1
+
+
+def walk_archives(archives: Sequence[str | os.PathLike[str]], executor: Executor | None = None) -> SourceTree:
+    """Every member of the archives that can be packed, sorted by path, and every one that cannot, with reasons.
+    A damaged archive gives its members before the damage and one problem naming the archive and the offset.
+    With an `executor` (worker processes), several archives (shards) are listed in parallel: listing a compressed
+    tar is decompressing all of it."""
+    paths = [Path(archive) for archive in archives]
+    formats = [_format_of(path) for path in paths]
+    if len(set(map(os.path.realpath, paths))) != len(paths):
+        raise UsageError("SRC: the same archive is given twice")
+    if len(paths) > 1 << (63 - ARCHIVE_KEY_SHIFT):
+        raise UsageError(f"SRC: at most {1 << (63 - ARCHIVE_KEY_SHIFT)} archives in one pack")
+    listed = list(zip(range(len(paths)), paths, formats))
+    if executor is not None and len(paths) > 1:
+        listings = [_Listing(list(map(SourceEntry, *columns)), *rest)
+                    for columns, *rest in executor.map(_list_archive_apart, *zip(*listed))]
+    else:
+        listings = [_list_archive(number, path, fmt) for number, path, fmt in listed]
+    entries = [entry for listing in listings for entry in listing.entries]
+    problems = [problem for listing in listings for problem in listing.problems]
+    newest = max((listing.newest for listing in listings), default=0)
+    root = next((listing.root for listing in reversed(listings) if listing.root is not None), None)
+    del listings
+    entries = _last_of_each_path(entries)
+    entries, parent_problems = _with_parents(entries, newest)
+    problems += parent_problems
+    problems.sort(key=lambda p: p.path)
+    root = root or SourceEntry("", _DIR_MODE, 0, newest)
+    identity = tuple(f"{path}\0{archive_identity(path)}" for path in paths)
+    return SourceTree(root=paths[0], entries=[root] + entries, problems=problems,
+                      archives=tuple(zip(paths, formats)), identity=identity)
+
+
+class _Listing(NamedTuple):
+    """One archive's members as entries (keys carrying its number), what was refused, its newest mtime and the
+    root entry a './' member gives."""
+
+    entries: list[SourceEntry]
+    problems: list[Problem]
+    newest: int
+    root: SourceEntry | None
+
+
+def _list_archive(number: int, path: Path, fmt: str) -> _Listing:
+    entries: list[SourceEntry] = []
+    problems: list[Problem] = []
+    root: SourceEntry | None = None
+    newest = 0
+    interned: dict[int, int] = {}
+    with open_stream(path, fmt) as stream:
+        for member in stream:
+            newest = max(newest, member.mtime_ns)
+            key = number << ARCHIVE_KEY_SHIFT | member.key
+            rel, refusal = dataset_path(member.name)
+            if refusal:
+                problems.append(Problem(_shown(member.name), f"{refusal} (in {path.name}); skipped"))
+                continue
+            # Members share a few modes and mtimes: one int object each, not one per member (32 B apiece).
+            mode = interned.setdefault(member.mode, member.mode)
+            mtime_ns = interned.setdefault(member.mtime_ns, member.mtime_ns)
+            entry, reason = _entry_for(rel, key, mode, member.size, mtime_ns, member.link_target, member.refusal)
+            if entry is None:  # worded as the directory walk words it: a pack of the extraction says the same
+                problems.append(Problem(rel or ".", reason))
+            elif rel == "":
+                root = entry
+            else:
+                entries.append(entry)
+        if stream.damage is not None:
+            entries = _whole_before(entries, stream.damage)
+            problems.append(_damage_problem(stream.damage, fmt))
+    return _Listing(entries, problems, newest, root)
+
+
+def _list_archive_apart(number: int, path: Path, fmt: str
+                        ) -> tuple[tuple[tuple[Any, ...], ...], list[Problem], int, SourceEntry | None]:
+    """_list_archive in a worker process; entries go back as columns, which pickle several times faster."""
+    listing = _list_archive(number, path, fmt)
+    columns = tuple(zip(*listing.entries)) or ((),) * len(SourceEntry._fields)
+    return columns, listing.problems, listing.newest, listing.root
+
+
+def source_paths(src: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Path]:
+    """SRC as paths, in the order packed: each as given, but a pattern (with * ? or [, naming no existing file)
+    expanded into the files it matches, sorted (WebDataset shards: 'shards/train-*.tar'). Several SRC must be
+    archives (walk_archives checks them)."""
+    given = [src] if isinstance(src, (str, os.PathLike)) else list(src)
+    if not given:
+        raise UsageError("SRC: give a directory, or one or more archives")
+    paths: list[Path] = []
+    for item in given:
+        text = os.fspath(item)
+        if not os.path.lexists(text) and any(char in text for char in "*?["):
+            matches = sorted(glob.glob(text))
+            if not matches:
+                raise UsageError(f"SRC {quoted(text)}: no file matches this pattern")
+            paths += map(Path, matches)
+        else:
+            paths.append(Path(text))
+    return paths
+
+
+def dataset_path(name: str) -> tuple[str, str]:
+    """A member name as a dataset path ("" for the archive's root), or "" and why it is refused."""
+    if name.startswith("/"):
+        return "", "is an absolute path, which would leave the dataset"
+    parts = [part for part in name.split("/") if part not in ("", ".")]
+    if ".." in parts:
+        return "", "has a '..' component, which could leave the dataset"
+    path = "/".join(parts)
+    if "\0" in path:
+        return "", "contains a NUL byte"
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return "", "name is not valid UTF-8; rename it to pack it"
+    return path, ""
+
+
+def _format_of(path: Path) -> str:
+    if not path.exists():
+        raise UsageError(f"SRC {quoted(path)} does not exist")
+    if path.is_dir():
+        raise UsageError(f"SRC {quoted(path)} is a directory: several SRC must all be archives")
+    fmt = archive_format(path)
+    if fmt is None:
+        raise UsageError(f"SRC {quoted(path)} is not a directory, nor an archive fanstore reads "
+                         f"({', '.join(FORMATS)})")
+    return fmt
+
+
+def _entry_for(rel: str, key: int, mode: int, size: int, mtime_ns: int, link_target: str, refusal: str
+               ) -> tuple[SourceEntry | None, str]:
+    kind = stat.S_IFMT(mode)
+    if refusal:
+        return None, refusal
+    if kind == stat.S_IFREG:
+        return SourceEntry(rel, mode, size, mtime_ns, "", key), ""
+    if kind == stat.S_IFDIR:
+        return SourceEntry(rel, mode, 0, mtime_ns, "", key), ""
+    if kind == stat.S_IFLNK:
+        target = _inside_target(link_target, rel)
+        if target is None:
+            return None, f"symlink to {quoted(link_target)} leaves SRC; skipped"
+        return SourceEntry(rel, mode, len(target.encode("utf-8")), mtime_ns, target, key), ""
+    what = _SPECIAL_KINDS.get(kind, "a special file")
+    return None, f"is {what}; only files, directories and symlinks are packed"
+
+
+def _inside_target(target: str, rel: str) -> str | None:
+    """The link's target in the form the index keeps (see walk._inside_target), or None when it leaves the
+    dataset. Resolved by name: an archive has no real directories to resolve through."""
+    try:
+        encoded = target.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    if not target or target.startswith("/") or "\0" in target:
+        return None
+    link_dir = posixpath.dirname(rel)
+    resolved = posixpath.normpath(posixpath.join(link_dir, target))
+    if resolved == ".." or resolved.startswith("../"):
+        return None
+    if link_target_problem(encoded, rel.count("/")) is None:
+        return target
+    return posixpath.relpath(resolved, link_dir or ".")
+
+
+def _whole_before(entries: list[SourceEntry], damage: Damage) -> list[SourceEntry]:
+    """The members of a damaged archive whose data ends before the damage."""
+    return [e for e in entries if (e.ino & _KEY_MASK) + e.size <= damage.offset]
+
+
+def _damage_problem(damage: Damage, fmt: str) -> Problem:
+    """One line for a damaged archive, named by its file name: the index records skipped paths, and no path of
+    the packing machine."""
+    stream = "" if fmt in ("tar", "zip") else " of its decompressed tar stream"
+    return Problem(damage.archive.name, f"damaged at byte {damage.offset:,}{stream} ({damage.reason}); the members "
+                                        "before it are packed, none after")
+
+
+def _last_of_each_path(entries: list[SourceEntry]) -> list[SourceEntry]:
+    """Sorted by path, a path given more than once keeping its last member (as extraction leaves it)."""
+    entries.sort(key=lambda e: (e.path.encode("utf-8"), e.ino))
+    return [e for e, following in zip(entries, entries[1:] + [None]) if following is None or following.path != e.path]
+
+
+def _with_parents(entries: list[SourceEntry], mtime_ns: int) -> tuple[list[SourceEntry], list[Problem]]:
+    """The entries with the directories their paths imply made; one whose parent is not a directory (a file, a
+    symlink or something skipped) is refused, as extraction would fail on it."""
+    paths = [e.path.encode("utf-8") for e in entries]
+    directories = {""}
+    made: list[SourceEntry] = []
+    kept: list[SourceEntry] = []
+    problems: list[Problem] = []
+    for entry in entries:
+        parent = entry.path.rpartition("/")[0]
+        missing = []
+        while parent not in directories:
+            missing.append(parent)
+            parent = parent.rpartition("/")[0]
+        blocked = next((path for path in missing if _present(paths, path)), None)
+        if blocked is not None:
+            problems.append(Problem(entry.path, f"its directory {quoted(blocked)} is not a directory in the archive "
+                                                "(or was skipped); skipped"))
+            continue
+        for path in missing:
+            directories.add(path)
+            made.append(SourceEntry(path, _DIR_MODE, 0, mtime_ns))
+        if stat.S_ISDIR(entry.mode):
+            directories.add(entry.path)
+        kept.append(entry)
+    if made:
+        kept += made
+        kept.sort(key=lambda e: e.path.encode("utf-8"))
+    return kept, problems
+
+
+def _present(sorted_paths: list[bytes], path: str) -> bool:
+    encoded = path.encode("utf-8")
+    at = bisect.bisect_left(sorted_paths, encoded)
+    return at < len(sorted_paths) and sorted_paths[at] == encoded
+
+
+def _shown(name: str) -> str:
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")

@@ -1,0 +1,399 @@
+"""Packing straight from archives (walk_archive.py, archive_source.py, archive_feed.py), with real archives made by
+the tar and unzip commands and by tarfile/zipfile: as the extracted directory packs, hostile names refused, damage
+reported, resumable, several archives as one dataset."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import shutil
+import stat
+import subprocess
+import tarfile
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO, assert_one_line_error, dataset_digest, dir_bytes, make_tree, run_cli, tree_digest
+from fanstore import open_dataset
+
+MTIME = 1_700_000_000  # even: a zip's DOS time holds 2-second steps
+BIG = 5 << 20  # above --blocks-above's default: stored in blocks
+
+
+def _tree(root: Path) -> Path:
+    """conftest's tree, plus a file stored in blocks, every time set to MTIME (archives hold seconds)."""
+    make_tree(root)
+    (root / "train" / "big.bin").write_bytes(np.random.default_rng(3).integers(0, 4, BIG, np.uint8).tobytes())
+    for path in sorted(root.rglob("*"), reverse=True) + [root]:
+        os.utime(path, (MTIME, MTIME), follow_symlinks=False)
+    return root
+
+
+def _tar(src: Path, archive: Path, *compress: str) -> Path:
+    subprocess.run(["tar", "--sort=name", *compress, "-C", str(src), "-cf", str(archive), "."], check=True)
+    return archive
+
+
+def _extract_tar(archive: Path, into: Path) -> Path:
+    into.mkdir()
+    subprocess.run(["tar", "-C", str(into), "-xf", str(archive)], check=True)
+    return into
+
+
+def _sorted_zip(src: Path, archive: Path) -> Path:
+    """A zip of `src` with its members in path order, as the directory walk sorts them, modes and symlinks kept."""
+    entries = sorted(src.rglob("*"), key=lambda p: p.relative_to(src).as_posix().encode())
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as zf:
+        for path in entries:
+            rel = path.relative_to(src).as_posix()
+            info = os.lstat(path)
+            member = zipfile.ZipInfo(rel + "/" if stat.S_ISDIR(info.st_mode) else rel,
+                                     time.gmtime(info.st_mtime)[:6])
+            member.create_system = 3
+            member.external_attr = info.st_mode << 16
+            if stat.S_ISLNK(info.st_mode):
+                zf.writestr(member, os.readlink(path))
+            elif stat.S_ISDIR(info.st_mode):
+                zf.writestr(member, b"")
+            else:
+                zf.writestr(member, path.read_bytes(), zipfile.ZIP_DEFLATED)
+    return archive
+
+
+def _pack(src, dest: Path, *args: str) -> str:
+    sources = [str(s) for s in src] if isinstance(src, list) else [str(src)]
+    proc = run_cli("fanstore-pack", *sources, str(dest), "--quiet", *args, check=True)
+    return proc.stderr
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> Path:
+    return _tree(tmp_path_factory.mktemp("archive") / "src")
+
+
+@pytest.mark.parametrize("compress", [[], ["-z"], ["--zstd"]], ids=["tar", "tar.gz", "tar.zst"])
+def test_a_sorted_tar_packs_byte_identical_to_its_extraction(tree, tmp_path, compress):
+    archive = _tar(tree, tmp_path / "src.tar", *compress)
+    extracted = _extract_tar(archive, tmp_path / "extracted")
+    _pack(extracted, tmp_path / "from_dir", "--chunk-size", "1MiB")
+    warnings = _pack(archive, tmp_path / "from_tar", "--chunk-size", "1MiB")
+    assert warnings == ""
+    assert dir_bytes(tmp_path / "from_tar") == dir_bytes(tmp_path / "from_dir")
+    with open_dataset(tmp_path / "from_tar") as ds:
+        assert dataset_digest(ds) == tree_digest(tree)
+
+
+@pytest.mark.skipif(shutil.which("unzip") is None, reason="the unzip command is not installed")
+def test_a_sorted_zip_packs_byte_identical_to_its_extraction(tree, tmp_path):
+    archive = _sorted_zip(tree, tmp_path / "src.zip")
+    extracted = tmp_path / "extracted"
+    subprocess.run(["unzip", "-q", str(archive), "-d", str(extracted)], check=True, env={**os.environ, "TZ": "UTC"})
+    os.utime(extracted, (MTIME, MTIME))  # no member is the root: it takes the newest member's mtime
+    for path in extracted.rglob("*"):  # unzip leaves a symlink's own mtime the time it made it
+        if path.is_symlink():
+            os.utime(path, (MTIME, MTIME), follow_symlinks=False)
+    _pack(extracted, tmp_path / "from_dir")
+    assert _pack(archive, tmp_path / "from_zip") == ""
+    assert dir_bytes(tmp_path / "from_zip") == dir_bytes(tmp_path / "from_dir")
+
+
+def _shuffled_tar(src: Path, archive: Path, seed: int, mode: str = "w:gz") -> Path:
+    """Members in a shuffled order (each directory still before what it holds is not required)."""
+    paths = sorted(src.rglob("*"))
+    random.Random(seed).shuffle(paths)
+    with tarfile.open(archive, mode) as tar:
+        for path in paths:
+            tar.add(path, arcname=path.relative_to(src).as_posix(), recursive=False)
+    return archive
+
+
+@pytest.mark.parametrize("mode", ["w:gz", "w"])
+def test_any_other_order_gives_the_same_files_and_the_same_dataset_every_time(tree, tmp_path, mode):
+    archive = _shuffled_tar(tree, tmp_path / "shuffled.tar", seed=5, mode=mode)
+    _pack(archive, tmp_path / "once", "--chunk-size", "256KiB", "--workers", "2")
+    _pack(archive, tmp_path / "again", "--chunk-size", "256KiB", "--workers", "1")
+    assert dir_bytes(tmp_path / "once") == dir_bytes(tmp_path / "again")
+    with open_dataset(tmp_path / "once") as ds:
+        assert dataset_digest(ds) == tree_digest(tree)
+
+
+def _member(name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", link: str = "") -> tuple[tarfile.TarInfo, bytes]:
+    info = tarfile.TarInfo(name)
+    info.type, info.size, info.linkname, info.mtime, info.mode = kind, len(data), link, MTIME, 0o644
+    return info, data
+
+
+def _write_tar(archive: Path, members: list[tuple[tarfile.TarInfo, bytes]], mode: str = "w") -> Path:
+    with tarfile.open(archive, mode, format=tarfile.GNU_FORMAT) as tar:
+        for info, data in members:
+            tar.addfile(info, io.BytesIO(data) if info.isreg() else None)
+    return archive
+
+
+def test_hostile_member_names_are_refused_with_a_warning_and_nothing_is_written_outside(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    archive = _write_tar(work / "hostile.tar", [
+        _member("./fine.txt", data=b"fine"),
+        _member("../escape.txt", data=b"evil"),
+        _member("/tmp/absolute.txt", data=b"evil"),
+        _member("sub/../../climb.txt", data=b"evil"),
+        _member("out", tarfile.SYMTYPE, link="/etc"),
+        _member("up", tarfile.SYMTYPE, link="../../x"),
+        _member("in", tarfile.SYMTYPE, link="sub/../fine.txt"),
+        _member("dev", tarfile.CHRTYPE),
+        _member("fifo", tarfile.FIFOTYPE),
+        _member("hard", tarfile.LNKTYPE, link="fine.txt"),
+        _member("file/child.txt", data=b"under"),
+    ])
+    proc = run_cli("fanstore-pack", str(archive), str(work / "ds"), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for needle in ("../escape.txt", "/tmp/absolute.txt", "sub/../../climb.txt", "out: symlink to '/etc' leaves SRC",
+                   "up: symlink to '../../x' leaves SRC", "dev: is a character device", "fifo: is a fifo",
+                   "hard: is a hard link"):
+        assert any(needle in line and line.startswith("warning:") for line in proc.stderr.splitlines()), needle
+    with open_dataset(work / "ds") as ds:
+        assert dataset_digest(ds) == {"fine.txt": tree_digest_of(b"fine"), "in": "link:fine.txt",
+                                      "file": "dir", "file/child.txt": tree_digest_of(b"under")}
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.name.endswith(".txt") and "evil" in _text(p)) == []
+    assert not Path("/tmp/absolute.txt").exists()
+    for where in (work, work / "ds", REPO, REPO.parent):  # DEST, SRC's directory, the packer's cwd: no escape
+        assert not (where.parent / "escape.txt").exists() and not (where.parent / "climb.txt").exists()
+
+
+def tree_digest_of(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+def _text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.is_file() else ""
+
+
+def test_hostile_zip_names_are_refused(tmp_path):
+    archive = tmp_path / "hostile.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        zf.writestr("ok.txt", b"ok")
+        zf.writestr("../escape.txt", b"evil")
+        zf.writestr("/abs.txt", b"evil")
+    proc = run_cli("fanstore-pack", str(archive), str(tmp_path / "ds"), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert "../escape.txt: has a '..' component" in proc.stderr and "/abs.txt: is an absolute path" in proc.stderr
+    with open_dataset(tmp_path / "ds") as ds:
+        assert ds.listdir("") == ["ok.txt"]
+
+
+def _content(number: int) -> bytes:
+    """A member's bytes: random, so that a compressed archive is as long as the tar (and a cut lands in it)."""
+    return np.random.default_rng(number).bytes(3000 + number)
+
+
+def _files_before(tree: Path, limit: int) -> list[tuple[tarfile.TarInfo, bytes]]:
+    members = []
+    for number in range(limit):
+        members.append(_member(f"f{number:03d}.bin", data=_content(number)))
+    return members
+
+
+@pytest.mark.parametrize("mode", ["w", "w:gz", "zstd"])
+def test_a_truncated_tar_packs_the_members_before_the_damage(tmp_path, mode):
+    whole = _write_tar(tmp_path / "whole.tar", _files_before(tmp_path, 200), "w" if mode == "zstd" else mode)
+    if mode == "zstd":
+        subprocess.run(["zstd", "-q", "--rm", str(whole), "-o", str(tmp_path / "whole.tar.zst")], check=True)
+        whole = tmp_path / "whole.tar.zst"
+    data = whole.read_bytes()
+    cut = tmp_path / {"w": "cut.tar", "w:gz": "cut.tar.gz", "zstd": "cut.tar.zst"}[mode]
+    cut.write_bytes(data[: len(data) // 2])
+    proc = run_cli("fanstore-pack", str(cut), str(tmp_path / "ds"), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    damage = [line for line in proc.stderr.splitlines() if "damaged at byte" in line]
+    assert len(damage) == 1 and damage[0].startswith(f"warning: skipped {cut.name}: damaged at byte"), proc.stderr
+    with open_dataset(tmp_path / "ds") as ds:
+        names = ds.listdir("")
+        assert names and len(names) < 200  # a zstd block holds 128 KiB: 200 members span several
+        assert names == [f"f{number:03d}.bin" for number in range(len(names))]
+        for number, name in enumerate(names):
+            assert ds.read(name) == _content(number)
+    strict = run_cli("fanstore-pack", str(cut), str(tmp_path / "strict"), "--strict", "--quiet")
+    assert_one_line_error(strict, cut.name, "damaged at byte")
+    assert not (tmp_path / "strict" / "fanstore.index").exists()
+
+
+def test_a_corrupt_tar_header_ends_the_members_with_a_warning(tmp_path):
+    archive = _write_tar(tmp_path / "bad.tar", _files_before(tmp_path, 10))
+    data = bytearray(archive.read_bytes())
+    header = 5 * (512 + 3072)  # the sixth member's header: each member is a header and 6 data blocks
+    assert data[header : header + 5] == b"f005."
+    data[header + 148 : header + 156] = b"9999999\0"  # its checksum
+    archive.write_bytes(bytes(data))
+    proc = run_cli("fanstore-pack", str(archive), str(tmp_path / "ds"), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert f"damaged at byte {header:,} (a member header is corrupt)" in proc.stderr
+    with open_dataset(tmp_path / "ds") as ds:
+        assert ds.listdir("") == [f"f{number:03d}.bin" for number in range(5)]
+
+
+def test_a_damaged_zip_member_is_skipped_and_the_others_packed(tmp_path):
+    archive = tmp_path / "bad.zip"
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as zf:
+        for number in range(5):
+            zf.writestr(f"f{number}.bin", bytes([number]) * 1000)
+    with zipfile.ZipFile(archive) as zf:
+        damaged = zf.getinfo("f2.bin")
+    data = bytearray(archive.read_bytes())
+    data[damaged.header_offset + 30 + len("f2.bin") + 10] ^= 0xFF  # a byte of its data: its CRC no longer holds
+    archive.write_bytes(bytes(data))
+    proc = run_cli("fanstore-pack", str(archive), str(tmp_path / "ds"), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert f"f2.bin: damaged in {archive.name} (the member at byte {damaged.header_offset:,}" in proc.stderr
+    with open_dataset(tmp_path / "ds") as ds:
+        assert ds.listdir("") == ["f0.bin", "f1.bin", "f3.bin", "f4.bin"]
+    strict = run_cli("fanstore-pack", str(archive), str(tmp_path / "strict"), "--strict", "--quiet")
+    assert_one_line_error(strict, "f2.bin", archive.name)
+
+
+def test_a_truncated_zip_is_one_line(tmp_path):
+    archive = tmp_path / "cut.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        zf.writestr("a.bin", b"a" * 5000)
+    archive.write_bytes(archive.read_bytes()[:-30])
+    proc = run_cli("fanstore-pack", str(archive), str(tmp_path / "ds"), "--strict", "--quiet")
+    assert_one_line_error(proc, archive.name, "not a readable zip")
+
+
+def test_sources_that_are_not_archives_are_one_line(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("not an archive")
+    assert_one_line_error(run_cli("fanstore-pack", str(text), str(tmp_path / "ds")), str(text),
+                          "not a directory, nor an archive")
+    assert_one_line_error(run_cli("fanstore-pack", str(tmp_path / "shards-*.tar"), str(tmp_path / "ds")),
+                          "shards-*.tar", "no file matches")
+    (tmp_path / "dir").mkdir()
+    _write_tar(tmp_path / "a.tar", [_member("a", data=b"a")])
+    assert_one_line_error(run_cli("fanstore-pack", str(tmp_path / "a.tar"), str(tmp_path / "dir"), str(tmp_path / "ds")),
+                          "several SRC must all be archives")
+    assert_one_line_error(run_cli("fanstore-pack", str(tmp_path / "a.tar"), str(tmp_path / "a.tar"),
+                                  str(tmp_path / "ds")), "the same archive is given twice")
+
+
+def _shards(tree: Path, into: Path, count: int) -> list[Path]:
+    """WebDataset-style shards: the tree's files dealt out in path order, each shard a tar of its share."""
+    files = sorted((p for p in tree.rglob("*") if p.is_file() and not p.is_symlink()),
+                   key=lambda p: p.relative_to(tree).as_posix().encode())
+    into.mkdir()
+    shards = []
+    per_shard = -(-len(files) // count)
+    for number in range(count):
+        shard = into / f"train-{number:06d}.tar"
+        with tarfile.open(shard, "w") as tar:
+            for path in files[number * per_shard : (number + 1) * per_shard]:
+                tar.add(path, arcname=path.relative_to(tree).as_posix())
+        shards.append(shard)
+    return shards
+
+
+def test_several_archives_and_a_glob_of_shards_pack_into_one_dataset(tree, tmp_path):
+    shards = _shards(tree, tmp_path / "shards", 3)
+    _pack(str(tmp_path / "shards" / "train-*.tar"), tmp_path / "globbed")
+    _pack(shards, tmp_path / "listed")
+    assert dir_bytes(tmp_path / "globbed") == dir_bytes(tmp_path / "listed")
+    with open_dataset(tmp_path / "globbed") as ds:
+        files = {path: digest for path, digest in dataset_digest(ds).items() if digest != "dir"}
+    expected = {path: digest for path, digest in tree_digest(tree).items()
+                if digest != "dir" and not digest.startswith("link:")}
+    assert files == expected
+
+
+RESUME_ARGS = ["--codec", "zstd:1", "--chunk-size", "64KiB", "--replicate", "val/**", "--workers", "2",
+               "--blocks-above", "256KiB", "--block-size", "64KiB", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def shuffled_tgz(tree, tmp_path_factory) -> Path:
+    return _shuffled_tar(tree, tmp_path_factory.mktemp("resume") / "src.tar.gz", seed=9)
+
+
+@pytest.mark.parametrize("event", ["planned", "chunk:3", "chunk:20", "index"])
+def test_an_interrupted_pack_of_an_archive_resumes_byte_identical(shuffled_tgz, tmp_path, paused_pack, event):
+    run_cli("fanstore-pack", str(shuffled_tgz), str(tmp_path / "reference"), *RESUME_ARGS, check=True)
+    paused_pack(shuffled_tgz, tmp_path / "ds", RESUME_ARGS, event).kill_group()
+    assert not (tmp_path / "ds" / "fanstore.index").exists()
+    resumed = run_cli("fanstore-pack", str(shuffled_tgz), str(tmp_path / "ds"), *RESUME_ARGS, check=True)
+    if event.startswith("chunk:"):
+        assert f"{event.split(':')[1]} chunks kept from the interrupted run" in resumed.stdout
+    assert dir_bytes(tmp_path / "ds") == dir_bytes(tmp_path / "reference")
+    again = run_cli("fanstore-pack", str(shuffled_tgz), str(tmp_path / "ds"), *RESUME_ARGS, check=True)
+    assert "nothing to do" in again.stdout
+
+
+def test_a_changed_archive_is_not_resumed_over(shuffled_tgz, tmp_path, paused_pack):
+    archive = tmp_path / "copy.tar.gz"
+    shutil.copy(shuffled_tgz, archive)
+    paused_pack(archive, tmp_path / "ds", RESUME_ARGS, "chunk:3").kill_group()
+    os.utime(archive, (MTIME, MTIME))  # another archive file now, as far as anyone can tell
+    proc = run_cli("fanstore-pack", str(archive), str(tmp_path / "ds"), *RESUME_ARGS)
+    assert_one_line_error(proc, "--force")
+
+
+def _sampled(dest: Path) -> list[tuple]:
+    """What the selector measured, without its timings: which bytes it sampled, and how each codec stored them."""
+    from fanstore.index import Index
+
+    measurements = Index.load(dest).meta["selection"]["measurements"]
+    return sorted((m["kind"], m["spec"], m["raw_files"], m["raw_bytes"], m["stored_bytes"]) for m in measurements)
+
+
+@pytest.mark.parametrize("shuffled", [False, True], ids=["sorted", "shuffled"])
+def test_codec_auto_samples_an_archive_as_its_extracted_directory(tree, tmp_path, shuffled):
+    archive = (_shuffled_tar(tree, tmp_path / "src.tar.gz", seed=3) if shuffled
+               else _tar(tree, tmp_path / "src.tar.gz", "-z"))
+    extracted = _extract_tar(archive, tmp_path / "extracted")
+    auto = ["--codec", "auto", "--budget", "50MB/s", "--sample", "0.5", "--seed", "4"]
+    _pack(extracted, tmp_path / "from_dir", *auto)
+    _pack(archive, tmp_path / "from_tar", *auto)
+    assert _sampled(tmp_path / "from_tar") == _sampled(tmp_path / "from_dir")
+    assert sum(m[3] for m in _sampled(tmp_path / "from_tar")) > 0
+    with open_dataset(tmp_path / "from_tar") as ds:
+        assert dataset_digest(ds) == tree_digest(tree)
+
+
+def test_a_dictionary_codec_trains_on_an_archive_as_on_its_extracted_directory(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(8)
+    words = [bytes(rng.integers(97, 123, 6, np.uint8)) for _ in range(200)]
+    for number in range(300):
+        record = b"{" + b", ".join(b'"%s": %d' % (words[(number * 7 + k) % 200], k) for k in range(40)) + b"}"
+        (src / f"r{number:04d}.json").write_bytes(record)
+    for path in list(src.iterdir()) + [src]:
+        os.utime(path, (MTIME, MTIME))
+    archive = _tar(src, tmp_path / "src.tar.zst", "--zstd")
+    extracted = _extract_tar(archive, tmp_path / "extracted")
+    _pack(extracted, tmp_path / "from_dir", "--codec", "zstd-dict:3")
+    _pack(archive, tmp_path / "from_tar", "--codec", "zstd-dict:3")
+    assert dir_bytes(tmp_path / "from_tar") == dir_bytes(tmp_path / "from_dir")
+    info = run_cli("info", str(tmp_path / "from_tar"), check=True).stdout
+    assert "zstd-dict:3" in info
+
+
+def test_a_sparse_member_is_refused_with_a_warning(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    with open(src / "sparse.bin", "wb") as sparse:
+        sparse.truncate(4 << 20)
+        sparse.seek(0, os.SEEK_END)
+        sparse.write(b"end")
+    (src / "ok.txt").write_text("ok")
+    archive = _tar(src, tmp_path / "sparse.tar", "--sparse")
+    proc = run_cli("fanstore-pack", str(archive), str(tmp_path / "ds"), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert "sparse.bin: is a sparse file in the archive" in proc.stderr
+    with open_dataset(tmp_path / "ds") as ds:
+        assert ds.listdir("") == ["ok.txt"]
