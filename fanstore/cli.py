@@ -543,6 +543,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     for option, value in (("--peer-timeout", args.peer_timeout), ("--peer-retry", args.peer_retry)):
         if not 0 < value < math.inf:
             raise UsageError(f"{option}: must be a number of seconds more than 0 (and finite), got {value}")
+    if not 0 <= args.peer_lost_after < math.inf:
+        raise UsageError(f"--peer-lost-after: must be 0 (half of TCP's give-up time) or more seconds, got "
+                         f"{args.peer_lost_after}")
     if args.max_in_flight < 1:
         raise UsageError(f"--max-in-flight: must be 1 or more requests, got {args.max_in_flight}")
     if args.prefetch < 0:
@@ -560,7 +563,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     options = ServeOptions(
         dest=Path(args.dest), mountpoint=args.mountpoint, local_dir=args.local_dir, command=tuple(args.job_command),
         stats=args.stats, ready_file=args.ready_file,
-        peer=PeerOptions(timeout=args.peer_timeout, retry_after=args.peer_retry, max_in_flight=args.max_in_flight),
+        peer=PeerOptions(timeout=args.peer_timeout, retry_after=args.peer_retry, max_in_flight=args.max_in_flight,
+                         lost_after=args.peer_lost_after),
         mount=mount, progress=not args.quiet, doorbell=not args.no_doorbell, loop_requests=not args.mpi_thread_only)
     return run(options)
 
@@ -766,6 +770,12 @@ def _add_serve_parser(commands: Any) -> None:
                                    "its files read from DEST (default 5)")
     serve_parser.add_argument("--peer-retry", type=float, default=30.0, metavar="SECONDS",
                               help="how long a peer that missed a deadline is skipped (default 30)")
+    serve_parser.add_argument("--peer-lost-after", type=float, default=0.0, metavar="SECONDS",
+                              help="how long a peer may answer nothing before it is lost for the job: not asked "
+                                   "again, its files read from DEST, and the job ends without the closing "
+                                   "agreement; default 0: half of the time TCP keeps a connection waiting "
+                                   "(net.ipv4.tcp_retries2; about 460 s), after which a message to that peer "
+                                   "crashes MPICH; set it below your fabric's own give-up time on other networks")
     serve_parser.add_argument("--max-in-flight", type=int, default=8, metavar="K",
                               help="requests outstanding to one peer at a time, whoever asked them (default 8)")
     serve_parser.add_argument("--no-doorbell", action="store_true",

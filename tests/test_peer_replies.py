@@ -116,3 +116,17 @@ def test_one_table_from_statuses_to_errors(status, error):
         back = RequestRefused("not a blob") if status == REFUSED else made
         assert status_of(back) == status
     assert isinstance(RequestRefused("x"), ValueError)  # a request naming bytes that are not served is bad input
+
+
+@pytest.mark.parametrize(("retries", "seconds"), [(15, 924.6), (3, 3.0), (9, 204.6), (0, 0.2)])
+def test_tcp_give_up_time_follows_the_kernels_model(tmp_path, retries, seconds) -> None:
+    """A peer is lost for good at half of what TCP waits before it gives a connection up (remote_blobs.py): the
+    kernel's model for net.ipv4.tcp_retries2, from 200 ms doubling up to 120 s; an unreadable setting is the
+    default, 15."""
+    from fanstore.serve.remote_blobs import PeerOptions, tcp_give_up_seconds
+
+    setting = tmp_path / "tcp_retries2"
+    setting.write_text(f"{retries}\n")
+    assert tcp_give_up_seconds(str(setting)) == pytest.approx(seconds)
+    assert tcp_give_up_seconds(str(tmp_path / "missing")) == pytest.approx(924.6)
+    assert PeerOptions(lost_after=7.0).lost_after_seconds() == 7.0

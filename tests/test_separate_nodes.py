@@ -212,6 +212,58 @@ def test_a_node_cut_off_past_the_deadline_costs_reads_from_dest_then_comes_back(
     assert all(change["fallback"] == 0 for change in after), after
 
 
+def test_a_link_down_longer_than_tcp_waits_loses_the_node_for_the_job_without_a_crash(dataset: tuple[Path, Path],
+                                                                                        tmp_path: Path) -> None:
+    """Node 2's link stays down past the time TCP keeps a connection waiting (net.ipv4.tcp_retries2 set to 3 in
+    each node: 3 s instead of about 15 minutes), then comes back. Once TCP has given a connection up, a message
+    posted on it crashes the rank inside MPICH (SIGSEGV in the Isend, measured). So a rank stops asking a peer
+    silent for half that time, for good: the reads go on from DEST, after the link is back too, no rank crashes,
+    and the ranks end without the closing agreement (which would post to the lost), each naming what it lost."""
+    src, dest = dataset
+    check = Path(__file__).with_name("serve_partition_check.py")
+    with SeparateNodes(RANKS, tmp_path, keep_visible=[src.parent], sysctls={"net.ipv4.tcp_retries2": "3"}) as nodes:
+        serve = [sys.executable, "-m", "fanstore", "serve", str(dest), MOUNTPOINT, "--local-dir", LOCAL_DIR,
+                 "--stats", "--prefetch", "0", "--peer-timeout", "2", "--peer-retry", "1", "--",
+                 sys.executable, str(check), str(src), str(tmp_path)]
+        job = subprocess.Popen([str(MPIEXEC), *nodes.mpmd([serve] * RANKS, make_dirs=[MOUNTPOINT])],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**environment(nodes), "PYTHONFAULTHANDLER": "1"}, start_new_session=True)
+        try:
+            def phase(name: str) -> list[dict]:
+                (tmp_path / f"go-{name}").touch()
+                wait_until(lambda: job.poll() is not None or all((tmp_path / f"done-{name}-{r}").exists()
+                                                                 for r in range(RANKS)), f"phase {name}", 240)
+                assert job.poll() is None, job.communicate()
+                results = [json.loads((tmp_path / f"done-{name}-{r}").read_text()) for r in range(RANKS)]
+                assert all(not result["problems"] for result in results), results
+                return [result["change"] for result in results]
+
+            phase("before")
+            nodes.set_link(2, up=False)
+            cut = phase("cut")
+            time.sleep(8)  # TCP gives the connections to node 2 up 3 s after their first unanswered message
+            nodes.set_link(2, up=True)
+            time.sleep(1.5)  # past --peer-retry: a peer only skipped would be asked again now
+            after = phase("after")
+            out, err = job.communicate(timeout=120)
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+                job.communicate()
+            for pid in processes_mentioning(str(dest)):  # only if the test failed
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    assert "Segmentation fault" not in out + err and "Fatal Python error" not in err, out + err
+    assert job.returncode != 0, out + err  # ended without the closing agreement
+    for rank in (0, 1):
+        assert cut[rank]["peers"]["2"]["fetched"] == 0 and cut[rank]["fallback"] > 0, cut
+        assert after[rank]["peers"]["2"]["fetched"] == 0 and after[rank]["fallback"] > 0, after  # not asked again
+    lines = [line for line in (out + err).splitlines() if "during the job (no answer for too long)" in line]
+    assert any(line.startswith("fanstore serve: error: rank 0 on node0: lost rank 2 (node2)") for line in lines), \
+        out + err
+    assert "answered nothing for" in err and "lost for this job" in err, err
+
+
 def test_a_node_lost_for_good_does_not_hold_the_job(dataset: tuple[Path, Path], tmp_path: Path) -> None:
     """Node 2's link goes down for good just before the commands end: the closing agreement cannot complete, so
     rank 0, which hears nothing from node 2 for six deadlines, names it in one line and ends the job; well within

@@ -121,6 +121,9 @@ class Lifecycle:
         from mpi4py import MPI
 
         rank, size = self.transport.rank, self.transport.size
+        lost_for_good = self.transport.remote.lost_peers()
+        if lost_for_good:  # a collective would post to them: end without it
+            return self._end_without_lost(lost_for_good, status)
         mine = np.array([status], dtype=np.int32)
         worst = np.zeros(1, dtype=np.int32)
         everyone = self.transport.collective(lambda comm: (
@@ -142,6 +145,9 @@ class Lifecycle:
             if verdict is not None:
                 say_line(f"fanstore serve: error: rank {rank} on {self._host(rank)}: {verdict[2]}")
                 return max(status, verdict[1]) or 1
+            lost_for_good = self.transport.remote.lost_peers()
+            if lost_for_good:
+                return self._end_without_lost(lost_for_good, status)
             lost = watch.lost() if watch is not None else []
             if lost:
                 return self._end_without(lost, status, LOST_DEADLINES * timeout)
@@ -162,6 +168,20 @@ class Lifecycle:
                                                      f"answering; its status is unknown")
         say_line(f"fanstore serve: error: rank {rank} on {self._host(rank)}: {reason}; ending the job without "
                  f"{'them' if len(lost) > 1 else 'it'}")
+        return status or 1
+
+    def _end_without_lost(self, lost: list[int], status: int) -> int:
+        """This rank lost peers for good during the job (remote_blobs.py): it cannot take part in the closing
+        agreement, which would post to them, so it tells every rank it still hears the job's status (a verdict,
+        which they end with, wherever they wait) and ends, naming them."""
+        rank = self.transport.rank
+        named = ", ".join(f"rank {peer} ({self._host(peer)})" for peer in lost[:10]) + \
+            (f" and {len(lost) - 10} more" if len(lost) > 10 else "")
+        reason = f"rank {rank} lost {named} during the job (no answer for too long); its status is unknown"
+        for peer in sorted(set(range(self.transport.size)) - set(lost) - {rank}):
+            self.transport.send_verdict(peer, 1, reason)
+        say_line(f"fanstore serve: error: rank {rank} on {self._host(rank)}: lost {named} during the job (no answer "
+                 f"for too long); ending the job without {'them' if len(lost) > 1 else 'it'}")
         return status or 1
 
     def _host(self, rank: int) -> str:

@@ -45,10 +45,12 @@ handed over, which takes 7 us a blob off the mount's loop, the thread that also 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..chunk_source import BlobRead
@@ -72,6 +74,31 @@ class PeerOptions:
     # Bytes a request for several blobs may ask for in all (one blob may be larger): the reply is built whole, so
     # this bounds what one request can make the serving rank hold. Askers stay far below (sources.BATCH_BYTES).
     max_reply_bytes: int = 64 << 20
+    # Seconds a peer may leave every request unanswered before it is lost for good: never asked again in this job
+    # (its files are read from DEST) and left out of the closing agreement. 0: half of what TCP waits before it
+    # gives a connection up (tcp_give_up_seconds): once TCP has, the next message posted to that peer crashes the
+    # process inside the MPI library (measured with MPICH over UCX: SIGSEGV in the Isend; docs/SERVE.md).
+    lost_after: float = 0.0
+
+    def lost_after_seconds(self) -> float:
+        return self.lost_after if self.lost_after > 0 else tcp_give_up_seconds() / 2
+
+
+_TCP_RTO_MIN, _TCP_RTO_MAX = 0.2, 120.0  # the kernel's bounds of a TCP retransmission timeout, in seconds
+
+
+def tcp_give_up_seconds(retries2_file: str = "/proc/sys/net/ipv4/tcp_retries2") -> float:
+    """How long this network namespace's TCP keeps retransmitting a segment nobody acknowledges before it gives the
+    connection up: the kernel's model for net.ipv4.tcp_retries2 (15 by default: 924.6 s), the timeout starting
+    at the smallest and doubling up to the largest. At least that long: a slower path starts from a larger one."""
+    try:
+        retries = int(Path(retries2_file).read_text())
+    except (OSError, ValueError):
+        retries = 15
+    doublings = int(math.log2(_TCP_RTO_MAX / _TCP_RTO_MIN))
+    if retries <= doublings:
+        return ((2 << retries) - 1) * _TCP_RTO_MIN
+    return ((2 << doublings) - 1) * _TCP_RTO_MIN + (retries - doublings) * _TCP_RTO_MAX
 
 
 # Where a request is: queued (waiting for a slot), in flight (posted), or over (answered, failed or cancelled).
@@ -104,6 +131,8 @@ class _Peer:
     in_flight: list = field(default_factory=list)  # in the order posted, which is the order of their deadlines
     skip_until: float = 0.0
     reported: bool = False
+    silent_since: float | None = None  # when the oldest request posted since the peer last answered was posted
+    lost: bool = False  # for good: never asked again
 
 
 class RemoteBlobs:
@@ -135,6 +164,7 @@ class RemoteBlobs:
         self._abandoned: dict[tuple[int, int], float] = {}  # (peer, tag) of replies given up on -> forget when
         self.outstanding = 0  # requests queued or in flight
         self._stopped_reason: str | None = None
+        self._lost_after = options.lost_after_seconds()
 
     # --- asking: any thread ---------------------------------------------------------------------------------------
 
@@ -148,12 +178,18 @@ class RemoteBlobs:
         request = Request(peer, reads, flags, time.monotonic() + self.options.timeout)
         error: ChunkUnavailable | None = None
         posted = False
+        given_up: list[tuple[Request, ChunkUnavailable]] = []
         with self._lock:
+            if 0 <= peer < self.size and self._silent_too_long(self._peers[peer], time.monotonic()):
+                given_up = self._lose(peer, time.monotonic())  # found here: the MPI thread idles when nothing is out
             if self._stopped_reason is not None:
                 error = ChunkUnavailable(f"rank {peer}: {self._stopped_reason}", chunk_id=reads[0].chunk_id)
             elif not 0 <= peer < self.size or peer == self.rank:
                 error = ChunkUnavailable(f"rank {peer} is not a peer of rank {self.rank}", chunk_id=reads[0].chunk_id)
                 peer = self.rank
+            elif self._peers[peer].lost:
+                error = ChunkUnavailable(f"rank {peer} is lost for this job: it answered nothing for "
+                                         f"{self._lost_after:g} s", chunk_id=reads[0].chunk_id)
             elif self._peers[peer].skip_until > time.monotonic() and not flags & PING:
                 error = ChunkUnavailable(f"rank {peer} is skipped for now: it missed a deadline of "
                                          f"{self.options.timeout:g} s", chunk_id=reads[0].chunk_id)
@@ -167,6 +203,8 @@ class RemoteBlobs:
                     state.queued.append(request)
             if error is not None:
                 self.counters[peer].failed += request.blobs
+        for request_given_up, reason in given_up:
+            self._fail_reads(request_given_up.reads, reason)
         if error is not None:
             self._fail_reads(reads, error)
             return None
@@ -216,6 +254,19 @@ class RemoteBlobs:
                                                          chunk_id=request.reads[0].chunk_id))
         return True
 
+    def lost_peers(self) -> list[int]:
+        """The peers lost for good (see PeerOptions.lost_after), as of now: nothing may be posted to them."""
+        given_up: list[tuple[Request, ChunkUnavailable]] = []
+        with self._lock:
+            now = time.monotonic()
+            for number, state in enumerate(self._peers):
+                if self._silent_too_long(state, now):
+                    given_up.extend(self._lose(number, now))
+            lost = [number for number, state in enumerate(self._peers) if state.lost]
+        for request, reason in given_up:
+            self._fail_reads(request.reads, reason)
+        return lost
+
     def skipped(self, peer: int) -> bool:
         """`peer` missed a deadline lately, so its files are read elsewhere for now."""
         return self._peers[peer].skip_until > time.monotonic()
@@ -243,6 +294,9 @@ class RemoteBlobs:
                 oldest = state.in_flight[0] if state.in_flight else state.queued[0] if state.queued else None
                 if oldest is not None and oldest.deadline < now:
                     failed.extend(self._give_up_on(number, now))
+                    progressed = True
+                if self._silent_too_long(state, now):
+                    failed.extend(self._lose(number, now))
                     progressed = True
             if self._abandoned and progressed:
                 for key in [key for key, forget_at in self._abandoned.items() if forget_at < now]:
@@ -313,7 +367,10 @@ class RemoteBlobs:
         request.send = self._comm.Isend([request_message(tag, request.flags, request.reads), MPI.BYTE], dest=request.peer,
                                         tag=TAG_REQUEST)
         request.state = _IN_FLIGHT
-        self._peers[request.peer].in_flight.append(request)
+        state = self._peers[request.peer]
+        state.in_flight.append(request)
+        if state.silent_since is None:
+            state.silent_since = time.monotonic()
         self._polled.append(request.receive)
         self._polled_for.append(request)
         if not request.send.Test():  # a request is a few dozen bytes: it has mostly gone already
@@ -351,7 +408,9 @@ class RemoteBlobs:
             if request is None or request.state != _IN_FLIGHT or status.Is_cancelled():
                 continue  # a send, or a receive given up on (cancelled, or come just then: dropped)
             request.state = _OVER
-            self._peers[request.peer].in_flight.remove(request)
+            state = self._peers[request.peer]
+            state.in_flight.remove(request)
+            state.silent_since = None  # it answers: its connection is alive
             self.outstanding -= 1
             completed.append((request, status.Get_count(MPI.BYTE)))
         self._polled = [r for i, r in enumerate(polled) if i not in finished]
@@ -367,12 +426,12 @@ class RemoteBlobs:
         self._abandoned[(request.peer, request.tag)] = now + _FORGET_AFTER * self.options.retry_after
         request.buffer = None
 
-    def _give_up_on(self, number: int, now: float) -> list[tuple[Request, ChunkUnavailable]]:
+    def _give_up_on(self, number: int, now: float, quiet: bool = False) -> list[tuple[Request, ChunkUnavailable]]:
         """A request to `number` is past its deadline: cancel everything in flight to it, fail everything queued,
         and skip it for a while. Returns what to fail, once the lock is let go."""
         state = self._peers[number]
         state.skip_until = now + self.options.retry_after
-        if not state.reported:
+        if not state.reported and not quiet:
             state.reported = True
             log.warning("rank %d: no answer within %g s; reading its files from the dataset directory for %g s",
                         number, self.options.timeout, self.options.retry_after)
@@ -388,6 +447,19 @@ class RemoteBlobs:
         state.in_flight.clear()
         state.queued.clear()
         return failed
+
+    def _silent_too_long(self, state: _Peer, now: float) -> bool:
+        return not state.lost and state.silent_since is not None and now - state.silent_since > self._lost_after
+
+    def _lose(self, number: int, now: float) -> list[tuple[Request, ChunkUnavailable]]:
+        """`number` has answered nothing for `lost_after` seconds: give up on what is out to it, as at a deadline,
+        and never post to it again in this job. Returns what to fail, once the lock is let go."""
+        state = self._peers[number]
+        state.lost = True
+        log.warning("rank %d: answered nothing for %g s, near the time TCP gives a connection up (after which a "
+                    "message to it would crash this process in the MPI library): lost for this job; its files are "
+                    "read from the dataset directory", number, now - (state.silent_since or now))
+        return self._give_up_on(number, now, quiet=True)
 
     # --- outcomes, outside the lock -------------------------------------------------------------------------
 
