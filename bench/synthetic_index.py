@@ -38,9 +38,9 @@ def make_dataset(dest: Path, files: int, files_per_dir: int = 1000) -> Path:
     count = 1 + dirs + files
     dir_names = np.concatenate((np.full((dirs, 1), ord("d"), np.uint8), _digits(np.arange(dirs), _DIR_DIGITS)), 1)
     numbers = np.arange(files, dtype=np.int64)
-    file_paths = np.concatenate((dir_names[numbers // files_per_dir], np.full((files, 2), [ord("/"), ord("f")], np.uint8),
-                                 _digits(numbers, _FILE_DIGITS), np.frombuffer(b".bin", np.uint8)[None, :].repeat(files, 0)),
-                                1)
+    file_paths = np.concatenate((dir_names[numbers // files_per_dir],
+                                 np.full((files, 2), [ord("/"), ord("f")], np.uint8), _digits(numbers, _FILE_DIGITS),
+                                 np.frombuffer(b".bin", np.uint8)[None, :].repeat(files, 0)), 1)
     dir_len, file_len = dir_names.shape[1], file_paths.shape[1]
     paths = np.concatenate((dir_names.ravel(), file_paths.ravel()))
     entries = np.zeros(count, dtype=ENTRY_DTYPE)

@@ -310,11 +310,11 @@ def run(options: ServeOptions) -> int:
     transport.start()
     loop = LoopRequests(transport, bell) if options.loop_requests and bell is not None \
         and mpi.Query_thread() == mpi.THREAD_MULTIPLE else None
-    source = PlacedChunkSource(rank, placement, local, PeerChunkSource(transport, placement, loop), dest,
+    source = PlacedChunkSource(rank, placement.owners, local, PeerChunkSource(transport, placement.owners, loop), dest,
                                direct=unverified)
     endpoint = NodeEndpoint(local_dir, {"dest": str(Path(options.dest).absolute()), "local_dir": str(local_dir),
                                         "index_dir": str(local_dir), "rank": rank, "size": size,
-                                        "direct": sorted(unverified)},
+                                        "direct": sorted(unverified), "owners": placement.owners.to_json()},
                             source, BlobTable.of(index), len(sizes))
     lifecycle = Lifecycle(transport, options.command, mountpoint, ready_file, endpoint.path, hosts)
     pause_point("serve: staged")

@@ -22,7 +22,7 @@ import numpy as np
 from ..chunk_source import BlobRead, ChunkSource, FallbackChunkSource, ReadDone
 from ..errors import ChunkCorrupt, ChunkError, ChunkUnavailable
 from .loop_requests import LoopRequests
-from .placement import NO_OWNER, Placement
+from .placement import NO_OWNER, ChunkOwners
 from .staged_source import PlacedReads, StagedChunkSource
 from .peer_messages import MAX_BLOBS
 from .transport import PeerTransport
@@ -53,7 +53,7 @@ def batches(reads: Sequence[BlobRead], limit: int = BATCH_BYTES) -> list[list[Bl
 class PeerChunkSource(ChunkSource):
     """Blobs stored on other ranks, asked of their owner over the transport."""
 
-    def __init__(self, transport: PeerTransport, placement: Placement, loop: LoopRequests | None = None) -> None:
+    def __init__(self, transport: PeerTransport, placement: ChunkOwners, loop: LoopRequests | None = None) -> None:
         self.transport = transport
         self._placement = placement
         self._rank = transport.rank
@@ -112,7 +112,7 @@ class PlacedChunkSource(PlacedReads):
     counts where each read went, and logs once per chunk a peer's copy found damaged (by the peer, or by this
     rank's checksum of what it sent)."""
 
-    def __init__(self, rank: int, placement: Placement, local: StagedChunkSource, peers: PeerChunkSource,
+    def __init__(self, rank: int, placement: ChunkOwners, local: StagedChunkSource, peers: PeerChunkSource,
                  dest: ChunkSource, direct: set[int] | frozenset[int] = frozenset()) -> None:
         super().__init__(rank, placement, local, FallbackChunkSource(peers, dest, on_fallback=self._count_fallback),
                          dest, direct)
