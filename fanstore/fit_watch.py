@@ -6,8 +6,9 @@ floor of the final one, never an estimate (the files still to pack may store nex
 as soon as DEST can no longer fit, and never a pack that would have fitted:
 
   without --nodes (what DEST takes): the chunk files so far, headers included, and the least the index takes: its
-  header, INDEX_BYTES_PER_ENTRY for each of SRC's entries (its record, path hash and place in the lookup order)
-  plus its path, known from the walk, and the dictionaries it will hold. The table of contents (options, the
+  header, INDEX_BYTES_PER_ENTRY for each of SRC's entries (its record, path hash, place in the lookup order and
+  first_child row) plus its path, INDEX_BYTES_PER_FILE for each file (its place in file_order), known from the walk,
+  and the dictionaries it will hold. The table of contents (options, the
   selection record) is not counted: only the check of the finished DEST sees it.
   with --nodes N (what the fullest node stores): at least the mean of the nodes, the replicated chunk files so far
   (every node stores them; their group is packed last) plus the spread ones / N. Which node gets which bytes is

@@ -1,4 +1,4 @@
-"""The on-disk contract of format v1.1 (docs/FORMAT.md says the same in prose): names, magics, versions, layouts,
+"""The on-disk contract of format v1.2 (docs/FORMAT.md says the same in prose): names, magics, versions, layouts,
 and the bounds a reader holds every index field to.
 
 Everything that reads or writes dataset bytes takes its constants from here, so a change to the format is a
@@ -16,7 +16,9 @@ import numpy as np
 from .errors import FormatError
 
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 1  # 1.1 added large files stored in blocks (FLAG_BLOCKED, the `blocks` section)
+# 1.1 added large files stored in blocks (FLAG_BLOCKED, the `blocks` section); 1.2 stores what a reader derived at
+# open (the `first_child` and `file_order` sections), so that it maps the index and reads it in place.
+FORMAT_MINOR = 2
 
 INDEX_NAME = "fanstore.index"
 CHUNK_DIR = "chunks"
@@ -91,9 +93,14 @@ REQUIRED_SECTIONS = {
     "chunks": CHUNK_DTYPE,
 }
 # Sections a minor version added, with their dtypes: present only when the dataset uses what they describe.
+# `first_child` and `file_order` (1.2) are byte sections holding little-endian u32 entry numbers (DERIVED_DTYPE):
+# as bytes, every earlier 1.x reader skips them (the 1.0 reader refuses an unknown typed section).
 OPTIONAL_SECTIONS = {
     "blocks": BLOCK_DTYPE,
+    "first_child": np.dtype("u1"),
+    "file_order": np.dtype("u1"),
 }
+DERIVED_DTYPE = np.dtype("<u4")
 # Byte sections holding zstd dictionaries, named by the codec table's `dictionary` (dict.N, or dict.N.KIND).
 DICTIONARY_PREFIX = "dict."
 BYTES_DTYPE = np.dtype("u1")

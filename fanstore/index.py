@@ -7,6 +7,7 @@ Python object per file: lookups hash the path and binary-search a sorted hash ar
 from __future__ import annotations
 
 import json
+import mmap
 import operator
 import os
 import stat
@@ -16,11 +17,13 @@ from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 import numpy as np
 import xxhash
 
+from . import index_trust
 from .durable import write_atomically
 from .errors import DatasetNotFound, FormatError, PathNotFound, quoted
 from .format import (
     BLOCK_DTYPE,
     CHUNK_DTYPE,
+    DERIVED_DTYPE,
     DICTIONARY_PREFIX,
     FLAG_BLOCKED,
     ENTRY_DTYPE,
@@ -38,7 +41,7 @@ from .format import (
     check_version,
     layout_tag,
 )
-from .index_check import check_arrays, check_section_layout, check_toc, section_layouts
+from .index_check import check_arrays, check_derived_sections, check_section_layout, check_toc, section_layouts
 
 _hash_path = xxhash.xxh3_64_intdigest
 
@@ -69,6 +72,7 @@ class Index:
     """A loaded index: read-only arrays plus the table of contents (groups, codecs, chunks, pack metadata)."""
 
     def __init__(self, path: Path, toc: dict[str, Any], sections: dict[str, np.ndarray]) -> None:
+        # The sections may be views into a read-only map of the index file, which they keep open.
         self.path = path
         self.toc = toc
         self.entries: np.ndarray = sections["entries"]
@@ -90,15 +94,28 @@ class Index:
         self._path_off = self.entries["path_off"]
         self._flags = self.entries["flags"]
         self._path_len = self.entries["path_len"]
-        # Derived once here so listdir need not search: children of entry i are first_child[i]..first_child[i+1].
-        self._first_child = (
-            np.searchsorted(self.entries["parent"][1:], np.arange(len(self.entries) + 1)) + 1
-        ).astype(np.uint32)
+        # Children of entry i are first_child[i]..first_child[i+1]; regular files in path order. Stored by 1.2
+        # packs (read in place, shared by the node's processes); derived here from an older index.
+        self._first_child: np.ndarray = (sections["first_child"].view(DERIVED_DTYPE) if "first_child" in sections
+                                         else derive_first_child(self.entries["parent"]))
+        self._file_order: np.ndarray | None = (sections["file_order"].view(DERIVED_DTYPE)
+                                               if "file_order" in sections else None)
 
     @classmethod
     def load(cls, dataset_dir: str | os.PathLike[str]) -> "Index":
-        """Read and check an index; every inconsistency is one FormatError naming the file and the field."""
-        return cls.from_bytes(Path(dataset_dir) / INDEX_NAME, read_index_file(dataset_dir))
+        """Map and check an index; every inconsistency is one FormatError naming the file and the field.
+
+        The arrays are read in place from a read-only map of the file, so every process of a node shares one copy
+        (the page cache). The pass over every entry runs once per node (index_trust); each process still checks
+        the header, the TOC, the sections' layout and the body's checksum."""
+        path = Path(dataset_dir) / INDEX_NAME
+        data, info = map_index_file(dataset_dir)
+        body_hash = _header_body_hash(data)
+        checked = body_hash is not None and index_trust.is_checked(info, body_hash)
+        toc, sections = _parse_index(path, data, full_check=not checked)
+        if not checked and body_hash is not None:
+            index_trust.mark_checked(info, body_hash)
+        return cls(path, toc, sections)
 
     @classmethod
     def from_bytes(cls, path: Path, data: bytes) -> "Index":
@@ -112,7 +129,17 @@ class Index:
 
     @property
     def file_count(self) -> int:
+        if self._file_order is not None:
+            return len(self._file_order)
         return int(np.count_nonzero((self.entries["mode"] & 0o170000) == stat.S_IFREG))
+
+    def files_in_path_order(self) -> np.ndarray:
+        """Entry numbers of every regular file, sorted by path (as Python sorts the path strings): a 1.2 index's
+        stored `file_order`, read in place (no copy); an older index's sorted here, once per call."""
+        if self._file_order is not None:
+            return self._file_order
+        files = np.fromiter(self.iter_files(), dtype=np.int64)
+        return files[np.argsort([self.path_bytes(int(entry)) for entry in files], kind="stable")]
 
     def lookup(self, path: str | os.PathLike[str]) -> int:
         """Entry number of a path; PathNotFound if the dataset has no such path."""
@@ -196,6 +223,41 @@ class Index:
 def read_index_file(dataset_dir: str | os.PathLike[str]) -> bytes:
     """The bytes of a dataset directory's index file, not yet checked (Index.from_bytes checks them). Opened without
     blocking, and refused unless a regular file: an index that is a fifo must not hang the reader."""
+    fd, path = _open_index_file(dataset_dir)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as index_file:
+            return index_file.read()
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot read the index: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+
+
+def map_index_file(dataset_dir: str | os.PathLike[str]) -> tuple[mmap.mmap | bytes, os.stat_result]:
+    """A read-only map of a dataset directory's index file (bytes if it cannot be mapped: empty, or a file system
+    without mmap), not yet checked, and the file's identity as it was mapped.
+
+    A map is read where it lies: a page past the end of a file that shrank after it was mapped raises SIGBUS. fanstore
+    never shrinks an index in place (a pack writes a new file and renames it over the old, whose pages stay mapped);
+    a file shorter than its header says is refused before anything past its end is read."""
+    fd, path = _open_index_file(dataset_dir)
+    try:
+        info = os.fstat(fd)
+        try:
+            if info.st_size >= INDEX_HEADER_LEN:
+                return mmap.mmap(fd, info.st_size, access=mmap.ACCESS_READ), info
+        except (OSError, ValueError):
+            pass  # read it instead
+        with os.fdopen(fd, "rb", closefd=False) as index_file:
+            return index_file.read(), info
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot read the index: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+
+
+def _open_index_file(dataset_dir: str | os.PathLike[str]) -> tuple[int, Path]:
+    """An open descriptor of a dataset directory's index file, checked to be a regular file."""
     directory = Path(dataset_dir)
     path = directory / INDEX_NAME
     try:
@@ -212,19 +274,30 @@ def read_index_file(dataset_dir: str | os.PathLike[str]) -> bytes:
         raise FormatError(f"{path}: cannot open the index: {exc.strerror}") from None
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise FormatError(f"{path}: is not a regular file, expected an index file")
-        with os.fdopen(fd, "rb", closefd=False) as index_file:
-            return index_file.read()
     except OSError as exc:
-        if isinstance(exc, FormatError):
-            raise
-        raise FormatError(f"{path}: cannot read the index: {exc.strerror}") from None
-    finally:
         os.close(fd)
+        raise FormatError(f"{path}: cannot read the index: {exc.strerror}") from None
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise FormatError(f"{path}: is not a regular file, expected an index file")
+    return fd, path
 
 
-def _parse_index(path: Path, data: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def _header_body_hash(data: bytes | mmap.mmap) -> int | None:
+    """The body checksum the header records, or None if there is no whole header (_parse_index says why)."""
+    if len(data) < INDEX_HEADER_LEN:
+        return None
+    return int(INDEX_HEADER.unpack_from(data)[6])
+
+
+def derive_first_child(parents: np.ndarray) -> np.ndarray:
+    """first_child of a tree in breadth-first order: children of entry i are entries first_child[i] to
+    first_child[i+1] (parents never decrease, so each directory's children are contiguous)."""
+    return (np.searchsorted(parents[1:], np.arange(len(parents) + 1)) + 1).astype(DERIVED_DTYPE)
+
+
+def _parse_index(path: Path, data: bytes | mmap.mmap,
+                 full_check: bool = True) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     if len(data) < INDEX_HEADER_LEN:
         raise FormatError(f"{path}: index is truncated ({len(data)} bytes)")
     magic, major, minor, header_len, toc_len, body_len, body_hash = INDEX_HEADER.unpack_from(data)
@@ -255,7 +328,9 @@ def _parse_index(path: Path, data: bytes) -> tuple[dict[str, Any], dict[str, np.
     sections = {name: np.frombuffer(data, dtype=dtype, count=toc["sections"][name]["count"],
                                     offset=toc["sections"][name]["offset"])
                 for name, dtype in known.items()}
-    check_arrays(path, toc, sections)
+    check_derived_sections(path, toc, sections)  # their sizes, always: a reader indexes them as they are
+    if full_check:
+        check_arrays(path, toc, sections)
     return toc, sections
 
 
@@ -314,6 +389,9 @@ class IndexLayout:
                 entries[i]["size"] = len(target)
                 entries[i]["chunk"] = NO_CHUNK
                 paths += target
+        files = [i for i, rec in enumerate(ordered) if stat.S_ISREG(rec.mode)]
+        files.sort(key=encoded_paths.__getitem__)  # UTF-8 byte order is code point order: as Python sorts paths
+        self._file_order = np.array(files, dtype=DERIVED_DTYPE)
         hashes = np.fromiter(map(_hash_path, encoded_paths), dtype=HASH_DTYPE, count=count)
         self._order = np.lexsort((np.arange(count), hashes)).astype(ORDER_DTYPE)
         self._path_hash = hashes[self._order]
@@ -346,6 +424,9 @@ class IndexLayout:
         if blocks is not None:
             arrays["blocks"] = np.asarray(blocks, dtype=BLOCK_DTYPE)
             extra["block_size"] = block_size
+        # 1.2: what a reader would otherwise derive at open, in every process (u32 entry numbers, as bytes).
+        arrays["first_child"] = derive_first_child(self.entries["parent"]).view(np.uint8)
+        arrays["file_order"] = self._file_order.view(np.uint8)
         for name in sorted(dictionaries):
             arrays[name] = np.frombuffer(dictionaries[name], dtype="u1")
         return _serialise(arrays, groups, codecs, meta, extra)
@@ -409,6 +490,19 @@ def _serialise(
 
 def _align(n: int) -> int:
     return (n + SECTION_ALIGN - 1) // SECTION_ALIGN * SECTION_ALIGN
+
+
+def mark_copy_checked(copy_dir: Path, index_bytes: bytes) -> None:
+    """`index_bytes` passed the full check in this process (Index.from_bytes) and were just written, byte for byte,
+    to `copy_dir`: the node's other processes then map that copy without checking every entry again (the serve
+    process's copy in its local directory, which every reader of the node opens)."""
+    body_hash = _header_body_hash(index_bytes)
+    try:
+        info = os.stat(Path(copy_dir) / INDEX_NAME)
+    except OSError:
+        return
+    if body_hash is not None and info.st_size == len(index_bytes):
+        index_trust.mark_checked(info, body_hash)
 
 
 def write_index_atomically(dataset_dir: Path, index_bytes: bytes) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 from .errors import FormatError, quoted
 from .format import (
     CHUNK_HEADER_LEN,
+    DERIVED_DTYPE,
     DICTIONARY_PREFIX,
     ENTRY_DTYPE,
     FLAG_BLOCKED,
@@ -185,6 +186,67 @@ def check_arrays(path: Path, toc: dict[str, Any], sections: dict[str, np.ndarray
         raise refuse(_field(int(np.argmax(blocked)), "flags"), "marks a blocked file but the index has no blocks "
                                                                "section")
     _check_directories_and_links(refuse, columns, paths)
+    if "first_child" in sections:
+        _check_first_child(refuse, columns, sections["first_child"].view(DERIVED_DTYPE))
+    if "file_order" in sections:
+        _check_file_order(refuse, columns, paths, sections["file_order"].view(DERIVED_DTYPE))
+
+
+def check_derived_sections(path: Path, toc: dict[str, Any], sections: dict[str, np.ndarray]) -> None:
+    """The 1.2 sections a reader indexes by entry number hold whole u32s, as many as it will index: checked in every
+    process (their sizes only; their values are checked with the rest, once per node)."""
+    refuse = _Refuse(path)
+    entries = len(sections["entries"])
+    width = DERIVED_DTYPE.itemsize
+    if "first_child" in sections and len(sections["first_child"]) != width * (entries + 1):
+        raise refuse("first_child", f"holds {len(sections['first_child'])} bytes; {entries} entries need "
+                                    f"{width * (entries + 1)}")
+    if "file_order" in sections:
+        size = len(sections["file_order"])
+        if size % width or size > width * entries:
+            raise refuse("file_order", f"holds {size} bytes, not a whole number of u32 entry numbers up to one per "
+                                       f"entry ({entries})")
+
+
+def _check_first_child(refuse: _Refuse, columns: _Columns, first_child: np.ndarray) -> None:
+    """Each directory's children are the entries its first_child row says (the tree's parents, read another way)."""
+    expected = np.searchsorted(columns.parent[1:], np.arange(columns.count + 1)) + 1
+    wrong = first_child != expected
+    if wrong.any():
+        raise refuse(f"first_child[{int(np.argmax(wrong))}]", "does not match the entries' parents")
+
+
+def _check_file_order(refuse: _Refuse, columns: _Columns, paths: np.ndarray, order: np.ndarray) -> None:
+    """file_order lists every regular file once, in increasing path byte order (as Python sorts the paths). The
+    paths are compared eight bytes a round, as siblings' names are."""
+    is_file = columns.kind == stat.S_IFREG
+    listed = np.zeros(columns.count, dtype=bool)
+    in_range = order < columns.count
+    listed[order[in_range]] = True
+    if not in_range.all() or len(order) != int(is_file.sum()) or not np.array_equal(listed, is_file):
+        raise refuse("file_order", "does not list every regular file of the entries exactly once")
+    if len(order) < 2:
+        return
+    starts, lengths = columns.path_off.astype(np.int64), columns.path_len.astype(np.int64)
+    padded = np.concatenate((np.asarray(paths), np.zeros(8, dtype=np.uint8)))
+    big = _windows(padded, ">")
+    first_bytes = ~_FIRST_BYTES[::-1]
+    first_bytes[0] = 0
+    pairs = np.arange(1, len(order))  # order[pair - 1] must come before order[pair]
+    offset = 0
+    while len(pairs):
+        earlier, later = order[pairs - 1], order[pairs]
+        left_before = np.clip(lengths[earlier] - offset, 0, 8)
+        left_after = np.clip(lengths[later] - offset, 0, 8)
+        before = big[np.minimum(starts[earlier] + offset, len(big) - 1)] & first_bytes[left_before]
+        after = big[np.minimum(starts[later] + offset, len(big) - 1)] & first_bytes[left_after]
+        tied = before == after
+        # Tied here with only the earlier path going on: the later one is its prefix, so it sorts first.
+        wrong = (before > after) | (tied & (lengths[earlier] - offset > 8) & (lengths[later] - offset <= 8))
+        if wrong.any():
+            raise refuse(f"file_order[{int(pairs[np.argmax(wrong)])}]", "is not in path order")
+        pairs = pairs[tied & (lengths[earlier] - offset > 8)]
+        offset += 8
 
 
 def _check_types_and_tree(refuse: _Refuse, columns: _Columns) -> None:

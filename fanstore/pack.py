@@ -65,10 +65,12 @@ DEFAULT_BLOCK_SIZE = 1 << 20
 DEFAULT_BLOCKS_ABOVE = 4 << 20
 AUTO_CODEC = "auto"
 DEFAULT_TOLERANCE = 0.01  # selector.policy.DEFAULT_TOLERANCE (the selector is imported only with --codec auto)
-# The index takes this much per entry besides its path: its 64-byte record, 8-byte path hash and 4-byte place in the
-# lookup order; beyond them only its table of contents and dictionaries (on the generated bench tree, 114,204
-# entries, 12.8 MB). A total --fit counts it; a pack watching its --fit counts it as the least the index takes.
-INDEX_BYTES_PER_ENTRY = 76
+# The index takes this much per entry besides its path: its 64-byte record, 8-byte path hash, 4-byte place in the
+# lookup order and (1.2) 4-byte first_child row; and per regular file its 4-byte place in file_order (1.2); beyond
+# them only its table of contents and dictionaries (on the generated bench tree, 114,204 entries, 12.8 MB). A total
+# --fit counts it; a pack watching its --fit counts it as the least the index takes.
+INDEX_BYTES_PER_ENTRY = 80
+INDEX_BYTES_PER_FILE = 4
 # The rest of an index's table of contents, the selection record aside: format and version, one line a section, the
 # codec table (a line a codec), the pack's counters and the sections' alignment. 1.5-2.5 KB on the packs of the
 # suite and the benches; twice that, so that a --fit planned with it is not short.
@@ -451,8 +453,10 @@ def _pieces_of(src: Path, tree: SourceTree) -> Iterator[Path | ArchivePieces]:
 
 
 def index_bytes_estimate(tree: SourceTree) -> int:
-    """The least the index of SRC takes: INDEX_BYTES_PER_ENTRY per entry, plus its path."""
-    return sum(INDEX_BYTES_PER_ENTRY + len(entry.path.encode("utf-8", "surrogateescape")) for entry in tree.entries)
+    """The least the index of SRC takes: INDEX_BYTES_PER_ENTRY per entry, plus its path, and INDEX_BYTES_PER_FILE
+    per regular file."""
+    return (sum(INDEX_BYTES_PER_ENTRY + len(entry.path.encode("utf-8", "surrogateescape")) for entry in tree.entries)
+            + INDEX_BYTES_PER_FILE * sum(1 for _ in tree.files))
 
 
 def index_bytes_bound(tree: SourceTree, groups: GroupPlan, options: PackOptions) -> int:

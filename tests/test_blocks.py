@@ -57,7 +57,7 @@ def packed(tree, tmp_path_factory) -> Path:
 
 def test_every_file_reads_back_and_only_large_ones_are_blocked(tree, packed):
     with open_dataset(packed) as ds:
-        assert ds.index.toc["version"] == "1.1" and ds.index.block_size == BLOCK
+        assert ds.index.toc["version"] == "1.2" and ds.index.block_size == BLOCK
         for path in tree.iterdir():
             entry = ds.index.lookup(path.name)
             size = path.stat().st_size

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from conftest import assert_one_line_error, make_tree, run_cli
 from fanstore import FanstoreError, PackOptions, open_dataset, pack
-from fanstore.format import (ENTRY_DTYPE, INDEX_HEADER, INDEX_HEADER_LEN, INDEX_MAGIC, INDEX_NAME, SECTION_ALIGN,
+from fanstore.format import (ENTRY_DTYPE, FORMAT_MAJOR, FORMAT_MINOR, INDEX_HEADER, INDEX_HEADER_LEN, INDEX_MAGIC, INDEX_NAME, SECTION_ALIGN,
                              chunk_file_name)
 from fanstore.index import _parse_index
 from fanstore.info import describe_dataset
@@ -74,7 +74,8 @@ def craft(dataset: Path, out: Path, toc: dict[str, Any], sections: dict[str, np.
     if len(toc_bytes) > TOC_ROOM:
         toc_bytes = toc_bytes[:TOC_ROOM]
     body = toc_bytes + b" " * (TOC_ROOM - len(toc_bytes)) + b"".join(body_parts)
-    header = INDEX_HEADER.pack(INDEX_MAGIC, 1, 1, INDEX_HEADER_LEN, TOC_ROOM, len(body), xxhash.xxh3_64_intdigest(body))
+    header = INDEX_HEADER.pack(INDEX_MAGIC, FORMAT_MAJOR, FORMAT_MINOR, INDEX_HEADER_LEN, TOC_ROOM, len(body),
+                               xxhash.xxh3_64_intdigest(body))
     (out / INDEX_NAME).write_bytes(header + body)
     return out
 
@@ -199,7 +200,8 @@ def test_fuzz_path_bytes(original, tmp_path_factory, data):
 @given(data=st.data())
 def test_fuzz_blocks_chunks_and_hash_order(original, tmp_path_factory, data):
     dataset, toc, sections = original
-    name = data.draw(st.sampled_from(["blocks", "chunks", "hash_order", "path_hash"]), label="section")
+    name = data.draw(st.sampled_from(["blocks", "chunks", "hash_order", "path_hash", "first_child", "file_order"]),
+                     label="section")
     array = sections[name].copy()
     row = data.draw(st.integers(0, len(array) - 1), label="row")
     if array.dtype.names:
@@ -294,6 +296,25 @@ def _swap_hash_order(sections: dict[str, np.ndarray]) -> None:
     sections["hash_order"][1] = sections["hash_order"][0]
 
 
+def _derived(name: str, edit: Callable[[np.ndarray], np.ndarray]) -> Callable:
+    """Change a 1.2 section of u32 entry numbers (stored as bytes) through `edit`, which may also resize it."""
+    def change(sections: dict[str, np.ndarray]) -> None:
+        sections[name] = edit(sections[name].view("<u4").copy()).view(np.uint8)
+    return change
+
+
+def _swapped(values: np.ndarray) -> np.ndarray:
+    values[[0, 1]] = values[[1, 0]]
+    return values
+
+
+def _set_row(row: int, value: int) -> Callable[[np.ndarray], np.ndarray]:
+    def edit(values: np.ndarray) -> np.ndarray:
+        values[row] = value
+        return values
+    return edit
+
+
 def _block_field(field: str, value: int) -> Callable:
     def change(sections: dict[str, np.ndarray]) -> None:
         sections["blocks"][field][3] = value
@@ -324,6 +345,15 @@ CRAFTED = {
     "a symlink with an inner '..'": (_set_link("latest.npy", b"train/../../x"), "not normalized"),
     "a block past its chunk": (_block_field("offset", 2**50), "outside chunk"),
     "a block of a wrong codec row": (_block_field("codec", 99), "names no codec"),
+    "children that are not the tree's": (_derived("first_child", _set_row(1, 2)), "first_child[1]"),
+    "a first_child row past the entries": (_derived("first_child", _set_row(-1, 2**32 - 1)), "first_child["),
+    "a first_child one row short": (_derived("first_child", lambda values: values[:-1]), "first_child", "bytes"),
+    "files out of path order": (_derived("file_order", _swapped), "file_order[1]", "path order"),
+    "a directory in the file order": (_derived("file_order", _set_row(0, 0)), "file_order", "exactly once"),
+    "a file order past the entries": (_derived("file_order", _set_row(2, 2**31)), "file_order", "exactly once"),
+    "a file order one file short": (_derived("file_order", lambda values: values[:-1]), "file_order"),
+    "a file order of a part of a number": (lambda sections: sections.update(file_order=sections["file_order"][:-1]),
+                                           "file_order", "whole number"),
 }
 
 

@@ -20,7 +20,7 @@ from fanstore.verify import verify_dataset
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "v1"
 # fixture directory: the format version it was written in
-GOLDEN_DATASETS = {"v1": "1.0", "v1.1": "1.1", "v1.1-auto": "1.1"}
+GOLDEN_DATASETS = {"v1": "1.0", "v1.1": "1.1", "v1.1-auto": "1.1", "v1.2": "1.2"}
 SPECS = ["none", "zstd:3", "zstd:19", "lz4", "lz4:hc:9", "blosc:lz4:5:shuffle:4", "blosc:zstd:5:bitshuffle:4",
          "zstd-dict:3"]
 
@@ -48,7 +48,26 @@ def test_golden_dataset_reads_as_packed(fixture, version):
         assert verify_dataset(ds).ok
 
 
-@pytest.mark.parametrize("fixture", ["v1", "v1.1"])
+@pytest.mark.parametrize("fixture", sorted(GOLDEN_DATASETS))
+def test_golden_file_order_and_children_whether_stored_or_derived(fixture):
+    """1.2 stores the files in path order and each directory's children (first_child); an older index has them
+    derived at open. Either way: every regular file, sorted as Python sorts the paths, and listings by the tree."""
+    root = GOLDEN.parent / fixture
+    manifest = json.loads((root / "manifest.json").read_text())
+    with open_dataset(root / "dataset") as ds:
+        index = ds.index
+        stored = {"first_child", "file_order"} <= set(index.toc["sections"])
+        assert stored == (GOLDEN_DATASETS[fixture] >= "1.2")
+        files = sorted(path for path, row in manifest.items() if stat.S_ISREG(row["mode"]))
+        assert [index.path_of(int(entry)) for entry in index.files_in_path_order()] == files
+        assert len(ds) == len(files)
+        parents = index.entries["parent"]
+        for entry in range(len(index)):
+            assert list(index.children(entry)) == [child for child in range(1, len(index))
+                                                   if parents[child] == entry]
+
+
+@pytest.mark.parametrize("fixture", ["v1", "v1.1", "v1.2"])
 def test_golden_dictionary_per_group(fixture):
     """`--codec zstd-dict:3`: group 0's files use dict.0; the replicated group is too small to train one."""
     with open_dataset(GOLDEN.parent / fixture / "dataset") as ds:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import mmap
 import stat
 import struct
 
 import numpy as np
 import pytest
 
+from fanstore import index as index_module
 from fanstore.errors import DatasetNotFound, FormatError, PathNotFound
 from fanstore.format import CHUNK_DTYPE, INDEX_NAME
 from fanstore.index import EntryRecord, Index, build_index_bytes, normalize_path, read_index_file, \
@@ -78,7 +80,7 @@ def test_unknown_major_version_is_refused_with_its_number(tmp_path):
     data = bytearray(_write(tmp_path))
     struct.pack_into("<H", data, 8, 7)
     (tmp_path / INDEX_NAME).write_bytes(bytes(data))
-    with pytest.raises(FormatError, match=r"version 7\.1 is not supported"):
+    with pytest.raises(FormatError, match=r"version 7\.\d+ is not supported"):
         Index.load(tmp_path)
 
 
@@ -143,3 +145,50 @@ def test_million_entries_stay_compact(tmp_path):
     per_entry = (per_entry + len(index.paths)) / len(index)
     assert per_entry < 150
     assert index.path_of(index.lookup("d123/f0123456.jpg")) == "d123/f0123456.jpg"
+
+
+def _mapped(array: np.ndarray) -> bool:
+    """Whether an array reads a map of a file in place (its base chain ends in an mmap), not a copy."""
+    base = array
+    while isinstance(base, np.ndarray) or isinstance(base, memoryview):
+        base = base.base if isinstance(base, np.ndarray) else base.obj
+    return isinstance(base, mmap.mmap)
+
+
+def test_the_index_is_mapped_and_read_in_place(tmp_path):
+    """Every process of a node maps the same index file: its arrays are the page cache's, shared, not copies."""
+    _write(tmp_path)
+    index = Index.load(tmp_path)
+    for array in (index.entries, index.path_hash, index.hash_order, index.chunks, index._first_child,
+                  index.files_in_path_order()):
+        assert _mapped(array) and not array.flags.writeable
+    assert [index.path_of(int(e)) for e in index.files_in_path_order()] == ["a.txt", "b/c/deep.txt", "b/z.bin"]
+
+
+def test_the_full_check_runs_once_per_index_file(tmp_path, monkeypatch):
+    """The pass over every entry runs once per node for one index file: the next process finds its stamp. An index
+    file replaced (even by the same bytes), or changed in place, is checked again; the checksum always is."""
+    calls = []
+    real_check = index_module.check_arrays
+    monkeypatch.setattr(index_module, "check_arrays", lambda *args: calls.append(1) or real_check(*args))
+    data = _write(tmp_path)
+    Index.load(tmp_path)
+    Index.load(tmp_path)
+    assert len(calls) == 1
+    write_index_atomically(tmp_path, data)  # the same bytes, another file
+    Index.load(tmp_path)
+    assert len(calls) == 2
+    damaged = bytearray(data)
+    damaged[-1] ^= 1  # changed in place: checked again, and the checksum refuses it
+    (tmp_path / INDEX_NAME).write_bytes(bytes(damaged))
+    with pytest.raises(FormatError, match="checksum"):
+        Index.load(tmp_path)
+
+
+@pytest.mark.parametrize("size", [0, 10, 64, 100, -8])
+def test_a_truncated_index_file_is_refused_in_one_line(tmp_path, size):
+    """Mapped or read, a short index file is refused naming it; nothing past its end is touched (no SIGBUS)."""
+    data = _write(tmp_path)
+    (tmp_path / INDEX_NAME).write_bytes(data[:size])
+    with pytest.raises(FormatError, match=f"{INDEX_NAME}: .*truncated"):
+        Index.load(tmp_path)

@@ -177,7 +177,7 @@ def test_info_and_verify_cli(source_tree, tmp_path):
     run_cli("fanstore-pack", str(source_tree), str(tmp_path / "ds"), "--replicate", "val/**", "--quiet",
             check=True)
     info = run_cli("info", str(tmp_path / "ds"), check=True).stdout
-    for needle in ("format       1.1", "replicated", "val/**", "ratio", "zstd:3"):
+    for needle in ("format       1.2", "replicated", "val/**", "ratio", "zstd:3"):
         assert needle in info
     verify = run_cli("verify", str(tmp_path / "ds"), check=True)
     assert "0 bad" in verify.stdout

@@ -3,6 +3,7 @@ is stored by exactly one node, replicated chunks by all, and no node stores much
 
 from __future__ import annotations
 
+import json
 import signal
 import stat
 import subprocess
@@ -16,7 +17,8 @@ from fanstore import PackOptions, UsageError, pack
 from fanstore.cli import EXIT_DOES_NOT_FIT, main
 from fanstore.format import CHUNK_DTYPE, CHUNK_HEADER_LEN, ENTRY_DTYPE, NO_CHUNK
 from fanstore.index import Index
-from fanstore.serve.placement import MAX_NODES, NO_OWNER, BlobTable, Piece, Placement, place
+from fanstore.errors import FormatError
+from fanstore.serve.placement import MAX_NODES, NO_OWNER, BlobTable, ChunkOwners, Piece, Placement, place
 
 BLOB = 1000  # stored bytes of each file of the equal-chunks dataset (random bytes, stored as they are)
 NODES = 12
@@ -138,6 +140,26 @@ def test_pieces_tile_every_spread_chunk_and_owners_agree(mixed, equal_chunks, no
     for dest in (mixed, equal_chunks):
         index = Index.load(dest)
         assert_consistent(index, place(index, nodes))
+
+
+@pytest.mark.parametrize("nodes", [1, 3, 50])
+def test_a_readers_chunk_owners_from_the_serve_process_say_what_the_placement_says(mixed, equal_chunks, nodes):
+    """The serve process places once per node and hands its readers the owners as JSON (HELLO): they must answer
+    owner() and is_local() as the placement does, for every blob; a description that does not fit is refused."""
+    for dest in (mixed, equal_chunks):
+        index = Index.load(dest)
+        placement = place(index, nodes)
+        owners = ChunkOwners.from_json(json.loads(json.dumps(placement.owners.to_json())), len(index.chunks), "x")
+        blobs = BlobTable.of(index)
+        for chunk, offset in zip(blobs.chunk.tolist(), blobs.offset.tolist()):
+            assert owners.owner(chunk, offset) == placement.owner(chunk, offset)
+            assert all(owners.is_local(rank, chunk, offset) == placement.is_local(rank, chunk, offset)
+                       for rank in {0, nodes - 1})
+        described = placement.owners.to_json()
+        for wrong in (None, {**described, "nodes": 0}, {**described, "owner": described["owner"][:-1]},
+                      {**described, "owner": [nodes] * len(described["owner"])}, {**described, "splits": "x"}):
+            with pytest.raises(FormatError, match="^x: the placement"):
+                ChunkOwners.from_json(wrong, len(index.chunks), "x")
 
 
 def test_same_index_same_nodes_same_placement(mixed):

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import make_tree
 from fanstore import PackOptions, open_dataset, pack
-from fanstore.format import CHUNK_HEADER_LEN, INDEX_NAME, chunk_file_name
+from fanstore.format import CHUNK_HEADER_LEN, FORMAT_MINOR, INDEX_NAME, chunk_file_name
 from fanstore.serve.placement import BlobTable
 from fanstore.serve.staging import LOCK_NAME, LocalDirectory, Span, StagingBroken, StagingError, check_span, \
     claim_local_dir, copy_index, dataset_identity, header_problem, index_identity, spans_of
@@ -59,7 +59,7 @@ def test_check_span_names_the_damaged_blob(tmp_path):
 
 @pytest.mark.parametrize("offset, said", [
     (0, "chunk 2 is not a fanstore chunk file (bad magic)"),
-    (8, "fanstore format version 254.1 is not supported (this fanstore reads version 1.x)"),
+    (8, f"fanstore format version 254.{FORMAT_MINOR} is not supported (this fanstore reads version 1.x)"),
     (12, "holds chunk 253, the index expects chunk 2"),
 ])
 def test_a_damaged_header_is_named_though_no_blob_covers_it(tmp_path, offset, said):

@@ -34,7 +34,7 @@ from ..daemon_tuning import keep_freed_memory
 from ..dest_apart import check_apart_from_dest
 from ..errors import ChunkUnavailable, FanstoreError, UsageError, quoted, say_line
 from ..format import CHUNK_DIR, INDEX_NAME
-from ..index import Index, read_index_file
+from ..index import Index, mark_copy_checked, read_index_file
 from ..job_memory import job_memory
 from ..mount import CacheBound, MountOptions, cache_bound, check_mountpoint, check_outside, dataset_paths, \
     fuse_answer, fuse_mounted_at, resolve_mountpoint, serve_dataset, unmount
@@ -285,6 +285,7 @@ def run(options: ServeOptions) -> int:
         report = Stager(comm, index, placement, options.dest, local_dir, progress=bar, identity=identity,
                         index_copy_bytes=len(index_bytes), memory_sharers=memory_sharers).run()
         copy_index(local_dir, index_bytes, rank)  # where the node's readers load the index (HELLO: index_dir)
+        mark_copy_checked(local_dir, index_bytes)  # checked here in full: the node's readers need not again
     except (StagingBroken, mpi.Exception) as exc:
         # The other ranks are half-way through staging with this one, or about to wait on it in the next collective
         # (or one of them has died): only the launcher can end them all.
@@ -306,11 +307,11 @@ def run(options: ServeOptions) -> int:
     transport = PeerTransport(comm, RequestChecker(rank, placement, BlobTable.of(index), local, len(sizes),
                                                    unverified), options.peer, bell)
     transport.start()
-    source = PlacedChunkSource(rank, placement, local, PeerChunkSource(transport, placement), dest,
+    source = PlacedChunkSource(rank, placement.owners, local, PeerChunkSource(transport, placement.owners), dest,
                                direct=unverified)
     endpoint = NodeEndpoint(local_dir, {"dest": str(Path(options.dest).absolute()), "local_dir": str(local_dir),
                                         "index_dir": str(local_dir), "rank": rank, "size": size,
-                                        "direct": sorted(unverified)},
+                                        "direct": sorted(unverified), "owners": placement.owners.to_json()},
                             source, BlobTable.of(index), len(sizes))
     lifecycle = Lifecycle(transport, options.command, mountpoint, ready_file, endpoint.path, hosts)
     pause_point("serve: staged")

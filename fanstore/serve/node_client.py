@@ -24,7 +24,7 @@ from ..format import FLAG_BLOCKED, INDEX_NAME
 from ..index import Index
 from .node_endpoint import ENVIRONMENT, unix_address
 from .node_protocol import HELLO, OK, PLAN, PLAN_ROW, READ, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC
-from .placement import NO_OWNER, Placement, place
+from .placement import NO_OWNER, ChunkOwners
 from .staged_source import PlacedReads, StagedChunkSource
 from .statuses import status_error
 
@@ -98,7 +98,7 @@ class NodeChunkSource(PlacedReads):
     process for the other blobs (DEST when it cannot be reached: the job goes on reading, slower, rather than
     fail)."""
 
-    def __init__(self, connection: NodeConnection, rank: int, placement: Placement, local: StagedChunkSource,
+    def __init__(self, connection: NodeConnection, rank: int, placement: ChunkOwners, local: StagedChunkSource,
                  dest: ChunkSource, direct: frozenset[int], plan_rows: int | None = None) -> None:
         super().__init__(rank, placement, local,
                          FallbackChunkSource(NodeServeSource(connection), dest, on_fallback=self._fell_back), dest,
@@ -157,7 +157,8 @@ def open_served_dataset(socket_path: str | None = None) -> Dataset:
     sizes = index.chunks["size"]
     dest = LocalChunkSource(node["dest"], sizes)
     rank = int(node["rank"])
-    source = NodeChunkSource(connection, rank, place(index, int(node["size"])),
+    owners = ChunkOwners.from_json(node.get("owners"), len(sizes), f"{path}: the node's serve process")
+    source = NodeChunkSource(connection, rank, owners,
                              StagedChunkSource(LocalChunkSource(Path(node["local_dir"]), sizes), dest, rank), dest,
                              frozenset(int(c) for c in node["direct"]), node.get("blobs"))
     return Dataset(index, source)

@@ -14,7 +14,7 @@ import numbers
 import stat
 from bisect import bisect_right
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -97,10 +97,66 @@ class BlobTable:
                      first + int(offsets.searchsorted(np.uint64(end))))
 
 
+class ChunkOwners:
+    """Which rank stores the blob at each (chunk, offset): all that a node's readers need of a placement. The serve
+    process places the dataset once per node and hands this to its readers (HELLO), so that no DataLoader worker
+    places it again (placing reads every blob of the index: seconds and a private copy at ten million files)."""
+
+    __slots__ = ("nodes", "_owner", "_splits")
+
+    def __init__(self, nodes: int, owner: list[int],
+                 splits: dict[int, tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
+        self.nodes = nodes
+        self._owner = owner  # per chunk: a rank, NO_OWNER (replicated) or _SPLIT; a list indexes faster than numpy
+        self._splits = splits  # split chunk -> (its pieces' start offsets, their ranks)
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def owner(self, chunk: int, offset: int) -> int:
+        """The rank storing the blob at `offset` of `chunk`; NO_OWNER for a replicated chunk (every rank has it)."""
+        rank = self._owner[chunk]
+        if rank != _SPLIT:
+            return rank
+        starts, ranks = self._splits[chunk]
+        return ranks[bisect_right(starts, offset) - 1]
+
+    def is_local(self, rank: int, chunk: int, offset: int) -> bool:
+        """Whether `rank` stores the blob at `offset` of `chunk`: it is replicated, or in one of the rank's pieces."""
+        holder = self._owner[chunk]
+        if holder == _SPLIT:
+            starts, ranks = self._splits[chunk]
+            holder = ranks[bisect_right(starts, offset) - 1]
+        return holder == rank or holder == NO_OWNER
+
+    def to_json(self) -> dict[str, Any]:
+        return {"nodes": self.nodes, "owner": self._owner,
+                "splits": [[chunk, list(starts), list(ranks)] for chunk, (starts, ranks) in self._splits.items()]}
+
+    @classmethod
+    def from_json(cls, data: Any, chunk_count: int, what: str) -> "ChunkOwners":
+        """The owners `to_json` described, checked against a dataset of `chunk_count` chunks; FormatError naming
+        `what` (where the description came from) if they do not fit it."""
+        try:
+            nodes, owner = int(data["nodes"]), [int(rank) for rank in data["owner"]]
+            splits = {int(chunk): (tuple(int(s) for s in starts), tuple(int(r) for r in ranks))
+                      for chunk, starts, ranks in data["splits"]}
+        except (KeyError, TypeError, ValueError):
+            raise FormatError(f"{what}: the placement is not one of chunk owners") from None
+        fits = 1 <= nodes <= MAX_NODES and len(owner) == chunk_count and all(
+            _SPLIT <= rank < nodes for rank in owner)
+        fits = fits and {chunk for chunk, rank in enumerate(owner) if rank == _SPLIT} == set(splits) and all(
+            starts and len(starts) == len(ranks) and starts[0] == 0 and list(starts) == sorted(starts)
+            and all(0 <= rank < nodes for rank in ranks) for starts, ranks in splits.values())
+        if not fits:
+            raise FormatError(f"{what}: the placement does not fit this dataset's {chunk_count} chunks")
+        return cls(nodes, owner, splits)
+
+
 class Placement:
     """Where every stored byte of a dataset lives on `nodes` nodes; made by place(), read-only once made."""
 
-    __slots__ = ("nodes", "replicated_chunks", "replicated_bytes", "split_chunks", "_owner", "_splits",
+    __slots__ = ("nodes", "replicated_chunks", "replicated_bytes", "split_chunks", "owners", "owner", "is_local",
                  "_piece_rows", "_pieces", "_spread_bytes", "_readers")
 
     def __init__(self, chunk_sizes: np.ndarray, replicated: np.ndarray, blobs: BlobTable, nodes: int) -> None:
@@ -122,7 +178,7 @@ class Placement:
         owner = np.full(len(sizes), NO_OWNER, dtype=np.int64)
         owner[spread[whole]] = first[whole]
         owner[spread[split]] = _SPLIT
-        self._owner: list[int] = owner.tolist()  # indexing a list is several times faster than a numpy array
+        owner_list: list[int] = owner.tolist()  # indexing a list is several times faster than a numpy array
         split_pieces = _split_pieces(cuts, spread[split], starts[split], starts[split] + bodies[split], first[split],
                                      last[split])
         piece_lists: dict[int, tuple[list[int], list[int]]] = {}
@@ -130,8 +186,11 @@ class Placement:
             piece_starts, piece_ranks = piece_lists.setdefault(chunk, ([], []))
             piece_starts.append(start)
             piece_ranks.append(rank)
-        self._splits = {chunk: (tuple(offsets), tuple(ranks)) for chunk, (offsets, ranks) in piece_lists.items()}
-        self.split_chunks: tuple[int, ...] = tuple(self._splits)
+        splits = {chunk: (tuple(offsets), tuple(ranks)) for chunk, (offsets, ranks) in piece_lists.items()}
+        self.split_chunks: tuple[int, ...] = tuple(splits)
+        self.owners = ChunkOwners(nodes, owner_list, splits)
+        self.owner = self.owners.owner  # bound once: the read path asks for every blob
+        self.is_local = self.owners.is_local
         whole_pieces = np.stack((spread[whole], np.zeros(len(first[whole]), dtype=np.int64), sizes[spread[whole]],
                                  first[whole]), axis=1)
         pieces = np.concatenate((whole_pieces, np.array(split_pieces, dtype=np.int64).reshape(-1, 4)))
@@ -147,22 +206,6 @@ class Placement:
         self.replicated_chunks: tuple[int, ...] = tuple(replicated_ids.tolist())
         self.replicated_bytes = int(sizes[replicated_ids].sum())
         self._readers = _replicated_readers(self.replicated_chunks, sizes.tolist(), self._spread_bytes)
-
-    def owner(self, chunk: int, offset: int) -> int:
-        """The rank storing the blob at `offset` of `chunk`; NO_OWNER for a replicated chunk (every rank has it)."""
-        rank = self._owner[chunk]
-        if rank != _SPLIT:
-            return rank
-        starts, ranks = self._splits[chunk]
-        return ranks[bisect_right(starts, offset) - 1]
-
-    def is_local(self, rank: int, chunk: int, offset: int) -> bool:
-        """Whether `rank` stores the blob at `offset` of `chunk`: it is replicated, or in one of the rank's pieces."""
-        holder = self._owner[chunk]
-        if holder == _SPLIT:
-            starts, ranks = self._splits[chunk]
-            holder = ranks[bisect_right(starts, offset) - 1]
-        return holder == rank or holder == NO_OWNER
 
     def pieces(self, rank: int) -> list[Piece]:
         """The spread pieces `rank` stores, by chunk: consecutive chunks, the first and last possibly partial."""
@@ -198,7 +241,7 @@ class Placement:
             raise UsageError(f"rank {rank} is not a rank of this {self.nodes}-node placement (0 to {self.nodes - 1})")
 
     def __repr__(self) -> str:
-        return (f"<Placement of {len(self._owner)} chunks on {self.nodes} nodes: {len(self.replicated_chunks)} "
+        return (f"<Placement of {len(self.owners)} chunks on {self.nodes} nodes: {len(self.replicated_chunks)} "
                 f"replicated, {len(self.split_chunks)} split>")
 
 

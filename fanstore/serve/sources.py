@@ -21,7 +21,7 @@ import numpy as np
 
 from ..chunk_source import BlobRead, ChunkSource, FallbackChunkSource, ReadDone
 from ..errors import ChunkCorrupt, ChunkError, ChunkUnavailable
-from .placement import NO_OWNER, Placement
+from .placement import NO_OWNER, ChunkOwners
 from .staged_source import PlacedReads, StagedChunkSource
 from .peer_messages import MAX_BLOBS
 from .transport import PeerTransport
@@ -52,7 +52,7 @@ def batches(reads: Sequence[BlobRead], limit: int = BATCH_BYTES) -> list[list[Bl
 class PeerChunkSource(ChunkSource):
     """Blobs stored on other ranks, asked of their owner over the transport."""
 
-    def __init__(self, transport: PeerTransport, placement: Placement) -> None:
+    def __init__(self, transport: PeerTransport, placement: ChunkOwners) -> None:
         self.transport = transport
         self._remote = transport.remote  # every request to a peer goes through this rank's one state machine
         self._placement = placement
@@ -105,7 +105,7 @@ class PlacedChunkSource(PlacedReads):
     counts where each read went, and logs once per chunk a peer's copy found damaged (by the peer, or by this
     rank's checksum of what it sent)."""
 
-    def __init__(self, rank: int, placement: Placement, local: StagedChunkSource, peers: PeerChunkSource,
+    def __init__(self, rank: int, placement: ChunkOwners, local: StagedChunkSource, peers: PeerChunkSource,
                  dest: ChunkSource, direct: set[int] | frozenset[int] = frozenset()) -> None:
         super().__init__(rank, placement, local, FallbackChunkSource(peers, dest, on_fallback=self._count_fallback),
                          dest, direct)

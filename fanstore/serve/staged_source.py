@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..chunk_source import ChunkSource, LocalChunkSource
 from ..errors import ChunkError
-from .placement import Placement
+from .placement import ChunkOwners
 
 log = logging.getLogger("fanstore.serve")
 
@@ -76,7 +76,7 @@ class PlacedReads(ChunkSource):
     """Sends each read where the placement puts its blob: this rank's staged copy, or `remote`; a chunk staged with
     a fault (`direct`) is read from DEST, whatever it gives."""
 
-    def __init__(self, rank: int, placement: Placement, local: StagedChunkSource, remote: ChunkSource,
+    def __init__(self, rank: int, placement: ChunkOwners, local: StagedChunkSource, remote: ChunkSource,
                  dest: ChunkSource, direct: set[int] | frozenset[int]) -> None:
         self._rank = rank
         self._placement = placement

@@ -19,6 +19,7 @@ import numpy as np
 
 _SHM = Path("/dev/shm")
 _PREFIX = "fanstore-plan-"
+_HEADER_BYTES = 16  # the serial and the bytes per number (int64 each), before the order
 
 
 class EpochPlan:
@@ -43,12 +44,16 @@ class EpochPlan:
         return plan
 
     def publish(self, order: Sequence[int] | np.ndarray) -> None:
-        """Write this epoch's order of item numbers; readers see all of it or the previous one, never a part."""
+        """Write this epoch's order of item numbers; readers see all of it or the previous one, never a part. The
+        file holds the serial and the width of a number (4 bytes where every item fits, else 8), then the order."""
         self._published += 1
-        data = np.concatenate([np.array([self._published], dtype=np.int64), np.asarray(order, dtype=np.int64)])
+        order = np.asarray(order, dtype=np.int64)
+        fits = not len(order) or (int(order.min()) >= -(2**31) and int(order.max()) < 2**31)
+        numbers = order.astype(np.int32) if fits else order
         temporary = f"{self.path}.{os.getpid()}.tmp"
         with open(temporary, "wb") as handle:
-            handle.write(data.tobytes())
+            handle.write(np.array([self._published, numbers.itemsize], dtype=np.int64).tobytes())
+            handle.write(numbers.tobytes())
         os.replace(temporary, self.path)
 
     def current(self) -> tuple[int, np.ndarray]:
@@ -58,12 +63,26 @@ class EpochPlan:
             info = os.stat(self.path)
         except FileNotFoundError:
             return self._serial, self._order
-        identity = (info.st_ino, info.st_mtime_ns)
-        if identity != self._seen:
-            data = np.fromfile(self.path, dtype=np.int64)
-            if len(data):
-                self._seen, self._serial, self._order = identity, int(data[0]), data[1:]
+        if (info.st_ino, info.st_mtime_ns) != self._seen:
+            self._load()
         return self._serial, self._order
+
+    def _load(self) -> None:
+        """Map the published order, not read it: every worker of the loader shares one copy. A plan file is never
+        rewritten in place (publish renames a new one over it), so the mapped pages stay whole."""
+        try:
+            with open(self.path, "rb") as handle:
+                info = os.fstat(handle.fileno())
+                header = np.frombuffer(handle.read(_HEADER_BYTES), dtype=np.int64)
+                if len(header) < 2 or int(header[1]) not in (4, 8):
+                    return
+                dtype = np.int32 if int(header[1]) == 4 else np.int64
+                count = (info.st_size - _HEADER_BYTES) // dtype().itemsize
+                order = (np.memmap(handle, dtype=dtype, mode="r", offset=_HEADER_BYTES, shape=(count,)) if count
+                         else np.empty(0, dtype=dtype))
+        except (FileNotFoundError, ValueError):  # replaced or removed meanwhile: the next batch looks again
+            return
+        self._seen, self._serial, self._order = (info.st_ino, info.st_mtime_ns), int(header[0]), order
 
     def __getstate__(self) -> dict:
         return {"path": self.path}

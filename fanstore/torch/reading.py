@@ -109,6 +109,18 @@ def _same_index(one: Index, other: Index) -> bool:
         return False
 
 
+def first_places(order: np.ndarray, items: int, step: int = 1 << 16) -> np.ndarray:
+    """Each item's first place in `order` (-1 where it is absent), in the narrowest signed type that holds every
+    place. Built a slice of the order at a time: a worker keeps the memory it frees (keep_freed_memory), so a
+    temporary as long as the order would stay in every worker for good."""
+    places = np.full(items, -1, dtype=np.int32 if len(order) < 2**31 else np.int64)
+    for start in range((len(order) - 1) // step * step, -1, -step):  # later slices first: earlier places win
+        part = order[start : start + step]
+        valid = (part >= 0) & (part < items)
+        places[part[valid][::-1]] = (np.flatnonzero(valid) + start)[::-1]  # an item listed twice: its first place
+    return places
+
+
 class ProcessReading:
     """One process's open dataset, its items' entries, and its decoding ahead."""
 
@@ -132,8 +144,7 @@ class ProcessReading:
             # million paths again. Only the array is taken; the parent's open files stay the parent's.
             self.entries = inherited.entries
         elif paths is None:
-            self.entries = np.fromiter(index.iter_files(), dtype=np.int64)
-            self.entries = self.entries[np.argsort([index.path_of(int(e)) for e in self.entries], kind="stable")]
+            self.entries = index.files_in_path_order()  # a 1.2 index's own array, read in place: nothing to sort
         else:
             self.entries = self.dataset.resolve_many(paths)
         if source is not None and not in_a_worker and isinstance(self.dataset.reader.source, LocalChunkSource):
@@ -141,7 +152,7 @@ class ProcessReading:
         self._sizes = index.entries["size"]
         self._plan = plan  # the holder's plan, looked up each batch: an EpochSampler may come after the first read
         self._plan_serial = -1
-        self._position = np.empty(0, dtype=np.int64)  # item -> its place in this epoch's order, -1 if absent
+        self._position = np.empty(0, dtype=np.int32)  # item -> its place in this epoch's order, -1 if absent
         self._order = np.empty(0, dtype=np.int64)
         self._capacity = prefetch_bytes
         self._threads = prefetch_threads
@@ -201,9 +212,8 @@ class ProcessReading:
         if serial != self._plan_serial:
             self._drop_ahead()
             self._plan_serial, self._order = serial, order
-            valid = (order >= 0) & (order < len(self.entries))
-            self._position = np.full(len(self.entries), -1, dtype=np.int64)
-            self._position[order[valid][::-1]] = np.flatnonzero(valid)[::-1]  # an item listed twice: its first place
+            self._position = np.empty(0, dtype=np.int32)  # the last epoch's, freed before the next is built
+            self._position = first_places(order, len(self.entries))
         first = int(items[0])
         return int(self._position[first]) if 0 <= first < len(self._position) else -1
 

@@ -5,6 +5,7 @@ refuses to overwrite a version that exists.
     python tests/golden/make_golden.py v1      # format 1.0: a dataset and one blob per codec
     python tests/golden/make_golden.py v1.1    # format 1.1: a dataset with large files stored in blocks
     python tests/golden/make_golden.py v1.1-auto   # format 1.1: a --codec auto pack, per-kind dictionaries
+    python tests/golden/make_golden.py v1.2    # format 1.2: v1.1's tree, with the stored first_child and file_order
 """
 
 from __future__ import annotations
@@ -156,8 +157,13 @@ def _write_v1_1_auto(out: Path) -> None:
         (out / "manifest.json").write_text(json.dumps(_manifest(src), indent=1, sort_keys=True) + "\n")
 
 
+def _write_v1_2(out: Path) -> None:
+    """v1.1's tree and options: what 1.2 adds (first_child, file_order) is stored whatever the tree."""
+    _write_v1_1(out)
+
+
 def main() -> None:
-    writers = {"v1": _write_v1, "v1.1": _write_v1_1, "v1.1-auto": _write_v1_1_auto}
+    writers = {"v1": _write_v1, "v1.1": _write_v1_1, "v1.1-auto": _write_v1_1_auto, "v1.2": _write_v1_2}
     if len(sys.argv) != 2 or sys.argv[1] not in writers:
         sys.exit(f"usage: make_golden.py {{{'|'.join(writers)}}}")
     out = HERE / sys.argv[1]
