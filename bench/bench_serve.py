@@ -105,7 +105,7 @@ REPO = BENCH_DIR.parent
 sys.path.insert(0, str(REPO))  # measure this checkout, not some installed fanstore
 
 from bench_read import back_memory, file_bytes, print_table, warm, write_files  # noqa: E402
-from machine_load import OtherLoad, cpu_ns, machine_lines, wait_for_quiet  # noqa: E402
+from machine_load import OtherLoad, cpu_ns, idle_cpu, machine_lines, wait_for_quiet  # noqa: E402
 
 from fanstore.format import CHUNK_HEADER_LEN, NO_CHUNK  # noqa: E402
 from fanstore.mount import fuse_mounted_at, fuse_unavailable_reason  # noqa: E402
@@ -638,17 +638,6 @@ def source_counts(mountpoint: Path) -> dict[str, int]:
             "fallback": source["fallback"]}
 
 
-def idle_cpu(pids: list[int], seconds: float) -> list[float]:
-    """Each process's CPU use over `seconds` of wall time, as a share of one core."""
-    time.sleep(IDLE_SETTLE)
-    before = [cpu_ns(pid) for pid in pids]
-    started = time.monotonic()
-    time.sleep(seconds)
-    after = [cpu_ns(pid) for pid in pids]
-    wall = time.monotonic() - started
-    return [(b - a) / 1e9 / wall for a, b in zip(before, after)]
-
-
 def drop_caches() -> bool:
     """Empty the page cache (root only); False when it could not be done."""
     os.sync()
@@ -702,7 +691,7 @@ def serve_epochs(data: DataSet, workdir: Path, placement: RankPlacement, config:
         pids = job.wait_ready()
         if idle_seconds:
             progress(f"[{data.label}, {placement.label}] {config}: every rank mounted; idle CPU ...")
-        idle = idle_cpu(pids, idle_seconds) if idle_seconds else []
+        idle = idle_cpu(pids, idle_seconds, IDLE_SETTLE) if idle_seconds else []
         epochs = []
         for rank, mountpoint in enumerate(job.mountpoints):
             progress(f"[{data.label}, {placement.label}] {config}: rank {rank} reads ...")

@@ -126,6 +126,18 @@ def cpu_ns(pid: int) -> int:
     return time.clock_gettime_ns(_process_cpu_clock(pid))
 
 
+def idle_cpu(pids: list[int] | tuple[int, ...], seconds: float, settle: float) -> list[float]:
+    """Each process's CPU use over `seconds` of wall time, as a share of one core, sampled `settle` seconds from
+    now (after the last read, so that what it started has ended)."""
+    time.sleep(settle)
+    before = [cpu_ns(pid) for pid in pids]
+    started = time.monotonic()
+    time.sleep(seconds)
+    after = [cpu_ns(pid) for pid in pids]
+    wall = time.monotonic() - started
+    return [(b - a) / 1e9 / wall for a, b in zip(before, after)]
+
+
 def _process_cpu_clock(pid: int) -> int:
     """The clock id of a process's CPU-time clock: glibc's clock_getcpuclockid, which Python does not offer
     (MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED): the pid, inverted, above 3 bits saying 'a process, scheduler

@@ -300,19 +300,6 @@ def process_sample(pid: int) -> ProcessSample:
                          len(os.listdir(f"/proc/{pid}/fd")), int(fields["Threads"]), idle_workers)
 
 
-def idle_cpu(pids: Sequence[int], seconds: float) -> list[float]:
-    """Each process's CPU use over `seconds` with no reads, as a share of one core, IDLE_SETTLE after the last."""
-    from machine_load import cpu_ns
-
-    time.sleep(IDLE_SETTLE)
-    before = [cpu_ns(pid) for pid in pids]
-    started = time.monotonic()
-    time.sleep(seconds)
-    after = [cpu_ns(pid) for pid in pids]
-    wall = time.monotonic() - started
-    return [(b - a) / 1e9 / wall for a, b in zip(before, after)]
-
-
 def rss_slope(points: Sequence[tuple[int, int]]) -> float | None:
     """The least-squares slope of (epoch, bytes): bytes an epoch; None with fewer than two points."""
     if len(points) < 2:
@@ -370,6 +357,7 @@ def serve_argv(dest: Path, workdir: Path, spec: SoakSet, extra: Sequence[str], r
 def soak(spec: SoakSet, epochs: int, cache: Path, idle_seconds: float, separate_nodes: bool,
          extra: Sequence[str] = ()) -> Soak:
     from bench_serve import end_job, process_tree, reaped_workdir
+    from machine_load import idle_cpu
 
     _src, dest, files = build_dataset(cache, spec)
     probe = next(rel for rel, size, _ in files if size <= 64 * KIB)
@@ -402,7 +390,7 @@ def soak(spec: SoakSet, epochs: int, cache: Path, idle_seconds: float, separate_
             pids = [start["serve_pid"] for start in starts]
             samples = [[process_sample(pid) for pid in pids]]
             progress(f"every rank mounted (serving processes {pids}); idle CPU for {idle_seconds:g} s ...")
-            idle_start = idle_cpu(pids, idle_seconds)
+            idle_start = idle_cpu(pids, idle_seconds, IDLE_SETTLE)
             reports = []
             for epoch in range(1, epochs + 1):
                 (sync / f"go.{epoch}").touch()
@@ -413,7 +401,7 @@ def soak(spec: SoakSet, epochs: int, cache: Path, idle_seconds: float, separate_
                     f"rank {r} {report['seconds']:.1f} s, {report['failures']} failed, "
                     f"{samples[-1][r].rss / MIB:.1f} MiB" for r, report in enumerate(reports[-1])))
             progress(f"idle CPU for {idle_seconds:g} s ...")
-            idle_end = idle_cpu(pids, idle_seconds)
+            idle_end = idle_cpu(pids, idle_seconds, IDLE_SETTLE)
             after_idle = [process_sample(pid) for pid in pids]
             (sync / "end").touch()
             try:
