@@ -73,6 +73,17 @@ def environment(nodes: SeparateNodes) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO), **nodes.environment()}
 
 
+def kill_what_is_left(job: subprocess.Popen, dest: Path) -> None:
+    """A job a test is done with: if it still runs (the test failed), mpiexec and its proxies are killed, and so is
+    any rank or watchdog of it, which run in sessions of their own."""
+    if job.poll() is None:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
+    for pid in processes_mentioning(str(dest)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def partition_phase(job: subprocess.Popen, shared: Path, name: str, may_end_with: tuple[int, ...] = ()) -> list[dict]:
     """Tell every rank's serve_partition_check.py to read phase `name`, wait for all of them, and return how each
     rank's reads went (its source counters' change); no read may have failed or differed, and the job may have
@@ -203,9 +214,7 @@ def test_a_node_cut_off_past_the_deadline_costs_reads_from_dest_then_comes_back(
             after = partition_phase(job, tmp_path, "after", may_end_with=(0,))
             out, err = job.communicate(timeout=120)
         finally:
-            if job.poll() is None:
-                os.killpg(job.pid, signal.SIGKILL)
-                job.communicate()
+            kill_what_is_left(job, dest)
     assert job.returncode == 0, out + err
     assert all(change["peers"]["2"]["fetched"] > 0 for change in before[:2]), before
     for rank in (0, 1):  # node 2's files: one deadline missed, then DEST; the other peer still answers
@@ -242,12 +251,7 @@ def test_a_link_down_longer_than_tcp_waits_loses_the_node_for_the_job_without_a_
             after = partition_phase(job, tmp_path, "after")
             out, err = job.communicate(timeout=120)
         finally:
-            if job.poll() is None:
-                os.killpg(job.pid, signal.SIGKILL)
-                job.communicate()
-            for pid in processes_mentioning(str(dest)):  # only if the test failed
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            kill_what_is_left(job, dest)
     assert "Segmentation fault" not in out + err and "Fatal Python error" not in err, out + err
     assert job.returncode != 0, out + err  # ended without the closing agreement
     for rank in (0, 1):
@@ -284,12 +288,7 @@ def test_a_node_lost_for_good_does_not_hold_the_job(dataset: tuple[Path, Path], 
             took = time.monotonic() - ended
             wait_until(lambda: not processes_mentioning(str(dest)), "every rank and watchdog gone", 15)
         finally:
-            if job.poll() is None:
-                os.killpg(job.pid, signal.SIGKILL)
-                job.communicate()
-            for pid in processes_mentioning(str(dest)):  # only if the test failed
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            kill_what_is_left(job, dest)
     assert job.returncode != 0, out + err
     assert took < 60, (took, out + err)
     named = [line for line in (out + err).splitlines() if line.startswith("fanstore serve: error: rank 0 on node0:")]
