@@ -7,7 +7,8 @@ FILES blobs from a trio loop, as the mount does, each read waiting for its blob 
 ways given by --ways (by default every one, by turns, ROUNDS times):
 
   ahead-*   a window of WINDOW blobs is fetched ahead of the reader, half a window in one request at a time, as
-            fuse_ops' _fetch_ahead does with --prefetch-list;
+            fuse_ops' _fetch_ahead did with --prefetch-list (the node's holder, serve/blobs_ahead.py, does it now,
+            from its own thread);
   one-*     one request per read, none ahead (--prefetch 0);
   *-posted  posted by the loop (RemoteBlobs.ask), driven by the MPI thread: it completes each reply and calls
             back, which wakes the loop only where a read waits;

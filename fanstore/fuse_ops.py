@@ -23,12 +23,12 @@ import pyfuse3
 import trio
 
 from .cache import DecodedCache
-from .chunk_source import BlobRead, ChunkSource
+from .chunk_source import ChunkSource
 from .errors import ChunkCorrupt, ChunkError, ChunkUnavailable, FanstoreError, fuse_errno_of, quoted
-from .format import FLAG_BLOCKED, NO_CHUNK
+from .format import FLAG_BLOCKED
 from .index import Index
 from .kernel_holds import KernelHolds
-from .prefetch import Prefetcher
+from .prefetch import CacheKey, FetchedAhead, Prefetcher, may_block_flags
 from .reader import Reader
 
 log = logging.getLogger("fanstore.mount")
@@ -44,8 +44,7 @@ INLINE_DECODE_BYTES = 256 * 1024
 # Threads that wait for blobs from other nodes: mostly waiting, so more of them than cores, which keeps several
 # requests in flight per peer.
 FETCH_THREADS = 16
-# Blobs from other nodes fetched before their read (at open, or ahead of the reader) and kept until it comes, at
-# least: a reader that skips files leaves no more than this many (or twice the prefetch depth) behind.
+# Fetches begun at a file's open for the read that follows, at most: opens that never read leave no more behind.
 FETCHES_HELD = 64
 _DROPPED_MODE_BITS = stat.S_ISUID | stat.S_ISGID
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
@@ -59,22 +58,10 @@ def _read_only() -> pyfuse3.FUSEError:
     return pyfuse3.FUSEError(errno.EROFS)
 
 
-def may_block_flags(index: Index, source: ChunkSource | None) -> np.ndarray:
-    """One flag per entry: its blob is one the source says may be slow to come (see ChunkSource.may_block)."""
-    flags = np.zeros(len(index.entries), dtype=bool)
-    if source is None:
-        return flags
-    entries = index.entries
-    whole = (entries["chunk"] != NO_CHUNK) & ((entries["flags"] & FLAG_BLOCKED) == 0)
-    flags[whole] = source.may_block(entries["chunk"][whole], entries["offset"][whole])
-    return flags
-
-
 class _Fetching:
-    """A fetch of a file's stored blob from another node, started by the event loop (ChunkSource.start_read).
-
-    The loop is woken when it arrives only if a read waits for it: a blob fetched ahead of the reader arrives to
-    nobody, and a wake-up of the loop per file would cost more than handing the blob over."""
+    """A file's stored blob on its way from another node: fetched for its open or read (ChunkSource.start_read),
+    or ahead of the reader by the node's holder (FetchedAhead.claim). The loop is woken when it arrives only if a
+    read waits for it."""
 
     __slots__ = ("_token", "_loop_thread", "_done", "_waiter", "stored")
 
@@ -171,7 +158,7 @@ class FanstoreOperations(pyfuse3.Operations):
                  keep_cache: bool = True, timeout: float = KERNEL_CACHE_TIMEOUT,
                  kernel_holds: KernelHolds | None = None, source: ChunkSource | None = None,
                  fetch_threads: int = FETCH_THREADS, may_block: np.ndarray | None = None,
-                 reader: Reader | None = None) -> None:
+                 reader: Reader | None = None, ahead: FetchedAhead | None = None) -> None:
         super().__init__()
         self.index = index
         self.cache = cache
@@ -198,12 +185,18 @@ class FanstoreOperations(pyfuse3.Operations):
         self._offset = index.entries["offset"]
         self._may_block = may_block if may_block is not None else may_block_flags(index, source)
         self._fetch_limiter = trio.CapacityLimiter(max(1, fetch_threads))
-        # Files from another node whose fetch began before their read: at open, or ahead of the reader (see
-        # _fetch_ahead), until read or released; the oldest go first past `_fetches_held`.
-        self._fetching: dict[int, _Fetching] = {}
-        self._fetches_held = max(FETCHES_HELD, 2 * prefetcher.depth if prefetcher is not None else 0)
-        self._fetched_ahead = 0
-        self._fetch_ahead_taker = self._fetch_ahead if reader is not None and source is not None else None
+        # Files from another node whose fetch began at their open, until read or released; the oldest go first
+        # past FETCHES_HELD.
+        self._opened: dict[int, _Fetching] = {}
+        # Files from another node fetched ahead of the reader, by the node's holder: the loop tells it the order
+        # (a prefetch list, once, by the mount; else the directory read in order, see _leave_to_holder) and takes
+        # each file's blob at its read. None on a single node.
+        self._ahead = ahead if reader is not None and source is not None else None
+        self._holder_follows_directories = self._ahead is not None and prefetcher is not None and \
+            not prefetcher.order.listed
+        self._planned_directory = -1  # the directory whose files the holder fetches ahead now (-1: none)
+        self._parent = index.entries["parent"]
+        self._others_fetch = self._leave_to_holder if self._ahead is not None else None
         self._blocks_limiter = self._fetch_limiter if self._may_block.any() else self._decode_limiter
         self._uid, self._gid = os.getuid(), os.getgid()
         self._reported: set[tuple[str, object]] = set()
@@ -293,11 +286,12 @@ class FanstoreOperations(pyfuse3.Operations):
     def stats(self) -> dict[str, Any]:
         """The daemon's counters, as `getfattr -n user.fanstore.stats MOUNTPOINT` shows them."""
         prefetch = self.prefetcher.stats() if self.prefetcher is not None else {"pending": 0, "decoded": 0}
-        prefetch["fetched_ahead"] = self._fetched_ahead  # from other nodes, by the loop (see _fetch_ahead)
-        prefetch["fetches_held"] = len(self._fetching)  # begun before their read, not read yet
+        prefetch["fetches_at_open"] = len(self._opened)  # begun at an open, not read yet
         prefetch["kernel_trust"] = round(self._kernel_holds.trust, 3)  # see KernelHolds
         stats = {"cache": {**dataclasses.asdict(self.cache.stats()), "capacity": self.cache.capacity},
                  "prefetch": prefetch}
+        if self._ahead is not None:
+            stats["ahead"] = self._ahead.stats()  # the mount's plan in the node's holder
         source = self._source.stats() if self._source is not None else {}
         if source:
             stats["source"] = source
@@ -316,8 +310,9 @@ class FanstoreOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EISDIR)
         self._kernel_holds.opened(entry)
         if self._may_block[entry] and self._needs_fetch(entry):
-            # A file from another node that the kernel does not hold: its read comes next, so the fetch starts
-            # now and the peer's round trip overlaps the open's reply and the reader's read request.
+            # A file from another node that the kernel does not hold: its read comes next, so its blob is taken
+            # now (from the holder, if fetched ahead) or fetched, and the peer's round trip overlaps the open's
+            # reply and the reader's read request.
             fetching = self._start_fetch(entry)
             if fetching is not None:
                 self._hold(entry, fetching)
@@ -326,16 +321,15 @@ class FanstoreOperations(pyfuse3.Operations):
     async def read(self, fh: int, off: int, size: int) -> memoryview | bytes:
         if self._blocked[fh]:
             return await self._read_blocks(fh, off, size)
-        # A fetch begun before this read (at its open, or ahead of the reader) is this read's: taken before the
-        # prefetcher starts the next ones, so they cannot push it out.
-        fetching = self._fetching.pop(fh, None) if self._may_block[fh] else None
+        # A fetch begun at this file's open is this read's.
+        fetching = self._opened.pop(fh, None) if self._may_block[fh] else None
         if off == 0:
             # The kernel asks for the start of a file, so it does not hold it (any more): decode the next ones.
             # Not at open, which also comes for files the kernel still holds (a second epoch).
             self._kernel_holds.read_from_start(fh)
             if self.prefetcher is not None:
                 self.prefetcher.withdraw(fh)
-                self.prefetcher.accessed(fh, self._fetch_ahead_taker)
+                self.prefetcher.accessed(fh, self._others_fetch)
         data = self.cache.peek(fh)
         if data is None:
             load = self._loader_for(fh, off, size)
@@ -358,76 +352,66 @@ class FanstoreOperations(pyfuse3.Operations):
         return reply
 
     def _start_fetch(self, entry: int) -> _Fetching | None:
-        """Start fetching a file's blob from another node on the loop: the transport calls back when it arrives (or
-        the try fails), so no thread sits waiting for the peer (a thread's hand-offs each way cost more CPU than
-        decoding the file). None when the source has no such path."""
+        """The blob of a file from another node, on its way: taken from the node's holder if fetched ahead (or on
+        its way there), else fetched for this read. Either way the loop is called back when it arrives (or the try
+        fails), so no thread sits waiting for the peer (a thread's hand-offs each way cost more CPU than decoding
+        the file). None when the source has no such path."""
         if self._reader is None or self._source is None:
             return None
         fetching = _Fetching(trio.lowlevel.current_trio_token(), threading.get_ident())
+        if self._ahead is not None and self._ahead.claim(entry, fetching.arrive):
+            return fetching
         if not self._source.start_read(int(self._chunk[entry]), int(self._offset[entry]),
                                        int(self._stored_len[entry]), fetching.arrive):
             return None
         return fetching
 
     def _needs_fetch(self, entry: int) -> bool:
-        """Neither a fetch under way, nor the kernel, nor the cache has the file. The fetch first: once fetching
-        ahead runs, all but the newest files of each read's window are on their way, and a dict settles them."""
-        return not (entry in self._fetching or self._kernel_holds.holds(entry) or self.cache.contains(entry))
+        """Neither a fetch begun at an open, nor the kernel, nor the cache has the file."""
+        return not (entry in self._opened or self._kernel_holds.holds(entry) or self.cache.contains(entry))
 
     def _hold(self, entry: int, fetching: _Fetching) -> None:
-        """Keep a fetch begun before its file's read for that read; the oldest go first past `_fetches_held`."""
-        fetching_now = self._fetching
-        fetching_now[entry] = fetching
-        if len(fetching_now) > self._fetches_held:
-            del fetching_now[next(iter(fetching_now))]  # its read, if it ever comes, fetches again
+        """Keep a fetch begun at a file's open for its read; the oldest go first past FETCHES_HELD."""
+        opened = self._opened
+        opened[entry] = fetching
+        if len(opened) > FETCHES_HELD:
+            del opened[next(iter(opened))]  # its read, if it ever comes, fetches again
 
-    def _fetch_ahead(self, keys: list[int | tuple[int, int]], in_order: bool) -> list[int | tuple[int, int]]:
-        """Of the prefetcher's next files, those from another node are fetched ahead by the loop, still stored, and
-        decoded by their reads as local files are: no thread waits on a peer, and none is woken per file. They
-        are started in batches, once the next one or half of them are not on their way, each peer's files in one
-        request, so one request and one wake of the peer carry several files; they arrive without waking the loop
-        (_Fetching wakes it only for a blob a read waits for). The other keys are returned, for the prefetcher's threads. While the reader
-        does not follow the order (`in_order`), such files are neither fetched nor returned: a blob fetched ahead
-        is held for a few dozen reads only (`_fetches_held`), so for such a reader it would come for nothing."""
-        slow: list[int] = []
-        left: list[int | tuple[int, int]] = []
-        for key in keys:
-            if type(key) is int and self._may_block[key]:
-                slow.append(key)
-            else:
-                left.append(key)
-        if not in_order:
-            return left
-        needs_fetch = self._needs_fetch
-        missing = [key for key in slow if needs_fetch(key)]
-        if missing and (missing[0] == slow[0] or 2 * len(missing) >= len(slow)):
-            token, loop_thread = trio.lowlevel.current_trio_token(), threading.get_ident()
-            fetchings = [_Fetching(token, loop_thread) for _ in missing]
-            chunk, offset, stored_len = self._chunk, self._offset, self._stored_len
-            reads = [BlobRead(int(chunk[key]), int(offset[key]), int(stored_len[key]), fetching.arrive)
-                     for key, fetching in zip(missing, fetchings)]
-            for key, fetching, started in zip(missing, fetchings,
-                                              self._source.start_reads(reads, ahead=True)):  # type: ignore[union-attr]
-                if started:
-                    self._hold(key, fetching)
-                    self._fetched_ahead += 1
-                else:  # no fetch of its own (a chunk read from DEST): the prefetcher's
-                    left.append(key)
-        return left
+    def _leave_to_holder(self, entry: int, keys: list[CacheKey], followed: bool,
+                         in_order: bool) -> list[CacheKey]:
+        """Of the prefetcher's next files, those from another node are the holder's to fetch ahead (still stored:
+        their reads decode them as local ones are); the others are returned, for the prefetcher's threads.
+
+        Without a prefetch list, the holder is told the rest of a directory once a read there follows a recent one
+        while most reads do (one plan a directory, not one per read), and nothing once most reads stop following
+        the order: a blob fetched for a reader that skips around would come for nothing."""
+        if self._holder_follows_directories:
+            directory = int(self._parent[entry])
+            if followed and in_order and directory != self._planned_directory:
+                self._ahead.follow(np.arange(entry + 1, self.index.children(directory).stop))  # type: ignore[union-attr]
+                self._planned_directory = directory
+            elif not in_order and self._planned_directory >= 0:
+                self._ahead.follow(np.empty(0, dtype=np.int64))  # type: ignore[union-attr]
+                self._planned_directory = -1
+        covers = self._ahead.covers  # type: ignore[union-attr]
+        return [key for key in keys if type(key) is not int or not covers[key]]
 
     async def _fetched(self, entry: int, fetching: _Fetching) -> bytes | None:
         """The file, decoded from the blob `fetching` brings; None when that try failed: the caller then reads the
-        file off the loop, the usual way, which falls back to DEST."""
+        file off the loop, the usual way, which falls back to DEST. A blob that came but fails its checksum is
+        read from the other copy (DEST) once, off the loop; if that one fails too the file is corrupt."""
         stored = await fetching.wait()
         if stored is None:
             return None
+        reader = self._reader
         try:
             if self._stored_len[entry] <= INLINE_DECODE_BYTES:
-                return self._reader.decode_fetched(entry, stored)  # type: ignore[union-attr]
-            return await trio.to_thread.run_sync(self._reader.decode_fetched, entry,  # type: ignore[union-attr]
+                return reader.decode_fetched(entry, stored)  # type: ignore[union-attr]
+            return await trio.to_thread.run_sync(reader.decode_fetched, entry,  # type: ignore[union-attr]
                                                  stored, limiter=self._decode_limiter)
-        except ChunkCorrupt:  # the usual path reads it again, from another copy where there is one, and reports
-            return None
+        except ChunkCorrupt:
+            return await trio.to_thread.run_sync(reader.read_other_copy, entry,  # type: ignore[union-attr]
+                                                 limiter=self._fetch_limiter)
 
     async def _read_blocks(self, entry: int, off: int, size: int) -> memoryview | bytes:
         """A read of a file stored in blocks decodes only the blocks it touches, each cached under (entry, block):
@@ -472,7 +456,7 @@ class FanstoreOperations(pyfuse3.Operations):
 
     async def release(self, fh: int) -> None:
         # Opened but not read (or read by another handle already): a fetch begun at open arrives to nobody.
-        self._fetching.pop(fh, None)
+        self._opened.pop(fh, None)
         self._kernel_holds.released(fh)
 
     def report_failure(self, handler: str, args: tuple[Any, ...], exc: Exception) -> int:

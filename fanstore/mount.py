@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+import numpy as np
+
 from .api import Dataset, open_dataset
 from .cache import DecodedCache
 from .daemon_tuning import install_fast_session_loop, keep_freed_memory
@@ -33,7 +35,7 @@ from .errors import FanstoreError, UsageError, quoted
 from .format import CHUNK_DIR, INDEX_NAME
 from .job_memory import JobMemory, job_memory
 from .kernel_holds import KernelHolds
-from .prefetch import FileOrder, Prefetcher, read_prefetch_list
+from .prefetch import FetchedAhead, FileOrder, Prefetcher, may_block_flags, read_prefetch_list
 from .units import format_bytes, size_option
 
 log = logging.getLogger("fanstore.mount")
@@ -241,19 +243,20 @@ def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, rea
 
 def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd: int | None = None,
                   while_mounted: Callable[[threading.Event], int] | None = None,
-                  prefetch_order: list[int] | None = None, bound: CacheBound | None = None) -> int:
+                  prefetch_order: list[int] | None = None, bound: CacheBound | None = None,
+                  ahead: FetchedAhead | None = None) -> int:
     """Mount `ds` at `mountpoint` and serve until unmounted or signalled; the caller closes `ds`.
 
     `while_mounted(stop)`, when given, runs in a thread once the kernel has the mount; the mount ends when it
     returns, and its result is returned. SIGTERM or SIGINT sets `stop`, and ends the mount once it returns.
     `prefetch_order`: the entries of options.prefetch_list, when the caller has read it already. `bound`: the
-    cache's, when the caller has chosen it already (cache_bound).
+    cache's, when the caller has chosen it already (cache_bound). `ahead`: who fetches files from other nodes ahead
+    of their reads (under serve, the node's holder); its `covers` are the files that may be slow to come.
     """
     import pyfuse3
     import trio
 
-    from .fuse_ops import INLINE_DECODE_BYTES, KERNEL_CACHE_TIMEOUT, FanstoreOperations, PrefetchView, \
-        may_block_flags
+    from .fuse_ops import INLINE_DECODE_BYTES, KERNEL_CACHE_TIMEOUT, FanstoreOperations, PrefetchView
 
     try:
         index = ds.index
@@ -269,7 +272,8 @@ def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd
         order_list = prefetch_order
         if order_list is None and options.prefetch_list:
             order_list = read_prefetch_list(index, options.prefetch_list, mountpoint)
-        slow = may_block_flags(index, ds.reader.source)  # files another node stores: always worth fetching ahead
+        # Files another node stores: always worth fetching ahead.
+        slow = ahead.covers if ahead is not None else may_block_flags(index, ds.reader.source)
         # No prefetcher at all when no file is big enough to be worth one: each open would only look for work.
         if options.prefetch > 0 and bool(((index.entries["stored_len"] >= min_size) | slow).any()):
             prefetcher = Prefetcher(PrefetchView(cache, kernel_holds), FileOrder(index, order_list, min_size, slow),
@@ -277,7 +281,10 @@ def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd
         operations = FanstoreOperations(
             index, cache, prefetcher, options.decode_threads or 2 * cores, keep_cache=options.keep_cache,
             timeout=options.kernel_timeout if options.kernel_timeout is not None else KERNEL_CACHE_TIMEOUT,
-            kernel_holds=kernel_holds, source=ds.reader.source, may_block=slow, reader=ds.reader)
+            kernel_holds=kernel_holds, source=ds.reader.source, may_block=slow, reader=ds.reader,
+            ahead=ahead)
+        if prefetcher is not None and ahead is not None and order_list:
+            ahead.follow(np.asarray(order_list, dtype=np.int64))  # the list is the mount's plan, all epoch long
         if options.fast_session_loop:
             install_fast_session_loop()
         fuse_options = set(pyfuse3.default_options) | {"ro", "fsname=fanstore", "subtype=fanstore"}

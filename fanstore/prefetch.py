@@ -18,19 +18,49 @@ import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 
 from .cache import DecodedCache
+from .chunk_source import ChunkSource, ReadDone
 from .errors import UsageError, quoted
-from .format import FLAG_BLOCKED
+from .format import FLAG_BLOCKED, NO_CHUNK
 from .index import Index, normalize_path
 
 
 # What the decoded cache holds: a file stored whole by its entry number, one block of a file stored in blocks by
 # (entry, block).
 CacheKey = int | tuple[int, int]
+
+
+def may_block_flags(index: Index, source: ChunkSource | None) -> np.ndarray:
+    """One flag per entry: its blob is one the source says may be slow to come (see ChunkSource.may_block)."""
+    flags = np.zeros(len(index.entries), dtype=bool)
+    if source is None:
+        return flags
+    entries = index.entries
+    whole = (entries["chunk"] != NO_CHUNK) & ((entries["flags"] & FLAG_BLOCKED) == 0)
+    flags[whole] = source.may_block(entries["chunk"][whole], entries["offset"][whole])
+    return flags
+
+
+class FetchedAhead(Protocol):
+    """Files from other nodes fetched ahead of their reads by someone other than the mount (under serve, the
+    node's one holder, serve/blobs_ahead.py), so that the mount's event loop does no work for them until their
+    read. The mount tells it the order it expects (`follow`), and each read takes its file's blob (`claim`)."""
+
+    covers: np.ndarray  # per entry: a file it fetches when the order names it
+
+    def follow(self, entries: np.ndarray) -> None:
+        """The files the mount expects next, in order (replacing the order told before; empty: none)."""
+
+    def claim(self, entry: int, deliver: ReadDone) -> bool:
+        """A read of `entry`: True when its blob was fetched ahead or is on its way; `deliver` gets it then
+        (at once, or from another thread). False when it was not started: the reader fetches it."""
+
+    def stats(self) -> dict[str, object]:
+        """The mount's plan's counters."""
 
 
 class FileOrder:
@@ -56,6 +86,11 @@ class FileOrder:
         self._blocked = (entries["flags"] & FLAG_BLOCKED) != 0
         self._any_blocked = bool(self._blocked.any())  # else every key is an entry number (no per-key test)
         self._parent = entries["parent"]
+
+    @property
+    def listed(self) -> bool:
+        """Whether the order comes from a prefetch list (else from each directory's listing)."""
+        return len(self._list) > 0
 
     def place(self, entry: int) -> tuple[int, int]:
         """Where `entry` stands in this order, as (sequence, position): (-1, its line in the list), or (its directory,
@@ -110,6 +145,9 @@ def read_prefetch_list(index: Index, path: Path, mountpoint: Path | None = None)
     return entries.tolist()
 
 
+# See Prefetcher.accessed: (entry, the files after it, this read followed a recent one, most reads do) -> the files
+# left to decode here.
+ElsewhereAhead = Callable[[int, list[CacheKey], bool, bool], list[CacheKey]]
 # How many of the latest reads a read may follow to count as in order: several DataLoader workers each read their
 # own stretch of the order at once.
 RECENT_READS = 8
@@ -138,31 +176,34 @@ class Prefetcher:
     def depth(self) -> int:
         return self._depth
 
-    def accessed(self, entry: int,
-                 fetch_ahead: Callable[[list[CacheKey], bool], list[CacheKey]] | None = None) -> None:
-        """The reader opened `entry`: queue decoding of the next `depth` files not cached yet. `fetch_ahead`, given
-        those files and whether the reader follows the order, takes the ones the caller brings ahead itself (or
-        drops) and returns the rest."""
+    @property
+    def order(self) -> FileOrder:
+        return self._order
+
+    def accessed(self, entry: int, others_fetch: ElsewhereAhead | None = None) -> None:
+        """The reader began reading `entry`: queue decoding of the next `depth` files not cached yet. `others_fetch`,
+        given `entry`, those files, whether this read came shortly after a recent one and whether most do, returns
+        the ones left to decode here (the others are fetched ahead elsewhere)."""
         if self._depth <= 0:
             return
-        in_order = self._follows_order(entry)
+        followed, in_order = self._follows_order(entry)
         following = self._order.after(entry, self._depth)
-        if fetch_ahead is not None:
-            following = fetch_ahead(following, in_order)
+        if others_fetch is not None:
+            following = others_fetch(entry, following, followed, in_order)
         for key in following:
             self.prefetch(key)
 
-    def _follows_order(self, entry: int) -> bool:
-        """Count whether `entry` comes at most `depth` places after one of the latest reads; True while most do."""
+    def _follows_order(self, entry: int) -> tuple[bool, bool]:
+        """Whether `entry` comes at most `depth` places after one of the latest reads, and whether most reads do."""
         group, position = self._order.place(entry)
         depth = self._depth
-        in_order = any(group == seen_group and 0 < position - seen <= depth for seen_group, seen in self._recent)
-        self._in_order += ((1.0 if in_order else 0.0) - self._in_order) * _LEARN
+        followed = any(group == seen_group and 0 < position - seen <= depth for seen_group, seen in self._recent)
+        self._in_order += ((1.0 if followed else 0.0) - self._in_order) * _LEARN
         recent = self._recent
         recent.append((group, position))
         if len(recent) > RECENT_READS:
             del recent[0]
-        return self._in_order >= 0.5
+        return followed, self._in_order >= 0.5
 
     def prefetch(self, key: CacheKey) -> None:
         """Queue decoding `key` into the cache, unless it is there or queued already."""

@@ -100,6 +100,13 @@ class Reader:
         self._verify(entry, -1, stored, chunk, offset, stored_len, checksum)
         return self._decode(entry, -1, stored, codec, size, chunk, offset)
 
+    def read_other_copy(self, entry: int) -> bytes:
+        """A file stored whole whose blob, fetched by its caller, failed its checksum: read from the source's other
+        copy (ChunkSource.read_other_copy) once, verified and decoded; ChunkCorrupt if there is no sound one."""
+        _, size, _, offset, stored_len, checksum, _, _, chunk, _, codec, _ = self._entries[entry].item()
+        stored = self._other_copy(entry, -1, chunk, offset, stored_len, checksum)
+        return self._decode(entry, -1, stored, codec, size, chunk, offset)
+
     def _fetch(self, entry: int, block: int, chunk: int, offset: int, stored_len: int, checksum: int) -> bytes:
         try:
             stored = self.source.read(chunk, offset, stored_len)

@@ -17,7 +17,7 @@ from conftest import numbered_files
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.chunk_source import BlobRead, LocalChunkSource
 from fanstore.errors import ChunkUnavailable
-from fanstore.serve.blobs_ahead import BLOB_OVERHEAD, BlobsAhead, PlanRefused
+from fanstore.serve.blobs_ahead import BLOB_OVERHEAD, MOUNT_PLAN, BlobsAhead, EntriesAhead, PlanRefused
 from fanstore.serve.node_endpoint import SOCKET_NAME, UNIX_PATH_MAX, unix_address
 from fanstore.serve.node_protocol import BlobLookup
 from fanstore.serve.placement import BlobTable
@@ -67,6 +67,11 @@ def dataset(tmp_path_factory):
 @pytest.fixture(scope="module")
 def lookup(dataset):
     return BlobLookup(BlobTable.of(dataset.index), len(dataset.index.chunks))
+
+
+def lookup_blob(dataset, lookup, row) -> bytes:
+    """The stored bytes of blob `row`, read straight from the dataset's chunk file."""
+    return LocalChunkSource(dataset.path, dataset.index.chunks["size"]).read(*lookup.locate(int(row)))
 
 
 def plan_of(dataset, lookup) -> np.ndarray:
@@ -222,8 +227,9 @@ def test_a_blob_two_plans_list_is_fetched_once_and_held_until_both_read_it(datas
         ahead.close()
 
 
-def test_a_read_before_its_blob_was_started_cancels_the_start(dataset, lookup):
-    """A reader ahead of the fetches reads a blob itself: the fetcher must not fetch it afterwards and hold it."""
+def test_a_read_before_its_blob_was_started_cancels_the_start_and_one_while_on_its_way_waits(dataset, lookup):
+    """A reader ahead of the fetches reads a blob itself: the fetcher must not fetch it afterwards and hold it. A
+    read of a blob on its way waits for that fetch, and is its one reader: never a second fetch, nothing held."""
     source = AnsweredLater(dataset, delay=0.3)
     plan = plan_of(dataset, lookup)
     length = length_of(lookup, plan[0])
@@ -232,10 +238,11 @@ def test_a_read_before_its_blob_was_started_cancels_the_start(dataset, lookup):
         ahead.replace_plan(1, "a", plan[:4])
         wait_for(lambda: source.out > 0, "the first fetch")
         assert ahead.take(int(plan[2])) is None  # read before it was started
-        assert ahead.take(int(plan[0])) is None  # read while on its way: dropped when it comes
-        wait_for(lambda: ahead.fetched == 2 and source.out == 0, "the other two")
+        assert bytes(ahead.take(int(plan[0]))) == bytes(lookup_blob(dataset, lookup, plan[0]))  # on its way
+        assert ahead.joined == 1
+        wait_for(lambda: ahead.fetched == 3 and source.out == 0, "the other two")
         time.sleep(0.4)
-        assert ahead.fetched == 2 and ahead.cancelled == 1
+        assert ahead.fetched == 3 and ahead.cancelled == 1
         assert ahead.stats()["ahead_held_bytes"] == sum(cost_of(lookup, row) for row in (plan[1], plan[3]))
     finally:
         ahead.close()
@@ -338,3 +345,41 @@ def test_a_unix_socket_deeper_than_linux_allows_binds_and_connects(tmp_path):
             accepted, _ = server.accept()
             with accepted:
                 assert accepted.recv(4) == b"ping"
+
+
+def test_the_mount_and_a_training_process_share_one_holder(dataset, lookup):
+    """The mount's plan (by entry: EntriesAhead) and a training process's plan (by blob row) name the same blobs:
+    each is fetched once, within the one bound, and both readers get it; nothing stays held after."""
+    source = AnsweredLater(dataset)
+    ahead = ahead_of(source, lookup)
+    paths = sorted(dataset.files())
+    entries = np.array([dataset.resolve(path) for path in paths])
+    mount = EntriesAhead(ahead, lookup, dataset.index, np.ones(len(dataset.index.entries), dtype=bool))
+    try:
+        mount.follow(entries)
+        ahead.replace_plan(4242, "a connection", plan_of(dataset, lookup))
+        wait_for(lambda: ahead.fetched == len(paths), "both plans")
+        time.sleep(0.02)
+        assert ahead.fetched == len(paths) and set(ahead.stats()["plans"]) == {MOUNT_PLAN, "4242"}
+        got: list[bytes] = []
+        for entry in entries:
+            assert mount.claim(int(entry), lambda blob, error: got.append(bytes(blob)))
+        assert got == [lookup_blob(dataset, lookup, row) for row in plan_of(dataset, lookup)]
+        assert all(ahead.take(int(row)) is not None for row in plan_of(dataset, lookup))
+        assert ahead.stats()["ahead_held_bytes"] == 0 and mount.stats()["hits"] == len(paths)
+    finally:
+        ahead.close()
+
+
+def test_a_read_waiting_for_a_blob_is_answered_when_the_holder_closes(dataset, lookup):
+    """A blob on its way when the node shuts down: the read waiting for it is told it will not come (it then reads
+    the usual way), never left waiting."""
+    source = AnsweredLater(dataset, delay=2)
+    plan = plan_of(dataset, lookup)
+    ahead = ahead_of(source, lookup)
+    ahead.replace_plan(1, "a", plan[:1])
+    wait_for(lambda: source.out > 0, "the fetch")
+    outcome: list = []
+    assert ahead.claim(int(plan[0]), lambda blob, error: outcome.append((blob, error)))
+    ahead.close()
+    assert len(outcome) == 1 and outcome[0][0] is None and "closed" in str(outcome[0][1])

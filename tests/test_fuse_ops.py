@@ -11,6 +11,7 @@ import inspect
 import logging
 import os
 import threading
+import time
 
 import numpy as np
 
@@ -29,6 +30,9 @@ from fanstore.fuse_ops import FanstoreOperations, PrefetchView  # noqa: E402
 from fanstore.kernel_holds import KernelHolds  # noqa: E402
 from fanstore.prefetch import FileOrder, Prefetcher  # noqa: E402
 from fanstore.reader import Reader  # noqa: E402
+from fanstore.serve.blobs_ahead import BlobsAhead, EntriesAhead  # noqa: E402
+from fanstore.serve.node_protocol import BlobLookup  # noqa: E402
+from fanstore.serve.placement import BlobTable  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -99,19 +103,24 @@ class DeliveredLater(LocalChunkSource):
         self.first_try = first_try
         self.started: list[int] = []
         self.read_by_thread: list[int] = []
-        self.ahead: list[int] = []  # started with ahead=True
+        self.batches: list[int] = []  # blobs of each start_reads call (the node's holder fetching ahead)
 
     def read(self, chunk_id, offset, length):
         self.read_by_thread.append(chunk_id)
         stored = super().read(chunk_id, offset, length)
         return _damaged(stored) if self.first_try == "corrupt everywhere" else stored
 
+    def read_other_copy(self, chunk_id, offset, length):  # as serve's DEST behind a peer
+        return self.read(chunk_id, offset, length)
+
+    def start_reads(self, reads, ahead=False):
+        self.batches.append(len(reads))
+        return super().start_reads(reads, ahead)
+
     def start_read(self, chunk_id, offset, length, done, ahead=False):
         if self.first_try == "no fetch of its own":  # as a chunk staged with a fault: read from DEST, by `read`
             return False
         self.started.append(chunk_id)
-        if ahead:
-            self.ahead.append(chunk_id)
         if self.first_try == "unavailable at once":  # as the transport answers once its MPI thread has stopped
             done(None, ChunkUnavailable("the MPI thread has stopped", chunk_id=chunk_id))
             return True
@@ -143,19 +152,36 @@ def _damaged(stored: bytes) -> bytes:
 
 def slow_operations(dataset, first_try: str = "ok", prefetch_list: list[str] | None = None,
                     depth: int = 0) -> tuple[FanstoreOperations, DeliveredLater]:
-    """The mount's operations over DeliveredLater; with `prefetch_list`, a prefetcher `depth` files ahead over it."""
+    """The mount's operations over DeliveredLater, as under serve: with `depth`, a prefetcher `depth` files ahead
+    (over `prefetch_list`, else each directory's listing) and the node's holder of blobs fetched ahead, told the
+    list as the mount tells it. Close both with `close_ahead`."""
     source = DeliveredLater(dataset.path, dataset.index.chunks["size"], first_try)
     reader = Reader(dataset.index, source)
     cache = DecodedCache(1 << 20, reader.load)
     kernel_holds = KernelHolds(len(dataset.index.entries))
-    prefetcher = None
-    if prefetch_list is not None:
-        order = FileOrder(dataset.index, [dataset.index.lookup(path) for path in prefetch_list],
-                          slow=np.ones(len(dataset.index.entries), dtype=bool))
-        prefetcher = Prefetcher(PrefetchView(cache, kernel_holds), order, depth, threads=2)
+    remote = np.ones(len(dataset.index.entries), dtype=bool)
+    prefetcher = ahead = None
+    if depth:
+        lookup = BlobLookup(BlobTable.of(dataset.index), len(dataset.index.chunks))
+        source.holder = BlobsAhead(source.start_reads, lookup.locate)
+        ahead = EntriesAhead(source.holder, lookup, dataset.index, remote)
+        listed = [dataset.index.lookup(path) for path in prefetch_list or []]
+        prefetcher = Prefetcher(PrefetchView(cache, kernel_holds), FileOrder(dataset.index, listed or None,
+                                                                             slow=remote), depth, threads=2)
+        if listed:  # at mount, long before the first read: here, the holder is given the time to start them
+            ahead.follow(np.array(listed))
+            deadline = time.monotonic() + 10
+            while source.holder.stats()["plans"]["mount"]["started"] < len(set(listed)):
+                assert time.monotonic() < deadline, "the holder did not start the list's files"
+                time.sleep(0.001)
     operations = FanstoreOperations(dataset.index, cache, prefetcher, decode_threads=1, kernel_holds=kernel_holds,
-                                    source=source, reader=reader)
+                                    source=source, reader=reader, may_block=remote, ahead=ahead)
     return operations, source
+
+
+def close_ahead(operations: FanstoreOperations, source: DeliveredLater) -> None:
+    operations.prefetcher.close()
+    source.holder.close()
 
 
 async def open_read_release(operations: FanstoreOperations, entry: int) -> bytes:
@@ -260,9 +286,9 @@ def train_files(dataset) -> list[str]:
     return sorted(path for path in dataset.files() if path.startswith("train/"))
 
 
-def read_in_order(operations: FanstoreOperations, dataset, order: list[str]) -> dict:
+def read_in_order(operations: FanstoreOperations, source: DeliveredLater, dataset, order: list[str]) -> dict:
     """Open, read whole and release each file of `order` through `operations`, checked against the API's bytes;
-    the prefetch counters after, the prefetcher closed."""
+    the counters after, the prefetcher and the holder closed."""
     entries = [dataset.index.lookup(path) for path in order]
 
     async def epoch() -> list[bytes]:
@@ -271,124 +297,105 @@ def read_in_order(operations: FanstoreOperations, dataset, order: list[str]) -> 
 
     try:
         assert trio.run(epoch) == [dataset.read(path) for path in order]
-        return operations.stats()["prefetch"]
+        return operations.stats()
     finally:
-        operations.prefetcher.close()
+        close_ahead(operations, source)
 
 
-@pytest.mark.parametrize("first_try", ["ok", "unavailable"])
-def test_prefetch_fetches_slow_files_ahead_on_the_loop_and_their_reads_take_those_fetches(dataset, first_try):
-    """Files from another node are fetched ahead by the loop, still stored, not by prefetch threads that would
-    each wait on the peer: every file is fetched once, ahead of its read (but the first), and no thread reads
-    one unless its fetch failed (then the usual path, which falls back to DEST under serve)."""
+@pytest.mark.parametrize("first_try", ["ok", "unavailable", "corrupt"])
+def test_files_of_a_prefetch_list_are_fetched_ahead_by_the_holder_and_their_reads_take_those_blobs(dataset,
+                                                                                                  first_try):
+    """The list is the mount's plan in the node's holder, which fetches its files ahead from their nodes, still
+    stored, on its own thread: each read (from its open) takes its file's blob, come or on its way, and the loop
+    starts no fetch of its own; no prefetch thread reads one. If the holder's try fails, the file is read the
+    usual way (which falls back to DEST under serve); a blob that comes and fails its checksum is read from the
+    other copy (DEST) once, never asked of the peer again."""
     order = train_files(dataset)[:12]
     operations, source = slow_operations(dataset, first_try, prefetch_list=order, depth=4)
-    entries = [dataset.index.lookup(path) for path in order]
-    stats = read_in_order(operations, dataset, order)
-    assert sorted(source.started) == sorted(int(dataset.index.entries["chunk"][e]) for e in entries)
-    assert stats["fetched_ahead"] == len(order) - 1  # the first file's fetch began at its open
-    assert stats["fetches_held"] == 0 and stats["decoded"] == 0  # every one read; no prefetch thread used
-    failed = [] if first_try == "ok" else [int(dataset.index.entries["chunk"][e]) for e in entries]
-    assert sorted(source.read_by_thread) == sorted(failed)
+    chunks = sorted(int(dataset.index.entries["chunk"][dataset.index.lookup(path)]) for path in order)
+    stats = read_in_order(operations, source, dataset, order)
+    assert stats["prefetch"]["decoded"] == 0 and stats["prefetch"]["fetches_at_open"] == 0
+    if first_try == "ok":
+        assert sorted(source.started) == chunks  # once each, by the holder
+        assert stats["ahead"]["hits"] == len(order) and source.read_by_thread == []
+    elif first_try == "corrupt":
+        assert sorted(source.started) == chunks and stats["ahead"]["hits"] == len(order)
+        assert sorted(source.read_by_thread) == chunks  # each one's other copy, once
+    else:
+        assert set(source.started) == set(chunks) and sorted(source.read_by_thread) == chunks
 
 
-def test_blobs_fetched_ahead_are_started_as_ahead(dataset):
-    """A fetch ahead of the reader is started with ahead=True (under serve, handed to the MPI thread to ask), a
-    fetch begun at open is not (its read waits: asked at once); every file reads right, each from its own fetch."""
-    order = train_files(dataset)[:12]
-    operations, source = slow_operations(dataset, "ok", prefetch_list=order, depth=4)
-    stats = read_in_order(operations, dataset, order)
-    assert len(source.started) == len(order)  # one fetch a file: the first one's at its open, not ahead
-    assert stats["fetched_ahead"] == len(source.ahead) == len(order) - 1
-    assert source.read_by_thread == []
-
-
-def test_slow_files_the_source_cannot_fetch_ahead_go_to_the_prefetch_threads(dataset):
-    """A file whose blob has no fetch of its own (under serve, a chunk staged with a fault, read from DEST) is
-    still decoded ahead, by the prefetcher's threads, and read whole and right."""
-    order = train_files(dataset)[:8]
-    operations, source = slow_operations(dataset, "no fetch of its own", prefetch_list=order, depth=4)
-    stats = read_in_order(operations, dataset, order)
-    assert source.started == [] and stats["fetched_ahead"] == 0 and stats["fetches_held"] == 0
-    assert stats["decoded"] > 0  # the threads took them
-
-
-def test_files_from_other_nodes_are_fetched_ahead_in_batches(dataset):
-    """One wake of the MPI thread, one of the peer and one ring back should carry several files: fetches ahead
-    start once the next file, or half of the window, is not on its way, never one at a time."""
+def test_the_holder_asks_for_a_lists_files_together(dataset):
+    """One wake of the MPI thread, one of the peer and one ring back should carry several files: the holder starts
+    the list's files together (serve's source asks each peer for its blobs among them in one request)."""
     order = train_files(dataset)[:20]
     operations, source = slow_operations(dataset, prefetch_list=order, depth=6)
-    entries = [dataset.index.lookup(path) for path in order]
-
-    async def epoch() -> list[int]:
-        started = []
-        for entry in entries:
-            before = len(source.started)
-            await open_read_release(operations, entry)
-            started.append(len(source.started) - before)
-        return started
-
-    try:
-        started = trio.run(epoch)
-    finally:
-        operations.prefetcher.close()
-    assert started[0] == 1 + 6  # the first file's own fetch, at its open, and the window after it
-    assert sum(started) == len(order), started
-    assert set(started[1 : len(order) - 6]) == {0, 3}, started  # the window's end is the list's after that
+    read_in_order(operations, source, dataset, order)
+    assert source.batches == [len(order)]
 
 
-def test_files_from_other_nodes_are_fetched_ahead_only_while_the_reader_follows_the_order(tmp_path):
-    """A blob fetched ahead is held for a few dozen reads only: for a reader that does not follow the order (a
-    shuffled sampler with no list) it would be fetched from its node for nothing. Fetching ahead stops once most
-    reads come out of order, and starts again once they follow it."""
+def test_files_the_holder_cannot_fetch_are_read_by_their_reads(dataset):
+    """A file whose blob has no fetch of its own (under serve, a chunk read from DEST) is given back by the holder,
+    and read whole and right by its read."""
+    order = train_files(dataset)[:8]
+    operations, source = slow_operations(dataset, "no fetch of its own", prefetch_list=order, depth=4)
+    stats = read_in_order(operations, source, dataset, order)
+    assert source.started == [] and stats["ahead"]["hits"] == 0
+    assert len(source.read_by_thread) == len(order)
+
+
+def test_without_a_list_the_holder_fetches_a_directory_ahead_only_while_the_reader_follows_it(tmp_path):
+    """With no prefetch list the mount tells the holder the rest of the directory being read in order, once, from
+    the second read that follows another: a single read (a `cat`) fetches nothing ahead. For a reader that does not
+    follow the order (a shuffled sampler with no list) fetching ahead would bring blobs from their nodes for
+    nothing: the plan is withdrawn once most reads come out of order, and told again once they follow it."""
     numbered_files(tmp_path / "src", 120, lambda _number: 3000)
     pack(tmp_path / "src", tmp_path / "ds", PackOptions(codec="zstd:3", workers=1))
     with open_dataset(tmp_path / "ds") as ds:
         order = sorted(ds.files())
-        operations, _source = slow_operations(ds, prefetch_list=order, depth=2)
-        strided = order[::3]  # each read 3 places after the last: never within the 2 the prefetcher looks ahead
-        rest = [path for path in order if path not in set(strided)]  # 1 or 2 places after the last
-
-        async def fetched_ahead_after_each(paths: list[str]) -> list[int]:
-            counts = []
+        operations, source = slow_operations(ds, depth=2)
+        # Strided: each read 3 places after the last, never within the 2 the prefetcher looks ahead.
+        async def plan_after_each(paths: list[str]) -> list[int]:
+            rows = []
             for path in paths:
                 assert await open_read_release(operations, ds.index.lookup(path)) == ds.read(path)
-                counts.append(operations.stats()["prefetch"]["fetched_ahead"])
-            return counts
+                rows.append(operations.stats()["ahead"]["rows"])
+            return rows
 
         try:
-            out_of_order = trio.run(fetched_ahead_after_each, strided)
-            in_order = trio.run(fetched_ahead_after_each, rest)
+            single = trio.run(plan_after_each, order[:1])
+            following = trio.run(plan_after_each, order[1:30])
+            strided = trio.run(plan_after_each, order[30:90:3])
+            again = trio.run(plan_after_each, order[90:])
+            fetched = source.holder.fetched  # all plans told, each replacing the last
         finally:
-            operations.prefetcher.close()
-    # About 11 reads out of order tip the share below one half; none is fetched ahead after that.
-    assert 0 < out_of_order[11] == out_of_order[-1], out_of_order
-    assert in_order[-1] - out_of_order[-1] >= len(rest) // 2, in_order
+            close_ahead(operations, source)
+    assert single == [0]
+    assert following == [len(order) - 2] * len(following), following  # told once, at the second read
+    # About 11 reads out of order tip the share below one half: the plan goes, and is not told again ...
+    assert 0 not in strided[:5] and set(strided[12:]) == {0}, strided
+    assert again[-1] > 0, again  # ... until reads follow the order again
+    assert fetched >= len(order) // 2
 
 
-def test_blobs_fetched_ahead_and_never_read_are_bounded(dataset, monkeypatch):
-    """A reader that skips the files its list names (a sampler that changed its mind) leaves at most
-    FETCHES_HELD fetched blobs (or twice the depth) behind, the oldest dropped first; a dropped one's read, if
-    it comes, fetches again."""
+def test_fetches_begun_at_open_and_never_read_are_bounded(dataset, monkeypatch):
+    """A reader that opens files and reads none of them (a `stat`-like tool that opens) leaves at most FETCHES_HELD
+    fetches begun at open behind, the oldest dropped first; a dropped one's read, if it comes, fetches again."""
     monkeypatch.setattr(fuse_ops, "FETCHES_HELD", 3)
-    order = train_files(dataset)
-    operations, source = slow_operations(dataset, prefetch_list=order, depth=1)
-    entries = [dataset.index.lookup(path) for path in order]
+    entries = [dataset.index.lookup(path) for path in train_files(dataset)]
+    operations, source = slow_operations(dataset)
 
-    async def every_other_file() -> int:
+    async def open_each() -> int:
         most = 0
-        for entry in entries[::2]:  # each read fetches the next file ahead, which is never read
-            await open_read_release(operations, entry)
-            most = max(most, operations.stats()["prefetch"]["fetches_held"])
-        await trio.sleep(0.05)  # the last fetches arrive, to nobody
+        for entry in entries:
+            await operations.open(entry + 1, os.O_RDONLY, None)  # never read, never released
+            most = max(most, operations.stats()["prefetch"]["fetches_at_open"])
+        await trio.sleep(0.05)  # the fetches arrive, to nobody
         return most
 
-    try:
-        most = trio.run(every_other_file)
-        fetches = len(source.started)
-        skipped_first = bytes(trio.run(open_read_release, operations, entries[1]))
-    finally:
-        operations.prefetcher.close()
-    assert most == 3 and len(entries) // 2 > 3
-    assert skipped_first == dataset.read(order[1])
+    most = trio.run(open_each)
+    fetches = len(source.started)
+    first = bytes(trio.run(operations.read, entries[0], 0, int(dataset.index.entries["size"][entries[0]])))
+    assert most == 3 and len(entries) > 3 and fetches == len(entries)
+    assert first == dataset.read(train_files(dataset)[0])
     assert len(source.started) == fetches + 1  # dropped, so fetched again

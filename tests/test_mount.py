@@ -671,8 +671,7 @@ def test_the_stats_attribute_is_readable_and_not_listed(mounted):
     (mnt / "labels.txt").read_bytes()
     stats = _daemon_stats(mnt)
     assert set(stats["cache"]) >= {"hits", "misses", "waits", "evictions", "bytes_held", "capacity"}
-    assert set(stats["prefetch"]) == {"pending", "decoded", "in_order", "fetched_ahead", "fetches_held",
-                                      "kernel_trust"}
+    assert set(stats["prefetch"]) == {"pending", "decoded", "in_order", "fetches_at_open", "kernel_trust"}
     assert os.listxattr(mnt) == []  # copying tools do not carry it along
     with pytest.raises(OSError):
         os.getxattr(mnt / "labels.txt", "user.fanstore.stats")

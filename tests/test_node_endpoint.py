@@ -20,10 +20,10 @@ import pytest
 from conftest import REPO, numbered_files
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.chunk_source import BlobRead, ChunkSource, LocalChunkSource
-from fanstore.serve.blobs_ahead import BLOB_OVERHEAD
+from fanstore.serve.blobs_ahead import BLOB_OVERHEAD, BlobsAhead
 from fanstore.serve.node_endpoint import NodeEndpoint
 from fanstore.serve.node_protocol import (HELLO, OK, PLAN, PLAN_ROW, READ, REFUSED, REPLY, REPLY_MAGIC, REQUEST,
-                                          REQUEST_MAGIC, STATS)
+                                          REQUEST_MAGIC, STATS, BlobLookup)
 from fanstore.serve.placement import BlobTable
 
 
@@ -67,10 +67,13 @@ def dataset(tmp_path_factory):
 @pytest.fixture
 def endpoint(dataset, tmp_path):
     source = HalfRemote(dataset)
-    node = NodeEndpoint(tmp_path, {"rank": 0}, source, BlobTable.of(dataset.index), len(dataset.index.chunks))
+    lookup = BlobLookup(BlobTable.of(dataset.index), len(dataset.index.chunks))
+    ahead = BlobsAhead(source.start_reads, lookup.locate)
+    node = NodeEndpoint(tmp_path, {"rank": 0}, source, lookup, ahead)
     node.source = source
     yield node
     node.close()
+    ahead.close()
 
 
 class Reader:

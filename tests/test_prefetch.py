@@ -134,9 +134,11 @@ def test_reads_follow_the_order_when_each_worker_reads_its_own_stretch(tmp_path)
     with open_dataset(tmp_path / "ds") as ds:
         listed = [ds.index.lookup(name) for name in names]
         seen: list[bool] = []
+        followed_each: list[bool] = []
 
-        def record(keys: list, in_order: bool) -> list:
+        def record(entry: int, keys: list, followed: bool, in_order: bool) -> list:
             seen.append(in_order)
+            followed_each.append(followed)
             return []  # nothing left for the threads: only the verdicts matter here
 
         # Batches of 8: the two workers take batches 0 and 1, then 2 and 3, ..., each reading its items in turn.
@@ -148,11 +150,15 @@ def test_reads_follow_the_order_when_each_worker_reads_its_own_stretch(tmp_path)
             for entry in two_workers:
                 prefetcher.accessed(entry, record)
             assert all(seen), seen
+            # Each read follows a recent one but the first of each pair's second batch (and the very first).
+            assert followed_each.count(False) == 5, followed_each
             assert prefetcher.stats()["in_order"] > 0.9
             seen.clear()
+            followed_each.clear()
             for entry in listed[::3]:
                 prefetcher.accessed(entry, record)
             assert seen[:3] == [True] * 3 and not any(seen[12:]), seen
+            assert not any(followed_each), followed_each  # each read on its own: none follows a recent one
             assert prefetcher.stats()["in_order"] < 0.5
         finally:
             prefetcher.close()

@@ -188,14 +188,15 @@ from fanstore.errors import say_line
 src, mount, rank = sys.argv[1], os.environ["FANSTORE_MOUNT"], os.environ["FANSTORE_RANK"]
 assert os.environ["FANSTORE_SIZE"] == "3"
 def stats():
-    return json.loads(os.getxattr(mount, "user.fanstore.stats"))["source"]
+    return json.loads(os.getxattr(mount, "user.fanstore.stats"))
 val = sorted(os.path.join(d, f) for d, _, fs in os.walk(os.path.join(mount, "val")) for f in fs)
 for path in val:
     open(path, "rb").read()
 after_val = stats()
-fetched = sum(peer["fetched"] for peer in after_val["peers"].values())
+fetched = sum(peer["fetched"] for peer in after_val["source"]["peers"].values())
+ahead = after_val.get("ahead", {}).get("started", 0)  # a --prefetch-list is fetched ahead from the start
 problems = []
-if fetched or after_val["fallback"] or after_val["local"] != len(val):
+if fetched > ahead or after_val["source"]["fallback"] or after_val["source"]["local"] != len(val):
     problems.append(f"replicated files not all local: {after_val}")
 for d, dirs, files in os.walk(src):
     for name in dirs + files:

@@ -1,5 +1,7 @@
-"""Remote blobs fetched ahead for the node's readers (fanstore.torch workers): one epoch plan per training process
-that announces one, all within one bound.
+"""Remote blobs fetched ahead for the node's readers, the mount and fanstore.torch workers alike: one epoch plan per
+reader that announces one (the mount's `--prefetch-list` or the directory it reads in order; each training
+process's EpochSampler), all within one bound. A read of a blob still on its way waits for that fetch, never
+starts another.
 
 Several training processes may share a node (one per GPU, each with its own DataLoader and sampler share): each
 announces its own order, and each order is fetched ahead. Plans take turns by need: the next blob started is
@@ -18,8 +20,11 @@ from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
-from ..chunk_source import BlobRead
-from ..errors import ChunkError
+from ..chunk_source import BlobRead, ReadDone
+from ..errors import ChunkError, ChunkUnavailable
+from ..format import FLAG_BLOCKED, NO_CHUNK
+from ..index import Index
+from .node_protocol import PLAN_ROW, BlobLookup
 
 log = logging.getLogger("fanstore.serve")
 
@@ -60,9 +65,9 @@ class _Plan:
 
 
 class _Wanted:
-    """A blob started for one or more plans and not yet read by all of them."""
+    """A blob started for one or more plans and not yet read by all of them, or read before it came."""
 
-    __slots__ = ("blob", "cost", "fetch", "wants")
+    __slots__ = ("blob", "cost", "deliveries", "fetch", "wants")
 
     def __init__(self, length: int, fetch: int) -> None:
         self.cost = length + BLOB_OVERHEAD
@@ -70,12 +75,17 @@ class _Wanted:
         # twice, and the first want is the one a read ends.
         self.wants: list[tuple[_Plan, int]] = []
         self.blob: bytes | memoryview | None = None  # None while asked and not come
+        self.deliveries: list[ReadDone] = []  # reads that came while it was on its way, waiting for it
         self.fetch = fetch  # the fetch it waits for: an answer to an earlier fetch of the same blob is not it
 
     def want(self, plan: _Plan, place: int, row: int) -> None:
         self.wants.append((plan, place))
         plan.live[place] = row
         plan.outstanding += self.cost
+
+    def unneeded(self) -> bool:
+        """Nobody wants it or waits for it any more: it can go."""
+        return not self.wants and not self.deliveries
 
     def unwant(self, number: int) -> tuple[_Plan, int]:
         """End want `number` of this blob (0: the first); its plan and place."""
@@ -118,6 +128,7 @@ class BlobsAhead:
         self._fetcher_waits = False
         self._closed = False
         self.asked = self.hits = self.fetched = self.failed_batches = self.cancelled = self.given_back = 0
+        self.joined = 0  # reads that found their blob on its way and waited for it (counted in hits too)
         self.wakeups = 0  # times a read, an arrival or a plan woke the fetching thread
         self._thread = threading.Thread(target=self._work, name="fanstore-node-ahead", daemon=True)
         self._thread.start()
@@ -148,28 +159,47 @@ class BlobsAhead:
             if gone:
                 self._wake_fetcher(always=True)
 
-    def take(self, row: int) -> bytes | memoryview | None:
-        """Blob `row` if it was fetched ahead, else None (its reader fetches it). Either way the read is one of the
-        blob's wants: a blob still on its way is dropped when it comes if no other plan wants it, and a read that
-        comes before its blob was started cancels that start."""
+    def claim(self, row: int, deliver: ReadDone) -> bool:
+        """A read of blob `row`: True when it was fetched ahead or is on its way, and `deliver(blob, None)` is called
+        once it is here (at once, on this thread, if it is; else from the source's thread), or `deliver(None,
+        error)` if that fetch fails. False when it was not started: its reader fetches it. Either way the read is
+        one of the blob's wants, and a read that comes before its blob was started cancels that start."""
         with self._lock:
             self.asked += 1
             entry = self._wanted.get(row)
             if entry is None:
                 self._cancel_start(row)
-                return None
-            plan, place = entry.unwant(0)
-            plan.rows[place] = PASSED
-            blob = entry.blob
-            if blob is not None:
-                self.hits += 1
+                return False
+            if entry.wants:
+                plan, place = entry.unwant(0)
+                plan.rows[place] = PASSED
                 plan.hits += 1
-            if not entry.wants:
-                del self._wanted[row]
-                if blob is not None:
-                    self._held_bytes -= entry.cost
+            self.hits += 1
+            blob = entry.blob
+            if blob is None:
+                self.joined += 1
+                entry.deliveries.append(deliver)
+            else:
+                self._release(row, entry)
             self._wake_fetcher()
-            return blob
+        if blob is not None:
+            deliver(blob, None)
+        return True
+
+    def take(self, row: int) -> bytes | memoryview | None:
+        """Blob `row` if it was fetched ahead (waiting for it while it is on its way), else None: its reader fetches
+        it. For a reader on a thread of its own (the node endpoint's connections)."""
+        arrived = threading.Event()
+        outcome: list[bytes | memoryview | None] = [None]
+
+        def deliver(blob: bytes | memoryview | None, _error: ChunkError | None) -> None:
+            outcome[0] = blob
+            arrived.set()
+
+        if not self.claim(row, deliver):
+            return None
+        arrived.wait()  # the fetch has a deadline (RemoteBlobs), and close() answers whatever still waits
+        return outcome[0]
 
     def holds(self, row: int) -> bool:
         """Whether blob `row` has come and waits for a read (a take that finds it not come yet counts as its read)."""
@@ -183,7 +213,8 @@ class BlobsAhead:
         with self._lock:
             return {"asked": self.asked, "fetched_ahead": self.fetched, "ahead_hits": self.hits,
                     "ahead_failed_batches": self.failed_batches, "ahead_cancelled": self.cancelled,
-                    "ahead_given_back": self.given_back, "ahead_held_bytes": self._held_bytes,
+                    "ahead_given_back": self.given_back, "ahead_joined": self.joined,
+                    "ahead_held_bytes": self._held_bytes,
                     "ahead_asked_bytes": self._reserved,
                     "plans": {str(plan.owner): {"rows": len(plan.rows), "started": plan.started,
                                                 "fetched": plan.fetched, "hits": plan.hits,
@@ -191,10 +222,17 @@ class BlobsAhead:
                               for plan in self._plans.values()}}
 
     def close(self) -> None:
+        """Stop fetching ahead; reads still waiting for a blob on its way are answered that it will not come."""
         with self._lock:
             self._closed = True
             self._room.notify()
+            waiting = [deliver for entry in self._wanted.values() for deliver in entry.deliveries]
+            for entry in self._wanted.values():
+                entry.deliveries = []
         self._thread.join()
+        closing = ChunkUnavailable("the node's holder of blobs fetched ahead has closed")
+        for deliver in waiting:
+            deliver(None, closing)
 
     # --- the fetching thread -------------------------------------------------------------------------------------
 
@@ -249,9 +287,10 @@ class BlobsAhead:
             entry.want(plan, place, row)
         return reads, fetches
 
-    def _arrived(self, fetch: int, row: int, blob: bytes | memoryview | None, _error: ChunkError | None) -> None:
-        """A fetch's outcome, from the source's thread. A blob that did not come is left to its readers, which
-        meet the error themselves when they ask, and report it."""
+    def _arrived(self, fetch: int, row: int, blob: bytes | memoryview | None, error: ChunkError | None) -> None:
+        """A fetch's outcome, from the source's thread, handed to the reads that wait for it. A blob that did not
+        come is left to its readers, which meet the error themselves when they fetch it, and report it."""
+        deliveries: list[ReadDone] = []
         with self._lock:
             cost = self._asked.pop(fetch, None)
             if cost is None:  # its batch failed to start, and was given back already
@@ -259,19 +298,31 @@ class BlobsAhead:
             self._reserved -= cost
             entry = self._wanted.get(row)
             if entry is not None and entry.fetch == fetch and entry.blob is None:
+                deliveries, entry.deliveries = entry.deliveries, []
                 if blob is None or self._closed:
                     self._drop(row, entry)
                 else:
-                    entry.blob = blob
-                    self._held_bytes += entry.cost
                     self.fetched += 1
                     for plan in {plan for plan, _ in entry.wants}:
                         plan.fetched += 1
+                    if entry.wants:
+                        entry.blob = blob
+                        self._held_bytes += entry.cost
+                    else:  # only reads waited for it: they have it now
+                        del self._wanted[row]
             self._wake_fetcher()
+        if blob is None and error is None:
+            error = ChunkUnavailable(f"blob {row} fetched ahead did not come")
+        for deliver in deliveries:
+            if blob is not None:
+                deliver(blob, None)
+            else:
+                deliver(None, error)
 
     def _batch_failed(self, fetches: list[tuple[int, int]]) -> None:
         """Give back a batch the source failed to start (a late answer to any of it is dropped): its readers fetch
         those blobs themselves, and the next batch is tried."""
+        waiting: list[ReadDone] = []
         with self._lock:
             self.failed_batches += 1
             first = self.failed_batches == 1
@@ -279,8 +330,13 @@ class BlobsAhead:
                 self._reserved -= self._asked.pop(number, 0)
                 entry = self._wanted.get(row)
                 if entry is not None and entry.fetch == number:
+                    waiting += entry.deliveries  # reads that came while the batch was being started
+                    entry.deliveries = []
                     self._drop(row, entry)
             self._wake_fetcher()
+        failed = ChunkUnavailable("fetching ahead failed to start")
+        for deliver in waiting:
+            deliver(None, failed)
         if first:
             log.exception("fetching ahead for this node's readers failed; they fetch those %d blobs themselves",
                           len(fetches))
@@ -315,10 +371,14 @@ class BlobsAhead:
                 entry.unwant(entry.wants.index((plan, furthest)))
                 plan.next = furthest  # started again when its turn comes
                 self.given_back += 1
-                if not entry.wants:
-                    del self._wanted[row]
-                    if entry.blob is not None:
-                        self._held_bytes -= entry.cost
+                self._release(row, entry)
+
+    def _release(self, row: int, entry: _Wanted) -> None:
+        """Let the blob go if nobody wants it or waits for it (one on its way is dropped when it comes)."""
+        if entry.unneeded():
+            del self._wanted[row]
+            if entry.blob is not None:
+                self._held_bytes -= entry.cost
 
     def _drop(self, row: int, entry: _Wanted) -> None:
         """A blob that will not come: its wants end, and their rows are not started again."""
@@ -333,10 +393,7 @@ class BlobsAhead:
         for row in set(plan.live.values()):
             entry = self._wanted[row]
             entry.wants = [(other, place) for other, place in entry.wants if other is not plan]
-            if not entry.wants:
-                del self._wanted[row]
-                if entry.blob is not None:
-                    self._held_bytes -= entry.cost
+            self._release(row, entry)
         plan.live.clear()
         plan.outstanding = 0
 
@@ -357,3 +414,39 @@ class BlobsAhead:
             self._fetcher_waits = False
             self.wakeups += 1
             self._room.notify()
+
+
+MOUNT_PLAN = "mount"  # the owner (and holder) of the mount's plan: one mount a rank, one plan
+
+
+class EntriesAhead:
+    """The holder as the mount sees it (prefetch.FetchedAhead): files by entry number. Which of its files the holder
+    fetches, and each one's blob row, are worked out once, at mount."""
+
+    def __init__(self, holder: BlobsAhead, lookup: BlobLookup, index: Index, remote: np.ndarray) -> None:
+        """`remote`: per entry, whether the file's blob comes from another node (ChunkSource.may_block)."""
+        entries = index.entries
+        whole = (remote & (entries["chunk"] != NO_CHUNK) & ((entries["flags"] & FLAG_BLOCKED) == 0)
+                 & ((entries["mode"] & 0o170000) == 0o100000))
+        files = np.flatnonzero(whole)
+        wanted = np.empty(len(files), dtype=PLAN_ROW)
+        wanted["chunk"], wanted["offset"] = entries["chunk"][files], entries["offset"][files]
+        wanted["length"] = entries["stored_len"][files]
+        self._rows = np.full(len(entries), -1, dtype=np.int64)
+        self._rows[files] = lookup.plan_rows(wanted, 0) if len(files) else []
+        self.covers: np.ndarray = self._rows >= 0  # per entry: fetched by the holder when a plan names it
+        self._row_list: list[int] = self._rows.tolist()  # per read: a list index, not a numpy scalar
+        self._holder = holder
+
+    def follow(self, entries: np.ndarray) -> None:
+        rows = self._rows[np.asarray(entries, dtype=np.int64)]
+        self._holder.replace_plan(MOUNT_PLAN, MOUNT_PLAN, rows[rows >= 0])
+
+    def claim(self, entry: int, deliver: ReadDone) -> bool:
+        row = self._row_list[entry]
+        return row >= 0 and self._holder.claim(row, deliver)
+
+    def stats(self) -> dict[str, object]:
+        plan = self._holder.stats()["plans"].get(MOUNT_PLAN)  # type: ignore[union-attr]
+        return plan if plan is not None else {"rows": 0, "started": 0, "fetched": 0, "hits": 0,
+                                              "outstanding_bytes": 0}

@@ -39,12 +39,14 @@ from ..job_memory import job_memory
 from ..mount import CacheBound, MountOptions, cache_bound, check_mountpoint, check_outside, dataset_paths, \
     fuse_answer, fuse_mounted_at, resolve_mountpoint, serve_dataset, unmount
 from ..pause import pause_point
-from ..prefetch import read_prefetch_list
+from ..prefetch import may_block_flags, read_prefetch_list
 from ..units import format_bytes, plural
 from . import watchdog
+from .blobs_ahead import BlobsAhead, EntriesAhead
 from .doorbell import open_doorbell
 from .lifecycle import Lifecycle
 from .node_endpoint import NodeEndpoint
+from .node_protocol import BlobLookup
 from .placement import BlobTable, Placement, place
 from .polling import first_failed_rank
 from .sources import PeerChunkSource, PlacedChunkSource
@@ -309,10 +311,14 @@ def run(options: ServeOptions) -> int:
     transport.start()
     source = PlacedChunkSource(rank, placement.owners, local, PeerChunkSource(transport, placement.owners), dest,
                                direct=unverified)
+    # The node's one holder of blobs fetched ahead: plans of the training processes (through the endpoint) and of
+    # the mount, within one bound.
+    lookup = BlobLookup(BlobTable.of(index), len(sizes))
+    ahead = BlobsAhead(source.start_reads, lookup.locate)
     endpoint = NodeEndpoint(local_dir, {"dest": str(Path(options.dest).absolute()), "local_dir": str(local_dir),
                                         "index_dir": str(local_dir), "rank": rank, "size": size,
                                         "direct": sorted(unverified), "owners": placement.owners.to_json()},
-                            source, BlobTable.of(index), len(sizes))
+                            source, lookup, ahead)
     lifecycle = Lifecycle(transport, options.command, mountpoint, ready_file, endpoint.path, hosts)
     pause_point("serve: staged")
     # Chosen once staged: a local dir on tmpfs has taken its share of the job's memory by now.
@@ -321,13 +327,15 @@ def run(options: ServeOptions) -> int:
         check_mountpoint(mountpoint)  # again: staging may have taken long enough for it to go
         with Dataset(index, source) as dataset:
             status = serve_dataset(dataset, mountpoint, mount_options, while_mounted=lifecycle,
-                                   prefetch_order=prefetch_order, bound=bound)
+                                   prefetch_order=prefetch_order, bound=bound,
+                                   ahead=EntriesAhead(ahead, lookup, index, may_block_flags(index, source)))
     except FanstoreError as exc:
         say_line(f"fanstore serve: error: rank {rank} on {host}: {exc}")
         status = 1
     if not lifecycle.started:  # never mounted: the mounted ranks wait for its word
         status = lifecycle.without_mount(status)
     endpoint.close()
+    ahead.close()
     if lifecycle.agreed:
         if options.stats:
             _report_stats(transport, source, report, endpoint.stats(), transport.remote.any_thread, bound)
@@ -377,7 +385,7 @@ def rank_stats(transport: PeerTransport, source: PlacedChunkSource, report: Stag
                readers: dict[str, int] | None = None, loop_requests: bool = False,
                bound: CacheBound | None = None) -> dict[str, Any]:
     return {"rank": transport.rank, "host": transport.host, "reads": source.stats(), "staging": asdict(report),
-            "node_readers": readers or {},
+            "ahead": readers or {},  # the node's holder of blobs fetched ahead
             "doorbell": "{}:{}".format(*transport.bell.address) if transport.bell is not None else None,
             "loop_requests": loop_requests, "cache": asdict(bound) if bound is not None else None}
 
@@ -426,10 +434,12 @@ def _format_rank(stats: dict[str, Any]) -> str:
                      f"failed {counters['failed']:,}, refused {counters['refused']:,}")
     lines.append(f"  from DEST (fallback): {plural(local['fallback'], 'blob')} "
                  f"({format_bytes(local['fallback_bytes'])})")
-    readers = stats.get("node_readers") or {}
+    readers = stats.get("ahead") or {}
     if readers.get("asked"):
-        lines.append(f"  fanstore.torch readers on this node: asked {plural(readers['asked'], 'remote blob')}, "
-                     f"{readers['ahead_hits']:,} of them fetched ahead ({readers['fetched_ahead']:,} fetched ahead)"
+        lines.append(f"  fetched ahead on this node (mount and fanstore.torch readers): "
+                     f"{plural(readers['fetched_ahead'], 'blob')}; reads asked for "
+                     f"{plural(readers['asked'], 'remote blob')}, {readers['ahead_hits']:,} of them fetched ahead "
+                     f"({readers['ahead_joined']:,} still on their way)"
                      + (f", {plural(readers['ahead_failed_batches'], 'batch', 'batches')} failed to start (logged)"
                         if readers.get("ahead_failed_batches") else ""))
     lines.append(f"  staging: {format_bytes(staging['dest_bytes'])} from DEST, "

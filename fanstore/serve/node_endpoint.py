@@ -3,7 +3,7 @@
 A reader reads chunks this node stores straight from its local directory; for the others it asks the serve process
 here, over a Unix socket in that directory, and gets the stored blob (still compressed: the reader verifies and
 decodes it, in parallel with the other workers). Each training process's epoch plan (the remote blobs in the order
-its sampler drew) makes the serve process fetch them ahead from their owners (blobs_ahead.py), bounded in bytes.
+its sampler drew) goes to the node's one holder of blobs fetched ahead (blobs_ahead.py), which the mount shares.
 The wire format and its checks are node_protocol.py's.
 """
 
@@ -27,7 +27,6 @@ from ..errors import ChunkError
 from .blobs_ahead import BlobsAhead, PlanRefused
 from .node_protocol import (HELLO, KIND_NAMES, OK, PLAN, PLAN_ROW, READ, REFUSED, REPLY, REPLY_MAGIC, REQUEST,
                             REQUEST_MAGIC, BlobLookup, Refused)
-from .placement import BlobTable
 from .statuses import status_of
 
 log = logging.getLogger("fanstore.serve")
@@ -63,18 +62,20 @@ class NodeEndpoint:
     closes. A refused request gets one reply that names the field at fault; the connection goes on unless what
     follows can no longer be told apart (a bad magic, a plan longer than the dataset)."""
 
-    def __init__(self, local_dir: Path, description: dict[str, Any], source: ChunkSource, blobs: BlobTable,
-                 chunk_count: int) -> None:
+    def __init__(self, local_dir: Path, description: dict[str, Any], source: ChunkSource, lookup: BlobLookup,
+                 ahead: BlobsAhead) -> None:
+        """`ahead`: the node's holder of blobs fetched ahead, the endpoint's plans' and the mount's (closed by its
+        owner, the node)."""
         self.path = local_dir / SOCKET_NAME
-        self._lookup = BlobLookup(blobs, chunk_count)
+        self._lookup = lookup
         # `blobs`: the longest plan taken (a reader cuts a longer order: a sampler may draw with replacement).
-        self._hello = json.dumps({**description, "blobs": len(blobs)}).encode()
+        self._hello = json.dumps({**description, "blobs": len(lookup)}).encode()
         self._source = source
         self._remote: np.ndarray | None = None  # per blob row: whether this node fetches it from a peer
         self._remote_lock = threading.Lock()
         self._refusals = 0  # requests refused; the first is logged
         self._refusals_lock = threading.Lock()
-        self.ahead = BlobsAhead(source.start_reads, self._lookup.locate)
+        self.ahead = ahead
         self.path.unlink(missing_ok=True)  # left by a killed job
         endpoint = self
 
@@ -209,7 +210,6 @@ class NodeEndpoint:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
-        self.ahead.close()
         self.path.unlink(missing_ok=True)
 
 
