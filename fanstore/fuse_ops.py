@@ -330,6 +330,8 @@ class FanstoreOperations(pyfuse3.Operations):
             if self.prefetcher is not None:
                 self.prefetcher.withdraw(fh)
                 self.prefetcher.accessed(fh, self._others_fetch)
+            if self._ahead is not None:
+                self._ahead.reached(fh)
         data = self.cache.peek(fh)
         if data is None:
             load = self._loader_for(fh, off, size)
@@ -388,7 +390,8 @@ class FanstoreOperations(pyfuse3.Operations):
         if self._holder_follows_directories:
             directory = int(self._parent[entry])
             if followed and in_order and directory != self._planned_directory:
-                self._ahead.follow(np.arange(entry + 1, self.index.children(directory).stop))  # type: ignore[union-attr]
+                self._ahead.follow(np.arange(entry + 1, self.index.children(directory).stop),  # type: ignore[union-attr]
+                                   start_now=True)
                 self._planned_directory = directory
             elif not in_order and self._planned_directory >= 0:
                 self._ahead.follow(np.empty(0, dtype=np.int64))  # type: ignore[union-attr]

@@ -52,8 +52,12 @@ class FetchedAhead(Protocol):
 
     covers: np.ndarray  # per entry: a file it fetches when the order names it
 
-    def follow(self, entries: np.ndarray) -> None:
-        """The files the mount expects next, in order (replacing the order told before; empty: none)."""
+    def follow(self, entries: np.ndarray, start_now: bool = False) -> None:
+        """The files the mount expects next, in order (replacing the order told before; empty: none), fetched a
+        window ahead of the reader: from its first read among them, or (`start_now`) at once."""
+
+    def reached(self, entry: int) -> None:
+        """The mount's reader began reading `entry`: the window moves on if it is in the order followed."""
 
     def claim(self, entry: int, deliver: ReadDone) -> bool:
         """A read of `entry`: True when its blob was fetched ahead or is on its way; `deliver` gets it then

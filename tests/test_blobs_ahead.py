@@ -356,7 +356,7 @@ def test_the_mount_and_a_training_process_share_one_holder(dataset, lookup):
     entries = np.array([dataset.resolve(path) for path in paths])
     mount = EntriesAhead(ahead, lookup, dataset.index, np.ones(len(dataset.index.entries), dtype=bool))
     try:
-        mount.follow(entries)
+        mount.follow(entries, start_now=True)
         ahead.replace_plan(4242, "a connection", plan_of(dataset, lookup))
         wait_for(lambda: ahead.fetched == len(paths), "both plans")
         time.sleep(0.02)
@@ -383,3 +383,21 @@ def test_a_read_waiting_for_a_blob_is_answered_when_the_holder_closes(dataset, l
     assert ahead.claim(int(plan[0]), lambda blob, error: outcome.append((blob, error)))
     ahead.close()
     assert len(outcome) == 1 and outcome[0][0] is None and "closed" in str(outcome[0][1])
+
+
+def test_a_plan_with_a_limit_starts_only_what_its_reader_allows(dataset, lookup):
+    """The mount's plan is fetched a window ahead of its reader: rows past the limit wait for `allow`."""
+    source = AnsweredLater(dataset, delay=0.001)
+    plan = plan_of(dataset, lookup)
+    ahead = ahead_of(source, lookup)
+    try:
+        ahead.replace_plan(1, "a", plan, limit=0)
+        time.sleep(0.05)
+        assert ahead.stats()["plans"]["1"]["started"] == 0
+        ahead.allow(1, 5)
+        wait_for(lambda: ahead.fetched == 5, "the allowed rows")
+        ahead.allow(1, 3)  # a limit never moves back
+        time.sleep(0.05)
+        assert ahead.fetched == 5 and ahead.stats()["plans"]["1"]["started"] == 5
+    finally:
+        ahead.close()

@@ -30,6 +30,7 @@ from fanstore.fuse_ops import FanstoreOperations, PrefetchView  # noqa: E402
 from fanstore.kernel_holds import KernelHolds  # noqa: E402
 from fanstore.prefetch import FileOrder, Prefetcher  # noqa: E402
 from fanstore.reader import Reader  # noqa: E402
+from fanstore.serve import blobs_ahead  # noqa: E402
 from fanstore.serve.blobs_ahead import BlobsAhead, EntriesAhead  # noqa: E402
 from fanstore.serve.node_protocol import BlobLookup  # noqa: E402
 from fanstore.serve.placement import BlobTable  # noqa: E402
@@ -151,10 +152,11 @@ def _damaged(stored: bytes) -> bytes:
 
 
 def slow_operations(dataset, first_try: str = "ok", prefetch_list: list[str] | None = None,
-                    depth: int = 0) -> tuple[FanstoreOperations, DeliveredLater]:
+                    depth: int = 0, started: bool = True) -> tuple[FanstoreOperations, DeliveredLater]:
     """The mount's operations over DeliveredLater, as under serve: with `depth`, a prefetcher `depth` files ahead
     (over `prefetch_list`, else each directory's listing) and the node's holder of blobs fetched ahead, told the
-    list as the mount tells it. Close both with `close_ahead`."""
+    list as the mount tells it (and, if `started`, every file of it started before the first read). Close both
+    with `close_ahead`."""
     source = DeliveredLater(dataset.path, dataset.index.chunks["size"], first_try)
     reader = Reader(dataset.index, source)
     cache = DecodedCache(1 << 20, reader.load)
@@ -168,8 +170,10 @@ def slow_operations(dataset, first_try: str = "ok", prefetch_list: list[str] | N
         listed = [dataset.index.lookup(path) for path in prefetch_list or []]
         prefetcher = Prefetcher(PrefetchView(cache, kernel_holds), FileOrder(dataset.index, listed or None,
                                                                              slow=remote), depth, threads=2)
-        if listed:  # at mount, long before the first read: here, the holder is given the time to start them
-            ahead.follow(np.array(listed))
+        if listed:
+            ahead.follow(np.array(listed))  # as the mount does; fetched from the first read on
+        if listed and started:  # here, given the time to start them all before it
+            ahead.reached(listed[0])
             deadline = time.monotonic() + 10
             while source.holder.stats()["plans"]["mount"]["started"] < len(set(listed)):
                 assert time.monotonic() < deadline, "the holder did not start the list's files"
@@ -342,6 +346,33 @@ def test_files_the_holder_cannot_fetch_are_read_by_their_reads(dataset):
     stats = read_in_order(operations, source, dataset, order)
     assert source.started == [] and stats["ahead"]["hits"] == 0
     assert len(source.read_by_thread) == len(order)
+
+
+def test_a_list_is_fetched_a_window_ahead_of_the_reader(dataset, monkeypatch):
+    """Told at mount, a list is fetched from the reader's first read on, at most MOUNT_WINDOW files ahead of it: a
+    rank whose reader has not started (or stopped) does not fetch its whole epoch."""
+    monkeypatch.setattr(blobs_ahead, "MOUNT_WINDOW", 4)
+    monkeypatch.setattr(blobs_ahead, "REACHED_STEP", 1)
+    order = train_files(dataset)[:20]
+    operations, source = slow_operations(dataset, prefetch_list=order, depth=2, started=False)
+    entries = [dataset.index.lookup(path) for path in order]
+
+    async def epoch() -> list[int]:
+        started = []
+        for entry in entries:
+            await open_read_release(operations, entry)
+            await trio.sleep(0.02)  # the holder's thread catches up
+            started.append(source.holder.stats()["plans"]["mount"]["started"])
+        return started
+
+    try:
+        time.sleep(0.05)
+        assert source.holder.stats()["plans"]["mount"]["started"] == 0
+        started = trio.run(epoch)
+    finally:
+        close_ahead(operations, source)
+    assert all(count <= place + 1 + 4 for place, count in enumerate(started)), (started, source.holder.stats())
+    assert started[-1] == len(order) - 1, (started, source.holder.stats())  # the first: by its own read
 
 
 def test_without_a_list_the_holder_fetches_a_directory_ahead_only_while_the_reader_follows_it(tmp_path):

@@ -49,19 +49,20 @@ class PlanRefused(Exception):
 class _Plan:
     """One process's epoch: blob rows in its order of need, and its wants (rows started and not read yet)."""
 
-    __slots__ = ("fetched", "hits", "holder", "live", "next", "outstanding", "owner", "rows", "started")
+    __slots__ = ("fetched", "hits", "holder", "limit", "live", "next", "outstanding", "owner", "rows", "started")
 
-    def __init__(self, owner: Hashable, holder: Hashable, rows: np.ndarray) -> None:
+    def __init__(self, owner: Hashable, holder: Hashable, rows: np.ndarray, limit: int | None = None) -> None:
         self.owner = owner  # the announcing process (a new plan of it replaces this one)
         self.holder = holder  # the connection it came on (its plan goes when that connection closes)
         self.rows = rows  # blob rows; PASSED where there is nothing (more) to start
         self.next = 0  # the first row not started yet
+        self.limit = len(rows) if limit is None else limit  # rows from here on wait for the reader (allow)
         self.outstanding = 0  # what its wants cost (blobs held for it, or asked and not come)
         self.live: dict[int, int] = {}  # place in `rows` -> blob row, of each want, in the order started
         self.started = self.fetched = self.hits = 0
 
     def left(self) -> bool:
-        return self.next < len(self.rows)
+        return self.next < len(self.rows) and self.next < self.limit
 
 
 class _Wanted:
@@ -135,9 +136,10 @@ class BlobsAhead:
 
     # --- the endpoint's side -------------------------------------------------------------------------------------
 
-    def replace_plan(self, owner: Hashable, holder: Hashable, rows: np.ndarray) -> None:
+    def replace_plan(self, owner: Hashable, holder: Hashable, rows: np.ndarray, limit: int | None = None) -> None:
         """`owner`'s plan is now `rows` (blob rows in its order of need; empty: none), which came on connection
-        `holder`; what was started for its previous plan and not read is given back. PlanRefused when the node
+        `holder`; what was started for its previous plan and not read is given back. With `limit`, only rows before
+        it are started, until `allow` moves it on (a reader that reports how far it got). PlanRefused when the node
         keeps plans of MAX_PLANS other processes already."""
         with self._lock:
             old = self._plans.pop(owner, None)
@@ -146,8 +148,16 @@ class BlobsAhead:
             if len(rows):
                 if len(self._plans) >= self._max_plans:
                     raise PlanRefused(f"this node keeps plans of {self._max_plans} processes at most, and has as many")
-                self._plans[owner] = _Plan(owner, holder, rows.copy())  # its own: rows read are marked in it
+                self._plans[owner] = _Plan(owner, holder, rows.copy(), limit)  # its own: rows read are marked
             self._wake_fetcher(always=True)  # the shares changed: the fetcher may have room to make
+
+    def allow(self, owner: Hashable, limit: int) -> None:
+        """Rows of `owner`'s plan before `limit` may be started now."""
+        with self._lock:
+            plan = self._plans.get(owner)
+            if plan is not None and limit > plan.limit:
+                plan.limit = limit
+                self._wake_fetcher()
 
     def drop_plans_of(self, holder: Hashable) -> None:
         """Give back the plans that came on connection `holder`, which has closed."""
@@ -417,6 +427,11 @@ class BlobsAhead:
 
 
 MOUNT_PLAN = "mount"  # the owner (and holder) of the mount's plan: one mount a rank, one plan
+# How far ahead of the mount's reader its plan is fetched, in files from other nodes: enough to keep requests to
+# every peer in flight, not so many that a reader who stops (or a rank reading other files first) has the node
+# fetch its whole epoch. The reader's progress is told every REACHED_STEP of them.
+MOUNT_WINDOW = 256
+REACHED_STEP = 32
 
 
 class EntriesAhead:
@@ -437,10 +452,35 @@ class EntriesAhead:
         self.covers: np.ndarray = self._rows >= 0  # per entry: fetched by the holder when a plan names it
         self._row_list: list[int] = self._rows.tolist()  # per read: a list index, not a numpy scalar
         self._holder = holder
+        # Of the entries followed: each one's place in that order (-1: not in it), and how many of the places
+        # before each are files the holder fetches (the plan's rows), so a read's place gives the plan's limit.
+        self._place = np.full(len(entries), -1, dtype=np.int64)
+        self._followed = np.empty(0, dtype=np.int64)
+        self._rows_before = np.zeros(1, dtype=np.int64)
+        self._allowed = 0
 
-    def follow(self, entries: np.ndarray) -> None:
-        rows = self._rows[np.asarray(entries, dtype=np.int64)]
-        self._holder.replace_plan(MOUNT_PLAN, MOUNT_PLAN, rows[rows >= 0])
+    def follow(self, entries: np.ndarray, start_now: bool = False) -> None:
+        """The mount's plan is now `entries`, fetched up to MOUNT_WINDOW files ahead of the reader (`reached`): from
+        the first read on, or (`start_now`) at once, the reader having just read the entry before them."""
+        entries = np.asarray(entries, dtype=np.int64)
+        rows = self._rows[entries]
+        covered = rows >= 0
+        self._place[self._followed] = -1
+        self._followed = entries
+        self._place[entries[::-1]] = np.arange(len(entries) - 1, -1, -1)  # an entry listed twice: its first place
+        self._rows_before = np.concatenate(([0], np.cumsum(covered)))
+        self._allowed = MOUNT_WINDOW if start_now else 0
+        self._holder.replace_plan(MOUNT_PLAN, MOUNT_PLAN, rows[covered], limit=self._allowed)
+
+    def reached(self, entry: int) -> None:
+        """The mount's reader is at `entry`: its plan may be fetched up to MOUNT_WINDOW files further."""
+        place = int(self._place[entry])
+        if place < 0:
+            return
+        limit = int(self._rows_before[place + 1]) + MOUNT_WINDOW
+        if limit >= self._allowed + REACHED_STEP:
+            self._allowed = limit
+            self._holder.allow(MOUNT_PLAN, limit)
 
     def claim(self, entry: int, deliver: ReadDone) -> bool:
         row = self._row_list[entry]
