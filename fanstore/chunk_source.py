@@ -43,6 +43,18 @@ class ChunkSource(ABC):
         """Exactly `length` bytes at `offset` of chunk `chunk_id`. ChunkUnavailable when they cannot be had now,
         ChunkCorrupt when the chunk is not what the index says; both name the chunk."""
 
+    def read_many(self, blobs: Sequence[tuple[int, int, int]]) -> list[bytes | memoryview | ChunkError]:
+        """`read` of several blobs (chunk, offset, length), each one's bytes or its error, in order: a source that
+        asks someone else (the node's serve process) asks for them in one round trip. The bytes may be views of
+        one buffer the source hands over."""
+        results: list[bytes | memoryview | ChunkError] = []
+        for chunk_id, offset, length in blobs:
+            try:
+                results.append(self.read(chunk_id, offset, length))
+            except ChunkError as exc:
+                results.append(exc)
+        return results
+
     def may_block(self, chunks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         """For each blob (chunk, offset), whether reading it may wait on something slow (another node, a deadline):
         the mount reads those off its event loop. Asked once at open, so a read decides by a lookup."""
@@ -287,6 +299,19 @@ class FallbackChunkSource(ChunkSource):
             if self._on_fallback is not None:
                 self._on_fallback(exc, length)
             return self.fallback.read(chunk_id, offset, length)
+
+    def read_many(self, blobs: Sequence[tuple[int, int, int]]) -> list[bytes | memoryview | ChunkError]:
+        results = self.primary.read_many(blobs)
+        for number, result in enumerate(results):
+            if isinstance(result, ChunkError):
+                chunk_id, offset, length = blobs[number]
+                if self._on_fallback is not None:
+                    self._on_fallback(result, length)
+                try:
+                    results[number] = self.fallback.read(chunk_id, offset, length)
+                except ChunkError as exc:
+                    results[number] = exc
+        return results
 
     def read_other_copy(self, chunk_id: int, offset: int, length: int) -> bytes:
         if self._on_fallback is not None:

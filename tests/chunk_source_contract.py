@@ -11,7 +11,7 @@ import pytest
 from conftest import make_tree
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.chunk_source import ChunkSource, ChunkUnavailable
-from fanstore.format import CHUNK_HEADER_LEN, chunk_file_name
+from fanstore.format import CHUNK_HEADER_LEN, NO_CHUNK, chunk_file_name
 
 
 class ChunkSourceContract:
@@ -83,6 +83,21 @@ class ChunkSourceContract:
             for t in threads:
                 t.join()
             assert errors == []
+
+    def test_reads_many_as_it_reads_one(self, dataset, make_source):
+        """read_many: each blob's bytes as `read` gives them, in order, and in the place of one it cannot give, its
+        error, naming the chunk."""
+        with open_dataset(dataset) as ds, make_source() as source:
+            entries = ds.index.entries
+            files = entries[(entries["chunk"] != NO_CHUNK) & (entries["stored_len"] > 0)]
+            blobs = [(int(c), int(o), int(n)) for c, o, n in zip(files["chunk"], files["offset"], files["stored_len"])]
+            missing = len(ds.index.chunks) + 5
+            blobs.insert(1, (missing, 0, 10))
+            results = source.read_many(blobs)
+            assert len(results) == len(blobs)
+            assert isinstance(results[1], ChunkUnavailable) and results[1].chunk_id == missing
+            for blob, result in zip(blobs[:1] + blobs[2:], results[:1] + results[2:]):
+                assert bytes(result) == source.read(*blob)
 
     def test_is_a_chunk_source(self, make_source):
         with make_source() as source:

@@ -21,9 +21,10 @@ from conftest import REPO, numbered_files
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.chunk_source import BlobRead, ChunkSource, LocalChunkSource
 from fanstore.serve.blobs_ahead import BLOB_OVERHEAD, BlobsAhead
+from fanstore.serve import node_endpoint
 from fanstore.serve.node_endpoint import NodeEndpoint
 from fanstore.serve.node_protocol import (HELLO, OK, PLAN, PLAN_ROW, READ, REFUSED, REPLY, REPLY_MAGIC, REQUEST,
-                                          REQUEST_MAGIC, STATS, BlobLookup)
+                                          READS, READS_MAX_BLOBS, READS_ROW, REQUEST_MAGIC, STATS, BlobLookup)
 from fanstore.serve.placement import BlobTable
 
 
@@ -34,6 +35,7 @@ class HalfRemote(ChunkSource):
     def __init__(self, dataset) -> None:
         self.chunks = LocalChunkSource(dataset.path, dataset.index.chunks["size"])
         self.started: list[tuple[int, int]] = []
+        self.batches: list[int] = []  # blobs started by each start_reads call
         self._lock = threading.Lock()
 
     def read(self, chunk_id: int, offset: int, length: int) -> bytes:
@@ -47,6 +49,7 @@ class HalfRemote(ChunkSource):
         remote = [read for read, ok in zip(reads, started) if ok]
         with self._lock:
             self.started += [(read.chunk_id, read.offset) for read in remote]
+            self.batches.append(len(remote))
         threading.Timer(0.001, self._answer, (remote,)).start()
         return started
 
@@ -365,3 +368,71 @@ def wait_until_true(condition, what: str, timeout: float = 10) -> None:
     while not condition():
         assert time.monotonic() < deadline, what
         time.sleep(0.01)
+
+
+def split_reads_reply(payload: bytes, count: int) -> list[tuple[int, bytes]]:
+    """A READS reply's (status, bytes) of each blob asked, in order; every byte of the payload accounted for."""
+    table = np.frombuffer(payload[: count * READS_ROW.itemsize], dtype=READS_ROW)
+    parts, start = [], count * READS_ROW.itemsize
+    for status, length in table.tolist():
+        parts.append((status, payload[start : start + length]))
+        start += length
+    assert start == len(payload)
+    return parts
+
+
+def test_reads_answers_many_blobs_in_one_reply_each_with_its_own_status(dataset, endpoint):
+    """One READS round trip: every blob named, in the order asked, whether fetched ahead (from the holder), fetched
+    now (the remote ones together, in one start_reads) or this node's own; a row that names no blob gets its own
+    REFUSED, and the others still come."""
+    blobs = blobs_of(dataset)
+    chunk, offset, length = blobs[3]
+    inside = (chunk, offset + 1, length - 1)
+    rows = blobs[:10] + [inside] + blobs[10:]
+    remote = [row for row in blobs if row[0] % 2 == 1]
+    planned, fetched_now = remote[: len(remote) // 2], remote[len(remote) // 2 :]
+    assert planned and fetched_now and len(remote) < len(blobs)
+    reader = Reader(endpoint.path)
+    try:
+        assert reader.ask(PLAN, length=len(planned), payload=plan_bytes(planned)) == (OK, b"")
+        wait_until_true(lambda: endpoint.stats()["plans"][str(os.getpid())]["started"] == len(planned),
+                        "the plan started")
+        status, payload = reader.ask(READS, length=len(rows), payload=plan_bytes(rows))
+        assert status == OK
+        for row, (blob_status, part) in zip(rows, split_reads_reply(payload, len(rows))):
+            if row == inside:
+                assert blob_status == REFUSED and part.startswith(b"no blob"), part
+            else:
+                assert (blob_status, part) == (OK, endpoint.source.read(*row)), row
+        assert endpoint.source.batches[-1] == len(fetched_now)  # the others, asked for together
+        assert endpoint.stats()["ahead_hits"] == len(planned)
+        assert reader.ask(HELLO)[0] == OK
+    finally:
+        reader.close()
+
+
+def test_a_reads_out_of_bounds_is_refused_by_name(dataset, endpoint, monkeypatch):
+    """A READS asks for 1 to READS_MAX_BLOBS blobs (else what follows cannot be told: the connection closes), of
+    at most READS_MAX_BYTES together, each row checked as a plan's is (the connection goes on)."""
+    blobs = blobs_of(dataset)
+    for count, reason in ((0, "length 0: a READS asks for 1 to"), (READS_MAX_BLOBS + 1, f"length {READS_MAX_BLOBS + 1}")):
+        reader = Reader(endpoint.path)
+        try:
+            status, payload = reader.ask(READS, length=count)
+            assert (status, payload.decode()[:len(reason)]) == (REFUSED, reason)
+            assert reader.closed()
+        finally:
+            reader.close()
+    monkeypatch.setattr(node_endpoint, "READS_MAX_BYTES", blobs[0][2] + blobs[1][2] - 1)
+    reader = Reader(endpoint.path)
+    try:
+        status, payload = reader.ask(READS, length=2, payload=plan_bytes(blobs[:2]))
+        assert (status, payload.decode()) == (REFUSED, f"a READS of {blobs[0][2] + blobs[1][2]} bytes: at most "
+                                                       f"{blobs[0][2] + blobs[1][2] - 1} bytes of blobs a request")
+        bad = [blobs[0], (blobs[1][0], -5, blobs[1][2])]
+        status, payload = reader.ask(READS, length=2, payload=plan_bytes(bad))
+        assert (status, payload.decode()) == (REFUSED, f"READS row 1: offset -5 of chunk {blobs[1][0]}: negative")
+        status, payload = reader.ask(READS, length=1, payload=plan_bytes(blobs[:1]))
+        assert split_reads_reply(payload, 1) == [(OK, endpoint.source.read(*blobs[0]))]
+    finally:
+        reader.close()

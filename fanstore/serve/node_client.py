@@ -13,17 +13,18 @@ import os
 import socket
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from ..api import Dataset
 from ..chunk_source import ChunkSource, FallbackChunkSource, LocalChunkSource
-from ..errors import ChunkUnavailable, DatasetNotFound, UsageError
+from ..errors import ChunkError, ChunkUnavailable, DatasetNotFound, UsageError
 from ..format import FLAG_BLOCKED, INDEX_NAME
 from ..index import Index
 from .node_endpoint import ENVIRONMENT, unix_address
-from .node_protocol import HELLO, OK, PLAN, PLAN_ROW, READ, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC
+from .node_protocol import (HELLO, OK, PLAN, PLAN_ROW, READ, READS, READS_MAX_BLOBS, READS_MAX_BYTES, READS_ROW, REPLY,
+                            REPLY_MAGIC, REQUEST, REQUEST_MAGIC)
 from .placement import NO_OWNER, ChunkOwners
 from .staged_source import PlacedReads, StagedChunkSource
 from .statuses import status_error
@@ -54,6 +55,13 @@ class NodeConnection:
 
     def ask(self, kind: int, chunk: int = 0, offset: int = 0, length: int = 0, payload: bytes = b"") -> \
             tuple[int, bytes]:
+        """The reply's status and payload."""
+        status, reply = self.ask_view(kind, chunk, offset, length, payload)
+        return status, bytes(reply)
+
+    def ask_view(self, kind: int, chunk: int = 0, offset: int = 0, length: int = 0, payload: bytes = b"") -> \
+            tuple[int, memoryview]:
+        """`ask`, the payload as a view of the buffer it was received into: blobs are not copied again."""
         connection = self._socket()
         try:
             connection.sendall(REQUEST.pack(REQUEST_MAGIC, kind, chunk, offset, length) + payload)
@@ -68,16 +76,15 @@ class NodeConnection:
             raise ChunkUnavailable(f"{self.path}: the node's serve process did not answer: {exc}") from None
 
 
-def _receive(connection: socket.socket, size: int) -> bytes:
-    buffer = bytearray(size)
-    view = memoryview(buffer)
+def _receive(connection: socket.socket, size: int) -> memoryview:
+    view = memoryview(bytearray(size))
     got = 0
     while got < size:
         count = connection.recv_into(view[got:])
         if count == 0:
             raise ConnectionError("the serve process closed the connection")
         got += count
-    return bytes(buffer)
+    return view
 
 
 class NodeServeSource(ChunkSource):
@@ -86,11 +93,46 @@ class NodeServeSource(ChunkSource):
     def __init__(self, connection: NodeConnection) -> None:
         self.connection = connection
 
-    def read(self, chunk_id: int, offset: int, length: int) -> bytes:
-        status, payload = self.connection.ask(READ, chunk_id, offset, length)
+    def read(self, chunk_id: int, offset: int, length: int) -> memoryview:
+        status, payload = self.connection.ask_view(READ, chunk_id, offset, length)
         if status == OK:
             return payload
-        raise status_error(status, payload.decode("utf-8", "replace"), chunk_id)
+        raise status_error(status, bytes(payload).decode("utf-8", "replace"), chunk_id)
+
+    def read_many(self, blobs: Sequence[tuple[int, int, int]]) -> list[bytes | memoryview | ChunkError]:
+        """One READS a READS_MAX_BLOBS blobs or READS_MAX_BYTES bytes: one round trip, one reply buffer whose views
+        are the blobs."""
+        results: list[bytes | memoryview | ChunkError] = []
+        first = 0
+        while first < len(blobs):
+            last, size = first, 0
+            while last < len(blobs) and last - first < READS_MAX_BLOBS and \
+                    (last == first or size + blobs[last][2] <= READS_MAX_BYTES):
+                size += blobs[last][2]
+                last += 1
+            results += self._read_some(blobs[first:last])
+            first = last
+        return results
+
+    def _read_some(self, blobs: Sequence[tuple[int, int, int]]) -> list[bytes | memoryview | ChunkError]:
+        if len(blobs) == 1:  # a READ's reply has no table
+            return super().read_many(blobs)
+        rows = np.array(blobs, dtype=np.int64).view(PLAN_ROW).reshape(-1)
+        status, payload = self.connection.ask_view(READS, length=len(rows), payload=rows.tobytes())
+        if status != OK:
+            error = status_error(status, bytes(payload).decode("utf-8", "replace"), blobs[0][0])
+            return [error] * len(blobs)
+        table = np.frombuffer(payload[: len(blobs) * READS_ROW.itemsize], dtype=READS_ROW)
+        results: list[bytes | memoryview | ChunkError] = []
+        start = len(blobs) * READS_ROW.itemsize
+        for (chunk_id, _, _), blob_status, length in zip(blobs, table["status"].tolist(), table["length"].tolist()):
+            blob = payload[start : start + length]
+            start += length
+            if blob_status == OK:
+                results.append(blob)
+            else:
+                results.append(status_error(blob_status, bytes(blob).decode("utf-8", "replace"), chunk_id))
+        return results
 
 
 class NodeChunkSource(PlacedReads):

@@ -18,15 +18,15 @@ import socketserver
 import struct
 import threading
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 import numpy as np
 
-from ..chunk_source import ChunkSource
+from ..chunk_source import BlobRead, ChunkSource
 from ..errors import ChunkError
 from .blobs_ahead import BlobsAhead, PlanRefused
-from .node_protocol import (HELLO, KIND_NAMES, OK, PLAN, PLAN_ROW, READ, REFUSED, REPLY, REPLY_MAGIC, REQUEST,
-                            REQUEST_MAGIC, BlobLookup, Refused)
+from .node_protocol import (HELLO, KIND_NAMES, OK, PLAN, PLAN_ROW, READ, READS, READS_MAX_BLOBS, READS_MAX_BYTES,
+                            READS_ROW, REFUSED, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC, BlobLookup, Refused)
 from .statuses import status_of
 
 log = logging.getLogger("fanstore.serve")
@@ -35,6 +35,10 @@ SOCKET_NAME = "fanstore-node.sock"
 UNIX_PATH_MAX = 108  # bytes of a Unix socket's path, its final NUL included (Linux's sockaddr_un)
 ENVIRONMENT = "FANSTORE_SERVE_SOCKET"  # set for COMMAND; a job started otherwise sets it from the ready file
 PLAN_PIECE_ROWS = 1 << 16  # plan rows read and checked at a time (1.5 MiB)
+# How long a READS waits for the blobs it fetched before it reads the missing ones itself: every fetch has its own
+# deadline (RemoteBlobs), so this only guards against a fetch that never answers.
+READS_WAIT = 600.0
+IOV_MAX = 1024  # buffers one sendmsg takes (Linux's UIO_MAXIOV)
 
 
 @contextlib.contextmanager
@@ -53,7 +57,7 @@ def unix_address(path: Path) -> Iterator[str]:
 
 
 class NodeEndpoint:
-    """Serves HELLO, READ, PLAN and STATS to this node's readers from a thread per connection.
+    """Serves HELLO, READ, READS, PLAN and STATS to this node's readers from a thread per connection.
 
     What a connection can make this process hold is bounded by the dataset, never by what the reader claims: a
     request is checked field by field before use (node_protocol.BlobLookup), a plan is read and checked in pieces
@@ -125,13 +129,16 @@ class NodeEndpoint:
         if kind == READ:
             self._answer_read(connection, self._lookup.read_row(chunk, offset, length), length)
             return True
-        unused = {"chunk": chunk, "offset": offset} if kind == PLAN else \
+        rows_follow = kind in (PLAN, READS)
+        unused = {"chunk": chunk, "offset": offset} if rows_follow else \
             {"chunk": chunk, "offset": offset, "length": length}
         for field, value in unused.items():
             if value:
-                raise Refused(f"{field} {value}: {KIND_NAMES[kind]} takes 0 there", fatal=kind == PLAN)
+                raise Refused(f"{field} {value}: {KIND_NAMES[kind]} takes 0 there", fatal=rows_follow)
         if kind == PLAN:
             return self._take_plan(connection, stream, holder, process, length)
+        if kind == READS:
+            return self._answer_reads(connection, stream, length)
         self._reply(connection, OK, self._hello if kind == HELLO else json.dumps(self.stats()).encode())
         return True
 
@@ -194,6 +201,84 @@ class NodeEndpoint:
         else:
             self._reply(connection, OK, blob)
 
+    def _answer_reads(self, connection: socket.socket, stream: BinaryIO, count: int) -> bool:
+        """Several blobs in one round trip (a DataLoader batch's, a prefetch window's): each taken from the holder
+        (waiting for one on its way) or fetched now, each peer's together in one request; the reply sends them
+        as they lie, with no copy into one buffer. False when the connection ended in the middle of it."""
+        if not 1 <= count <= READS_MAX_BLOBS:
+            raise Refused(f"length {count}: a READS asks for 1 to {READS_MAX_BLOBS} blobs", fatal=True)
+        raw = stream.read(count * PLAN_ROW.itemsize)
+        if len(raw) < count * PLAN_ROW.itemsize:
+            return False
+        asked = np.frombuffer(raw, dtype=PLAN_ROW)
+        rows = self._lookup.plan_rows(asked, 0, "READS row")  # Refused by row; the connection goes on
+        total = int(asked["length"].sum())
+        if total > READS_MAX_BYTES:
+            raise Refused(f"a READS of {total} bytes: at most {READS_MAX_BYTES} bytes of blobs a request")
+        statuses, blobs = self._gather(rows.tolist(), asked["length"].tolist())
+        table = np.empty(count, dtype=READS_ROW)
+        table["status"] = statuses
+        table["length"] = [len(blob) for blob in blobs]
+        header = REPLY.pack(REPLY_MAGIC, OK, table.nbytes + int(table["length"].sum()))
+        _send_buffers(connection, [header, table.tobytes(), *blobs])
+        return True
+
+    def _gather(self, rows: list[int], lengths: list[int]) -> tuple[list[int], list[bytes | memoryview]]:
+        """Each blob's status and bytes (its blob, or the reason it failed). Blobs fetched ahead or on their way
+        come from the holder; the others this node gets from peers are asked for together (ChunkSource.start_reads)
+        and come on the MPI thread; all are waited for at once, and whatever did not come is read here, the usual
+        way (DEST behind a peer)."""
+        count = len(rows)
+        blobs: list[bytes | memoryview | None] = [None] * count
+        statuses = [int(OK)] * count
+        waiting = [0]
+        lock = threading.Lock()
+        all_here = threading.Event()
+
+        def deliverer(number: int) -> Callable[[bytes | memoryview | None, ChunkError | None], None]:
+            def deliver(blob: bytes | memoryview | None, _error: ChunkError | None) -> None:
+                blobs[number] = blob
+                with lock:
+                    waiting[0] -= 1
+                    if waiting[0] == 0:
+                        all_here.set()
+            return deliver
+
+        remote = self._remote_blobs()
+        reads: list[BlobRead] = []
+        read_numbers: list[int] = []
+        with lock:
+            waiting[0] = count + 1  # this thread's own share, given back once every fetch was started
+        for number, (row, length) in enumerate(zip(rows, lengths)):
+            if row < 0:
+                statuses[number] = int(REFUSED)
+                blobs[number] = b"no blob of %d bytes there" % length
+                deliverer(number)(blobs[number], None)
+            elif self.ahead.claim(row, deliverer(number)):
+                continue
+            elif remote[row]:
+                reads.append(BlobRead(*self._lookup.locate(row), deliverer(number)))
+                read_numbers.append(number)
+            else:
+                deliverer(number)(None, None)  # this node's own: read below
+        if reads:
+            for number, started in zip(read_numbers, self._source.start_reads(reads)):
+                if not started:
+                    deliverer(number)(None, None)
+        with lock:  # this thread's share: every blob was claimed, asked for or settled above
+            waiting[0] -= 1
+            if waiting[0] == 0:
+                all_here.set()
+        all_here.wait(READS_WAIT)
+        for number, (row, length) in enumerate(zip(rows, lengths)):
+            blob = blobs[number]
+            if statuses[number] == OK and (blob is None or len(blob) != length):
+                try:
+                    blobs[number] = self._source.read(*self._lookup.locate(row))
+                except ChunkError as exc:
+                    statuses[number], blobs[number] = int(status_of(exc)), str(exc).encode()
+        return statuses, blobs  # type: ignore[return-value]
+
     def _refused(self, connection: socket.socket, refused: Refused) -> None:
         with self._refusals_lock:
             self._refusals += 1
@@ -211,6 +296,21 @@ class NodeEndpoint:
         self._server.shutdown()
         self._server.server_close()
         self.path.unlink(missing_ok=True)
+
+
+def _send_buffers(connection: socket.socket, buffers: list[bytes | memoryview]) -> None:
+    """sendall of several buffers with sendmsg: the kernel gathers them, no copy into one."""
+    views = [memoryview(buffer).cast("B") for buffer in buffers if len(buffer)]
+    first = 0
+    while first < len(views):
+        sent = connection.sendmsg(views[first : first + IOV_MAX])
+        while sent:
+            if sent >= len(views[first]):
+                sent -= len(views[first])
+                first += 1
+            else:
+                views[first] = views[first][sent:]
+                sent = 0
 
 
 def _peer_process(connection: socket.socket) -> int:

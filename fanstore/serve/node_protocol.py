@@ -2,10 +2,11 @@
 reader sends on it: every field of a request and every row of a plan is range-checked before anything uses it, and
 a value out of range is refused with a reason that names the field.
 
-Little-endian. A request: REQUEST (magic FSNQ, kind, chunk, offset, length) and, for PLAN, `length` rows of
-PLAN_ROW (chunk, offset, stored length, int64). A reply: REPLY (magic FSNP, status, payload length) and the payload:
-the blob, the node's description (HELLO, JSON), its readers' counters (STATS, JSON), or a UTF-8 reason (status
-not OK).
+Little-endian. A request: REQUEST (magic FSNQ, kind, chunk, offset, length) and, for PLAN and READS, `length` rows
+of PLAN_ROW (chunk, offset, stored length, int64). A reply: REPLY (magic FSNP, status, payload length) and the
+payload: the blob, the node's description (HELLO, JSON), its readers' counters (STATS, JSON), or a UTF-8 reason
+(status not OK); for READS, one READS_ROW (status, length) per blob asked, then each one's bytes (its blob, or the
+reason it failed) in the order asked.
 
 Imports nothing of MPI: the node's readers (DataLoader workers) import it too.
 """
@@ -22,10 +23,15 @@ from .statuses import RequestRefused, Status
 REQUEST = struct.Struct("<4sIIQQ")  # magic, kind, chunk, offset, length (PLAN: rows that follow)
 REPLY = struct.Struct("<4sIQ")  # magic, status, payload length
 REQUEST_MAGIC, REPLY_MAGIC = b"FSNQ", b"FSNP"
-HELLO, READ, PLAN, STATS = 1, 2, 3, 4
-KIND_NAMES = {HELLO: "HELLO", READ: "READ", PLAN: "PLAN", STATS: "STATS"}
+HELLO, READ, PLAN, STATS, READS = 1, 2, 3, 4, 5
+KIND_NAMES = {HELLO: "HELLO", READ: "READ", PLAN: "PLAN", STATS: "STATS", READS: "READS"}
 OK, REFUSED, UNAVAILABLE, CORRUPT = Status.OK, Status.REFUSED, Status.UNAVAILABLE, Status.CORRUPT  # as a peer's
 PLAN_ROW = np.dtype([("chunk", "<i8"), ("offset", "<i8"), ("length", "<i8")])
+READS_ROW = np.dtype([("status", "<u4"), ("length", "<u8")])  # of each blob a READS asked for, in its reply
+# What one READS may ask for: a DataLoader batch's remote blobs, or a prefetch window's, in one round trip; the serve
+# process holds them all until the reply is sent.
+READS_MAX_BLOBS = 4096
+READS_MAX_BYTES = 64 << 20
 
 
 class Refused(RequestRefused):
@@ -83,10 +89,10 @@ class BlobLookup:
             raise Refused(f"no blob of {length} bytes at offset {offset} of chunk {chunk}")
         return row
 
-    def plan_rows(self, rows: np.ndarray, first: int) -> np.ndarray:
+    def plan_rows(self, rows: np.ndarray, first: int, what: str = "plan row") -> np.ndarray:
         """Each plan row's blob row in the table (-1 where no blob is exactly there: a row inside a blob, between
-        blobs); Refused at the first row with a field out of range, naming the row (numbered from `first`) and the
-        field."""
+        blobs); Refused at the first row with a field out of range, naming the row (`what`, numbered from `first`)
+        and the field."""
         chunks, offsets, lengths = rows["chunk"], rows["offset"], rows["length"]
         bad_chunk = (chunks < 0) | (chunks >= self.chunk_count)
         safe_chunks = np.where(bad_chunk, 0, chunks)
@@ -97,7 +103,7 @@ class BlobLookup:
         if bad.any():
             number = int(np.flatnonzero(bad)[0])
             chunk, offset, length = int(chunks[number]), int(offsets[number]), int(lengths[number])
-            prefix = f"plan row {first + number}: "
+            prefix = f"{what} {first + number}: "
             if bad_chunk[number]:
                 raise Refused(self._bad_chunk(prefix, chunk))
             if bad_offset[number]:

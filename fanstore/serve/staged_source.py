@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
+from typing import Sequence
 
 from ..chunk_source import ChunkSource, LocalChunkSource
 from ..errors import ChunkError
@@ -94,6 +95,20 @@ class PlacedReads(ChunkSource):
 
     def _read_local(self, chunk_id: int, offset: int, length: int) -> bytes:
         return self._local.read(chunk_id, offset, length)
+
+    def read_many(self, blobs: Sequence[tuple[int, int, int]]) -> list[bytes | memoryview | ChunkError]:
+        """The remote ones among `blobs` asked of `remote` together; the others read here, one by one."""
+        results: list[bytes | memoryview | ChunkError | None] = [None] * len(blobs)
+        remote = [number for number, (chunk_id, offset, _) in enumerate(blobs) if self._from_peer(chunk_id, offset)]
+        for number, result in zip(remote, self._remote.read_many([blobs[number] for number in remote])):
+            results[number] = result
+        for number, blob in enumerate(blobs):
+            if results[number] is None:
+                try:
+                    results[number] = self.read(*blob)
+                except ChunkError as exc:
+                    results[number] = exc
+        return results  # type: ignore[return-value]
 
     def _from_peer(self, chunk_id: int, offset: int) -> bool:
         """Whether a read of the blob at `offset` of `chunk_id` goes to `remote`."""

@@ -65,14 +65,14 @@ class _BatchAhead:
     done: Future[dict[int, bytes]]
 
 
-def _decode_batch(read: Callable[[int], bytes], entries: list[int]) -> dict[int, bytes]:
-    decoded = {}
-    for entry in entries:
-        try:
-            decoded[entry] = read(entry)
-        except Exception:  # noqa: BLE001 - left out: the reader decodes it again, meets the error and reports it
-            pass
-    return decoded
+def _decode_batch(read_many: Callable[[list[int]], list[Any]], entries: list[int]) -> dict[int, bytes]:
+    """A batch's files, read together (under serve, one round trip for its remote blobs). One that failed is left
+    out: the reader reads it again, meets the error and reports it."""
+    try:
+        results = read_many(entries)
+    except Exception:  # noqa: BLE001 - as for one file: the reader meets it again
+        return {}
+    return {entry: result for entry, result in zip(entries, results) if not isinstance(result, Exception)}
 
 
 def _take_over(inherited: "ProcessReading | None", source: str | None) -> Dataset | None:
@@ -199,8 +199,13 @@ class ProcessReading:
         used = sum(entry in queued for entry in entries)
         self.counters.used += used
         self.counters.missed += len(entries) - used
-        read = self.dataset.reader.read
-        return [decoded.pop(entry) if entry in decoded else read(entry) for entry in entries]
+        missing = [entry for entry in entries if entry not in decoded]
+        if missing:  # read together: under serve, one round trip for the batch's remote blobs
+            for entry, result in zip(missing, self.dataset.reader.read_many(missing)):
+                if isinstance(result, Exception):
+                    raise result
+                decoded[entry] = result
+        return [decoded[entry] for entry in entries]
 
     def _position_of(self, items: Sequence[int]) -> int:
         """The place in the epoch's order of this batch's first item (-1: no plan, or not in it), the plan of a new
@@ -238,7 +243,8 @@ class ProcessReading:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max(1, self._threads), thread_name_prefix="fanstore-prefetch")
             self._ahead[start] = _BatchAhead(entries, size,
-                                             self._pool.submit(_decode_batch, self.dataset.reader.read, entries))
+                                             self._pool.submit(_decode_batch, self.dataset.reader.read_many,
+                                                               entries))
             self._ahead_bytes += size
             self.counters.ahead += len(entries)
 
