@@ -9,7 +9,8 @@ packed by the real CLI (`fanstore pack TAR DEST`), then, each in fresh processes
   open s               open_dataset in a fresh process: the first on this node (full check), a later one (median)
   lookup us            CPU per Index.lookup of a random path (bench_index's, median of --repeats rounds)
   N workers MiB        private memory (Private_Clean + Private_Dirty) of each worker of a DataLoader of N workers
-                       over FileDataset after its first item (bench_index's): the largest worker and all together
+                       over FileDataset after its first item (bench_index's): the largest worker and all together;
+                       the floor: the largest of 2 workers of a Dataset of N ints (Python and torch alone)
   serve rank MiB       private memory of the rank of `mpiexec -n 1 fanstore serve DEST` once it is ready
   plan s               `fanstore plan DEST --nodes 4096`: wall and CPU
   ls, find             through `fanstore mount DEST MNT` (mounted afresh): `ls -1` of the 100,000-entry directory
@@ -239,9 +240,12 @@ def _median(values: list[object]) -> object:
 
 
 def worker_figures(dest: Path, contexts: list[str], loader_workers: list[int]) -> Figures:
-    """Private memory of each worker of a DataLoader (bench_index's), the largest and their sum."""
+    """Private memory of each worker of a DataLoader (bench_index's), the largest and their sum; and the floor:
+    a worker of a Dataset of N ints (bench_index's `trivial`: its Python and torch, no fanstore)."""
     figures: Figures = {}
     for context in contexts:
+        floor = _measure(REPO, f"worker:{context}:trivial", dest, 1)
+        figures[f"{context} worker floor MiB"] = floor if isinstance(floor, str) else floor / MIB  # type: ignore
         for workers in loader_workers:
             each = _measure(REPO, f"workers:{context}:{workers}", dest, 1)
             name = f"{workers} {context} worker{'s' if workers > 1 else ''}"
@@ -347,6 +351,7 @@ LISTING = ("s", "CPU us/entry", "daemon CPU us/entry", "count")
 def table_rows(contexts: list[str], loader_workers: list[int]) -> list[tuple[str, int]]:
     rows = list(ROWS)
     for context in contexts:
+        rows.append((f"{context} worker floor MiB", 1))
         for workers in loader_workers:
             name = f"{workers} {context} worker{'s' if workers > 1 else ''}"
             rows.append((f"{name}: largest MiB", 1))
