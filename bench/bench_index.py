@@ -36,10 +36,10 @@ REPO = HERE.parent
 MIB = 1 << 20
 
 
-def private_bytes() -> int:
-    """Private_Clean + Private_Dirty of this process: what it holds that no other process maps."""
+def private_bytes(pid: int | str = "self") -> int:
+    """Private_Clean + Private_Dirty of a process (this one by default): what it holds that no other process maps."""
     fields = {}
-    with open("/proc/self/smaps_rollup") as rollup:
+    with open(f"/proc/{pid}/smaps_rollup") as rollup:
         for line in rollup:
             name, _, value = line.partition(":")
             if name in ("Private_Clean", "Private_Dirty"):
@@ -71,6 +71,11 @@ def _first(batch: list[int]) -> int:
 
 def worker_private_memory(dest: str, context: str, trivial: bool = False) -> int:
     """The largest private memory of the two workers after their first items."""
+    return max(workers_private_memory(dest, context, 2, trivial))
+
+
+def workers_private_memory(dest: str, context: str, workers: int, trivial: bool = False) -> list[int]:
+    """The private memory of each of a DataLoader's `workers` workers after its first item."""
     from torch.utils.data import DataLoader, RandomSampler
 
     from fanstore.torch import EpochSampler, FileDataset
@@ -79,12 +84,12 @@ def worker_private_memory(dest: str, context: str, trivial: bool = False) -> int
     sampler = EpochSampler(RandomSampler(dataset), dataset)
     if trivial:
         dataset, sampler = _Trivial(len(dataset)), RandomSampler(range(len(dataset)))
-    loader = DataLoader(dataset, batch_size=1, num_workers=2, sampler=sampler, multiprocessing_context=context,
-                        collate_fn=_first, prefetch_factor=1)
+    loader = DataLoader(dataset, batch_size=1, num_workers=workers, sampler=sampler,
+                        multiprocessing_context=context, collate_fn=_first, prefetch_factor=1)
     items = iter(loader)
-    figures = [next(items) for _ in range(2)]  # one item from each worker
+    figures = [next(items) for _ in range(workers)]  # one item from each worker: the loader takes them by turns
     del items
-    return max(figures)
+    return figures
 
 
 def _child(kind: str, dest: str, repeats: int) -> object:
@@ -105,10 +110,11 @@ def _child(kind: str, dest: str, repeats: int) -> object:
         return time.perf_counter() - start
     if kind in ("lookup", "read"):
         dataset = open_dataset(dest)
-        files = dataset.index.file_count
+        files = dataset.index.files_in_path_order()
         rng = random.Random(7)
         calls = 20_000 if kind == "lookup" else 5_000
-        paths = [f"d{n // 1000:05d}/f{n:08d}.bin" for n in (rng.randrange(files) for _ in range(calls))]
+        # Taken from the index, so any dataset's paths serve (bench_scale's layout is not synthetic_index's).
+        paths = [dataset.index.path_of(int(files[rng.randrange(len(files))])) for _ in range(calls)]
         call = dataset.index.lookup if kind == "lookup" else dataset.read
         rounds = []
         for _ in range(repeats):
@@ -117,6 +123,9 @@ def _child(kind: str, dest: str, repeats: int) -> object:
                 call(path)
             rounds.append((time.process_time() - start) / calls * 1e6)
         return rounds
+    if kind.startswith("workers:"):
+        _, context, workers = kind.split(":")
+        return workers_private_memory(dest, context, int(workers))
     if kind.startswith("worker"):
         _, context, floor = kind.split(":")
         return worker_private_memory(dest, context, floor == "trivial")
