@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from chunk_source_contract import ChunkSourceContract
 from conftest import flip_byte, make_tree
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.chunk_source import LocalChunkSource
@@ -90,3 +91,18 @@ def test_a_pytorch_reader_of_a_served_node_reads_a_damaged_blob_from_dest(staged
                              StagedChunkSource(LocalChunkSource(copy, sizes), dest_source, 0), dest_source,
                              frozenset())
     assert Reader(index, source).read(files["random.bin"]) == (src / "random.bin").read_bytes()
+
+
+class TestStagedChunkSource(ChunkSourceContract):
+    """A node's staged copy holding every other chunk (the rest gone from it, as after damage), DEST behind it: the
+    source passes the contract whichever copy answers."""
+
+    @pytest.fixture
+    def make_source(self, dataset, tmp_path):
+        with open_dataset(dataset) as ds:
+            sizes = ds.index.chunks["size"].copy()
+        copy = tmp_path / "local"
+        shutil.copytree(dataset / "chunks", copy / "chunks")
+        for chunk_id in range(1, len(sizes), 2):
+            (copy / chunk_file_name(chunk_id)).unlink()
+        return lambda: StagedChunkSource(LocalChunkSource(copy, sizes), LocalChunkSource(dataset, sizes), rank=0)
