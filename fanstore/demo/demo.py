@@ -13,11 +13,11 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
-from .api import Dataset, open_dataset
+from ..core.api import Dataset, open_dataset
 from .demo_data import build_demo_tree
 from .demo_training import train_and_evaluate
-from .pack import PackOptions, pack
-from .units import format_bytes, plural
+from ..pack.packer import PackOptions, pack
+from ..core.units import format_bytes, plural
 
 DEMO_CODEC = "zstd-dict:9"
 DEMO_REPLICATE = ("val/**",)
@@ -85,7 +85,7 @@ def _demo_mount(
 ) -> tuple[list[tuple[str, float]], list[str]]:
     """Mount the dataset, check every file through it, time two epochs, and train on it as on the original;
     `while_mounted(mountpoint)` runs before the unmount, or `while_mounted(None)` if there is no mount."""
-    from .mount import fuse_unavailable_reason, mount_background, resolve_mountpoint, unmount, wait_for_exit
+    from ..mount.mount import fuse_unavailable_reason, mount_background, resolve_mountpoint, unmount, wait_for_exit
 
     reason = fuse_unavailable_reason()
     if reason is not None:
@@ -188,7 +188,7 @@ def _demo_serve(dataset: Path, workdir: Path, source: Path) -> list[str]:
     import subprocess
     import sys
 
-    from .mount import fuse_unavailable_reason
+    from ..mount.mount import fuse_unavailable_reason
 
     mpiexec = Path(sys.executable).with_name("mpiexec")
     mpiexec_path = str(mpiexec) if mpiexec.exists() else shutil.which("mpiexec")
@@ -228,7 +228,7 @@ def _blob_count(ds: Dataset) -> tuple[int, int]:
 
     import numpy as np
 
-    from .format import FLAG_BLOCKED, NO_CHUNK
+    from ..core.format import FLAG_BLOCKED, NO_CHUNK
 
     entries = ds.index.entries
     blocked = (entries["flags"] & FLAG_BLOCKED) != 0
