@@ -104,7 +104,7 @@ def _demo_mount(
         print(f"read back {len(paths):,} files through the mount: {len(bad)} differ from the original or are missing")
         second_epoch = _best_time(lambda: [(mountpoint / p).read_bytes() for p in paths])
 
-        print("\nthe same training loop (open and read under a path; see fanstore/demo_training.py), from two "
+        print("\nthe same training loop (open and read under a path; see fanstore/demo/demo_training.py), from two "
               f"directories: it classifies the digit PNGs only, {parts.digits_train:,} in train/ and "
               f"{parts.digits_val:,} in val/")
         for name, root in (("original directory", source), ("fanstore mount", mountpoint)):
@@ -136,7 +136,7 @@ def _demo_torch(source: Path, dataset: Path, parts: _TreeParts, mountpoint: Path
     settings = TrainingSettings()
     print(f"\nPyTorch: a 2-layer CNN, seed {settings.seed}, {plural(settings.epochs, 'epoch')} of batches of "
           f"{settings.batch_size}, num_workers={settings.num_workers}, {plural(len(os.sched_getaffinity(0)), 'core')}; "
-          "the same run from each reader (fanstore/demo_torch.py).\n"
+          "the same run from each reader (fanstore/demo/demo_torch.py).\n"
           f"train+val: the images of every class folder, the 10 digits and photos/ ({parts.digits_train:,} + "
           f"{parts.photos_train:,} in train/, {parts.digits_val:,} + {parts.photos_val:,} in val/),\nso more than "
           "the digits-only loop above. s (wait): an epoch's seconds, and those the loop spent waiting in "
