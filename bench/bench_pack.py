@@ -177,7 +177,7 @@ def build_demo(workdir: Path) -> tuple[Path | None, str]:
     try:
         from fanstore.demo.demo_data import build_demo_tree
     except ImportError as exc:
-        return None, f"demo dataset skipped: cannot import fanstore.demo_data ({exc})"
+        return None, f"demo dataset skipped: cannot import fanstore.demo.demo_data ({exc})"
     root = workdir / "demo-source"
     build_demo_tree(root, scale=1)
     return root, "demo dataset: built fresh in a temporary directory by fanstore.demo.demo_data.build_demo_tree(scale=1)"
