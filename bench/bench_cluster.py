@@ -170,8 +170,8 @@ def build_images(shared: Path, count: int, chunk_size: int) -> DataSet:
 
 def build_demo(shared: Path) -> DataSet:
     """The demo training set and its dataset, packed as `fanstore demo` packs it."""
-    from fanstore.demo import DEMO_CODEC
-    from fanstore.demo_data import build_demo_tree
+    from fanstore.demo.demo import DEMO_CODEC
+    from fanstore.demo.demo_data import build_demo_tree
 
     original, packed, marker = shared / "demo", shared / "demo.fanstore", shared / "demo.complete"
     if not marker.exists() or marker.read_text() != f"{DEMO_CODEC}\n":
@@ -548,7 +548,7 @@ def cpu_rows(results: Sequence[Result]) -> list[list[str]]:
 def capacity_rows(shared: Path, sets: Sequence[DataSet], compute_ms: float) -> list[list[str]]:
     """stored/raw with --codec auto, at the decode budget one rank needs to keep its compute busy (files at
     1/compute_ms each, of the set's mean size), and the fullest node's share at each of CAPACITY_NODES."""
-    from fanstore.index import Index
+    from fanstore.core.index import Index
     from fanstore.serve.placement import place
 
     rows = []

@@ -63,8 +63,8 @@ sys.path.insert(0, str(REPO))  # measure this checkout, not some installed fanst
 from bench_read import GENERATED_TIME_NS, UNPINNED, Placement, back_memory, print_table, reader_pool  # noqa: E402
 from machine_load import OtherLoad, machine_lines, wait_for_quiet  # noqa: E402
 
-from fanstore.mount import wait_for_exit  # noqa: E402
-from fanstore.units import parse_size  # noqa: E402
+from fanstore.mount.mount import wait_for_exit  # noqa: E402
+from fanstore.core.units import parse_size  # noqa: E402
 
 MIB = 1 << 20
 DEFAULT_SIZE, QUICK_SIZE = 256 * MIB, 32 * MIB

@@ -8,7 +8,7 @@ One run measures, and prints as one table beside baselines measured in the same 
     `mksquashfs SRC out.sqsh -comp zstd`, as ratio (raw / stored) and relative to the squashfs image;
   * `Index.load` wall time and RSS growth per file for a synthetic one-million-file index, in fresh processes.
 
-Datasets: the demo tree (`fanstore.demo_data.build_demo_tree`, scale 1) and a generated ImageNet-like tree of
+Datasets: the demo tree (`fanstore.demo.demo_data.build_demo_tree`, scale 1) and a generated ImageNet-like tree of
 >= 1 GiB in >= 100,000 files (bench/synthetic_tree.py), generated once into --cache and reused. A final section
 checks the project's targets. The page cache is not dropped (that needs root and is unreliable); every source
 tree is read once before timing instead, so all timings are warm-cache.
@@ -39,8 +39,8 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 sys.path.insert(0, str(REPO))  # measure this checkout, not some installed fanstore
 
-from fanstore.format import CHUNK_DTYPE, CHUNK_HEADER_LEN  # noqa: E402
-from fanstore.index import EntryRecord, build_index_bytes, write_index_atomically  # noqa: E402
+from fanstore.core.format import CHUNK_DTYPE, CHUNK_HEADER_LEN  # noqa: E402
+from fanstore.core.index import EntryRecord, build_index_bytes, write_index_atomically  # noqa: E402
 from machine_load import OtherLoad, machine_lines, wait_for_quiet  # noqa: E402
 from synthetic_tree import TreeShape, class_names, write_tree  # noqa: E402
 
@@ -175,12 +175,12 @@ def ensure_generated(cache: Path, quick: bool, processes: int) -> Path:
 def build_demo(workdir: Path) -> tuple[Path | None, str]:
     """The demo tree at scale 1, built fresh in workdir, or None and a line saying why it cannot be built."""
     try:
-        from fanstore.demo_data import build_demo_tree
+        from fanstore.demo.demo_data import build_demo_tree
     except ImportError as exc:
-        return None, f"demo dataset skipped: cannot import fanstore.demo_data ({exc})"
+        return None, f"demo dataset skipped: cannot import fanstore.demo.demo_data ({exc})"
     root = workdir / "demo-source"
     build_demo_tree(root, scale=1)
-    return root, "demo dataset: built fresh in a temporary directory by fanstore.demo_data.build_demo_tree(scale=1)"
+    return root, "demo dataset: built fresh in a temporary directory by fanstore.demo.demo_data.build_demo_tree(scale=1)"
 
 
 def size_warning(dataset: Dataset) -> str | None:
@@ -408,7 +408,7 @@ def measure_dataset(dataset: Dataset, workdir: Path, tools: Tools, one: Placemen
 
 _INDEX_PROBE = r"""
 import json, sys, time
-from fanstore.index import Index
+from fanstore.core.index import Index
 
 def rss_bytes():
     with open("/proc/self/status") as status:

@@ -50,7 +50,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 sys.path.insert(0, str(REPO))  # measure this checkout, not some installed fanstore
 
-from fanstore.mount import READ_AHEAD_KIB, fuse_mounted_at, read_ahead_setting  # noqa: E402
+from fanstore.mount.mount import READ_AHEAD_KIB, fuse_mounted_at, read_ahead_setting  # noqa: E402
 from machine_load import OtherLoad, machine_lines, wait_for_quiet  # noqa: E402
 
 KIB = 1024
@@ -206,7 +206,7 @@ def daemon_command(system: str, files: FileSet, mountpoint: Path, stats: Path, e
         return [sys.executable, "-m", "fanstore", "mount", str(files.dataset), str(mountpoint), "--foreground",
                 *extra]
     if system == "fanstore-options":  # a lever the CLI has no flag for: MountOptions given to the same entry point
-        program = ("import sys; from pathlib import Path; from fanstore.mount import MountOptions, "
+        program = ("import sys; from pathlib import Path; from fanstore.mount.mount import MountOptions, "
                    "mount_foreground; sys.exit(mount_foreground(Path(sys.argv[1]), Path(sys.argv[2]), "
                    f"MountOptions({', '.join(extra)})))")
         return [sys.executable, "-c", program, str(files.dataset), str(mountpoint)]

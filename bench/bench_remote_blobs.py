@@ -44,7 +44,7 @@ mpi4py.rc.thread_level = "multiple"
 from mpi4py import MPI  # noqa: E402
 import trio  # noqa: E402
 
-from fanstore.chunk_source import BlobRead  # noqa: E402
+from fanstore.core.chunk_source import BlobRead  # noqa: E402
 from fanstore.serve.doorbell import open_doorbell  # noqa: E402
 from fanstore.serve.polling import wait_all  # noqa: E402
 from fanstore.serve.remote_blobs import RemoteBlobs  # noqa: E402

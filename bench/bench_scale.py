@@ -54,8 +54,8 @@ from bench_index import _measure, private_bytes  # noqa: E402
 from bench_serve import mpiexec_command, serve_requirements_missing  # noqa: E402
 from machine_load import OtherLoad, cpu_ns, machine_lines  # noqa: E402
 
-from fanstore.format import INDEX_NAME  # noqa: E402
-from fanstore.mount import fuse_mounted_at, unmount  # noqa: E402
+from fanstore.core.format import INDEX_NAME  # noqa: E402
+from fanstore.mount.mount import fuse_mounted_at, unmount  # noqa: E402
 
 MIB = 1 << 20
 CONTENT = b"0123456789"

@@ -19,14 +19,14 @@ One run measures, and prints as tables:
     what they would on 10 GiB of data, without the disk.
 
   * whole-pack predictions (issue 14): the pack time and stored size the selection predicts, beside a real
-    `--codec auto` pack (fanstore.pack.pack, the function the CLI runs, in a child pinned like the CLI pack), on
+    `--codec auto` pack (fanstore.pack.packer.pack, the function the CLI runs, in a child pinned like the CLI pack), on
     the generated tree and on a real one: a copy of this environment's installed packages (its site-packages,
     whole top-level entries in name order up to about 150 MB; 30 MB with --quick): Python source and bytecode,
     shared libraries, fonts and data. Pack time is the pack's own, after the selection (which the user has
     already waited for when the estimate is printed); stored size is the files' stored bytes and the whole of DEST.
   * the held-out tree (issue 33, bench/held_out_tree.py): a small training tree whose kind `other` is mostly one
     3 MiB file of random bytes among 320 small compressible ones, which a sample drawn by files missed. A `--codec
-    auto --budget B` selection gives the bound of its prediction; a real pack (fanstore.pack.pack, pinned like the
+    auto --budget B` selection gives the bound of its prediction; a real pack (fanstore.pack.packer.pack, pinned like the
     CLI pack) with the same budget and `--fit` 2% above that bound then stores what it stores: its stored bytes
     beside the prediction and its bound, and whether DEST fits. Only bytes are compared, so this section does not
     wait for a quiet machine.
@@ -74,10 +74,10 @@ from bench_pack import (  # noqa: E402  (bench_pack puts this checkout first on 
     tree_totals,
 )
 
-from fanstore.api import Dataset  # noqa: E402
-from fanstore.index import Index  # noqa: E402
+from fanstore.core.api import Dataset  # noqa: E402
+from fanstore.core.index import Index  # noqa: E402
 from compressors.kinds import HEAD_BYTES, JPEG, NPY, PNG, TEXT, file_kind  # noqa: E402
-from fanstore.units import parse_rate  # noqa: E402
+from fanstore.core.units import parse_rate  # noqa: E402
 from selector import Selection  # noqa: E402
 from selector.measure import MB, READ_PATH_BATCH_FILES, read_path_batches  # noqa: E402
 from selector.policy import NONE_SPEC, Budget, choose, decimal_bytes  # noqa: E402
@@ -169,9 +169,9 @@ def decode_worker(dest: Path, src: Path, plan_path: Path) -> None:
     and plain-directory reads, and the selector's own figure measured again between them, in the same rounds."""
     import blosc
 
-    from fanstore.api import open_dataset
-    from fanstore.groups import GroupPlan
-    from fanstore.walk import walk_source
+    from fanstore.core.api import open_dataset
+    from fanstore.pack.groups import GroupPlan
+    from fanstore.pack.walk import walk_source
     from selector.measure import measure_kind
     from selector.sample import draw_sample
 
@@ -507,10 +507,10 @@ def ensure_real_tree(cache: Path, limit: int, quick: bool) -> Path:
 
 
 def pack_worker(src: Path, dest: Path, budget: str, threads: int, workers: int) -> None:
-    """Child process: one `--codec auto` pack through fanstore.pack.pack; its figures as JSON on stdout. Run
+    """Child process: one `--codec auto` pack through fanstore.pack.packer.pack; its figures as JSON on stdout. Run
     through the function rather than the CLI so that nothing needs the index read back (see the note printed
     when an index cannot be opened)."""
-    from fanstore.pack import PackOptions, pack
+    from fanstore.pack.packer import PackOptions, pack
 
     options = PackOptions(codec="auto", budget=parse_rate(budget, "--budget"), prefetch_threads=threads,
                           workers=workers)
@@ -568,7 +568,7 @@ def index_opens(dest_probe: Path, src: Path) -> str | None:
     """None when a plain pack of `src` gives an index that opens; else why not (the whole-pack figures do not need
     it, but the report says so: it is a bug of its own)."""
     from fanstore.errors import FanstoreError
-    from fanstore.pack import PackOptions, pack
+    from fanstore.pack.packer import PackOptions, pack
 
     try:
         pack(src, dest_probe, PackOptions(codec="none", workers=1))
@@ -612,7 +612,7 @@ def whole_pack_targets(runs: list[WholePack]) -> list[tuple[str, str, str]]:
 def print_whole_packs(runs: list[WholePack], placement: Placement, budget: str, threads: int,
                       notes: list[str]) -> None:
     print(f"4. whole-pack predictions: `fanstore pack SRC DEST --codec auto --budget {budget} --prefetch-threads "
-          f"{threads} --workers {len(placement.cpus)}` (as fanstore.pack.pack, on {placement.label}), beside what "
+          f"{threads} --workers {len(placement.cpus)}` (as fanstore.pack.packer.pack, on {placement.label}), beside what "
           "its selection predicted")
     print("   pack s: the pack's own seconds after the selection (walk, dictionaries, compression, index), predicted "
           "as walk and index + dictionary training + the slower of the workers' reading and compressing and the "
@@ -645,12 +645,12 @@ def ensure_held_out(cache: Path) -> Path:
 
 def held_out_worker(src: Path, dest: Path, budget: str, threads: int, workers: int) -> None:
     """Child process: the selection that plans the --fit (--budget alone: its prediction's bound), then the --fit
-    pack through fanstore.pack.pack; the figures as JSON on stdout. A pack refused or stopped by its --fit is a
+    pack through fanstore.pack.packer.pack; the figures as JSON on stdout. A pack refused or stopped by its --fit is a
     figure too (its message), not a failure of the bench."""
     from fanstore.errors import DoesNotFit
-    from fanstore.groups import GroupPlan
-    from fanstore.pack import PackOptions, make_goal, pack, select_for
-    from fanstore.walk import walk_source
+    from fanstore.pack.groups import GroupPlan
+    from fanstore.pack.packer import PackOptions, make_goal, pack, select_for
+    from fanstore.pack.walk import walk_source
     from selector.sample import DEFAULT_FRACTION
 
     rate = parse_rate(budget, "--budget")
@@ -747,7 +747,7 @@ def held_out_table(run: HeldOut) -> list[list[str]]:
 
 def print_held_out(run: HeldOut, placement: Placement, budget: str, threads: int) -> None:
     print(f"5. the held-out tree: `fanstore pack SRC DEST --codec auto --budget {budget} --prefetch-threads {threads} "
-          f"--workers {len(placement.cpus)} --fit F` (as fanstore.pack.pack, on {placement.label}), F the bound of a "
+          f"--workers {len(placement.cpus)} --fit F` (as fanstore.pack.packer.pack, on {placement.label}), F the bound of a "
           f"--budget selection's prediction + {HELD_OUT_FIT_MARGIN:.0%}")
     print(f"   SRC: {run.src} (bench/held_out_tree.py): kind `other` is mostly one 3 MiB file of random bytes")
     print(f"   planning selection: {', '.join(f'{k} {v}' for k, v in run.planning.codec_by_kind().items())}; "

@@ -5,7 +5,7 @@ process, beside a plain directory and the Python API, and what do the ranks cost
 One run, one table (and a staging table): four datasets, each packed with a chunk size that makes chunks
 outnumber the ranks many times over, with val/ replicated (--replicate 'val/**'):
 
-  demo          fanstore's demo training set (fanstore/demo_data.py, scale 1; codec zstd-dict:9, as `fanstore demo`);
+  demo          fanstore's demo training set (fanstore/demo/demo_data.py, scale 1; codec zstd-dict:9, as `fanstore demo`);
   128 KiB       20,000 + 600 generated files of 128 KiB in train/ and val/ (codec lz4, bytes as bench_read makes
                 them, stored in about 43%);
   128 KiB JPEG  as many files of random bytes behind a JPEG header, as photos are: incompressible, so stored as is
@@ -107,8 +107,8 @@ sys.path.insert(0, str(REPO))  # measure this checkout, not some installed fanst
 from bench_read import back_memory, file_bytes, print_table, warm, write_files  # noqa: E402
 from machine_load import OtherLoad, cpu_ns, idle_cpu, machine_lines, wait_for_quiet  # noqa: E402
 
-from fanstore.format import CHUNK_HEADER_LEN, NO_CHUNK  # noqa: E402
-from fanstore.mount import fuse_mounted_at, fuse_unavailable_reason  # noqa: E402
+from fanstore.core.format import CHUNK_HEADER_LEN, NO_CHUNK  # noqa: E402
+from fanstore.mount.mount import fuse_mounted_at, fuse_unavailable_reason  # noqa: E402
 
 KIB, MIB = 1024, 1 << 20
 RANKS = 3
@@ -285,8 +285,8 @@ def build_generated(cache: Path, label: str, spec: Generated, divisor: int) -> t
 
 def build_demo(cache: Path) -> tuple[Path, Path, str]:
     """The demo training set and its dataset, packed as `fanstore demo` packs it but in small chunks."""
-    from fanstore.demo import DEMO_CODEC
-    from fanstore.demo_data import build_demo_tree
+    from fanstore.demo.demo import DEMO_CODEC
+    from fanstore.demo.demo_data import build_demo_tree
 
     base = cache / f"serve-demo-{DEMO_SCALE}-{DEMO_CHUNK_SIZE}"
     src, dest, marker = base / "files", base / "dataset", base / "complete"
@@ -302,8 +302,8 @@ def build_demo(cache: Path) -> tuple[Path, Path, str]:
 def describe(label: str, src: Path, dest: Path, codec: str, chunk_size: int, divisor: int = 1) -> DataSet:
     """The epoch and the staging expectations of a packed dataset, from its index and its 3-rank placement; with
     `divisor`, the epoch reads that share of each group (--quick on a dataset it does not generate)."""
-    from fanstore.format import FLAG_BLOCKED
-    from fanstore.index import Index
+    from fanstore.core.format import FLAG_BLOCKED
+    from fanstore.core.index import Index
     from fanstore.serve.placement import NO_OWNER, place
 
     index = Index.load(dest)

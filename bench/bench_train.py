@@ -738,7 +738,7 @@ def write_shares(data: DataSet, workdir: Path) -> dict[str, str]:
     """For each rank, the list of the files stored on it and the list of those stored on the other rank (its
     local and remote files under `fanstore serve` of RANKS ranks: placement.place), as the local-files and
     remote-files runs read them; {rank} in the names."""
-    from fanstore.index import Index
+    from fanstore.core.index import Index
     from fanstore.serve.placement import place
 
     index = Index.load(data.dest)

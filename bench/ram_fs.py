@@ -33,9 +33,9 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # fanstore's own kernel settings, this checkout
 
-from fanstore.fuse_ops import KERNEL_CACHE_TIMEOUT  # noqa: E402
-from fanstore.daemon_tuning import install_fast_session_loop  # noqa: E402
-from fanstore.mount import READ_AHEAD_KIB, set_read_ahead  # noqa: E402
+from fanstore.mount.fuse_ops import KERNEL_CACHE_TIMEOUT  # noqa: E402
+from fanstore.mount.daemon_tuning import install_fast_session_loop  # noqa: E402
+from fanstore.mount.mount import READ_AHEAD_KIB, set_read_ahead  # noqa: E402
 
 
 class RamOperations(pyfuse3.Operations):

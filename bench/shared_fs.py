@@ -581,7 +581,7 @@ def run_client(socket_path: Path, node: int, directory: Path, mountpoint: Path) 
     from shared_fs_client import LustreClient, ModelLink
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from fanstore.daemon_tuning import install_fast_session_loop  # the loop fanstore's mount runs: cheaper requests
+    from fanstore.mount.daemon_tuning import install_fast_session_loop  # the loop fanstore's mount runs: cheaper requests
 
     install_fast_session_loop()
 

@@ -17,9 +17,9 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fanstore.format import (CHUNK_DTYPE, CHUNK_HEADER_LEN, DERIVED_DTYPE, ENTRY_DTYPE, HASH_DTYPE,  # noqa: E402
+from fanstore.core.format import (CHUNK_DTYPE, CHUNK_HEADER_LEN, DERIVED_DTYPE, ENTRY_DTYPE, HASH_DTYPE,  # noqa: E402
                              ORDER_DTYPE, chunk_file_name, pack_chunk_header)
-from fanstore.index import _serialise, derive_first_child, write_index_atomically  # noqa: E402
+from fanstore.core.index import _serialise, derive_first_child, write_index_atomically  # noqa: E402
 
 CONTENT = b"0123456789"
 MTIME_NS = 1_700_000_000 * 10**9

@@ -12,7 +12,7 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-from .api import BlobFile, Dataset, EntryStat, open_dataset
+from .core.api import BlobFile, Dataset, EntryStat, open_dataset
 from .errors import (
     ChunkCorrupt,
     ChunkError,
@@ -31,7 +31,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .pack import PackOptions, PackSummary, pack
+    from .pack.packer import PackOptions, PackSummary, pack
 
 __all__ = [
     "BlobFile",
@@ -57,7 +57,7 @@ __all__ = [
     "pack",
 ]
 
-_PACK_MODULE = f"{__name__}.pack"
+_PACK_MODULE = f"{__name__}.pack.packer"
 _FROM_PACK_MODULE = ("PackOptions", "PackSummary", "pack")
 
 
@@ -75,12 +75,13 @@ def __dir__() -> list[str]:
 
 
 class _Package(types.ModuleType):
-    """Keeps `fanstore.pack` the function: importing the submodule `fanstore.pack` binds the module to that name in
-    the package (the import system does it, whoever imports it first), which the eager import used to overwrite."""
+    """Keeps `fanstore.pack` the function: importing the subpackage `fanstore.pack` (the packer's package) binds it
+    to that name in the package (the import system does it, whoever imports it first). That binding is dropped, so
+    the name stays the function, or is looked up by `__getattr__` above, which imports the packer then."""
 
     def __setattr__(self, name: str, value: object) -> None:
-        if name == "pack" and value is sys.modules.get(_PACK_MODULE):
-            value = value.pack  # type: ignore[attr-defined]
+        if name == "pack" and isinstance(value, types.ModuleType):
+            return
         super().__setattr__(name, value)
 
 

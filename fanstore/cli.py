@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .errors import DoesNotFit, FanstoreError, UsageError, quoted, say_line
-from .units import format_bytes, parse_size, plural
+from .core.units import format_bytes, parse_size, plural
 
 if TYPE_CHECKING:
     from selector import Selection
 
-    from .pack import PackOptions, PackSummary
+    from .pack.packer import PackOptions, PackSummary
     from .serve.placement import Placement
 
 EXIT_FAILURE = 1
@@ -96,7 +96,7 @@ def _pack_help(prog: str) -> dict[str, Any]:
     """fanstore-pack's and `fanstore pack`'s --help, the codec grammar included (compressors.registry's)."""
     from compressors.registry import codec_grammar
 
-    from .pack import AUTO_CODEC
+    from .pack.packer import AUTO_CODEC
 
     grammar = "\n".join(f"  {line}" for line in codec_grammar().splitlines())
     return _command_help(
@@ -125,7 +125,7 @@ def _pack_help(prog: str) -> dict[str, Any]:
 
 
 def _add_pack_arguments(parser: argparse.ArgumentParser) -> None:
-    from .pack import DEFAULT_BLOCK_SIZE, DEFAULT_BLOCKS_ABOVE, DEFAULT_CHUNK_SIZE, DEFAULT_CODEC
+    from .pack.packer import DEFAULT_BLOCK_SIZE, DEFAULT_BLOCKS_ABOVE, DEFAULT_CHUNK_SIZE, DEFAULT_CODEC
 
     parser.add_argument("src", metavar="SRC", nargs="+",
                         help="directory tree to pack (it is only read), or one or more archives or globs of them")
@@ -181,8 +181,8 @@ def _add_selection_arguments(parser: argparse.ArgumentParser, auto_only: bool) -
 
 
 def _selection_options(args: argparse.Namespace) -> dict[str, Any]:
-    from .pack import AUTO_CODEC
-    from .units import parse_fraction, parse_rate
+    from .pack.packer import AUTO_CODEC
+    from .core.units import parse_fraction, parse_rate
 
     if getattr(args, "codec", AUTO_CODEC) != AUTO_CODEC:
         for option, given in (("--budget", args.budget is not None), ("--prefetch-threads", args.prefetch_threads),
@@ -224,7 +224,7 @@ def _parse_nodes(text: str) -> int:
 
 def _parse_tolerance(text: str) -> float:
     """--tolerance as a fraction from 0 (unlike --sample, 0 is meaningful: the smallest stored size always wins)."""
-    from .units import parse_fraction
+    from .core.units import parse_fraction
 
     if str(text).strip().rstrip("%").strip() in ("0", "0.0"):
         return 0.0
@@ -237,7 +237,7 @@ def _parse_tolerance(text: str) -> float:
 def _run_pack(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from .pack import PackOptions, PackProgress, pack
+    from .pack.packer import PackOptions, PackProgress, pack
 
     options = PackOptions(
         codec=args.codec,
@@ -273,7 +273,7 @@ def _run_pack(args: argparse.Namespace) -> int:
     for problem in summary.problems[:_WARNINGS_SHOWN]:
         print(f"warning: skipped {problem}", file=sys.stderr)
     if len(summary.problems) > _WARNINGS_SHOWN:
-        from .info import all_skipped_command
+        from .core.info import all_skipped_command
 
         print(f"warning: ... and {len(summary.problems) - _WARNINGS_SHOWN} more skipped "
               f"({all_skipped_command(args.dest)} lists them all)", file=sys.stderr)
@@ -324,7 +324,7 @@ def _check_fit(dest: Path, capacity: int, nodes: int, predicted: float) -> tuple
     --nodes the fullest node of the placement `fanstore plan` and `fanstore serve` use. One line, and whether it
     fits."""
     if nodes:
-        from .index import Index
+        from .core.index import Index
         from .serve.placement import place
 
         placement = place(Index.load(dest), nodes)
@@ -379,9 +379,9 @@ def _run_select(args: argparse.Namespace) -> int:
     from selector import SelectionError
     from selector.report import format_selection, plot_selection
 
-    from .groups import GroupPlan
-    from .pack import make_goal, select_for, walk_sources
-    from .walk_archive import source_paths
+    from .pack.groups import GroupPlan
+    from .pack.packer import make_goal, select_for, walk_sources
+    from .pack.walk_archive import source_paths
 
     groups = GroupPlan(tuple(args.replicate))  # validates the patterns before the long part
     options = _selection_options(args)
@@ -401,8 +401,8 @@ def _run_select(args: argparse.Namespace) -> int:
 
 
 def _run_verify(args: argparse.Namespace) -> int:
-    from .api import open_dataset
-    from .verify import verify_dataset
+    from .core.api import open_dataset
+    from .core.verify import verify_dataset
 
     with open_dataset(args.dest) as ds:
         report = verify_dataset(ds)
@@ -417,8 +417,8 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 
 def _run_info(args: argparse.Namespace) -> int:
-    from .api import open_dataset
-    from .info import describe_dataset
+    from .core.api import open_dataset
+    from .core.info import describe_dataset
 
     with open_dataset(args.dest) as ds:
         print(describe_dataset(ds, all_skipped=args.all_skipped))
@@ -426,7 +426,7 @@ def _run_info(args: argparse.Namespace) -> int:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from .index import Index
+    from .core.index import Index
     from .serve.placement import MAX_NODES, place
 
     try:
@@ -486,7 +486,7 @@ def _spread_of(shares: list[int]) -> str:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .demo.demo import run_demo
 
     if args.scale < 1:
         raise UsageError(f"--scale: must be 1 or more, got {args.scale}")
@@ -497,8 +497,8 @@ def _run_mount(args: argparse.Namespace) -> int:
     import logging
     import math
 
-    from .dest_apart import check_apart_from_dest
-    from .mount import MountOptions, check_outside, dataset_paths, default_log_path, mount_background, \
+    from .core.dest_apart import check_apart_from_dest
+    from .mount.mount import MountOptions, check_outside, dataset_paths, default_log_path, mount_background, \
         mount_foreground, resolve_mountpoint
 
     options = MountOptions(
@@ -536,7 +536,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     import logging
     import math
 
-    from .mount import MountOptions
+    from .mount.mount import MountOptions
     from .serve.node import ServeOptions, run
     from .serve.transport import PeerOptions
 
@@ -570,7 +570,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _run_umount(args: argparse.Namespace) -> int:
-    from .mount import resolve_mountpoint, unmount
+    from .mount.mount import resolve_mountpoint, unmount
 
     unmount(resolve_mountpoint(Path(args.mountpoint)))
     return 0

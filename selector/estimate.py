@@ -3,7 +3,7 @@
 Stored bytes: each kind's estimated bytes in SRC divided by its chosen setting's ratio on the sample, plus the
 dictionaries (one per group the kind is in).
 
-Pack time, for the person who waits for it, follows how the packer works (fanstore/pack.py, compress.py):
+Pack time, for the person who waits for it, follows how the packer works (fanstore/pack/packer.py, compress.py):
 
   * walking SRC before and writing the index after: the packing process, per file;
   * training dictionaries: the packing process reads up to DICT_TRAIN_TOTAL_BYTES of file heads per group, then

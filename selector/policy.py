@@ -568,7 +568,7 @@ def _shortfall(strongest: Need, budget: Budget, goal: Goal) -> str:
 
 def decimal_bytes(count: float) -> str:
     """A size in SI units to three significant digits, as --fit and --budget are usually given: 10 GB, 12.3 GB,
-    950 MB. The same text as fanstore.units.format_bytes, which every fanstore command prints sizes with (the
+    950 MB. The same text as fanstore.core.units.format_bytes, which every fanstore command prints sizes with (the
     selector knows nothing of fanstore; a test holds the two equal)."""
     value = float(count)
     if abs(round(value)) < 1000:
@@ -584,5 +584,5 @@ _SI_UNITS = ("kB", "MB", "GB", "TB", "PB")
 
 
 def plural(count: int, noun: str, nouns: str | None = None) -> str:
-    """`count` and the noun it takes: 1 worker, 2 workers, 1,000 files (as fanstore.units.plural)."""
+    """`count` and the noun it takes: 1 worker, 2 workers, 1,000 files (as fanstore.core.units.plural)."""
     return f"{count:,} {noun if count == 1 else nouns or noun + 's'}"

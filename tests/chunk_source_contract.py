@@ -10,8 +10,8 @@ import pytest
 
 from conftest import make_tree
 from fanstore import PackOptions, open_dataset, pack
-from fanstore.chunk_source import ChunkSource, ChunkUnavailable
-from fanstore.format import CHUNK_HEADER_LEN, NO_CHUNK, chunk_file_name
+from fanstore.core.chunk_source import ChunkSource, ChunkUnavailable
+from fanstore.core.format import CHUNK_HEADER_LEN, NO_CHUNK, chunk_file_name
 
 
 class ChunkSourceContract:

@@ -137,7 +137,7 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> N
 
 
 class PausedPack:
-    """A real fanstore-pack process that stops at a pause point (fanstore/pause.py): `wait` returns once it is
+    """A real fanstore-pack process that stops at a pause point (fanstore/core/pause.py): `wait` returns once it is
     there, so a test kills it, or fills its disk, at exactly that moment and not whenever a poll happens to look."""
 
     def __init__(self, src: Path, dest: Path, args: list[str], event: str, pause_dir: Path) -> None:

@@ -20,9 +20,9 @@ mpi4py.rc.thread_level = "serialized"
 from mpi4py import MPI  # noqa: E402
 import xxhash  # noqa: E402
 
-from fanstore.chunk_source import LocalChunkSource  # noqa: E402
+from fanstore.core.chunk_source import LocalChunkSource  # noqa: E402
 from fanstore.errors import say_line  # noqa: E402
-from fanstore.index import Index  # noqa: E402
+from fanstore.core.index import Index  # noqa: E402
 from fanstore.serve.node import RequestChecker  # noqa: E402
 from fanstore.serve.placement import BlobTable, place  # noqa: E402
 from fanstore.serve.polling import wait_all  # noqa: E402

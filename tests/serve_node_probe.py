@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from fanstore.errors import say_line
-from fanstore.index import Index
+from fanstore.core.index import Index
 from fanstore.serve.node_client import open_served_dataset
 from fanstore.serve.node_endpoint import ENVIRONMENT, unix_address
 from fanstore.serve.node_protocol import HELLO, PLAN, PLAN_ROW, READ, REPLY, REQUEST, REQUEST_MAGIC, STATS

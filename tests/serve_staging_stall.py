@@ -17,7 +17,7 @@ from pathlib import Path
 from mpi4py import MPI
 
 from fanstore.errors import say_line
-from fanstore.index import Index
+from fanstore.core.index import Index
 from fanstore.serve.placement import place
 from fanstore.serve.staging import Stager
 

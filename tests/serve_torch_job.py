@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from fanstore.errors import say_line
-from fanstore.format import INDEX_NAME
+from fanstore.core.format import INDEX_NAME
 from fanstore.serve.node_client import NodeConnection
 from fanstore.serve.node_endpoint import ENVIRONMENT
 from fanstore.serve.node_protocol import OK, PLAN, PLAN_ROW, READ, REFUSED, STATS

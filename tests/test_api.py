@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fanstore import ChunkCorrupt, PackOptions, open_dataset, pack
-from fanstore.format import chunk_file_name
+from fanstore.core.format import chunk_file_name
 
 
 def test_the_api_keeps_no_decoded_cache(source_tree, tmp_path):

@@ -16,7 +16,7 @@ import pytest
 from conftest import assert_one_line_error, dir_bytes, make_tree, run_cli
 from fanstore import PackError, PackOptions, open_dataset, pack
 from fanstore.errors import quoted
-from fanstore.walk import walk_source
+from fanstore.pack.walk import walk_source
 
 IS_ROOT = os.geteuid() == 0
 
@@ -383,7 +383,7 @@ def test_replicate_sets_read_as_globs():
     """`]` first in a set is a member, `!` negates, and regex-only set syntax (`^`, `[`, `&&`) is literal."""
     import warnings
 
-    from fanstore.groups import glob_to_regex
+    from fanstore.pack.groups import glob_to_regex
 
     cases = {"[]]": ("]", "a"), "[!]]": ("a", "]"), "[^]": ("^", "a"), "[a&&b]": ("&", "c"),
              "[[:x]": ("[", "y"), "val/[!c]at/*": ("val/bat/1.png", "val/cat/1.png")}

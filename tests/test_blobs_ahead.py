@@ -15,7 +15,7 @@ import pytest
 
 from conftest import numbered_files
 from fanstore import PackOptions, open_dataset, pack
-from fanstore.chunk_source import BlobRead, LocalChunkSource
+from fanstore.core.chunk_source import BlobRead, LocalChunkSource
 from fanstore.errors import ChunkUnavailable
 from fanstore.serve.blobs_ahead import BLOB_OVERHEAD, MOUNT_PLAN, BlobsAhead, EntriesAhead, PlanRefused
 from fanstore.serve.node_endpoint import SOCKET_NAME, UNIX_PATH_MAX, unix_address

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import REPO, dir_bytes, run_cli
 from fanstore import ChunkCorrupt, PackOptions, open_dataset, pack
-from fanstore.format import FLAG_BLOCKED, chunk_file_name
+from fanstore.core.format import FLAG_BLOCKED, chunk_file_name
 
 BLOCK = 4096
 ABOVE = 3 * BLOCK

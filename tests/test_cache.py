@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from conftest import wait_until
-from fanstore.cache import DecodedCache
+from fanstore.core.cache import DecodedCache
 
 
 def loader_of(sizes: dict[int, int], calls: list[int]):

@@ -14,9 +14,9 @@ import pytest
 from chunk_source_contract import ChunkSourceContract
 from fanstore import open_dataset
 from conftest import REPO
-from fanstore.chunk_source import FallbackChunkSource, LocalChunkSource, default_max_open_chunks
+from fanstore.core.chunk_source import FallbackChunkSource, LocalChunkSource, default_max_open_chunks
 from fanstore.errors import ChunkCorrupt, ChunkUnavailable
-from fanstore.format import chunk_file_name
+from fanstore.core.format import chunk_file_name
 
 
 class TestLocalChunkSource(ChunkSourceContract):

@@ -13,8 +13,8 @@ import pytest
 
 from conftest import REPO, assert_one_line_error, run_cli
 from fanstore import open_dataset
-from fanstore.fuse_ops import INLINE_DECODE_BYTES
-from fanstore.info import SKIPPED_SHOWN
+from fanstore.mount.fuse_ops import INLINE_DECODE_BYTES
+from fanstore.core.info import SKIPPED_SHOWN
 
 CHUNK_SIZE = 4096
 

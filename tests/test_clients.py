@@ -15,7 +15,7 @@ from client_files import ROWS, hdf5_contents, make_client_tree, mapped_array_con
     tar_contents, zip_contents
 from conftest import run_cli
 from fanstore import PackOptions, open_dataset, pack
-from fanstore.mount import fuse_mounted_at
+from fanstore.mount.mount import fuse_mounted_at
 
 BLOCK = 64 * 1024
 

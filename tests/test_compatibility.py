@@ -19,10 +19,10 @@ import xxhash
 
 from conftest import assert_one_line_error, run_cli
 from fanstore import FormatError, open_dataset
-from fanstore.format import (CHUNK_HEADER, CHUNK_HEADER_LEN, INDEX_HEADER, INDEX_MAGIC, INDEX_NAME, SECTION_ALIGN,
+from fanstore.core.format import (CHUNK_HEADER, CHUNK_HEADER_LEN, INDEX_HEADER, INDEX_MAGIC, INDEX_NAME, SECTION_ALIGN,
                              layout_tag)
-from fanstore.index import _parse_index
-from fanstore.verify import verify_dataset
+from fanstore.core.index import _parse_index
+from fanstore.core.verify import verify_dataset
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "v1.1"
 FUTURE_MINOR = 9

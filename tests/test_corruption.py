@@ -8,7 +8,7 @@ import pytest
 
 from conftest import run_cli
 from fanstore import ChunkCorrupt, PackOptions, open_dataset, pack
-from fanstore.format import CHUNK_HEADER_LEN, chunk_file_name
+from fanstore.core.format import CHUNK_HEADER_LEN, chunk_file_name
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 never raises anything but a fanstore error, never hangs, never reaches outside the dataset.
 
 Each crafted index is rewritten with a valid checksum, so the body checksum cannot be what catches it: the checks
-at open (fanstore/index_check.py) must. The fuzz tests mutate one field at a time of a real packed index (entry
+at open (fanstore/core/index_check.py) must. The fuzz tests mutate one field at a time of a real packed index (entry
 fields, path bytes, block rows, chunk rows, the table of contents); the cases below are one per class of defect.
 """
 
@@ -26,12 +26,12 @@ from hypothesis import strategies as st
 
 from conftest import assert_one_line_error, make_tree, run_cli
 from fanstore import FanstoreError, PackOptions, open_dataset, pack
-from fanstore.format import (ENTRY_DTYPE, FORMAT_MAJOR, FORMAT_MINOR, INDEX_HEADER, INDEX_HEADER_LEN, INDEX_MAGIC, INDEX_NAME, SECTION_ALIGN,
+from fanstore.core.format import (ENTRY_DTYPE, FORMAT_MAJOR, FORMAT_MINOR, INDEX_HEADER, INDEX_HEADER_LEN, INDEX_MAGIC, INDEX_NAME, SECTION_ALIGN,
                              chunk_file_name)
-from fanstore.index import _parse_index
-from fanstore.info import describe_dataset
+from fanstore.core.index import _parse_index
+from fanstore.core.info import describe_dataset
 from fanstore.serve.placement import NO_OWNER, BlobTable, place
-from fanstore.verify import verify_dataset
+from fanstore.core.verify import verify_dataset
 
 TOC_ROOM = 1 << 16  # the TOC is padded to a fixed room, so a mutated TOC leaves the sections where they were
 HANG_SECONDS = 20
@@ -465,7 +465,7 @@ def _sibling_names(draw: Callable[..., Any]) -> list[bytes]:
 def test_sibling_order_is_checked_as_bytes_compare_whatever_the_name_lengths(encoded):
     """The word-at-a-time check agrees with comparing names as bytes: siblings are accepted exactly when each name
     sorts strictly after the one before, for names ending anywhere in or at the edge of an 8-byte word."""
-    from fanstore.index_check import _check_sibling_order, _Refuse
+    from fanstore.core.index_check import _check_sibling_order, _Refuse
 
     padded = np.frombuffer(b"".join(encoded) + bytes(8), dtype=np.uint8)
     lens = np.array([0] + [len(e) for e in encoded], dtype=np.int64)  # entry 0 is the root: no name

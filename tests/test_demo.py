@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO, run_cli
 from fanstore import open_dataset
-from fanstore.mount import fuse_unavailable_reason
+from fanstore.mount.mount import fuse_unavailable_reason
 
 TORCH_MISSING = "torch is not installed (scripts/setup installs torch==2.13.0+cpu)"
 # A row of the PyTorch table: reader, train+val images, per-epoch "seconds (wait)", accuracy, weights digest.

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import tree_digest
-from fanstore.demo_data import DemoTree, build_demo_tree
+from fanstore.demo.demo_data import DemoTree, build_demo_tree
 
 PIL_Image = pytest.importorskip("PIL.Image")
 pytest.importorskip("sklearn.datasets")

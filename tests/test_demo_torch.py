@@ -1,4 +1,4 @@
-"""The demo's PyTorch run (fanstore/demo_torch.py): each reader lists the same images as ImageFolder, and the same
+"""The demo's PyTorch run (fanstore/demo/demo_torch.py): each reader lists the same images as ImageFolder, and the same
 seed gives the same model whichever reader fed it, without changing torch's settings for the caller."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (scripts/setup installs torch==2.13.0+cpu)")
 
 from fanstore import PackOptions, open_dataset, pack  # noqa: E402
-from fanstore.demo_data import build_demo_tree  # noqa: E402
-from fanstore.demo_torch import (  # noqa: E402
+from fanstore.demo.demo_data import build_demo_tree  # noqa: E402
+from fanstore.demo.demo_torch import (  # noqa: E402
     TrainingSettings, directory_reading, list_samples, packed_reading, train)
 from fanstore.torch import ImageFolder  # noqa: E402
 from fanstore.torch.datasets import make_samples  # noqa: E402

@@ -1,4 +1,4 @@
-"""Paths other commands write to never overlap DEST (fanstore/dest_apart.py): real directories, links and a bind
+"""Paths other commands write to never overlap DEST (fanstore/core/dest_apart.py): real directories, links and a bind
 mount. The refusals through the real commands run in tests/test_serve.py and tests/test_mount.py."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fanstore.dest_apart import check_apart_from_dest, overlap
+from fanstore.core.dest_apart import check_apart_from_dest, overlap
 from fanstore.errors import UsageError
 
 WHY = "fanstore writes there, and only a pack may write into a dataset; choose a path apart from DEST"

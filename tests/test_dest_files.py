@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fanstore.format import chunk_file_name
+from fanstore.core.format import chunk_file_name
 from fanstore.serve.dest_files import DestChunkFiles, open_for_reading
 
 SPAN = 1000

@@ -22,7 +22,7 @@ from fanstore import (
     UsageError,
 )
 from conftest import REPO, flip_byte
-from fanstore.format import INDEX_NAME, chunk_file_name
+from fanstore.core.format import INDEX_NAME, chunk_file_name
 
 # What the README names, and what a caller needs to tell the cases apart.
 DOCUMENTED = ("FanstoreError", "ChunkUnavailable", "ChunkCorrupt", "PathNotFound", "DatasetNotFound", "FormatError",

@@ -14,11 +14,11 @@ import pytest
 from conftest import assert_one_line_error, dir_bytes, run_cli
 from fanstore.cli import EXIT_DOES_NOT_FIT
 from fanstore.errors import DoesNotFit
-from fanstore.fit_watch import FitWatch
-from fanstore.format import INDEX_HEADER_LEN
-from fanstore.groups import GroupPlan
-from fanstore.journal import JOURNAL_DIR
-from fanstore.walk import walk_source
+from fanstore.pack.fit_watch import FitWatch
+from fanstore.core.format import INDEX_HEADER_LEN
+from fanstore.pack.groups import GroupPlan
+from fanstore.pack.journal import JOURNAL_DIR
+from fanstore.pack.walk import walk_source
 from selector.policy import Need
 from selector.sample import PIECE_BYTES, draw_sample
 

@@ -22,14 +22,14 @@ trio = pytest.importorskip("trio")
 
 from conftest import make_tree, numbered_files  # noqa: E402
 from fanstore import PackOptions, open_dataset, pack  # noqa: E402
-from fanstore.cache import DecodedCache  # noqa: E402
-from fanstore.chunk_source import LocalChunkSource  # noqa: E402
+from fanstore.core.cache import DecodedCache  # noqa: E402
+from fanstore.core.chunk_source import LocalChunkSource  # noqa: E402
 from fanstore.errors import ChunkCorrupt, ChunkUnavailable  # noqa: E402
-from fanstore import fuse_ops  # noqa: E402
-from fanstore.fuse_ops import FanstoreOperations, PrefetchView  # noqa: E402
-from fanstore.kernel_holds import KernelHolds  # noqa: E402
-from fanstore.prefetch import FileOrder, Prefetcher  # noqa: E402
-from fanstore.reader import Reader  # noqa: E402
+from fanstore.mount import fuse_ops  # noqa: E402
+from fanstore.mount.fuse_ops import FanstoreOperations, PrefetchView  # noqa: E402
+from fanstore.mount.kernel_holds import KernelHolds  # noqa: E402
+from fanstore.mount.prefetch import FileOrder, Prefetcher  # noqa: E402
+from fanstore.core.reader import Reader  # noqa: E402
 from fanstore.serve import blobs_ahead  # noqa: E402
 from fanstore.serve.blobs_ahead import BlobsAhead, EntriesAhead  # noqa: E402
 from fanstore.serve.node_protocol import BlobLookup  # noqa: E402

@@ -16,7 +16,7 @@ import pytest
 from compressors import codec_from_spec
 from compressors.kinds import HEAD_BYTES, file_kind
 from fanstore import open_dataset
-from fanstore.verify import verify_dataset
+from fanstore.core.verify import verify_dataset
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "v1"
 # fixture directory: the format version it was written in

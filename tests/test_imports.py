@@ -19,9 +19,9 @@ from fanstore import PackOptions, pack
 
 # What reading never needs: the packer, its worker processes, the codec selector, codecs the dataset does not use.
 NOT_FOR_READING = (
-    "fanstore.pack",
-    "fanstore.compress",
-    "fanstore.codec_plan",
+    "fanstore.pack",  # the packer's package, all of it
+    "fanstore.pack.compress",
+    "fanstore.pack.codec_plan",
     "multiprocessing",
     "concurrent.futures.process",
     "selector",
@@ -32,11 +32,16 @@ NOT_FOR_READING = (
     "torch",
 )
 # The only fanstore modules that may import the selector: the packer (--codec auto) and the command line.
-USES_THE_SELECTOR = ("pack", "fit_watch", "cli")  # fit_watch: the --fit running total of a pack
+USES_THE_SELECTOR = ("fanstore.pack.packer", "fanstore.pack.fit_watch", "fanstore.cli")  # fit_watch: --fit's total
 # The only modules of fanstore/ (not fanstore/serve/) that may import the serving layer: the command line (`plan`).
-USES_THE_SERVING_LAYER = ("cli",)
+USES_THE_SERVING_LAYER = ("fanstore.cli",)
 # The only module of fanstore/ that may import torch (besides the fanstore.torch package): the demo's PyTorch run.
-USES_TORCH = ("demo_torch",)
+USES_TORCH = ("fanstore.demo.demo_torch",)
+# What the read core (fanstore/core/) never imports: the other roles' packages, FUSE and its event loop, MPI.
+NOT_FOR_THE_CORE = ("fanstore.pack", "fanstore.mount", "fanstore.serve", "fanstore.torch", "fanstore.demo",
+                    "pyfuse3", "trio", "mpi4py", "torch", "selector")
+# fanstore/'s top level holds the public API, the errors, the command line; everything else lives in a package by role.
+MOST_TOP_LEVEL_MODULES = 8
 
 
 def fresh_modules(code: str) -> set[str]:
@@ -50,6 +55,16 @@ def fresh_modules(code: str) -> set[str]:
     fanstore_file, modules = json.loads(proc.stdout.splitlines()[-1])
     assert Path(fanstore_file).is_relative_to(REPO), f"imported another checkout's fanstore: {fanstore_file}"
     return set(modules)
+
+
+def fanstore_modules() -> list[tuple[str, Path]]:
+    """Each module of fanstore/ outside its serve/ and torch/ packages, by dotted name, with its file."""
+    modules = []
+    for path in sorted((REPO / "fanstore").rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        if parts[1] not in ("serve", "torch"):
+            modules.append((".".join(parts), path))
+    return modules
 
 
 def loaded(modules: set[str], packages: tuple[str, ...]) -> list[str]:
@@ -94,7 +109,7 @@ def test_the_selector_imports_nothing_of_fanstore():
 
 
 def test_packer_imports_the_selector_only_to_choose_codecs():
-    assert loaded(fresh_modules("import fanstore.pack, fanstore.cli"), ("selector",)) == []
+    assert loaded(fresh_modules("import fanstore.pack.packer, fanstore.cli"), ("selector",)) == []
 
 
 def test_pack_names_stay_on_the_package():
@@ -103,37 +118,37 @@ def test_pack_names_stay_on_the_package():
     modules = fresh_modules(
         "import fanstore\n"
         "assert set(fanstore.__all__) <= set(dir(fanstore)), sorted(set(fanstore.__all__) - set(dir(fanstore)))\n"
-        "import fanstore.pack\n"
+        "import fanstore.pack, fanstore.pack.packer\n"
         "from fanstore import PackOptions, PackSummary, pack\n"
         "assert fanstore.pack is pack and callable(pack), fanstore.pack\n"
         "assert all(hasattr(fanstore, name) for name in fanstore.__all__)\n"
-        "assert PackOptions.__module__ == PackSummary.__module__ == 'fanstore.pack'\n"
+        "assert PackOptions.__module__ == PackSummary.__module__ == 'fanstore.pack.packer'\n"
     )
-    assert "fanstore.pack" in modules
+    assert "fanstore.pack.packer" in modules
 
 
 def test_only_the_packer_and_the_command_line_import_the_selector():
-    for path in sorted((REPO / "fanstore").glob("*.py")):
-        if path.stem not in USES_THE_SELECTOR:
+    for name, path in fanstore_modules():
+        if name not in USES_THE_SELECTOR:
             selector_imports = loaded(imported_names(path), ("selector",))
             assert selector_imports == [], f"{path.relative_to(REPO)} imports {selector_imports}"
 
 
 def test_the_read_path_knows_nothing_of_the_serving_layer_or_mpi():
-    for path in sorted((REPO / "fanstore").glob("*.py")):
+    for name, path in fanstore_modules():
         names = imported_names(path)
         assert loaded(names, ("mpi4py",)) == [], f"{path.relative_to(REPO)} imports mpi4py"
-        if path.stem not in USES_THE_SERVING_LAYER:
+        if name not in USES_THE_SERVING_LAYER:
             assert loaded(names, ("fanstore.serve",)) == [], f"{path.relative_to(REPO)} imports the serving layer"
     assert loaded(fresh_modules("import fanstore.cli"), ("fanstore.serve", "mpi4py")) == []
 
 
 def test_only_fanstore_torch_and_the_demos_pytorch_run_import_torch():
     # `fanstore demo` runs without torch: it looks for torch and imports demo_torch only when it is there.
-    for path in sorted((REPO / "fanstore").glob("*.py")):
-        if path.stem not in USES_TORCH:
+    for name, path in fanstore_modules():
+        if name not in USES_TORCH:
             assert loaded(imported_names(path), ("torch",)) == [], f"{path.relative_to(REPO)} imports torch"
-    assert loaded(fresh_modules("import fanstore.cli, fanstore.demo"), ("torch", "fanstore.torch")) == []
+    assert loaded(fresh_modules("import fanstore.cli, fanstore.demo.demo"), ("torch", "fanstore.torch")) == []
 
 
 def test_placement_needs_no_mpi():
@@ -155,7 +170,7 @@ def test_fanstore_torch_reads_without_the_packer_or_mpi(tmp_path):
     pack(make_tree(tmp_path / "src"), dest, PackOptions(codec="zstd:3"))
     read = (f"from fanstore.torch import FileDataset\n"
             f"assert FileDataset({str(dest)!r}, paths=['labels.txt'])[0].startswith(b'train/x/img_000.png')\n")
-    unwanted = ("fanstore.pack", "fanstore.compress", "selector", "fanstore.serve", "mpi4py")
+    unwanted = ("fanstore.pack", "fanstore.pack.compress", "selector", "fanstore.serve", "mpi4py")
     assert loaded(fresh_modules(read), unwanted) == []
     client = fresh_modules("import fanstore.serve.node_client")
     assert loaded(client, ("mpi4py", "fanstore.serve.transport", "fanstore.serve.node")) == []
@@ -163,3 +178,20 @@ def test_fanstore_torch_reads_without_the_packer_or_mpi(tmp_path):
         serving = loaded(imported_names(path), ("fanstore.serve",))
         assert set(serving) <= {"fanstore.serve", "fanstore.serve.node_client",
                                 "fanstore.serve.node_client.open_served_dataset"}, path.relative_to(REPO)
+
+
+def test_the_read_core_imports_no_other_role():
+    # The core is what every reader loads (the API, the mount, a DataLoader worker, a serve rank): nothing of the
+    # packer, the mount, the serving layer, the demo, FUSE or MPI may come with it, not even inside a function.
+    for name, path in fanstore_modules():
+        if name.startswith("fanstore.core."):
+            unwanted = loaded(imported_names(path), NOT_FOR_THE_CORE)
+            assert unwanted == [], f"{path.relative_to(REPO)} imports {unwanted}"
+
+
+def test_the_top_level_shows_the_roles():
+    # Whoever opens fanstore/ sees its packages by role, beside a few modules: the public API, the errors, the CLI.
+    top_level = sorted(path.name for path in (REPO / "fanstore").glob("*.py"))
+    assert len(top_level) <= MOST_TOP_LEVEL_MODULES, top_level
+    for folder in sorted(path for path in (REPO / "fanstore").iterdir() if path.is_dir() and any(path.glob("*.py"))):
+        assert (folder / "__init__.py").is_file(), f"{folder.relative_to(REPO)} is not a package"

@@ -9,10 +9,10 @@ import struct
 import numpy as np
 import pytest
 
-from fanstore import index as index_module
+from fanstore.core import index as index_module
 from fanstore.errors import DatasetNotFound, FormatError, PathNotFound
-from fanstore.format import CHUNK_DTYPE, INDEX_NAME
-from fanstore.index import EntryRecord, Index, build_index_bytes, normalize_path, read_index_file, \
+from fanstore.core.format import CHUNK_DTYPE, INDEX_NAME
+from fanstore.core.index import EntryRecord, Index, build_index_bytes, normalize_path, read_index_file, \
     write_index_atomically
 
 DIR = stat.S_IFDIR | 0o755

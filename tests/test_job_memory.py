@@ -1,4 +1,4 @@
-"""How much memory a job may use (fanstore/job_memory.py), read from /proc and /sys trees built here: cgroup v1 and
+"""How much memory a job may use (fanstore/mount/job_memory.py), read from /proc and /sys trees built here: cgroup v1 and
 v2, limits on the job's cgroup or above it, page cache that counts as room, containers whose cgroup mount starts
 below the root, and what the mount's cache default makes of the answer.
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from fanstore.job_memory import CgroupLimit, JobMemory, job_memory, memory_file_system
-from fanstore.mount import cache_bound
+from fanstore.mount.job_memory import CgroupLimit, JobMemory, job_memory, memory_file_system
+from fanstore.mount.mount import cache_bound
 
 GIB, MIB = 1 << 30, 1 << 20
 V1_NO_LIMIT = 9223372036854771712  # what cgroup v1 writes for none

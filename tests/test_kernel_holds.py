@@ -1,6 +1,6 @@
 """KernelHolds alone: what the mount takes the kernel's page cache to hold, learnt from opens and reads."""
 
-from fanstore.kernel_holds import KernelHolds
+from fanstore.mount.kernel_holds import KernelHolds
 
 
 def test_a_file_is_held_once_sent_whole_until_read_from_its_start():

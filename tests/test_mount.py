@@ -24,12 +24,12 @@ import pytest
 
 from conftest import REPO, assert_one_line_error, dir_bytes, make_tree, run_cli, tree_digest, wait_until
 from fanstore import PackOptions, open_dataset, pack
-from fanstore.format import CHUNK_HEADER_LEN, chunk_file_name
+from fanstore.core.format import CHUNK_HEADER_LEN, chunk_file_name
 from fanstore.errors import UsageError
-from fanstore.job_memory import job_memory
-from fanstore.mount import DEFAULT_CACHE_FRACTION, READ_AHEAD_KIB, default_log_path, fuse_mounted_at, \
+from fanstore.mount.job_memory import job_memory
+from fanstore.mount.mount import DEFAULT_CACHE_FRACTION, READ_AHEAD_KIB, default_log_path, fuse_mounted_at, \
     read_ahead_setting, resolve_mountpoint
-from fanstore.units import format_bytes
+from fanstore.core.units import format_bytes
 
 if not os.path.exists("/dev/fuse"):
     pytest.skip("/dev/fuse is missing on this machine: FUSE mounts cannot be tested", allow_module_level=True)
@@ -794,7 +794,7 @@ def test_prefetch_comes_back_once_the_kernel_drops_the_files_it_held(tmp_path):
 def test_the_session_loop_hook_is_still_there():
     """The mount's fast session loop swaps pyfuse3's `trio` module attribute; a pyfuse3 without it would quietly
     serve through its own slower loop. Checked in a fresh interpreter: the swap is process-wide."""
-    code = ("import pyfuse3, trio; from fanstore.daemon_tuning import install_fast_session_loop; "
+    code = ("import pyfuse3, trio; from fanstore.mount.daemon_tuning import install_fast_session_loop; "
             "assert install_fast_session_loop(); assert pyfuse3.trio is not trio; "
             "assert pyfuse3.trio.Lock is not trio.Lock")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})

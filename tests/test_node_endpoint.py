@@ -19,7 +19,7 @@ import pytest
 
 from conftest import REPO, numbered_files
 from fanstore import PackOptions, open_dataset, pack
-from fanstore.chunk_source import BlobRead, ChunkSource, LocalChunkSource
+from fanstore.core.chunk_source import BlobRead, ChunkSource, LocalChunkSource
 from fanstore.serve.blobs_ahead import BLOB_OVERHEAD, BlobsAhead
 from fanstore.serve import node_endpoint
 from fanstore.serve.node_endpoint import NodeEndpoint

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import run_cli
 from fanstore import PackOptions, pack
-from fanstore.units import format_bytes, parse_size, plural, size_option
+from fanstore.core.units import format_bytes, parse_size, plural, size_option
 from selector import Budget
 from selector.measure import Measurement
 from selector.policy import NONE_SPEC, choose, decimal_bytes, format_seconds

@@ -14,7 +14,7 @@ import pytest
 from conftest import dataset_digest, dir_bytes, make_tree, run_cli, tree_digest
 from fanstore import FanstoreError, PackOptions, open_dataset, pack
 from fanstore.errors import PathNotFound
-from fanstore.format import CHUNK_HEADER_LEN, NO_CHUNK
+from fanstore.core.format import CHUNK_HEADER_LEN, NO_CHUNK
 
 
 @pytest.mark.parametrize("codec", ["zstd:3", "zstd-dict:9", "lz4", "blosc:lz4:5:shuffle", "none"])

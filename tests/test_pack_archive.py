@@ -344,7 +344,7 @@ def test_a_changed_archive_is_not_resumed_over(shuffled_tgz, tmp_path, paused_pa
 
 def _sampled(dest: Path) -> list[tuple]:
     """What the selector measured, without its timings: which bytes it sampled, and how each codec stored them."""
-    from fanstore.index import Index
+    from fanstore.core.index import Index
 
     measurements = Index.load(dest).meta["selection"]["measurements"]
     return sorted((m["kind"], m["spec"], m["raw_files"], m["raw_bytes"], m["stored_bytes"]) for m in measurements)

@@ -16,7 +16,7 @@ import pytest
 from conftest import assert_one_line_error, dataset_digest, dir_bytes, python2_npy, run_cli, tree_digest
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.errors import UsageError
-from fanstore.journal import JOURNAL_DIR, STATE_FILE
+from fanstore.pack.journal import JOURNAL_DIR, STATE_FILE
 from compressors.kinds import HEAD_BYTES, file_kind
 from selector.measure import DECODE_NOISE
 
@@ -189,7 +189,7 @@ def _pack_choosing(src: Path, dest: Path, specs: dict[str, str], monkeypatch: py
     """An auto pack whose selection chooses `specs` per kind (kinds left out: as if the sample had lacked them)."""
     from selector import Choice
 
-    pack_module = importlib.import_module("fanstore.pack")
+    pack_module = importlib.import_module("fanstore.pack.packer")
     select_for = pack_module.select_for
 
     def choosing(*args, **kwargs):
@@ -299,7 +299,7 @@ def test_what_appears_in_dest_during_the_selection_is_not_deleted(mixed_tree: Pa
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """DEST is checked before the selection and again before the first write: a file another process put there
     meanwhile is refused, never deleted as if it were the pack's own."""
-    pack_module = importlib.import_module("fanstore.pack")  # the package's `pack` is the function
+    pack_module = importlib.import_module("fanstore.pack.packer")  # the package's `pack` is the function
     dest = tmp_path / "ds"
     dest.mkdir()
     select_for = pack_module.select_for

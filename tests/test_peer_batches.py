@@ -1,7 +1,7 @@
 """How a rank cuts the files it fetches ahead from one peer into requests (fanstore/serve/sources.py). The requests
 themselves go over real MPI in tests/test_serve.py."""
 
-from fanstore.chunk_source import BlobRead
+from fanstore.core.chunk_source import BlobRead
 from fanstore.serve.sources import batches
 from fanstore.serve.peer_messages import MAX_BLOBS
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from fanstore.chunk_source import BlobRead
+from fanstore.core.chunk_source import BlobRead
 from fanstore.errors import ChunkCorrupt, ChunkUnavailable
 from fanstore.serve.peer_messages import (MAX_BLOBS, REPLY_HEADER, REPLY_MAGIC, PeerCounters, error_reply,
                                           hand_out_reply, partial_reply, reply_room)

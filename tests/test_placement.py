@@ -15,8 +15,8 @@ import pytest
 from conftest import assert_one_line_error, make_tree, run_cli
 from fanstore import PackOptions, UsageError, pack
 from fanstore.cli import EXIT_DOES_NOT_FIT, main
-from fanstore.format import CHUNK_DTYPE, CHUNK_HEADER_LEN, ENTRY_DTYPE, NO_CHUNK
-from fanstore.index import Index
+from fanstore.core.format import CHUNK_DTYPE, CHUNK_HEADER_LEN, ENTRY_DTYPE, NO_CHUNK
+from fanstore.core.index import Index
 from fanstore.errors import FormatError
 from fanstore.serve.placement import MAX_NODES, NO_OWNER, BlobTable, ChunkOwners, Piece, Placement, place
 

@@ -8,9 +8,9 @@ import pytest
 
 from conftest import numbered_files
 from fanstore import PackOptions, open_dataset, pack
-from fanstore.cache import DecodedCache
+from fanstore.core.cache import DecodedCache
 from fanstore.errors import UsageError
-from fanstore.prefetch import FileOrder, Prefetcher, read_prefetch_list
+from fanstore.mount.prefetch import FileOrder, Prefetcher, read_prefetch_list
 
 
 @pytest.fixture(scope="module")

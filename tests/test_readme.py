@@ -22,7 +22,7 @@ import pytest
 
 from compressors.registry import codec_grammar
 from conftest import REPO
-from fanstore.mount import fuse_unavailable_reason
+from fanstore.mount.mount import fuse_unavailable_reason
 
 README = REPO / "README.md"
 SETUP_COMMANDS = ("scripts/demo", "scripts/test")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_one_line_error, dir_bytes, run_cli
-from fanstore.journal import JOURNAL_DIR, JOURNAL_VERSION, STATE_FILE, BlockRow, FileRow
+from fanstore.pack.journal import JOURNAL_DIR, JOURNAL_VERSION, STATE_FILE, BlockRow, FileRow
 
 ARGS = ["--codec", "zstd-dict:19", "--chunk-size", "256KiB", "--replicate", "val/**", "--workers", "2", "--quiet"]
 

@@ -22,9 +22,9 @@ import pytest
 from compressors import codec_from_spec
 from compressors.kinds import HEAD_BYTES, file_kind
 from fanstore.errors import UsageError
-from fanstore.groups import GroupPlan
-from fanstore.units import parse_fraction, parse_rate
-from fanstore.walk import walk_source
+from fanstore.pack.groups import GroupPlan
+from fanstore.core.units import parse_fraction, parse_rate
+from fanstore.pack.walk import walk_source
 from selector import Budget, Goal, Selection, SelectionError, select_codecs
 from selector.measure import DECODE_NOISE, Measurement, candidate_specs, is_slow_spec, measure_kind
 from selector.bound import BOUND_Z

@@ -362,7 +362,7 @@ def test_select_shows_the_fit_and_the_pack_time(small_tree: Path, tmp_path: Path
 # --- the record ----------------------------------------------------------------------------------------------------
 
 def test_a_record_from_before_goals_reads_as_no_fit_no_tolerance(small_tree: Path) -> None:
-    from fanstore.walk import walk_source
+    from fanstore.pack.walk import walk_source
     from selector import select_codecs
 
     selection = select_codecs(small_tree, Budget(0), walk_source(small_tree).files, goal=Goal(fit_bytes=10**9),
@@ -387,9 +387,9 @@ def test_what_fit_plans_for_the_index_is_at_least_what_a_pack_writes(tmp_path: P
     selection's own record (selector.record_bytes): a real auto pack with two groups, files stored in blocks and
     dictionaries writes no more than that, and a fixed-codec pack's index and headers stay within the bound."""
     from fanstore import PackOptions, open_dataset, pack
-    from fanstore.groups import GroupPlan
-    from fanstore.pack import index_bytes_bound
-    from fanstore.walk import walk_source
+    from fanstore.pack.groups import GroupPlan
+    from fanstore.pack.packer import index_bytes_bound
+    from fanstore.pack.walk import walk_source
 
     rng = np.random.default_rng(11)
     src = tmp_path / "src"

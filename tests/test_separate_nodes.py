@@ -19,7 +19,7 @@ import pytest
 
 from conftest import REPO, wait_until
 from fanstore import PackOptions, pack
-from fanstore.mount import fuse_unavailable_reason
+from fanstore.mount.mount import fuse_unavailable_reason
 from separate_nodes import SeparateNodes, unavailable_reason
 from test_serve import MPIEXEC, RANK_CHECK, RANKS, _mpi_unavailable_reason, make_serve_tree
 

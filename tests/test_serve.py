@@ -29,9 +29,9 @@ import pytest
 from client_files import make_client_tree
 from conftest import REPO, assert_one_line_error, dir_bytes, flip_byte, run_cli, tree_digest, wait_until
 from fanstore import PackOptions, open_dataset, pack
-from fanstore.format import INDEX_NAME, chunk_file_name
-from fanstore.job_memory import job_memory
-from fanstore.mount import DEFAULT_CACHE_FRACTION, fuse_mounted_at, fuse_unavailable_reason, unmount
+from fanstore.core.format import INDEX_NAME, chunk_file_name
+from fanstore.mount.job_memory import job_memory
+from fanstore.mount.mount import DEFAULT_CACHE_FRACTION, fuse_mounted_at, fuse_unavailable_reason, unmount
 from fanstore.serve.placement import BlobTable, place
 from fanstore.serve.staging import spans_of
 

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import REPO, make_tree, wait_until
 from fanstore import PackOptions, pack
-from fanstore.mount import fuse_unavailable_reason
+from fanstore.mount.mount import fuse_unavailable_reason
 
 SCRIPT = REPO / "scripts" / "serve-mpiexec.sh"
 VENV_BIN = REPO / ".venv" / "bin"

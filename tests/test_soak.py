@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from fanstore.mount import fuse_unavailable_reason
+from fanstore.mount.mount import fuse_unavailable_reason
 from test_serve import _mpi_unavailable_reason
 
 _REASON = fuse_unavailable_reason() or _mpi_unavailable_reason()

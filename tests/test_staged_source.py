@@ -14,10 +14,10 @@ import pytest
 from chunk_source_contract import ChunkSourceContract
 from conftest import flip_byte, make_tree
 from fanstore import PackOptions, open_dataset, pack
-from fanstore.chunk_source import LocalChunkSource
+from fanstore.core.chunk_source import LocalChunkSource
 from fanstore.errors import ChunkCorrupt
-from fanstore.format import chunk_file_name
-from fanstore.reader import Reader
+from fanstore.core.format import chunk_file_name
+from fanstore.core.reader import Reader
 from fanstore.serve.node_client import NodeChunkSource, NodeConnection
 from fanstore.serve.placement import place
 from fanstore.serve.staged_source import StagedChunkSource

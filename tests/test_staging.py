@@ -14,7 +14,7 @@ import pytest
 
 from conftest import make_tree
 from fanstore import PackOptions, open_dataset, pack
-from fanstore.format import CHUNK_HEADER_LEN, FORMAT_MINOR, INDEX_NAME, chunk_file_name
+from fanstore.core.format import CHUNK_HEADER_LEN, FORMAT_MINOR, INDEX_NAME, chunk_file_name
 from fanstore.serve.placement import BlobTable
 from fanstore.serve.staging import LOCK_NAME, LocalDirectory, Span, StagingBroken, StagingError, check_span, \
     claim_local_dir, copy_index, dataset_identity, header_problem, index_identity, spans_of

@@ -12,7 +12,7 @@ import pytest
 from conftest import run_cli
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.errors import PathNotFound
-from fanstore.walk import walk_source
+from fanstore.pack.walk import walk_source
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fanstore.tar_headers import HeaderDamage, TarHeaders
+from fanstore.pack.tar_headers import HeaderDamage, TarHeaders
 
 
 def _awkward_tree(root: Path) -> Path:

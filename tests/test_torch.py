@@ -16,7 +16,7 @@ import pytest
 
 from conftest import REPO
 from fanstore import PackOptions, pack
-from fanstore.format import INDEX_NAME
+from fanstore.core.format import INDEX_NAME
 
 torch = pytest.importorskip("torch", reason="torch is not installed (scripts/setup installs torch==2.13.0+cpu)")
 from torch.utils.data import DataLoader, RandomSampler  # noqa: E402
@@ -107,7 +107,7 @@ def test_forked_workers_take_the_parents_items_instead_of_looking_the_paths_up_a
     def looked_up(*args, **kwargs):
         raise AssertionError("a forked worker looked the paths up again")
 
-    from fanstore.api import Dataset
+    from fanstore.core.api import Dataset
 
     monkeypatch.setattr(Dataset, "resolve_many", looked_up)
     monkeypatch.setattr(Dataset, "resolve", looked_up)
@@ -329,7 +329,7 @@ def test_a_reader_whose_serve_process_is_gone_reads_remote_files_from_dest(packe
     """The socket leads nowhere (the node's serve process died): files stored here still come from the local
     directory, the others from DEST, logged once, never a failed read."""
     from fanstore import open_dataset
-    from fanstore.chunk_source import LocalChunkSource
+    from fanstore.core.chunk_source import LocalChunkSource
     from fanstore.serve.node_client import NodeChunkSource, NodeConnection
     from fanstore.serve.placement import place
 

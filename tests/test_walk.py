@@ -8,7 +8,7 @@ import socket
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from fanstore.walk import walk_source
+from fanstore.pack.walk import walk_source
 
 
 def _awkward_tree(root: Path) -> Path:

@@ -20,10 +20,10 @@ from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
-from ..chunk_source import BlobRead, ReadDone
+from ..core.chunk_source import BlobRead, ReadDone
 from ..errors import ChunkError, ChunkUnavailable
-from ..format import FLAG_BLOCKED, NO_CHUNK
-from ..index import Index
+from ..core.format import FLAG_BLOCKED, NO_CHUNK
+from ..core.index import Index
 from .node_protocol import PLAN_ROW, BlobLookup
 
 log = logging.getLogger("fanstore.serve")

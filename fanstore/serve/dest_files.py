@@ -12,7 +12,7 @@ from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Callable, Iterable
 
-from ..format import chunk_file_name
+from ..core.format import chunk_file_name
 
 MAX_OPEN = 8  # staging reads each chunk's spans in a row, two chunks at a time at most: a bound, with room to spare
 

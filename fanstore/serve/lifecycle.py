@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..durable import write_atomically
+from ..core.durable import write_atomically
 from ..errors import ChunkError, quoted, say_line
 from . import node_endpoint
 from .transport import PeerTransport

@@ -28,19 +28,19 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from ..api import Dataset
-from ..chunk_source import LocalChunkSource
-from ..daemon_tuning import keep_freed_memory
-from ..dest_apart import check_apart_from_dest
+from ..core.api import Dataset
+from ..core.chunk_source import LocalChunkSource
+from ..mount.daemon_tuning import keep_freed_memory
+from ..core.dest_apart import check_apart_from_dest
 from ..errors import ChunkUnavailable, FanstoreError, UsageError, quoted, say_line
-from ..format import CHUNK_DIR, INDEX_NAME
-from ..index import Index, mark_copy_checked, read_index_file
-from ..job_memory import job_memory
-from ..mount import CacheBound, MountOptions, cache_bound, check_mountpoint, check_outside, dataset_paths, \
+from ..core.format import CHUNK_DIR, INDEX_NAME
+from ..core.index import Index, mark_copy_checked, read_index_file
+from ..mount.job_memory import job_memory
+from ..mount.mount import CacheBound, MountOptions, cache_bound, check_mountpoint, check_outside, dataset_paths, \
     fuse_answer, fuse_mounted_at, resolve_mountpoint, serve_dataset, unmount
-from ..pause import pause_point
-from ..prefetch import may_block_flags, read_prefetch_list
-from ..units import format_bytes, plural
+from ..core.pause import pause_point
+from ..mount.prefetch import may_block_flags, read_prefetch_list
+from ..core.units import format_bytes, plural
 from . import watchdog
 from .blobs_ahead import BlobsAhead, EntriesAhead
 from .doorbell import open_doorbell

@@ -17,11 +17,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..api import Dataset
-from ..chunk_source import ChunkSource, FallbackChunkSource, LocalChunkSource
+from ..core.api import Dataset
+from ..core.chunk_source import ChunkSource, FallbackChunkSource, LocalChunkSource
 from ..errors import ChunkError, ChunkUnavailable, DatasetNotFound, UsageError
-from ..format import FLAG_BLOCKED, INDEX_NAME
-from ..index import Index
+from ..core.format import FLAG_BLOCKED, INDEX_NAME
+from ..core.index import Index
 from .node_endpoint import ENVIRONMENT, unix_address
 from .node_protocol import (HELLO, OK, PLAN, PLAN_ROW, READ, READS, READS_MAX_BLOBS, READS_MAX_BYTES, READS_ROW, REPLY,
                             REPLY_MAGIC, REQUEST, REQUEST_MAGIC)

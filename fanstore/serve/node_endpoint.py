@@ -22,7 +22,7 @@ from typing import Any, BinaryIO, Callable, Iterator
 
 import numpy as np
 
-from ..chunk_source import BlobRead, ChunkSource
+from ..core.chunk_source import BlobRead, ChunkSource
 from ..errors import ChunkError
 from .blobs_ahead import BlobsAhead, PlanRefused
 from .node_protocol import (HELLO, KIND_NAMES, OK, PLAN, PLAN_ROW, READ, READS, READS_MAX_BLOBS, READS_MAX_BYTES,

@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..chunk_source import BlobRead
+from ..core.chunk_source import BlobRead
 from .statuses import Status, status_error
 
 TAG_REQUEST = 1

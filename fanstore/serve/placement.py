@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import FormatError, UsageError
-from ..format import CHUNK_HEADER_LEN, FLAG_BLOCKED, NO_CHUNK
+from ..core.format import CHUNK_HEADER_LEN, FLAG_BLOCKED, NO_CHUNK
 
 if TYPE_CHECKING:
-    from ..index import Index
+    from ..core.index import Index
 
 __all__ = ["MAX_NODES", "NO_OWNER", "BlobTable", "Piece", "Placement", "place"]
 

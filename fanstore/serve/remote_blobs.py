@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..chunk_source import BlobRead
+from ..core.chunk_source import BlobRead
 from ..errors import ChunkError, ChunkUnavailable
 from .doorbell import Doorbell
 from .peer_messages import FIRST_REPLY_TAG, MAX_BLOBS, PING, REPLY_HEADER, REPLY_MAGIC, TAG_REQUEST, PeerCounters, \

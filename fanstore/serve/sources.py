@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..chunk_source import BlobRead, ChunkSource, FallbackChunkSource, ReadDone
+from ..core.chunk_source import BlobRead, ChunkSource, FallbackChunkSource, ReadDone
 from ..errors import ChunkCorrupt, ChunkError, ChunkUnavailable
 from .placement import NO_OWNER, ChunkOwners
 from .staged_source import PlacedReads, StagedChunkSource

@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
-from ..chunk_source import ChunkSource, LocalChunkSource
+from ..core.chunk_source import ChunkSource, LocalChunkSource
 from ..errors import ChunkError
 from .placement import ChunkOwners
 

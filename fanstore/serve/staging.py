@@ -34,12 +34,12 @@ from typing import Any, Callable
 import numpy as np
 import xxhash
 
-from ..durable import write_atomically
+from ..core.durable import write_atomically
 from ..errors import FanstoreError, FormatError
-from ..format import CHUNK_HEADER_LEN, INDEX_NAME, check_chunk_header, chunk_file_name
-from ..index import Index
-from ..job_memory import job_memory, memory_file_system
-from ..units import format_bytes
+from ..core.format import CHUNK_HEADER_LEN, INDEX_NAME, check_chunk_header, chunk_file_name
+from ..core.index import Index
+from ..mount.job_memory import job_memory, memory_file_system
+from ..core.units import format_bytes
 from .dest_files import DestChunkFiles
 from .placement import BlobTable, Placement
 from .polling import Backoff, first_failed_rank, wait_all

@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
-from ..chunk_source import BlobRead, ReadDone
+from ..core.chunk_source import BlobRead, ReadDone
 from ..errors import ChunkError, ChunkUnavailable
 from .doorbell import Doorbell
 from .peer_messages import FIRST_REPLY_TAG, MAX_BLOBS, MORE_BLOB, PING, REASON_ROOM, REPLY_HEADER, REPLY_MAGIC, \

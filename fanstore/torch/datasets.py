@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 
 from torch.utils.data import Dataset as TorchDataset
 
-from ..api import Dataset
+from ..core.api import Dataset
 from ..errors import quoted
 from .plan import EpochPlan
 from .reading import PREFETCH_BYTES, PREFETCH_THREADS, ProcessReading, open_source

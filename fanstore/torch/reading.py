@@ -16,11 +16,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..api import Dataset, open_dataset
-from ..chunk_source import LocalChunkSource
-from ..format import INDEX_NAME
-from ..daemon_tuning import keep_freed_memory
-from ..index import Index
+from ..core.api import Dataset, open_dataset
+from ..core.chunk_source import LocalChunkSource
+from ..core.format import INDEX_NAME
+from ..mount.daemon_tuning import keep_freed_memory
+from ..core.index import Index
 from .plan import EpochPlan
 
 PREFETCH_BATCHES = 2  # batches of its own a worker decodes ahead

@@ -40,14 +40,14 @@ from .dest import (
     prepare_dest,
     undo_pack,
 )
-from .errors import DoesNotFit, PackError, UsageError
+from ..errors import DoesNotFit, PackError, UsageError
 from .fit_watch import FitWatch
-from .format import (BLOCK_DTYPE, CHUNK_DTYPE, CHUNK_HEADER_LEN, FLAG_BLOCKED, INDEX_HEADER_LEN, MAX_BLOCK_SIZE,
+from ..core.format import (BLOCK_DTYPE, CHUNK_DTYPE, CHUNK_HEADER_LEN, FLAG_BLOCKED, INDEX_HEADER_LEN, MAX_BLOCK_SIZE,
                      MIN_BLOCK_SIZE, NO_CHUNK)
 from .groups import GroupPlan
-from .index import EntryRecord, Index, IndexLayout, write_index_atomically
+from ..core.index import EntryRecord, Index, IndexLayout, write_index_atomically
 from .journal import BlockRow, ChunkRecord, FileRow, JournalState, PackJournal
-from .pause import pause_point
+from ..core.pause import pause_point
 from .walk import Problem, SourceEntry, SourceTree, walk_source
 from .walk_archive import source_paths, walk_archives
 

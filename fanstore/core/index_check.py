@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import FormatError, quoted
+from ..errors import FormatError, quoted
 from .format import (
     CHUNK_HEADER_LEN,
     DERIVED_DTYPE,

@@ -22,11 +22,11 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from .cache import DecodedCache
-from .chunk_source import ChunkSource, ReadDone
-from .errors import UsageError, quoted
-from .format import FLAG_BLOCKED, NO_CHUNK
-from .index import Index, normalize_path
+from ..core.cache import DecodedCache
+from ..core.chunk_source import ChunkSource, ReadDone
+from ..errors import UsageError, quoted
+from ..core.format import FLAG_BLOCKED, NO_CHUNK
+from ..core.index import Index, normalize_path
 
 
 # What the decoded cache holds: a file stored whole by its entry number, one block of a file stored in blocks by

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .units import format_bytes
+from ..core.units import format_bytes
 
 # A limit at or above this is "none": cgroup v1 writes no limit as 2**63 less a page, v2 as "max".
 NO_LIMIT = 1 << 60

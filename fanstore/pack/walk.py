@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .errors import UsageError, quoted
-from .index_check import link_target_problem
+from ..errors import UsageError, quoted
+from ..core.index_check import link_target_problem
 
 
 class SourceEntry(NamedTuple):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import FormatError
+from ..errors import FormatError
 
 FORMAT_MAJOR = 1
 # 1.1 added large files stored in blocks (FLAG_BLOCKED, the `blocks` section); 1.2 stores what a reader derived at

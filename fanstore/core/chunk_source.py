@@ -16,7 +16,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from .errors import ChunkCorrupt, ChunkError, ChunkUnavailable, FormatError
+from ..errors import ChunkCorrupt, ChunkError, ChunkUnavailable, FormatError
 from .format import CHUNK_HEADER_LEN, check_chunk_header, chunk_file_name
 
 __all__ = ["BlobRead", "ChunkSource", "ChunkUnavailable", "FallbackChunkSource", "LocalChunkSource", "ReadDone",

@@ -15,9 +15,9 @@ import xxhash
 from .codec_plan import NONE_ROW
 from .compress import WHOLE_FILE, BlockLayout, CompressedBatch, Skipped
 from .chunk_writer import ChunkWriter
-from .format import FLAG_BLOCKED, NO_CHUNK
+from ..core.format import FLAG_BLOCKED, NO_CHUNK
 from .journal import BlockRow, ChunkRecord, FileRow, PackJournal
-from .pause import pause_point
+from ..core.pause import pause_point
 from .walk import Problem, SourceEntry
 
 _EMPTY_CHECKSUM = xxhash.xxh3_64_intdigest(b"")

@@ -24,9 +24,9 @@ from torch import nn
 from torch.nn import functional
 from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
 
-from .api import open_dataset
-from .torch import EpochSampler, FileDataset, ImageFolder
-from .torch.datasets import IMG_EXTENSIONS, make_samples, pil_loader
+from ..core.api import open_dataset
+from ..torch import EpochSampler, FileDataset, ImageFolder
+from ..torch.datasets import IMG_EXTENSIONS, make_samples, pil_loader
 
 IMAGE_SIZE = 32  # the demo's digits are 32x32; photo crops are shrunk to it
 Samples = list[tuple[str, int]]  # (path relative to the top of the tree, class index), as ImageFolder.samples

@@ -18,7 +18,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .chunk_source import ChunkSource, LocalChunkSource
-from .errors import IsADirectory, NotADirectory, NotASymlink, PathNotFound, SymlinkLoop, quoted
+from ..errors import IsADirectory, NotADirectory, NotASymlink, PathNotFound, SymlinkLoop, quoted
 from .index import Index, normalize_path
 from .reader import Reader
 

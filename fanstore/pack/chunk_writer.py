@@ -15,8 +15,8 @@ import mmap
 import os
 from pathlib import Path
 
-from .format import chunk_file_name, pack_chunk_header
-from .durable import PARTIAL_SUFFIX, fsync_dir, naming_the_file
+from ..core.format import chunk_file_name, pack_chunk_header
+from ..core.durable import PARTIAL_SUFFIX, fsync_dir, naming_the_file
 
 WRITE_BUFFER = 4 << 20  # bytes gathered before one write; a multiple of any device block size
 _DIRECT_ALIGN = 4096

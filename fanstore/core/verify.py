@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .api import Dataset
-from .errors import ChunkError
+from ..errors import ChunkError
 
 
 @dataclass(slots=True)

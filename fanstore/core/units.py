@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import UsageError, quoted
+from ..errors import UsageError, quoted
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgtp])(ib|b)?)?\s*(?:b|bytes?)?\s*$", re.IGNORECASE)
 _POWERS = {"k": 1, "m": 2, "g": 3, "t": 4, "p": 5}

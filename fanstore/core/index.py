@@ -19,7 +19,7 @@ import xxhash
 
 from . import index_trust
 from .durable import write_atomically
-from .errors import DatasetNotFound, FormatError, PathNotFound, quoted
+from ..errors import DatasetNotFound, FormatError, PathNotFound, quoted
 from .format import (
     BLOCK_DTYPE,
     CHUNK_DTYPE,

@@ -27,16 +27,16 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from .api import Dataset, open_dataset
-from .cache import DecodedCache
+from ..core.api import Dataset, open_dataset
+from ..core.cache import DecodedCache
 from .daemon_tuning import install_fast_session_loop, keep_freed_memory
-from .dest_apart import overlap
-from .errors import FanstoreError, UsageError, quoted
-from .format import CHUNK_DIR, INDEX_NAME
+from ..core.dest_apart import overlap
+from ..errors import FanstoreError, UsageError, quoted
+from ..core.format import CHUNK_DIR, INDEX_NAME
 from .job_memory import JobMemory, job_memory
 from .kernel_holds import KernelHolds
 from .prefetch import FetchedAhead, FileOrder, Prefetcher, may_block_flags, read_prefetch_list
-from .units import format_bytes, size_option
+from ..core.units import format_bytes, size_option
 
 log = logging.getLogger("fanstore.mount")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import UsageError
+from ..errors import UsageError
 from .format import INDEX_NAME
 
 

@@ -19,7 +19,7 @@ from typing import BinaryIO, Sequence
 from compressors.kinds import HEAD_BYTES
 
 from .archive_source import _DAMAGE_ERRORS, ARCHIVE_KEY_SHIFT, _reason, open_tar_stream
-from .errors import PackError
+from ..errors import PackError
 
 _KEY_MASK = (1 << ARCHIVE_KEY_SHIFT) - 1
 _SKIP_BYTES = 1 << 20

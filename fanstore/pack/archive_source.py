@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterator, NamedTuple
 
-from .errors import UsageError, quoted
+from ..errors import UsageError, quoted
 from .tar_headers import Header, HeaderDamage, TarHeaders
 
 # Bits of a member's key above this hold the archive's number among several SRC archives; below, its place.

@@ -10,7 +10,7 @@ import xxhash
 from compressors import Codec, CodecError, codec_from_spec
 
 from .chunk_source import ChunkSource
-from .errors import (ChunkCorrupt, ChunkError, ChunkUnavailable, FanstoreError, FormatError, IsADirectory, UsageError,
+from ..errors import (ChunkCorrupt, ChunkError, ChunkUnavailable, FanstoreError, FormatError, IsADirectory, UsageError,
                      quoted)
 from .format import FLAG_BLOCKED, NO_CHUNK, chunk_file_name
 from .index import Index

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .errors import UsageError, quoted
+from ..errors import UsageError, quoted
 
 SPREAD = 0
 REPLICATED = 1

@@ -13,11 +13,11 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
-from .api import Dataset, open_dataset
+from ..core.api import Dataset, open_dataset
 from .demo_data import build_demo_tree
 from .demo_training import train_and_evaluate
-from .pack import PackOptions, pack
-from .units import format_bytes, plural
+from ..pack.packer import PackOptions, pack
+from ..core.units import format_bytes, plural
 
 DEMO_CODEC = "zstd-dict:9"
 DEMO_REPLICATE = ("val/**",)
@@ -85,7 +85,7 @@ def _demo_mount(
 ) -> tuple[list[tuple[str, float]], list[str]]:
     """Mount the dataset, check every file through it, time two epochs, and train on it as on the original;
     `while_mounted(mountpoint)` runs before the unmount, or `while_mounted(None)` if there is no mount."""
-    from .mount import fuse_unavailable_reason, mount_background, resolve_mountpoint, unmount, wait_for_exit
+    from ..mount.mount import fuse_unavailable_reason, mount_background, resolve_mountpoint, unmount, wait_for_exit
 
     reason = fuse_unavailable_reason()
     if reason is not None:
@@ -104,7 +104,7 @@ def _demo_mount(
         print(f"read back {len(paths):,} files through the mount: {len(bad)} differ from the original or are missing")
         second_epoch = _best_time(lambda: [(mountpoint / p).read_bytes() for p in paths])
 
-        print("\nthe same training loop (open and read under a path; see fanstore/demo_training.py), from two "
+        print("\nthe same training loop (open and read under a path; see fanstore/demo/demo_training.py), from two "
               f"directories: it classifies the digit PNGs only, {parts.digits_train:,} in train/ and "
               f"{parts.digits_val:,} in val/")
         for name, root in (("original directory", source), ("fanstore mount", mountpoint)):
@@ -136,7 +136,7 @@ def _demo_torch(source: Path, dataset: Path, parts: _TreeParts, mountpoint: Path
     settings = TrainingSettings()
     print(f"\nPyTorch: a 2-layer CNN, seed {settings.seed}, {plural(settings.epochs, 'epoch')} of batches of "
           f"{settings.batch_size}, num_workers={settings.num_workers}, {plural(len(os.sched_getaffinity(0)), 'core')}; "
-          "the same run from each reader (fanstore/demo_torch.py).\n"
+          "the same run from each reader (fanstore/demo/demo_torch.py).\n"
           f"train+val: the images of every class folder, the 10 digits and photos/ ({parts.digits_train:,} + "
           f"{parts.photos_train:,} in train/, {parts.digits_val:,} + {parts.photos_val:,} in val/),\nso more than "
           "the digits-only loop above. s (wait): an epoch's seconds, and those the loop spent waiting in "
@@ -188,7 +188,7 @@ def _demo_serve(dataset: Path, workdir: Path, source: Path) -> list[str]:
     import subprocess
     import sys
 
-    from .mount import fuse_unavailable_reason
+    from ..mount.mount import fuse_unavailable_reason
 
     mpiexec = Path(sys.executable).with_name("mpiexec")
     mpiexec_path = str(mpiexec) if mpiexec.exists() else shutil.which("mpiexec")
@@ -228,7 +228,7 @@ def _blob_count(ds: Dataset) -> tuple[int, int]:
 
     import numpy as np
 
-    from .format import FLAG_BLOCKED, NO_CHUNK
+    from ..core.format import FLAG_BLOCKED, NO_CHUNK
 
     entries = ds.index.entries
     blocked = (entries["flags"] & FLAG_BLOCKED) != 0

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
 from .archive_source import ARCHIVE_KEY_SHIFT, FORMATS, Damage, archive_format, archive_identity, open_stream
-from .errors import UsageError, quoted
-from .index_check import link_target_problem
+from ..errors import UsageError, quoted
+from ..core.index_check import link_target_problem
 from .walk import _SPECIAL_KINDS, Problem, SourceEntry, SourceTree
 
 _DIR_MODE = stat.S_IFDIR | 0o755

@@ -25,8 +25,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .errors import DoesNotFit
-from .format import INDEX_HEADER_LEN
+from ..errors import DoesNotFit
+from ..core.format import INDEX_HEADER_LEN
 
 if TYPE_CHECKING:
     from selector.policy import Need

@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .api import open_dataset
-from .durable import PARTIAL_SUFFIX
-from .errors import FanstoreError, UsageError, quoted
-from .format import CHUNK_DIR, CHUNK_MAGIC, INDEX_MAGIC, INDEX_NAME
+from ..core.api import open_dataset
+from ..core.durable import PARTIAL_SUFFIX
+from ..errors import FanstoreError, UsageError, quoted
+from ..core.format import CHUNK_DIR, CHUNK_MAGIC, INDEX_MAGIC, INDEX_NAME
 from .journal import JOURNAL_DIR, STATE_FILE, JournalError, PackJournal
-from .verify import chunk_problems
+from ..core.verify import chunk_problems
 
 _CHUNK_NAME = re.compile(r"[0-9]{8}\.fsc(\.partial)?\Z")
 _JOURNAL_NAME = re.compile(r"(state\.json|chunk-[0-9]{8}\.json|dict\.[0-9]+(\.[a-z]+)?\.zdict)(\.partial)?\Z")

@@ -22,14 +22,14 @@ import numpy as np
 import pyfuse3
 import trio
 
-from .cache import DecodedCache
-from .chunk_source import ChunkSource
-from .errors import ChunkCorrupt, ChunkError, ChunkUnavailable, FanstoreError, fuse_errno_of, quoted
-from .format import FLAG_BLOCKED
-from .index import Index
+from ..core.cache import DecodedCache
+from ..core.chunk_source import ChunkSource
+from ..errors import ChunkCorrupt, ChunkError, ChunkUnavailable, FanstoreError, fuse_errno_of, quoted
+from ..core.format import FLAG_BLOCKED
+from ..core.index import Index
 from .kernel_holds import KernelHolds
 from .prefetch import CacheKey, FetchedAhead, Prefetcher, may_block_flags
-from .reader import Reader
+from ..core.reader import Reader
 
 log = logging.getLogger("fanstore.mount")
 

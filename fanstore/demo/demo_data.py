@@ -85,7 +85,7 @@ def build_demo_tree(root: Path, scale: int = 1) -> DemoTree:
 
 
 def _import_sklearn() -> tuple[Any, Any]:
-    """Imported here, not at module level, so `import fanstore.demo_data` works without the demo extras."""
+    """Imported here, not at module level, so `import fanstore.demo.demo_data` works without the demo extras."""
     try:
         from sklearn.datasets import load_digits, load_sample_images
     except ImportError as exc:

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
-from .durable import write_atomically
-from .errors import PackError, quoted
+from ..core.durable import write_atomically
+from ..errors import PackError, quoted
 from .walk import Problem
 
 JOURNAL_DIR = ".fanstore-pack"
