@@ -192,3 +192,15 @@ def test_a_truncated_index_file_is_refused_in_one_line(tmp_path, size):
     (tmp_path / INDEX_NAME).write_bytes(data[:size])
     with pytest.raises(FormatError, match=f"{INDEX_NAME}: .*truncated"):
         Index.load(tmp_path)
+
+
+def test_fields_are_read_by_name_whatever_the_dtypes_order():
+    """format.fields_of takes fields by name from a row read whole: a dtype with its fields in another order gives
+    the same values, so a reordered dtype cannot swap them silently."""
+    from fanstore.core.format import fields_of
+
+    shuffled = np.dtype([("mode", "<u4"), ("size", "<u8"), ("mtime_ns", "<i8")])
+    row = np.array([(0o100644, 4096, -7)], dtype=shuffled)[0]
+    assert fields_of(shuffled, "size", "mtime_ns", "mode")(row.item()) == (4096, -7, 0o100644)
+    with pytest.raises(ValueError):
+        fields_of(shuffled, "nothing", "size")

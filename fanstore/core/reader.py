@@ -12,10 +12,13 @@ from compressors import Codec, CodecError, codec_from_spec
 from .chunk_source import ChunkSource
 from ..errors import (ChunkCorrupt, ChunkError, ChunkUnavailable, FanstoreError, FormatError, IsADirectory, UsageError,
                      quoted)
-from .format import FLAG_BLOCKED, NO_CHUNK, chunk_file_name
+from .format import BLOCK_DTYPE, ENTRY_DTYPE, FLAG_BLOCKED, NO_CHUNK, chunk_file_name, fields_of
 from .index import Index
 
 _checksum = xxhash.xxh3_64_intdigest
+# The fields a read needs, from an entry (a block) read whole, by name (format.fields_of).
+_READ_FIELDS = fields_of(ENTRY_DTYPE, "size", "offset", "stored_len", "checksum", "mode", "chunk", "codec", "flags")
+_BLOCK_FIELDS = fields_of(BLOCK_DTYPE, "offset", "checksum", "chunk", "stored_len", "codec")
 
 
 def build_codecs(index: Index) -> list[Codec]:
@@ -51,7 +54,7 @@ class Reader:
 
     def read(self, entry: int) -> bytes:
         """The original bytes of a regular file, whole."""
-        _, size, _, offset, stored_len, checksum, _, mode, chunk, _, codec, flags = self._entries[entry].item()
+        size, offset, stored_len, checksum, mode, chunk, codec, flags = _READ_FIELDS(self._entries[entry].item())
         if not stat.S_ISREG(mode):
             raise IsADirectory(f"{quoted(self.index.path_of(entry))} is not a regular file")
         if size == 0:
@@ -68,7 +71,7 @@ class Reader:
         results: list[bytes | FanstoreError | None] = [None] * len(entries)
         whole: list[tuple[int, int, int, int, int, int, int, int]] = []
         for number, entry in enumerate(entries):
-            _, size, _, offset, stored_len, checksum, _, mode, chunk, _, codec, flags = self._entries[entry].item()
+            size, offset, stored_len, checksum, mode, chunk, codec, flags = _READ_FIELDS(self._entries[entry].item())
             if stat.S_ISREG(mode) and size > 0 and not flags & FLAG_BLOCKED:
                 whole.append((number, entry, size, offset, stored_len, checksum, chunk, codec))
                 continue
@@ -92,7 +95,7 @@ class Reader:
 
     def read_block(self, entry: int, block: int) -> bytes:
         """The original bytes of one block of a file stored in blocks: `block_size` bytes, the last one fewer."""
-        offset, checksum, chunk, stored_len, codec, _ = self._block_row(entry, block)
+        offset, checksum, chunk, stored_len, codec = self._block_row(entry, block)
         stored = self._fetch(entry, block, chunk, offset, stored_len, checksum)
         size = int(self._entries[entry]["size"])
         raw_size = min(self.block_size, size - block * self.block_size)
@@ -106,20 +109,21 @@ class Reader:
         """The stored (compressed) blob of a file stored whole, or of one block, checksum-verified: what a peer
         node is sent."""
         if block >= 0:
-            offset, checksum, chunk, stored_len, _, _ = self._block_row(entry, block)
+            offset, checksum, chunk, stored_len, _ = self._block_row(entry, block)
         else:
-            _, _, _, offset, stored_len, checksum, _, _, chunk, _, _, flags = self._entries[entry].item()
+            _, offset, stored_len, checksum, _, chunk, _, flags = _READ_FIELDS(self._entries[entry].item())
             if flags & FLAG_BLOCKED:
                 raise UsageError(f"{quoted(self.index.path_of(entry))} is stored in blocks: ask for one block")
             if chunk == NO_CHUNK:
                 return b""
         return self._fetch(entry, block, chunk, offset, stored_len, checksum)
 
-    def _block_row(self, entry: int, block: int) -> tuple:
+    def _block_row(self, entry: int, block: int) -> tuple[int, int, int, int, int]:
+        """(offset, checksum, chunk, stored_len, codec) of one block of a file stored in blocks."""
         rows = self.index.block_rows(entry)
         if not 0 <= block < len(rows):
             raise UsageError(f"{quoted(self.index.path_of(entry))} has no block {block} (it is stored in {len(rows)})")
-        return self._blocks[rows[block]].item()
+        return _BLOCK_FIELDS(self._blocks[rows[block]].item())
 
     def _where(self, entry: int, block: int) -> str:
         return self.index.path_of(entry) + (f" (block {block})" if block >= 0 else "")
@@ -127,14 +131,14 @@ class Reader:
     def decode_fetched(self, entry: int, stored: bytes | memoryview) -> bytes:
         """A file stored whole, from the stored blob its caller fetched itself (ChunkSource.start_read): verified,
         then decoded, exactly as `read` would."""
-        _, size, _, offset, stored_len, checksum, _, _, chunk, _, codec, _ = self._entries[entry].item()
+        size, offset, stored_len, checksum, _, chunk, codec, _ = _READ_FIELDS(self._entries[entry].item())
         self._verify(entry, -1, stored, chunk, offset, stored_len, checksum)
         return self._decode(entry, -1, stored, codec, size, chunk, offset)
 
     def read_other_copy(self, entry: int) -> bytes:
         """A file stored whole whose blob, fetched by its caller, failed its checksum: read from the source's other
         copy (ChunkSource.read_other_copy) once, verified and decoded; ChunkCorrupt if there is no sound one."""
-        _, size, _, offset, stored_len, checksum, _, _, chunk, _, codec, _ = self._entries[entry].item()
+        size, offset, stored_len, checksum, _, chunk, codec, _ = _READ_FIELDS(self._entries[entry].item())
         stored = self._other_copy(entry, -1, chunk, offset, stored_len, checksum)
         return self._decode(entry, -1, stored, codec, size, chunk, offset)
 
