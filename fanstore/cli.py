@@ -495,7 +495,6 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 def _run_mount(args: argparse.Namespace) -> int:
     import logging
-    import math
 
     from .core.dest_apart import check_apart_from_dest
     from .mount.mount import MountOptions, check_outside, dataset_paths, default_log_path, mount_background, \
@@ -511,10 +510,6 @@ def _run_mount(args: argparse.Namespace) -> int:
         keep_cache=not args.no_keep_cache,
         kernel_timeout=args.kernel_timeout,
     )
-    if args.prefetch < 0:
-        raise UsageError(f"--prefetch: must be 0 or more files, got {args.prefetch}")
-    if args.kernel_timeout is not None and not 0 <= args.kernel_timeout < math.inf:  # nan fails both
-        raise UsageError(f"--kernel-timeout: must be 0 or more seconds, got {args.kernel_timeout}")
     # Resolved once, here: mountinfo lists resolved paths, and the check, the mount and the messages must agree.
     mountpoint = resolve_mountpoint(Path(args.mountpoint))
     if args.foreground:
@@ -534,25 +529,14 @@ def _run_mount(args: argparse.Namespace) -> int:
 
 def _run_serve(args: argparse.Namespace) -> int:
     import logging
-    import math
 
     from .mount.mount import MountOptions
     from .serve.node import ServeOptions, run
     from .serve.transport import PeerOptions
 
-    for option, value in (("--peer-timeout", args.peer_timeout), ("--peer-retry", args.peer_retry)):
-        if not 0 < value < math.inf:
-            raise UsageError(f"{option}: must be a number of seconds more than 0 (and finite), got {value}")
-    if not 0 <= args.peer_lost_after < math.inf:
-        raise UsageError(f"--peer-lost-after: must be 0 (half of TCP's give-up time) or more seconds, got "
-                         f"{args.peer_lost_after}")
-    if args.max_in_flight < 1:
-        raise UsageError(f"--max-in-flight: must be 1 or more requests, got {args.max_in_flight}")
-    if args.prefetch < 0:
-        raise UsageError(f"--prefetch: must be 0 or more files, got {args.prefetch}")
-    if args.prefetch_threads < 1:
-        raise UsageError(f"--prefetch-threads: must be 1 or more threads, got {args.prefetch_threads}")
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s fanstore: %(message)s", stream=sys.stderr)
+    # The options' values are checked where they are defined (PeerOptions, MountOptions), in this order.
+    peer = PeerOptions(timeout=args.peer_timeout, retry_after=args.peer_retry, max_in_flight=args.max_in_flight,
+                       lost_after=args.peer_lost_after)
     mount = MountOptions(
         cache_size=parse_size(args.cache_size, "--cache-size") if args.cache_size else None,
         prefetch=args.prefetch,
@@ -560,12 +544,13 @@ def _run_serve(args: argparse.Namespace) -> int:
         prefetch_threads=args.prefetch_threads,
         allow_other=args.allow_other,
     )
+    if args.prefetch_threads < 1:  # serve's own rule: its default is a number of threads, not 0 (one per core)
+        raise UsageError(f"--prefetch-threads: must be 1 or more threads, got {args.prefetch_threads}")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s fanstore: %(message)s", stream=sys.stderr)
     options = ServeOptions(
         dest=Path(args.dest), mountpoint=args.mountpoint, local_dir=args.local_dir, command=tuple(args.job_command),
         stats=args.stats, ready_file=args.ready_file,
-        peer=PeerOptions(timeout=args.peer_timeout, retry_after=args.peer_retry, max_in_flight=args.max_in_flight,
-                         lost_after=args.peer_lost_after),
-        mount=mount, progress=not args.quiet, doorbell=not args.no_doorbell, loop_requests=not args.mpi_thread_only)
+        peer=peer, mount=mount, progress=not args.quiet, doorbell=not args.no_doorbell, loop_requests=not args.mpi_thread_only)
     return run(options)
 
 

@@ -22,6 +22,8 @@ from fanstore import (
     UsageError,
 )
 from conftest import REPO, flip_byte
+from fanstore.mount.mount import MountOptions
+from fanstore.serve.remote_blobs import PeerOptions
 from fanstore.core.format import INDEX_NAME, chunk_file_name
 
 # What the README names, and what a caller needs to tell the cases apart.
@@ -127,3 +129,19 @@ def test_packing_raises_the_exported_errors(tmp_path):
         fanstore.pack(src, tmp_path / "c", fanstore.PackOptions(codec="auto", fit=1, workers=1))
     assert isinstance(does_not_fit.value, fanstore.UsageError)
     assert not any((tmp_path / name).exists() for name in "abc"), "a refused pack writes nothing"
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: MountOptions(prefetch=-1), "--prefetch: must be 0 or more files, got -1"),
+    (lambda: MountOptions(kernel_timeout=float("nan")), "--kernel-timeout: must be 0 or more seconds, got nan"),
+    (lambda: MountOptions(cache_size=0), "--cache-size: must be 1 byte or more, got 0"),
+    (lambda: MountOptions(decode_threads=-2), "MountOptions.decode_threads: must be 0 or more, got -2"),
+    (lambda: PeerOptions(timeout=0), "--peer-timeout: must be a number of seconds more than 0 (and finite), got 0"),
+    (lambda: PeerOptions(max_in_flight=0), "--max-in-flight: must be 1 or more requests, got 0"),
+    (lambda: PeerOptions(lost_after=-1), "--peer-lost-after: must be 0 (half of TCP's give-up time) or more"),
+])
+def test_options_built_from_python_are_checked_as_the_command_lines_are(build, message):
+    """MountOptions and PeerOptions check their values where they are defined: one check, the CLI's and Python's."""
+    with pytest.raises(UsageError) as caught:
+        build()
+    assert str(caught.value).startswith(message)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
+import math
 import os
 import re
 import shutil
@@ -60,6 +61,22 @@ class MountOptions:
     kernel_timeout: float | None = None  # seconds; None: the default long timeout
     read_ahead_kib: int = READ_AHEAD_KIB  # set when the mount may (root); 0 leaves the kernel default
     fast_session_loop: bool = True  # see install_fast_session_loop
+
+    def __post_init__(self) -> None:
+        """The one check of these values, whoever builds them (the CLI, or Python): the option at fault is named."""
+        if self.cache_size is not None and self.cache_size < 1:
+            raise UsageError(f"--cache-size: must be 1 byte or more, got {self.cache_size}")
+        if self.prefetch < 0:
+            raise UsageError(f"--prefetch: must be 0 or more files, got {self.prefetch}")
+        for option, value in (("--prefetch-threads", self.prefetch_threads),
+                              ("MountOptions.decode_threads", self.decode_threads),
+                              ("MountOptions.read_ahead_kib", self.read_ahead_kib)):
+            if value < 0:
+                raise UsageError(f"{option}: must be 0 or more, got {value}")
+        if self.prefetch_min_size is not None and self.prefetch_min_size < 0:
+            raise UsageError(f"--prefetch-min-size: must be 0 bytes or more, got {self.prefetch_min_size}")
+        if self.kernel_timeout is not None and not 0 <= self.kernel_timeout < math.inf:  # nan fails both
+            raise UsageError(f"--kernel-timeout: must be 0 or more seconds, got {self.kernel_timeout}")
 
 
 class MountError(FanstoreError, OSError):

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..core.chunk_source import BlobRead
-from ..errors import ChunkError, ChunkUnavailable
+from ..errors import ChunkError, ChunkUnavailable, UsageError
 from .doorbell import Doorbell
 from .peer_messages import FIRST_REPLY_TAG, MAX_BLOBS, PING, REPLY_HEADER, REPLY_MAGIC, TAG_REQUEST, PeerCounters, \
     hand_out_reply, reply_room, request_message
@@ -79,6 +79,19 @@ class PeerOptions:
     # gives a connection up (tcp_give_up_seconds): once TCP has, the next message posted to that peer crashes the
     # process inside the MPI library (measured with MPICH over UCX: SIGSEGV in the Isend; docs/SERVE.md).
     lost_after: float = 0.0
+
+    def __post_init__(self) -> None:
+        """The one check of these values, whoever builds them (the CLI, or Python): the option at fault is named."""
+        for option, value in (("--peer-timeout", self.timeout), ("--peer-retry", self.retry_after)):
+            if not 0 < value < math.inf:
+                raise UsageError(f"{option}: must be a number of seconds more than 0 (and finite), got {value}")
+        if not 0 <= self.lost_after < math.inf:
+            raise UsageError(f"--peer-lost-after: must be 0 (half of TCP's give-up time) or more seconds, got "
+                             f"{self.lost_after}")
+        if self.max_in_flight < 1:
+            raise UsageError(f"--max-in-flight: must be 1 or more requests, got {self.max_in_flight}")
+        if self.max_reply_bytes < 1:
+            raise UsageError(f"PeerOptions.max_reply_bytes: must be 1 or more bytes, got {self.max_reply_bytes}")
 
     def lost_after_seconds(self) -> float:
         return self.lost_after if self.lost_after > 0 else tcp_give_up_seconds() / 2
