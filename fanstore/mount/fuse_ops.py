@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import functools
 import json
 import logging
 import os
 import stat
 import threading
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import pyfuse3
@@ -28,6 +27,7 @@ from ..errors import ChunkCorrupt, ChunkError, ChunkUnavailable, FanstoreError, 
 from ..core.format import ENTRY_DTYPE, FLAG_BLOCKED, fields_of
 from ..core.index import Index
 from .kernel_holds import KernelHolds
+from .fuse_failures import HANDLE_FIRST, answers_every_failure
 from .prefetch import CacheKey, FetchedAhead, Prefetcher, may_block_flags
 from ..core.reader import Reader
 
@@ -114,40 +114,6 @@ class PrefetchView:
 
     def get(self, key: int | tuple[int, int]) -> bytes:
         return b"" if type(key) is int and self._kernel_holds.holds(key) else self._cache.get(key)
-
-
-_Operations = TypeVar("_Operations", bound=type)
-# Handlers whose first argument is the file handle open() or opendir() returned (an entry number), not an inode.
-_HANDLE_FIRST = frozenset({"read", "readdir", "release", "releasedir", "flush", "fsync", "fsyncdir", "write"})
-
-
-def answers_every_failure(cls: _Operations) -> _Operations:
-    """Wrap every request handler `cls` defines so that any failure answers that one request with an errno.
-
-    pyfuse3 replies with an errno only for a FUSEError; any other exception leaves its main loop and ends the
-    mount, and the training job then sees an empty directory. A damaged chunk, a disk answering EIO, a closed
-    descriptor, MemoryError or a bug must cost one request, not the mount (the errno each maps to is
-    errors.fuse_errno_of's). The handler's object reports the failure (`report_failure`).
-    """
-    handler_names = {name for name in vars(pyfuse3.Operations) if not name.startswith("_")} - {"init"}
-    for name, handler in list(vars(cls).items()):
-        if name in handler_names:
-            setattr(cls, name, _answering_errno(handler))
-    return cls
-
-
-def _answering_errno(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    @functools.wraps(handler)
-    async def guarded(self: Any, *args: Any) -> Any:
-        try:
-            return await handler(self, *args)
-        except pyfuse3.FUSEError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - see answers_every_failure; trio's Cancelled is not an Exception
-            raise pyfuse3.FUSEError(self.report_failure(handler.__name__, args, exc)) from None
-
-    guarded.answers_errno = True  # type: ignore[attr-defined]
-    return guarded
 
 
 @answers_every_failure
@@ -486,11 +452,11 @@ class FanstoreOperations(pyfuse3.Operations):
         or an inode (entry + 1)."""
         if not args or type(args[0]) is not int:
             return ""
-        entry = args[0] if handler in _HANDLE_FIRST else args[0] - 1
+        entry = args[0] if handler in HANDLE_FIRST else args[0] - 1
         try:
             return f", {quoted(self.index.path_of(entry))}"
         except Exception:  # noqa: BLE001 - only a log line's detail
-            return f", {'handle' if handler in _HANDLE_FIRST else 'inode'} {args[0]}"
+            return f", {'handle' if handler in HANDLE_FIRST else 'inode'} {args[0]}"
 
     # --- everything that would change the tree ---------------------------------------------------------------
 
