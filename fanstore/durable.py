@@ -11,17 +11,22 @@ from typing import Iterator
 PARTIAL_SUFFIX = ".partial"
 
 
-def write_atomically(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, data: bytes) -> tuple[os.stat_result, os.stat_result]:
     """`data` in `path`, written under a temporary name, synced, renamed, and the rename synced: a reader (or a
-    resumed pack) sees the whole file or none."""
+    resumed pack) sees the whole file or none. Returns the written file's identity before and after the rename,
+    taken from the open file, not by name (the rename may change its ctime; a write between them, its size or
+    mtime)."""
     partial = path.with_name(path.name + PARTIAL_SUFFIX)
     with naming_the_file(partial):
         with open(partial, "wb") as out:
             out.write(data)
             out.flush()
             os.fsync(out.fileno())
-        os.replace(partial, path)
+            written = os.fstat(out.fileno())
+            os.replace(partial, path)
+            renamed = os.fstat(out.fileno())
         fsync_dir(path.parent)
+    return written, renamed
 
 
 @contextlib.contextmanager

@@ -45,7 +45,7 @@ from .fit_watch import FitWatch
 from .format import (BLOCK_DTYPE, CHUNK_DTYPE, CHUNK_HEADER_LEN, FLAG_BLOCKED, INDEX_HEADER_LEN, MAX_BLOCK_SIZE,
                      MIN_BLOCK_SIZE, NO_CHUNK)
 from .groups import GroupPlan
-from .index import EntryRecord, Index, IndexLayout, write_index_atomically
+from .index import EntryRecord, Index, IndexLayout, write_packed_index
 from .journal import BlockRow, ChunkRecord, FileRow, JournalState, PackJournal
 from .pause import pause_point
 from .walk import Problem, SourceEntry, SourceTree, walk_source
@@ -541,7 +541,7 @@ def _write_index(
         meta["selection"] = selection.to_json()
     index_bytes = index_layout.to_bytes(chunks, groups.table(), plan.rows, plan.dictionaries, meta, blocks=blocks,
                                         block_size=options.block_size)
-    write_index_atomically(dest, index_bytes)
+    write_packed_index(dest, index_bytes)  # and stamps it, checked, for this node's first open
 
 
 def _finished_summary(dest: Path) -> PackSummary:
