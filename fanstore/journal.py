@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import shutil
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
+
+import numpy as np
 
 from .durable import write_atomically
 from .errors import PackError, quoted
@@ -51,6 +54,63 @@ class FileRow(NamedTuple):
     flags: int
 
 
+_U64 = (1 << 64) - 1
+
+
+class FileRows:
+    """The files finished in a chunk, as FileRow's fields in columns: a reference to the path the walk made and nine
+    u64 words a file (80 bytes), not a named tuple and its integers (about 200): a pack holds a row for every file
+    until its index is written."""
+
+    WORDS = FileRow._fields[1:]  # every field but the path, one u64 word each (mtime_ns as two's complement)
+    __slots__ = ("paths", "_words")
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+        self._words = array("Q")
+
+    def append(self, path: str, size: int, mtime_ns: int, mode: int, chunk: int, offset: int, stored_len: int,
+               codec: int, checksum: int, flags: int) -> None:
+        self.paths.append(path)
+        self._words.extend((size, mtime_ns & _U64, mode, chunk, offset, stored_len, codec, checksum, flags))
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def column(self, name: str) -> np.ndarray:
+        """One field of every row, a copy (int64 for mtime_ns, uint64 for the others; not "path": see `paths`)."""
+        words = np.frombuffer(self._words, dtype=np.uint64).reshape(-1, len(self.WORDS))
+        column = words[:, self.WORDS.index(name)].copy()
+        del words  # the words' buffer is exported while a view of it lives: no row could be appended
+        return column.view(np.int64) if name == "mtime_ns" else column
+
+    def __iter__(self) -> Iterator[FileRow]:
+        words, width = self._words, len(self.WORDS)
+        for number, path in enumerate(self.paths):
+            row = words[number * width : (number + 1) * width]
+            mtime_ns = row[1] - (1 << 64) if row[1] >> 63 else row[1]
+            yield FileRow(path, row[0], mtime_ns, *row[2:])
+
+    @classmethod
+    def from_columns(cls, columns: dict[str, list[Any]]) -> "FileRows":
+        """The rows of a journal record's named columns (checked by _rows' rules: exactly FileRow's fields, lists of
+        one length); ValueError if a value is not an integer of its field's range."""
+        _rows(FileRow._fields, columns, lambda row: None)
+        rows = cls()
+        rows.paths = list(columns["path"])
+        if not all(isinstance(path, str) for path in rows.paths):
+            raise ValueError("a path is not a string")
+        if not all(type(value) is int for name in cls.WORDS for value in columns[name]):
+            raise ValueError("a row field holds a value that is not an integer")
+        try:
+            numbers = [np.array(columns[name], dtype=np.int64 if name == "mtime_ns" else np.uint64).view(np.uint64)
+                       for name in cls.WORDS]
+        except OverflowError as exc:
+            raise ValueError(f"a row field is not a 64-bit integer ({exc})") from None
+        rows._words = array("Q", np.stack(numbers, axis=1).tobytes()) if rows.paths else array("Q")
+        return rows
+
+
 class BlockRow(NamedTuple):
     """One block of a file stored in blocks, written into a chunk: `file` is the file's number in the plan."""
 
@@ -74,7 +134,7 @@ class ChunkRecord:
     end_file: int
     first_block: int = 0
     end_block: int = 0
-    files: list[FileRow] = field(default_factory=list)  # the files finished in this range
+    files: FileRows = field(default_factory=FileRows)  # the files finished in this range
     blocks: list[BlockRow] = field(default_factory=list)  # the blocks written into this chunk
     problems: list[Problem] = field(default_factory=list)  # the files of this range skipped
 
@@ -131,7 +191,8 @@ class PackJournal:
         """Written as named columns, one list per field: as cheap as positional rows (a journal holds a row per
         packed file), and a field can be neither misplaced nor mistaken for another."""
         fields: dict[str, Any] = {name: getattr(record, name) for name in _RECORD_SCALARS}
-        fields["files"] = _columns(FileRow._fields, record.files)
+        fields["files"] = {"path": record.files.paths, **{name: record.files.column(name).tolist()
+                                                          for name in FileRows.WORDS}}
         fields["blocks"] = _columns(BlockRow._fields, record.blocks)
         fields["problems"] = _columns(("path", "reason"), [(p.path, p.reason) for p in record.problems])
         _write_json_atomically(self.dir / f"chunk-{record.chunk_id:08d}.json", fields)
@@ -149,7 +210,7 @@ class PackJournal:
                     raise ValueError("not a chunk record")
                 records.append(ChunkRecord(
                     **{name: fields[name] for name in _RECORD_SCALARS},
-                    files=_rows(FileRow._fields, fields["files"], FileRow._make),
+                    files=FileRows.from_columns(fields["files"]),
                     blocks=_rows(BlockRow._fields, fields["blocks"], BlockRow._make),
                     problems=_rows(("path", "reason"), fields["problems"], lambda row: Problem(*row))))
             except (OSError, ValueError, TypeError) as exc:
