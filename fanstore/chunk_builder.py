@@ -208,6 +208,11 @@ class ChunkBuilder:
             self.rows, self.problems = FileRows(), []
         return self.records
 
+    def let_go(self) -> None:
+        """After close_all, once the index's bytes hold what the records say: drop the plan's files and the records
+        (a row a file), which the pack would otherwise hold while it writes and checks its index."""
+        self.files, self.file_groups, self.records = [], [], []
+
     def abort(self) -> None:
         if self.writer is not None:
             self.writer.abort()

@@ -15,7 +15,7 @@ from array import array
 from concurrent.futures import ThreadPoolExecutor
 from itertools import repeat
 from pathlib import Path
-from typing import Any, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, Iterable, Iterator, NamedTuple, Protocol, Sequence
 
 import numpy as np
 import xxhash
@@ -338,10 +338,10 @@ def _parse_index(path: Path, data: bytes | mmap.mmap,
     return toc, sections
 
 
-def _bfs_order(records: list[EntryRecord]) -> tuple[list[EntryRecord], np.ndarray]:
+def _bfs_order(records: list[Any]) -> tuple[list[Any], np.ndarray]:
     """Breadth-first order with children sorted by name: each directory's children end up contiguous. And each
     entry's parent, the entry number of the directory it was found under."""
-    by_parent: dict[str, list[EntryRecord]] = {}
+    by_parent: dict[str, list[Any]] = {}
     root = None
     for rec in records:
         if rec.path == "":
@@ -368,12 +368,24 @@ def _bfs_order(records: list[EntryRecord]) -> tuple[list[EntryRecord], np.ndarra
     return ordered, np.frombuffer(parents, dtype=np.uint32).copy()
 
 
+class _TreeEntry(Protocol):
+    """What IndexLayout reads of an entry of a walk (walk.SourceEntry)."""
+
+    path: str
+    mode: int
+    mtime_ns: int
+    size: int
+    link_target: str
+
+
 class IndexLayout:
     """Everything an index holds that follows from the tree alone: entry order, paths, parents, modes, mtimes,
     sizes, symlink targets, the path-hash lookup. A pack builds it while files are still being compressed (it
     is most of the work of writing an index), then places the blobs and serialises."""
 
-    def __init__(self, records: Iterable[EntryRecord]) -> None:
+    def __init__(self, records: Iterable[EntryRecord | _TreeEntry]) -> None:
+        """`records`: EntryRecords, whose blobs are placed already, or entries of a walk (path, mode, mtime_ns, size
+        and link_target, nothing placed: the packer's, taken as they are rather than copied into a record each)."""
         ordered, parents = _bfs_order(list(records))
         count = len(ordered)
         encoded_paths = [rec.path.encode("utf-8") for rec in ordered]
@@ -384,9 +396,13 @@ class IndexLayout:
         entries["path_len"] = path_lens
         entries["parent"] = parents
         del parents
-        for field in ("mode", "mtime_ns", "size", "chunk", "offset", "stored_len", "codec", "checksum"):
-            column = map(operator.itemgetter(EntryRecord._fields.index(field)), ordered)
+        placed = isinstance(ordered[0], EntryRecord)
+        for field in ("mode", "mtime_ns", "size") + (("chunk", "offset", "stored_len", "codec", "checksum")
+                                                     if placed else ()):
+            column = map(operator.attrgetter(field), ordered)
             entries[field] = np.fromiter(column, dtype=ENTRY_DTYPE[field], count=count)
+        if not placed:
+            entries["chunk"] = NO_CHUNK  # as EntryRecord's defaults: no blob yet
         # Symlink targets follow the paths in the same blob; offset and stored_len locate them.
         for i, rec in enumerate(ordered):
             if stat.S_ISLNK(rec.mode):

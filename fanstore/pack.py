@@ -44,7 +44,7 @@ from .fit_watch import FitWatch
 from .format import (BLOCK_DTYPE, CHUNK_DTYPE, CHUNK_HEADER_LEN, FLAG_BLOCKED, INDEX_HEADER_LEN, MAX_BLOCK_SIZE,
                      MIN_BLOCK_SIZE, NO_CHUNK)
 from .groups import GroupPlan
-from .index import EntryRecord, Index, IndexLayout, write_packed_index
+from .index import Index, IndexLayout, write_packed_index
 from .journal import BlockRow, ChunkRecord, JournalState, PackJournal
 from .pause import pause_point
 from .walk import Problem, SourceEntry, SourceTree, walk_source
@@ -269,11 +269,12 @@ def _pack_with(sources: list[Path], dest_path: Path, options: PackOptions, tree:
         pause_point("index")
         index_bytes = _index_bytes(tree, layout, records, files, plan, groups, options, summary, selection,
                                    listing_digest)
-        # What the index holds of each file is in its bytes now: the journal's rows, the plan's columns and the
-        # layout go before the bytes are written and checked, which is a pack's peak of memory.
-        records.clear()  # the builder's list
+        # What the index holds of each file is in its bytes now: the walk, the plan, the journal's rows and the
+        # layout go before the bytes are written and checked, which is a pack's peak of memory (a caller that
+        # handed in its `tree` still holds that).
+        builder.let_go()
         finished.clear()
-        del plan_files, layout
+        del records, plan_files, layout, files, file_groups, tree
         if feed is not None:
             feed.close()
             feed = None
@@ -495,8 +496,7 @@ def _spec_by_kind(selection: Selection) -> dict[str, str]:
 
 def _index_layout(tree: SourceTree, leave_out: frozenset[str] = frozenset()) -> IndexLayout:
     """The index's layout from the walk alone: every entry of the tree but the files in `leave_out`."""
-    return IndexLayout(EntryRecord(e.path, e.mode, e.mtime_ns, e.size, link_target=e.link_target)
-                       for e in tree.entries if e.path not in leave_out)
+    return IndexLayout(tree.entries if not leave_out else [e for e in tree.entries if e.path not in leave_out])
 
 
 def _index_bytes(
