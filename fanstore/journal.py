@@ -6,6 +6,7 @@ only after its file is complete and synced; a chunk file with no record is disca
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from array import array
@@ -191,11 +192,14 @@ class PackJournal:
         """Written as named columns, one list per field: as cheap as positional rows (a journal holds a row per
         packed file), and a field can be neither misplaced nor mistaken for another."""
         fields: dict[str, Any] = {name: getattr(record, name) for name in _RECORD_SCALARS}
-        fields["files"] = {"path": record.files.paths, **{name: record.files.column(name).tolist()
-                                                          for name in FileRows.WORDS}}
+        files = record.files
+        # A column of the files is made as its turn to be written comes: a chunk of small files holds a row for each
+        # of a million files, whose columns as lists and as JSON all at once were a pack's peak of memory.
+        fields["files"] = {"path": lambda: files.paths,
+                           **{name: functools.partial(_listed, files, name) for name in FileRows.WORDS}}
         fields["blocks"] = _columns(BlockRow._fields, record.blocks)
         fields["problems"] = _columns(("path", "reason"), [(p.path, p.reason) for p in record.problems])
-        _write_json_atomically(self.dir / f"chunk-{record.chunk_id:08d}.json", fields)
+        write_atomically(self.dir / f"chunk-{record.chunk_id:08d}.json", _json_pieces(fields))
 
     def finished_chunks(self) -> list[ChunkRecord]:
         """Records of chunks 0..k-1 with no gap; a torn record (crash mid-write) cannot exist (durable.py)."""
@@ -235,6 +239,25 @@ def _rows(names: tuple[str, ...], columns: Any, make: Callable[[Iterable[Any]], 
     if not all(isinstance(column, list) and len(column) == len(lists[0]) for column in lists):
         raise ValueError(f"columns {list(names)} are not lists of one length")
     return [make(row) for row in zip(*lists)]
+
+
+def _listed(rows: FileRows, name: str) -> list[int]:
+    return rows.column(name).tolist()
+
+
+def _json_pieces(value: Any) -> Iterator[bytes]:
+    """The bytes of json.dumps(value, sort_keys=True, separators=(",", ":")) in pieces, a value of a dict at a time;
+    a callable value is called when its turn comes (a column made only to be written)."""
+    if callable(value):
+        value = value()
+    if not isinstance(value, dict):
+        yield json.dumps(value, sort_keys=True, separators=(",", ":")).encode("utf-8")
+        return
+    yield b"{"
+    for number, key in enumerate(sorted(value)):
+        yield (b"," if number else b"") + json.dumps(key).encode("utf-8") + b":"
+        yield from _json_pieces(value[key])
+    yield b"}"
 
 
 def _write_json_atomically(path: Path, value: Any) -> None:
