@@ -5,16 +5,21 @@ from __future__ import annotations
 import io
 import os
 import stat
+import subprocess
+import sys
+import tarfile
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import dataset_digest, dir_bytes, make_tree, run_cli, tree_digest
+from conftest import REPO, dataset_digest, dir_bytes, make_tree, run_cli, tree_digest
 from fanstore import FanstoreError, PackOptions, open_dataset, pack
+from fanstore.core import index_check
 from fanstore.errors import PathNotFound
-from fanstore.core.format import CHUNK_HEADER_LEN, NO_CHUNK
+from fanstore.core.format import CHUNK_HEADER_LEN, INDEX_NAME, NO_CHUNK
+from fanstore.core.index import write_index_atomically
 
 
 @pytest.mark.parametrize("codec", ["zstd:3", "zstd-dict:9", "lz4", "blosc:lz4:5:shuffle", "none"])
@@ -188,3 +193,47 @@ def test_packing_twice_into_a_fresh_tree_of_the_same_files_is_identical(tmp_path
     pack(tmp_path / "a", tmp_path / "ds1", PackOptions(workers=2))
     pack(tmp_path / "a", tmp_path / "ds2", PackOptions(workers=1))
     assert dir_bytes(tmp_path / "ds1") == dir_bytes(tmp_path / "ds2")
+
+
+def _full_checks_at_open(dataset: Path) -> int:
+    """How many passes over every entry a fresh process makes to open `dataset` (index_check's own count)."""
+    code = ("import sys; from fanstore import index_check; from fanstore.index import Index; "
+            "Index.load(sys.argv[1]); print(index_check.full_checks_run())")
+    proc = subprocess.run([sys.executable, "-c", code, str(dataset)], capture_output=True, text=True, check=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    return int(proc.stdout)
+
+
+def test_the_first_open_after_a_pack_skips_the_full_check_the_pack_made(source_tree, tmp_path):
+    """The packer runs the reader's full check on the index bytes it writes and stamps the file for this node, so
+    the first open of a fresh pack does not check every entry again; the same index replaced, rewritten in place or
+    touched has another identity, and the next open checks it in full."""
+    dataset = tmp_path / "ds"
+    before = index_check.full_checks_run()
+    pack(source_tree, dataset, PackOptions(workers=1))
+    assert index_check.full_checks_run() == before + 1  # the pack's own check of what it wrote
+    assert _full_checks_at_open(dataset) == 0
+    index_file = dataset / INDEX_NAME
+    data = index_file.read_bytes()
+    write_index_atomically(dataset, data)  # the same bytes, another file
+    assert _full_checks_at_open(dataset) == 1
+    assert _full_checks_at_open(dataset) == 0  # that open stamped it
+    with open(index_file, "r+b") as rewritten:  # the same bytes written over themselves: a new mtime and ctime
+        rewritten.write(data[:64])
+    assert _full_checks_at_open(dataset) == 1
+    os.utime(index_file)  # touched
+    assert _full_checks_at_open(dataset) == 1
+
+
+def test_a_pack_whose_index_the_check_refuses_leaves_no_stamp(tmp_path):
+    """Built is not checked: a tar member with a 300-byte name packs into an index the reader refuses, and the pack
+    leaves no stamp that would let an open skip the check."""
+    archive = tmp_path / "long.tar"
+    with tarfile.open(archive, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name in ("d/" + "x" * 300, "ok.txt"):
+            member = tarfile.TarInfo(name)
+            member.size = 5
+            tar.addfile(member, io.BytesIO(b"hello"))
+    pack(archive, tmp_path / "ds", PackOptions(workers=1))
+    with pytest.raises(FanstoreError, match="over-long name"):
+        open_dataset(tmp_path / "ds")

@@ -6,22 +6,32 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 PARTIAL_SUFFIX = ".partial"
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """`data` in `path`, written under a temporary name, synced, renamed, and the rename synced: a reader (or a
-    resumed pack) sees the whole file or none."""
+def write_atomically(path: Path, data: bytes | bytearray | Iterable[bytes]) -> tuple[os.stat_result, os.stat_result]:
+    """`data` (bytes, or pieces written one after another, so that the whole is never held at once) in `path`,
+    written under a temporary name, synced, renamed, and the rename synced: a reader (or a resumed pack) sees the
+    whole file or none. Returns the written file's identity before and after the rename,
+    taken from the open file, not by name (the rename may change its ctime; a write between them, its size or
+    mtime)."""
     partial = path.with_name(path.name + PARTIAL_SUFFIX)
     with naming_the_file(partial):
         with open(partial, "wb") as out:
-            out.write(data)
+            if isinstance(data, (bytes, bytearray)):
+                out.write(data)
+            else:
+                for piece in data:
+                    out.write(piece)
             out.flush()
             os.fsync(out.fileno())
-        os.replace(partial, path)
+            written = os.fstat(out.fileno())
+            os.replace(partial, path)
+            renamed = os.fstat(out.fileno())
         fsync_dir(path.parent)
+    return written, renamed
 
 
 @contextlib.contextmanager

@@ -11,8 +11,11 @@ import mmap
 import operator
 import os
 import stat
+from array import array
+from concurrent.futures import ThreadPoolExecutor
+from itertools import repeat
 from pathlib import Path
-from typing import Any, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, Iterable, Iterator, NamedTuple, Protocol, Sequence
 
 import numpy as np
 import xxhash
@@ -44,6 +47,7 @@ from .format import (
 from .index_check import check_arrays, check_derived_sections, check_section_layout, check_toc, section_layouts
 
 _hash_path = xxhash.xxh3_64_intdigest
+_LOOKUP_SLICE = 1 << 16  # paths looked up at once when the packer places blobs
 
 
 def normalize_path(path: str | os.PathLike[str]) -> str:
@@ -334,9 +338,10 @@ def _parse_index(path: Path, data: bytes | mmap.mmap,
     return toc, sections
 
 
-def _bfs_order(records: list[EntryRecord]) -> list[EntryRecord]:
-    """Breadth-first order with children sorted by name: each directory's children end up contiguous."""
-    by_parent: dict[str, list[EntryRecord]] = {}
+def _bfs_order(records: list[Any]) -> tuple[list[Any], np.ndarray]:
+    """Breadth-first order with children sorted by name: each directory's children end up contiguous. And each
+    entry's parent, the entry number of the directory it was found under."""
+    by_parent: dict[str, list[Any]] = {}
     root = None
     for rec in records:
         if rec.path == "":
@@ -347,6 +352,7 @@ def _bfs_order(records: list[EntryRecord]) -> list[EntryRecord]:
     if root is None:
         raise ValueError("index records must include the root directory (path '')")
     ordered = [root]
+    parents = array("I", [0])
     head = 0
     while head < len(ordered):
         current = ordered[head]
@@ -355,10 +361,21 @@ def _bfs_order(records: list[EntryRecord]) -> list[EntryRecord]:
             kids = by_parent.pop(current.path, [])
             kids.sort(key=lambda r: r.path.encode("utf-8", "surrogateescape"))
             ordered.extend(kids)
+            parents.extend(repeat(head - 1, len(kids)))
     if by_parent:
         orphan = next(iter(by_parent.values()))[0].path
         raise ValueError(f"index record {orphan!r} has no parent directory record")
-    return ordered
+    return ordered, np.frombuffer(parents, dtype=np.uint32).copy()
+
+
+class _TreeEntry(Protocol):
+    """What IndexLayout reads of an entry of a walk (walk.SourceEntry)."""
+
+    path: str
+    mode: int
+    mtime_ns: int
+    size: int
+    link_target: str
 
 
 class IndexLayout:
@@ -366,20 +383,26 @@ class IndexLayout:
     sizes, symlink targets, the path-hash lookup. A pack builds it while files are still being compressed (it
     is most of the work of writing an index), then places the blobs and serialises."""
 
-    def __init__(self, records: Iterable[EntryRecord]) -> None:
-        ordered = _bfs_order(list(records))
+    def __init__(self, records: Iterable[EntryRecord | _TreeEntry]) -> None:
+        """`records`: EntryRecords, whose blobs are placed already, or entries of a walk (path, mode, mtime_ns, size
+        and link_target, nothing placed: the packer's, taken as they are rather than copied into a record each)."""
+        ordered, parents = _bfs_order(list(records))
         count = len(ordered)
-        self._entry_of = {rec.path: i for i, rec in enumerate(ordered)}
         encoded_paths = [rec.path.encode("utf-8") for rec in ordered]
         path_lens = np.fromiter(map(len, encoded_paths), dtype=np.uint64, count=count)
         paths = bytearray(b"".join(encoded_paths))
         entries = np.zeros(count, dtype=ENTRY_DTYPE)
         entries["path_off"] = np.concatenate(([0], np.cumsum(path_lens)[:-1])).astype(np.uint64)
         entries["path_len"] = path_lens
-        entries["parent"] = [self._entry_of[rec.path.rpartition("/")[0]] if rec.path else 0 for rec in ordered]
-        for field in ("mode", "mtime_ns", "size", "chunk", "offset", "stored_len", "codec", "checksum"):
-            column = map(operator.itemgetter(EntryRecord._fields.index(field)), ordered)
+        entries["parent"] = parents
+        del parents
+        placed = isinstance(ordered[0], EntryRecord)
+        for field in ("mode", "mtime_ns", "size") + (("chunk", "offset", "stored_len", "codec", "checksum")
+                                                     if placed else ()):
+            column = map(operator.attrgetter(field), ordered)
             entries[field] = np.fromiter(column, dtype=ENTRY_DTYPE[field], count=count)
+        if not placed:
+            entries["chunk"] = NO_CHUNK  # as EntryRecord's defaults: no blob yet
         # Symlink targets follow the paths in the same blob; offset and stored_len locate them.
         for i, rec in enumerate(ordered):
             if stat.S_ISLNK(rec.mode):
@@ -399,20 +422,46 @@ class IndexLayout:
         self.entries = entries
 
     def entry_of(self, path: str) -> int:
-        return self._entry_of[path]
+        return int(self._entry_numbers([path])[0])
 
-    def place_blobs(self, paths: Sequence[str], **columns: Iterable[int]) -> None:
+    def _entry_numbers(self, paths: Sequence[str]) -> np.ndarray:
+        """The entry number of each path, which must be in the layout: found as a reader finds it, by its hash in
+        the sorted hashes and then its bytes, not in a dict of every path (70 bytes a file, held to the end of a
+        pack); a slice of keys at a time, so that the encoded keys of every path are not held at once."""
+        found = np.empty(len(paths), dtype=np.int64)
+        hashes, order, blob = self._path_hash, self._order, memoryview(self._paths)
+        path_off, path_len = self.entries["path_off"], self.entries["path_len"]
+        for start in range(0, len(paths), _LOOKUP_SLICE):
+            keys = [path.encode("utf-8") for path in paths[start : start + _LOOKUP_SLICE]]
+            digests = np.fromiter(map(_hash_path, keys), dtype=HASH_DTYPE, count=len(keys))
+            positions = np.searchsorted(hashes, digests)
+            for number, (key, digest, position) in enumerate(zip(keys, digests.tolist(), positions.tolist())):
+                while position < len(hashes) and int(hashes[position]) == digest:
+                    entry = int(order[position])
+                    off = int(path_off[entry])
+                    if blob[off : off + int(path_len[entry])] == key:
+                        break
+                    position += 1  # another path of the same hash
+                else:
+                    raise KeyError(key.decode("utf-8"))
+                found[start + number] = entry
+        return found
+
+    def place_blobs(self, paths: Sequence[str], **columns: Iterable[int] | np.ndarray) -> None:
         """Set where each file's blob lies: `columns` maps entry fields (chunk, offset, stored_len, codec,
         checksum) to their values for `paths`, in the same order. Every path must be a file of the layout."""
-        at = np.fromiter(map(self._entry_of.__getitem__, paths), dtype=np.int64, count=len(paths))
+        at = self._entry_numbers(paths)
         for field, values in columns.items():
-            self.entries[field][at] = np.fromiter(values, dtype=ENTRY_DTYPE[field], count=len(paths))
+            self.entries[field][at] = (values.astype(ENTRY_DTYPE[field]) if isinstance(values, np.ndarray) else
+                                       np.fromiter(values, dtype=ENTRY_DTYPE[field], count=len(paths)))
 
     def to_bytes(self, chunks: np.ndarray, groups: list[dict[str, Any]], codecs: list[dict[str, Any]],
                  dictionaries: dict[str, bytes], meta: dict[str, Any], blocks: np.ndarray | None = None,
-                 block_size: int = 0) -> bytes:
+                 block_size: int = 0) -> bytearray:
         """The index file's bytes; the same inputs always give the same bytes (no clocks, no host names).
-        `blocks`, the blocks section, is written only when some file is stored in blocks of `block_size`."""
+        `blocks`, the blocks section, is written only when some file is stored in blocks of `block_size`.
+        A layout is serialised once: it lets go of its arrays then, so that a pack does not hold them beside the
+        file's bytes while it writes and checks those."""
         arrays: dict[str, np.ndarray] = {
             "entries": self.entries,
             "paths": self._paths,
@@ -429,6 +478,7 @@ class IndexLayout:
         arrays["file_order"] = self._file_order.view(np.uint8)
         for name in sorted(dictionaries):
             arrays[name] = np.frombuffer(dictionaries[name], dtype="u1")
+        del self.entries, self._paths, self._path_hash, self._order, self._file_order
         return _serialise(arrays, groups, codecs, meta, extra)
 
 
@@ -447,7 +497,9 @@ def build_index_bytes(
 def _serialise(
     arrays: dict[str, np.ndarray], groups: list[dict[str, Any]], codecs: list[dict[str, Any]], meta: dict[str, Any],
     extra: dict[str, Any] | None = None,
-) -> bytes:
+) -> bytearray:
+    """The index file's bytes, in one buffer (not copied into a `bytes`: at 10^7 files the index is a gigabyte)."""
+
     def encode_toc(offsets: dict[str, int]) -> bytes:
         toc = {
             "format": "fanstore-index",
@@ -476,16 +528,19 @@ def _serialise(
         if new_offsets == offsets:
             break
         offsets = new_offsets
-    body = bytearray(toc_bytes)
+    # One buffer of the file's final size, each array copied into it once: a body grown piece by piece, then copied
+    # behind the header, held the index three times over at its peak (300 B a member, a pack's largest holder).
+    index = bytearray(cursor)
+    flat = np.frombuffer(index, dtype=np.uint8)
+    flat[INDEX_HEADER_LEN : INDEX_HEADER_LEN + len(toc_bytes)] = np.frombuffer(toc_bytes, dtype=np.uint8)
     for name, arr in arrays.items():
-        body += bytes(offsets[name] - INDEX_HEADER_LEN - len(body))
-        body += arr.tobytes()
-    body += bytes(_align(INDEX_HEADER_LEN + len(body)) - INDEX_HEADER_LEN - len(body))
-    header = INDEX_HEADER.pack(
-        INDEX_MAGIC, FORMAT_MAJOR, FORMAT_MINOR, INDEX_HEADER_LEN, len(toc_bytes), len(body),
-        xxhash.xxh3_64_intdigest(body),
-    )
-    return header + bytes(body)
+        flat[offsets[name] : offsets[name] + arr.nbytes] = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+    del flat  # a buffer with an export cannot be resized, and the caller's is its own
+    body = memoryview(index)[INDEX_HEADER_LEN:]
+    INDEX_HEADER.pack_into(index, 0, INDEX_MAGIC, FORMAT_MAJOR, FORMAT_MINOR, INDEX_HEADER_LEN, len(toc_bytes),
+                           len(body), xxhash.xxh3_64_intdigest(body))
+    body.release()
+    return index
 
 
 def _align(n: int) -> int:
@@ -508,3 +563,32 @@ def mark_copy_checked(copy_dir: Path, index_bytes: bytes) -> None:
 def write_index_atomically(dataset_dir: Path, index_bytes: bytes) -> None:
     """The index is the dataset's commit record: a directory without it is not a dataset."""
     write_atomically(dataset_dir / INDEX_NAME, index_bytes)
+
+
+def write_packed_index(dataset_dir: Path, index_bytes: bytes) -> None:
+    """Write the index a pack built in this process, and stamp it for this node (index_trust) if these very bytes
+    pass the full check a reader runs: the first open after a pack then skips the pass over every entry.
+
+    Built is not checked: a pack can write an index the check refuses (a tar member with a 300-byte name), so the
+    check runs here, on the bytes written, in a thread while they are written and synced; the cost moves from the
+    first open on this node to the pack, mostly hidden behind the write. The stamp names the file as it stands
+    after the rename (fstat of the open file), and is left only if nothing wrote to it in between (the same size,
+    no new mtime); a file replaced, rewritten or touched later has another identity and is checked again."""
+    path = dataset_dir / INDEX_NAME
+    body_hash = _header_body_hash(index_bytes)
+    with ThreadPoolExecutor(1, thread_name_prefix="fanstore-index-check") as checker:
+        passed = checker.submit(_passes_full_check, path, index_bytes)
+        written, renamed = write_atomically(path, index_bytes)
+        checked = passed.result()
+    if (checked and body_hash is not None and renamed.st_size == written.st_size == len(index_bytes)
+            and renamed.st_mtime_ns == written.st_mtime_ns and renamed.st_ino == written.st_ino):
+        index_trust.mark_checked(renamed, body_hash)
+
+
+def _passes_full_check(path: Path, index_bytes: bytes) -> bool:
+    """Whether `index_bytes` pass every check Index.load makes of an index file it finds unstamped."""
+    try:
+        _parse_index(path, index_bytes, full_check=True)
+    except FormatError:
+        return False
+    return True

@@ -9,6 +9,7 @@ array operations over the whole index, so a million-entry index still opens in a
 from __future__ import annotations
 
 import stat
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -163,8 +164,21 @@ class _Columns:
         self.kind = self.mode & np.uint32(_S_IFMT)
 
 
+_full_checks = 0  # check_arrays calls in this process: a reader that found its index stamped makes none
+_full_checks_lock = threading.Lock()
+
+
+def full_checks_run() -> int:
+    """How many times this process started the pass over every entry (check_arrays): what tests and benchmarks read
+    to see whether an open skipped it (index_trust)."""
+    return _full_checks
+
+
 def check_arrays(path: Path, toc: dict[str, Any], sections: dict[str, np.ndarray]) -> None:
     """Every entry, chunk and block field the read path trusts; see the module docstring."""
+    global _full_checks
+    with _full_checks_lock:
+        _full_checks += 1
     refuse = _Refuse(path)
     entries, chunks = sections["entries"], sections["chunks"]
     if not 1 <= len(entries) < NO_CHUNK:

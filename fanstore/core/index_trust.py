@@ -10,6 +10,9 @@ A stamp names the file's identity as the kernel keeps it (device, inode, size, m
 ctime, and any write changes it), the body's checksum and the revision of the checks; a file replaced, rewritten
 or touched is checked afresh. Stamps live in a directory of this user only (0700, owned, not a link), on tmpfs when
 there is one: where that cannot be had, every process checks, as before.
+
+Besides Index.load, two writers stamp the file they write, having run the same full check on its bytes: the
+packer (index.write_packed_index) and a serve process's local copy (index.mark_copy_checked).
 """
 
 from __future__ import annotations

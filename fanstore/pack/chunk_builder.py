@@ -16,7 +16,7 @@ from .codec_plan import NONE_ROW
 from .compress import WHOLE_FILE, BlockLayout, CompressedBatch, Skipped
 from .chunk_writer import ChunkWriter
 from ..core.format import FLAG_BLOCKED, NO_CHUNK
-from .journal import BlockRow, ChunkRecord, FileRow, PackJournal
+from .journal import BlockRow, ChunkRecord, FileRows, PackJournal
 from ..core.pause import pause_point
 from .walk import Problem, SourceEntry
 
@@ -51,12 +51,12 @@ class ChunkBuilder:
         self.first_file, self.first_block = (last.end_file, last.end_block) if last else (0, 0)
         self.next_number = self.first_file
         self.writer: ChunkWriter | None = None
-        self.rows: list[FileRow] = []
+        self.rows = FileRows()
         self.blocks: list[BlockRow] = []
         self.problems: list[Problem] = []
         self.files_done = sum(len(r.files) for r in finished)
-        self.raw_done = sum(row.size for r in finished for row in r.files)
-        self.stored_done = sum(row.stored_len for r in finished for row in r.files)
+        self.raw_done = sum(int(r.files.column("size").sum()) for r in finished)
+        self.stored_done = sum(int(r.files.column("stored_len").sum()) for r in finished)
         self.skipped: list[Problem] = [problem for r in finished for problem in r.problems]
         self._closed_bytes: dict[int, int] = {}  # group -> bytes of its closed chunk files, headers included
         for record in finished:
@@ -121,8 +121,8 @@ class ChunkBuilder:
             self.stored_done += stored_len
             entry = files[number]
             if block == WHOLE_FILE:
-                self.rows.append(FileRow(entry.path, raw_size, entry.mtime_ns, entry.mode, writer.chunk_id, offset,
-                                         stored_len, codec, checksum, 0))
+                self.rows.append(entry.path, raw_size, entry.mtime_ns, entry.mode, writer.chunk_id, offset,
+                                 stored_len, codec, checksum, 0)
                 self._file_done(number)
                 continue
             self.blocks.append(BlockRow(number, block, offset, stored_len, codec, checksum))
@@ -134,8 +134,8 @@ class ChunkBuilder:
             blocked.stored += stored_len
             if block == self.layout.blocks_of(entry.size) - 1:
                 # offset: the file's first row in the blocks section, known once the index orders the files
-                self.rows.append(FileRow(entry.path, entry.size, entry.mtime_ns, entry.mode, blocked.first_chunk, 0,
-                                         blocked.stored, blocked.codec, 0, FLAG_BLOCKED))
+                self.rows.append(entry.path, entry.size, entry.mtime_ns, entry.mode, blocked.first_chunk, 0,
+                                 blocked.stored, blocked.codec, 0, FLAG_BLOCKED)
                 self._blocked = None
                 self._file_done(number)
         self._append_run(batch.blobs[run_start:run_end])
@@ -149,8 +149,8 @@ class ChunkBuilder:
         while self.next_number < upto:
             entry = self.files[self.next_number]
             if entry.size == 0:
-                self.rows.append(FileRow(entry.path, 0, entry.mtime_ns, entry.mode, NO_CHUNK, 0, 0, NONE_ROW,
-                                         _EMPTY_CHECKSUM, 0))
+                self.rows.append(entry.path, 0, entry.mtime_ns, entry.mode, NO_CHUNK, 0, 0, NONE_ROW, _EMPTY_CHECKSUM,
+                                 0)
                 self.files_done += 1
             self.next_number += 1
 
@@ -187,7 +187,7 @@ class ChunkBuilder:
         self.next_chunk += 1
         pause_point(f"chunk:{self.next_chunk}")
         self.first_file, self.first_block = end_file, end_block
-        self.rows, self.blocks, self.problems = [], [], []
+        self.rows, self.blocks, self.problems = FileRows(), [], []
 
     def chunk_bytes(self) -> dict[int, int]:
         """Per group, the bytes of its chunk files so far, headers included: the closed ones and the open one (every
@@ -202,11 +202,16 @@ class ChunkBuilder:
         self._account_empty_files(len(self.files))
         if self.writer is not None:
             self._close_chunk(len(self.files), 0)
-        if self.rows or self.problems:
+        if len(self.rows) or self.problems:
             self.records.append(ChunkRecord(NO_CHUNK, 0, 0, self.first_file, len(self.files), self.first_block, 0,
                                             self.rows, [], self.problems))
-            self.rows, self.problems = [], []
+            self.rows, self.problems = FileRows(), []
         return self.records
+
+    def let_go(self) -> None:
+        """After close_all, once the index's bytes hold what the records say: drop the plan's files and the records
+        (a row a file), which the pack would otherwise hold while it writes and checks its index."""
+        self.files, self.file_groups, self.records = [], [], []
 
     def abort(self) -> None:
         if self.writer is not None:

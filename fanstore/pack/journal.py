@@ -6,11 +6,15 @@ only after its file is complete and synced; a chunk file with no record is disca
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
+
+import numpy as np
 
 from ..core.durable import write_atomically
 from ..errors import PackError, quoted
@@ -51,6 +55,63 @@ class FileRow(NamedTuple):
     flags: int
 
 
+_U64 = (1 << 64) - 1
+
+
+class FileRows:
+    """The files finished in a chunk, as FileRow's fields in columns: a reference to the path the walk made and nine
+    u64 words a file (80 bytes), not a named tuple and its integers (about 200): a pack holds a row for every file
+    until its index is written."""
+
+    WORDS = FileRow._fields[1:]  # every field but the path, one u64 word each (mtime_ns as two's complement)
+    __slots__ = ("paths", "_words")
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+        self._words = array("Q")
+
+    def append(self, path: str, size: int, mtime_ns: int, mode: int, chunk: int, offset: int, stored_len: int,
+               codec: int, checksum: int, flags: int) -> None:
+        self.paths.append(path)
+        self._words.extend((size, mtime_ns & _U64, mode, chunk, offset, stored_len, codec, checksum, flags))
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def column(self, name: str) -> np.ndarray:
+        """One field of every row, a copy (int64 for mtime_ns, uint64 for the others; not "path": see `paths`)."""
+        words = np.frombuffer(self._words, dtype=np.uint64).reshape(-1, len(self.WORDS))
+        column = words[:, self.WORDS.index(name)].copy()
+        del words  # the words' buffer is exported while a view of it lives: no row could be appended
+        return column.view(np.int64) if name == "mtime_ns" else column
+
+    def __iter__(self) -> Iterator[FileRow]:
+        words, width = self._words, len(self.WORDS)
+        for number, path in enumerate(self.paths):
+            row = words[number * width : (number + 1) * width]
+            mtime_ns = row[1] - (1 << 64) if row[1] >> 63 else row[1]
+            yield FileRow(path, row[0], mtime_ns, *row[2:])
+
+    @classmethod
+    def from_columns(cls, columns: dict[str, list[Any]]) -> "FileRows":
+        """The rows of a journal record's named columns (checked by _rows' rules: exactly FileRow's fields, lists of
+        one length); ValueError if a value is not an integer of its field's range."""
+        _rows(FileRow._fields, columns, lambda row: None)
+        rows = cls()
+        rows.paths = list(columns["path"])
+        if not all(isinstance(path, str) for path in rows.paths):
+            raise ValueError("a path is not a string")
+        if not all(type(value) is int for name in cls.WORDS for value in columns[name]):
+            raise ValueError("a row field holds a value that is not an integer")
+        try:
+            numbers = [np.array(columns[name], dtype=np.int64 if name == "mtime_ns" else np.uint64).view(np.uint64)
+                       for name in cls.WORDS]
+        except OverflowError as exc:
+            raise ValueError(f"a row field is not a 64-bit integer ({exc})") from None
+        rows._words = array("Q", np.stack(numbers, axis=1).tobytes()) if rows.paths else array("Q")
+        return rows
+
+
 class BlockRow(NamedTuple):
     """One block of a file stored in blocks, written into a chunk: `file` is the file's number in the plan."""
 
@@ -74,7 +135,7 @@ class ChunkRecord:
     end_file: int
     first_block: int = 0
     end_block: int = 0
-    files: list[FileRow] = field(default_factory=list)  # the files finished in this range
+    files: FileRows = field(default_factory=FileRows)  # the files finished in this range
     blocks: list[BlockRow] = field(default_factory=list)  # the blocks written into this chunk
     problems: list[Problem] = field(default_factory=list)  # the files of this range skipped
 
@@ -131,10 +192,14 @@ class PackJournal:
         """Written as named columns, one list per field: as cheap as positional rows (a journal holds a row per
         packed file), and a field can be neither misplaced nor mistaken for another."""
         fields: dict[str, Any] = {name: getattr(record, name) for name in _RECORD_SCALARS}
-        fields["files"] = _columns(FileRow._fields, record.files)
+        files = record.files
+        # A column of the files is made as its turn to be written comes: a chunk of small files holds a row for each
+        # of a million files, whose columns as lists and as JSON all at once were a pack's peak of memory.
+        fields["files"] = {"path": lambda: files.paths,
+                           **{name: functools.partial(_listed, files, name) for name in FileRows.WORDS}}
         fields["blocks"] = _columns(BlockRow._fields, record.blocks)
         fields["problems"] = _columns(("path", "reason"), [(p.path, p.reason) for p in record.problems])
-        _write_json_atomically(self.dir / f"chunk-{record.chunk_id:08d}.json", fields)
+        write_atomically(self.dir / f"chunk-{record.chunk_id:08d}.json", _json_pieces(fields))
 
     def finished_chunks(self) -> list[ChunkRecord]:
         """Records of chunks 0..k-1 with no gap; a torn record (crash mid-write) cannot exist (durable.py)."""
@@ -149,7 +214,7 @@ class PackJournal:
                     raise ValueError("not a chunk record")
                 records.append(ChunkRecord(
                     **{name: fields[name] for name in _RECORD_SCALARS},
-                    files=_rows(FileRow._fields, fields["files"], FileRow._make),
+                    files=FileRows.from_columns(fields["files"]),
                     blocks=_rows(BlockRow._fields, fields["blocks"], BlockRow._make),
                     problems=_rows(("path", "reason"), fields["problems"], lambda row: Problem(*row))))
             except (OSError, ValueError, TypeError) as exc:
@@ -174,6 +239,25 @@ def _rows(names: tuple[str, ...], columns: Any, make: Callable[[Iterable[Any]], 
     if not all(isinstance(column, list) and len(column) == len(lists[0]) for column in lists):
         raise ValueError(f"columns {list(names)} are not lists of one length")
     return [make(row) for row in zip(*lists)]
+
+
+def _listed(rows: FileRows, name: str) -> list[int]:
+    return rows.column(name).tolist()
+
+
+def _json_pieces(value: Any) -> Iterator[bytes]:
+    """The bytes of json.dumps(value, sort_keys=True, separators=(",", ":")) in pieces, a value of a dict at a time;
+    a callable value is called when its turn comes (a column made only to be written)."""
+    if callable(value):
+        value = value()
+    if not isinstance(value, dict):
+        yield json.dumps(value, sort_keys=True, separators=(",", ":")).encode("utf-8")
+        return
+    yield b"{"
+    for number, key in enumerate(sorted(value)):
+        yield (b"," if number else b"") + json.dumps(key).encode("utf-8") + b":"
+        yield from _json_pieces(value[key])
+    yield b"}"
 
 
 def _write_json_atomically(path: Path, value: Any) -> None:

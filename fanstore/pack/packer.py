@@ -11,14 +11,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import operator
 import os
 import time
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import xxhash
@@ -45,8 +44,8 @@ from .fit_watch import FitWatch
 from ..core.format import (BLOCK_DTYPE, CHUNK_DTYPE, CHUNK_HEADER_LEN, FLAG_BLOCKED, INDEX_HEADER_LEN, MAX_BLOCK_SIZE,
                      MIN_BLOCK_SIZE, NO_CHUNK)
 from .groups import GroupPlan
-from ..core.index import EntryRecord, Index, IndexLayout, write_index_atomically
-from .journal import BlockRow, ChunkRecord, FileRow, JournalState, PackJournal
+from ..core.index import Index, IndexLayout, write_packed_index
+from .journal import BlockRow, ChunkRecord, JournalState, PackJournal
 from ..core.pause import pause_point
 from .walk import Problem, SourceEntry, SourceTree, walk_source
 from .walk_archive import source_paths, walk_archives
@@ -235,9 +234,11 @@ def _pack_with(sources: list[Path], dest_path: Path, options: PackOptions, tree:
                            [f.mtime_ns for f in files], [f.ctime_ns for f in files], options.block_layout)
     next_report = 0.0
 
+    file_count = len(files)  # `files` goes before the index is written; the count stays
+
     def report() -> None:
         if progress is not None:
-            progress(PackProgress(builder.files_done + len(builder.skipped), len(files), builder.raw_done,
+            progress(PackProgress(builder.files_done + len(builder.skipped), file_count, builder.raw_done,
                                   raw_total, builder.stored_done))
 
     # Most of the index is known from the walk: it is laid out in a thread while the workers compress. It starts
@@ -266,9 +267,21 @@ def _pack_with(sources: list[Path], dest_path: Path, options: PackOptions, tree:
             layout = background.submit(_index_layout, tree)
         report()
         summary = _summarise(records, tree.problems)
+        summary.reused_chunks = len(finished)
         pause_point("index")
-        _write_index(dest_path, tree, layout, records, files, plan, groups, options, summary, selection,
-                     listing_digest)
+        index_bytes = _index_bytes(tree, layout, records, files, plan, groups, options, summary, selection,
+                                   listing_digest)
+        # What the index holds of each file is in its bytes now: the walk, the plan, the journal's rows and the
+        # layout go before the bytes are written and checked, which is a pack's peak of memory (a caller that
+        # handed in its `tree` still holds that).
+        builder.let_go()
+        finished.clear()
+        del records, plan_files, layout, files, file_groups, tree
+        if feed is not None:
+            feed.close()
+            feed = None
+        write_packed_index(dest_path, index_bytes)  # and stamps it, checked, for this node's first open
+        del index_bytes
         background.shutdown(wait=True)  # its thread is idle by now: pack() leaves no thread behind
     except OSError as exc:
         builder.abort()
@@ -284,7 +297,6 @@ def _pack_with(sources: list[Path], dest_path: Path, options: PackOptions, tree:
         if feed is not None:
             feed.close()
     journal.remove()
-    summary.reused_chunks = len(finished)
     summary.selection, summary.selection_seconds = selection, selection_seconds
     return summary
 
@@ -310,8 +322,8 @@ def _summarise(records: list[ChunkRecord], walk_problems: list[Problem]) -> Pack
     summary = PackSummary(problems=list(walk_problems))
     for record in records:
         summary.files += len(record.files)
-        summary.raw_bytes += sum(row.size for row in record.files)
-        summary.stored_bytes += sum(row.stored_len for row in record.files)
+        summary.raw_bytes += int(record.files.column("size").sum())
+        summary.stored_bytes += int(record.files.column("stored_len").sum())
         summary.problems.extend(record.problems)
         summary.chunks += record.chunk_id != NO_CHUNK
     summary.problems.sort(key=lambda p: p.path)
@@ -486,12 +498,10 @@ def _spec_by_kind(selection: Selection) -> dict[str, str]:
 
 def _index_layout(tree: SourceTree, leave_out: frozenset[str] = frozenset()) -> IndexLayout:
     """The index's layout from the walk alone: every entry of the tree but the files in `leave_out`."""
-    return IndexLayout(EntryRecord(e.path, e.mode, e.mtime_ns, e.size, link_target=e.link_target)
-                       for e in tree.entries if e.path not in leave_out)
+    return IndexLayout(tree.entries if not leave_out else [e for e in tree.entries if e.path not in leave_out])
 
 
-def _write_index(
-    dest: Path,
+def _index_bytes(
     tree: SourceTree,
     layout: Future[IndexLayout],
     records: list[ChunkRecord],
@@ -502,30 +512,36 @@ def _write_index(
     summary: PackSummary,
     selection: Selection | None,
     listing_digest: str,
-) -> None:
-    """`layout` is the tree's layout, built while the files were compressed; it is built again without the files
+) -> bytearray:
+    """The index file's bytes. `layout` is the tree's layout, built while the files were compressed; it is built again without the files
     that turned out not to be packable during the pack (they vanished or changed), which is rare. The listing's
     digest is recorded, so that running the same pack again finds it finished."""
-    rows = [row for record in records for row in record.files]
-    packed = frozenset(row.path for row in rows)
-    if len(packed) == len(tree.files):
+    paths = [path for record in records for path in record.files.paths]
+
+    def column(name: str) -> np.ndarray:
+        return np.concatenate([record.files.column(name) for record in records] or [np.zeros(0, np.uint64)])
+
+    if len(paths) == len(tree.files):  # every file of the walk was packed (a file is recorded once)
         index_layout = layout.result()
     else:
-        index_layout = _index_layout(tree, frozenset(e.path for e in tree.files) - packed)
-    blocks, first_block_rows = _blocks_table(index_layout, records, rows, files, options.block_layout)
-
-    def column(name: str) -> Iterator[int]:
-        return map(operator.attrgetter(name), rows)
-
+        index_layout = _index_layout(tree, frozenset(e.path for e in tree.files) - frozenset(paths))
+    flags = column("flags")
+    blocked = np.flatnonzero(flags & FLAG_BLOCKED)
+    sizes = column("size")
+    blocks, first_block_rows = _blocks_table(index_layout, records, [(paths[n], int(sizes[n])) for n in blocked],
+                                             files, options.block_layout)
+    del sizes
     # A file stored in blocks: its offset is its first row in the blocks section.
-    offsets = (first_block_rows.get(row.path, row.offset) for row in rows)
-    index_layout.place_blobs([row.path for row in rows], chunk=column("chunk"), offset=offsets,
-                             stored_len=column("stored_len"), codec=column("codec"), checksum=column("checksum"),
-                             flags=column("flags"))
+    offsets = column("offset")
+    offsets[blocked] = [first_block_rows[paths[n]] for n in blocked]
+    index_layout.place_blobs(paths, chunk=column("chunk"), offset=offsets, stored_len=column("stored_len"),
+                             codec=column("codec"), checksum=column("checksum"), flags=flags)
+    del paths, flags, offsets
     chunk_rows = [r for r in records if r.chunk_id != NO_CHUNK]
     chunks = np.zeros(len(chunk_rows), dtype=CHUNK_DTYPE)
     for r in chunk_rows:  # blobs in the chunk: whole files, and blocks
-        whole = sum(1 for row in r.files if row.chunk == r.chunk_id and not row.flags & FLAG_BLOCKED)
+        stored_whole = (r.files.column("flags") & FLAG_BLOCKED) == 0
+        whole = int(np.count_nonzero((r.files.column("chunk") == r.chunk_id) & stored_whole))
         chunks[r.chunk_id] = (r.size, r.group, whole + len(r.blocks))
     meta = {
         "pack": {
@@ -539,9 +555,8 @@ def _write_index(
     }
     if selection is not None:
         meta["selection"] = selection.to_json()
-    index_bytes = index_layout.to_bytes(chunks, groups.table(), plan.rows, plan.dictionaries, meta, blocks=blocks,
-                                        block_size=options.block_size)
-    write_index_atomically(dest, index_bytes)
+    return index_layout.to_bytes(chunks, groups.table(), plan.rows, plan.dictionaries, meta, blocks=blocks,
+                                 block_size=options.block_size)
 
 
 def _finished_summary(dest: Path) -> PackSummary:
@@ -562,11 +577,11 @@ def _finished_summary(dest: Path) -> PackSummary:
     return summary
 
 
-def _blocks_table(index_layout: IndexLayout, records: list[ChunkRecord], rows: list[FileRow],
+def _blocks_table(index_layout: IndexLayout, records: list[ChunkRecord], blocked_files: list[tuple[str, int]],
                   files: list[SourceEntry], block_layout: BlockLayout) -> tuple[np.ndarray | None, dict[str, int]]:
-    """The `blocks` section (None when no file is stored in blocks): the blocks of each file stored in blocks,
-    files in entry order; and each such file's first row in it, by path."""
-    blocked_rows = sorted((row for row in rows if row.flags & FLAG_BLOCKED),
+    """The `blocks` section (None when no file is stored in blocks): the blocks of each file stored in blocks
+    (`blocked_files`, their paths and sizes), files in entry order; and each such file's first row in it, by path."""
+    blocked_rows = sorted((_BlockedRow(path, size) for path, size in blocked_files),
                           key=lambda row: index_layout.entry_of(row.path))
     if not blocked_rows:
         return None, {}
@@ -588,6 +603,13 @@ def _blocks_table(index_layout: IndexLayout, records: list[ChunkRecord], rows: l
             table[cursor] = (block.offset, block.checksum, chunk, block.stored_len, block.codec, b"")
             cursor += 1
     return table, first_rows
+
+
+class _BlockedRow(NamedTuple):
+    """A file stored in blocks, as _blocks_table lays out its blocks."""
+
+    path: str
+    size: int
 
 
 def _global_error(exc: OSError, dest: Path) -> PackError:
