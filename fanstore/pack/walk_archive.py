@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, Sequence
 
 from .archive_source import ARCHIVE_KEY_SHIFT, FORMATS, Damage, archive_format, archive_identity, open_stream
 from ..errors import UsageError, quoted
+from ..core.format import MAX_NAME_BYTES, MAX_PATH_BYTES
 from ..core.index_check import link_target_problem
 from .walk import _SPECIAL_KINDS, Problem, SourceEntry, SourceTree
 
@@ -140,9 +141,15 @@ def dataset_path(name: str) -> tuple[str, str]:
     if "\0" in path:
         return "", "contains a NUL byte"
     try:
-        path.encode("utf-8")
+        encoded = path.encode("utf-8")
     except UnicodeEncodeError:
         return "", "name is not valid UTF-8; rename it to pack it"
+    # An archive's names are not bounded by a file system's, but a dataset's are (the index check refuses more).
+    if len(encoded) > MAX_PATH_BYTES:
+        return "", f"is {len(encoded):,} bytes long: a path holds at most {MAX_PATH_BYTES:,} (PATH_MAX)"
+    longest = max(len(part.encode("utf-8")) for part in parts) if parts else 0
+    if longest > MAX_NAME_BYTES:
+        return "", f"has a name of {longest} bytes: a name holds at most {MAX_NAME_BYTES} (NAME_MAX)"
     return path, ""
 
 
