@@ -4,8 +4,9 @@ thread drives.
 
 Both ranks run a PeerTransport with doorbells, as `fanstore serve` does. Rank 1 serves blobs of made-up chunks:
 chunk 1 is `BLOB`, chunk 3 is `OTHER`, chunk 4 is `BLOB` too but the ring of its reply is lost (a UDP datagram can
-be), chunk 2 is refused, chunk 5 is corrupt, chunk 7 meets a bug in the server, and a request for chunk 9 holds rank
-1's MPI thread for STALL seconds (a stalled peer).
+be), chunk 2 is refused, chunk 5 is corrupt, chunk 7 meets a bug in the server, a request for chunk 9 holds rank
+1's MPI thread for STALL seconds (a stalled peer), and one for chunk 11 (`BLOB` too) holds it for SLOW seconds,
+well within the deadline, so that the requests posted after it are sure to be out when they are cancelled.
 
 Rank 0 asks from a trio loop: a good blob; several in one request, several of which one is refused, and several of
 which one is corrupt (also from another thread); one whose reply's ring is lost; a refused one; a refused and a
@@ -44,6 +45,7 @@ OTHER = bytes(range(255, -1, -1)) * 100
 TIMEOUT = 0.5
 RETRY_AFTER = 1.0
 STALL = 3.0
+SLOW_CHUNK, SLOW = 11, 0.2
 CAP = 3
 LOST_RING = 4
 SERVING_BUG = 7  # rank 1's server meets a bug (not a ChunkError) serving this chunk
@@ -60,6 +62,9 @@ def failed(error: ChunkError) -> str:
 def serve(peer: int, chunk: int, offset: int, length: int) -> bytes:
     if chunk == 9:
         time.sleep(STALL)
+    if chunk == SLOW_CHUNK:
+        time.sleep(SLOW)
+        chunk = 1
     if chunk == SERVING_BUG:
         raise RuntimeError("injected while serving")
     if chunk == CORRUPT:
@@ -165,12 +170,15 @@ async def cancels(remote: RemoteBlobs) -> list[object]:
     def done(blob, error) -> None:
         outcomes.append("blob" if error is None else str(error))
 
-    requests = [remote.ask(1, (BlobRead(1, 0, len(BLOB), done),)) for _ in range(CAP + 1)]  # the last one queued
-    cancelled = [remote.cancel(requests[-1]), remote.cancel(requests[0])]
+    # The first holds rank 1's MPI thread (SLOW): the others cannot be answered before they are cancelled, however
+    # late this loop runs on a loaded machine.
+    requests = [remote.ask(1, (BlobRead(SLOW_CHUNK, 0, len(BLOB), done),))]
+    requests += [remote.ask(1, (BlobRead(1, 0, len(BLOB), done),)) for _ in range(CAP)]  # the last one queued
+    cancelled = [remote.cancel(requests[-1]), remote.cancel(requests[1])]
     in_flight_after = remote.in_flight(1)
-    await trio.sleep(0.2)
+    await trio.sleep(SLOW + 0.3)
     return [cancelled, in_flight_after, outcomes.count("rank 1: the request was cancelled"), outcomes.count("blob"),
-            remote.cancel(requests[1])]
+            remote.cancel(requests[2])]
 
 
 async def stalled(remote: RemoteBlobs, transport: PeerTransport) -> list[object]:
