@@ -4,6 +4,7 @@ OS error while writing names the file (a failed write or fsync, ENOSPC say, does
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -11,7 +12,8 @@ from typing import Iterable, Iterator
 PARTIAL_SUFFIX = ".partial"
 
 
-def write_atomically(path: Path, data: bytes | bytearray | Iterable[bytes]) -> tuple[os.stat_result, os.stat_result]:
+def write_atomically(path: Path, data: bytes | bytearray | memoryview | mmap.mmap | Iterable[bytes]) \
+        -> tuple[os.stat_result, os.stat_result]:
     """`data` (bytes, or pieces written one after another, so that the whole is never held at once) in `path`,
     written under a temporary name, synced, renamed, and the rename synced: a reader (or a resumed pack) sees the
     whole file or none. Returns the written file's identity before and after the rename,
@@ -20,7 +22,7 @@ def write_atomically(path: Path, data: bytes | bytearray | Iterable[bytes]) -> t
     partial = path.with_name(path.name + PARTIAL_SUFFIX)
     with naming_the_file(partial):
         with open(partial, "wb") as out:
-            if isinstance(data, (bytes, bytearray)):
+            if isinstance(data, (bytes, bytearray, memoryview, mmap.mmap)):
                 out.write(data)
             else:
                 for piece in data:

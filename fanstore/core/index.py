@@ -547,7 +547,7 @@ def _align(n: int) -> int:
     return (n + SECTION_ALIGN - 1) // SECTION_ALIGN * SECTION_ALIGN
 
 
-def mark_copy_checked(copy_dir: Path, index_bytes: bytes) -> None:
+def mark_copy_checked(copy_dir: Path, index_bytes: bytes | mmap.mmap) -> None:
     """`index_bytes` passed the full check in this process (Index.from_bytes) and were just written, byte for byte,
     to `copy_dir`: the node's other processes then map that copy without checking every entry again (the serve
     process's copy in its local directory, which every reader of the node opens)."""

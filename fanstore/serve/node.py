@@ -34,7 +34,7 @@ from ..mount.daemon_tuning import keep_freed_memory
 from ..core.dest_apart import check_apart_from_dest
 from ..errors import ChunkUnavailable, FanstoreError, UsageError, quoted, say_line
 from ..core.format import CHUNK_DIR, INDEX_NAME
-from ..core.index import Index, mark_copy_checked, read_index_file
+from ..core.index import Index, map_index_file, mark_copy_checked
 from ..mount.job_memory import job_memory
 from ..mount.mount import CacheBound, MountOptions, cache_bound, check_mountpoint, check_outside, dataset_paths, \
     fuse_answer, fuse_mounted_at, resolve_mountpoint, serve_dataset, unmount
@@ -231,7 +231,9 @@ def run(options: ServeOptions) -> int:
     host = socket.gethostname()
     problem = identity = mountpoint = local_dir = prefetch_order = None
     try:  # every rank's problem goes through the agreement below: a rank must not leave the others waiting
-        index_bytes = read_index_file(options.dest)  # read from DEST once: parsed, checksummed, then copied
+        # Mapped from DEST and read once (the check, the identity, the copy into DIR), never copied into this
+        # process: at 10^7 files the index is a gigabyte. Once copied, the rank maps its copy instead.
+        index_bytes, _ = map_index_file(options.dest)
         index = Index.from_bytes(options.dest / INDEX_NAME, index_bytes)
         identity = index_identity(index_bytes)
         placement = place(index, size)
@@ -288,6 +290,8 @@ def run(options: ServeOptions) -> int:
                         index_copy_bytes=len(index_bytes), memory_sharers=memory_sharers).run()
         copy_index(local_dir, index_bytes, rank)  # where the node's readers load the index (HELLO: index_dir)
         mark_copy_checked(local_dir, index_bytes)  # checked here in full: the node's readers need not again
+        index = Index.load(local_dir)  # that copy, mapped: nothing of the index is read from DEST from here on
+        del index_bytes
     except (StagingBroken, mpi.Exception) as exc:
         # The other ranks are half-way through staging with this one, or about to wait on it in the next collective
         # (or one of them has died): only the launcher can end them all.
@@ -306,14 +310,15 @@ def run(options: ServeOptions) -> int:
     local = StagedChunkSource(LocalChunkSource(local_dir, sizes), dest, rank)
     unverified = set(report.unverified_chunks)
     bell = open_doorbell(comm, options.doorbell)
-    transport = PeerTransport(comm, RequestChecker(rank, placement, BlobTable.of(index), local, len(sizes),
-                                                   unverified), options.peer, bell)
+    blobs = BlobTable.of(index)  # one table for the peers' requests and the node's readers
+    transport = PeerTransport(comm, RequestChecker(rank, placement, blobs, local, len(sizes), unverified),
+                              options.peer, bell)
     transport.start()
     source = PlacedChunkSource(rank, placement.owners, local, PeerChunkSource(transport, placement.owners), dest,
                                direct=unverified)
     # The node's one holder of blobs fetched ahead: plans of the training processes (through the endpoint) and of
     # the mount, within one bound.
-    lookup = BlobLookup(BlobTable.of(index), len(sizes))
+    lookup = BlobLookup(blobs, len(sizes))
     ahead = BlobsAhead(source.start_reads, lookup.locate)
     endpoint = NodeEndpoint(local_dir, {"dest": str(Path(options.dest).absolute()), "local_dir": str(local_dir),
                                         "index_dir": str(local_dir), "rank": rank, "size": size,

@@ -21,6 +21,7 @@ import errno
 import fcntl
 import json
 import logging
+import mmap
 import os
 import socket
 import stat
@@ -124,7 +125,7 @@ class Span:
     end: int
 
 
-def index_identity(index_bytes: bytes) -> str:
+def index_identity(index_bytes: bytes | mmap.mmap) -> str:
     """What tells one packed dataset from another: the checksum of its index file's bytes."""
     return f"{xxhash.xxh3_64_intdigest(index_bytes):016x}"
 
@@ -135,7 +136,7 @@ def dataset_identity(dest: Path) -> str:
         return index_identity(index_file.read())
 
 
-def copy_index(local_dir: Path, index_bytes: bytes, rank: int) -> Path:
+def copy_index(local_dir: Path, index_bytes: bytes | mmap.mmap, rank: int) -> Path:
     """Put DEST's index file, byte for byte, in the local directory under its own name, once staging succeeded: the
     node's readers (every DataLoader worker, every epoch) load it from there, never from DEST. The directory failing
     here ends the job as it does during staging (StagingBroken): the other ranks are about to wait on this one."""
