@@ -32,9 +32,9 @@ NOT_FOR_READING = (
     "torch",
 )
 # The only fanstore modules that may import the selector: the packer (--codec auto) and the command line.
-USES_THE_SELECTOR = ("fanstore.pack.packer", "fanstore.pack.fit_watch", "fanstore.cli")  # fit_watch: --fit's total
+USES_THE_SELECTOR = ("fanstore.pack.packer", "fanstore.pack.fit_watch", "fanstore.commands")  # fit_watch: --fit's total
 # The only modules of fanstore/ (not fanstore/serve/) that may import the serving layer: the command line (`plan`).
-USES_THE_SERVING_LAYER = ("fanstore.cli",)
+USES_THE_SERVING_LAYER = ("fanstore.commands",)
 # The only module of fanstore/ that may import torch (besides the fanstore.torch package): the demo's PyTorch run.
 USES_TORCH = ("fanstore.demo.demo_torch",)
 # What the read core (fanstore/core/) never imports: the other roles' packages, FUSE and its event loop, MPI.

@@ -1,0 +1,407 @@
+"""What each command of the command line does, once cli.py has parsed it: pack, select, verify, info, plan,
+mount, umount, demo, serve. Each takes the parsed arguments and returns the exit status; every expected failure is
+a FanstoreError, which cli.py turns into one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import UsageError, quoted
+from .core.units import format_bytes, parse_size, plural
+
+if TYPE_CHECKING:
+    from selector import Selection
+
+    from .pack.packer import PackOptions, PackSummary
+    from .serve.placement import Placement
+
+EXIT_FAILURE = 1
+EXIT_USAGE = 2  # argparse's, for a command line it cannot parse
+EXIT_DOES_NOT_FIT = 3  # `fanstore plan` and --fit: distinct from an error, so a batch script can try more nodes
+EXIT_INTERRUPTED = 130
+_WARNINGS_SHOWN = 20
+
+
+def _selection_options(args: argparse.Namespace) -> dict[str, Any]:
+    from .pack.packer import AUTO_CODEC
+    from .core.units import parse_fraction, parse_rate
+
+    if getattr(args, "codec", AUTO_CODEC) != AUTO_CODEC:
+        for option, given in (("--budget", args.budget is not None), ("--prefetch-threads", args.prefetch_threads),
+                              ("--fit", args.fit is not None), ("--nodes", args.nodes is not None),
+                              ("--tolerance", args.tolerance != "1%"), ("--pack-speed", args.pack_speed is not None),
+                              ("--sample", args.sample != "2%")):
+            if given:
+                raise UsageError(f"{option} only applies with --codec auto")
+        return {}
+    if args.budget is None and args.fit is None:
+        needs = "--codec auto needs" if hasattr(args, "codec") else "fanstore select needs"
+        raise UsageError(f"{needs} --budget, the decode throughput the training job needs (e.g. 800MB/s), or --fit, "
+                         "the capacity the dataset must fit in (e.g. 500GB), or both")
+    if args.prefetch_threads < 0:
+        raise UsageError(f"--prefetch-threads: must be 0 or more, got {args.prefetch_threads}")
+    fit = parse_size(args.fit, "--fit") if args.fit is not None else 0
+    nodes = 0
+    if args.nodes is not None:
+        if not fit:
+            raise UsageError("--nodes only applies with --fit (the capacity each node has for the dataset)")
+        nodes = _parse_nodes(args.nodes)
+    return {"budget": parse_rate(args.budget, "--budget") if args.budget is not None else 0.0,
+            "prefetch_threads": args.prefetch_threads, "sample": parse_fraction(args.sample, "--sample"),
+            "seed": args.seed, "fit": fit, "nodes": nodes, "tolerance": _parse_tolerance(args.tolerance),
+            "pack_speed": parse_rate(args.pack_speed, "--pack-speed") if args.pack_speed is not None else 0.0}
+
+
+def _parse_nodes(text: str) -> int:
+    from .serve.placement import MAX_NODES
+
+    try:
+        nodes = int(text)
+    except ValueError:
+        raise UsageError(f"--nodes: cannot read {quoted(text)} as a number of nodes (1 to {MAX_NODES})") from None
+    if not 1 <= nodes <= MAX_NODES:
+        raise UsageError(f"--nodes: must be a whole number from 1 to {MAX_NODES}, got {nodes}")
+    return nodes
+
+
+def _parse_tolerance(text: str) -> float:
+    """--tolerance as a fraction from 0 (unlike --sample, 0 is meaningful: the smallest stored size always wins)."""
+    from .core.units import parse_fraction
+
+    if str(text).strip().rstrip("%").strip() in ("0", "0.0"):
+        return 0.0
+    tolerance = parse_fraction(text, "--tolerance")
+    if tolerance >= 1:
+        raise UsageError(f"--tolerance: {quoted(text)} must be less than 100% (e.g. 1%)")
+    return tolerance
+
+
+def run_pack(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from .pack.packer import PackOptions, PackProgress, pack
+
+    options = PackOptions(
+        codec=args.codec,
+        chunk_size=parse_size(args.chunk_size, "--chunk-size"),
+        block_size=parse_size(args.block_size, "--block-size"),
+        blocks_above=parse_size(args.blocks_above, "--blocks-above", minimum=0),
+        replicate=tuple(args.replicate),
+        workers=args.workers,
+        strict=args.strict,
+        force=args.force,
+        **_selection_options(args),
+    )
+    bar = None
+
+    def show(p: PackProgress) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=p.raw_total, unit="B", unit_scale=True, unit_divisor=1000, desc="packing",
+                       disable=args.quiet or None, file=sys.stderr, mininterval=0.25)
+        if bar.disable:
+            return
+        bar.update(p.raw_done - bar.n)
+        ratio = p.raw_done / p.stored_done if p.stored_done else 1.0
+        bar.set_postfix_str(f"files {p.files_done}/{p.files_total} ratio {ratio:.2f}x", refresh=False)
+
+    try:
+        summary = pack(args.src, args.dest, options, progress=show, on_selection=_announce_selection)
+    finally:
+        if bar is not None:
+            bar.close()
+    if summary.up_to_date:
+        return _report_up_to_date(args, options, summary)
+    for problem in summary.problems[:_WARNINGS_SHOWN]:
+        print(f"warning: skipped {problem}", file=sys.stderr)
+    if len(summary.problems) > _WARNINGS_SHOWN:
+        from .core.info import all_skipped_command
+
+        print(f"warning: ... and {len(summary.problems) - _WARNINGS_SHOWN} more skipped "
+              f"({all_skipped_command(args.dest)} lists them all)", file=sys.stderr)
+    reused = (f", {plural(summary.reused_chunks, 'chunk')} kept from the interrupted run" if summary.reused_chunks
+              else "")
+    print(f"packed {plural(summary.files, 'file')} into {plural(summary.chunks, 'chunk')}{reused}: "
+          f"{format_bytes(summary.raw_bytes)} raw, {format_bytes(summary.stored_bytes)} stored, ratio "
+          f"{summary.ratio:.2f}x, {_pack_time(summary)}, {len(summary.problems):,} skipped")
+    if summary.selection is None:
+        return 0
+    print(_predicted_beside_packed(summary))
+    if not options.fit:
+        return 0
+    line, fits = _check_fit(Path(args.dest), options.fit, options.nodes, summary.selection.need().bytes)
+    print(line)
+    return 0 if fits else EXIT_DOES_NOT_FIT
+
+
+def _pack_time(summary: PackSummary) -> str:
+    """The pack's time and speed, the codec selection's time apart (it is no part of packing), and no speed for a
+    resumed pack (some of its bytes were packed by the interrupted run)."""
+    selecting = (f" after {summary.selection_seconds:.1f} s choosing codecs" if summary.selection is not None
+                 and summary.selection_seconds else "")
+    packing = summary.seconds - summary.selection_seconds
+    took = f"{packing:.1f} s" if packing >= 1 else f"{packing:.2f} s"
+    if summary.reused_chunks:  # part of raw_bytes was packed before: no speed can be told
+        return f"{took} this run{selecting}"
+    return f"{took} at {summary.mb_per_s:,.1f} MB/s{selecting}"
+
+
+def _report_up_to_date(args: argparse.Namespace, options: PackOptions, summary: PackSummary) -> int:
+    """A second run of a finished pack: one line saying there is nothing to do, and, with --fit, whether DEST fits
+    (the exit status the first run gave)."""
+    skipped = f", {len(summary.problems):,} skipped" if summary.problems else ""
+    print(f"nothing to do: {args.dest} already holds this pack of {' '.join(args.src)}, the same files with the "
+          f"same options ({plural(summary.files, 'file')}, {format_bytes(summary.raw_bytes)} raw, "
+          f"{format_bytes(summary.stored_bytes)} stored{skipped}); --force packs it again")
+    if not options.fit:
+        return 0
+    predicted = summary.selection.need().bytes if summary.selection is not None else 0
+    line, fits = _check_fit(Path(args.dest), options.fit, options.nodes, predicted)
+    print(line)
+    return 0 if fits else EXIT_DOES_NOT_FIT
+
+
+def _check_fit(dest: Path, capacity: int, nodes: int, predicted: float) -> tuple[str, bool]:
+    """The packed DEST measured against --fit, not predicted: the whole directory (chunk files and index), or with
+    --nodes the fullest node of the placement `fanstore plan` and `fanstore serve` use. One line, and whether it
+    fits."""
+    if nodes:
+        from .core.index import Index
+        from .serve.placement import place
+
+        placement = place(Index.load(dest), nodes)
+        stored = max(placement.stored_bytes(rank) for rank in range(nodes))
+        where = f"the fullest of {nodes:,} nodes stores"
+    else:
+        stored = sum(path.stat().st_size for path in dest.rglob("*") if path.is_file())
+        where = "DEST takes"
+    off = f"predicted {format_bytes(predicted)}, {stored / predicted - 1:+.1%}" if predicted else "not predicted"
+    if stored <= capacity:
+        return (f"fit: {where} {format_bytes(stored)} of --fit {format_bytes(capacity)} ({stored / capacity:.0%}; "
+                f"{off})"), True
+    return (f"does not fit: {where} {format_bytes(stored)}, {format_bytes(stored - capacity)} over --fit "
+            f"{format_bytes(capacity)} ({off})"), False
+
+
+def _warn_failed_codecs(selection: Selection) -> None:
+    for problem in selection.failed:
+        print(f"warning: codec {problem}; left out of the selection", file=sys.stderr)
+
+
+def _announce_selection(selection: Selection) -> None:
+    """What --codec auto chose and predicts, printed before compressing starts: the person waiting sees how long."""
+    _warn_failed_codecs(selection)
+    need, estimate = selection.need(), selection.estimate()
+    choices = ", ".join(f"{kind} {spec}" for kind, spec in selection.codec_by_kind().items()) or "nothing sampled"
+    print(f"codec selection ({selection.seconds:.1f} s): {choices}")
+    fit = ""
+    if selection.goal.fit_bytes:
+        fit = (f"; {need.describe()} of --fit {format_bytes(selection.goal.fit_bytes)} "
+               f"({need.bytes / selection.goal.fit_bytes:.0%})")
+    print(f"predicted: {format_bytes(need.total)} stored with the index{fit}; pack {estimate.describe()}", flush=True)
+
+
+def _predicted_beside_packed(summary: PackSummary) -> str:
+    """The pack's time (the selection not counted) and stored bytes beside what the selection predicted."""
+    selection = summary.selection
+    if selection is None:
+        return "no prediction: not packed with --codec auto"
+    estimate, blobs = selection.estimate(), selection.predicted_blob_bytes()
+    if not blobs or not estimate.seconds:
+        return "no prediction: the selector's sample was empty"
+    packing = summary.seconds - summary.selection_seconds
+    resumed = (f", resumed: {plural(summary.reused_chunks, 'chunk')} {'was' if summary.reused_chunks == 1 else 'were'} "
+               "already packed" if summary.reused_chunks else "")
+    return (f"pack time {packing:.1f} s after the selection (predicted {estimate.seconds:.1f} s, "
+            f"{packing / estimate.seconds - 1:+.0%}{resumed}); stored {format_bytes(summary.stored_bytes)} "
+            f"(predicted {format_bytes(blobs)}, {summary.stored_bytes / blobs - 1:+.1%})")
+
+
+def run_select(args: argparse.Namespace) -> int:
+    from selector import SelectionError
+    from selector.report import format_selection, plot_selection
+
+    from .pack.groups import GroupPlan
+    from .pack.packer import make_goal, select_for, walk_sources
+    from .pack.walk_archive import source_paths
+
+    groups = GroupPlan(tuple(args.replicate))  # validates the patterns before the long part
+    options = _selection_options(args)
+    goal = make_goal(options["fit"], options["nodes"], options["tolerance"], options["pack_speed"], args.workers)
+    sources = source_paths(args.src)
+    selection = select_for(sources[0], walk_sources(sources), groups, options["budget"],
+                           options["prefetch_threads"], options["sample"], options["seed"], goal)
+    _warn_failed_codecs(selection)
+    print(format_selection(selection))
+    if args.plot:
+        try:
+            plot_selection(selection, Path(args.plot))
+        except SelectionError as exc:
+            raise UsageError(str(exc)) from None
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from .core.api import open_dataset
+    from .core.verify import verify_dataset
+
+    with open_dataset(args.dest) as ds:
+        report = verify_dataset(ds)
+    for chunk, problem in sorted(report.bad_chunks.items()):
+        print(f"BAD CHUNK {chunk}: {problem}")
+    for bad in report.bad:
+        print(f"BAD {bad}")
+    chunks = f", {plural(len(report.bad_chunks), 'bad chunk file')}" if report.bad_chunks else ""
+    print(f"checked {plural(report.files_checked, 'file')} ({format_bytes(report.raw_bytes)}): "
+          f"{len(report.bad):,} bad{chunks}")
+    return 0 if report.ok else EXIT_FAILURE
+
+
+def run_info(args: argparse.Namespace) -> int:
+    from .core.api import open_dataset
+    from .core.info import describe_dataset
+
+    with open_dataset(args.dest) as ds:
+        print(describe_dataset(ds, all_skipped=args.all_skipped))
+    return 0
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from .core.index import Index
+    from .serve.placement import MAX_NODES, place
+
+    try:
+        nodes = int(args.nodes)
+    except ValueError:
+        raise UsageError(f"--nodes: cannot read {quoted(args.nodes)} as a number of nodes (1 to {MAX_NODES})") from None
+    capacity = parse_size(args.local_capacity, "--local-capacity") if args.local_capacity is not None else None
+    index = Index.load(args.dest)
+    placement = place(index, nodes)
+    lines, fits = _describe_plan(args.dest, len(index.chunks), placement, capacity)
+    print("\n".join(lines))
+    return 0 if fits else EXIT_DOES_NOT_FIT
+
+
+def _describe_plan(dest: str, chunk_count: int, placement: Placement, capacity: int | None) -> tuple[list[str], bool]:
+    """`fanstore plan`'s report, and whether the fullest node's share fits in `capacity` (True when not given)."""
+    nodes = placement.nodes
+    spread = [placement.spread_bytes(rank) for rank in range(nodes)]
+    total = [placement.stored_bytes(rank) for rank in range(nodes)]
+    split = set(placement.split_chunks)
+    split_pieces = sum(piece.chunk in split for rank in range(nodes) for piece in placement.pieces(rank))
+    replicated = len(placement.replicated_chunks)
+    empty = sum(share == 0 for share in spread)
+    lines = [
+        f"dataset      {dest}",
+        f"nodes        {nodes:,}",
+        f"chunks       {chunk_count:,}: {chunk_count - replicated:,} spread, {replicated:,} replicated; "
+        f"{len(split):,} split between nodes ({plural(split_pieces, 'piece')})",
+        f"spread       per node {_spread_of(spread)}"
+        + (f"; {plural(empty, 'node stores', 'nodes store')} none" if empty else ""),
+        f"replicated   {format_bytes(placement.replicated_bytes)} on every node",
+        f"total        per node {_spread_of(total)}",
+    ]
+    fullest = max(total)
+    fits = capacity is None or fullest <= capacity
+    if capacity is None:
+        lines.append("capacity     not checked (--local-capacity SIZE checks it)")
+    elif fits:
+        lines.append(f"capacity     fits: the fullest node stores {format_bytes(fullest)} of "
+                     f"{format_bytes(capacity)} ({fullest / capacity:.0%})")
+    else:
+        over = sum(share > capacity for share in total)
+        lines.append(f"capacity     does not fit: the fullest node stores {format_bytes(fullest)}, "
+                     f"{format_bytes(fullest - capacity)} over {format_bytes(capacity)} ({over:,} of "
+                     f"{plural(nodes, 'node')} over)")
+    lines.append(f"staging      {format_bytes(placement.staging_read_bytes())} read from DEST (each stored byte once; "
+                 f"a replicated chunk by one node, which sends it on)")
+    return lines, fits
+
+
+def _spread_of(shares: list[int]) -> str:
+    """Max, mean and min of per-node byte counts, and max/mean: how far the fullest node is from an even share."""
+    mean = sum(shares) / len(shares)
+    ratio = f"{max(shares) / mean:.3f}" if mean else "-"
+    return (f"max {format_bytes(max(shares))}, mean {format_bytes(mean)}, min {format_bytes(min(shares))}, "
+            f"max/mean {ratio}")
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from .demo.demo import run_demo
+
+    if args.scale < 1:
+        raise UsageError(f"--scale: must be 1 or more, got {args.scale}")
+    return run_demo(workdir=args.workdir, scale=args.scale, mount=not args.no_mount)
+
+
+def run_mount(args: argparse.Namespace) -> int:
+    import logging
+
+    from .core.dest_apart import check_apart_from_dest
+    from .mount.mount import MountOptions, check_outside, dataset_paths, default_log_path, mount_background, \
+        mount_foreground, resolve_mountpoint
+
+    options = MountOptions(
+        cache_size=parse_size(args.cache_size, "--cache-size") if args.cache_size else None,
+        prefetch=args.prefetch,
+        prefetch_list=Path(args.prefetch_list) if args.prefetch_list else None,
+        prefetch_min_size=parse_size(args.prefetch_min_size, "--prefetch-min-size", minimum=0)
+        if args.prefetch_min_size is not None else None,
+        allow_other=args.allow_other,
+        keep_cache=not args.no_keep_cache,
+        kernel_timeout=args.kernel_timeout,
+    )
+    # Resolved once, here: mountinfo lists resolved paths, and the check, the mount and the messages must agree.
+    mountpoint = resolve_mountpoint(Path(args.mountpoint))
+    if args.foreground:
+        check_outside(mountpoint, dataset_paths(Path(args.dest)))
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s fanstore: %(message)s", stream=sys.stderr)
+        return mount_foreground(Path(args.dest), mountpoint, options, ready_fd=args.ready_fd)
+    private_log = args.log is None
+    log_path = default_log_path(mountpoint) if private_log else Path(args.log)
+    check_outside(mountpoint, {**dataset_paths(Path(args.dest)), "--log": log_path})
+    log_name = "the default log (--log puts it elsewhere)" if private_log else "--log"
+    check_apart_from_dest(Path(args.dest), {log_name: log_path})
+    pid = mount_background(Path(args.dest), mountpoint, args.argv, log_path, private_log=private_log)
+    print(f"mounted {args.dest} at {args.mountpoint} (daemon pid {pid}, log {log_path}); "
+          f"`fanstore umount {args.mountpoint}` to unmount")
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from .mount.mount import MountOptions
+    from .serve.node import ServeOptions, run
+    from .serve.transport import PeerOptions
+
+    # The options' values are checked where they are defined (PeerOptions, MountOptions), in this order.
+    peer = PeerOptions(timeout=args.peer_timeout, retry_after=args.peer_retry, max_in_flight=args.max_in_flight,
+                       lost_after=args.peer_lost_after)
+    mount = MountOptions(
+        cache_size=parse_size(args.cache_size, "--cache-size") if args.cache_size else None,
+        prefetch=args.prefetch,
+        prefetch_list=Path(args.prefetch_list) if args.prefetch_list else None,
+        prefetch_threads=args.prefetch_threads,
+        allow_other=args.allow_other,
+    )
+    if args.prefetch_threads < 1:  # serve's own rule: its default is a number of threads, not 0 (one per core)
+        raise UsageError(f"--prefetch-threads: must be 1 or more threads, got {args.prefetch_threads}")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s fanstore: %(message)s", stream=sys.stderr)
+    options = ServeOptions(
+        dest=Path(args.dest), mountpoint=args.mountpoint, local_dir=args.local_dir, command=tuple(args.job_command),
+        stats=args.stats, ready_file=args.ready_file,
+        peer=peer, mount=mount, progress=not args.quiet, doorbell=not args.no_doorbell, loop_requests=not args.mpi_thread_only)
+    return run(options)
+
+
+def run_umount(args: argparse.Namespace) -> int:
+    from .mount.mount import resolve_mountpoint, unmount
+
+    unmount(resolve_mountpoint(Path(args.mountpoint)))
+    return 0
