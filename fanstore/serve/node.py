@@ -12,6 +12,7 @@ that ask peers for blobs, the mount's event loop among them, to post their reque
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import logging
@@ -217,20 +218,24 @@ class RequestChecker:
         return self._local.read_staged(chunk, offset, length)
 
 
-def run(options: ServeOptions) -> int:
-    """Serve on this rank until the job ends; the exit status is the worst of every rank's COMMAND."""
-    # `kill -USR2 PID` prints every thread's stack: what a stuck rank waits on. Not USR1: mpiexec sends it to
-    # every rank when one dies (with -disable-auto-cleanup), and SLURM jobs often ask for it before their end.
-    faulthandler.register(signal.SIGUSR2)
-    # Before any thread starts: each would grow a malloc arena of its own, which fragments (bench/soak_serve.py:
-    # the serve process's RSS grew 0.2-0.4 MiB an epoch for good that way, and stayed flat with one arena).
-    keep_freed_memory()
-    mpi = start_mpi(options.loop_requests)
-    comm = mpi.COMM_WORLD.Dup()
-    rank, size = comm.Get_rank(), comm.Get_size()
-    host = socket.gethostname()
-    problem = identity = mountpoint = local_dir = prefetch_order = None
-    try:  # every rank's problem goes through the agreement below: a rank must not leave the others waiting
+@dataclass
+class _RankStart:
+    """What a rank finds and checks alone at start, before any rank writes anything: the dataset's index (mapped
+    from DEST), its identity and placement, and this rank's paths. Any problem raises, naming the option."""
+
+    index: Index
+    index_bytes: Any  # the index file's bytes (a map of DEST's file), until copied into --local-dir
+    identity: str
+    placement: Placement
+    mountpoint: Path
+    local_dir: Path
+    ready_file: Path
+    mount_options: MountOptions
+    prefetch_order: list[int] | None
+
+    @classmethod
+    def of(cls, options: ServeOptions, rank: int, size: int) -> "_RankStart":
+        prefetch_order = None
         # Mapped from DEST and read once (the check, the identity, the copy into DIR), never copied into this
         # process: at 10^7 files the index is a gigabyte. Once copied, the rank maps its copy instead.
         index_bytes, _ = map_index_file(options.dest)
@@ -265,12 +270,23 @@ def run(options: ServeOptions) -> int:
         clear_stale_mount(mountpoint)
         local_dir.mkdir(parents=True, exist_ok=True)
         ready_file.unlink(missing_ok=True)  # left by a killed job: a batch script waiting for it must wait for us
+        return cls(index, index_bytes, identity, placement, mountpoint, local_dir, ready_file, mount_options,
+                   prefetch_order)
+
+
+def _start_together(options: ServeOptions, comm: Any, mpi: Any) -> _RankStart:
+    """Every rank's start (_RankStart), agreed: a rank with a problem, or a MOUNTPOINT or --local-dir shared by two
+    ranks, or a DEST holding another dataset than rank 0's, stops every rank, each with its line, before any copy."""
+    rank, size, host = comm.Get_rank(), comm.Get_size(), socket.gethostname()
+    problem = None
+    try:  # every rank's problem goes through the agreement below: a rank must not leave the others waiting
+        start = _RankStart.of(options, rank, size)
     except (FanstoreError, OSError) as exc:
-        problem = f"rank {rank} on {host}: {exc}"
-    if problem is not None:
-        identity = mountpoint = local_dir = None  # nothing to compare
+        problem, start = f"rank {rank} on {host}: {exc}", None
+    mountpoint = start.mountpoint if start is not None else None
+    local_dir = start.local_dir if start is not None else None
     problem = shared_paths(comm, host, {"MOUNTPOINT": mountpoint, "--local-dir": local_dir}) \
-        or other_dataset(comm, host, options.dest, identity) or problem
+        or other_dataset(comm, host, options.dest, start.identity if start is not None else None) or problem
     if problem is None:  # no rank of this job shares it: one that holds it now is another job's
         try:
             claim_local_dir(local_dir)  # held until this process ends
@@ -279,6 +295,27 @@ def run(options: ServeOptions) -> int:
     failed = first_failed_rank(comm, problem is not None)
     if problem is not None or failed is not None:
         _refuse_together(comm, mpi, problem or f"rank {failed} cannot start (see its message); stopping")
+    assert start is not None
+    return start
+
+
+def run(options: ServeOptions) -> int:
+    """Serve on this rank until the job ends; the exit status is the worst of every rank's COMMAND."""
+    # `kill -USR2 PID` prints every thread's stack: what a stuck rank waits on. Not USR1: mpiexec sends it to
+    # every rank when one dies (with -disable-auto-cleanup), and SLURM jobs often ask for it before their end.
+    faulthandler.register(signal.SIGUSR2)
+    # Before any thread starts: each would grow a malloc arena of its own, which fragments (bench/soak_serve.py:
+    # the serve process's RSS grew 0.2-0.4 MiB an epoch for good that way, and stayed flat with one arena).
+    keep_freed_memory()
+    mpi = start_mpi(options.loop_requests)
+    comm = mpi.COMM_WORLD.Dup()
+    rank = comm.Get_rank()
+    host = socket.gethostname()
+    start = _start_together(options, comm, mpi)
+    mountpoint, local_dir = start.mountpoint, start.local_dir
+    index, index_bytes, identity, placement = start.index, start.index_bytes, start.identity, start.placement
+    ready_file, mount_options, prefetch_order = start.ready_file, start.mount_options, start.prefetch_order
+    del start  # its map of DEST's index goes with index_bytes, once copied
     hosts = host_names(comm, host)  # to name a rank that stops answering at the end
     cgroup = job_memory().cgroup  # the memory cgroup whose limit binds, if any
     memory_sharers = ranks_sharing_memory(comm, host, cgroup.path if cgroup is not None else None)
@@ -305,15 +342,35 @@ def run(options: ServeOptions) -> int:
         _refuse_together(comm, mpi, str(exc), guard)
     if bar is not None:
         bar(-1, -1)
+    with contextlib.ExitStack() as teardown:  # unwound in reverse: the endpoint first, the doorbell last
+        status, lifecycle = _serve_staged(options, comm, index, placement, local_dir, mountpoint, ready_file,
+                                          mount_options, prefetch_order, report, hosts, memory_sharers, teardown)
+    if lifecycle.agreed:
+        comm.Free()
+        mpi.Finalize()
+    guard.close(clean=lifecycle.agreed)
+    return status
+
+
+def _serve_staged(options: ServeOptions, comm: Any, index: Index, placement: Placement, local_dir: Path,
+                  mountpoint: Path, ready_file: Path, mount_options: MountOptions, prefetch_order: list[int] | None,
+                  report: StagingReport, hosts: list[str], memory_sharers: list[int],
+                  teardown: contextlib.ExitStack) -> tuple[int, Lifecycle]:
+    """Once staged: the transport, the node's holder and endpoint, the mount and COMMAND; each part's close is
+    pushed on `teardown` as it starts. Returns the job's status and the lifecycle (whether every rank agreed)."""
+    rank, size, host = comm.Get_rank(), comm.Get_size(), socket.gethostname()
     sizes = index.chunks["size"]
     dest = LocalChunkSource(options.dest, sizes)
     local = StagedChunkSource(LocalChunkSource(local_dir, sizes), dest, rank)
     unverified = set(report.unverified_chunks)
     bell = open_doorbell(comm, options.doorbell)
+    if bell is not None:
+        teardown.callback(bell.close)
     blobs = BlobTable.of(index)  # one table for the peers' requests and the node's readers
     transport = PeerTransport(comm, RequestChecker(rank, placement, blobs, local, len(sizes), unverified),
                               options.peer, bell)
     transport.start()
+    teardown.callback(transport.stop)
     source = PlacedChunkSource(rank, placement.owners, local, PeerChunkSource(transport, placement.owners), dest,
                                direct=unverified)
     # The node's one holder of blobs fetched ahead: plans of the training processes (through the endpoint) and of
@@ -325,9 +382,20 @@ def run(options: ServeOptions) -> int:
                                         "direct": sorted(unverified), "owners": placement.owners.to_json()},
                             source, lookup, ahead)
     lifecycle = Lifecycle(transport, options.command, mountpoint, ready_file, endpoint.path, hosts)
-    pause_point("serve: staged")
     # Chosen once staged: a local dir on tmpfs has taken its share of the job's memory by now.
     bound = cache_bound(mount_options.cache_size, shared_by=len(memory_sharers))
+
+    def close_together() -> None:
+        """Once every rank agreed on the job's status: the counters (--stats), then the closing barrier."""
+        if lifecycle.agreed:
+            if options.stats:
+                _report_stats(transport, source, report, endpoint.stats(), transport.remote.any_thread, bound)
+            transport.collective(lambda comm: (comm.Ibarrier(), lambda: None)).result()
+
+    teardown.callback(close_together)
+    teardown.callback(ahead.close)
+    teardown.callback(endpoint.close)
+    pause_point("serve: staged")
     try:
         check_mountpoint(mountpoint)  # again: staging may have taken long enough for it to go
         with Dataset(index, source) as dataset:
@@ -339,20 +407,7 @@ def run(options: ServeOptions) -> int:
         status = 1
     if not lifecycle.started:  # never mounted: the mounted ranks wait for its word
         status = lifecycle.without_mount(status)
-    endpoint.close()
-    ahead.close()
-    if lifecycle.agreed:
-        if options.stats:
-            _report_stats(transport, source, report, endpoint.stats(), transport.remote.any_thread, bound)
-        transport.collective(lambda comm: (comm.Ibarrier(), lambda: None)).result()
-    transport.stop()
-    if bell is not None:
-        bell.close()
-    if lifecycle.agreed:
-        comm.Free()
-        mpi.Finalize()
-    guard.close(clean=lifecycle.agreed)
-    return status
+    return status, lifecycle
 
 
 def _refuse_together(comm: Any, mpi: Any, message: str, guard: RankWatchdog | None = None) -> NoReturn:
