@@ -171,7 +171,7 @@ def test_verify_and_plan_count_in_the_singular(tmp_path: Path) -> None:
 def test_serve_stats_count_blobs_and_say_so() -> None:
     """Was: 'reads from local chunks 387' and 'from rank 1: 2625 (2.6 MiB)': counts of what, unsaid, unseparated."""
     pytest.importorskip("mpi4py", reason="fanstore.serve needs mpi4py")
-    from fanstore.serve.node import _format_rank, _format_totals
+    from fanstore.serve.job_stats import format_rank, format_totals
 
     peer = {"fetched": 1496, "fetched_bytes": 2_150_000, "asked": 1, "served": 1, "served_bytes": 2_140_000,
             "failed": 0, "refused": 0}
@@ -179,11 +179,11 @@ def test_serve_stats_count_blobs_and_say_so() -> None:
                                                 "fallback_bytes": 0, "peers": {"1": peer}},
              "staging": {"dest_bytes": 2_390_000, "received_bytes": 0, "sent_bytes": 246_000, "reused_bytes": 0,
                          "seconds": 0.1, "bad_blobs": 1}}
-    assert _format_rank(stats).splitlines() == [
+    assert format_rank(stats).splitlines() == [
         "rank 0 (vm): 387 blobs read from local chunks (2.39 MB); doorbell off",
         "  from rank 1: 1,496 blobs (2.15 MB) in 1 request; to rank 1: 1 blob (2.14 MB); failed 0, refused 0",
         "  from DEST (fallback): 0 blobs (0 B)",
         "  staging: 2.39 MB from DEST, 0 B from peers, 246 kB to peers, 0 B reused, 0.1 s, 1 bad blob"]
-    assert _format_totals([stats]) == ("job (1 rank): blobs read 387 local, 1,496 from peers (2.15 MB), 0 from DEST; "
+    assert format_totals([stats]) == ("job (1 rank): blobs read 387 local, 1,496 from peers (2.15 MB), 0 from DEST; "
                                        "bytes read from DEST: 2.39 MB staging (2,390,000 B), 0 B during the epochs "
                                        "(0 B)")
