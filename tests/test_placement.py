@@ -162,6 +162,25 @@ def test_a_readers_chunk_owners_from_the_serve_process_say_what_the_placement_sa
                 ChunkOwners.from_json(wrong, len(index.chunks), "x")
 
 
+@pytest.mark.parametrize("nodes", [1, 3, 7, 50, 1000])
+def test_owners_of_many_blobs_at_once_are_each_ones_owner(mixed, equal_chunks, nodes):
+    """ChunkOwners.owners_of answers, in numpy, what owner() answers blob by blob: split chunks (cut among
+    ranks at blob boundaries), whole ones and replicated ones alike, in any order, a blob asked twice too."""
+    split_seen = 0
+    for dest in (mixed, equal_chunks):
+        index = Index.load(dest)
+        placement = place(index, nodes)
+        owners = placement.owners
+        split_seen += len(placement.split_chunks)
+        blobs = BlobTable.of(index)
+        order = np.random.default_rng(nodes).permutation(np.concatenate((np.arange(len(blobs)), [0])))
+        chunks, offsets = blobs.chunk[order], blobs.offset[order]
+        expected = [owners.owner(chunk, offset) for chunk, offset in zip(chunks.tolist(), offsets.tolist())]
+        assert owners.owners_of(chunks, offsets).tolist() == expected
+        assert owners.owners_of(chunks[:0], offsets[:0]).tolist() == []
+    assert split_seen or nodes in (1, 1000), "no split chunk: the piece lookup went untested"
+
+
 def test_same_index_same_nodes_same_placement(mixed):
     first, second = place(Index.load(mixed), 7), place(Index.load(mixed), 7)
     assert [first.pieces(r) for r in range(7)] == [second.pieces(r) for r in range(7)]

@@ -121,6 +121,23 @@ class ChunkOwners:
         starts, ranks = self._splits[chunk]
         return ranks[bisect_right(starts, offset) - 1]
 
+    def owners_of(self, chunks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """`owner` of many blobs at once, in numpy: a chunk's owner, and for the blobs of split chunks their piece's
+        (one searchsorted per split chunk, of which there are fewer than nodes). For what is asked once per
+        dataset (which files a node gets from peers): a Python call per blob is seconds at ten million."""
+        chunks = np.asarray(chunks, dtype=np.int64)
+        offsets = np.asarray(offsets, dtype=np.int64)
+        owners = np.asarray(self._owner, dtype=np.int64)[chunks]
+        split = np.flatnonzero(owners == _SPLIT)
+        if len(split):
+            order = split[np.argsort(chunks[split], kind="stable")]
+            split_chunks, firsts = np.unique(chunks[order], return_index=True)
+            for chunk, blobs in zip(split_chunks.tolist(), np.split(order, firsts[1:])):
+                starts, ranks = self._splits[chunk]
+                pieces = np.searchsorted(np.asarray(starts, dtype=np.int64), offsets[blobs], side="right") - 1
+                owners[blobs] = np.asarray(ranks, dtype=np.int64)[pieces]
+        return owners
+
     def is_local(self, rank: int, chunk: int, offset: int) -> bool:
         """Whether `rank` stores the blob at `offset` of `chunk`: it is replicated, or in one of the rank's pieces."""
         holder = self._owner[chunk]

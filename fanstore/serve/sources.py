@@ -153,8 +153,12 @@ class PlacedChunkSource(PlacedReads):
         log.warning("rank %d: %s; what fails of chunk %d is read from DEST", self._rank, what, chunk_id)
 
     def may_block(self, chunks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-        return np.fromiter((self._from_peer(int(c), int(o)) for c, o in zip(chunks, offsets)), dtype=bool,
-                           count=len(chunks))
+        """_from_peer of every blob, in numpy (asked once per dataset, for every file)."""
+        owners = self._placement.owners_of(chunks, offsets)
+        here = (owners == self._rank) | (owners == NO_OWNER)
+        if self._direct:
+            here |= np.isin(np.asarray(chunks, dtype=np.int64), np.fromiter(self._direct, dtype=np.int64))
+        return ~here
 
     def stats(self) -> dict[str, Any]:
         """Reads by where they came from: this rank's directory, each peer, DEST when a peer could not answer."""
