@@ -83,11 +83,7 @@ class Reader:
                                          for _, _, _, offset, stored_len, _, chunk, _ in whole]) if whole else []
         for (number, entry, size, offset, stored_len, checksum, chunk, codec), stored in zip(whole, fetched):
             try:
-                if isinstance(stored, ChunkError):
-                    raise type(stored)(f"{self._where(entry, -1)}: {stored}", path=self.index.path_of(entry),
-                                       chunk_id=chunk)
-                if _checksum(stored) != checksum:
-                    stored = self._other_copy(entry, -1, chunk, offset, stored_len, checksum)
+                stored = self._checked(stored, entry, -1, chunk, offset, stored_len, checksum)
                 results[number] = self._decode(entry, -1, stored, codec, size, chunk, offset)
             except FanstoreError as exc:
                 results[number] = exc
@@ -144,13 +140,21 @@ class Reader:
 
     def _fetch(self, entry: int, block: int, chunk: int, offset: int, stored_len: int, checksum: int) -> bytes:
         try:
-            stored = self.source.read(chunk, offset, stored_len)
-        except ChunkError as exc:  # the same kind of error, now naming the file too
-            raise type(exc)(f"{self._where(entry, block)}: {exc}", path=self.index.path_of(entry),
-                            chunk_id=chunk) from None
+            stored: bytes | ChunkError = self.source.read(chunk, offset, stored_len)
+        except ChunkError as exc:
+            stored = exc
+        return self._checked(stored, entry, block, chunk, offset, stored_len, checksum)
+
+    def _checked(self, stored: bytes | memoryview | ChunkError, entry: int, block: int, chunk: int, offset: int,
+                 stored_len: int, checksum: int) -> bytes:
+        """What the source gave for a blob, verified: its error again, now naming the file; bytes that fail their
+        checksum replaced by the source's other copy, or ChunkCorrupt."""
+        if isinstance(stored, ChunkError):
+            raise type(stored)(f"{self._where(entry, block)}: {stored}", path=self.index.path_of(entry),
+                               chunk_id=chunk) from None
         if _checksum(stored) != checksum:
             stored = self._other_copy(entry, block, chunk, offset, stored_len, checksum)
-        return stored
+        return stored  # type: ignore[return-value]
 
     def _other_copy(self, entry: int, block: int, chunk: int, offset: int, stored_len: int, checksum: int) -> bytes:
         """The blob the source gave failed its checksum: the source's other copy of it, if it keeps one (a node's
