@@ -140,10 +140,12 @@ class Reader:
 
     def _fetch(self, entry: int, block: int, chunk: int, offset: int, stored_len: int, checksum: int) -> bytes:
         try:
-            stored: bytes | ChunkError = self.source.read(chunk, offset, stored_len)
+            stored = self.source.read(chunk, offset, stored_len)
         except ChunkError as exc:
-            stored = exc
-        return self._checked(stored, entry, block, chunk, offset, stored_len, checksum)
+            return self._checked(exc, entry, block, chunk, offset, stored_len, checksum)  # raises, naming the file
+        if _checksum(stored) != checksum:  # the common case stays inline: a read per file comes this way
+            stored = self._other_copy(entry, block, chunk, offset, stored_len, checksum)
+        return stored
 
     def _checked(self, stored: bytes | memoryview | ChunkError, entry: int, block: int, chunk: int, offset: int,
                  stored_len: int, checksum: int) -> bytes:
