@@ -36,15 +36,16 @@ REPO = HERE.parent
 MIB = 1 << 20
 
 
-def private_bytes(pid: int | str = "self") -> int:
-    """Private_Clean + Private_Dirty of a process (this one by default): what it holds that no other process maps."""
-    fields = {}
+def private_bytes(pid: int | str = "self", fields: tuple[str, ...] = ("Private_Clean", "Private_Dirty")) -> int:
+    """Private_Clean + Private_Dirty of a process (this one by default): what it holds that no other process maps.
+    Other `fields` of /proc/PID/smaps_rollup, summed: ("Anonymous",) is its memory that no file backs."""
+    found = {}
     with open(f"/proc/{pid}/smaps_rollup") as rollup:
         for line in rollup:
             name, _, value = line.partition(":")
-            if name in ("Private_Clean", "Private_Dirty"):
-                fields[name] = int(value.split()[0]) * 1024
-    return sum(fields.values())
+            if name in fields:
+                found[name] = int(value.split()[0]) * 1024
+    return sum(found.values())
 
 
 def _memory_item(data: bytes) -> int:

@@ -11,7 +11,8 @@ packed by the real CLI (`fanstore pack TAR DEST`), then, each in fresh processes
   N workers MiB        private memory (Private_Clean + Private_Dirty) of each worker of a DataLoader of N workers
                        over FileDataset after its first item (bench_index's): the largest worker and all together;
                        the floor: the largest of 2 workers of a Dataset of N ints (Python and torch alone)
-  serve rank MiB       private memory of the rank of `mpiexec -n 1 fanstore serve DEST` once it is ready
+  serve rank MiB       private memory of the rank of `mpiexec -n 1 fanstore serve DEST` once it is ready; anon:
+                       the part no file backs (its map of the index, which the node's readers share, left out)
   plan s               `fanstore plan DEST --nodes 4096`: wall and CPU
   ls, find             through `fanstore mount DEST MNT` (mounted afresh): `ls -1` of the 100,000-entry directory
                        and `find MNT -type f`, wall and CPU us per entry of the command and of the mount's daemon;
@@ -279,12 +280,12 @@ def serve_figures(dest: Path, work: Path) -> Figures:
             wait_for(ready.exists, "fanstore serve ready", READY_TIMEOUT, proc)
             ready_s = time.perf_counter() - started
             rank = int(ready.read_text().split()[1])  # written whole (atomically): the mount point, the pid
-            private = private_bytes(rank)
+            private, anonymous = private_bytes(rank), private_bytes(rank, ("Anonymous",))
             os.kill(rank, signal.SIGTERM)
             proc.wait(timeout=120)
         if proc.returncode:
             raise BenchError(f"fanstore serve exited {proc.returncode}: {_last_line(work / 'serve.log')}")
-        return {"serve ready s": ready_s, "serve rank MiB": private / MIB}
+        return {"serve ready s": ready_s, "serve rank MiB": private / MIB, "serve rank anon MiB": anonymous / MIB}
     finally:
         unmount_if_mounted(mountpoint)
         shutil.rmtree(local, ignore_errors=True)
@@ -352,8 +353,8 @@ def plain_figures(cache: Path, tar: Path, files: int, big_dir: int) -> Figures:
 # (figure, digits): the order of the table's rows
 ROWS = (("pack s", 1), ("pack CPU us/file", 1), ("pack max RSS MiB", 0), ("index B/file", 1), ("open 1st s", 3),
         ("open s", 3), ("lookup us", 2))
-LATE_ROWS = (("serve ready s", 1), ("serve rank MiB", 1), ("plan 4096 s", 2), ("plan 4096 CPU s", 2),
-             ("mount s", 2))
+LATE_ROWS = (("serve ready s", 1), ("serve rank MiB", 1), ("serve rank anon MiB", 1), ("plan 4096 s", 2),
+             ("plan 4096 CPU s", 2), ("mount s", 2))
 LISTING = ("s", "CPU us/entry", "daemon CPU us/entry", "count")
 
 

@@ -92,7 +92,7 @@ def test_tiny_sizes_give_real_consistent_figures_and_leave_nothing_behind(tmp_pa
         assert figures["index B/file"] == pytest.approx(index_bytes / size) and 20 < figures["index B/file"] < 1000
         for name in ("pack s", "pack CPU us/file", "pack max RSS MiB", "open 1st s", "open s", "lookup us",
                      "fork worker floor MiB", "2 fork workers: largest MiB",
-                     "serve ready s", "serve rank MiB", "plan 4096 s", "plan 4096 CPU s", "mount ls s",
+                     "serve ready s", "serve rank MiB", "serve rank anon MiB", "plan 4096 s", "plan 4096 CPU s", "mount ls s",
                      "mount find s", "mount find CPU us/entry", "mount find daemon CPU us/entry"):
             assert isinstance(figures[name], float) and figures[name] > 0, (size, name, figures[name])
         assert figures["2 fork workers: all MiB"] >= figures["2 fork workers: largest MiB"]
