@@ -51,7 +51,8 @@ from .polling import first_failed_rank
 from .sources import PeerChunkSource, PlacedChunkSource
 from .start_checks import host_names, other_dataset, ranks_sharing_memory, shared_paths
 from .staged_source import StagedChunkSource
-from .staging import StagingBroken, StagingError, StagingReport, Stager, claim_local_dir, copy_index, index_identity
+from .local_dir import StagingBroken, StagingError, claim_local_dir, copy_index
+from .staging import StagingReport, Stager, index_identity
 from .statuses import RequestRefused
 from .transport import PeerOptions, PeerTransport, mpi_failure
 
