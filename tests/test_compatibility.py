@@ -21,7 +21,7 @@ from conftest import assert_one_line_error, run_cli
 from fanstore import FormatError, open_dataset
 from fanstore.core.format import (CHUNK_HEADER, CHUNK_HEADER_LEN, INDEX_HEADER, INDEX_MAGIC, INDEX_NAME, SECTION_ALIGN,
                              layout_tag)
-from fanstore.core.index import _parse_index
+from fanstore.core.index_file import parse_index
 from fanstore.core.verify import verify_dataset
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "v1.1"
@@ -38,7 +38,7 @@ def write_future_dataset(out: Path, extra_sections: dict[str, tuple[np.ndarray, 
     """The golden 1.1 dataset rewritten as version major.minor, with `extra_sections` (name: array and extra keys
     of its TOC entry) after the known ones and `edit_toc` applied to the TOC last."""
     index_path = GOLDEN / "dataset" / INDEX_NAME
-    toc, sections = _parse_index(index_path, index_path.read_bytes())
+    toc, sections = parse_index(index_path, index_path.read_bytes())
     (out / "chunks").mkdir(parents=True)
     for chunk in sorted((GOLDEN / "dataset" / "chunks").iterdir()):
         data = bytearray(chunk.read_bytes())

@@ -2,8 +2,9 @@
 never raises anything but a fanstore error, never hangs, never reaches outside the dataset.
 
 Each crafted index is rewritten with a valid checksum, so the body checksum cannot be what catches it: the checks
-at open (fanstore/core/index_check.py) must. The fuzz tests mutate one field at a time of a real packed index (entry
-fields, path bytes, block rows, chunk rows, the table of contents); the cases below are one per class of defect.
+at open (fanstore/core/index_file.py, then index_check.py) must. The fuzz tests mutate one field at a time of a real
+packed index (entry fields, path bytes, block rows, chunk rows, the table of contents); the cases below are one per
+class of defect.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from conftest import assert_one_line_error, make_tree, run_cli
 from fanstore import FanstoreError, PackOptions, open_dataset, pack
 from fanstore.core.format import (ENTRY_DTYPE, FORMAT_MAJOR, FORMAT_MINOR, INDEX_HEADER, INDEX_HEADER_LEN, INDEX_MAGIC, INDEX_NAME, SECTION_ALIGN,
                              chunk_file_name)
-from fanstore.core.index import _parse_index
+from fanstore.core.index_file import parse_index
 from fanstore.core.info import describe_dataset
 from fanstore.serve.placement import NO_OWNER, BlobTable, place
 from fanstore.core.verify import verify_dataset
@@ -48,7 +49,7 @@ def original(tmp_path_factory) -> tuple[Path, dict[str, Any], dict[str, np.ndarr
     dest = root / "ds"
     pack(src, dest, PackOptions(codec="zstd-dict:3", chunk_size=32 * 1024, replicate=("val/**",), block_size=4096,
                                 blocks_above=16 * 1024, workers=1))
-    toc, sections = _parse_index(dest / INDEX_NAME, (dest / INDEX_NAME).read_bytes())
+    toc, sections = parse_index(dest / INDEX_NAME, (dest / INDEX_NAME).read_bytes())
     return dest, toc, {name: np.array(array) for name, array in sections.items()}
 
 
@@ -465,7 +466,7 @@ def _sibling_names(draw: Callable[..., Any]) -> list[bytes]:
 def test_sibling_order_is_checked_as_bytes_compare_whatever_the_name_lengths(encoded):
     """The word-at-a-time check agrees with comparing names as bytes: siblings are accepted exactly when each name
     sorts strictly after the one before, for names ending anywhere in or at the edge of an 8-byte word."""
-    from fanstore.core.index_check import _check_sibling_order, _Refuse
+    from fanstore.core.index_check import Refuse, _check_sibling_order
 
     padded = np.frombuffer(b"".join(encoded) + bytes(8), dtype=np.uint8)
     lens = np.array([0] + [len(e) for e in encoded], dtype=np.int64)  # entry 0 is the root: no name
@@ -473,7 +474,7 @@ def test_sibling_order_is_checked_as_bytes_compare_whatever_the_name_lengths(enc
     parents = np.zeros(len(lens), dtype=np.int64)
     in_order = all(a < b for a, b in zip(encoded, encoded[1:]))
     try:
-        _check_sibling_order(_Refuse(Path("index")), padded, starts, lens, parents)
+        _check_sibling_order(Refuse(Path("index")), padded, starts, lens, parents)
     except FanstoreError as exc:
         assert not in_order, f"{encoded} refused: {exc}"
     else:

@@ -9,11 +9,11 @@ import struct
 import numpy as np
 import pytest
 
-from fanstore.core import index as index_module
+from fanstore.core import index_file
 from fanstore.errors import DatasetNotFound, FormatError, PathNotFound
 from fanstore.core.format import CHUNK_DTYPE, INDEX_NAME
-from fanstore.core.index import EntryRecord, Index, build_index_bytes, normalize_path, read_index_file, \
-    write_index_atomically
+from fanstore.core.index import EntryRecord, Index, build_index_bytes, normalize_path, write_index_atomically
+from fanstore.core.index_file import read_index_file
 
 DIR = stat.S_IFDIR | 0o755
 FILE = stat.S_IFREG | 0o644
@@ -169,8 +169,8 @@ def test_the_full_check_runs_once_per_index_file(tmp_path, monkeypatch):
     """The pass over every entry runs once per node for one index file: the next process finds its stamp. An index
     file replaced (even by the same bytes), or changed in place, is checked again; the checksum always is."""
     calls = []
-    real_check = index_module.check_arrays
-    monkeypatch.setattr(index_module, "check_arrays", lambda *args: calls.append(1) or real_check(*args))
+    real_check = index_file.check_arrays
+    monkeypatch.setattr(index_file, "check_arrays", lambda *args: calls.append(1) or real_check(*args))
     data = _write(tmp_path)
     Index.load(tmp_path)
     Index.load(tmp_path)

@@ -33,7 +33,7 @@ from fanstore.core.format import INDEX_NAME, chunk_file_name
 from fanstore.mount.job_memory import job_memory
 from fanstore.mount.mount import DEFAULT_CACHE_FRACTION, fuse_mounted_at, fuse_unavailable_reason, unmount
 from fanstore.serve.placement import BlobTable, place
-from fanstore.serve.staging import spans_of
+from fanstore.serve.blob_spans import spans_of
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 

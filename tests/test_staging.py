@@ -16,8 +16,10 @@ from conftest import make_tree
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.core.format import CHUNK_HEADER_LEN, FORMAT_MINOR, INDEX_NAME, chunk_file_name
 from fanstore.serve.placement import BlobTable
-from fanstore.serve.staging import LOCK_NAME, LocalDirectory, Span, StagingBroken, StagingError, check_span, \
-    claim_local_dir, copy_index, dataset_identity, header_problem, index_identity, spans_of
+from fanstore.serve.blob_spans import Span, check_span, header_problem, spans_of
+from fanstore.serve.local_dir import LOCK_NAME, LocalDirectory, StagingBroken, StagingError, claim_local_dir, \
+    copy_index
+from fanstore.serve.staging import dataset_identity, index_identity
 
 
 def _packed(tmp_path):

@@ -2,12 +2,12 @@
 
 A million-file dataset must open in about a second and cost little RAM per file, so nothing here builds a
 Python object per file: lookups hash the path and binary-search a sorted hash array written at pack time.
+Index reads the arrays that index_file.py mapped and checked; IndexLayout builds them at pack time.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import operator
 import os
 import stat
@@ -22,7 +22,7 @@ import xxhash
 
 from . import index_trust
 from .durable import write_atomically
-from ..errors import DatasetNotFound, FormatError, PathNotFound, quoted
+from ..errors import FormatError, PathNotFound, quoted
 from .format import (
     BLOCK_DTYPE,
     CHUNK_DTYPE,
@@ -39,12 +39,10 @@ from .format import (
     INDEX_NAME,
     NO_CHUNK,
     ORDER_DTYPE,
-    REQUIRED_SECTIONS,
     SECTION_ALIGN,
-    check_version,
     layout_tag,
 )
-from .index_check import check_arrays, check_derived_sections, check_section_layout, check_toc, section_layouts
+from .index_file import header_body_hash, map_index_file, parse_index
 
 _hash_path = xxhash.xxh3_64_intdigest
 _LOOKUP_SLICE = 1 << 16  # paths looked up at once when the packer places blobs
@@ -114,9 +112,9 @@ class Index:
         the header, the TOC, the sections' layout and the body's checksum."""
         path = Path(dataset_dir) / INDEX_NAME
         data, info = map_index_file(dataset_dir)
-        body_hash = _header_body_hash(data)
+        body_hash = header_body_hash(data)
         checked = body_hash is not None and index_trust.is_checked(info, body_hash)
-        toc, sections = _parse_index(path, data, full_check=not checked)
+        toc, sections = parse_index(path, data, full_check=not checked)
         if not checked and body_hash is not None:
             index_trust.mark_checked(info, body_hash)
         return cls(path, toc, sections)
@@ -125,7 +123,7 @@ class Index:
     def from_bytes(cls, path: Path, data: bytes) -> "Index":
         """The index in `data`, the bytes of the index file at `path` (which errors name), checked as `load` checks
         it: for a caller that needs the bytes too (to checksum or copy them), so it reads the file once."""
-        toc, sections = _parse_index(path, data)
+        toc, sections = parse_index(path, data)
         return cls(path, toc, sections)
 
     def __len__(self) -> int:
@@ -224,118 +222,10 @@ class Index:
         return (int(i) for i in files[order])
 
 
-def read_index_file(dataset_dir: str | os.PathLike[str]) -> bytes:
-    """The bytes of a dataset directory's index file, not yet checked (Index.from_bytes checks them). Opened without
-    blocking, and refused unless a regular file: an index that is a fifo must not hang the reader."""
-    fd, path = _open_index_file(dataset_dir)
-    try:
-        with os.fdopen(fd, "rb", closefd=False) as index_file:
-            return index_file.read()
-    except OSError as exc:
-        raise FormatError(f"{path}: cannot read the index: {exc.strerror}") from None
-    finally:
-        os.close(fd)
-
-
-def map_index_file(dataset_dir: str | os.PathLike[str]) -> tuple[mmap.mmap | bytes, os.stat_result]:
-    """A read-only map of a dataset directory's index file (bytes if it cannot be mapped: empty, or a file system
-    without mmap), not yet checked, and the file's identity as it was mapped.
-
-    A map is read where it lies: a page past the end of a file that shrank after it was mapped raises SIGBUS. fanstore
-    never shrinks an index in place (a pack writes a new file and renames it over the old, whose pages stay mapped);
-    a file shorter than its header says is refused before anything past its end is read."""
-    fd, path = _open_index_file(dataset_dir)
-    try:
-        info = os.fstat(fd)
-        try:
-            if info.st_size >= INDEX_HEADER_LEN:
-                return mmap.mmap(fd, info.st_size, access=mmap.ACCESS_READ), info
-        except (OSError, ValueError):
-            pass  # read it instead
-        with os.fdopen(fd, "rb", closefd=False) as index_file:
-            return index_file.read(), info
-    except OSError as exc:
-        raise FormatError(f"{path}: cannot read the index: {exc.strerror}") from None
-    finally:
-        os.close(fd)
-
-
-def _open_index_file(dataset_dir: str | os.PathLike[str]) -> tuple[int, Path]:
-    """An open descriptor of a dataset directory's index file, checked to be a regular file."""
-    directory = Path(dataset_dir)
-    path = directory / INDEX_NAME
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except FileNotFoundError:
-        if directory.is_dir():
-            raise DatasetNotFound(
-                f"{directory}: no {INDEX_NAME} here: not a fanstore dataset, or its pack did not finish"
-            ) from None
-        raise DatasetNotFound(f"{directory}: no such dataset directory") from None
-    except NotADirectoryError:
-        raise DatasetNotFound(f"{directory}: is a file; a dataset is a directory holding {INDEX_NAME}") from None
-    except OSError as exc:
-        raise FormatError(f"{path}: cannot open the index: {exc.strerror}") from None
-    try:
-        info = os.fstat(fd)
-    except OSError as exc:
-        os.close(fd)
-        raise FormatError(f"{path}: cannot read the index: {exc.strerror}") from None
-    if not stat.S_ISREG(info.st_mode):
-        os.close(fd)
-        raise FormatError(f"{path}: is not a regular file, expected an index file")
-    return fd, path
-
-
-def _header_body_hash(data: bytes | mmap.mmap) -> int | None:
-    """The body checksum the header records, or None if there is no whole header (_parse_index says why)."""
-    if len(data) < INDEX_HEADER_LEN:
-        return None
-    return int(INDEX_HEADER.unpack_from(data)[6])
-
-
 def derive_first_child(parents: np.ndarray) -> np.ndarray:
     """first_child of a tree in breadth-first order: children of entry i are entries first_child[i] to
     first_child[i+1] (parents never decrease, so each directory's children are contiguous)."""
     return (np.searchsorted(parents[1:], np.arange(len(parents) + 1)) + 1).astype(DERIVED_DTYPE)
-
-
-def _parse_index(path: Path, data: bytes | mmap.mmap,
-                 full_check: bool = True) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    if len(data) < INDEX_HEADER_LEN:
-        raise FormatError(f"{path}: index is truncated ({len(data)} bytes)")
-    magic, major, minor, header_len, toc_len, body_len, body_hash = INDEX_HEADER.unpack_from(data)
-    if magic != INDEX_MAGIC:
-        raise FormatError(f"{path}: not a fanstore index (bad magic)")
-    check_version(major, minor, path)
-    if header_len < INDEX_HEADER_LEN or header_len % SECTION_ALIGN or header_len > len(data):
-        raise FormatError(f"{path}: header length {header_len} is not a multiple of {SECTION_ALIGN} from "
-                          f"{INDEX_HEADER_LEN} to the file's size")
-    body = memoryview(data)[header_len:]
-    if len(body) != body_len:
-        raise FormatError(f"{path}: index is truncated (body {len(body)} of {body_len} bytes)")
-    if xxhash.xxh3_64_intdigest(body) != body_hash:
-        raise FormatError(f"{path}: index checksum mismatch: the index file is corrupt")
-    if toc_len > body_len:
-        raise FormatError(f"{path}: table of contents length {toc_len} runs past the index")
-    try:
-        toc = json.loads(bytes(body[:toc_len]))
-    except (ValueError, RecursionError):
-        raise FormatError(f"{path}: index table of contents is not valid JSON") from None
-    check_toc(path, toc, f"{major}.{minor}")
-    # Sections a later minor version added are bounded by their layout tags, then skipped (or refused if required).
-    known, itemsizes = section_layouts(path, toc["sections"], f"{major}.{minor}")
-    check_section_layout(path, toc["sections"], itemsizes, header_len + toc_len, len(data))
-    missing = sorted(set(REQUIRED_SECTIONS) - set(toc["sections"]))
-    if missing:
-        raise FormatError(f"{path}: index lacks section(s) {', '.join(missing)}")
-    sections = {name: np.frombuffer(data, dtype=dtype, count=toc["sections"][name]["count"],
-                                    offset=toc["sections"][name]["offset"])
-                for name, dtype in known.items()}
-    check_derived_sections(path, toc, sections)  # their sizes, always: a reader indexes them as they are
-    if full_check:
-        check_arrays(path, toc, sections)
-    return toc, sections
 
 
 def _bfs_order(records: list[Any]) -> tuple[list[Any], np.ndarray]:
@@ -547,19 +437,6 @@ def _align(n: int) -> int:
     return (n + SECTION_ALIGN - 1) // SECTION_ALIGN * SECTION_ALIGN
 
 
-def mark_copy_checked(copy_dir: Path, index_bytes: bytes | mmap.mmap) -> None:
-    """`index_bytes` passed the full check in this process (Index.from_bytes) and were just written, byte for byte,
-    to `copy_dir`: the node's other processes then map that copy without checking every entry again (the serve
-    process's copy in its local directory, which every reader of the node opens)."""
-    body_hash = _header_body_hash(index_bytes)
-    try:
-        info = os.stat(Path(copy_dir) / INDEX_NAME)
-    except OSError:
-        return
-    if body_hash is not None and info.st_size == len(index_bytes):
-        index_trust.mark_checked(info, body_hash)
-
-
 def write_index_atomically(dataset_dir: Path, index_bytes: bytes) -> None:
     """The index is the dataset's commit record: a directory without it is not a dataset."""
     write_atomically(dataset_dir / INDEX_NAME, index_bytes)
@@ -575,7 +452,7 @@ def write_packed_index(dataset_dir: Path, index_bytes: bytes) -> None:
     after the rename (fstat of the open file), and is left only if nothing wrote to it in between (the same size,
     no new mtime); a file replaced, rewritten or touched later has another identity and is checked again."""
     path = dataset_dir / INDEX_NAME
-    body_hash = _header_body_hash(index_bytes)
+    body_hash = header_body_hash(index_bytes)
     with ThreadPoolExecutor(1, thread_name_prefix="fanstore-index-check") as checker:
         passed = checker.submit(_passes_full_check, path, index_bytes)
         written, renamed = write_atomically(path, index_bytes)
@@ -588,7 +465,7 @@ def write_packed_index(dataset_dir: Path, index_bytes: bytes) -> None:
 def _passes_full_check(path: Path, index_bytes: bytes) -> bool:
     """Whether `index_bytes` pass every check Index.load makes of an index file it finds unstamped."""
     try:
-        _parse_index(path, index_bytes, full_check=True)
+        parse_index(path, index_bytes, full_check=True)
     except FormatError:
         return False
     return True

@@ -1,4 +1,5 @@
-"""Checks an index, once at open, against everything the read path will trust without looking again.
+"""Checks every entry, chunk and block of an index, once per node (index_trust), against everything the read path
+will trust without looking again; index_file.py has checked the header, TOC and section layout first.
 
 After these checks a lookup, a listing, a symlink or a blob location taken from the index cannot reach outside the
 dataset, index past an array, size a buffer beyond the file, or present the kernel with a name it must not see
@@ -15,26 +16,18 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import FormatError, quoted
+from ..errors import FormatError
 from .format import (
     CHUNK_HEADER_LEN,
     DERIVED_DTYPE,
-    DICTIONARY_PREFIX,
     ENTRY_DTYPE,
     FLAG_BLOCKED,
-    FORMAT_MAJOR,
-    FORMAT_MINOR,
     KNOWN_FLAGS,
-    MAX_BLOCK_SIZE,
     MAX_EXPANSION,
     MAX_FILE_SIZE,
     MAX_NAME_BYTES,
     MAX_PATH_BYTES,
-    MIN_BLOCK_SIZE,
     NO_CHUNK,
-    known_section_dtype,
-    layout_itemsize,
-    layout_tag,
 )
 
 _S_IFMT = 0o170000
@@ -43,7 +36,7 @@ _KIND_NAMES = {stat.S_IFIFO: "a fifo", stat.S_IFCHR: "a character device", stat.
 _SLASH, _DOT = ord("/"), ord(".")
 
 
-class _Refuse:
+class Refuse:
     """Builds the one-line refusal: the index file, the field, what is wrong."""
 
     def __init__(self, path: Path) -> None:
@@ -51,97 +44,6 @@ class _Refuse:
 
     def __call__(self, field: str, problem: str) -> FormatError:
         return FormatError(f"{self.path}: {field}: {problem}; the index is damaged or was not written by fanstore")
-
-
-def check_toc(path: Path, toc: Any, version: str) -> None:
-    """The table of contents has every key the reader uses, each of the type it uses."""
-    refuse = _Refuse(path)
-    if not isinstance(toc, dict):
-        raise refuse("table of contents", "is not a JSON object")
-    if toc.get("format") != "fanstore-index":
-        raise refuse("table of contents", f"format is {quoted(toc.get('format'))}, expected 'fanstore-index'")
-    if toc.get("version") != version:
-        raise refuse("table of contents", f"version {quoted(toc.get('version'))} differs from the header's "
-                                          f"{quoted(version)}")
-    groups = toc.get("groups")
-    if not isinstance(groups, list) or not groups:
-        raise refuse("groups", "must be a non-empty list")
-    for number, group in enumerate(groups):
-        if not (isinstance(group, dict) and isinstance(group.get("name"), str)
-                and isinstance(group.get("replicated"), bool) and isinstance(group.get("patterns", []), list)
-                and all(isinstance(p, str) for p in group.get("patterns", []))):
-            raise refuse(f"groups[{number}]", "needs a name, a replicated flag and a list of patterns")
-    codecs = toc.get("codecs")
-    if not isinstance(codecs, list) or not 1 <= len(codecs) <= 256:
-        raise refuse("codecs", "must be a list of 1 to 256 rows (a file's codec field is one byte)")
-    sections = toc.get("sections")
-    if not isinstance(sections, dict):
-        raise refuse("sections", "must be an object")
-    for number, row in enumerate(codecs):
-        if not (isinstance(row, dict) and _is_int(row.get("id")) and isinstance(row.get("spec"), str)):
-            raise refuse(f"codecs[{number}]", "needs an integer id and a spec string")
-        dictionary = row.get("dictionary")
-        if dictionary is not None and (not isinstance(dictionary, str) or not dictionary.startswith(DICTIONARY_PREFIX)
-                                       or dictionary not in sections):
-            raise refuse(f"codecs[{number}].dictionary", f"{quoted(dictionary)} names no dictionary section")
-    if codecs[0].get("spec") != "none":
-        raise refuse("codecs[0]", f"is {quoted(codecs[0].get('spec'))}; row 0 is always 'none'")
-    for name, where in sections.items():
-        if not (isinstance(where, dict) and _is_int(where.get("offset")) and _is_int(where.get("count"))
-                and isinstance(where.get("dtype"), str) and where["offset"] >= 0 and where["count"] >= 0
-                and isinstance(where.get("required", False), bool)):
-            raise refuse(f"sections[{quoted(name)}]", "needs a non-negative offset and count, a dtype and, if marked "
-                                                "required, true or false")
-    if not isinstance(toc.get("meta", {}), dict):
-        raise refuse("meta", "must be an object")
-    if "blocks" in sections:
-        block_size = toc.get("block_size")
-        if not _is_int(block_size) or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
-            raise refuse("block_size", f"{quoted(block_size)} is not a block size from {MIN_BLOCK_SIZE} to "
-                                       f"{MAX_BLOCK_SIZE} bytes")
-
-
-def section_layouts(path: Path, sections: dict[str, Any], version: str) -> tuple[dict[str, np.dtype],
-                                                                                  dict[str, int]]:
-    """The dtype of each section this reader knows, checked against the layout the index records, and the element
-    size of every section. A section it does not know (a later minor version's) is skipped, unless marked required:
-    reading on without it would misread the dataset (docs/FORMAT.md, Versioning)."""
-    known: dict[str, np.dtype] = {}
-    itemsizes: dict[str, int] = {}
-    for name, where in sections.items():
-        dtype = known_section_dtype(name)
-        if dtype is not None:
-            if where["dtype"] != layout_tag(dtype):
-                raise FormatError(f"{path}: section {quoted(name)} has layout {quoted(where['dtype'])}, expected "
-                                  f"{layout_tag(dtype)}")
-            known[name], itemsizes[name] = dtype, dtype.itemsize
-            continue
-        if where.get("required", False):
-            raise FormatError(f"{path}: section {quoted(name)} is required to read this version {version} index "
-                              f"and this fanstore (format {FORMAT_MAJOR}.{FORMAT_MINOR}) does not know it: read the "
-                              "dataset with a newer fanstore")
-        itemsize = layout_itemsize(where["dtype"])
-        if itemsize is None:
-            raise _Refuse(path)(f"sections[{quoted(name)}].dtype", f"{quoted(where['dtype'])} is not a layout tag")
-        itemsizes[name] = itemsize
-    return known, itemsizes
-
-
-def check_section_layout(path: Path, sections: dict[str, Any], itemsizes: dict[str, int], body_start: int,
-                         file_size: int) -> None:
-    """Sections lie after the table of contents, inside the file, and do not overlap one another."""
-    refuse = _Refuse(path)
-    spans = []
-    for name, where in sections.items():
-        end = where["offset"] + where["count"] * itemsizes[name]
-        if where["offset"] < body_start or end > file_size:
-            raise refuse(f"sections[{quoted(name)}]", f"bytes {where['offset']}..{end} lie outside the index's "
-                                                      f"sections ({body_start}..{file_size})")
-        spans.append((where["offset"], end, name))
-    spans.sort()
-    for (_, end, name), (start, _, following) in zip(spans, spans[1:]):
-        if start < end:
-            raise refuse(f"sections[{quoted(following)}]", f"overlaps section {quoted(name)}")
 
 
 class _Columns:
@@ -179,7 +81,7 @@ def check_arrays(path: Path, toc: dict[str, Any], sections: dict[str, np.ndarray
     global _full_checks
     with _full_checks_lock:
         _full_checks += 1
-    refuse = _Refuse(path)
+    refuse = Refuse(path)
     entries, chunks = sections["entries"], sections["chunks"]
     if not 1 <= len(entries) < NO_CHUNK:
         raise refuse("entries", f"holds {len(entries)} rows; it needs the root and at most {NO_CHUNK - 1}")
@@ -206,23 +108,7 @@ def check_arrays(path: Path, toc: dict[str, Any], sections: dict[str, np.ndarray
         _check_file_order(refuse, columns, paths, sections["file_order"].view(DERIVED_DTYPE))
 
 
-def check_derived_sections(path: Path, toc: dict[str, Any], sections: dict[str, np.ndarray]) -> None:
-    """The 1.2 sections a reader indexes by entry number hold whole u32s, as many as it will index: checked in every
-    process (their sizes only; their values are checked with the rest, once per node)."""
-    refuse = _Refuse(path)
-    entries = len(sections["entries"])
-    width = DERIVED_DTYPE.itemsize
-    if "first_child" in sections and len(sections["first_child"]) != width * (entries + 1):
-        raise refuse("first_child", f"holds {len(sections['first_child'])} bytes; {entries} entries need "
-                                    f"{width * (entries + 1)}")
-    if "file_order" in sections:
-        size = len(sections["file_order"])
-        if size % width or size > width * entries:
-            raise refuse("file_order", f"holds {size} bytes, not a whole number of u32 entry numbers up to one per "
-                                       f"entry ({entries})")
-
-
-def _check_first_child(refuse: _Refuse, columns: _Columns, first_child: np.ndarray) -> None:
+def _check_first_child(refuse: Refuse, columns: _Columns, first_child: np.ndarray) -> None:
     """Each directory's children are the entries its first_child row says (the tree's parents, read another way)."""
     expected = np.searchsorted(columns.parent[1:], np.arange(columns.count + 1)) + 1
     wrong = first_child != expected
@@ -230,7 +116,7 @@ def _check_first_child(refuse: _Refuse, columns: _Columns, first_child: np.ndarr
         raise refuse(f"first_child[{int(np.argmax(wrong))}]", "does not match the entries' parents")
 
 
-def _check_file_order(refuse: _Refuse, columns: _Columns, paths: np.ndarray, order: np.ndarray) -> None:
+def _check_file_order(refuse: Refuse, columns: _Columns, paths: np.ndarray, order: np.ndarray) -> None:
     """file_order lists every regular file once, in increasing path byte order (as Python sorts the paths). The
     paths are compared eight bytes a round, as siblings' names are."""
     is_file = columns.kind == stat.S_IFREG
@@ -263,7 +149,7 @@ def _check_file_order(refuse: _Refuse, columns: _Columns, paths: np.ndarray, ord
         offset += 8
 
 
-def _check_types_and_tree(refuse: _Refuse, columns: _Columns) -> None:
+def _check_types_and_tree(refuse: Refuse, columns: _Columns) -> None:
     kind = columns.kind
     allowed = (kind == stat.S_IFREG) | (kind == stat.S_IFDIR) | (kind == stat.S_IFLNK)
     if not allowed.all():
@@ -287,7 +173,7 @@ def _check_types_and_tree(refuse: _Refuse, columns: _Columns) -> None:
                                             "before it in breadth-first order")
 
 
-def _check_paths(refuse: _Refuse, columns: _Columns, paths: np.ndarray) -> None:
+def _check_paths(refuse: Refuse, columns: _Columns, paths: np.ndarray) -> None:
     """Paths are back to back in entry order, UTF-8 without NUL, each its parent's path, '/', and a valid name,
     siblings in strictly increasing name order (so no two entries share a path)."""
     lengths = columns.path_len.astype(np.int64)
@@ -349,7 +235,7 @@ def _windows(padded: np.ndarray, byte_order: str) -> np.ndarray:
 _FIRST_BYTES = np.array([(1 << (8 * n)) - 1 for n in range(9)], dtype=np.uint64)
 
 
-def _check_prefixes(refuse: _Refuse, padded: np.ndarray, starts: np.ndarray, parents: np.ndarray,
+def _check_prefixes(refuse: Refuse, padded: np.ndarray, starts: np.ndarray, parents: np.ndarray,
                     lengths: np.ndarray) -> None:
     """Each entry's path begins with its parent's path (the lengths agree already). Compared eight bytes a round,
     each round over the entries whose parent's path is longer still."""
@@ -370,7 +256,7 @@ def _check_prefixes(refuse: _Refuse, padded: np.ndarray, starts: np.ndarray, par
         offset += 8
 
 
-def _check_sibling_order(refuse: _Refuse, padded: np.ndarray, name_starts: np.ndarray, name_lens: np.ndarray,
+def _check_sibling_order(refuse: Refuse, padded: np.ndarray, name_starts: np.ndarray, name_lens: np.ndarray,
                          parents: np.ndarray) -> None:
     """Siblings are sorted by name bytes, strictly: no two entries share a path, and listings come out in order.
     Names hold no NUL, so zero-padded big-endian 8-byte words order as the names' bytes do."""
@@ -399,7 +285,7 @@ def _check_sibling_order(refuse: _Refuse, padded: np.ndarray, name_starts: np.nd
         offset += 8
 
 
-def _check_hash_table(refuse: _Refuse, path_hash: np.ndarray, hash_order: np.ndarray, count: int) -> None:
+def _check_hash_table(refuse: Refuse, path_hash: np.ndarray, hash_order: np.ndarray, count: int) -> None:
     if len(path_hash) != count or len(hash_order) != count:
         raise refuse("path_hash", f"has {len(path_hash)} rows and hash_order {len(hash_order)}; both need {count}")
     if count > 1 and (path_hash[1:] < path_hash[:-1]).any():
@@ -412,7 +298,7 @@ def _check_hash_table(refuse: _Refuse, path_hash: np.ndarray, hash_order: np.nda
         raise refuse("hash_order", "is not a permutation of the entries")
 
 
-def _check_chunks(refuse: _Refuse, chunks: np.ndarray, group_count: int) -> None:
+def _check_chunks(refuse: Refuse, chunks: np.ndarray, group_count: int) -> None:
     small = chunks["size"] < CHUNK_HEADER_LEN
     if small.any():
         raise refuse(f"chunks[{int(np.argmax(small))}].size", f"is smaller than a chunk header ({CHUNK_HEADER_LEN})")
@@ -421,7 +307,7 @@ def _check_chunks(refuse: _Refuse, chunks: np.ndarray, group_count: int) -> None
         raise refuse(f"chunks[{int(np.argmax(bad_group))}].group", f"names no group (there are {group_count})")
 
 
-def _check_blobs(refuse: _Refuse, where: str, numbers: np.ndarray, chunk: np.ndarray, offset: np.ndarray,
+def _check_blobs(refuse: Refuse, where: str, numbers: np.ndarray, chunk: np.ndarray, offset: np.ndarray,
                  stored_len: np.ndarray, codec: np.ndarray, raw_sizes: np.ndarray, chunks: np.ndarray,
                  none_rows: np.ndarray) -> None:
     """Blobs (chunk, offset, stored_len, codec columns; `numbers` name their rows in messages) lie inside their
@@ -449,7 +335,7 @@ def _check_blobs(refuse: _Refuse, where: str, numbers: np.ndarray, chunk: np.nda
                      f"{int(stored[bad])} stored bytes cannot hold {int(raw[bad])} raw bytes with its codec")
 
 
-def _check_files(refuse: _Refuse, columns: _Columns, blocked: np.ndarray, chunks: np.ndarray,
+def _check_files(refuse: Refuse, columns: _Columns, blocked: np.ndarray, chunks: np.ndarray,
                  none_rows: np.ndarray) -> None:
     is_file = columns.kind == stat.S_IFREG
     large = is_file & (columns.size > MAX_FILE_SIZE)
@@ -468,7 +354,7 @@ def _check_files(refuse: _Refuse, columns: _Columns, blocked: np.ndarray, chunks
                  columns.stored_len[with_blob], columns.codec[with_blob], columns.size[with_blob], chunks, none_rows)
 
 
-def _check_blocks(refuse: _Refuse, columns: _Columns, blocked: np.ndarray, blocks: np.ndarray, block_size: int,
+def _check_blocks(refuse: Refuse, columns: _Columns, blocked: np.ndarray, blocks: np.ndarray, block_size: int,
                   chunks: np.ndarray, none_rows: np.ndarray) -> None:
     """Blocked files own consecutive rows of `blocks`, in entry order, one per `block_size` raw bytes."""
     files = np.flatnonzero(blocked)
@@ -504,7 +390,7 @@ def _check_blocks(refuse: _Refuse, columns: _Columns, blocked: np.ndarray, block
                                                                     "blocks' total and 0")
 
 
-def _check_directories_and_links(refuse: _Refuse, columns: _Columns, paths: np.ndarray) -> None:
+def _check_directories_and_links(refuse: Refuse, columns: _Columns, paths: np.ndarray) -> None:
     """Directories have no contents; symlink targets lie in the path blob and stay inside the dataset."""
     wrong_dir = (columns.kind == stat.S_IFDIR) & ((columns.size != 0) | (columns.chunk != NO_CHUNK)
                                                  | (columns.flags != 0))
@@ -574,5 +460,3 @@ def _field(entry: int, field: str) -> str:
     return f"entries[{entry}].{field}"
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -12,7 +12,7 @@ or touched is checked afresh. Stamps live in a directory of this user only (0700
 there is one: where that cannot be had, every process checks, as before.
 
 Besides Index.load, two writers stamp the file they write, having run the same full check on its bytes: the
-packer (index.write_packed_index) and a serve process's local copy (index.mark_copy_checked).
+packer (index.write_packed_index) and a serve process's local copy (index_file.mark_copy_checked).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import select
 import types
+from typing import Awaitable, Callable
 
 
 def keep_freed_memory(largest_block: int = 32 << 20) -> bool:
@@ -47,9 +48,13 @@ def install_fast_session_loop(yield_every: int = 16) -> bool:
 
     if getattr(pyfuse3, "trio", None) is not trio:
         return False
-    poller = select.poll()
-    polled_fds: set[int] = set()
-    in_a_row = [0]
+    fast_trio = _trio_with(trio, _barging_lock_class(trio), _polling_wait_readable(trio, yield_every))
+    pyfuse3.trio = fast_trio  # type: ignore[attr-defined]
+    return True
+
+
+def _barging_lock_class(trio: types.ModuleType) -> type:
+    """The BargingLock class over the `trio` given (imported only once a mount is about to serve)."""
 
     class BargingLock:
         """pyfuse3's read lock, taken without yielding when free, and not handed to a waiting task on release.
@@ -74,6 +79,16 @@ def install_fast_session_loop(yield_every: int = 16) -> bool:
             self._held = False
             self._waiters.unpark()
 
+    return BargingLock
+
+
+def _polling_wait_readable(trio: types.ModuleType, yield_every: int) -> Callable[[int], Awaitable[None]]:
+    """trio.lowlevel.wait_readable, but returning at once when a zero-timeout poll finds the descriptor readable,
+    `yield_every` times in a row at most."""
+    poller = select.poll()
+    polled_fds: set[int] = set()
+    in_a_row = [0]
+
     async def wait_readable(fd: int) -> None:
         if fd not in polled_fds:
             poller.register(fd, select.POLLIN)
@@ -84,12 +99,17 @@ def install_fast_session_loop(yield_every: int = 16) -> bool:
         in_a_row[0] = 0
         await trio.lowlevel.wait_readable(fd)
 
+    return wait_readable
+
+
+def _trio_with(trio: types.ModuleType, lock: type, wait_readable: Callable[[int], Awaitable[None]]) -> types.ModuleType:
+    """A stand-in for the trio module as pyfuse3 uses it: trio's own names, but for Lock and
+    lowlevel.wait_readable."""
     lowlevel = types.ModuleType("fanstore_trio_lowlevel")
     lowlevel.__getattr__ = lambda name: getattr(trio.lowlevel, name)  # type: ignore[method-assign]
     lowlevel.wait_readable = wait_readable  # type: ignore[attr-defined]
     fast_trio = types.ModuleType("fanstore_trio")
     fast_trio.__getattr__ = lambda name: getattr(trio, name)  # type: ignore[method-assign]
-    fast_trio.Lock = BargingLock  # type: ignore[attr-defined]
+    fast_trio.Lock = lock  # type: ignore[attr-defined]
     fast_trio.lowlevel = lowlevel  # type: ignore[attr-defined]
-    pyfuse3.trio = fast_trio  # type: ignore[attr-defined]
-    return True
+    return fast_trio

@@ -1,7 +1,7 @@
 """DEST's chunk files as staging reads them: each opened once by a rank, however many spans it reads from it.
 
 On Lustre or GPFS every open and every close is a round trip to the metadata server, the very load fanstore exists
-to take off the shared file system: a rank reading a 256 MiB chunk in 8 MiB spans (staging.SPAN_BYTES) would
+to take off the shared file system: a rank reading a 256 MiB chunk in 8 MiB spans (blob_spans.SPAN_BYTES) would
 otherwise open and close it 32 times.
 """
 

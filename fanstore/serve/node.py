@@ -32,7 +32,8 @@ from ..mount.daemon_tuning import keep_freed_memory
 from ..core.dest_apart import check_apart_from_dest
 from ..errors import ChunkUnavailable, FanstoreError, UsageError, quoted, say_line
 from ..core.format import CHUNK_DIR, INDEX_NAME
-from ..core.index import Index, map_index_file, mark_copy_checked
+from ..core.index import Index
+from ..core.index_file import map_index_file, mark_copy_checked
 from ..mount.job_memory import job_memory
 from ..mount.mount import MountOptions, cache_bound, check_mountpoint, check_outside, dataset_paths, \
     fuse_answer, fuse_mounted_at, resolve_mountpoint, serve_dataset, unmount
@@ -50,7 +51,8 @@ from .polling import first_failed_rank
 from .sources import PeerChunkSource, PlacedChunkSource
 from .start_checks import host_names, other_dataset, ranks_sharing_memory, shared_paths
 from .staged_source import StagedChunkSource
-from .staging import StagingBroken, StagingError, StagingReport, Stager, claim_local_dir, copy_index, index_identity
+from .local_dir import StagingBroken, StagingError, claim_local_dir, copy_index
+from .staging import StagingReport, Stager, index_identity
 from .statuses import RequestRefused
 from .transport import PeerOptions, PeerTransport, mpi_failure
 

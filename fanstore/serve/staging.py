@@ -1,15 +1,16 @@
 """Staging: each rank copies what the placement gives it from DEST into its local directory, verified.
 
-A rank's local directory mirrors DEST's chunk files by name, as sparse files of the chunks' sizes holding the
-rank's bytes (its pieces, every replicated chunk, and the header of each): the single-node LocalChunkSource reads
-them unchanged, and the placement guarantees no read reaches a hole. Spread pieces are read from DEST by their
-rank alone; each replicated chunk is read from DEST by one rank (Placement.replicated_reader), which sends it to
-the others over MPI: every stored byte leaves the shared file system once per job, and each chunk file a rank reads
-is opened once, not once a span (dest_files.py). Every blob is checked against its checksum as it arrives. A
-manifest lists the ranges verified, so a job restarted on the same nodes stages only what its directory lacks (what
-it holds is checked again, locally, first: the file, the headers and the blobs; a range that fails is logged and
-staged again). Once staged, the directory also gets a copy of DEST's index file (copy_index), which the node's
-readers load instead of DEST's; the manifest's checks and reuse look at chunk files alone.
+A rank's local directory (local_dir.py) mirrors DEST's chunk files by name, as sparse files of the chunks' sizes
+holding the rank's bytes (its pieces, every replicated chunk, and the header of each): the single-node
+LocalChunkSource reads them unchanged, and the placement guarantees no read reaches a hole. Spread pieces are read
+from DEST by their rank alone; each replicated chunk is read from DEST by one rank (Placement.replicated_reader),
+which sends it to the others over MPI: every stored byte leaves the shared file system once per job, and each chunk
+file a rank reads is opened once, not once a span (dest_files.py). Bytes move in spans of whole blobs, and every
+blob is checked against its checksum as it arrives (blob_spans.py). A manifest lists the ranges verified, so a job
+restarted on the same nodes stages only what its directory lacks (what it holds is checked again, locally, first:
+the file, the headers and the blobs; a range that fails is logged and staged again). Once staged, the directory
+also gets a copy of DEST's index file (local_dir.copy_index), which the node's readers load instead of DEST's; the
+manifest's checks and reuse look at chunk files alone.
 
 Every wait here is a Testsome or an Improbe between sleeps (polling.py): staging runs while other ranks are still
 reading DEST, and must not spin their cores.
@@ -17,14 +18,10 @@ reading DEST, and must not spin their cores.
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import json
 import logging
 import mmap
 import os
 import socket
-import stat
 import struct
 import time
 from collections import Counter, deque
@@ -35,22 +32,18 @@ from typing import Any, Callable
 import numpy as np
 import xxhash
 
-from ..core.durable import write_atomically
-from ..errors import FanstoreError, FormatError
-from ..core.format import CHUNK_HEADER_LEN, INDEX_NAME, check_chunk_header, chunk_file_name
+from ..core.format import CHUNK_HEADER_LEN, INDEX_NAME, chunk_file_name
 from ..core.index import Index
 from ..mount.job_memory import job_memory, memory_file_system
 from ..core.units import format_bytes
+from .blob_spans import Span, check_span, header_problem, spans_of
 from .dest_files import DestChunkFiles
+from .local_dir import LocalDirectory, StagingBroken, StagingError
 from .placement import BlobTable, Placement
 from .polling import Backoff, first_failed_rank, wait_all
 
 log = logging.getLogger("fanstore.serve")
 
-MANIFEST_NAME = "fanstore-staged.json"
-LOCK_NAME = "fanstore-serve.lock"  # held by the job that uses the directory (claim_local_dir)
-MANIFEST_VERSION = 1
-SPAN_BYTES = 8 << 20  # one read from DEST, one message to a peer: whole blobs, about this many bytes
 SENDS_IN_FLIGHT = 4  # spans a rank is sending at once, each to every rank that lacks it
 TAG_STAGE = 2
 TAG_STAGED = 3  # to rank 0, empty: this rank's staging is done
@@ -60,45 +53,6 @@ SPAN_MISSING = 1  # the sender could not read the span: nothing follows, and the
 # parallel file system client) stalls every rank waiting for its spans, and at a thousand nodes the one to look
 # at must be named.
 STALL_REPORT = 60.0
-
-
-class StagingError(FanstoreError):
-    """This rank's local directory cannot take its share, or another rank's cannot (that rank says why)."""
-
-
-class StagingBroken(StagingError):
-    """This rank's local directory failed once the ranks had begun moving bytes (full, out of inodes, an I/O
-    error), or took no copy of the index once they were done: the others are half-way through the same collective
-    work, or about to wait on this rank, so the job has to end."""
-
-
-def claim_local_dir(path: Path) -> int | None:
-    """Hold the local directory for this job: another job on this node staging into it at the same time would undo
-    this one's chunk files and remove its readers' socket. The hold is an flock, which the kernel drops when the
-    process ends, however it ends; the descriptor returned keeps it (None where the file system has no flock)."""
-    try:
-        lock = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError as exc:  # another user's directory, say
-        raise StagingError(f"--local-dir {path}: cannot use it: {exc.strerror}") from None
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(lock, 256, 0).decode("utf-8", "replace").split()
-        os.close(lock)
-        pid, host = (holder + ["unknown", "unknown"])[:2]
-        if host in (socket.gethostname(), "unknown"):
-            raise StagingError(f"--local-dir {path}: in use by another fanstore serve (pid {pid}); give each job "
-                               f"its own") from None
-        raise StagingError(f"--local-dir {path}: in use by fanstore serve pid {pid} on {host}: is it on a shared "
-                           f"file system? Each node needs its own, on node-local storage") from None
-    except OSError as exc:
-        if exc.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOLCK):
-            raise StagingError(f"--local-dir {path}: cannot lock {LOCK_NAME}: {exc.strerror}") from None
-        os.close(lock)
-        return None  # a file system without flock (Lustre mounted noflock): node-local storage has it
-    os.ftruncate(lock, 0)
-    os.pwrite(lock, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
-    return lock
 
 
 @dataclass
@@ -116,15 +70,6 @@ class StagingReport:
     seconds: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class Span:
-    """Bytes [start, end) of a chunk moved in one read and one message: whole blobs (and the header from 0)."""
-
-    chunk: int
-    start: int
-    end: int
-
-
 def index_identity(index_bytes: bytes | mmap.mmap) -> str:
     """What tells one packed dataset from another: the checksum of its index file's bytes."""
     return f"{xxhash.xxh3_64_intdigest(index_bytes):016x}"
@@ -134,137 +79,6 @@ def dataset_identity(dest: Path) -> str:
     """The identity (index_identity) of the dataset in `dest`, its index file read for it."""
     with open(dest / INDEX_NAME, "rb") as index_file:
         return index_identity(index_file.read())
-
-
-def copy_index(local_dir: Path, index_bytes: bytes | mmap.mmap, rank: int) -> Path:
-    """Put DEST's index file, byte for byte, in the local directory under its own name, once staging succeeded: the
-    node's readers (every DataLoader worker, every epoch) load it from there, never from DEST. The directory failing
-    here ends the job as it does during staging (StagingBroken): the other ranks are about to wait on this one."""
-    path = local_dir / INDEX_NAME
-    try:
-        write_atomically(path, index_bytes)
-    except OSError as exc:
-        raise StagingBroken(f"rank {rank} on {socket.gethostname()}: --local-dir {local_dir}: cannot write {path}: "
-                            f"{exc.strerror}") from None
-    return path
-
-
-def spans_of(blobs: BlobTable, chunk: int, start: int, end: int, span_bytes: int = SPAN_BYTES) -> list[Span]:
-    """[start, end) of `chunk` cut at blob boundaries into spans of about `span_bytes` (a larger blob alone)."""
-    rows = blobs.in_range(chunk, start, end)
-    offsets = blobs.offset[rows].astype(np.int64)
-    spans = []
-    span_start = start
-    for offset in offsets.tolist():
-        if offset - span_start >= span_bytes:
-            spans.append(Span(chunk, span_start, offset))
-            span_start = offset
-    if end > span_start:
-        spans.append(Span(chunk, span_start, end))
-    return spans
-
-
-class LocalDirectory:
-    """A rank's local directory: sparse chunk files under DEST's names, and the manifest of verified ranges."""
-
-    def __init__(self, path: Path, chunk_sizes: np.ndarray) -> None:
-        self.path = path
-        self._sizes = [int(size) for size in chunk_sizes]
-        self._fds: dict[int, int] = {}
-
-    def chunk_path(self, chunk: int) -> Path:
-        return self.path / chunk_file_name(chunk)
-
-    def read_manifest(self, identity: str) -> dict[int, list[tuple[int, int]]]:
-        """Ranges this directory holds verified for the dataset `identity`; nothing for another dataset."""
-        try:
-            manifest = json.loads((self.path / MANIFEST_NAME).read_text())
-            if manifest.get("version") != MANIFEST_VERSION or manifest.get("dataset") != identity:
-                return {}
-            return {int(chunk): [(int(a), int(b)) for a, b in ranges] for chunk, ranges in manifest["chunks"].items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return {}
-
-    def write_manifest(self, identity: str, ranges: dict[int, list[tuple[int, int]]]) -> None:
-        manifest = {"version": MANIFEST_VERSION, "dataset": identity,
-                    "chunks": {str(chunk): sorted(spans) for chunk, spans in sorted(ranges.items())}}
-        write_atomically(self.path / MANIFEST_NAME, json.dumps(manifest).encode())
-
-    def forget_manifest(self) -> None:
-        """Staging is about to change the directory: until it ends, nothing in it counts as verified."""
-        try:
-            (self.path / MANIFEST_NAME).unlink()
-        except FileNotFoundError:
-            pass
-
-    def read(self, span: Span) -> bytes | None:
-        """The span's bytes as the local file holds them, or None when the file is missing, not a regular file (a
-        fifo put there must not hold the read), or not the chunk's size."""
-        try:
-            fd = os.open(self.chunk_path(span.chunk), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError:
-            return None
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_size != self._sizes[span.chunk]:
-                return None
-            data = os.pread(fd, span.end - span.start, span.start)
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-        return data if len(data) == span.end - span.start else None
-
-    def open_for_staging(self, chunk: int, keep: bool) -> None:
-        """Open a chunk file to write into; unless it holds ranges to `keep`, start it empty (a sparse file of the
-        chunk's size), so no byte of an earlier dataset stays behind in its holes."""
-        path = self.chunk_path(chunk)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        if not keep:
-            os.ftruncate(fd, 0)
-        os.ftruncate(fd, self._sizes[chunk])
-        self._fds[chunk] = fd
-
-    def write(self, chunk: int, start: int, data: bytes | memoryview) -> None:
-        written = os.pwrite(self._fds[chunk], data, start)
-        while written < len(data):
-            written += os.pwrite(self._fds[chunk], memoryview(data)[written:], start + written)
-
-    def close(self, sync: bool = True) -> None:
-        for fd in self._fds.values():
-            try:
-                if sync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-        self._fds.clear()
-
-
-def header_problem(span: Span, data: bytes | memoryview, what: Path) -> str | None:
-    """Why the chunk header at the start of `span` is not one a reader takes (format.check_chunk_header: magic,
-    version, chunk id), naming `what`; None when it is, or when the span does not start the chunk. No blob holds
-    the header, so its checksums never cover it."""
-    if span.start != 0:
-        return None
-    try:
-        check_chunk_header(bytes(data[:CHUNK_HEADER_LEN]), span.chunk, what)
-    except FormatError as exc:
-        return str(exc)
-    return None
-
-
-def check_span(blobs: BlobTable, span: Span, data: bytes | memoryview) -> list[int]:
-    """Offsets of the blobs in `span` whose bytes in `data` do not match their checksum."""
-    rows = blobs.in_range(span.chunk, span.start, span.end)
-    view = memoryview(data)
-    bad = []
-    for offset, length, checksum in zip(blobs.offset[rows].tolist(), blobs.stored_len[rows].tolist(),
-                                        blobs.checksum[rows].tolist()):
-        at = offset - span.start
-        if xxhash.xxh3_64_intdigest(view[at : at + length]) != checksum:
-            bad.append(offset)
-    return bad
 
 
 class Stager:
@@ -475,6 +289,9 @@ class Stager:
     # --- moving the bytes -------------------------------------------------------------------------------------
 
     def _move(self, own_spans: list[Span], to_send: list, expected: Counter[int], total: int) -> None:
+        """Move this rank's bytes until nothing is left to read, send or receive: each round stages one span of its
+        own, starts sending one replicated span, reaps finished sends and takes every span that came; it sleeps
+        only after a round in which nothing moved."""
         from mpi4py import MPI
 
         done_bytes = 0
@@ -488,42 +305,16 @@ class Stager:
         while own or send_queue or sending or awaited:
             progressed = False
             if own:  # this rank's own pieces, a span per round so peers waiting on our sends are not held up
-                span = own.popleft()
-                data = self._read_dest(span)
-                if data is not None:
-                    self._check_and_write(span, data)
-                done_bytes += span.end - span.start
+                done_bytes += self._stage_own(own.popleft())
                 progressed = True
             if send_queue and len(sending) < SENDS_IN_FLIGHT:
-                span, receivers, needed_here = send_queue.popleft()
-                data = self._read_replicated(span)
-                if data is not None and needed_here:
-                    self._check_and_write(span, data)
-                message = SPAN_HEADER.pack(span.chunk, 0 if data is not None else SPAN_MISSING, span.start) + (
-                    data if data is not None else b"")
-                requests = [self.comm.Isend([message, MPI.BYTE], dest=r, tag=TAG_STAGE) for r in receivers]
-                self.report.sent_bytes += (len(message) - SPAN_HEADER.size) * len(receivers)
-                sending.append((requests, message))
-                done_bytes += span.end - span.start
+                done_bytes += self._send_replicated(*send_queue.popleft(), sending)
                 progressed = True
             if sending:
-                still = []
-                for requests, message in sending:
-                    if not MPI.Request.Testall(requests):
-                        still.append((requests, message))
-                progressed |= len(still) < len(sending)
-                sending = still
-            while awaited:
-                incoming = self.comm.Improbe(MPI.ANY_SOURCE, TAG_STAGE, status)
-                if incoming is None:
-                    break
-                buffer = bytearray(status.Get_count(MPI.BYTE))
-                incoming.Recv([buffer, MPI.BYTE])
-                source = status.Get_source()
-                awaited[source] -= 1
-                awaited = +awaited  # a sender done is forgotten (and one never expected stays out)
-                done_bytes += self._receive(source, buffer)
-                progressed = True
+                progressed |= self._reap_sends(sending)
+            received, arrived = self._take_arrived(awaited, status)
+            done_bytes += received
+            progressed |= arrived
             if self._progress is not None:
                 self._progress(done_bytes, total)
             if progressed:
@@ -532,10 +323,67 @@ class Stager:
                 continue
             if awaited and not reported and time.monotonic() - quiet_since > self._stall_report:
                 reported = True
-                log.warning("rank %d: staging: nothing has come from rank%s %s for %.0f s; still waiting (a stalled "
-                            "read of the dataset on that node?)", self.rank, "s" if len(awaited) > 1 else "",
-                            ", ".join(map(str, sorted(awaited))), time.monotonic() - quiet_since)
+                self._report_stall(awaited, time.monotonic() - quiet_since)
             backoff.sleep()
+
+    def _stage_own(self, span: Span) -> int:
+        """One span of this rank's own pieces, from DEST into the local directory; its length, done either way."""
+        data = self._read_dest(span)
+        if data is not None:
+            self._check_and_write(span, data)
+        return span.end - span.start
+
+    def _send_replicated(self, span: Span, receivers: list[int], needed_here: bool,
+                         sending: list[tuple[list[Any], bytes]]) -> int:
+        """Start sending a replicated span this rank reads to `receivers` (flagged SPAN_MISSING when it could not
+        be read), writing it here too when this rank lacks it; its sends join `sending`. Its length."""
+        from mpi4py import MPI
+
+        data = self._read_replicated(span)
+        if data is not None and needed_here:
+            self._check_and_write(span, data)
+        message = SPAN_HEADER.pack(span.chunk, 0 if data is not None else SPAN_MISSING, span.start) + (
+            data if data is not None else b"")
+        requests = [self.comm.Isend([message, MPI.BYTE], dest=r, tag=TAG_STAGE) for r in receivers]
+        self.report.sent_bytes += (len(message) - SPAN_HEADER.size) * len(receivers)
+        sending.append((requests, message))
+        return span.end - span.start
+
+    @staticmethod
+    def _reap_sends(sending: list[tuple[list[Any], bytes]]) -> bool:
+        """Drop from `sending` the spans whose sends have all completed, and their buffers; whether any had."""
+        from mpi4py import MPI
+
+        still = [(requests, message) for requests, message in sending if not MPI.Request.Testall(requests)]
+        reaped = len(still) < len(sending)
+        sending[:] = still
+        return reaped
+
+    def _take_arrived(self, awaited: Counter[int], status: Any) -> tuple[int, bool]:
+        """Receive every span that has come while some are awaited (`awaited`: spans still to come, by sender, a
+        sender done dropped from it); the bytes they brought, and whether any came."""
+        from mpi4py import MPI
+
+        received, arrived = 0, False
+        while awaited:
+            incoming = self.comm.Improbe(MPI.ANY_SOURCE, TAG_STAGE, status)
+            if incoming is None:
+                break
+            buffer = bytearray(status.Get_count(MPI.BYTE))
+            incoming.Recv([buffer, MPI.BYTE])
+            source = status.Get_source()
+            awaited[source] -= 1
+            if awaited[source] <= 0:  # a sender done is forgotten (and one never expected stays out)
+                del awaited[source]
+            received += self._receive(source, buffer)
+            arrived = True
+        return received, arrived
+
+    def _report_stall(self, awaited: Counter[int], quiet_for: float) -> None:
+        """Name the ranks this one still waits on: a stalled read of DEST on one node holds up all that wait on it."""
+        log.warning("rank %d: staging: nothing has come from rank%s %s for %.0f s; still waiting (a stalled read of "
+                    "the dataset on that node?)", self.rank, "s" if len(awaited) > 1 else "",
+                    ", ".join(map(str, sorted(awaited))), quiet_for)
 
     def _read_dest(self, span: Span) -> bytes | None:
         path = self._dest_files.path(span.chunk)
