@@ -29,7 +29,9 @@ from .chunk_builder import ChunkBuilder
 from .codec_plan import ANY_KIND, CodecPlan, build_codec_plan
 from .archive_feed import ArchiveFeed
 from .archive_pieces import ArchivePieces
-from .compress import BlockLayout, PlanFiles, Skipped, WorkerPool, compress_in_order
+from .batches import BlockLayout, PlanFiles
+from .blob_compressor import Skipped
+from .compress import WorkerPool, compress_in_order
 from .dest import (
     check_dest,
     check_src_and_dest,
