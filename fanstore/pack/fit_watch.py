@@ -47,7 +47,7 @@ class FitWatch:
     @classmethod
     def for_pack(cls, fit: int, nodes: int, replicated_groups: frozenset[int], index_entries_bytes: int,
                  dictionary_bytes: int, raw_total: int, predicted: Need) -> FitWatch:
-        """`index_entries_bytes`: the index's entries and paths (pack.index_bytes_estimate of the walk)."""
+        """`index_entries_bytes`: the index's entries and paths (index_size.index_bytes_estimate of the walk)."""
         return cls(fit, nodes, replicated_groups, INDEX_HEADER_LEN + index_entries_bytes + dictionary_bytes,
                    raw_total, predicted)
 
