@@ -80,7 +80,8 @@ from compressors.kinds import HEAD_BYTES, JPEG, NPY, PNG, TEXT, file_kind  # noq
 from fanstore.core.units import parse_rate  # noqa: E402
 from selector import Selection  # noqa: E402
 from selector.measure import MB, READ_PATH_BATCH_FILES, read_path_batches  # noqa: E402
-from selector.policy import NONE_SPEC, Budget, choose, decimal_bytes  # noqa: E402
+from selector.policy import NONE_SPEC, Budget, choose  # noqa: E402
+from selector.units import decimal_bytes  # noqa: E402
 
 PACK_BUDGET, PACK_THREADS = "800MB/s", 0  # the example; --budget / --prefetch-threads change them
 TRADEOFF_BUDGETS_MBPS = (4000, 2000, 1000, 500, 200, 100, 0)

@@ -3,7 +3,8 @@ the most space while decoding fast enough for the training job.
 
     sample.py    a reproducible sample, stratified by group and file kind
     measure.py   ratio, encode speed and decode throughput of each candidate, measured as the packer and reader work
-    policy.py    budget (sync, or K prefetch threads), tolerance, --fit, --pack-speed -> choice per kind
+    policy.py    budget (sync, or K prefetch threads), tolerance, --pack-speed -> choice per kind
+    fit.py       --fit (and --nodes) -> the fastest-decoding choice per kind that still fits
     estimate.py  what the pack will store and how long it will take, from the sample and the walk
     report.py    the table `fanstore select` prints, and the decode and pack-time trade-off plots
 
@@ -32,7 +33,8 @@ from .estimate import (
     usable_workers,
 )
 from .measure import DECODE_NOISE, Measurement, candidate_specs, measure_kind
-from .policy import MIN_SAVING, Budget, Choice, DoesNotFit, Goal, KindScale, Need, choose, choose_to_fit, need_of
+from .fit import DoesNotFit, Need, choose_to_fit, need_of
+from .policy import MIN_SAVING, Budget, Choice, Goal, KindScale, choose
 from .sample import (
     DEFAULT_FRACTION,
     DEFAULT_MAX_BYTES,

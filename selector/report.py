@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 from .bound import BOUND_Z
 from .errors import SelectionError
 from .measure import DECODE_NOISE, MB, Measurement
-from .policy import NONE_SPEC, decimal_bytes, format_seconds, meets, meets_pack_speed, near_budget, plural, \
-    stores_as_is
+from .policy import NONE_SPEC, meets, meets_pack_speed, near_budget, stores_as_is
 from .sample import FILE_CAP, MIN_FILES, MIN_SAMPLE_BYTES, MIN_STRATUM_BYTES, PIECE_BYTES
+from .units import decimal_bytes, format_seconds, plural
 
 if TYPE_CHECKING:
     from . import Selection

@@ -18,9 +18,11 @@ from selector import Budget, DoesNotFit, Goal, Selection, SelectionError
 from selector.estimate import (FIXED_SECONDS, HEAD_READ_SECONDS_PER_FILE, HEAD_READ_SECONDS_PER_MB,
                                READ_SECONDS_PER_FILE, READ_SECONDS_PER_MB, WALK_SECONDS_PER_FILE, WRITE_SECONDS_PER_MB,
                                estimate_pack, files_by_group, kind_scales, training_heads, usable_workers)
+from selector.fit import choose_to_fit, need_of
 from selector.measure import TRAIN_FIXED_SECONDS, Measurement, measure_kind
-from selector.policy import NONE_SPEC, KindScale, choose, choose_to_fit, decimal_bytes, need_of
+from selector.policy import NONE_SPEC, KindScale, choose
 from selector.sample import SampleFile
+from selector.units import decimal_bytes
 
 RAW = 1_000_000  # bytes of every fed measurement's sample
 
