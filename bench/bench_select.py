@@ -80,7 +80,8 @@ from compressors.kinds import HEAD_BYTES, JPEG, NPY, PNG, TEXT, file_kind  # noq
 from fanstore.core.units import parse_rate  # noqa: E402
 from selector import Selection  # noqa: E402
 from selector.measure import MB, READ_PATH_BATCH_FILES, read_path_batches  # noqa: E402
-from selector.policy import NONE_SPEC, Budget, choose, decimal_bytes  # noqa: E402
+from selector.policy import NONE_SPEC, Budget, choose  # noqa: E402
+from selector.units import decimal_bytes  # noqa: E402
 
 PACK_BUDGET, PACK_THREADS = "800MB/s", 0  # the issue's example; --budget / --prefetch-threads change them
 TRADEOFF_BUDGETS_MBPS = (4000, 2000, 1000, 500, 200, 100, 0)
@@ -649,7 +650,8 @@ def held_out_worker(src: Path, dest: Path, budget: str, threads: int, workers: i
     figure too (its message), not a failure of the bench."""
     from fanstore.errors import DoesNotFit
     from fanstore.pack.groups import GroupPlan
-    from fanstore.pack.packer import PackOptions, make_goal, pack, select_for
+    from fanstore.pack.auto_codec import make_goal, select_for
+    from fanstore.pack.packer import PackOptions, pack
     from fanstore.pack.walk import walk_source
     from selector.sample import DEFAULT_FRACTION
 
@@ -757,7 +759,7 @@ def print_held_out(run: HeldOut, placement: Placement, budget: str, threads: int
               f"{', '.join(f'{k} {v}' for k, v in run.selection.codec_by_kind().items())}")
     print("   stored: the files' stored bytes; its bound: the prediction plus the one-sided 99% margin of the sample "
           "(what --fit plans against); DEST: chunk files + index, predicted with the dictionaries the pack trains "
-          "and the most the rest of the index takes (pack.index_bytes_bound, selector.record_bytes); off: "
+          "and the most the rest of the index takes (index_size.index_bytes_bound, selector.record_bytes); off: "
           "(predicted - real) / real; fits: DEST within --fit")
     if run.stopped:
         print(f"   the pack did not finish: {run.stopped}")

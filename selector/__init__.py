@@ -3,7 +3,8 @@ the most space while decoding fast enough for the training job.
 
     sample.py    a reproducible sample, stratified by group and file kind
     measure.py   ratio, encode speed and decode throughput of each candidate, measured as the packer and reader work
-    policy.py    budget (sync, or K prefetch threads), tolerance, --fit, --pack-speed -> choice per kind
+    policy.py    budget (sync, or K prefetch threads), tolerance, --pack-speed -> choice per kind
+    fit.py       --fit (and --nodes) -> the fastest-decoding choice per kind that still fits
     estimate.py  what the pack will store and how long it will take, from the sample and the walk
     report.py    the table `fanstore select` prints, and the decode and pack-time trade-off plots
 
@@ -32,11 +33,13 @@ from .estimate import (
     usable_workers,
 )
 from .measure import DECODE_NOISE, Measurement, candidate_specs, measure_kind
-from .policy import MIN_SAVING, Budget, Choice, DoesNotFit, Goal, KindScale, Need, choose, choose_to_fit, need_of
+from .fit import DoesNotFit, Need, choose_to_fit, need_of
+from .policy import MIN_SAVING, Budget, Choice, Goal, KindScale, choose
 from .sample import (
     DEFAULT_FRACTION,
     DEFAULT_MAX_BYTES,
     PieceSource,
+    SampleFile,
     check_fraction,
     check_max_bytes,
     check_seed,
@@ -231,27 +234,14 @@ def select_codecs(
     patterns behind them, is recorded; `fixed_bytes` (the index) count against a total --fit. Bad arguments raise
     SelectionError naming the option; a --fit that cannot be met raises DoesNotFit."""
     started, clock = time.perf_counter(), CpuClock.now()
-    if not isinstance(budget, Budget):
-        raise SelectionError(f"--budget: expected a selector.Budget, got {budget!r}")
-    if not isinstance(goal, Goal):
-        raise SelectionError(f"--fit: expected a selector.Goal, got {goal!r}")
-    fraction = check_fraction(fraction)
-    seed = check_seed(seed)
-    max_bytes = check_max_bytes(max_bytes)
-    sample = draw_sample(Path(src) if isinstance(src, (str, os.PathLike)) else src, files, group_of, fraction=fraction, max_bytes=max_bytes, seed=seed)
+    fraction, seed, max_bytes = _checked_arguments(budget, goal, fraction, seed, max_bytes)
+    sample = draw_sample(Path(src) if isinstance(src, (str, os.PathLike)) else src, files, group_of,
+                         fraction=fraction, max_bytes=max_bytes, seed=seed)
     kind_bytes = estimated_kind_bytes(sample)
     by_group = files_by_group(files, group_of)
     heads = training_heads(by_group)
     scales = kind_scales(sample, kind_bytes, frozenset(replicated_groups), heads)
-    measurements: list[Measurement] = []
-    failed: list[str] = []
-    choices: dict[str, Choice] = {}
-    for kind in sorted({sample_file.kind for sample_file in sample}):
-        kind_measurements = measure_kind(kind, [f for f in sample if f.kind == kind], candidate_specs(kind),
-                                         on_failed=failed.append)
-        measurements.extend(kind_measurements)
-        if not goal.fit_bytes:
-            choices[kind] = choose(kind, kind_measurements, budget, goal=goal, scale=scales.get(kind))
+    measurements, failed, choices = _measured_and_chosen(sample, budget, goal, scales)
     kinds = sorted({m.kind for m in measurements})
     fixed_bytes += record_bytes(measurements, len(kinds))  # the record of this selection, in the index
     if goal.fit_bytes:
@@ -278,3 +268,29 @@ def select_codecs(
         cores=usable_workers(0),
         failed=tuple(failed),
     )
+
+
+def _checked_arguments(budget: Budget, goal: Goal, fraction: float, seed: int, max_bytes: int
+                       ) -> tuple[float, int, int]:
+    """select_codecs's arguments checked, each SelectionError naming its option; the sample's as they are used."""
+    if not isinstance(budget, Budget):
+        raise SelectionError(f"--budget: expected a selector.Budget, got {budget!r}")
+    if not isinstance(goal, Goal):
+        raise SelectionError(f"--fit: expected a selector.Goal, got {goal!r}")
+    return check_fraction(fraction), check_seed(seed), check_max_bytes(max_bytes)
+
+
+def _measured_and_chosen(sample: list[SampleFile], budget: Budget, goal: Goal, scales: dict[str, KindScale]
+                         ) -> tuple[list[Measurement], list[str], dict[str, Choice]]:
+    """Every candidate measured on each kind's sample files, the specs that failed, and (without --fit, which
+    chooses over all kinds at once) each kind's choice."""
+    measurements: list[Measurement] = []
+    failed: list[str] = []
+    choices: dict[str, Choice] = {}
+    for kind in sorted({sample_file.kind for sample_file in sample}):
+        kind_measurements = measure_kind(kind, [f for f in sample if f.kind == kind], candidate_specs(kind),
+                                         on_failed=failed.append)
+        measurements.extend(kind_measurements)
+        if not goal.fit_bytes:
+            choices[kind] = choose(kind, kind_measurements, budget, goal=goal, scale=scales.get(kind))
+    return measurements, failed, choices

@@ -37,7 +37,8 @@ from typing import Callable, Mapping, Sequence
 from compressors import DICT_TRAIN_FILE_BYTES, DICT_TRAIN_FILES, DICT_TRAIN_TOTAL_BYTES
 
 from .measure import MB, Measurement
-from .policy import KindScale, plural
+from .policy import KindScale
+from .units import plural
 from .sample import SampleFile, SourceFile, extension_key
 
 # Fitted to `fanstore pack --codec none` (nothing compressed) with 1 and 2 workers on this project's 2-core

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 from .bound import BOUND_Z
 from .errors import SelectionError
 from .measure import DECODE_NOISE, MB, Measurement
-from .policy import NONE_SPEC, decimal_bytes, format_seconds, meets, meets_pack_speed, near_budget, plural, \
-    stores_as_is
+from .policy import NONE_SPEC, KindScale, meets, meets_pack_speed, near_budget, stores_as_is
 from .sample import FILE_CAP, MIN_FILES, MIN_SAMPLE_BYTES, MIN_STRATUM_BYTES, PIECE_BYTES
+from .units import decimal_bytes, format_seconds, plural
 
 if TYPE_CHECKING:
     from . import Selection
@@ -29,11 +29,24 @@ NOTHING = "-"  # a cell whose figure would mean nothing: a copy's speed, a budge
 
 def format_selection(selection: Selection) -> str:
     """A header (budget, K, sample, time), then per kind a table of every measured setting and the choice."""
-    budget = selection.budget
     kind_bytes = {kind: max(m.raw_bytes for m in selection.measurements if m.kind == kind)
                   for kind in {m.kind for m in selection.measurements}}
-    partial = any(m.raw_bytes < kind_bytes[m.kind] for m in selection.measurements)
-    lines = [
+    lines = _header_lines(selection, any(m.raw_bytes < kind_bytes[m.kind] for m in selection.measurements))
+    for kind in sorted(selection.choices):
+        lines.append("")
+        lines.extend(_kind_lines(selection, kind, kind_bytes))
+    if not selection.choices:
+        lines.append("")
+        lines.append("the sample is empty: SRC has no non-empty files to measure")
+    lines.extend(_prediction_lines(selection))
+    return "\n".join(lines)
+
+
+def _header_lines(selection: Selection, partial: bool) -> list[str]:
+    """The budget, K, how the sample was drawn, the goal, and what the tables' marks and columns mean (`partial`:
+    some setting was measured on part of its kind's sample)."""
+    budget = selection.budget
+    return [
         f"codec selection: {_budget_line(selection)}",
         f"prefetch threads K={budget.prefetch_threads}; sample: {plural(selection.sample_files, 'file')} drawn by "
         f"bytes (a file's chance grows with its size; one over {decimal_bytes(FILE_CAP)} is read in "
@@ -52,58 +65,69 @@ def format_selection(selection: Selection) -> str:
            if budget.bytes_per_s else "")
         + ("; 'no: pack' = meets the budget, not --pack-speed" if selection.goal.pack_mbps else ""),
     ]
-    scales = selection.scales_by_kind()
+
+
+def _kind_lines(selection: Selection, kind: str, kind_bytes: dict[str, int]) -> list[str]:
+    """One kind: its files and bytes, the table of its measured settings, and its choice with the reason."""
+    choice = selection.choices[kind]
+    rows = [m for m in selection.measurements if m.kind == kind]
+    kind_files = max((m.files for m in rows), default=0)
+    in_src = selection.kind_bytes.get(kind)
+    lines = [f"{kind}: {plural(kind_files, 'file')}, {decimal_bytes(kind_bytes.get(kind, 0))} sampled"
+             + (f" of about {decimal_bytes(in_src)} in SRC" if in_src else "")]
+    scale = selection.scales_by_kind()[kind]
+    table = [_COLUMNS]
+    # Settings that store the kind as it is decode at a copy's speed, which only noise orders: by name then.
+    for m in sorted(rows, key=lambda m: (-m.ratio, 0 if stores_as_is(m) else -m.decode_mbps, m.spec)):
+        table.append(_setting_row(selection, m, scale, kind_bytes[kind]))
+    shown = [column for column in range(len(_COLUMNS))  # the sample column only where a setting has one
+             if _COLUMNS[column] != "sample" or any(row[column] for row in table[1:])]
+    widths = {column: max(len(row[column]) for row in table) for column in shown}
+    for row in table:
+        cells = [row[column].ljust(widths[column]) if column < 2 else row[column].rjust(widths[column])
+                 for column in shown]
+        lines.append("  " + "  ".join(cells).rstrip())
+    lines.append(f"  choice for {kind}: {choice.spec} - {choice.reason}")
+    return lines
+
+
+def _setting_row(selection: Selection, m: Measurement, scale: KindScale, sampled_bytes: int) -> tuple[str, ...]:
+    """One setting's row of its kind's table, in _COLUMNS' order (`sampled_bytes`: the kind's whole sample)."""
     workers = selection.goal.workers
-    floors = bool(budget.bytes_per_s or selection.goal.pack_mbps)
-    for kind in sorted(selection.choices):
-        choice = selection.choices[kind]
-        rows = [m for m in selection.measurements if m.kind == kind]
-        kind_files = max((m.files for m in rows), default=0)
-        in_src = selection.kind_bytes.get(kind)
-        lines.append("")
-        lines.append(f"{kind}: {plural(kind_files, 'file')}, {decimal_bytes(kind_bytes.get(kind, 0))} sampled"
-                     + (f" of about {decimal_bytes(in_src)} in SRC" if in_src else ""))
-        table = [_COLUMNS]
-        # Settings that store the kind as it is decode at a copy's speed, which only noise orders: by name then.
-        for m in sorted(rows, key=lambda m: (-m.ratio, 0 if stores_as_is(m) else -m.decode_mbps, m.spec)):
-            copies = stores_as_is(m) and meets(m, selection.budget)
-            packs_fast = meets_pack_speed(m, scales[kind], selection.goal) or m.spec == NONE_SPEC
-            table.append((
-                "*" if m.spec == choice.spec else "",
-                m.spec + (f" (dict {decimal_bytes(m.dict_bytes)})" if m.dict_bytes else ""),
-                f"{m.ratio:.2f}",
-                f"{m.saving:.1%}",
-                NOTHING if copies else f"{m.decode_mbps:,.0f}",
-                NOTHING if m.spec == NONE_SPEC else f"{m.encode_mbps:,.0f}",
-                decimal_bytes(scales[kind].stored(m)),
-                decimal_bytes(scales[kind].stored(m) + BOUND_Z * scales[kind].stored_error(m)),
-                NOTHING if m.spec == NONE_SPEC else format_seconds(scales[kind].pack_seconds(m, workers)),
-                _meets_column(m, selection, packs_fast) if floors else NOTHING,
-                "" if m.raw_bytes >= kind_bytes[kind] else f"{plural(m.files, 'file')}, {decimal_bytes(m.raw_bytes)}",
-            ))
-        shown = [column for column in range(len(_COLUMNS))  # the sample column only where a setting has one
-                 if _COLUMNS[column] != "sample" or any(row[column] for row in table[1:])]
-        widths = {column: max(len(row[column]) for row in table) for column in shown}
-        for row in table:
-            cells = [row[column].ljust(widths[column]) if column < 2 else row[column].rjust(widths[column])
-                     for column in shown]
-            lines.append("  " + "  ".join(cells).rstrip())
-        lines.append(f"  choice for {kind}: {choice.spec} - {choice.reason}")
-    if not selection.choices:
-        lines.append("")
-        lines.append("the sample is empty: SRC has no non-empty files to measure")
+    floors = bool(selection.budget.bytes_per_s or selection.goal.pack_mbps)
+    copies = stores_as_is(m) and meets(m, selection.budget)
+    packs_fast = meets_pack_speed(m, scale, selection.goal) or m.spec == NONE_SPEC
+    return (
+        "*" if m.spec == selection.choices[m.kind].spec else "",
+        m.spec + (f" (dict {decimal_bytes(m.dict_bytes)})" if m.dict_bytes else ""),
+        f"{m.ratio:.2f}",
+        f"{m.saving:.1%}",
+        NOTHING if copies else f"{m.decode_mbps:,.0f}",
+        NOTHING if m.spec == NONE_SPEC else f"{m.encode_mbps:,.0f}",
+        decimal_bytes(scale.stored(m)),
+        decimal_bytes(scale.stored(m) + BOUND_Z * scale.stored_error(m)),
+        NOTHING if m.spec == NONE_SPEC else format_seconds(scale.pack_seconds(m, workers)),
+        _meets_column(m, selection, packs_fast) if floors else NOTHING,
+        "" if m.raw_bytes >= sampled_bytes else f"{plural(m.files, 'file')}, {decimal_bytes(m.raw_bytes)}",
+    )
+
+
+def _prediction_lines(selection: Selection) -> list[str]:
+    """What the choices predict for SRC: ratio, stored bytes and their bound, pack time, and --fit's lines."""
     predicted = selection.predicted_ratio()
-    if predicted is not None:
-        need, estimate = selection.need(), selection.estimate()
-        lines.append("")
-        lines.append(f"predicted for SRC with these choices: ratio {predicted:.2f} (saves {1 - 1 / predicted:.1%}), "
-                     "each kind's ratio weighted by its estimated bytes; stored "
-                     f"{decimal_bytes(need.total - need.fixed)}, {decimal_bytes(need.total)} with the index, at most "
-                     f"{decimal_bytes(need.total_bound)} (the sample's one-sided 99% confidence bound)")
-        lines.append(f"estimated pack time of SRC ({selection.tree_files:,} files, "
-                     f"{decimal_bytes(selection.tree_bytes)}): {estimate.describe()}")
-        lines.extend(_fit_lines(selection))
-    return "\n".join(lines)
+    if predicted is None:
+        return []
+    need, estimate = selection.need(), selection.estimate()
+    return [
+        "",
+        f"predicted for SRC with these choices: ratio {predicted:.2f} (saves {1 - 1 / predicted:.1%}), "
+        "each kind's ratio weighted by its estimated bytes; stored "
+        f"{decimal_bytes(need.total - need.fixed)}, {decimal_bytes(need.total)} with the index, at most "
+        f"{decimal_bytes(need.total_bound)} (the sample's one-sided 99% confidence bound)",
+        f"estimated pack time of SRC ({selection.tree_files:,} files, "
+        f"{decimal_bytes(selection.tree_bytes)}): {estimate.describe()}",
+        *_fit_lines(selection),
+    ]
 
 
 def _meets_column(m: Measurement, selection: Selection, packs_fast: bool) -> str:

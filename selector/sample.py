@@ -171,49 +171,75 @@ def draw_sample(
     fraction = check_fraction(fraction)
     max_bytes = check_max_bytes(max_bytes)
     seed = check_seed(seed)
+    strata = _strata(files, group_of, seed)
+    if not strata:
+        return []
+    stratum_bytes = {key: sum(entry.size for _, entry in members) for key, members in strata.items()}
+    total = sum(stratum_bytes.values())
+    target = min(max_bytes, total, max(math.ceil(fraction * total), MIN_SAMPLE_BYTES))
+    draw = _draw_strata(root, strata, stratum_bytes, target, max_bytes)
+    sample = _measured_sample(root, _allocate(draw.by_kind, draw.kind_bytes, target, max_bytes), draw)
+    sample.sort(key=lambda f: xxhash.xxh3_64_intdigest(f"{f.path}\0{f.offset}".encode("utf-8", "surrogateescape"),
+                                                       seed=seed))
+    return sample
+
+
+def _strata(files: Sequence[SourceFile], group_of: Callable[[str], int], seed: int
+            ) -> dict[_Stratum, list[tuple[int, SourceFile]]]:
+    """The non-empty files by (group, extension), each with its seeded digest (the draws' randomness)."""
     strata: dict[_Stratum, list[tuple[int, SourceFile]]] = defaultdict(list)
     for entry in files:
         if entry.size > 0 and entry.is_file:
             path = entry.path
             digest = xxhash.xxh3_128_intdigest(path.encode("utf-8", "surrogateescape"), seed=seed)
             strata[(group_of(path), extension_key(path))].append((digest, entry))
-    if not strata:
-        return []
-    stratum_bytes = {key: sum(entry.size for _, entry in members) for key, members in strata.items()}
+    return strata
+
+
+@dataclass(slots=True)
+class _Draw:
+    """Phase one over every stratum: the files drawn by (group, kind), in the order of the draw by bytes, and the
+    cell of each (by id); each cell's estimated bytes and their variance; each (group, kind)'s estimated bytes."""
+
+    by_kind: dict[_Stratum, list[_Drawn]]
+    cell_of: dict[int, _Cell]
+    cells: dict[_Cell, tuple[float, float]]
+    kind_bytes: dict[_Stratum, float]
+
+
+def _draw_strata(root: Path | PieceSource, strata: dict[_Stratum, list[tuple[int, SourceFile]]],
+                 stratum_bytes: dict[_Stratum, int], target: int, max_bytes: int) -> _Draw:
+    """Each stratum drawn (_draw_stratum) for its share of `target` sampled bytes, at least its floor."""
     total = sum(stratum_bytes.values())
     unit_cap = max(HEAD_BYTES, min(FILE_CAP, max_bytes // 8))
-    target = min(max_bytes, total, max(math.ceil(fraction * total), MIN_SAMPLE_BYTES))
     floor = _stratum_floor(target, len(strata))
     sniff_files = max(MIN_FILES, min(SNIFF_FILES, SNIFF_TOTAL // len(strata)))
-
-    by_kind: dict[_Stratum, list[_Drawn]] = defaultdict(list)
-    cell_of: dict[int, _Cell] = {}
-    cells: dict[_Cell, tuple[float, float]] = {}
+    draw = _Draw(defaultdict(list), {}, {}, defaultdict(float))
     for key in sorted(strata):
         quota = max(target * stratum_bytes[key] // total, floor)
         drawn = _draw_stratum(root, strata[key], stratum_bytes[key], quota, sniff_files, unit_cap)
         group, extension = key
         for found in drawn:
-            by_kind[(group, found.kind)].append(found)
-            cell_of[id(found)] = (group, extension, found.kind)
+            draw.by_kind[(group, found.kind)].append(found)
+            draw.cell_of[id(found)] = (group, extension, found.kind)
         for kind, estimate in _cell_bytes(drawn, stratum_bytes[key]).items():
-            cells[(group, extension, kind)] = estimate
-    for members in by_kind.values():  # several extension strata: back into one order of the draw by bytes
+            draw.cells[(group, extension, kind)] = estimate
+    for members in draw.by_kind.values():  # several extension strata: back into one order of the draw by bytes
         members.sort(key=lambda found: found.priority)
-    kind_bytes: dict[_Stratum, float] = defaultdict(float)
-    for (group, _, kind), (estimate, _) in cells.items():
-        kind_bytes[(group, kind)] += estimate
+    for (group, _, kind), (estimate, _) in draw.cells.items():
+        draw.kind_bytes[(group, kind)] += estimate
+    return draw
 
-    chosen = _allocate(by_kind, kind_bytes, target, max_bytes)
+
+def _measured_sample(root: Path | PieceSource, chosen: list[_Drawn], draw: _Draw) -> list[SampleFile]:
+    """The files `chosen` to be measured, read (pieces of the large ones), cell by cell, with their weights."""
     measured_in: dict[_Cell, list[_Drawn]] = defaultdict(list)
     for found in chosen:
-        measured_in[cell_of[id(found)]].append(found)
+        measured_in[draw.cell_of[id(found)]].append(found)
     sample = []
     for cell, measured in sorted(measured_in.items()):
         group, _, kind = cell
-        sample += _measured_files(root, cell, measured, cells[cell], round(kind_bytes[(group, kind)]))
-    sample.sort(key=lambda f: xxhash.xxh3_64_intdigest(f"{f.path}\0{f.offset}".encode("utf-8", "surrogateescape"),
-                                                       seed=seed))
+        sample += _measured_files(root, cell, measured, draw.cells[cell], round(draw.kind_bytes[(group, kind)]))
     return sample
 
 

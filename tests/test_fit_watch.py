@@ -19,7 +19,7 @@ from fanstore.core.format import INDEX_HEADER_LEN
 from fanstore.pack.groups import GroupPlan
 from fanstore.pack.journal import JOURNAL_DIR
 from fanstore.pack.walk import walk_source
-from selector.policy import Need
+from selector.fit import Need
 from selector.sample import PIECE_BYTES, draw_sample
 
 FOOLING_BYTES = 24 << 20  # three batches of the packer (8 MiB each): the first already breaks --fit

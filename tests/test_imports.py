@@ -31,8 +31,9 @@ NOT_FOR_READING = (
     "mpi4py",
     "torch",
 )
-# The only fanstore modules that may import the selector: the packer (--codec auto) and the command line.
-USES_THE_SELECTOR = ("fanstore.pack.packer", "fanstore.pack.fit_watch", "fanstore.commands")  # fit_watch: --fit's total
+# The only fanstore modules that may import the selector: the packer (--codec auto: auto_codec; --fit's total:
+# fit_watch) and the command line.
+USES_THE_SELECTOR = ("fanstore.pack.packer", "fanstore.pack.auto_codec", "fanstore.pack.fit_watch", "fanstore.commands")
 # The only modules of fanstore/ (not fanstore/serve/) that may import the serving layer: the command line (`plan`).
 USES_THE_SERVING_LAYER = ("fanstore.commands",)
 # The only module of fanstore/ that may import torch (besides the fanstore.torch package): the demo's PyTorch run.

@@ -16,7 +16,8 @@ from fanstore import PackOptions, pack
 from fanstore.core.units import format_bytes, parse_size, plural, size_option
 from selector import Budget
 from selector.measure import Measurement
-from selector.policy import NONE_SPEC, choose, decimal_bytes, format_seconds
+from selector.policy import NONE_SPEC, choose
+from selector.units import decimal_bytes, format_seconds
 
 BINARY_UNIT = re.compile(r"\d ?[KMGTP]iB\b")  # a size printed in powers of 1024 (an option echoed as given aside)
 

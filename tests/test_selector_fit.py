@@ -18,9 +18,11 @@ from selector import Budget, DoesNotFit, Goal, Selection, SelectionError
 from selector.estimate import (FIXED_SECONDS, HEAD_READ_SECONDS_PER_FILE, HEAD_READ_SECONDS_PER_MB,
                                READ_SECONDS_PER_FILE, READ_SECONDS_PER_MB, WALK_SECONDS_PER_FILE, WRITE_SECONDS_PER_MB,
                                estimate_pack, files_by_group, kind_scales, training_heads, usable_workers)
+from selector.fit import choose_to_fit, need_of
 from selector.measure import TRAIN_FIXED_SECONDS, Measurement, measure_kind
-from selector.policy import NONE_SPEC, KindScale, choose, choose_to_fit, decimal_bytes, need_of
+from selector.policy import NONE_SPEC, KindScale, choose
 from selector.sample import SampleFile
+from selector.units import decimal_bytes
 
 RAW = 1_000_000  # bytes of every fed measurement's sample
 
@@ -382,13 +384,13 @@ def test_a_record_from_before_goals_reads_as_no_fit_no_tolerance(small_tree: Pat
 
 
 def test_what_fit_plans_for_the_index_is_at_least_what_a_pack_writes(tmp_path: Path) -> None:
-    """--fit plans with the most the index and the chunk headers take (pack.index_bytes_bound) and, for a zstd-dict
+    """--fit plans with the most the index and the chunk headers take (index_bytes_bound) and, for a zstd-dict
     choice, with the dictionaries the packer trains on all its heads (not the sample's smaller ones), and the
     selection's own record (selector.record_bytes): a real auto pack with two groups, files stored in blocks and
     dictionaries writes no more than that, and a fixed-codec pack's index and headers stay within the bound."""
     from fanstore import PackOptions, open_dataset, pack
     from fanstore.pack.groups import GroupPlan
-    from fanstore.pack.packer import index_bytes_bound
+    from fanstore.pack.index_size import index_bytes_bound
     from fanstore.pack.walk import walk_source
 
     rng = np.random.default_rng(11)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import stat
 from functools import partial
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -13,22 +13,42 @@ from .format import FLAG_BLOCKED, FORMAT_MAJOR, FORMAT_MINOR, NO_CHUNK, chunk_fi
 from .units import format_bytes, plural, size_option
 from .verify import chunk_problems
 
+if TYPE_CHECKING:
+    from .index import Index
+
 SKIPPED_SHOWN = 50  # skipped paths `fanstore info` lists unless asked for all
 
 
 def describe_dataset(ds: Dataset, all_skipped: bool = False) -> str:
     """`fanstore info`'s report; it lists the first SKIPPED_SHOWN skipped paths, or every one with `all_skipped`."""
     index = ds.index
-    entries = index.entries
-    kinds = entries["mode"] & 0o170000
-    is_file = kinds == stat.S_IFREG
-    files = entries[is_file]
+    kinds = index.entries["mode"] & 0o170000
+    files = index.entries[kinds == stat.S_IFREG]
+    lines = _totals_lines(ds, kinds, files)
+    lines.extend(_describe_chunk_files(ds))
+    lines.extend(["", "groups:"])
+    lines.extend(_group_lines(index, files))
+    lines.append("")
+    lines.append("codecs:")
+    lines.extend(_codec_lines(index, files))
+    describe_pack = partial(_describe_pack, dataset=str(ds.path), shown=None if all_skipped else SKIPPED_SHOWN)
+    for key, describe in (("pack", describe_pack), ("selection", _describe_selection)):
+        if index.meta.get(key):
+            lines.append("")
+            lines.extend(_described_meta(key, index.meta[key], describe))
+    return "\n".join(lines)
+
+
+def _totals_lines(ds: Dataset, kinds: np.ndarray, files: np.ndarray) -> list[str]:
+    """The dataset's path and format, its entries by type (`kinds`: each one's file type bits; `files`: the regular
+    files' entries), its raw and stored bytes, chunks and blocks."""
+    index = ds.index
     raw = int(files["size"].sum())
     stored = int(files["stored_len"].sum())
     lines = [
         f"dataset      {ds.path}",
         f"format       {index.toc.get('version', f'{FORMAT_MAJOR}.{FORMAT_MINOR}')}",
-        f"files        {int(is_file.sum()):,}",
+        f"files        {len(files):,}",
         f"directories  {int((kinds == stat.S_IFDIR).sum()):,}",
         f"symlinks     {int((kinds == stat.S_IFLNK).sum()):,}",
         f"raw bytes    {raw:,} ({format_bytes(raw)})",
@@ -37,18 +57,22 @@ def describe_dataset(ds: Dataset, all_skipped: bool = False) -> str:
         f"chunks       {len(index.chunks):,} ({format_bytes(int(index.chunks['size'].sum()))} on disk, "
         f"index {format_bytes(index.path.stat().st_size)})",
     ]
-    blocked = int(np.count_nonzero(entries["flags"] & FLAG_BLOCKED))
+    blocked = int(np.count_nonzero(index.entries["flags"] & FLAG_BLOCKED))
     if blocked:
         noun = "large file" if blocked == 1 else "large files"
         lines.append(f"blocks       {blocked:,} {noun} in {plural(len(index.blocks), 'block')} of "
                      f"{format_bytes(index.block_size)} (--block-size {size_option(index.block_size)}), each "
                      "decodable alone")
-    lines.extend(_describe_chunk_files(ds))
-    lines.extend(["", "groups:"])
+    return lines
+
+
+def _group_lines(index: Index, files: np.ndarray) -> list[str]:
+    """Per group: where it is stored, its patterns, its files, chunks and stored bytes."""
     # A file's group is its chunk's; empty files have no chunk and count as group 0.
     has_chunk = files["chunk"] != NO_CHUNK
     file_groups = np.zeros(len(files), dtype=np.int64)
     file_groups[has_chunk] = index.chunks["group"][files["chunk"][has_chunk]]
+    lines = []
     for number, group in enumerate(index.groups):
         chosen = files[file_groups == number]
         chunk_count = int((index.chunks["group"] == number).sum())
@@ -58,10 +82,14 @@ def describe_dataset(ds: Dataset, all_skipped: bool = False) -> str:
             f"  {group['name']:<11} {where}{patterns}: {plural(len(chosen), 'file')}, {plural(chunk_count, 'chunk')}, "
             f"{format_bytes(int(chosen['stored_len'].sum()))} stored"
         )
-    lines.append("")
-    lines.append("codecs:")
+    return lines
+
+
+def _codec_lines(index: Index, files: np.ndarray) -> list[str]:
+    """Per codec row (with its dictionary): its files and bytes, raw -> stored, or why it holds none."""
     names = [row["spec"] + (f" with {row['dictionary']}" if row.get("dictionary") else "") for row in index.codecs]
     width = max(map(len, names), default=0)
+    lines = []
     for number, row in enumerate(index.codecs):
         chosen = files[files["codec"] == number]
         c_raw, c_stored = int(chosen["size"].sum()), int(chosen["stored_len"].sum())
@@ -75,12 +103,7 @@ def describe_dataset(ds: Dataset, all_skipped: bool = False) -> str:
         else:
             lines.append(f"  {names[number]:<{width}}  {plural(len(chosen), 'file')}, {format_bytes(c_raw)} -> "
                          f"{format_bytes(c_stored)} ({c_raw / c_stored if c_stored else 1.0:.2f}x)")
-    describe_pack = partial(_describe_pack, dataset=str(ds.path), shown=None if all_skipped else SKIPPED_SHOWN)
-    for key, describe in (("pack", describe_pack), ("selection", _describe_selection)):
-        if index.meta.get(key):
-            lines.append("")
-            lines.extend(_described_meta(key, index.meta[key], describe))
-    return "\n".join(lines)
+    return lines
 
 
 def _described_meta(key: str, record: Any, describe: Callable[[Any], list[str]]) -> list[str]:

@@ -37,7 +37,7 @@ _SI_UNITS = ("kB", "MB", "GB", "TB", "PB")
 
 def format_bytes(count: float) -> str:
     """A byte count a person reads at a glance, in SI units to three significant digits: 17 B, 6.1 kB, 12.7 MB,
-    950 MB, 1.5 GB. (selector.policy.decimal_bytes prints the same: the selector knows nothing of fanstore.)"""
+    950 MB, 1.5 GB. (selector.units.decimal_bytes prints the same: the selector knows nothing of fanstore.)"""
     value = float(count)
     if abs(round(value)) < 1000:
         return f"{value:.0f} B"

@@ -9,7 +9,10 @@ to WHOLE_UP_TO each, CACHE_BYTES in all) are kept: the sampler reads a file's he
 from __future__ import annotations
 
 import bisect
+import contextlib
 from collections import OrderedDict
+from pathlib import Path
+from typing import Iterator
 
 from .archive_feed import MemberReads
 from .archive_source import _DAMAGE_ERRORS, ARCHIVE_KEY_SHIFT
@@ -17,6 +20,19 @@ from .walk import SourceEntry, SourceTree
 
 WHOLE_UP_TO = 4 << 20
 CACHE_BYTES = 256 << 20
+
+
+@contextlib.contextmanager
+def pieces_of(src: Path, tree: SourceTree) -> Iterator[Path | ArchivePieces]:
+    """What reads SRC out of order: the directory itself, or a reader of the archives, closed after."""
+    if not tree.archives:
+        yield src
+        return
+    pieces = ArchivePieces(tree)
+    try:
+        yield pieces
+    finally:
+        pieces.close()
 
 
 class ArchivePieces:

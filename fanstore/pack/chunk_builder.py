@@ -12,8 +12,10 @@ from pathlib import Path
 
 import xxhash
 
+from .batches import BlockLayout
+from .blob_compressor import WHOLE_FILE, Skipped
 from .codec_plan import NONE_ROW
-from .compress import WHOLE_FILE, BlockLayout, CompressedBatch, Skipped
+from .compress import CompressedBatch
 from .chunk_writer import ChunkWriter
 from ..core.format import FLAG_BLOCKED, NO_CHUNK
 from .journal import BlockRow, ChunkRecord, FileRows, PackJournal

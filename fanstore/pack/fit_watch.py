@@ -29,7 +29,7 @@ from ..errors import DoesNotFit
 from ..core.format import INDEX_HEADER_LEN
 
 if TYPE_CHECKING:
-    from selector.policy import Need
+    from selector.fit import Need
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,14 +47,14 @@ class FitWatch:
     @classmethod
     def for_pack(cls, fit: int, nodes: int, replicated_groups: frozenset[int], index_entries_bytes: int,
                  dictionary_bytes: int, raw_total: int, predicted: Need) -> FitWatch:
-        """`index_entries_bytes`: the index's entries and paths (pack.index_bytes_estimate of the walk)."""
+        """`index_entries_bytes`: the index's entries and paths (index_size.index_bytes_estimate of the walk)."""
         return cls(fit, nodes, replicated_groups, INDEX_HEADER_LEN + index_entries_bytes + dictionary_bytes,
                    raw_total, predicted)
 
     def check(self, chunk_bytes: dict[int, int], raw_done: int) -> None:
         """DoesNotFit, in one line, once the chunk files written so far (bytes per group) and the index's floor can
         no longer fit; `raw_done` of the source's bytes were packed into them."""
-        from selector.policy import decimal_bytes
+        from selector.units import decimal_bytes
 
         replicated = sum(size for group, size in chunk_bytes.items() if group in self.replicated_groups)
         spread = sum(chunk_bytes.values()) - replicated

@@ -8,29 +8,32 @@ SRC unchanged: there is nothing to do, and DEST is left as it is. A --fit pack t
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import json
 import os
 import time
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
-
-import numpy as np
-import xxhash
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 from compressors import CodecError, codec_from_spec
-from compressors.kinds import OTHER
 
+from ..core.format import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, NO_CHUNK
+from ..core.index import Index, IndexLayout, write_packed_index
+from ..core.pause import pause_point
+from ..errors import DoesNotFit, PackError, UsageError
+from .archive_feed import ArchiveFeed
+from .archive_pieces import pieces_of
+from .auto_codec import DEFAULT_TOLERANCE, make_goal, select_for, spec_by_kind
+from .batches import BlockLayout, PlanFiles
+from .blob_compressor import Skipped
 from .chunk_builder import ChunkBuilder
 from .codec_plan import ANY_KIND, CodecPlan, build_codec_plan
-from .archive_feed import ArchiveFeed
-from .archive_pieces import ArchivePieces
-from .compress import BlockLayout, PlanFiles, Skipped, WorkerPool, compress_in_order
+from .compress import CompressedBatch, WorkerPool, compress_in_order
 from .dest import (
+    DestFound,
+    DestPlan,
     check_dest,
     check_src_and_dest,
     dest_as_found,
@@ -39,16 +42,15 @@ from .dest import (
     prepare_dest,
     undo_pack,
 )
-from ..errors import DoesNotFit, PackError, UsageError
+from .fingerprint import pack_fingerprint
 from .fit_watch import FitWatch
-from ..core.format import (BLOCK_DTYPE, CHUNK_DTYPE, CHUNK_HEADER_LEN, FLAG_BLOCKED, INDEX_HEADER_LEN, MAX_BLOCK_SIZE,
-                     MIN_BLOCK_SIZE, NO_CHUNK)
 from .groups import GroupPlan
-from ..core.index import Index, IndexLayout, write_packed_index
-from .journal import BlockRow, ChunkRecord, JournalState, PackJournal
-from ..core.pause import pause_point
-from .walk import Problem, SourceEntry, SourceTree, walk_source
-from .walk_archive import source_paths, walk_archives
+from .index_bytes import index_bytes, index_layout
+from .index_size import index_bytes_estimate
+from .journal import ChunkRecord, JournalState, PackJournal
+from .progress import PackProgress, ProgressReport
+from .walk import Problem, SourceEntry, SourceTree
+from .walk_archive import source_paths, walk_sources
 
 if TYPE_CHECKING:
     from selector import Goal, Selection
@@ -63,19 +65,6 @@ DEFAULT_CODEC = "zstd:3"
 DEFAULT_BLOCK_SIZE = 1 << 20
 DEFAULT_BLOCKS_ABOVE = 4 << 20
 AUTO_CODEC = "auto"
-DEFAULT_TOLERANCE = 0.01  # selector.policy.DEFAULT_TOLERANCE (the selector is imported only with --codec auto)
-# The index takes this much per entry besides its path: its 64-byte record, 8-byte path hash, 4-byte place in the
-# lookup order and (1.2) 4-byte first_child row; and per regular file its 4-byte place in file_order (1.2); beyond
-# them only its table of contents and dictionaries (on the generated bench tree, 114,204 entries, 12.8 MB). A total
-# --fit counts it; a pack watching its --fit counts it as the least the index takes.
-INDEX_BYTES_PER_ENTRY = 80
-INDEX_BYTES_PER_FILE = 4
-# The rest of an index's table of contents, the selection record aside: format and version, one line a section, the
-# codec table (a line a codec), the pack's counters and the sections' alignment: 1.2 KB with the options, groups
-# and problems counted apart on the held-out bench tree; a few times that, so that a --fit planned with it is not
-# short (a test holds the bound within 8 KiB of what a pack writes).
-TOC_ALLOWANCE = 4096
-PROGRESS_INTERVAL = 0.1  # seconds between progress callbacks: once per file costs more than packing a small file
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,17 +127,6 @@ class PackSummary:
         return self.raw_bytes / 1e6 / packing if packing > 0 else 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class PackProgress:
-    """How far a pack has got, handed to the progress callback every PROGRESS_INTERVAL and at the end."""
-
-    files_done: int
-    files_total: int
-    raw_done: int
-    raw_total: int
-    stored_done: int
-
-
 def pack(
     src: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     dest: str | os.PathLike[str],
@@ -182,113 +160,147 @@ def pack(
     return summary
 
 
+@dataclass(slots=True)
+class _PackRun:
+    """One pack's state, handed from step to step: SRC's walk, its files in the order they are packed (each with
+    its group), the digests that identify them (fingerprint.py), DEST's journal, with --codec auto the selection."""
+
+    src: Path
+    dest: Path
+    options: PackOptions
+    groups: GroupPlan
+    tree: SourceTree
+    files: list[SourceEntry]
+    file_groups: list[int]
+    fingerprint: str
+    listing_digest: str
+    journal: PackJournal
+    selection: Selection | None = None
+
+    def let_go_of_the_walk(self) -> None:
+        """Once the index's bytes hold what it keeps of each file: the walk goes before they are written and checked,
+        which is a pack's peak of memory (a caller that handed in its `tree` still holds that)."""
+        self.tree, self.files, self.file_groups = SourceTree(self.tree.root), [], []
+
+
+class _DestBefore(NamedTuple):
+    """DEST as the command found it, before its first write: what a pack stopped by its --fit goes back to."""
+
+    found: DestFound
+    kept: frozenset[str]  # what a pack stopped by its --fit keeps: all this run wrote goes
+    plan: DestPlan
+
+
 def _pack_with(sources: list[Path], dest_path: Path, options: PackOptions, tree: SourceTree | None,
                progress: Callable[[PackProgress], None] | None,
                on_selection: Callable[[Selection], None] | None, pool: WorkerPool | None) -> PackSummary:
+    """The pack's steps: walk, check DEST, select (--codec auto), prepare DEST, plan the codecs, then compress into
+    chunk files and write the index."""
+    run = _walked(sources, dest_path, options, tree, pool)
+    dest_plan = check_dest(dest_path, run.journal, run.fingerprint, run.listing_digest, options.force)
+    if dest_plan.finished:
+        return _finished_summary(dest_path)
+    selecting = time.monotonic()
+    run.selection = _selection(options, run.src, run.tree, run.groups, run.journal if dest_plan.resume else None)
+    selection_seconds = time.monotonic() - selecting
+    # The first write to DEST: every refusal (bad options, DEST, the selection, --fit) has been raised above it.
+    before = _prepare_dest(run, dest_plan)
+    pause_point("walked")
+    if run.selection is not None and on_selection is not None:
+        on_selection(run.selection)
+    plan = _codec_plan(run)
+    pause_point("planned")
+    summary = _chunks_and_index(run, plan, progress, pool, before)
+    run.journal.remove()
+    summary.selection, summary.selection_seconds = run.selection, selection_seconds
+    return summary
+
+
+def _walked(sources: list[Path], dest_path: Path, options: PackOptions, tree: SourceTree | None,
+            pool: WorkerPool | None) -> _PackRun:
+    """SRC walked (unless the caller did), refused under --strict if anything cannot be packed, its files in the
+    order they are packed: (group, path) order (archives: (group, stream order)), as a chunk holds one group only
+    and the replicated group comes last. The walk gives them in that order already, so a stable split by group is
+    enough; each file's group is matched once here, and only looked up after."""
     groups = GroupPlan(options.replicate)
-    src_path = sources[0]
     if tree is None:
         tree = walk_sources(sources, pool.executor if pool is not None else None)
     if options.strict and tree.problems:
         raise PackError(f"--strict: {tree.problems[0]} ({len(tree.problems)} path(s) cannot be packed)")
-    # Files in (group, path) order (archives: (group, stream order)): a chunk holds one group only, and the
-    # replicated group comes last. The walk gives them in that order already, so a stable split by group is
-    # enough. Each file's group is matched once here; the loop below only looks it up.
     by_group: dict[int, list[SourceEntry]] = {}
     for entry in tree.files_in_read_order():
         by_group.setdefault(groups.group_of(entry.path), []).append(entry)
     in_order = sorted(by_group.items())
     files = [entry for _, members in in_order for entry in members]
     file_groups = [group for group, members in in_order for _ in members]
-    del by_group, in_order
-    fingerprint, listing_digest = _fingerprint(tree, options), _fingerprint(tree, options, ctimes=False)
-    journal = PackJournal(dest_path)
-    dest_plan = check_dest(dest_path, journal, fingerprint, listing_digest, options.force)
-    if dest_plan.finished:
-        return _finished_summary(dest_path)
-    selecting = time.monotonic()
-    selection = _selection(options, src_path, tree, groups, journal if dest_plan.resume else None)
-    selection_seconds = time.monotonic() - selecting
-    # The first write to DEST: every refusal (bad options, DEST, the selection, --fit) has been raised above it.
-    found = dest_as_found(dest_path)
-    prepare_dest(dest_path, journal, fingerprint, listing_digest, options.force, dest_plan)
-    kept = files_of_ours(dest_path)  # what a pack stopped by its --fit keeps: all this run wrote goes
-    pause_point("walked")
-    if selection is not None and on_selection is not None:
-        on_selection(selection)
-    spec_by_kind = {ANY_KIND: options.codec} if selection is None else _spec_by_kind(selection)
-    with _pieces_of(src_path, tree) as pieces:
-        plan = build_codec_plan(spec_by_kind, groups, files, file_groups, pieces, journal)
-    if not journal.exists():
-        journal.start(JournalState(fingerprint, options.output_defining(), plan.rows,
-                                   selection.to_json() if selection is not None else None))
-    pause_point("planned")
-    finished = journal.finished_chunks()
-    discard_unrecorded_chunks(dest_path, len(finished))
-    builder = ChunkBuilder(dest_path, journal, options.chunk_size, files, file_groups, options.block_layout,
-                           finished)
-    start_file, start_block = builder.resume_from
-    raw_total = sum(f.size for f in files)
-    watch = _fit_watch(options, selection, groups, tree, plan, raw_total)
-    plan_files = PlanFiles([f.path for f in files], [f.size for f in files], file_groups, [f.ino for f in files],
-                           [f.mtime_ns for f in files], [f.ctime_ns for f in files], options.block_layout)
-    next_report = 0.0
+    defining = options.output_defining()
+    return _PackRun(sources[0], dest_path, options, groups, tree, files, file_groups,
+                    pack_fingerprint(tree, defining), pack_fingerprint(tree, defining, ctimes=False),
+                    PackJournal(dest_path))
 
-    file_count = len(files)  # `files` goes before the index is written; the count stays
 
-    def report() -> None:
-        if progress is not None:
-            progress(PackProgress(builder.files_done + len(builder.skipped), file_count, builder.raw_done,
-                                  raw_total, builder.stored_done))
+def _prepare_dest(run: _PackRun, dest_plan: DestPlan) -> _DestBefore:
+    """DEST made ready for this pack (check_dest planned how), and what it held before, for a pack its --fit stops."""
+    found = dest_as_found(run.dest)
+    prepare_dest(run.dest, run.journal, run.fingerprint, run.listing_digest, run.options.force, dest_plan)
+    return _DestBefore(found, files_of_ours(run.dest), dest_plan)
 
-    # Most of the index is known from the walk: it is laid out in a thread while the workers compress. It starts
-    # once the first batch is back, so that it does not hold the GIL while the first batches go out.
+
+def _codec_plan(run: _PackRun) -> CodecPlan:
+    """Each file's codec (dictionaries trained on SRC's files); a fresh pack's journal starts with it."""
+    options, selection = run.options, run.selection
+    spec_of_kind = {ANY_KIND: options.codec} if selection is None else spec_by_kind(selection)
+    with pieces_of(run.src, run.tree) as pieces:
+        plan = build_codec_plan(spec_of_kind, run.groups, run.files, run.file_groups, pieces, run.journal)
+    if not run.journal.exists():
+        run.journal.start(JournalState(run.fingerprint, options.output_defining(), plan.rows,
+                                       selection.to_json() if selection is not None else None))
+    return plan
+
+
+def _chunks_and_index(run: _PackRun, plan: CodecPlan, progress: Callable[[PackProgress], None] | None,
+                      pool: WorkerPool | None, before: _DestBefore) -> PackSummary:
+    """Compress the files the journal has not got yet into chunk files, then write the index (atomically). On any
+    failure the chunk being written goes; once --fit broke, DEST goes back to what the command found."""
+    finished = run.journal.finished_chunks()
+    discard_unrecorded_chunks(run.dest, len(finished))
+    builder = ChunkBuilder(run.dest, run.journal, run.options.chunk_size, run.files, run.file_groups,
+                           run.options.block_layout, finished)
+    files = run.files
+    plan_files = PlanFiles([f.path for f in files], [f.size for f in files], run.file_groups, [f.ino for f in files],
+                           [f.mtime_ns for f in files], [f.ctime_ns for f in files], run.options.block_layout)
+    del files
+    # Most of the index is known from the walk: it is laid out in a thread while the workers compress.
     background = ThreadPoolExecutor(1, thread_name_prefix="fanstore-index-layout")
-    layout: Future[IndexLayout] | None = None
     feed = None
-    if tree.archives:
-        feed = ArchiveFeed(tree.archives, plan_files.paths, plan_files.inos, plan_files.sizes)
+    if run.tree.archives:
+        feed = ArchiveFeed(run.tree.archives, plan_files.paths, plan_files.inos, plan_files.sizes)
     try:
-        for batch in compress_in_order(src_path, plan, plan_files, start_file, start_block, pool, feed):
-            if layout is None:
-                layout = background.submit(_index_layout, tree)
-            if options.strict:
-                skipped = next((r for r in batch.results if isinstance(r, Skipped)), None)
-                if skipped is not None:
-                    raise PackError(f"--strict: {skipped.problem}")
-            builder.add_batch(batch)
-            if watch is not None:
-                watch.check(builder.chunk_bytes(), builder.raw_done)
-            if time.monotonic() >= next_report:
-                report()
-                next_report = time.monotonic() + PROGRESS_INTERVAL
-        records = builder.close_all()
-        if layout is None:  # nothing was left to compress (a resume after the last chunk)
-            layout = background.submit(_index_layout, tree)
-        report()
-        summary = _summarise(records, tree.problems)
+        records, layout = _compress_all(run, plan, plan_files, builder, feed, pool, background, progress)
+        summary = _summarise(records, run.tree.problems)
         summary.reused_chunks = len(finished)
         pause_point("index")
-        index_bytes = _index_bytes(tree, layout, records, files, plan, groups, options, summary, selection,
-                                   listing_digest)
+        packed_index = index_bytes(run.tree, layout, records, run.files, plan, run.groups, run.options.block_layout,
+                                   _index_meta(run, summary))
         # What the index holds of each file is in its bytes now: the walk, the plan, the journal's rows and the
-        # layout go before the bytes are written and checked, which is a pack's peak of memory (a caller that
-        # handed in its `tree` still holds that).
+        # layout go before the bytes are written and checked, which is a pack's peak of memory.
         builder.let_go()
         finished.clear()
-        del records, plan_files, layout, files, file_groups, tree
+        del records, plan_files, layout
+        run.let_go_of_the_walk()
         if feed is not None:
             feed.close()
             feed = None
-        write_packed_index(dest_path, index_bytes)  # and stamps it, checked, for this node's first open
-        del index_bytes
+        write_packed_index(run.dest, packed_index)  # and stamps it, checked, for this node's first open
+        del packed_index
         background.shutdown(wait=True)  # its thread is idle by now: pack() leaves no thread behind
     except OSError as exc:
         builder.abort()
-        raise _global_error(exc, dest_path) from None
+        raise _global_error(exc, run.dest) from None
     except DoesNotFit as exc:  # the running total broke --fit: DEST goes back to what the command found
         builder.abort()
-        raise DoesNotFit(f"{exc}; {undo_pack(dest_path, found, kept, dest_plan, options.force)}") from None
+        raise DoesNotFit(f"{exc}; {undo_pack(run.dest, before.found, before.kept, before.plan, run.options.force)}"
+                         ) from None
     except BaseException:
         builder.abort()
         raise
@@ -296,9 +308,59 @@ def _pack_with(sources: list[Path], dest_path: Path, options: PackOptions, tree:
         background.shutdown(wait=False, cancel_futures=True)
         if feed is not None:
             feed.close()
-    journal.remove()
-    summary.selection, summary.selection_seconds = selection, selection_seconds
     return summary
+
+
+def _compress_all(run: _PackRun, plan: CodecPlan, plan_files: PlanFiles, builder: ChunkBuilder,
+                  feed: ArchiveFeed | None, pool: WorkerPool | None, background: ThreadPoolExecutor,
+                  progress: Callable[[PackProgress], None] | None) -> tuple[list[ChunkRecord], Future[IndexLayout]]:
+    """The files left to pack, compressed in order into the builder's chunk files, under --strict and --fit's
+    watch, progress reported; the chunk records, and the index's layout, made in `background` meanwhile. It starts
+    once the first batch is back, so that it does not hold the GIL while the first batches go out."""
+    start_file, start_block = builder.resume_from
+    raw_total = sum(f.size for f in run.files)
+    watch = _fit_watch(run.options, run.selection, run.groups, run.tree, plan, raw_total)
+    report = ProgressReport(progress, builder, len(run.files), raw_total)
+    layout: Future[IndexLayout] | None = None
+    for batch in compress_in_order(run.src, plan, plan_files, start_file, start_block, pool, feed):
+        if layout is None:
+            layout = background.submit(index_layout, run.tree)
+        if run.options.strict:
+            _refuse_skipped(batch)
+        builder.add_batch(batch)
+        if watch is not None:
+            watch.check(builder.chunk_bytes(), builder.raw_done)
+        report.every_interval()
+    records = builder.close_all()
+    if layout is None:  # nothing was left to compress (a resume after the last chunk)
+        layout = background.submit(index_layout, run.tree)
+    report.now()
+    return records, layout
+
+
+def _refuse_skipped(batch: CompressedBatch) -> None:
+    """--strict: a file that could not be packed (it changed or vanished since the walk) stops the pack."""
+    skipped = next((r for r in batch.results if isinstance(r, Skipped)), None)
+    if skipped is not None:
+        raise PackError(f"--strict: {skipped.problem}")
+
+
+def _index_meta(run: _PackRun, summary: PackSummary) -> dict[str, Any]:
+    """The index's `meta`: the pack's options and figures, the paths it skipped, and the listing's digest, so that
+    running the same pack again finds it finished; with --codec auto, the selection."""
+    meta: dict[str, Any] = {
+        "pack": {
+            **run.options.output_defining(),
+            "files": summary.files,
+            "raw_bytes": summary.raw_bytes,
+            "stored_bytes": summary.stored_bytes,
+            "skipped": [{"path": p.path, "reason": p.reason} for p in summary.problems],
+            "listing_digest": run.listing_digest,
+        }
+    }
+    if run.selection is not None:
+        meta["selection"] = run.selection.to_json()
+    return meta
 
 
 def _fit_watch(options: PackOptions, selection: Selection | None, groups: GroupPlan, tree: SourceTree,
@@ -309,13 +371,6 @@ def _fit_watch(options: PackOptions, selection: Selection | None, groups: GroupP
     replicated = frozenset(number for number, group in enumerate(groups.table()) if group["replicated"])
     return FitWatch.for_pack(options.fit, options.nodes, replicated, index_bytes_estimate(tree),
                              sum(map(len, plan.dictionaries.values())), raw_total, selection.need())
-
-
-def walk_sources(sources: list[Path], executor: Executor | None = None) -> SourceTree:
-    """The tree SRC gives: a directory's walk, or the listing of archives (walk_archive.source_paths's list)."""
-    if len(sources) == 1 and sources[0].is_dir():
-        return walk_source(sources[0], executor)
-    return walk_archives(sources, executor)
 
 
 def _summarise(records: list[ChunkRecord], walk_problems: list[Problem]) -> PackSummary:
@@ -371,25 +426,6 @@ def _worker_count(workers: int) -> int:
     return workers or len(os.sched_getaffinity(0))
 
 
-def _fingerprint(tree: SourceTree, options: PackOptions, ctimes: bool = True) -> str:
-    """Identifies a pack's inputs: a resume must see the same tree and the same output-defining options, down to
-    each entry's ctime (a file rewritten with its mtime put back is not resumed over). Without `ctimes`, the
-    digest the index records as `listing_digest`: the index holds no time of SRC's files but their mtimes (packs of
-    a copy of SRC stay byte-identical), and a second run finds the pack finished when every path, mode, size, mtime
-    and link target is as packed, as make and rsync judge a file unchanged."""
-    digest = xxhash.xxh3_128()
-    digest.update(json.dumps(options.output_defining(), sort_keys=True).encode())
-    if ctimes:  # archives: who each archive file is (its members have no ctime of their own)
-        for identity in tree.identity:
-            digest.update(f"@{identity}\n".encode("utf-8", "surrogateescape"))
-    for e in tree.entries:
-        ctime = f"{e.ctime_ns}\0" if ctimes else ""
-        digest.update(f"{e.path}\0{e.mode}\0{e.size}\0{e.mtime_ns}\0{ctime}{e.link_target}\n".encode("utf-8"))
-    for p in tree.problems:
-        digest.update(f"!{p.path}\0{p.reason}\n".encode("utf-8"))
-    return digest.hexdigest()
-
-
 def _selection(options: PackOptions, src: Path, tree: SourceTree, groups: GroupPlan,
                resumed: PackJournal | None) -> Selection | None:
     """With --codec auto, the selector's choice; a resumed pack reuses the one in its journal (timings vary)."""
@@ -413,152 +449,6 @@ def _goal(options: PackOptions) -> Goal:
     return make_goal(options.fit, options.nodes, options.tolerance, options.pack_speed, options.workers)
 
 
-def make_goal(fit: int = 0, nodes: int = 0, tolerance: float = DEFAULT_TOLERANCE, pack_speed: float = 0.0,
-              workers: int = 0) -> Goal:
-    """A selector.Goal from command-line values (sizes in bytes, --pack-speed in bytes/s, --workers 0: every core,
-    capped at the cores); a bad value is a UsageError naming its option."""
-    from selector import Goal, SelectionError
-    from selector.estimate import usable_workers
-
-    if workers < 0:
-        raise UsageError(f"--workers: must be 0 (all cores) or more, got {workers}")
-    try:
-        return Goal(fit_bytes=fit, nodes=nodes, tolerance=tolerance, pack_mbps=pack_speed / 1e6,
-                    workers=usable_workers(workers))
-    except SelectionError as exc:
-        raise UsageError(str(exc)) from None
-
-
-def select_for(src: Path, tree: SourceTree, groups: GroupPlan, budget: float, prefetch_threads: int,
-               fraction: float, seed: int, goal: Goal | None = None, options: PackOptions | None = None) -> Selection:
-    """The selector's choice for a walked SRC (`budget` in bytes/s, `goal` a selector.Goal, default: no --fit;
-    `options`, the pack's, for the chunk and block sizes the index is bounded with): fanstore walks and groups, the
-    selector samples and measures (archives: it reads through ArchivePieces, given the files in stream order, so
-    that its reads go forward). Its errors become fanstore's one-line usage errors; a --fit that cannot be met,
-    DoesNotFit."""
-    from selector import Budget, DoesNotFit as SelectorDoesNotFit, Goal, SelectionError, select_codecs
-
-    replicated = frozenset(number for number, group in enumerate(groups.table()) if group["replicated"])
-    with _pieces_of(src, tree) as pieces:
-        try:
-            return select_codecs(pieces, Budget(budget, prefetch_threads), tree.files_in_read_order(),
-                                 groups.group_of, fraction=fraction, seed=seed, replicate=groups.replicate,
-                                 goal=goal if goal is not None else Goal(), replicated_groups=replicated,
-                                 fixed_bytes=index_bytes_bound(tree, groups,
-                                                               options if options is not None else PackOptions()))
-        except SelectorDoesNotFit as exc:
-            raise DoesNotFit(str(exc)) from None
-        except SelectionError as exc:
-            raise UsageError(str(exc)) from None
-
-
-@contextlib.contextmanager
-def _pieces_of(src: Path, tree: SourceTree) -> Iterator[Path | ArchivePieces]:
-    """What reads SRC out of order: the directory itself, or a reader of the archives, closed after."""
-    if not tree.archives:
-        yield src
-        return
-    pieces = ArchivePieces(tree)
-    try:
-        yield pieces
-    finally:
-        pieces.close()
-
-
-def index_bytes_estimate(tree: SourceTree) -> int:
-    """The least the index of SRC takes: INDEX_BYTES_PER_ENTRY per entry, plus its path, and INDEX_BYTES_PER_FILE
-    per regular file."""
-    return (sum(INDEX_BYTES_PER_ENTRY + len(entry.path.encode("utf-8", "surrogateescape")) for entry in tree.entries)
-            + INDEX_BYTES_PER_FILE * sum(1 for _ in tree.files))
-
-
-def index_bytes_bound(tree: SourceTree, groups: GroupPlan, options: PackOptions) -> int:
-    """The most the index and the chunk headers of a pack of SRC take, whatever the codecs, the selection record
-    aside (the selector counts its own): what --fit plans with. Its entries and paths, the block rows of the files
-    stored in blocks, a chunk row and a chunk header for each chunk there can be (stored bytes are at most raw
-    ones, and a chunk holds one group), the header, and a table of contents of the pack's options, groups, walk
-    problems and codecs, each section aligned."""
-    layout = options.block_layout
-    block_rows = sum(layout.blocks_of(entry.size) for entry in tree.files)
-    raw = sum(entry.size for entry in tree.files)
-    chunks = -(-raw // options.chunk_size) + len(groups.table())
-    contents = json.dumps({"pack": options.output_defining(), "groups": groups.table(),
-                           "skipped": [{"path": p.path, "reason": p.reason} for p in tree.problems]},
-                          separators=(",", ":"))
-    return (INDEX_HEADER_LEN + index_bytes_estimate(tree) + block_rows * BLOCK_DTYPE.itemsize
-            + chunks * (CHUNK_DTYPE.itemsize + CHUNK_HEADER_LEN) + len(contents.encode()) + TOC_ALLOWANCE)
-
-
-def _spec_by_kind(selection: Selection) -> dict[str, str]:
-    """Per-kind specs; a kind the sample did not see gets the choice for `other` files, else lz4 (fast to decode)."""
-    by_kind = dict(selection.codec_by_kind())
-    by_kind[ANY_KIND] = by_kind.get(OTHER, "lz4")
-    return by_kind
-
-
-def _index_layout(tree: SourceTree, leave_out: frozenset[str] = frozenset()) -> IndexLayout:
-    """The index's layout from the walk alone: every entry of the tree but the files in `leave_out`."""
-    return IndexLayout(tree.entries if not leave_out else [e for e in tree.entries if e.path not in leave_out])
-
-
-def _index_bytes(
-    tree: SourceTree,
-    layout: Future[IndexLayout],
-    records: list[ChunkRecord],
-    files: list[SourceEntry],
-    plan: CodecPlan,
-    groups: GroupPlan,
-    options: PackOptions,
-    summary: PackSummary,
-    selection: Selection | None,
-    listing_digest: str,
-) -> bytearray:
-    """The index file's bytes. `layout` is the tree's layout, built while the files were compressed; it is built again without the files
-    that turned out not to be packable during the pack (they vanished or changed), which is rare. The listing's
-    digest is recorded, so that running the same pack again finds it finished."""
-    paths = [path for record in records for path in record.files.paths]
-
-    def column(name: str) -> np.ndarray:
-        return np.concatenate([record.files.column(name) for record in records] or [np.zeros(0, np.uint64)])
-
-    if len(paths) == len(tree.files):  # every file of the walk was packed (a file is recorded once)
-        index_layout = layout.result()
-    else:
-        index_layout = _index_layout(tree, frozenset(e.path for e in tree.files) - frozenset(paths))
-    flags = column("flags")
-    blocked = np.flatnonzero(flags & FLAG_BLOCKED)
-    sizes = column("size")
-    blocks, first_block_rows = _blocks_table(index_layout, records, [(paths[n], int(sizes[n])) for n in blocked],
-                                             files, options.block_layout)
-    del sizes
-    # A file stored in blocks: its offset is its first row in the blocks section.
-    offsets = column("offset")
-    offsets[blocked] = [first_block_rows[paths[n]] for n in blocked]
-    index_layout.place_blobs(paths, chunk=column("chunk"), offset=offsets, stored_len=column("stored_len"),
-                             codec=column("codec"), checksum=column("checksum"), flags=flags)
-    del paths, flags, offsets
-    chunk_rows = [r for r in records if r.chunk_id != NO_CHUNK]
-    chunks = np.zeros(len(chunk_rows), dtype=CHUNK_DTYPE)
-    for r in chunk_rows:  # blobs in the chunk: whole files, and blocks
-        stored_whole = (r.files.column("flags") & FLAG_BLOCKED) == 0
-        whole = int(np.count_nonzero((r.files.column("chunk") == r.chunk_id) & stored_whole))
-        chunks[r.chunk_id] = (r.size, r.group, whole + len(r.blocks))
-    meta = {
-        "pack": {
-            **options.output_defining(),
-            "files": summary.files,
-            "raw_bytes": summary.raw_bytes,
-            "stored_bytes": summary.stored_bytes,
-            "skipped": [{"path": p.path, "reason": p.reason} for p in summary.problems],
-            "listing_digest": listing_digest,
-        }
-    }
-    if selection is not None:
-        meta["selection"] = selection.to_json()
-    return index_layout.to_bytes(chunks, groups.table(), plan.rows, plan.dictionaries, meta, blocks=blocks,
-                                 block_size=options.block_size)
-
-
 def _finished_summary(dest: Path) -> PackSummary:
     """What DEST's finished pack holds, from its index (check_dest found it to be this pack): a second run of the
     same command reports it and does nothing."""
@@ -575,41 +465,6 @@ def _finished_summary(dest: Path) -> PackSummary:
         except (SelectionError, KeyError, TypeError):  # informational: a --fit check then goes unpredicted
             pass
     return summary
-
-
-def _blocks_table(index_layout: IndexLayout, records: list[ChunkRecord], blocked_files: list[tuple[str, int]],
-                  files: list[SourceEntry], block_layout: BlockLayout) -> tuple[np.ndarray | None, dict[str, int]]:
-    """The `blocks` section (None when no file is stored in blocks): the blocks of each file stored in blocks
-    (`blocked_files`, their paths and sizes), files in entry order; and each such file's first row in it, by path."""
-    blocked_rows = sorted((_BlockedRow(path, size) for path, size in blocked_files),
-                          key=lambda row: index_layout.entry_of(row.path))
-    if not blocked_rows:
-        return None, {}
-    number_of = {files[n].path: n for n in range(len(files)) if block_layout.blocks_of(files[n].size)}
-    placed: dict[int, list[tuple[int, BlockRow]]] = {}
-    for record in records:
-        for block_row in record.blocks:
-            placed.setdefault(block_row.file, []).append((record.chunk_id, block_row))
-    table = np.zeros(sum(block_layout.blocks_of(row.size) for row in blocked_rows), dtype=BLOCK_DTYPE)
-    first_rows: dict[str, int] = {}
-    cursor = 0
-    for row in blocked_rows:
-        file_blocks = sorted(placed[number_of[row.path]], key=lambda chunk_and_block: chunk_and_block[1].block)
-        if [block.block for _, block in file_blocks] != list(range(block_layout.blocks_of(row.size))):
-            raise PackError(f"{row.path}: its blocks in the journal are not the file's blocks 0..n-1; pass --force "
-                            "to pack afresh")
-        first_rows[row.path] = cursor
-        for chunk, block in file_blocks:
-            table[cursor] = (block.offset, block.checksum, chunk, block.stored_len, block.codec, b"")
-            cursor += 1
-    return table, first_rows
-
-
-class _BlockedRow(NamedTuple):
-    """A file stored in blocks, as _blocks_table lays out its blocks."""
-
-    path: str
-    size: int
 
 
 def _global_error(exc: OSError, dest: Path) -> PackError:

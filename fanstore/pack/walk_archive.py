@@ -24,7 +24,7 @@ from .archive_source import ARCHIVE_KEY_SHIFT, FORMATS, Damage, archive_format, 
 from ..errors import UsageError, quoted
 from ..core.format import MAX_NAME_BYTES, MAX_PATH_BYTES
 from ..core.index_check import link_target_problem
-from .walk import _SPECIAL_KINDS, Problem, SourceEntry, SourceTree
+from .walk import _SPECIAL_KINDS, Problem, SourceEntry, SourceTree, walk_source
 
 _DIR_MODE = stat.S_IFDIR | 0o755
 _KEY_MASK = (1 << ARCHIVE_KEY_SHIFT) - 1
@@ -128,6 +128,13 @@ def source_paths(src: str | os.PathLike[str] | Sequence[str | os.PathLike[str]])
         else:
             paths.append(Path(text))
     return paths
+
+
+def walk_sources(sources: list[Path], executor: Executor | None = None) -> SourceTree:
+    """The tree SRC gives: a directory's walk, or the listing of archives (walk_archive.source_paths's list)."""
+    if len(sources) == 1 and sources[0].is_dir():
+        return walk_source(sources[0], executor)
+    return walk_archives(sources, executor)
 
 
 def dataset_path(name: str) -> tuple[str, str]:

@@ -1,0 +1,74 @@
+"""--codec auto's side of the packer: the selector's Goal from command-line values, the selector's choice for a
+walked SRC with its errors as fanstore's, and the codec spec per file kind that the codec plan takes from it.
+
+The selector is imported inside these functions only, so that a pack with a named codec never loads it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from compressors.kinds import OTHER
+
+from ..errors import DoesNotFit, UsageError
+from .archive_pieces import pieces_of
+from .codec_plan import ANY_KIND
+from .groups import GroupPlan
+from .index_size import index_bytes_bound
+from .walk import SourceTree
+
+if TYPE_CHECKING:
+    from selector import Goal, Selection
+
+    from .packer import PackOptions
+
+DEFAULT_TOLERANCE = 0.01  # selector.policy.DEFAULT_TOLERANCE (the selector is imported only with --codec auto)
+
+
+def make_goal(fit: int = 0, nodes: int = 0, tolerance: float = DEFAULT_TOLERANCE, pack_speed: float = 0.0,
+              workers: int = 0) -> Goal:
+    """A selector.Goal from command-line values (sizes in bytes, --pack-speed in bytes/s, --workers 0: every core,
+    capped at the cores); a bad value is a UsageError naming its option."""
+    from selector import Goal, SelectionError
+    from selector.estimate import usable_workers
+
+    if workers < 0:
+        raise UsageError(f"--workers: must be 0 (all cores) or more, got {workers}")
+    try:
+        return Goal(fit_bytes=fit, nodes=nodes, tolerance=tolerance, pack_mbps=pack_speed / 1e6,
+                    workers=usable_workers(workers))
+    except SelectionError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def select_for(src: Path, tree: SourceTree, groups: GroupPlan, budget: float, prefetch_threads: int,
+               fraction: float, seed: int, goal: Goal | None = None, options: PackOptions | None = None) -> Selection:
+    """The selector's choice for a walked SRC (`budget` in bytes/s, `goal` a selector.Goal, default: no --fit;
+    `options`, the pack's, for the chunk and block sizes the index is bounded with): fanstore walks and groups, the
+    selector samples and measures (archives: it reads through ArchivePieces, given the files in stream order, so
+    that its reads go forward). Its errors become fanstore's one-line usage errors; a --fit that cannot be met,
+    DoesNotFit."""
+    from selector import Budget, DoesNotFit as SelectorDoesNotFit, Goal, SelectionError, select_codecs
+
+    if options is None:  # `fanstore select`: the default options (imported here: packer.py imports this module)
+        from .packer import PackOptions
+
+        options = PackOptions()
+    replicated = frozenset(number for number, group in enumerate(groups.table()) if group["replicated"])
+    with pieces_of(src, tree) as pieces:
+        try:
+            return select_codecs(pieces, Budget(budget, prefetch_threads), tree.files_in_read_order(),
+                                 groups.group_of, fraction=fraction, seed=seed, replicate=groups.replicate,
+                                 goal=goal if goal is not None else Goal(), replicated_groups=replicated,
+                                 fixed_bytes=index_bytes_bound(tree, groups, options))
+        except SelectorDoesNotFit as exc:
+            raise DoesNotFit(str(exc)) from None
+        except SelectionError as exc:
+            raise UsageError(str(exc)) from None
+
+
+def spec_by_kind(selection: Selection) -> dict[str, str]:
+    """Per-kind specs; a kind the sample did not see gets the choice for `other` files, else lz4 (fast to decode)."""
+    by_kind = dict(selection.codec_by_kind())
+    by_kind[ANY_KIND] = by_kind.get(OTHER, "lz4")
+    return by_kind

@@ -1,0 +1,207 @@
+"""Compressing one batch, in a worker process or in the packing process alike: each file (or block) read, checked
+to be still the file the walk saw, unchanged while read, compressed with its group's and kind's codec, and
+checksummed; its blob left in the batch's buffer, back to back with the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import xxhash
+
+from compressors.kinds import HEAD_BYTES, file_kind
+
+from .batches import Batch, PlanFiles
+from .codec_plan import NONE_ROW, CodecPlan
+from .walk import Problem
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """A planned file that could not be packed (it changed, vanished or cannot be read)."""
+
+    number: int
+    problem: Problem
+
+
+# A compressed file or block, as a plain tuple (it crosses the process boundary 100,000s of times, and a tuple
+# pickles several times faster than a dataclass): plan number, block number (WHOLE_FILE for a file stored whole),
+# offset of its blob in the batch's `blobs`, stored length, codec row, checksum of the stored bytes, raw size.
+SlotBlob = tuple[int, int, int, int, int, int, int]
+WHOLE_FILE = -1
+
+
+@dataclass(frozen=True, slots=True)
+class Supplied:
+    """A batch's raw bytes read by the packing process (from archives: archive_feed.py), back to back in plan
+    order: whole files, or the batch's blocks. `head` is a blocks batch's file's first bytes (its kind's sniff);
+    `failed` the files that could not be read, and why."""
+
+    raw: memoryview
+    head: bytes = b""
+    failed: dict[int, str] = field(default_factory=dict)
+
+
+class _Changed(Exception):
+    """The file is not the one the walk saw, or changed while read: it is skipped for this reason."""
+
+
+class BlobCompressor:
+    """Reads a file (or some of its blocks), checks it is still the file the walk saw, compresses and checksums."""
+
+    def __init__(self, root: Path, plan: CodecPlan, files: PlanFiles) -> None:
+        self.root = root
+        self.plan = plan
+        self.files = files
+        self._sniffed_groups = frozenset(g for g in plan.by_group if plan.depends_on_kind(g))
+
+    def compress_into(self, batch: Batch, into: memoryview, supplied: Supplied | None = None
+                      ) -> list[SlotBlob | Skipped]:
+        """Compress a batch, leaving its blobs in `into` back to back; its raw bytes are read from SRC, or are
+        `supplied`."""
+        if batch.end_block:
+            if supplied is not None:
+                return self._supplied_blocks_into(batch, supplied, into)
+            return self._blocks_into(batch.first, batch.first_block, batch.end_block, into)
+        return self._files_into(batch.first, batch.end, into, supplied)
+
+    def _files_into(self, first: int, end: int, into: memoryview, supplied: Supplied | None = None
+                    ) -> list[SlotBlob | Skipped]:
+        results: list[SlotBlob | Skipped] = []
+        used = 0
+        supplied_at = 0
+        raw: bytes | bytearray | memoryview
+        for number in range(first, end):
+            size = self.files.sizes[number]
+            if size == 0:
+                continue  # empty files have no blob; the packer records them itself
+            if supplied is not None:
+                raw = supplied.raw[supplied_at : supplied_at + size]
+                supplied_at += size
+                if number in supplied.failed:
+                    results.append(Skipped(number, Problem(self.files.paths[number], supplied.failed[number])))
+                    continue
+            else:
+                try:
+                    with self._open(number) as fd:
+                        raw = _read_exactly(fd, size, 0)
+                        self._check_unchanged_after(fd, number)
+                except _Changed as changed:
+                    results.append(Skipped(number, Problem(self.files.paths[number], str(changed))))
+                    continue
+            codec = self.plan.row_for(self.files.groups[number], self._kind(number, raw))
+            stored, codec = self._encode(raw, codec)
+            length = len(stored)
+            into[used : used + length] = stored
+            results.append((number, WHOLE_FILE, used, length, codec, xxhash.xxh3_64_intdigest(stored), size))
+            used += length
+        return results
+
+    def _blocks_into(self, number: int, first_block: int, end_block: int, into: memoryview
+                     ) -> list[SlotBlob | Skipped]:
+        """Blocks of one large file, read one at a time: packing a file of any size needs memory for a few blocks."""
+        size, block_size = self.files.sizes[number], self.files.layout.block_size
+        results: list[SlotBlob | Skipped] = []
+        used = 0
+        try:
+            with self._open(number) as fd:
+                codec = self.plan.row_for(self.files.groups[number], self._kind(number, fd=fd))
+                for block in range(first_block, end_block):
+                    offset = block * block_size
+                    raw = _read_exactly(fd, min(block_size, size - offset), offset)
+                    stored, block_codec = self._encode(raw, codec)
+                    length = len(stored)
+                    into[used : used + length] = stored
+                    results.append((number, block, used, length, block_codec, xxhash.xxh3_64_intdigest(stored),
+                                    len(raw)))
+                    used += length
+                self._check_unchanged_after(fd, number)
+        except _Changed as changed:
+            return [Skipped(number, Problem(self.files.paths[number], str(changed)))]
+        return results
+
+    def _supplied_blocks_into(self, batch: Batch, supplied: Supplied, into: memoryview) -> list[SlotBlob | Skipped]:
+        """_blocks_into for blocks whose bytes were read for this process."""
+        number, block_size = batch.first, self.files.layout.block_size
+        if number in supplied.failed:
+            return [Skipped(number, Problem(self.files.paths[number], supplied.failed[number]))]
+        codec = self.plan.row_for(self.files.groups[number], self._kind(number, supplied.head))
+        results: list[SlotBlob | Skipped] = []
+        used = 0
+        for block in range(batch.first_block, batch.end_block):
+            start = (block - batch.first_block) * block_size
+            raw = supplied.raw[start : min(start + block_size, batch.raw_bytes)]
+            stored, block_codec = self._encode(raw, codec)
+            length = len(stored)
+            into[used : used + length] = stored
+            results.append((number, block, used, length, block_codec, xxhash.xxh3_64_intdigest(stored), len(raw)))
+            used += length
+        return results
+
+    def _encode(self, raw: bytes | bytearray | memoryview, codec: int) -> tuple[bytes | bytearray | memoryview, int]:
+        """Stored bytes and codec row; raw bytes under `none` when compressing would not make them smaller."""
+        stored = self.plan.codecs[codec].encode(raw) if codec != NONE_ROW else raw
+        return (raw, NONE_ROW) if len(stored) >= len(raw) else (stored, codec)
+
+    def _kind(self, number: int, raw: bytes | bytearray | memoryview | None = None, fd: int | None = None) -> str:
+        if self.files.groups[number] not in self._sniffed_groups:
+            return ""
+        head = raw[:HEAD_BYTES] if raw is not None else os.pread(fd, HEAD_BYTES, 0)  # type: ignore[arg-type]
+        return file_kind(self.files.paths[number], bytes(head))
+
+    @contextlib.contextmanager
+    def _open(self, number: int) -> Iterator[int]:
+        """The file, opened without following a symlink or blocking on a fifo, and only if it is still the file
+        the walk saw: a regular file with the same inode, size, mtime and ctime."""
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        try:
+            fd = os.open(os.path.join(self.root, self.files.paths[number]), flags)
+        except FileNotFoundError:
+            raise _Changed("vanished during the pack") from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise _Changed("became a symlink during the pack") from None
+            raise _Changed(f"cannot read: {exc.strerror}") from None
+        try:
+            info = os.fstat(fd)
+            files = self.files
+            if not stat.S_ISREG(info.st_mode):
+                raise _Changed("is no longer a regular file")
+            if info.st_ino != files.inos[number]:
+                raise _Changed("was replaced by another file during the pack")
+            if info.st_size != files.sizes[number]:
+                raise _Changed(f"changed size during the pack ({files.sizes[number]} bytes at walk, "
+                               f"{info.st_size} now)")
+            if info.st_mtime_ns != files.mtimes[number] or info.st_ctime_ns != files.ctimes[number]:
+                raise _Changed("changed during the pack (modified since the walk)")
+            yield fd
+        except OSError as exc:
+            raise _Changed(f"cannot read: {exc.strerror}") from None
+        finally:
+            os.close(fd)
+
+    def _check_unchanged_after(self, fd: int, number: int) -> None:
+        """A write while the file was read changes its size, mtime or ctime: the bytes read may be a mix."""
+        info = os.fstat(fd)
+        if (info.st_size, info.st_mtime_ns, info.st_ctime_ns) != (
+                self.files.sizes[number], self.files.mtimes[number], self.files.ctimes[number]):
+            raise _Changed("changed while it was being read")
+
+
+def _read_exactly(fd: int, length: int, offset: int) -> bytearray:
+    """`length` bytes at `offset`; a file that ends sooner changed under us."""
+    buffer = bytearray(length)
+    view = memoryview(buffer)
+    done = 0
+    while done < length:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise _Changed(f"changed size during the pack (ended {length - done} bytes early)")
+        done += got
+    return buffer

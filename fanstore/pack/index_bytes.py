@@ -1,0 +1,107 @@
+"""The index file's bytes, the last thing a pack makes: the walk's entries, laid out while the workers compress,
+with each packed file's blob placed from the journal's chunk records, and the chunks and blocks tables."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..core.format import BLOCK_DTYPE, CHUNK_DTYPE, FLAG_BLOCKED, NO_CHUNK
+from ..core.index import IndexLayout
+from ..errors import PackError
+from .batches import BlockLayout
+from .codec_plan import CodecPlan
+from .groups import GroupPlan
+from .journal import BlockRow, ChunkRecord
+from .walk import SourceEntry, SourceTree
+
+
+def index_layout(tree: SourceTree, leave_out: frozenset[str] = frozenset()) -> IndexLayout:
+    """The index's layout from the walk alone: every entry of the tree but the files in `leave_out`."""
+    return IndexLayout(tree.entries if not leave_out else [e for e in tree.entries if e.path not in leave_out])
+
+
+def index_bytes(
+    tree: SourceTree,
+    layout: Future[IndexLayout],
+    records: list[ChunkRecord],
+    files: list[SourceEntry],
+    plan: CodecPlan,
+    groups: GroupPlan,
+    block_layout: BlockLayout,
+    meta: dict[str, Any],
+) -> bytearray:
+    """The index file's bytes. `layout` is the tree's layout, built while the files were compressed; it is built
+    again without the files that turned out not to be packable during the pack (they vanished or changed), which is
+    rare. `meta` is the pack's record (with --codec auto, the selection's too)."""
+    paths = [path for record in records for path in record.files.paths]
+
+    def column(name: str) -> np.ndarray:
+        return np.concatenate([record.files.column(name) for record in records] or [np.zeros(0, np.uint64)])
+
+    if len(paths) == len(tree.files):  # every file of the walk was packed (a file is recorded once)
+        packed_layout = layout.result()
+    else:
+        packed_layout = index_layout(tree, frozenset(e.path for e in tree.files) - frozenset(paths))
+    flags = column("flags")
+    blocked = np.flatnonzero(flags & FLAG_BLOCKED)
+    sizes = column("size")
+    blocks, first_block_rows = _blocks_table(packed_layout, records, [(paths[n], int(sizes[n])) for n in blocked],
+                                             files, block_layout)
+    del sizes
+    # A file stored in blocks: its offset is its first row in the blocks section.
+    offsets = column("offset")
+    offsets[blocked] = [first_block_rows[paths[n]] for n in blocked]
+    packed_layout.place_blobs(paths, chunk=column("chunk"), offset=offsets, stored_len=column("stored_len"),
+                              codec=column("codec"), checksum=column("checksum"), flags=flags)
+    del paths, flags, offsets
+    return packed_layout.to_bytes(_chunks_table(records), groups.table(), plan.rows, plan.dictionaries, meta,
+                                  blocks=blocks, block_size=block_layout.block_size)
+
+
+def _chunks_table(records: list[ChunkRecord]) -> np.ndarray:
+    """The `chunks` section: each chunk's size, group, and how many blobs it holds (whole files, and blocks)."""
+    chunk_rows = [r for r in records if r.chunk_id != NO_CHUNK]
+    chunks = np.zeros(len(chunk_rows), dtype=CHUNK_DTYPE)
+    for r in chunk_rows:
+        stored_whole = (r.files.column("flags") & FLAG_BLOCKED) == 0
+        whole = int(np.count_nonzero((r.files.column("chunk") == r.chunk_id) & stored_whole))
+        chunks[r.chunk_id] = (r.size, r.group, whole + len(r.blocks))
+    return chunks
+
+
+def _blocks_table(packed_layout: IndexLayout, records: list[ChunkRecord], blocked_files: list[tuple[str, int]],
+                  files: list[SourceEntry], block_layout: BlockLayout) -> tuple[np.ndarray | None, dict[str, int]]:
+    """The `blocks` section (None when no file is stored in blocks): the blocks of each file stored in blocks
+    (`blocked_files`, their paths and sizes), files in entry order; and each such file's first row in it, by path."""
+    blocked_rows = sorted((_BlockedRow(path, size) for path, size in blocked_files),
+                          key=lambda row: packed_layout.entry_of(row.path))
+    if not blocked_rows:
+        return None, {}
+    number_of = {files[n].path: n for n in range(len(files)) if block_layout.blocks_of(files[n].size)}
+    placed: dict[int, list[tuple[int, BlockRow]]] = {}
+    for record in records:
+        for block_row in record.blocks:
+            placed.setdefault(block_row.file, []).append((record.chunk_id, block_row))
+    table = np.zeros(sum(block_layout.blocks_of(row.size) for row in blocked_rows), dtype=BLOCK_DTYPE)
+    first_rows: dict[str, int] = {}
+    cursor = 0
+    for row in blocked_rows:
+        file_blocks = sorted(placed[number_of[row.path]], key=lambda chunk_and_block: chunk_and_block[1].block)
+        if [block.block for _, block in file_blocks] != list(range(block_layout.blocks_of(row.size))):
+            raise PackError(f"{row.path}: its blocks in the journal are not the file's blocks 0..n-1; pass --force "
+                            "to pack afresh")
+        first_rows[row.path] = cursor
+        for chunk, block in file_blocks:
+            table[cursor] = (block.offset, block.checksum, chunk, block.stored_len, block.codec, b"")
+            cursor += 1
+    return table, first_rows
+
+
+class _BlockedRow(NamedTuple):
+    """A file stored in blocks, as _blocks_table lays out its blocks."""
+
+    path: str
+    size: int
