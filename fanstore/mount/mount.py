@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
-import math
 import os
 import re
 import shutil
@@ -36,47 +35,14 @@ from ..errors import FanstoreError, UsageError, quoted
 from ..core.format import CHUNK_DIR, INDEX_NAME
 from .job_memory import JobMemory, job_memory
 from .kernel_holds import KernelHolds
+from .options import INLINE_DECODE_BYTES, READ_AHEAD_KIB, MountOptions  # noqa: F401 (MountOptions: its old home)
 from .prefetch import FetchedAhead, FileOrder, Prefetcher, may_block_flags, read_prefetch_list
 from ..core.units import format_bytes, size_option
 
 log = logging.getLogger("fanstore.mount")
 
 DEFAULT_CACHE_FRACTION = 0.25  # of the memory the job may still use when the mount starts (job_memory)
-# FUSE mounts get the kernel's default read-ahead, 128 KiB: a 2 MiB file then costs 16 read requests. At 1 MiB
-# (the most one FUSE read request carries) it costs 2.
-READ_AHEAD_KIB = 1024
 PROBE_TIMEOUT = 3.0  # seconds a FUSE daemon gets to answer before its mount counts as hung
-
-
-@dataclass(frozen=True, slots=True)
-class MountOptions:
-    cache_size: int | None = None  # bytes; None: a fraction of what the job may still use (cache_bound)
-    prefetch: int = 8  # files decoded ahead of the reader; 0 turns prefetch off
-    prefetch_list: Path | None = None
-    prefetch_threads: int = 0  # 0: one per core
-    prefetch_min_size: int | None = None  # bytes stored; None: fuse_ops.INLINE_DECODE_BYTES
-    decode_threads: int = 0  # 0: two per core
-    allow_other: bool = False
-    keep_cache: bool = True
-    kernel_timeout: float | None = None  # seconds; None: the default long timeout
-    read_ahead_kib: int = READ_AHEAD_KIB  # set when the mount may (root); 0 leaves the kernel default
-    fast_session_loop: bool = True  # see install_fast_session_loop
-
-    def __post_init__(self) -> None:
-        """The one check of these values, whoever builds them (the CLI, or Python): the option at fault is named."""
-        if self.cache_size is not None and self.cache_size < 1:
-            raise UsageError(f"--cache-size: must be 1 byte or more, got {self.cache_size}")
-        if self.prefetch < 0:
-            raise UsageError(f"--prefetch: must be 0 or more files, got {self.prefetch}")
-        for option, value in (("--prefetch-threads", self.prefetch_threads),
-                              ("MountOptions.decode_threads", self.decode_threads),
-                              ("MountOptions.read_ahead_kib", self.read_ahead_kib)):
-            if value < 0:
-                raise UsageError(f"{option}: must be 0 or more, got {value}")
-        if self.prefetch_min_size is not None and self.prefetch_min_size < 0:
-            raise UsageError(f"--prefetch-min-size: must be 0 bytes or more, got {self.prefetch_min_size}")
-        if self.kernel_timeout is not None and not 0 <= self.kernel_timeout < math.inf:  # nan fails both
-            raise UsageError(f"--kernel-timeout: must be 0 or more seconds, got {self.kernel_timeout}")
 
 
 class MountError(FanstoreError, OSError):
@@ -273,7 +239,7 @@ def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd
     import pyfuse3
     import trio
 
-    from .fuse_ops import INLINE_DECODE_BYTES, KERNEL_CACHE_TIMEOUT, FanstoreOperations, PrefetchView
+    from .fuse_ops import KERNEL_CACHE_TIMEOUT, FanstoreOperations, PrefetchView
 
     try:
         index = ds.index

@@ -17,7 +17,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import xxhash
@@ -41,6 +41,8 @@ from .dest import (
 )
 from ..errors import DoesNotFit, PackError, UsageError
 from .fit_watch import FitWatch
+from .options import AUTO_CODEC, DEFAULT_BLOCK_SIZE, DEFAULT_BLOCKS_ABOVE, DEFAULT_CHUNK_SIZE, DEFAULT_CODEC, \
+    DEFAULT_TOLERANCE, PackOptions  # noqa: F401 (the defaults: their old home)
 from ..core.format import (BLOCK_DTYPE, CHUNK_DTYPE, CHUNK_HEADER_LEN, FLAG_BLOCKED, INDEX_HEADER_LEN, MAX_BLOCK_SIZE,
                      MIN_BLOCK_SIZE, NO_CHUNK)
 from .groups import GroupPlan
@@ -53,17 +55,6 @@ from .walk_archive import source_paths, walk_archives
 if TYPE_CHECKING:
     from selector import Goal, Selection
 
-DEFAULT_CHUNK_SIZE = 64 << 20
-DEFAULT_CODEC = "zstd:3"
-# Files above 4 MiB are stored in 1 MiB blocks, so a read at any offset decodes about 1 MiB. Measured on float
-# arrays, text and integers with zstd, lz4 and blosc: ratios are flat from 256 KiB blocks up (within 1%; zstd:19
-# on text gains 4% at 4 MiB), while one block's decode, the cost of a random read, grows from about 2 ms at
-# 1 MiB to 5-10 ms at 4 MiB. 1 MiB is also the most one FUSE read request carries. Files up to 4 MiB, most
-# training samples, stay whole: read whole anyway, they decode in one call.
-DEFAULT_BLOCK_SIZE = 1 << 20
-DEFAULT_BLOCKS_ABOVE = 4 << 20
-AUTO_CODEC = "auto"
-DEFAULT_TOLERANCE = 0.01  # selector.policy.DEFAULT_TOLERANCE (the selector is imported only with --codec auto)
 # The index takes this much per entry besides its path: its 64-byte record, 8-byte path hash, 4-byte place in the
 # lookup order and (1.2) 4-byte first_child row; and per regular file its 4-byte place in file_order (1.2); beyond
 # them only its table of contents and dictionaries (on the generated bench tree, 114,204 entries, 12.8 MB). A total
@@ -76,42 +67,6 @@ INDEX_BYTES_PER_FILE = 4
 # short (a test holds the bound within 8 KiB of what a pack writes).
 TOC_ALLOWANCE = 4096
 PROGRESS_INTERVAL = 0.1  # seconds between progress callbacks: once per file costs more than packing a small file
-
-
-@dataclass(frozen=True, slots=True)
-class PackOptions:
-    codec: str = DEFAULT_CODEC
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    replicate: tuple[str, ...] = ()
-    block_size: int = DEFAULT_BLOCK_SIZE
-    blocks_above: int = DEFAULT_BLOCKS_ABOVE
-    workers: int = 0  # 0: every core
-    strict: bool = False
-    force: bool = False
-    # Only with codec="auto": what the selector must meet, and how it samples.
-    budget: float = 0.0  # decode throughput the trainer needs, bytes/s
-    prefetch_threads: int = 0  # 0: decode on the read path; K: K threads decode ahead
-    sample: float = 0.02
-    seed: int = 0
-    fit: int = 0  # bytes the dataset must fit in (0: no --fit); with nodes, what each node has
-    nodes: int = 0
-    tolerance: float = DEFAULT_TOLERANCE  # stored sizes within this share of the smallest: the faster pack wins
-    pack_speed: float = 0.0  # bytes/s each kind must pack at (0: no floor)
-
-    def output_defining(self) -> dict[str, Any]:
-        """The options the output bytes depend on: a resume must use the same ones."""
-        defining: dict[str, Any] = {"codec": self.codec, "chunk_size": self.chunk_size,
-                                    "replicate": list(self.replicate), "block_size": self.block_size,
-                                    "blocks_above": self.blocks_above}
-        if self.codec == AUTO_CODEC:
-            defining.update(budget=self.budget, prefetch_threads=self.prefetch_threads, sample=self.sample,
-                            seed=self.seed, fit=self.fit, nodes=self.nodes, tolerance=self.tolerance,
-                            pack_speed=self.pack_speed)
-        return defining
-
-    @property
-    def block_layout(self) -> BlockLayout:
-        return BlockLayout(self.blocks_above, self.block_size)
 
 
 @dataclass(slots=True)
