@@ -153,6 +153,22 @@ def test_only_fanstore_torch_and_the_demos_pytorch_run_import_torch():
     assert loaded(fresh_modules("import fanstore.cli, fanstore.demo.demo"), ("torch", "fanstore.torch")) == []
 
 
+# The options modules: each option's default, check and help, which the command line reads to build its parser.
+OPTIONS_MODULES = ("fanstore.core.options", "fanstore.mount.options", "fanstore.pack.options", "fanstore.serve.options")
+# What they, and so the command line's parse, never load: FUSE, its event loop, MPI, the packer and its workers,
+# the mount's and the serve rank's machinery.
+NOT_FOR_THE_OPTIONS = ("pyfuse3", "trio", "mpi4py", "multiprocessing", "selector", "fanstore.pack.packer",
+                       "fanstore.pack.compress", "fanstore.mount.mount", "fanstore.mount.fuse_ops",
+                       "fanstore.serve.node", "fanstore.serve.transport", "fanstore.serve.remote_blobs")
+
+
+def test_options_modules_are_light():
+    for module in OPTIONS_MODULES:
+        assert loaded(fresh_modules(f"import {module}"), NOT_FOR_THE_OPTIONS) == [], module
+    parse = fresh_modules("from fanstore.cli import _build_parser\n_build_parser().parse_args(['mount', 'a', 'b'])")
+    assert loaded(parse, NOT_FOR_THE_OPTIONS) == []
+
+
 def test_placement_needs_no_mpi():
     # Every rank computes the placement before MPI is up, and `fanstore plan` runs where there is no MPI at all.
     for name in ("__init__.py", "placement.py"):
