@@ -125,29 +125,17 @@ def _add_pack_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_selection_arguments(parser: argparse.ArgumentParser, auto_only: bool) -> None:
+    from .pack.options import PackOptions
+
     with_auto = "; with --codec auto" if auto_only else ""
-    parser.add_argument("--budget", metavar="RATE",
-                        help="decode throughput the training job needs, e.g. 800MB/s (0: best ratio); with --fit, a "
-                             f"floor{with_auto}")
-    parser.add_argument("--prefetch-threads", type=int, default=0, metavar="K",
-                        help="K threads decode ahead of the reader, so each needs only budget/K (default 0: "
-                             "decoding is on the read path)")
-    parser.add_argument("--fit", metavar="SIZE",
-                        help="capacity the dataset must fit in, e.g. 500GB: per kind, the settings that decode "
-                             "fastest while it still fits (with --nodes, what each node has); exit status "
-                             f"{EXIT_DOES_NOT_FIT} when it cannot" + with_auto)
-    parser.add_argument("--nodes", metavar="N",
+    add_option(parser, PackOptions, "budget", more=with_auto)
+    add_option(parser, PackOptions, "prefetch_threads")
+    add_option(parser, PackOptions, "fit", more=f"; exit status {EXIT_DOES_NOT_FIT} when it cannot{with_auto}")
+    parser.add_argument("--nodes", metavar="N",  # read by commands.py: its bound is the placement's (serve/)
                         help="with --fit: the dataset is served by N nodes, each storing the replicated groups and "
                              "its share of the rest, so --fit is per node")
-    parser.add_argument("--tolerance", default="1%", metavar="FRACTION",
-                        help="without --fit: settings storing within FRACTION of the smallest count as equal, and "
-                             "the fastest to pack wins (default 1%%; 0: the smallest always)")
-    parser.add_argument("--pack-speed", metavar="RATE",
-                        help="each file kind must pack at RATE or more with the pack's workers, dictionary training "
-                             "included, e.g. 50MB/s (default: no floor)")
-    parser.add_argument("--sample", default="2%", metavar="FRACTION",
-                        help="share of the data the selector measures, e.g. 2%% (default; capped in bytes)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the selector's sample (default 0)")
+    for name in ("tolerance", "pack_speed", "sample", "seed"):
+        add_option(parser, PackOptions, name)
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -29,16 +29,15 @@ _WARNINGS_SHOWN = 20
 
 
 def _selection_options(args: argparse.Namespace) -> dict[str, Any]:
-    from .pack.options import AUTO_CODEC
-    from .core.units import parse_fraction, parse_rate
+    from .core.options import flag_of, given, value_of
+    from .pack.options import AUTO_CODEC, PackOptions
 
     if getattr(args, "codec", AUTO_CODEC) != AUTO_CODEC:
-        for option, given in (("--budget", args.budget is not None), ("--prefetch-threads", args.prefetch_threads),
-                              ("--fit", args.fit is not None), ("--nodes", args.nodes is not None),
-                              ("--tolerance", args.tolerance != "1%"), ("--pack-speed", args.pack_speed is not None),
-                              ("--sample", args.sample != "2%")):
-            if given:
-                raise UsageError(f"{option} only applies with --codec auto")
+        for name in ("budget", "prefetch_threads", "fit", "nodes", "tolerance", "pack_speed", "sample"):
+            if name == "nodes" and args.nodes is not None:
+                raise UsageError("--nodes only applies with --codec auto")
+            if name != "nodes" and given(PackOptions, args, name):
+                raise UsageError(f"{flag_of(PackOptions, name)} only applies with --codec auto")
         return {}
     if args.budget is None and args.fit is None:
         needs = "--codec auto needs" if hasattr(args, "codec") else "fanstore select needs"
@@ -46,16 +45,14 @@ def _selection_options(args: argparse.Namespace) -> dict[str, Any]:
                          "the capacity the dataset must fit in (e.g. 500GB), or both")
     if args.prefetch_threads < 0:
         raise UsageError(f"--prefetch-threads: must be 0 or more, got {args.prefetch_threads}")
-    fit = parse_size(args.fit, "--fit") if args.fit is not None else 0
+    fit = value_of(PackOptions, args, "fit")
     nodes = 0
     if args.nodes is not None:
         if not fit:
             raise UsageError("--nodes only applies with --fit (the capacity each node has for the dataset)")
         nodes = _parse_nodes(args.nodes)
-    return {"budget": parse_rate(args.budget, "--budget") if args.budget is not None else 0.0,
-            "prefetch_threads": args.prefetch_threads, "sample": parse_fraction(args.sample, "--sample"),
-            "seed": args.seed, "fit": fit, "nodes": nodes, "tolerance": _parse_tolerance(args.tolerance),
-            "pack_speed": parse_rate(args.pack_speed, "--pack-speed") if args.pack_speed is not None else 0.0}
+    read = {name: value_of(PackOptions, args, name) for name in ("budget", "sample", "tolerance", "pack_speed")}
+    return {**read, "prefetch_threads": args.prefetch_threads, "seed": args.seed, "fit": fit, "nodes": nodes}
 
 
 def _parse_nodes(text: str) -> int:
@@ -68,18 +65,6 @@ def _parse_nodes(text: str) -> int:
     if not 1 <= nodes <= MAX_NODES:
         raise UsageError(f"--nodes: must be a whole number from 1 to {MAX_NODES}, got {nodes}")
     return nodes
-
-
-def _parse_tolerance(text: str) -> float:
-    """--tolerance as a fraction from 0 (unlike --sample, 0 is meaningful: the smallest stored size always wins)."""
-    from .core.units import parse_fraction
-
-    if str(text).strip().rstrip("%").strip() in ("0", "0.0"):
-        return 0.0
-    tolerance = parse_fraction(text, "--tolerance")
-    if tolerance >= 1:
-        raise UsageError(f"--tolerance: {quoted(text)} must be less than 100% (e.g. 1%)")
-    return tolerance
 
 
 def run_pack(args: argparse.Namespace) -> int:

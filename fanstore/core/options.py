@@ -21,20 +21,21 @@ class Option:
     """A field's command line: `flag` (a bool field that is True unless the flag is given takes a flag such as
     --no-keep-cache), `help` ("{default}" in it is replaced by `show(default)`), `metavar`, and how a value given is
     read: `type` (argparse's, for int and float) or `parse(text, flag)` (sizes, rates: their errors name the flag,
-    and are the command's one-line errors, not usage errors)."""
+    and are the command's one-line errors, not usage errors). `show` None: the help names no default (not giving
+    the option is a state of its own, as no --fit is no capacity)."""
 
     flag: str
     help: str
     metavar: str | None = None
     type: Callable[[str], Any] | None = None
     parse: Callable[[str, str], Any] | None = None
-    show: Callable[[Any], str] = str
+    show: Callable[[Any], str] | None = str
     required: bool = False
 
 
 def option(default: Any = dataclasses.MISSING, *, flag: str, help: str, metavar: str | None = None,
            type: Callable[[str], Any] | None = None, parse: Callable[[str, str], Any] | None = None,
-           show: Callable[[Any], str] = str, required: bool = False) -> Any:
+           show: Callable[[Any], str] | None = str, required: bool = False) -> Any:
     """A dataclass field that is also a command-line option (see Option)."""
     return dataclasses.field(default=default, metadata={_KEY: Option(flag, help, metavar, type, parse, show,
                                                                       required)})
@@ -69,18 +70,20 @@ def help_of(defaults: Any, name: str, help: str | None = None) -> str:
     argparse, which %-formats help)."""
     found = _option(_class(defaults), name)
     text = found.help if help is None else help
-    if "{default}" in text:
+    if "{default}" in text and found.show is not None:
         text = text.replace("{default}", found.show(default_of(defaults, name)).replace("%", "%%"))
     return text
 
 
-def add_option(parser: argparse.ArgumentParser, defaults: Any, name: str, help: str | None = None) -> None:
+def add_option(parser: argparse.ArgumentParser, defaults: Any, name: str, help: str | None = None,
+               more: str = "") -> None:
     """Add field `name` of the options class (or object) `defaults` to `parser`: flag, metavar and help from its
     metadata, its default from `defaults`: a bool field is a flag that turns it over, a tuple field a repeatable
-    option. A value read by `parse` stays text (None when not given) until from_args reads it."""
+    option. A value read by `parse` stays text (None when not given) until from_args reads it. `more` ends the
+    help with what only this command says."""
     found = _option(_class(defaults), name)
     default = default_of(defaults, name)
-    keywords: dict[str, Any] = {"dest": name, "help": help_of(defaults, name, help)}
+    keywords: dict[str, Any] = {"dest": name, "help": help_of(defaults, name, help) + more}
     if isinstance(default, bool):
         keywords["action"] = "store_false" if default else "store_true"
     elif isinstance(default, tuple):  # repeatable: each use adds one
@@ -98,21 +101,30 @@ def from_args(defaults: Any, args: argparse.Namespace, **given: Any) -> Any:
     """The options object for what the command line gave: each option added by add_option taken from `args` (read
     by its `parse`, in field order, when given), the rest from `defaults`, then `given`; checked by the class."""
     cls = _class(defaults)
-    values: dict[str, Any] = {}
-    for field, found in cli_fields(cls):
-        if field.name in given or not hasattr(args, field.name):
-            continue
-        value = getattr(args, field.name)
-        if value is None and (found.parse is not None or isinstance(field.default, tuple)):
-            value = default_of(defaults, field.name)
-        elif isinstance(value, list):
-            value = tuple(value)
-        elif found.parse is not None:
-            value = found.parse(value, found.flag)
-        values[field.name] = value
+    values = {field.name: value_of(defaults, args, field.name) for field, _ in cli_fields(cls)
+              if field.name not in given and hasattr(args, field.name)}
     if not isinstance(defaults, type):
         return dataclasses.replace(defaults, **values, **given)
     return cls(**values, **given)
+
+
+def value_of(defaults: Any, args: argparse.Namespace, name: str) -> Any:
+    """The value of field `name` as the command line gave it (read by its `parse`), else its default."""
+    found, value = _option(_class(defaults), name), getattr(args, name)
+    if value is None and (found.parse is not None or isinstance(default_of(defaults, name), tuple)):
+        return default_of(defaults, name)
+    if isinstance(value, list):
+        return tuple(value)
+    return found.parse(value, found.flag) if found.parse is not None else value
+
+
+def given(defaults: Any, args: argparse.Namespace, name: str) -> bool:
+    """Whether the command line gave field `name` a value other than its default (as text, a value written as the
+    help shows the default counts as the default)."""
+    found, value, default = _option(_class(defaults), name), getattr(args, name), default_of(defaults, name)
+    if found.parse is None:
+        return value != default
+    return value is not None and (found.show is None or value != found.show(default))
 
 
 def _class(defaults: Any) -> type:

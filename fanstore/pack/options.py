@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.format import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
 from ..core.options import option
-from ..core.units import parse_size, size_option
-from ..errors import UsageError
+from ..core.units import parse_fraction, parse_rate, parse_size, size_option
+from ..errors import UsageError, quoted
 
 if TYPE_CHECKING:
     from .compress import BlockLayout
@@ -37,6 +37,24 @@ def _workers(workers: int) -> str:
     return "every core" if workers == 0 else str(workers)
 
 
+def _percent(fraction: float) -> str:
+    return f"{fraction:.0%}"
+
+
+def _no_floor(rate: float) -> str:
+    return "no floor" if rate == 0 else f"{rate / 1e6:g}MB/s"
+
+
+def parse_tolerance(text: str, flag: str = "--tolerance") -> float:
+    """--tolerance as a fraction from 0 (unlike --sample, 0 is meaningful: the smallest stored size always wins)."""
+    if str(text).strip().rstrip("%").strip() in ("0", "0.0"):
+        return 0.0
+    tolerance = parse_fraction(text, flag)
+    if tolerance >= 1:
+        raise UsageError(f"{flag}: {quoted(text)} must be less than 100% (e.g. 1%)")
+    return tolerance
+
+
 @dataclass(frozen=True, slots=True)
 class PackOptions:
     codec: str = option(
@@ -61,16 +79,32 @@ class PackOptions:
                           help="compression processes (default: {default})")
     strict: bool = option(False, flag="--strict", help="fail instead of skipping files that cannot be packed")
     force: bool = option(False, flag="--force", help="replace a dataset or interrupted pack already in DEST")
-    # Only with codec="auto": what the selector must meet, and how it samples (their command line: cli.py's
-    # selection arguments, shared with `fanstore select`; the selector checks them, see packer._check_options).
-    budget: float = 0.0  # decode throughput the trainer needs, bytes/s
-    prefetch_threads: int = 0  # 0: decode on the read path; K: K threads decode ahead
-    sample: float = 0.02
-    seed: int = 0
-    fit: int = 0  # bytes the dataset must fit in (0: no --fit); with nodes, what each node has
-    nodes: int = 0
-    tolerance: float = DEFAULT_TOLERANCE  # stored sizes within this share of the smallest: the faster pack wins
-    pack_speed: float = 0.0  # bytes/s each kind must pack at (0: no floor)
+    # Only with codec="auto": what the selector must meet, and how it samples (`fanstore select` takes them too; the
+    # selector checks what it alone knows of, see packer._check_options).
+    budget: float = option(  # decode throughput the trainer needs, bytes/s
+        0.0, flag="--budget", metavar="RATE", parse=parse_rate, show=None,
+        help="decode throughput the training job needs, e.g. 800MB/s (0: best ratio); with --fit, a floor")
+    prefetch_threads: int = option(  # 0: decode on the read path; K: K threads decode ahead
+        0, flag="--prefetch-threads", metavar="K", type=int,
+        help="K threads decode ahead of the reader, so each needs only budget/K (default {default}: decoding is on "
+             "the read path)")
+    sample: float = option(
+        0.02, flag="--sample", metavar="FRACTION", parse=parse_fraction, show=_percent,
+        help="share of the data the selector measures, e.g. {default} (default; capped in bytes)")
+    seed: int = option(0, flag="--seed", type=int, help="seed of the selector's sample (default {default})")
+    fit: int = option(  # bytes the dataset must fit in (0: no --fit); with nodes, what each node has
+        0, flag="--fit", metavar="SIZE", parse=parse_size, show=None,
+        help="capacity the dataset must fit in, e.g. 500GB: per kind, the settings that decode fastest while it "
+             "still fits (with --nodes, what each node has)")
+    nodes: int = 0  # its command line is cli.py's: its bound is the placement's (serve/placement.py)
+    tolerance: float = option(  # stored sizes within this share of the smallest: the faster pack wins
+        DEFAULT_TOLERANCE, flag="--tolerance", metavar="FRACTION", parse=parse_tolerance, show=_percent,
+        help="without --fit: settings storing within FRACTION of the smallest count as equal, and the fastest to "
+             "pack wins (default {default}; 0: the smallest always)")
+    pack_speed: float = option(  # bytes/s each kind must pack at (0: no floor)
+        0.0, flag="--pack-speed", metavar="RATE", parse=parse_rate, show=_no_floor,
+        help="each file kind must pack at RATE or more with the pack's workers, dictionary training included, e.g. "
+             "50MB/s (default: {default})")
 
     def __post_init__(self) -> None:
         """The check of these values that needs neither codecs nor the selector, whoever builds them (the CLI, or
