@@ -97,15 +97,16 @@ def add_option(parser: argparse.ArgumentParser, defaults: Any, name: str, help: 
     parser.add_argument(found.flag, **keywords)
 
 
-def from_args(defaults: Any, args: argparse.Namespace, **given: Any) -> Any:
+def from_args(defaults: Any, args: argparse.Namespace, **fixed: Any) -> Any:
     """The options object for what the command line gave: each option added by add_option taken from `args` (read
-    by its `parse`, in field order, when given), the rest from `defaults`, then `given`; checked by the class."""
+    by its `parse`, in field order, when given), the rest from `defaults`, and `fixed` (the arguments, the options
+    objects within); checked by the class."""
     cls = _class(defaults)
     values = {field.name: value_of(defaults, args, field.name) for field, _ in cli_fields(cls)
-              if field.name not in given and hasattr(args, field.name)}
+              if field.name not in fixed and hasattr(args, field.name)}
     if not isinstance(defaults, type):
-        return dataclasses.replace(defaults, **values, **given)
-    return cls(**values, **given)
+        return dataclasses.replace(defaults, **values, **fixed)
+    return cls(**values, **fixed)
 
 
 def value_of(defaults: Any, args: argparse.Namespace, name: str) -> Any:
