@@ -511,7 +511,8 @@ def pack_worker(src: Path, dest: Path, budget: str, threads: int, workers: int) 
     """Child process: one `--codec auto` pack through fanstore.pack.packer.pack; its figures as JSON on stdout. Run
     through the function rather than the CLI so that nothing needs the index read back (see the note printed
     when an index cannot be opened)."""
-    from fanstore.pack.packer import PackOptions, pack
+    from fanstore.pack.options import PackOptions
+    from fanstore.pack.packer import pack
 
     options = PackOptions(codec="auto", budget=parse_rate(budget, "--budget"), prefetch_threads=threads,
                           workers=workers)
@@ -569,7 +570,8 @@ def index_opens(dest_probe: Path, src: Path) -> str | None:
     """None when a plain pack of `src` gives an index that opens; else why not (the whole-pack figures do not need
     it, but the report says so: it is a bug of its own)."""
     from fanstore.errors import FanstoreError
-    from fanstore.pack.packer import PackOptions, pack
+    from fanstore.pack.options import PackOptions
+    from fanstore.pack.packer import pack
 
     try:
         pack(src, dest_probe, PackOptions(codec="none", workers=1))
@@ -651,7 +653,8 @@ def held_out_worker(src: Path, dest: Path, budget: str, threads: int, workers: i
     from fanstore.errors import DoesNotFit
     from fanstore.pack.groups import GroupPlan
     from fanstore.pack.auto_codec import make_goal, select_for
-    from fanstore.pack.packer import PackOptions, pack
+    from fanstore.pack.options import PackOptions
+    from fanstore.pack.packer import pack
     from fanstore.pack.walk import walk_source
     from selector.sample import DEFAULT_FRACTION
 

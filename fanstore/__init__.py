@@ -31,7 +31,8 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .pack.packer import PackOptions, PackSummary, pack
+    from .pack.options import PackOptions
+    from .pack.packer import PackSummary, pack
 
 __all__ = [
     "BlobFile",

@@ -14,14 +14,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import commands
+from .core.options import add_option
 from .commands import EXIT_DOES_NOT_FIT, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE
 from .errors import DoesNotFit, FanstoreError, say_line
-
-# Under serve, files from other nodes are fetched ahead in batches, each peer's in one request: a deeper window
-# makes the batches larger. Measured with 3 ranks, 128 KiB files, --prefetch-list, a CPU per node: remote files/s at
-# 89.3-90.0% of local with 16, against 83.0-85.5% with 8 (mount's default) and 83.2-89.5% with 32.
-SERVE_PREFETCH = 16
-
 
 EPILOG_WIDTH = 78  # columns of the exit statuses, as argparse wraps the rest of --help for an 80-column terminal
 _ERROR = (EXIT_FAILURE, "an error, said in one line on stderr")
@@ -87,7 +82,7 @@ def _pack_help(prog: str) -> dict[str, Any]:
     """fanstore-pack's and `fanstore pack`'s --help, the codec grammar included (compressors.registry's)."""
     from compressors.registry import codec_grammar
 
-    from .pack.packer import AUTO_CODEC
+    from .pack.options import AUTO_CODEC
 
     grammar = "\n".join(f"  {line}" for line in codec_grammar().splitlines())
     return _command_help(
@@ -116,59 +111,31 @@ def _pack_help(prog: str) -> dict[str, Any]:
 
 
 def _add_pack_arguments(parser: argparse.ArgumentParser) -> None:
-    from .pack.packer import DEFAULT_BLOCK_SIZE, DEFAULT_BLOCKS_ABOVE, DEFAULT_CHUNK_SIZE, DEFAULT_CODEC
+    from .pack.options import PackOptions
 
     parser.add_argument("src", metavar="SRC", nargs="+",
                         help="directory tree to pack (it is only read), or one or more archives or globs of them")
     parser.add_argument("dest", metavar="DEST",
                         help="dataset directory to write: new, empty, an interrupted pack to resume, or this pack "
                              "finished")
-    parser.add_argument("--codec", default=DEFAULT_CODEC, metavar="SPEC",
-                        help="a codec spec (below), or auto: measure codecs on a sample of SRC and choose per file "
-                             f"kind (see --budget and --fit) (default {DEFAULT_CODEC})")
-    parser.add_argument("--chunk-size", default=str(DEFAULT_CHUNK_SIZE), metavar="SIZE",
-                        help="a chunk file closes before the next stored blob (a file stored whole, or one block) "
-                             "would take it past SIZE, e.g. 64MiB (default); a blob larger than SIZE gets a chunk "
-                             "of its own")
-    parser.add_argument("--replicate", action="append", default=[], metavar="GLOB",
-                        help="files matching GLOB (e.g. 'val/**') go to the group stored on every node; repeatable")
-    parser.add_argument("--block-size", default=str(DEFAULT_BLOCK_SIZE), metavar="SIZE",
-                        help="a file larger than --blocks-above is stored in blocks of SIZE, each decodable alone, "
-                             "so a read anywhere in it decodes about SIZE bytes (default 1MiB)")
-    parser.add_argument("--blocks-above", default=str(DEFAULT_BLOCKS_ABOVE), metavar="SIZE",
-                        help="files larger than SIZE are stored in blocks (default 4MiB); smaller ones whole")
-    parser.add_argument("--workers", type=int, default=0, metavar="N",
-                        help="compression processes (default: every core)")
-    parser.add_argument("--strict", action="store_true", help="fail instead of skipping files that cannot be packed")
-    parser.add_argument("--force", action="store_true", help="replace a dataset or interrupted pack already in DEST")
+    for name in ("codec", "chunk_size", "replicate", "block_size", "blocks_above", "workers", "strict", "force"):
+        add_option(parser, PackOptions, name)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_selection_arguments(parser, auto_only=True)
 
 
 def _add_selection_arguments(parser: argparse.ArgumentParser, auto_only: bool) -> None:
+    from .pack.options import PackOptions
+
     with_auto = "; with --codec auto" if auto_only else ""
-    parser.add_argument("--budget", metavar="RATE",
-                        help="decode throughput the training job needs, e.g. 800MB/s (0: best ratio); with --fit, a "
-                             f"floor{with_auto}")
-    parser.add_argument("--prefetch-threads", type=int, default=0, metavar="K",
-                        help="K threads decode ahead of the reader, so each needs only budget/K (default 0: "
-                             "decoding is on the read path)")
-    parser.add_argument("--fit", metavar="SIZE",
-                        help="capacity the dataset must fit in, e.g. 500GB: per kind, the settings that decode "
-                             "fastest while it still fits (with --nodes, what each node has); exit status "
-                             f"{EXIT_DOES_NOT_FIT} when it cannot" + with_auto)
-    parser.add_argument("--nodes", metavar="N",
+    add_option(parser, PackOptions, "budget", more=with_auto)
+    add_option(parser, PackOptions, "prefetch_threads")
+    add_option(parser, PackOptions, "fit", more=f"; exit status {EXIT_DOES_NOT_FIT} when it cannot{with_auto}")
+    parser.add_argument("--nodes", metavar="N",  # read by commands.py: its bound is the placement's (serve/)
                         help="with --fit: the dataset is served by N nodes, each storing the replicated groups and "
                              "its share of the rest, so --fit is per node")
-    parser.add_argument("--tolerance", default="1%", metavar="FRACTION",
-                        help="without --fit: settings storing within FRACTION of the smallest count as equal, and "
-                             "the fastest to pack wins (default 1%%; 0: the smallest always)")
-    parser.add_argument("--pack-speed", metavar="RATE",
-                        help="each file kind must pack at RATE or more with the pack's workers, dictionary training "
-                             "included, e.g. 50MB/s (default: no floor)")
-    parser.add_argument("--sample", default="2%", metavar="FRACTION",
-                        help="share of the data the selector measures, e.g. 2%% (default; capped in bytes)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the selector's sample (default 0)")
+    for name in ("tolerance", "pack_speed", "sample", "seed"):
+        add_option(parser, PackOptions, name)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -210,12 +177,10 @@ def _add_select_parser(subcommands: Any) -> None:
     select_parser.add_argument("src", metavar="SRC",
                                help="the directory tree to pack (it is only read), or an archive or a glob of them")
     _add_selection_arguments(select_parser, auto_only=False)
-    select_parser.add_argument("--replicate", action="append", default=[], metavar="GLOB",
-                               help="as for fanstore-pack: the sample is stratified by group too (and with --nodes, "
-                                    "these files are on every node)")
-    select_parser.add_argument("--workers", type=int, default=0, metavar="N",
-                               help="compression processes the pack will use, for its estimated time (default: every "
-                                    "core)")
+    from .pack.options import SELECT_HELP, PackOptions
+
+    for name in ("replicate", "workers"):
+        add_option(select_parser, PackOptions, name, help=SELECT_HELP[name])
     select_parser.add_argument("--plot", metavar="FILE.png",
                                help="draw ratio against decode throughput, and stored size against pack time")
     select_parser.set_defaults(run=commands.run_select)
@@ -285,26 +250,15 @@ def _add_mount_parsers(subcommands: Any) -> None:
     mount_parser.add_argument("mountpoint", metavar="MOUNTPOINT",
                               help="an existing directory, outside the dataset, where its files appear")
     mount_parser.add_argument("--foreground", action="store_true", help="serve in this process until unmounted")
-    mount_parser.add_argument("--cache-size", metavar="SIZE",
-                              help="memory for decoded files, e.g. 4GiB (default: a quarter of what the job may "
-                                   "still use: available RAM, or less where its memory cgroup's limit leaves less)")
-    mount_parser.add_argument("--prefetch", type=int, default=8, metavar="N",
-                              help="after each file opened, decode ahead those of the next N files (in "
-                                   "--prefetch-list order, else directory order) stored in at least "
-                                   "--prefetch-min-size bytes (default 8; 0: off)")
-    mount_parser.add_argument("--prefetch-min-size", metavar="SIZE",
-                              help="prefetch only files stored in at least SIZE bytes (default 256KiB: smaller ones "
-                                   "decode on request faster than a thread is handed them)")
-    mount_parser.add_argument("--prefetch-list", metavar="FILE",
-                              help="epoch order to prefetch in: one path a line, in the dataset or through MOUNTPOINT")
-    mount_parser.add_argument("--allow-other", action="store_true", help="let other users read the mount")
+    from .mount.options import MountOptions
+
+    for name in ("cache_size", "prefetch", "prefetch_min_size", "prefetch_list", "allow_other"):
+        add_option(mount_parser, MountOptions, name)
     mount_parser.add_argument("--log", metavar="FILE",
                               help="daemon log (default: mount-PATH-DIGEST.log, named after MOUNTPOINT's whole "
                                    "path, in $XDG_RUNTIME_DIR/fanstore or, without it, ~/.cache/fanstore)")
-    mount_parser.add_argument("--no-keep-cache", action="store_true",
-                              help="drop the kernel page cache on every open (for benchmarks)")
-    mount_parser.add_argument("--kernel-timeout", type=float, metavar="SECONDS",
-                              help="entry and attribute timeout (default one day; for benchmarks)")
+    for name in ("keep_cache", "kernel_timeout"):
+        add_option(mount_parser, MountOptions, name)
     mount_parser.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     mount_parser.set_defaults(run=commands.run_mount)
     umount_parser = subcommands.add_parser(
@@ -370,56 +324,18 @@ def _add_serve_parser(subcommands: Any) -> None:
             "$TMPDIR/fs -- python train.py --data /tmp/imagenet/train"))
     serve_parser.add_argument("dest", metavar="DEST", help="the packed dataset, on the shared file system")
     serve_parser.add_argument("mountpoint", metavar="MOUNTPOINT", help="an existing empty directory on each node")
-    serve_parser.add_argument("--local-dir", required=True, metavar="DIR",
-                              help="node-local storage for this node's chunks (e.g. $TMPDIR or /dev/shm/...); "
-                                   "chunks verified there by an earlier job are not staged again")
-    serve_parser.add_argument("--stats", action="store_true",
-                              help="print each rank's counters at the end, and the job's totals on rank 0")
-    serve_parser.add_argument("--ready-file", metavar="FILE",
-                              help="without COMMAND: written once every rank is mounted (default MOUNTPOINT.ready)")
-    _add_peer_arguments(serve_parser)
-    serve_parser.add_argument("--prefetch-list", metavar="FILE",
-                              help="the epoch's reading order, one path a line (in the dataset or through the rank's "
-                                   "MOUNTPOINT): files are fetched and decoded ahead ({rank} is replaced by the "
-                                   "rank: each its own order)")
-    serve_parser.add_argument("--prefetch", type=int, default=SERVE_PREFETCH, metavar="N",
-                              help="after each file opened, fetch and decode ahead those of the next N files that "
-                                   f"are stored on another node or in at least 256KiB (default {SERVE_PREFETCH}; 0 "
-                                   "turns it off)")
-    serve_parser.add_argument("--prefetch-threads", type=int, default=8, metavar="K",
-                              help="threads fetching and decoding ahead (default 8)")
-    serve_parser.add_argument("--cache-size", metavar="SIZE",
-                              help="decoded cache of each mount (default: a quarter of what the job may still use "
-                                   "once staged, available RAM or its memory cgroup's room, split among the ranks "
-                                   "on one host)")
-    serve_parser.add_argument("--allow-other", action="store_true", help="let other users read the mounts")
-    serve_parser.add_argument("--quiet", action="store_true", help="no staging progress bar")
+    from .serve.options import SERVE_MOUNT, SERVE_MOUNT_HELP, PeerOptions, ServeOptions
+
+    for name in ("local_dir", "stats", "ready_file"):
+        add_option(serve_parser, ServeOptions, name)
+    for name in ("timeout", "retry_after", "lost_after", "max_in_flight"):  # how a rank asks its peers
+        add_option(serve_parser, PeerOptions, name)
+    for name in ("doorbell", "loop_requests"):
+        add_option(serve_parser, ServeOptions, name)
+    for name in ("prefetch_list", "prefetch", "prefetch_threads", "cache_size", "allow_other"):
+        add_option(serve_parser, SERVE_MOUNT, name, help=SERVE_MOUNT_HELP[name])
+    add_option(serve_parser, ServeOptions, "progress")
     serve_parser.set_defaults(run=commands.run_serve, job_command=[])
-
-
-def _add_peer_arguments(serve_parser: argparse.ArgumentParser) -> None:
-    """How a rank asks its peers (PeerOptions checks the values)."""
-    serve_parser.add_argument("--peer-timeout", type=float, default=5.0, metavar="SECONDS",
-                              help="a peer that does not answer a request in this time is skipped for a while and "
-                                   "its files read from DEST (default 5)")
-    serve_parser.add_argument("--peer-retry", type=float, default=30.0, metavar="SECONDS",
-                              help="how long a peer that missed a deadline is skipped (default 30)")
-    serve_parser.add_argument("--peer-lost-after", type=float, default=0.0, metavar="SECONDS",
-                              help="how long a peer may answer nothing before it is lost for the job: not asked "
-                                   "again, its files read from DEST, and the job ends without the closing "
-                                   "agreement; default 0: half of the time TCP keeps a connection waiting "
-                                   "(net.ipv4.tcp_retries2; about 460 s), after which a message to that peer "
-                                   "crashes MPICH; set it below your fabric's own give-up time on other networks")
-    serve_parser.add_argument("--max-in-flight", type=int, default=8, metavar="K",
-                              help="requests outstanding to one peer at a time, whoever asked them (default 8)")
-    serve_parser.add_argument("--no-doorbell", action="store_true",
-                              help="peers do not ring each other awake with a UDP datagram (for networks that drop "
-                                   "UDP between nodes; fanstore turns them off itself when a start-up check fails): "
-                                   "each rank then polls MPI alone, lingering after work")
-    serve_parser.add_argument("--mpi-thread-only", action="store_true",
-                              help="only the MPI thread calls MPI (initialised at MPI_THREAD_SERIALIZED): readers "
-                                   "hand it every request to a peer instead of posting it themselves (for an MPI "
-                                   "whose MPI_THREAD_MULTIPLE is slow or broken)")
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

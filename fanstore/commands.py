@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,8 @@ from .core.units import format_bytes, parse_size, plural
 if TYPE_CHECKING:
     from selector import Selection
 
-    from .pack.packer import PackOptions, PackSummary
+    from .pack.options import PackOptions
+    from .pack.packer import PackSummary
     from .serve.placement import Placement
 
 EXIT_FAILURE = 1
@@ -27,16 +29,15 @@ _WARNINGS_SHOWN = 20
 
 
 def _selection_options(args: argparse.Namespace) -> dict[str, Any]:
-    from .pack.packer import AUTO_CODEC
-    from .core.units import parse_fraction, parse_rate
+    from .core.options import flag_of, given, value_of
+    from .pack.options import AUTO_CODEC, PackOptions
 
     if getattr(args, "codec", AUTO_CODEC) != AUTO_CODEC:
-        for option, given in (("--budget", args.budget is not None), ("--prefetch-threads", args.prefetch_threads),
-                              ("--fit", args.fit is not None), ("--nodes", args.nodes is not None),
-                              ("--tolerance", args.tolerance != "1%"), ("--pack-speed", args.pack_speed is not None),
-                              ("--sample", args.sample != "2%")):
-            if given:
-                raise UsageError(f"{option} only applies with --codec auto")
+        for name in ("budget", "prefetch_threads", "fit", "nodes", "tolerance", "pack_speed", "sample"):
+            if name == "nodes" and args.nodes is not None:
+                raise UsageError("--nodes only applies with --codec auto")
+            if name != "nodes" and given(PackOptions, args, name):
+                raise UsageError(f"{flag_of(PackOptions, name)} only applies with --codec auto")
         return {}
     if args.budget is None and args.fit is None:
         needs = "--codec auto needs" if hasattr(args, "codec") else "fanstore select needs"
@@ -44,16 +45,14 @@ def _selection_options(args: argparse.Namespace) -> dict[str, Any]:
                          "the capacity the dataset must fit in (e.g. 500GB), or both")
     if args.prefetch_threads < 0:
         raise UsageError(f"--prefetch-threads: must be 0 or more, got {args.prefetch_threads}")
-    fit = parse_size(args.fit, "--fit") if args.fit is not None else 0
+    fit = value_of(PackOptions, args, "fit")
     nodes = 0
     if args.nodes is not None:
         if not fit:
             raise UsageError("--nodes only applies with --fit (the capacity each node has for the dataset)")
         nodes = _parse_nodes(args.nodes)
-    return {"budget": parse_rate(args.budget, "--budget") if args.budget is not None else 0.0,
-            "prefetch_threads": args.prefetch_threads, "sample": parse_fraction(args.sample, "--sample"),
-            "seed": args.seed, "fit": fit, "nodes": nodes, "tolerance": _parse_tolerance(args.tolerance),
-            "pack_speed": parse_rate(args.pack_speed, "--pack-speed") if args.pack_speed is not None else 0.0}
+    read = {name: value_of(PackOptions, args, name) for name in ("budget", "sample", "tolerance", "pack_speed")}
+    return {**read, "prefetch_threads": args.prefetch_threads, "seed": args.seed, "fit": fit, "nodes": nodes}
 
 
 def _parse_nodes(text: str) -> int:
@@ -68,34 +67,16 @@ def _parse_nodes(text: str) -> int:
     return nodes
 
 
-def _parse_tolerance(text: str) -> float:
-    """--tolerance as a fraction from 0 (unlike --sample, 0 is meaningful: the smallest stored size always wins)."""
-    from .core.units import parse_fraction
-
-    if str(text).strip().rstrip("%").strip() in ("0", "0.0"):
-        return 0.0
-    tolerance = parse_fraction(text, "--tolerance")
-    if tolerance >= 1:
-        raise UsageError(f"--tolerance: {quoted(text)} must be less than 100% (e.g. 1%)")
-    return tolerance
-
-
 def run_pack(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from .pack.packer import PackOptions, PackProgress, pack
+    from .core.options import from_args
+    from .pack.options import PackOptions
+    from .pack.packer import pack
+    from .pack.progress import PackProgress
 
-    options = PackOptions(
-        codec=args.codec,
-        chunk_size=parse_size(args.chunk_size, "--chunk-size"),
-        block_size=parse_size(args.block_size, "--block-size"),
-        blocks_above=parse_size(args.blocks_above, "--blocks-above", minimum=0),
-        replicate=tuple(args.replicate),
-        workers=args.workers,
-        strict=args.strict,
-        force=args.force,
-        **_selection_options(args),
-    )
+    options = from_args(PackOptions, args)  # the sizes are read, and the values checked, before --codec auto's
+    options = replace(options, **_selection_options(args))
     bar = None
 
     def show(p: PackProgress) -> None:
@@ -226,10 +207,11 @@ def run_select(args: argparse.Namespace) -> int:
     from selector.report import format_selection, plot_selection
 
     from .pack.groups import GroupPlan
-    from .pack.packer import make_goal, select_for, walk_sources
+    from .pack.auto_codec import make_goal, select_for
+    from .pack.walk_archive import walk_sources
     from .pack.walk_archive import source_paths
 
-    groups = GroupPlan(tuple(args.replicate))  # validates the patterns before the long part
+    groups = GroupPlan(tuple(args.replicate or ()))  # validates the patterns before the long part
     options = _selection_options(args)
     goal = make_goal(options["fit"], options["nodes"], options["tolerance"], options["pack_speed"], args.workers)
     sources = source_paths(args.src)
@@ -343,19 +325,12 @@ def run_mount(args: argparse.Namespace) -> int:
     import logging
 
     from .core.dest_apart import check_apart_from_dest
-    from .mount.mount import MountOptions, check_outside, dataset_paths, default_log_path, mount_background, \
-        mount_foreground, resolve_mountpoint
+    from .core.options import from_args
+    from .mount.mount import check_outside, dataset_paths, default_log_path, mount_background, mount_foreground, \
+        resolve_mountpoint
+    from .mount.options import MountOptions
 
-    options = MountOptions(
-        cache_size=parse_size(args.cache_size, "--cache-size") if args.cache_size else None,
-        prefetch=args.prefetch,
-        prefetch_list=Path(args.prefetch_list) if args.prefetch_list else None,
-        prefetch_min_size=parse_size(args.prefetch_min_size, "--prefetch-min-size", minimum=0)
-        if args.prefetch_min_size is not None else None,
-        allow_other=args.allow_other,
-        keep_cache=not args.no_keep_cache,
-        kernel_timeout=args.kernel_timeout,
-    )
+    options = from_args(MountOptions, args)
     # Resolved once, here: mountinfo lists resolved paths, and the check, the mount and the messages must agree.
     mountpoint = resolve_mountpoint(Path(args.mountpoint))
     if args.foreground:
@@ -376,27 +351,15 @@ def run_mount(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     import logging
 
-    from .mount.mount import MountOptions
-    from .serve.node import ServeOptions, run
-    from .serve.transport import PeerOptions
+    from .core.options import from_args
+    from .serve.node import run
+    from .serve.options import SERVE_MOUNT, PeerOptions, ServeOptions
 
-    # The options' values are checked where they are defined (PeerOptions, MountOptions), in this order.
-    peer = PeerOptions(timeout=args.peer_timeout, retry_after=args.peer_retry, max_in_flight=args.max_in_flight,
-                       lost_after=args.peer_lost_after)
-    mount = MountOptions(
-        cache_size=parse_size(args.cache_size, "--cache-size") if args.cache_size else None,
-        prefetch=args.prefetch,
-        prefetch_list=Path(args.prefetch_list) if args.prefetch_list else None,
-        prefetch_threads=args.prefetch_threads,
-        allow_other=args.allow_other,
-    )
-    if args.prefetch_threads < 1:  # serve's own rule: its default is a number of threads, not 0 (one per core)
-        raise UsageError(f"--prefetch-threads: must be 1 or more threads, got {args.prefetch_threads}")
+    # Each options class checks its values (PeerOptions, the mount's, then serve's own rule), in this order.
+    peer, mount = from_args(PeerOptions, args), from_args(SERVE_MOUNT, args)
+    options = from_args(ServeOptions, args, dest=Path(args.dest), mountpoint=args.mountpoint,
+                        command=tuple(args.job_command), peer=peer, mount=mount)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s fanstore: %(message)s", stream=sys.stderr)
-    options = ServeOptions(
-        dest=Path(args.dest), mountpoint=args.mountpoint, local_dir=args.local_dir, command=tuple(args.job_command),
-        stats=args.stats, ready_file=args.ready_file,
-        peer=peer, mount=mount, progress=not args.quiet, doorbell=not args.no_doorbell, loop_requests=not args.mpi_thread_only)
     return run(options)
 
 

@@ -184,3 +184,46 @@ def test_one_codec_grammar_in_help_readme_and_errors(tmp_path: Path) -> None:
             if codec:
                 assert f"expected {form}: {meaning}" in error and " ".join(meaning.split()) in help_words
         assert not (tmp_path / "ds").exists()
+
+
+def _option_tables() -> list[tuple[str, object]]:
+    """Each command and the options class (or, where the command gives other defaults, the options object) whose
+    fields it takes as options."""
+    from fanstore.mount.options import MountOptions
+    from fanstore.pack.options import PackOptions
+    from fanstore.serve.options import SERVE_MOUNT, PeerOptions, ServeOptions
+
+    return [("fanstore mount", MountOptions), ("fanstore serve", PeerOptions), ("fanstore serve", ServeOptions),
+            ("fanstore serve", SERVE_MOUNT), ("fanstore pack", PackOptions), ("fanstore select", PackOptions)]
+
+
+def test_every_option_field_is_in_help_with_its_default() -> None:
+    """An options dataclass is where each option is written: every field with a command line is some command's
+    option, with the dataclass's default as the parser's (or, for a value read on its own, the one it stands for)
+    and that default said in its help, in the words --help shows."""
+    from fanstore.core.options import cli_fields, default_of
+
+    parsers, shown, seen = _parsers(), {}, set()
+    for prog, defaults in _option_tables():
+        cls = defaults if isinstance(defaults, type) else type(defaults)
+        if prog not in shown:
+            shown[prog] = _help(*prog.split()[1:])
+        actions = {action.dest: action for action in parsers[prog]._actions}
+        for field, option in cli_fields(cls):
+            action = actions.get(field.name)
+            if action is None or option.flag not in action.option_strings:
+                continue
+            seen.add((cls.__name__, field.name))
+            default = default_of(defaults, field.name)
+            assert action.help and action.help != argparse.SUPPRESS, (prog, option.flag)
+            metavar = action.metavar or ("" if action.nargs == 0 else action.dest.upper())  # as argparse shows it
+            entry = " ".join(f"{option.flag} {metavar} {action.help.replace('%%', '%')}".split())
+            assert entry in shown[prog], (prog, entry)
+            if option.parse is None and not isinstance(default, tuple):
+                assert action.default == default, (prog, option.flag, action.default, default)
+            if option.show is not None and default is not None and not isinstance(default, (bool, tuple)):
+                assert f"default {option.show(default)}" in entry or f"default: {option.show(default)}" in entry \
+                    or f"{option.show(default)} (default" in entry, (prog, entry)
+    every = {(cls.__name__, field.name) for _, defaults in _option_tables()
+             for cls in [defaults if isinstance(defaults, type) else type(defaults)] for field, _ in cli_fields(cls)}
+    assert every - seen == set(), "fields with a command line that no command takes"

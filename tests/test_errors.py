@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -21,9 +22,10 @@ from fanstore import (
     PathNotFound,
     UsageError,
 )
-from conftest import REPO, flip_byte
-from fanstore.mount.mount import MountOptions
-from fanstore.serve.remote_blobs import PeerOptions
+from conftest import REPO, flip_byte, run_cli
+from fanstore.mount.options import MountOptions
+from fanstore.pack.options import PackOptions
+from fanstore.serve.options import SERVE_MOUNT, PeerOptions, ServeOptions
 from fanstore.core.format import INDEX_NAME, chunk_file_name
 
 # What the README names, and what a caller needs to tell the cases apart.
@@ -144,9 +146,38 @@ def test_packing_raises_the_exported_errors(tmp_path):
     (lambda: PeerOptions(timeout=0), "--peer-timeout: must be a number of seconds more than 0 (and finite), got 0"),
     (lambda: PeerOptions(max_in_flight=0), "--max-in-flight: must be 1 or more requests, got 0"),
     (lambda: PeerOptions(lost_after=-1), "--peer-lost-after: must be 0 (half of TCP's give-up time) or more"),
+    (lambda: _serve_options(mount=MountOptions(prefetch_threads=0)),
+     "--prefetch-threads: must be 1 or more threads, got 0"),
+    (lambda: PackOptions(chunk_size=100), "--chunk-size: 100 bytes is too small (at least 4 KiB)"),
+    (lambda: PackOptions(workers=-1), "--workers: must be 0 (all cores) or more, got -1"),
+    (lambda: PackOptions(block_size=1), "--block-size: 1 bytes is not from"),
+    (lambda: PackOptions(blocks_above=-1), "--blocks-above: must be 0 or more bytes, got -1"),
+    (lambda: PackOptions(prefetch_threads=-1), "--prefetch-threads: must be 0 or more, got -1"),
+    (lambda: PackOptions(budget=-1.0), "--budget: must be 0 or more bytes/s, got -1.0"),
 ])
 def test_options_built_from_python_are_checked_as_the_command_lines_are(build, message):
-    """MountOptions and PeerOptions check their values where they are defined: one check, the CLI's and Python's."""
+    """Each options class checks its values where it is defined: one check, the CLI's and Python's."""
     with pytest.raises(UsageError) as caught:
         build()
     assert str(caught.value).startswith(message)
+
+
+def _serve_options(**given) -> ServeOptions:
+    return ServeOptions(dest=Path("ds"), mountpoint="mnt", local_dir="local", **given)
+
+
+@pytest.mark.parametrize("build, command", [
+    (lambda: MountOptions(prefetch=-1), ["mount", "ds", "mnt", "--prefetch", "-1"]),
+    (lambda: PeerOptions(timeout=0.0), ["serve", "ds", "mnt", "--local-dir", "local", "--peer-timeout", "0"]),
+    (lambda: _serve_options(mount=replace(SERVE_MOUNT, prefetch_threads=0)),
+     ["serve", "ds", "mnt", "--local-dir", "local", "--prefetch-threads", "0"]),
+    (lambda: PackOptions(chunk_size=100), ["fanstore-pack", "src", "ds", "--chunk-size", "100"]),
+], ids=["MountOptions", "PeerOptions", "ServeOptions", "PackOptions"])
+def test_a_bad_option_from_python_raises_the_line_the_command_line_prints(build, command):
+    """One options class, one check: the CLI's error line is `PROG: error: ` and the very message Python gets."""
+    with pytest.raises(UsageError) as caught:
+        build()
+    prog = "fanstore-pack" if command[0] == "fanstore-pack" else "fanstore"
+    proc = run_cli(*command)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.splitlines() == [f"{prog}: error: {caught.value}"]

@@ -34,8 +34,9 @@ NOT_FOR_READING = (
 # The only fanstore modules that may import the selector: the packer (--codec auto: auto_codec; --fit's total:
 # fit_watch) and the command line.
 USES_THE_SELECTOR = ("fanstore.pack.packer", "fanstore.pack.auto_codec", "fanstore.pack.fit_watch", "fanstore.commands")
-# The only modules of fanstore/ (not fanstore/serve/) that may import the serving layer: the command line (`plan`).
-USES_THE_SERVING_LAYER = ("fanstore.commands",)
+# The only modules of fanstore/ (not fanstore/serve/) that may import the serving layer: the command line (`plan`;
+# and `serve`'s options, light, for its parser: see test_options_modules_are_light).
+USES_THE_SERVING_LAYER = ("fanstore.commands", "fanstore.cli")
 # The only module of fanstore/ that may import torch (besides the fanstore.torch package): the demo's PyTorch run.
 USES_TORCH = ("fanstore.demo.demo_torch",)
 # What the read core (fanstore/core/) never imports: the other roles' packages, FUSE and its event loop, MPI.
@@ -123,7 +124,8 @@ def test_pack_names_stay_on_the_package():
         "from fanstore import PackOptions, PackSummary, pack\n"
         "assert fanstore.pack is pack and callable(pack), fanstore.pack\n"
         "assert all(hasattr(fanstore, name) for name in fanstore.__all__)\n"
-        "assert PackOptions.__module__ == PackSummary.__module__ == 'fanstore.pack.packer'\n"
+        "assert PackSummary.__module__ == 'fanstore.pack.packer'\n"
+        "assert PackOptions.__module__ == 'fanstore.pack.options'\n"
     )
     assert "fanstore.pack.packer" in modules
 
@@ -150,6 +152,22 @@ def test_only_fanstore_torch_and_the_demos_pytorch_run_import_torch():
         if name not in USES_TORCH:
             assert loaded(imported_names(path), ("torch",)) == [], f"{path.relative_to(REPO)} imports torch"
     assert loaded(fresh_modules("import fanstore.cli, fanstore.demo.demo"), ("torch", "fanstore.torch")) == []
+
+
+# The options modules: each option's default, check and help, which the command line reads to build its parser.
+OPTIONS_MODULES = ("fanstore.core.options", "fanstore.mount.options", "fanstore.pack.options", "fanstore.serve.options")
+# What they, and so the command line's parse, never load: FUSE, its event loop, MPI, the packer and its workers,
+# the mount's and the serve rank's machinery.
+NOT_FOR_THE_OPTIONS = ("pyfuse3", "trio", "mpi4py", "multiprocessing", "selector", "fanstore.pack.packer",
+                       "fanstore.pack.compress", "fanstore.mount.mount", "fanstore.mount.fuse_ops",
+                       "fanstore.serve.node", "fanstore.serve.transport", "fanstore.serve.remote_blobs")
+
+
+def test_options_modules_are_light():
+    for module in OPTIONS_MODULES:
+        assert loaded(fresh_modules(f"import {module}"), NOT_FOR_THE_OPTIONS) == [], module
+    parse = fresh_modules("from fanstore.cli import _build_parser\n_build_parser().parse_args(['mount', 'a', 'b'])")
+    assert loaded(parse, NOT_FOR_THE_OPTIONS) == []
 
 
 def test_placement_needs_no_mpi():

@@ -16,7 +16,8 @@ from typing import Callable
 from ..core.api import Dataset, open_dataset
 from .demo_data import build_demo_tree
 from .demo_training import train_and_evaluate
-from ..pack.packer import PackOptions, pack
+from ..pack.options import PackOptions
+from ..pack.packer import pack
 from ..core.units import format_bytes, plural
 
 DEMO_CODEC = "zstd-dict:9"

@@ -27,6 +27,7 @@ from ..errors import ChunkCorrupt, ChunkError, ChunkUnavailable, FanstoreError, 
 from ..core.format import ENTRY_DTYPE, FLAG_BLOCKED, fields_of
 from ..core.index import Index
 from .kernel_holds import KernelHolds
+from .options import INLINE_DECODE_BYTES
 from .fuse_failures import HANDLE_FIRST, answers_every_failure
 from .prefetch import CacheKey, FetchedAhead, Prefetcher, may_block_flags
 from ..core.reader import Reader
@@ -38,9 +39,6 @@ KERNEL_CACHE_TIMEOUT = 24 * 3600.0
 # Blocks decoded ahead of a reader going through a file stored in blocks: at 1 MiB a block, the kernel's 1 MiB
 # read-ahead alone would start each decode only a block before the reader needs it.
 BLOCKS_READ_AHEAD = 2
-# A blob this small decodes (tens of microseconds) faster than a hand-off to a thread and back wakes the loop, so
-# it is decoded on the event loop itself; larger ones go to the decode threads, where they overlap.
-INLINE_DECODE_BYTES = 256 * 1024
 # Threads that wait for blobs from other nodes: mostly waiting, so more of them than cores, which keeps several
 # requests in flight per peer.
 FETCH_THREADS = 16

@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
-import math
 import os
 import re
 import shutil
@@ -24,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -36,47 +35,19 @@ from ..errors import FanstoreError, UsageError, quoted
 from ..core.format import CHUNK_DIR, INDEX_NAME
 from .job_memory import JobMemory, job_memory
 from .kernel_holds import KernelHolds
+from .mountinfo import fuse_mount_holding, fuse_mounted_at, fuse_mounts, read_ahead_setting, resolve_mountpoint, \
+    set_read_ahead  # noqa: F401 (fuse_mounted_at, read_ahead_setting: their old home)
+from .options import INLINE_DECODE_BYTES, READ_AHEAD_KIB, MountOptions  # noqa: F401 (MountOptions: its old home)
 from .prefetch import FetchedAhead, FileOrder, Prefetcher, may_block_flags, read_prefetch_list
 from ..core.units import format_bytes, size_option
+
+if TYPE_CHECKING:
+    from .fuse_ops import FanstoreOperations  # imported with FUSE, when mounting
 
 log = logging.getLogger("fanstore.mount")
 
 DEFAULT_CACHE_FRACTION = 0.25  # of the memory the job may still use when the mount starts (job_memory)
-# FUSE mounts get the kernel's default read-ahead, 128 KiB: a 2 MiB file then costs 16 read requests. At 1 MiB
-# (the most one FUSE read request carries) it costs 2.
-READ_AHEAD_KIB = 1024
 PROBE_TIMEOUT = 3.0  # seconds a FUSE daemon gets to answer before its mount counts as hung
-
-
-@dataclass(frozen=True, slots=True)
-class MountOptions:
-    cache_size: int | None = None  # bytes; None: a fraction of what the job may still use (cache_bound)
-    prefetch: int = 8  # files decoded ahead of the reader; 0 turns prefetch off
-    prefetch_list: Path | None = None
-    prefetch_threads: int = 0  # 0: one per core
-    prefetch_min_size: int | None = None  # bytes stored; None: fuse_ops.INLINE_DECODE_BYTES
-    decode_threads: int = 0  # 0: two per core
-    allow_other: bool = False
-    keep_cache: bool = True
-    kernel_timeout: float | None = None  # seconds; None: the default long timeout
-    read_ahead_kib: int = READ_AHEAD_KIB  # set when the mount may (root); 0 leaves the kernel default
-    fast_session_loop: bool = True  # see install_fast_session_loop
-
-    def __post_init__(self) -> None:
-        """The one check of these values, whoever builds them (the CLI, or Python): the option at fault is named."""
-        if self.cache_size is not None and self.cache_size < 1:
-            raise UsageError(f"--cache-size: must be 1 byte or more, got {self.cache_size}")
-        if self.prefetch < 0:
-            raise UsageError(f"--prefetch: must be 0 or more files, got {self.prefetch}")
-        for option, value in (("--prefetch-threads", self.prefetch_threads),
-                              ("MountOptions.decode_threads", self.decode_threads),
-                              ("MountOptions.read_ahead_kib", self.read_ahead_kib)):
-            if value < 0:
-                raise UsageError(f"{option}: must be 0 or more, got {value}")
-        if self.prefetch_min_size is not None and self.prefetch_min_size < 0:
-            raise UsageError(f"--prefetch-min-size: must be 0 bytes or more, got {self.prefetch_min_size}")
-        if self.kernel_timeout is not None and not 0 <= self.kernel_timeout < math.inf:  # nan fails both
-            raise UsageError(f"--kernel-timeout: must be 0 or more seconds, got {self.kernel_timeout}")
 
 
 class MountError(FanstoreError, OSError):
@@ -115,45 +86,6 @@ def cache_bound(cache_size: int | None, memory: JobMemory | None = None, shared_
     return CacheBound(int(memory.available * DEFAULT_CACHE_FRACTION / shared_by), why)
 
 
-def fuse_device(mountpoint: Path) -> str | None:
-    """The `major:minor` of the FUSE mount at `mountpoint` (its backing device, hence its sysfs bdi), or None."""
-    mounts = _fuse_mounts()
-    return mounts.get(str(_resolve(mountpoint, mounts)))
-
-
-def resolve_mountpoint(mountpoint: Path) -> Path:
-    """`mountpoint` as /proc/self/mountinfo spells it: absolute, every symlink followed.
-
-    Unlike os.path.realpath it looks nothing up at or below a FUSE mount, whose daemon may be gone (ENOTCONN) or
-    hung (the lookup would wait forever); elsewhere symlinks are followed with readlink alone.
-    """
-    return _resolve(mountpoint, _fuse_mounts())
-
-
-def read_ahead_setting(mountpoint: Path) -> Path | None:
-    """The sysfs file holding the read-ahead (KiB) of the FUSE mount at `mountpoint`, or None if none is mounted."""
-    device = fuse_device(mountpoint)
-    return None if device is None else Path("/sys/class/bdi") / device / "read_ahead_kb"
-
-
-def set_read_ahead(mountpoint: Path, kib: int) -> int | None:
-    """Set the read-ahead of the FUSE mount at `mountpoint`; returns the value in effect, None if unknown.
-
-    It must be set after the kernel has had the INIT reply, which caps it at what the file system answered
-    then. Writing it needs root; otherwise the kernel default stays, and that is all that is lost.
-    """
-    setting = read_ahead_setting(mountpoint)
-    if setting is None:
-        return None
-    try:
-        if kib > 0:
-            setting.write_text(f"{kib}\n")
-        return int(setting.read_text())
-    except (OSError, ValueError) as exc:
-        log.info("read-ahead of %s left as it is: %s", mountpoint, exc)
-        return None
-
-
 def fuse_unavailable_reason() -> str | None:
     """Why this machine cannot mount a fanstore view, or None when it can."""
     if not os.path.exists("/dev/fuse"):
@@ -182,7 +114,7 @@ def check_outside(mountpoint: Path, paths: dict[str, Path]) -> None:
     resolved (resolve_mountpoint), and looked up only where no FUSE mount holds it: one whose daemon hangs would
     hold the lookup for good (check_mountpoint then says what it is).
     """
-    look = _fuse_mount_holding(str(mountpoint), _fuse_mounts()) is None
+    look = fuse_mount_holding(str(mountpoint), fuse_mounts()) is None
     for name, path in paths.items():
         lies = overlap(path, mountpoint, as_written=True, look_at_other=look)
         if lies == "is":
@@ -199,7 +131,7 @@ def check_mountpoint(mountpoint: Path) -> None:
     `mountpoint` is resolved (resolve_mountpoint). Whether a FUSE file system is there is read from mountinfo,
     never from a stat: the kernel answers a stat of a killed daemon's mount from its cache for a day.
     """
-    holder = _fuse_mount_holding(str(mountpoint), _fuse_mounts())
+    holder = fuse_mount_holding(str(mountpoint), fuse_mounts())
     if holder is not None:
         here = holder == str(mountpoint)
         where = f"{mountpoint}:" if here else f"{mountpoint}: inside {holder},"
@@ -271,57 +203,100 @@ def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd
     of their reads (under serve, the node's holder); its `covers` are the files that may be slow to come.
     """
     import pyfuse3
-    import trio
-
-    from .fuse_ops import INLINE_DECODE_BYTES, KERNEL_CACHE_TIMEOUT, FanstoreOperations, PrefetchView
 
     try:
-        index = ds.index
-        bound = bound or cache_bound(options.cache_size)
-        log.info("%s: %s", mountpoint, bound.describe())
-        keep_freed_memory()
-        cache = DecodedCache(bound.size, ds.reader.load)
-        cores = len(os.sched_getaffinity(0))
-        kernel_holds = KernelHolds(len(index.entries))
-        prefetcher = None
-        min_size = INLINE_DECODE_BYTES if options.prefetch_min_size is None else options.prefetch_min_size
-        # Read even when no prefetcher is made: a list that is wrong is an error whatever the dataset holds.
-        order_list = prefetch_order
-        if order_list is None and options.prefetch_list:
-            order_list = read_prefetch_list(index, options.prefetch_list, mountpoint)
-        # Files another node stores: always worth fetching ahead.
-        slow = ahead.covers if ahead is not None else may_block_flags(index, ds.reader.source)
-        # No prefetcher at all when no file is big enough to be worth one: each open would only look for work.
-        if options.prefetch > 0 and bool(((index.entries["stored_len"] >= min_size) | slow).any()):
-            prefetcher = Prefetcher(PrefetchView(cache, kernel_holds), FileOrder(index, order_list, min_size, slow),
-                                    options.prefetch, options.prefetch_threads or cores)
-        operations = FanstoreOperations(
-            index, cache, prefetcher, options.decode_threads or 2 * cores, keep_cache=options.keep_cache,
-            timeout=options.kernel_timeout if options.kernel_timeout is not None else KERNEL_CACHE_TIMEOUT,
-            kernel_holds=kernel_holds, source=ds.reader.source, may_block=slow, reader=ds.reader,
-            ahead=ahead)
-        if prefetcher is not None and ahead is not None and order_list:
-            ahead.follow(np.asarray(order_list, dtype=np.int64))  # the list is the mount's plan, all epoch long
+        session = _open_session(ds, mountpoint, options, prefetch_order, bound, ahead)
         if options.fast_session_loop:
             install_fast_session_loop()
-        fuse_options = set(pyfuse3.default_options) | {"ro", "fsname=fanstore", "subtype=fanstore"}
-        if options.allow_other:
-            fuse_options.add("allow_other")
-        try:
-            pyfuse3.init(operations, str(mountpoint), fuse_options)
-        except RuntimeError as exc:
-            raise MountError(f"{mountpoint}: cannot mount: {exc}") from None
+        _init_fuse(session.operations, mountpoint, options.allow_other)
     except FanstoreError as exc:
         _report_ready(ready_fd, f"error: {exc}")
         raise
-
     stop = threading.Event()
+    try:
+        return _serve_until_unmounted(session.operations, mountpoint, options.read_ahead_kib, stop, ready_fd,
+                                      while_mounted)
+    finally:
+        stop.set()
+        if session.prefetcher is not None:
+            session.prefetcher.close()
+        stats = session.cache.stats()
+        log.info("unmounted %s; cache: %d hits, %d misses, %d waits, %d evictions, %d bytes held", mountpoint,
+                 stats.hits, stats.misses, stats.waits, stats.evictions, stats.bytes_held)
+        _close_fuse(pyfuse3, mountpoint)
+
+
+@dataclass(frozen=True, slots=True)
+class _Session:
+    """What one mount answers the kernel with: `operations`, reading through `cache`, `prefetcher` ahead of them."""
+
+    operations: FanstoreOperations
+    cache: DecodedCache
+    prefetcher: Prefetcher | None
+
+
+def _open_session(ds: Dataset, mountpoint: Path, options: MountOptions, prefetch_order: list[int] | None,
+                  bound: CacheBound | None, ahead: FetchedAhead | None) -> _Session:
+    """The cache, the prefetcher (none when no file is worth one) and the FUSE operations over them (see
+    serve_dataset for the arguments)."""
+    from .fuse_ops import KERNEL_CACHE_TIMEOUT, FanstoreOperations, PrefetchView
+
+    index = ds.index
+    bound = bound or cache_bound(options.cache_size)
+    log.info("%s: %s", mountpoint, bound.describe())
+    keep_freed_memory()
+    cache = DecodedCache(bound.size, ds.reader.load)
+    cores = len(os.sched_getaffinity(0))
+    kernel_holds = KernelHolds(len(index.entries))
+    prefetcher = None
+    min_size = INLINE_DECODE_BYTES if options.prefetch_min_size is None else options.prefetch_min_size
+    # Read even when no prefetcher is made: a list that is wrong is an error whatever the dataset holds.
+    order_list = prefetch_order
+    if order_list is None and options.prefetch_list:
+        order_list = read_prefetch_list(index, options.prefetch_list, mountpoint)
+    # Files another node stores: always worth fetching ahead.
+    slow = ahead.covers if ahead is not None else may_block_flags(index, ds.reader.source)
+    # No prefetcher at all when no file is big enough to be worth one: each open would only look for work.
+    if options.prefetch > 0 and bool(((index.entries["stored_len"] >= min_size) | slow).any()):
+        prefetcher = Prefetcher(PrefetchView(cache, kernel_holds), FileOrder(index, order_list, min_size, slow),
+                                options.prefetch, options.prefetch_threads or cores)
+    operations = FanstoreOperations(
+        index, cache, prefetcher, options.decode_threads or 2 * cores, keep_cache=options.keep_cache,
+        timeout=options.kernel_timeout if options.kernel_timeout is not None else KERNEL_CACHE_TIMEOUT,
+        kernel_holds=kernel_holds, source=ds.reader.source, may_block=slow, reader=ds.reader,
+        ahead=ahead)
+    if prefetcher is not None and ahead is not None and order_list:
+        ahead.follow(np.asarray(order_list, dtype=np.int64))  # the list is the mount's plan, all epoch long
+    return _Session(operations, cache, prefetcher)
+
+
+def _init_fuse(operations: FanstoreOperations, mountpoint: Path, allow_other: bool) -> None:
+    """Hand the kernel the mount (read-only); MountError when it refuses."""
+    import pyfuse3
+
+    fuse_options = set(pyfuse3.default_options) | {"ro", "fsname=fanstore", "subtype=fanstore"}
+    if allow_other:
+        fuse_options.add("allow_other")
+    try:
+        pyfuse3.init(operations, str(mountpoint), fuse_options)
+    except RuntimeError as exc:
+        raise MountError(f"{mountpoint}: cannot mount: {exc}") from None
+
+
+def _serve_until_unmounted(operations: FanstoreOperations, mountpoint: Path, read_ahead_kib: int, stop: threading.Event,
+                           ready_fd: int | None, while_mounted: Callable[[threading.Event], int] | None) -> int:
+    """Answer the kernel's requests until unmounted, signalled, or `while_mounted` returns (its result is
+    returned; else 0); readiness is reported once the session loop runs, the read-ahead set once the kernel has
+    answered INIT."""
+    import pyfuse3
+    import trio
+
     outcome: list[int] = []
 
     async def after_init() -> None:
         await operations.initialized.wait()
-        if options.read_ahead_kib > 0:
-            set_read_ahead(mountpoint, options.read_ahead_kib)
+        if read_ahead_kib > 0:
+            set_read_ahead(mountpoint, read_ahead_kib)
         if while_mounted is not None:
             outcome.append(await trio.to_thread.run_sync(while_mounted, stop))
             pyfuse3.terminate()
@@ -335,16 +310,7 @@ def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd
             stop.set()  # unmounted from outside: a while_mounted still running is told to end
             nursery.cancel_scope.cancel()
 
-    try:
-        trio.run(serve)
-    finally:
-        stop.set()
-        if prefetcher is not None:
-            prefetcher.close()
-        stats = cache.stats()
-        log.info("unmounted %s; cache: %d hits, %d misses, %d waits, %d evictions, %d bytes held", mountpoint,
-                 stats.hits, stats.misses, stats.waits, stats.evictions, stats.bytes_held)
-        _close_fuse(pyfuse3, mountpoint)
+    trio.run(serve)
     return outcome[0] if outcome else 0
 
 
@@ -497,73 +463,14 @@ def wait_for_exit(pid: int, timeout: float = 30.0) -> bool:
     return False
 
 
-_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
-_MAX_SYMLINKS = 40  # the kernel's limit for one lookup
-
-
-def _fuse_mounts() -> dict[str, str]:
-    """Mount point -> `major:minor` of every FUSE file system in /proc/self/mountinfo, the latest one per path."""
-    mounts = {}
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as mountinfo:
-        for line in mountinfo:
-            fields = line.split()
-            fs_type = fields[fields.index("-") + 1]
-            if fs_type in ("fuse", "fuseblk") or fs_type.startswith("fuse."):
-                mounts[_unescape(fields[4])] = fields[2]
-    return mounts
-
-
-def _fuse_mount_holding(path: str, fuse_mounts: Iterable[str]) -> str | None:
-    """The innermost of `fuse_mounts` at or above the resolved `path`, or None."""
-    holders = [mount for mount in fuse_mounts if path == mount or path.startswith(mount.rstrip("/") + "/")]
-    return max(holders, key=len, default=None)
-
-
-def _resolve(mountpoint: Path, fuse_mounts: Iterable[str]) -> Path:
-    resolved = "/"
-    pending = os.path.join(os.getcwd(), mountpoint).split("/")[::-1]  # a stack: the next component last
-    links_followed = 0
-    while pending:
-        name = pending.pop()
-        if name in ("", "."):
-            continue
-        if name == "..":
-            resolved = os.path.dirname(resolved)
-            continue
-        candidate = os.path.join(resolved, name)
-        resolved = candidate
-        if _fuse_mount_holding(candidate, fuse_mounts) is not None:
-            continue  # at or inside a FUSE mount: taken as written
-        try:
-            target = os.readlink(candidate)
-        except OSError:
-            continue  # not a symlink (EINVAL), or nothing there: the checks that follow say which
-        links_followed += 1
-        if links_followed > _MAX_SYMLINKS:
-            raise UsageError(f"MOUNTPOINT {quoted(mountpoint)}: too many levels of symbolic links")
-        resolved = "/" if target.startswith("/") else os.path.dirname(candidate)
-        pending.extend(target.split("/")[::-1])
-    return Path(resolved)
-
-
-def _unescape(field: str) -> str:
-    return _OCTAL_ESCAPE.sub(lambda m: chr(int(m[1], 8)), field)  # "\040" for a space, ...
-
-
-def fuse_mounted_at(mountpoint: Path) -> bool:
-    """Whether /proc/self/mountinfo lists a FUSE mount at `mountpoint`; unlike a stat, this never waits on a
-    daemon that has stopped answering."""
-    return fuse_device(mountpoint) is not None
-
-
 def unmount(mountpoint: Path) -> None:
     """Unmount a fanstore view, stale or live; the daemon then exits by itself.
 
     `mountpoint` is resolved (resolve_mountpoint): mountinfo, which decides here, lists resolved paths only.
     """
-    mounts = _fuse_mounts()
+    mounts = fuse_mounts()
     if str(mountpoint) not in mounts:
-        if _fuse_mount_holding(str(mountpoint), mounts) is None:  # else a lookup could wait on a hung daemon
+        if fuse_mount_holding(str(mountpoint), mounts) is None:  # else a lookup could wait on a hung daemon
             if not os.path.lexists(mountpoint):
                 raise UsageError(f"MOUNTPOINT {quoted(mountpoint)} does not exist")
             if not os.path.isdir(mountpoint):

@@ -15,14 +15,13 @@ from .archive_pieces import pieces_of
 from .codec_plan import ANY_KIND
 from .groups import GroupPlan
 from .index_size import index_bytes_bound
+from .options import DEFAULT_TOLERANCE
 from .walk import SourceTree
 
 if TYPE_CHECKING:
     from selector import Goal, Selection
 
-    from .packer import PackOptions
-
-DEFAULT_TOLERANCE = 0.01  # selector.policy.DEFAULT_TOLERANCE (the selector is imported only with --codec auto)
+    from .options import PackOptions
 
 
 def make_goal(fit: int = 0, nodes: int = 0, tolerance: float = DEFAULT_TOLERANCE, pack_speed: float = 0.0,
@@ -51,7 +50,7 @@ def select_for(src: Path, tree: SourceTree, groups: GroupPlan, budget: float, pr
     from selector import Budget, DoesNotFit as SelectorDoesNotFit, Goal, SelectionError, select_codecs
 
     if options is None:  # `fanstore select`: the default options (imported here: packer.py imports this module)
-        from .packer import PackOptions
+        from .options import PackOptions
 
         options = PackOptions()
     replicated = frozenset(number for number, group in enumerate(groups.table()) if group["replicated"])

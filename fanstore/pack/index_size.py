@@ -11,7 +11,7 @@ from .groups import GroupPlan
 from .walk import SourceTree
 
 if TYPE_CHECKING:
-    from .packer import PackOptions
+    from .options import PackOptions
 
 # The index takes this much per entry besides its path: its 64-byte record, 8-byte path hash, 4-byte place in the
 # lookup order and (1.2) 4-byte first_child row; and per regular file its 4-byte place in file_order (1.2); beyond

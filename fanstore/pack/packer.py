@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 from compressors import CodecError, codec_from_spec
 
-from ..core.format import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, NO_CHUNK
+from ..core.format import NO_CHUNK
 from ..core.index import Index, IndexLayout, write_packed_index
 from ..core.pause import pause_point
 from ..errors import DoesNotFit, PackError, UsageError
 from .archive_feed import ArchiveFeed
 from .archive_pieces import pieces_of
-from .auto_codec import DEFAULT_TOLERANCE, make_goal, select_for, spec_by_kind
-from .batches import BlockLayout, PlanFiles
+from .auto_codec import make_goal, select_for, spec_by_kind
+from .batches import PlanFiles
 from .blob_compressor import Skipped
 from .chunk_builder import ChunkBuilder
 from .codec_plan import ANY_KIND, CodecPlan, build_codec_plan
@@ -48,59 +48,13 @@ from .groups import GroupPlan
 from .index_bytes import index_bytes, index_layout
 from .index_size import index_bytes_estimate
 from .journal import ChunkRecord, JournalState, PackJournal
+from .options import AUTO_CODEC, PackOptions
 from .progress import PackProgress, ProgressReport
 from .walk import Problem, SourceEntry, SourceTree
 from .walk_archive import source_paths, walk_sources
 
 if TYPE_CHECKING:
     from selector import Goal, Selection
-
-DEFAULT_CHUNK_SIZE = 64 << 20
-DEFAULT_CODEC = "zstd:3"
-# Files above 4 MiB are stored in 1 MiB blocks, so a read at any offset decodes about 1 MiB. Measured on float
-# arrays, text and integers with zstd, lz4 and blosc: ratios are flat from 256 KiB blocks up (within 1%; zstd:19
-# on text gains 4% at 4 MiB), while one block's decode, the cost of a random read, grows from about 2 ms at
-# 1 MiB to 5-10 ms at 4 MiB. 1 MiB is also the most one FUSE read request carries. Files up to 4 MiB, most
-# training samples, stay whole: read whole anyway, they decode in one call.
-DEFAULT_BLOCK_SIZE = 1 << 20
-DEFAULT_BLOCKS_ABOVE = 4 << 20
-AUTO_CODEC = "auto"
-
-
-@dataclass(frozen=True, slots=True)
-class PackOptions:
-    codec: str = DEFAULT_CODEC
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    replicate: tuple[str, ...] = ()
-    block_size: int = DEFAULT_BLOCK_SIZE
-    blocks_above: int = DEFAULT_BLOCKS_ABOVE
-    workers: int = 0  # 0: every core
-    strict: bool = False
-    force: bool = False
-    # Only with codec="auto": what the selector must meet, and how it samples.
-    budget: float = 0.0  # decode throughput the trainer needs, bytes/s
-    prefetch_threads: int = 0  # 0: decode on the read path; K: K threads decode ahead
-    sample: float = 0.02
-    seed: int = 0
-    fit: int = 0  # bytes the dataset must fit in (0: no --fit); with nodes, what each node has
-    nodes: int = 0
-    tolerance: float = DEFAULT_TOLERANCE  # stored sizes within this share of the smallest: the faster pack wins
-    pack_speed: float = 0.0  # bytes/s each kind must pack at (0: no floor)
-
-    def output_defining(self) -> dict[str, Any]:
-        """The options the output bytes depend on: a resume must use the same ones."""
-        defining: dict[str, Any] = {"codec": self.codec, "chunk_size": self.chunk_size,
-                                    "replicate": list(self.replicate), "block_size": self.block_size,
-                                    "blocks_above": self.blocks_above}
-        if self.codec == AUTO_CODEC:
-            defining.update(budget=self.budget, prefetch_threads=self.prefetch_threads, sample=self.sample,
-                            seed=self.seed, fit=self.fit, nodes=self.nodes, tolerance=self.tolerance,
-                            pack_speed=self.pack_speed)
-        return defining
-
-    @property
-    def block_layout(self) -> BlockLayout:
-        return BlockLayout(self.blocks_above, self.block_size)
 
 
 @dataclass(slots=True)
@@ -386,14 +340,7 @@ def _summarise(records: list[ChunkRecord], walk_problems: list[Problem]) -> Pack
 
 
 def _check_options(options: PackOptions) -> None:
-    if options.chunk_size < 4096:
-        raise UsageError(f"--chunk-size: {options.chunk_size} bytes is too small (at least 4 KiB)")
-    if options.workers < 0:
-        raise UsageError(f"--workers: must be 0 (all cores) or more, got {options.workers}")
-    if not MIN_BLOCK_SIZE <= options.block_size <= MAX_BLOCK_SIZE:
-        raise UsageError(f"--block-size: {options.block_size} bytes is not from {MIN_BLOCK_SIZE} to {MAX_BLOCK_SIZE}")
-    if options.blocks_above < 0:
-        raise UsageError(f"--blocks-above: must be 0 or more bytes, got {options.blocks_above}")
+    """What PackOptions' own check (its __post_init__) cannot do without codecs or the selector."""
     GroupPlan(options.replicate)  # a bad --replicate fails now, before worker processes start
     if options.codec == AUTO_CODEC:
         _check_selection_options(options)
@@ -409,10 +356,6 @@ def _check_selection_options(options: PackOptions) -> None:
     from selector import Budget, SelectionError
     from selector.sample import check_fraction, check_seed
 
-    if options.prefetch_threads < 0:
-        raise UsageError(f"--prefetch-threads: must be 0 or more, got {options.prefetch_threads}")
-    if options.budget < 0:
-        raise UsageError(f"--budget: must be 0 or more bytes/s, got {options.budget}")
     try:
         Budget(options.budget, options.prefetch_threads)
         check_fraction(options.sample)

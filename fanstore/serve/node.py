@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -35,7 +35,7 @@ from ..core.format import CHUNK_DIR, INDEX_NAME
 from ..core.index import Index
 from ..core.index_file import map_index_file, mark_copy_checked
 from ..mount.job_memory import job_memory
-from ..mount.mount import MountOptions, cache_bound, check_mountpoint, check_outside, dataset_paths, \
+from ..mount.mount import cache_bound, check_mountpoint, check_outside, dataset_paths, \
     fuse_answer, fuse_mounted_at, resolve_mountpoint, serve_dataset, unmount
 from ..core.pause import pause_point
 from ..mount.prefetch import may_block_flags, read_prefetch_list
@@ -54,7 +54,9 @@ from .staged_source import StagedChunkSource
 from .local_dir import StagingBroken, StagingError, claim_local_dir, copy_index
 from .staging import StagingReport, Stager, index_identity
 from .statuses import RequestRefused
-from .transport import PeerOptions, PeerTransport, mpi_failure
+from ..mount.options import MountOptions
+from .options import ServeOptions
+from .transport import PeerTransport, mpi_failure
 
 log = logging.getLogger("fanstore.serve")
 
@@ -62,22 +64,6 @@ log = logging.getLogger("fanstore.serve")
 
 class ServeError(FanstoreError):
     """`fanstore serve` cannot start or go on on this rank; the message names the rank and the host."""
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    dest: Path
-    mountpoint: str  # `{rank}` is replaced by the rank
-    local_dir: str
-    command: tuple[str, ...] = ()
-    stats: bool = False
-    ready_file: str | None = None  # default MOUNTPOINT.ready
-    peer: PeerOptions = PeerOptions()
-    mount: MountOptions = field(default_factory=MountOptions)
-    progress: bool = True
-    doorbell: bool = True  # peers ring each other awake over UDP (doorbell.py); else they poll alone
-    loop_requests: bool = True  # MPI_THREAD_MULTIPLE: readers post their own requests to peers (remote_blobs.py);
-    # else only the MPI thread calls MPI
 
 
 def start_mpi(multiple: bool = True) -> Any:

@@ -45,17 +45,16 @@ handed over, which takes 7 us a blob off the mount's loop, the thread that also 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..core.chunk_source import BlobRead
-from ..errors import ChunkError, ChunkUnavailable, UsageError
+from ..errors import ChunkError, ChunkUnavailable
 from .doorbell import Doorbell
+from .options import PeerOptions, tcp_give_up_seconds  # noqa: F401 (tcp_give_up_seconds: its old home)
 from .peer_messages import FIRST_REPLY_TAG, MAX_BLOBS, PING, REPLY_HEADER, REPLY_MAGIC, TAG_REQUEST, PeerCounters, \
     hand_out_reply, reply_room, request_message
 from .statuses import Status
@@ -64,54 +63,6 @@ log = logging.getLogger("fanstore.serve")
 
 # How long the tag of a reply given up on is remembered, in `retry_after`s: its reply, if it ever comes, is dropped.
 _FORGET_AFTER = 10
-
-
-@dataclass(frozen=True, slots=True)
-class PeerOptions:
-    timeout: float = 5.0  # seconds a peer gets to answer one request
-    retry_after: float = 30.0  # seconds a peer that missed a deadline is skipped
-    max_in_flight: int = 8  # requests outstanding to one peer, whoever asked them
-    # Bytes a request for several blobs may ask for in all (one blob may be larger): the reply is built whole, so
-    # this bounds what one request can make the serving rank hold. Askers stay far below (sources.BATCH_BYTES).
-    max_reply_bytes: int = 64 << 20
-    # Seconds a peer may leave every request unanswered before it is lost for good: never asked again in this job
-    # (its files are read from DEST) and left out of the closing agreement. 0: half of what TCP waits before it
-    # gives a connection up (tcp_give_up_seconds): once TCP has, the next message posted to that peer crashes the
-    # process inside the MPI library (measured with MPICH over UCX: SIGSEGV in the Isend; docs/SERVE.md).
-    lost_after: float = 0.0
-
-    def __post_init__(self) -> None:
-        """The one check of these values, whoever builds them (the CLI, or Python): the option at fault is named."""
-        for option, value in (("--peer-timeout", self.timeout), ("--peer-retry", self.retry_after)):
-            if not 0 < value < math.inf:
-                raise UsageError(f"{option}: must be a number of seconds more than 0 (and finite), got {value}")
-        if not 0 <= self.lost_after < math.inf:
-            raise UsageError(f"--peer-lost-after: must be 0 (half of TCP's give-up time) or more seconds, got "
-                             f"{self.lost_after}")
-        if self.max_in_flight < 1:
-            raise UsageError(f"--max-in-flight: must be 1 or more requests, got {self.max_in_flight}")
-        if self.max_reply_bytes < 1:
-            raise UsageError(f"PeerOptions.max_reply_bytes: must be 1 or more bytes, got {self.max_reply_bytes}")
-
-    def lost_after_seconds(self) -> float:
-        return self.lost_after if self.lost_after > 0 else tcp_give_up_seconds() / 2
-
-
-_TCP_RTO_MIN, _TCP_RTO_MAX = 0.2, 120.0  # the kernel's bounds of a TCP retransmission timeout, in seconds
-
-
-def tcp_give_up_seconds(retries2_file: str = "/proc/sys/net/ipv4/tcp_retries2") -> float:
-    """How long this network namespace's TCP keeps retransmitting a segment nobody acknowledges before it gives the
-    connection up: the kernel's model for net.ipv4.tcp_retries2 (15 by default: 924.6 s), the timeout starting
-    at the smallest and doubling up to the largest. At least that long: a slower path starts from a larger one."""
-    try:
-        retries = int(Path(retries2_file).read_text())
-    except (OSError, ValueError):
-        retries = 15
-    doublings = int(math.log2(_TCP_RTO_MAX / _TCP_RTO_MIN))
-    if retries <= doublings:
-        return ((2 << retries) - 1) * _TCP_RTO_MIN
-    return ((2 << doublings) - 1) * _TCP_RTO_MIN + (retries - doublings) * _TCP_RTO_MAX
 
 
 # Where a request is: queued (waiting for a slot), in flight (posted), or over (answered, failed or cancelled).
