@@ -195,12 +195,18 @@ def test_a_truncated_index_file_is_refused_in_one_line(tmp_path, size):
 
 
 def test_fields_are_read_by_name_whatever_the_dtypes_order():
-    """format.fields_of takes fields by name from a row read whole: a dtype with its fields in another order gives
-    the same values, so a reordered dtype cannot swap them silently."""
-    from fanstore.core.format import fields_of
+    """format.fields_view takes fields by name: a dtype with its fields in another order gives the same values, so a
+    reordered dtype cannot swap them silently; the view shares the rows' memory (made once at open, no copy)."""
+    from fanstore.core.format import fields_view
 
     shuffled = np.dtype([("mode", "<u4"), ("size", "<u8"), ("mtime_ns", "<i8")])
-    row = np.array([(0o100644, 4096, -7)], dtype=shuffled)[0]
-    assert fields_of(shuffled, "size", "mtime_ns", "mode")(row.item()) == (4096, -7, 0o100644)
+    rows = np.array([(0o100644, 4096, -7), (0o40755, 0, 3)], dtype=shuffled)
+    view = fields_view(rows, "size", "mtime_ns", "mode")
+    assert view[0].item() == (4096, -7, 0o100644)
+    assert view[1].item() == (0, 3, 0o40755)
+    rows["size"][1] = 9
+    assert view[1].item() == (9, 3, 0o40755)
+    with pytest.raises(ValueError, match="nothing"):
+        fields_view(rows, "nothing", "size")
     with pytest.raises(ValueError):
-        fields_of(shuffled, "nothing", "size")
+        fields_view(rows, "size")

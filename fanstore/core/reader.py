@@ -12,13 +12,13 @@ from compressors import Codec, CodecError, codec_from_spec
 from .chunk_source import ChunkSource
 from ..errors import (ChunkCorrupt, ChunkError, ChunkUnavailable, FanstoreError, FormatError, IsADirectory, UsageError,
                      quoted)
-from .format import BLOCK_DTYPE, ENTRY_DTYPE, FLAG_BLOCKED, NO_CHUNK, chunk_file_name, fields_of
+from .format import FLAG_BLOCKED, NO_CHUNK, chunk_file_name, fields_view
 from .index import Index
 
 _checksum = xxhash.xxh3_64_intdigest
-# The fields a read needs, from an entry (a block) read whole, by name (format.fields_of).
-_READ_FIELDS = fields_of(ENTRY_DTYPE, "size", "offset", "stored_len", "checksum", "mode", "chunk", "codec", "flags")
-_BLOCK_FIELDS = fields_of(BLOCK_DTYPE, "offset", "checksum", "chunk", "stored_len", "codec")
+# The fields a read needs, by name, in this order (format.fields_view): of an entry, and of a block.
+_READ_FIELDS = ("size", "offset", "stored_len", "checksum", "mode", "chunk", "codec", "flags")
+_BLOCK_FIELDS = ("offset", "checksum", "chunk", "stored_len", "codec")
 
 
 def build_codecs(index: Index) -> list[Codec]:
@@ -50,11 +50,12 @@ class Reader:
         self.codecs = build_codecs(index)
         self.block_size = index.block_size
         self._entries = index.entries
-        self._blocks = index.blocks
+        self._read_rows = fields_view(index.entries, *_READ_FIELDS)
+        self._block_rows = fields_view(index.blocks, *_BLOCK_FIELDS)
 
     def read(self, entry: int) -> bytes:
         """The original bytes of a regular file, whole."""
-        size, offset, stored_len, checksum, mode, chunk, codec, flags = _READ_FIELDS(self._entries[entry].item())
+        size, offset, stored_len, checksum, mode, chunk, codec, flags = self._read_rows[entry].item()
         if not stat.S_ISREG(mode):
             raise IsADirectory(f"{quoted(self.index.path_of(entry))} is not a regular file")
         if size == 0:
@@ -71,7 +72,7 @@ class Reader:
         results: list[bytes | FanstoreError | None] = [None] * len(entries)
         whole: list[tuple[int, int, int, int, int, int, int, int]] = []
         for number, entry in enumerate(entries):
-            size, offset, stored_len, checksum, mode, chunk, codec, flags = _READ_FIELDS(self._entries[entry].item())
+            size, offset, stored_len, checksum, mode, chunk, codec, flags = self._read_rows[entry].item()
             if stat.S_ISREG(mode) and size > 0 and not flags & FLAG_BLOCKED:
                 whole.append((number, entry, size, offset, stored_len, checksum, chunk, codec))
                 continue
@@ -107,7 +108,7 @@ class Reader:
         if block >= 0:
             offset, checksum, chunk, stored_len, _ = self._block_row(entry, block)
         else:
-            _, offset, stored_len, checksum, _, chunk, _, flags = _READ_FIELDS(self._entries[entry].item())
+            _, offset, stored_len, checksum, _, chunk, _, flags = self._read_rows[entry].item()
             if flags & FLAG_BLOCKED:
                 raise UsageError(f"{quoted(self.index.path_of(entry))} is stored in blocks: ask for one block")
             if chunk == NO_CHUNK:
@@ -119,7 +120,7 @@ class Reader:
         rows = self.index.block_rows(entry)
         if not 0 <= block < len(rows):
             raise UsageError(f"{quoted(self.index.path_of(entry))} has no block {block} (it is stored in {len(rows)})")
-        return _BLOCK_FIELDS(self._blocks[rows[block]].item())
+        return self._block_rows[rows[block]].item()
 
     def _where(self, entry: int, block: int) -> str:
         return self.index.path_of(entry) + (f" (block {block})" if block >= 0 else "")
@@ -127,14 +128,14 @@ class Reader:
     def decode_fetched(self, entry: int, stored: bytes | memoryview) -> bytes:
         """A file stored whole, from the stored blob its caller fetched itself (ChunkSource.start_read): verified,
         then decoded, exactly as `read` would."""
-        size, offset, stored_len, checksum, _, chunk, codec, _ = _READ_FIELDS(self._entries[entry].item())
+        size, offset, stored_len, checksum, _, chunk, codec, _ = self._read_rows[entry].item()
         self._verify(entry, -1, stored, chunk, offset, stored_len, checksum)
         return self._decode(entry, -1, stored, codec, size, chunk, offset)
 
     def read_other_copy(self, entry: int) -> bytes:
         """A file stored whole whose blob, fetched by its caller, failed its checksum: read from the source's other
         copy (ChunkSource.read_other_copy) once, verified and decoded; ChunkCorrupt if there is no sound one."""
-        size, offset, stored_len, checksum, _, chunk, codec, _ = _READ_FIELDS(self._entries[entry].item())
+        size, offset, stored_len, checksum, _, chunk, codec, _ = self._read_rows[entry].item()
         stored = self._other_copy(entry, -1, chunk, offset, stored_len, checksum)
         return self._decode(entry, -1, stored, codec, size, chunk, offset)
 

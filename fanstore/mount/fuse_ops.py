@@ -24,7 +24,7 @@ import trio
 from ..core.cache import DecodedCache
 from ..core.chunk_source import ChunkSource
 from ..errors import ChunkCorrupt, ChunkError, ChunkUnavailable, FanstoreError, fuse_errno_of, quoted
-from ..core.format import ENTRY_DTYPE, FLAG_BLOCKED, fields_of
+from ..core.format import FLAG_BLOCKED, fields_view
 from ..core.index import Index
 from .kernel_holds import KernelHolds
 from .options import INLINE_DECODE_BYTES
@@ -45,7 +45,6 @@ FETCH_THREADS = 16
 # Fetches begun at a file's open for the read that follows, at most: opens that never read leave no more behind.
 FETCHES_HELD = 64
 _DROPPED_MODE_BITS = stat.S_ISUID | stat.S_ISGID
-_ATTRIBUTE_FIELDS = fields_of(ENTRY_DTYPE, "size", "mtime_ns", "mode")  # of an entry read whole, by name
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 # The daemon's counters, read from the mount point's root (`getfattr -n user.fanstore.stats MP`): for operators,
 # and for tests that must wait until prefetch has caught up. Not listed, as CephFS's virtual attributes are not,
@@ -131,6 +130,7 @@ class FanstoreOperations(pyfuse3.Operations):
         self.keep_cache = keep_cache
         self.timeout = timeout
         self._entries = index.entries
+        self._attribute_rows = fields_view(index.entries, "size", "mtime_ns", "mode")  # by name: format.fields_view
         self._stored_len = index.entries["stored_len"]
         self._size = index.entries["size"]
         self._mode = index.entries["mode"]  # column views: one field of one entry without building its row
@@ -188,7 +188,7 @@ class FanstoreOperations(pyfuse3.Operations):
         return entry
 
     def _attributes(self, entry: int) -> pyfuse3.EntryAttributes:
-        size, mtime_ns, mode = _ATTRIBUTE_FIELDS(self._entries[entry].item())
+        size, mtime_ns, mode = self._attribute_rows[entry].item()
         attrs = pyfuse3.EntryAttributes()
         attrs.st_ino = entry + 1
         attrs.st_mode = mode & ~_DROPPED_MODE_BITS
