@@ -346,3 +346,18 @@ def test_a_request_must_name_exactly_one_blob():
     for chunk, offset, length in [(0, 33, 99), (0, 32, 150), (0, 32, 99), (0, 0, 32), (1, 39, 1), (2, 32, 7),
                                   (-1, 32, 100), (0, -68, 100), (0, 182, 0)]:
         assert blobs.blob_row(chunk, offset, length) is None, (chunk, offset, length)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cut_positions_merge_as_a_union_would(seed):
+    """The stream positions where chunks may be cut are merged from two sorted runs (O(n)); the result is what
+    np.union1d gives, duplicates and empty runs included, and sorted input is no precondition of correctness."""
+    from fanstore.serve.placement import _sorted_union
+
+    rng = np.random.default_rng(seed)
+    first = np.sort(rng.integers(0, 1000, rng.integers(0, 50))).astype(np.int64)
+    second = np.sort(rng.integers(0, 1000, rng.integers(0, 500))).astype(np.int64)
+    assert np.array_equal(_sorted_union(first, second), np.union1d(first, second))
+    shuffled = rng.permutation(second)
+    assert np.array_equal(_sorted_union(first, shuffled), np.union1d(first, shuffled))
+    assert _sorted_union(np.array([], dtype=np.int64), np.array([], dtype=np.int64)).tolist() == []
