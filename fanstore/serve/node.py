@@ -351,7 +351,7 @@ def _serve_staged(options: ServeOptions, comm: Any, index: Index, placement: Pla
     bell = open_doorbell(comm, options.doorbell)
     if bell is not None:
         teardown.callback(bell.close)
-    blobs = BlobTable.of(index)  # one table for the peers' requests and the node's readers
+    blobs = placement.blobs  # one table for staging, the peers' requests and the node's readers
     transport = PeerTransport(comm, RequestChecker(rank, placement, blobs, local, len(sizes), unverified),
                               options.peer, bell)
     transport.start()

@@ -173,13 +173,16 @@ class ChunkOwners:
 class Placement:
     """Where every stored byte of a dataset lives on `nodes` nodes; made by place(), read-only once made."""
 
-    __slots__ = ("nodes", "replicated_chunks", "replicated_bytes", "split_chunks", "owners", "owner", "is_local",
-                 "_piece_rows", "_pieces", "_spread_bytes", "_readers")
+    __slots__ = ("nodes", "blobs", "replicated_chunks", "replicated_bytes", "split_chunks", "owners", "owner",
+                 "is_local", "_piece_rows", "_pieces", "_spread_bytes", "_readers")
 
     def __init__(self, chunk_sizes: np.ndarray, replicated: np.ndarray, blobs: BlobTable, nodes: int) -> None:
         sizes = np.asarray(chunk_sizes, dtype=np.int64)
         replicated = np.asarray(replicated, dtype=bool)
         self.nodes = nodes
+        # Every stored blob, which staging checks what it moves against and the rank checks its peers' and readers'
+        # requests against: one table a job (a sort of every blob: 1.3 s at 10^7 files, three times before).
+        self.blobs = blobs
         spread = np.flatnonzero(~replicated)
         bodies = sizes[spread] - CHUNK_HEADER_LEN
         starts = np.cumsum(bodies) - bodies  # each spread chunk's first blob byte in the stream

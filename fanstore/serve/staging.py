@@ -39,7 +39,7 @@ from ..core.units import format_bytes
 from .blob_spans import Span, check_span, header_problem, spans_of
 from .dest_files import DestChunkFiles
 from .local_dir import LocalDirectory, StagingBroken, StagingError
-from .placement import BlobTable, Placement
+from .placement import Placement
 from .polling import Backoff, first_failed_rank, wait_all
 
 log = logging.getLogger("fanstore.serve")
@@ -96,7 +96,7 @@ class Stager:
         self.dest = dest
         self.local = LocalDirectory(local_dir, index.chunks["size"])
         self._dest_files = DestChunkFiles(dest)  # each chunk file opened once however many spans it gives
-        self.blobs = BlobTable.of(index)
+        self.blobs = placement.blobs
         self.report = StagingReport()
         self._progress = progress
         self._stall_report = stall_report
