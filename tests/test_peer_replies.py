@@ -123,7 +123,7 @@ def test_tcp_give_up_time_follows_the_kernels_model(tmp_path, retries, seconds) 
     """A peer is lost for good at half of what TCP waits before it gives a connection up (remote_blobs.py): the
     kernel's model for net.ipv4.tcp_retries2, from 200 ms doubling up to 120 s; an unreadable setting is the
     default, 15."""
-    from fanstore.serve.remote_blobs import PeerOptions, tcp_give_up_seconds
+    from fanstore.serve.options import PeerOptions, tcp_give_up_seconds
 
     setting = tmp_path / "tcp_retries2"
     setting.write_text(f"{retries}\n")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..core.chunk_source import BlobRead
 from .statuses import Status, status_error
@@ -80,11 +80,11 @@ def partial_reply(statuses: bytes, parts: list[bytes], reason: str, blobs_bytes:
     return b"".join([REPLY_HEADER.pack(REPLY_MAGIC, _PARTIAL), statuses, *parts, reason.encode()[:max(0, room)]])
 
 
-def hand_out_reply(peer: int, reads: Sequence[BlobRead], buffer: bytearray, count: int, counters: PeerCounters,
+def hand_out_reply(peer: int, reads: Sequence[BlobRead], buffer: Any, count: int, counters: PeerCounters,
                    copy: bool = False) -> None:
-    """Give each read its blob from a reply of `count` bytes in `buffer` (views of it, or bytes with `copy`), or
-    the error the peer's status stands for (statuses.status_error: the reader reads the blob elsewhere, DEST);
-    counted blob by blob.
+    """Give each read its blob from a reply of `count` bytes in `buffer` (any bytes-like object; views of it, or bytes
+    with `copy`), or the error the peer's status stands for (statuses.status_error: the reader reads the blob
+    elsewhere, DEST); counted blob by blob.
 
     The reply carries every blob one after the other (OK); or some of them (PARTIAL: a status a blob, then the
     blobs that came, then why the first one that did not failed); or no blob and a reason (any other status)."""
