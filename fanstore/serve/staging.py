@@ -369,7 +369,7 @@ class Stager:
             incoming = self.comm.Improbe(MPI.ANY_SOURCE, TAG_STAGE, status)
             if incoming is None:
                 break
-            buffer = bytearray(status.Get_count(MPI.BYTE))
+            buffer = np.empty(status.Get_count(MPI.BYTE), np.uint8)  # a span's megabytes, not zeroed first
             incoming.Recv([buffer, MPI.BYTE])
             source = status.Get_source()
             awaited[source] -= 1
@@ -413,7 +413,7 @@ class Stager:
             self.report.unreadable.append(reason)
             log.error("staging: %s; the files in that chunk will fail to read", reason)
 
-    def _receive(self, source: int, message: bytearray) -> int:
+    def _receive(self, source: int, message: bytearray | np.ndarray) -> int:
         if len(message) < SPAN_HEADER.size:
             log.error("staging: rank %d sent a malformed span (%d bytes): dropped", source, len(message))
             return 0
