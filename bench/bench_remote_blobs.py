@@ -58,8 +58,14 @@ WAYS = ("ahead-posted", "ahead-handed", "one-posted", "one-handed")
 BLOB = bytes(BLOB_BYTES)
 
 
-def serve(peer: int, chunk: int, offset: int, length: int) -> bytes:
-    return BLOB
+class Server:
+    """Rank 1's one blob, whatever is asked (transport.RequestServer)."""
+
+    def check(self, peer: int, chunk: int, offset: int, length: int) -> None:
+        pass
+
+    def read_into(self, chunk: int, offset: int, length: int, out: memoryview) -> None:
+        out[:] = BLOB
 
 
 class Arrival:
@@ -130,7 +136,7 @@ def main() -> int:
     comm = MPI.COMM_WORLD.Dup()
     rank = comm.Get_rank()
     bell = open_doorbell(comm)
-    transport = PeerTransport(comm, serve, PeerOptions(timeout=30.0, max_in_flight=8), bell)
+    transport = PeerTransport(comm, Server(), PeerOptions(timeout=30.0, max_in_flight=8), bell)
     transport.start()
     if rank == 0:
         remote = transport.remote

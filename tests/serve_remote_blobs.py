@@ -59,24 +59,30 @@ def failed(error: ChunkError) -> str:
     return f"{'corrupt' if isinstance(error, ChunkCorrupt) else 'unavailable'}: {error}"
 
 
-def serve(peer: int, chunk: int, offset: int, length: int) -> bytes:
-    if chunk == 9:
-        time.sleep(STALL)
-    if chunk == SLOW_CHUNK:
-        time.sleep(SLOW)
-        chunk = 1
-    if chunk == SERVING_BUG:
-        raise RuntimeError("injected while serving")
-    if chunk == CORRUPT:
-        raise ChunkCorrupt(f"chunk {chunk} at {offset}: {'its copy here fails its checksum; ' * 20}read it elsewhere")
-    if chunk == LOST_RING:
-        rings_to_lose.append(peer)
-        chunk = 1
-    if chunk == 3 and offset == 0 and length == len(OTHER):
-        return OTHER
-    if chunk != 1 or offset != 0 or length != len(BLOB):
-        raise RequestRefused(f"chunk {chunk} at {offset} is not a blob of this rank")
-    return BLOB
+class Server:
+    """Rank 1's blobs of made-up chunks, each kind of answer a chunk of its own (transport.RequestServer)."""
+
+    def check(self, peer: int, chunk: int, offset: int, length: int) -> None:
+        if chunk == 9:
+            time.sleep(STALL)
+        if chunk == SLOW_CHUNK:
+            time.sleep(SLOW)
+            chunk = 1
+        if chunk == SERVING_BUG:
+            raise RuntimeError("injected while serving")
+        if chunk == CORRUPT:
+            raise ChunkCorrupt(f"chunk {chunk} at {offset}: {'its copy here fails its checksum; ' * 20}read it "
+                               "elsewhere")
+        if chunk == LOST_RING:
+            rings_to_lose.append(peer)
+            chunk = 1
+        if chunk == 3 and offset == 0 and length == len(OTHER):
+            return
+        if chunk != 1 or offset != 0 or length != len(BLOB):
+            raise RequestRefused(f"chunk {chunk} at {offset} is not a blob of this rank")
+
+    def read_into(self, chunk: int, offset: int, length: int, out: memoryview) -> None:
+        out[:] = OTHER if chunk == 3 else BLOB
 
 
 async def ask(remote: RemoteBlobs, chunk: int, length: int = len(BLOB)) -> tuple[bool, object]:
@@ -299,7 +305,7 @@ def main() -> int:
                 ring(peer)
 
         bell.ring = ring_unless_lost  # type: ignore[method-assign]
-    transport = PeerTransport(comm, serve, PeerOptions(timeout=TIMEOUT, retry_after=RETRY_AFTER,
+    transport = PeerTransport(comm, Server(), PeerOptions(timeout=TIMEOUT, retry_after=RETRY_AFTER,
                                                        max_in_flight=CAP), bell)
     transport.start()
     if rank == 0:

@@ -191,7 +191,7 @@ class RequestChecker:
         self._chunk_count = chunk_count
         self._unverified = unverified
 
-    def __call__(self, peer: int, chunk: int, offset: int, length: int) -> bytes:
+    def check(self, peer: int, chunk: int, offset: int, length: int) -> None:
         if not 0 <= chunk < self._chunk_count:
             raise RequestRefused(f"chunk {chunk} is not in the dataset")
         if not self._placement.is_local(self._rank, chunk, offset):
@@ -200,7 +200,9 @@ class RequestChecker:
             raise RequestRefused(f"chunk {chunk}: no blob of {length} bytes at offset {offset}")
         if chunk in self._unverified:
             raise ChunkUnavailable(f"chunk {chunk} was not staged whole on rank {self._rank}", chunk_id=chunk)
-        return self._local.read_staged(chunk, offset, length)
+
+    def read_into(self, chunk: int, offset: int, length: int, out: memoryview) -> None:
+        self._local.read_staged_into(chunk, offset, length, out)
 
 
 @dataclass

@@ -39,10 +39,11 @@ class StagedChunkSource(ChunkSource):
             self.report_damaged(chunk_id, str(exc))
         return self._from_dest(chunk_id, offset, length)
 
-    def read_staged(self, chunk_id: int, offset: int, length: int) -> bytes:
-        """The copy here alone, for a peer (the MPI thread must never wait on DEST; the peer reads DEST itself)."""
+    def read_staged_into(self, chunk_id: int, offset: int, length: int, out: memoryview) -> None:
+        """The copy here alone, into `out`, for a peer's reply (the MPI thread must never wait on DEST; the peer
+        reads DEST itself)."""
         try:
-            return self._staged.read(chunk_id, offset, length)
+            self._staged.read_into(chunk_id, offset, length, out)
         except ChunkError as exc:
             self.report_damaged(chunk_id, str(exc))
             raise

@@ -23,6 +23,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
+import numpy as np
+
 from ..core.chunk_source import BlobRead, ReadDone
 from ..errors import ChunkError, ChunkUnavailable
 from .doorbell import Doorbell
@@ -41,8 +43,14 @@ _SEND_GRACE = 4.0
 
 
 class RequestServer(Protocol):
-    def __call__(self, peer: int, chunk: int, offset: int, length: int) -> bytes:
-        """The stored blob a peer asks for, checked; RequestRefused or a ChunkError otherwise."""
+    """What a rank serves its peers: each blob asked is checked first, then read straight into the reply."""
+
+    def check(self, peer: int, chunk: int, offset: int, length: int) -> None:
+        """RequestRefused when `peer` may not ask this of this rank (no such blob here), a ChunkError when this
+        rank cannot give it now. Before any memory is taken for the reply: the lengths a peer names are its own."""
+
+    def read_into(self, chunk: int, offset: int, length: int, out: memoryview) -> None:
+        """The checked blob, written into `out` (its `length` bytes of the reply); a ChunkError if it cannot be."""
 
 
 def mpi_failure(exc: Exception) -> str:
@@ -62,7 +70,7 @@ class _Verdict:
 class PeerTransport:
     """Fetches from peers and serves them, on `comm` (a duplicate of the job's communicator, ours alone)."""
 
-    def __init__(self, comm: Any, serve_request: RequestServer, options: PeerOptions = PeerOptions(),
+    def __init__(self, comm: Any, server: RequestServer, options: PeerOptions = PeerOptions(),
                  bell: Doorbell | None = None) -> None:
         from mpi4py import MPI
 
@@ -72,7 +80,7 @@ class PeerTransport:
         self.size = comm.Get_size()
         self.options = options
         self.counters = [PeerCounters() for _ in range(self.size)]  # both ways, per peer (see peer_counters)
-        self._serve_request = serve_request
+        self._server = server
         self._tag_limit = int(comm.Get_attr(MPI.TAG_UB))
         self._submitted: deque[_Verdict | tuple[Callable[[Any], tuple[Any, Callable[[], Any]]], Future]] = deque()
         self._requests: list[Any] = []  # MPI requests being polled, with what to do when each completes
@@ -338,20 +346,9 @@ class PeerTransport:
             if more and asked_bytes > self.options.max_reply_bytes:
                 raise RequestRefused(f"{len(blobs)} blobs of {asked_bytes} bytes in all: more than "
                                      f"{self.options.max_reply_bytes} bytes in one reply")
-            parts, statuses, reason = [], bytearray(len(blobs)), ""
-            for number, (chunk, offset, length) in enumerate(blobs):
-                try:
-                    parts.append(self._serve_request(source, chunk, offset, length))
-                except ChunkError as exc:
-                    if not more:
-                        raise
-                    # One blob this rank cannot give costs that blob alone: the asker reads it elsewhere.
-                    statuses[number] = status_of(exc)
-                    reason = reason or str(exc)
-            reply = partial_reply(bytes(statuses), parts, reason, asked_bytes) if reason else \
-                b"".join([REPLY_HEADER.pack(REPLY_MAGIC, Status.OK), *parts])
-            counters.served += len(parts)
-            counters.served_bytes += sum(map(len, parts))
+            reply, served, _ = self._reply(source, blobs, partial_allowed=bool(more))
+            counters.served += len(served)
+            counters.served_bytes += sum(map(len, served))
         except RequestRefused as exc:
             counters.refused += 1
             log.warning("rank %d: request refused: %s", source, exc)
@@ -366,6 +363,44 @@ class PeerTransport:
         self._send_deadlines[id(send)] = (send, time.monotonic() + _SEND_GRACE * self.options.timeout)
         self._poll(send, lambda _status, reply=reply: None)  # the closure keeps the buffer alive until sent
         self._to_ring.add(source)
+
+    def _reply(self, source: int, blobs: list[tuple[int, int, int]], partial_allowed: bool
+               ) -> tuple[Any, list[memoryview], str]:
+        """The reply to a request, its blobs read in place one after the other after the header (one copy of each
+        byte, into memory taken once every blob asked is known to be one); the blobs it carries; and why the first
+        one it could not give failed ("" if none). A blob this rank cannot give costs that blob alone where the
+        request asked for several (a partial reply); else its error is raised, as a refusal always is."""
+        statuses, reason = bytearray(len(blobs)), ""
+        for number, (chunk, offset, length) in enumerate(blobs):
+            try:
+                self._server.check(source, chunk, offset, length)
+            except ChunkError as exc:
+                if not partial_allowed:
+                    raise
+                statuses[number] = status_of(exc)
+                reason = reason or str(exc)
+        checked_bytes = sum(length for (_, _, length), status in zip(blobs, statuses) if status == Status.OK)
+        reply = np.empty(REPLY_HEADER.size + checked_bytes, np.uint8)  # every byte is written before it is sent
+        REPLY_HEADER.pack_into(reply, 0, REPLY_MAGIC, Status.OK)
+        view, at, served = memoryview(reply), REPLY_HEADER.size, []
+        for number, (chunk, offset, length) in enumerate(blobs):
+            if statuses[number] != Status.OK:
+                continue
+            out = view[at : at + length]
+            at += length
+            try:
+                self._server.read_into(chunk, offset, length, out)
+            except ChunkError as exc:
+                if not partial_allowed:
+                    raise
+                statuses[number] = status_of(exc)
+                reason = reason or str(exc)
+                continue
+            served.append(out)
+        if reason:
+            asked_bytes = sum(length for _, _, length in blobs)
+            return partial_reply(bytes(statuses), served, reason, asked_bytes), served, reason
+        return reply, served, reason
 
     def _shut_down(self) -> None:
         error_text = "the MPI thread has stopped" if self._failure is None else f"the MPI thread failed: " \
