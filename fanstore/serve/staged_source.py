@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..core.chunk_source import ChunkSource, LocalChunkSource
-from ..errors import ChunkError
+from ..errors import ChunkError, ChunkUnavailable
 from .placement import ChunkOwners
 
 log = logging.getLogger("fanstore.serve")
@@ -29,6 +29,7 @@ class StagedChunkSource(ChunkSource):
         self._rank = rank
         self._reported: set[int] = set()
         self._lock = threading.Lock()
+        self._closed = False
         self.dest_reads = 0  # blobs read from DEST because the copy here is damaged
         self.dest_bytes = 0
 
@@ -36,6 +37,8 @@ class StagedChunkSource(ChunkSource):
         try:
             return self._staged.read(chunk_id, offset, length)
         except ChunkError as exc:
+            if self._closed:
+                raise  # closed, not damaged: nothing to read from DEST either
             self.report_damaged(chunk_id, str(exc))
         return self._from_dest(chunk_id, offset, length)
 
@@ -48,6 +51,9 @@ class StagedChunkSource(ChunkSource):
             raise
 
     def read_other_copy(self, chunk_id: int, offset: int, length: int) -> bytes:
+        if self._closed:
+            raise ChunkUnavailable(f"{self.path(chunk_id)}: chunk {chunk_id}: the node's copy is closed",
+                                   chunk_id=chunk_id)
         self.report_damaged(chunk_id, f"{self.path(chunk_id)}: a blob at offset {offset} fails its checksum")
         return self._from_dest(chunk_id, offset, length)
 
@@ -70,7 +76,11 @@ class StagedChunkSource(ChunkSource):
         return data
 
     def close(self) -> None:
+        """Closes the copy and DEST behind it (a source given to others too closes once: a second close does
+        nothing): a read after it is ChunkUnavailable, not a damaged copy read from DEST."""
+        self._closed = True
         self._staged.close()
+        self._dest.close()
 
 
 class PlacedReads(ChunkSource):
