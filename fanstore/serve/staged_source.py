@@ -17,6 +17,13 @@ from .placement import ChunkOwners
 log = logging.getLogger("fanstore.serve")
 
 
+def not_in_dataset(chunk_id: int, chunk_count: int) -> ChunkUnavailable:
+    """The error of a read that names a chunk the placement does not know (a chunk id never is an index into it
+    unchecked: -1 would read as the last chunk, past the end as an IndexError)."""
+    return ChunkUnavailable(f"chunk {chunk_id} is not in the dataset (chunks 0 to {chunk_count - 1})",
+                            chunk_id=chunk_id)
+
+
 class StagedChunkSource(ChunkSource):
     """This node's staged copy of its chunks, with DEST behind it. Staging verified every blob, but node-local
     storage can still be damaged while the job runs: a blob whose copy here cannot be read (its file gone,
@@ -95,8 +102,11 @@ class PlacedReads(ChunkSource):
         self._remote = remote
         self._dest = dest
         self._direct = frozenset(direct)
+        self._chunk_count = len(placement)
 
     def read(self, chunk_id: int, offset: int, length: int) -> bytes:
+        if not 0 <= chunk_id < self._chunk_count:
+            raise not_in_dataset(chunk_id, self._chunk_count)
         if chunk_id in self._direct:
             return self._dest.read(chunk_id, offset, length)
         if self._placement.is_local(self._rank, chunk_id, offset):
@@ -122,9 +132,12 @@ class PlacedReads(ChunkSource):
 
     def _from_peer(self, chunk_id: int, offset: int) -> bool:
         """Whether a read of the blob at `offset` of `chunk_id` goes to `remote`."""
-        return not (chunk_id in self._direct or self._placement.is_local(self._rank, chunk_id, offset))
+        return 0 <= chunk_id < self._chunk_count and not (
+            chunk_id in self._direct or self._placement.is_local(self._rank, chunk_id, offset))
 
     def read_other_copy(self, chunk_id: int, offset: int, length: int) -> bytes:
+        if not 0 <= chunk_id < self._chunk_count:
+            raise not_in_dataset(chunk_id, self._chunk_count)
         if chunk_id in self._direct:
             return super().read_other_copy(chunk_id, offset, length)  # DEST's was the only one
         if self._placement.is_local(self._rank, chunk_id, offset):
