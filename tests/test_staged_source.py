@@ -87,7 +87,7 @@ def test_a_pytorch_reader_of_a_served_node_reads_a_damaged_blob_from_dest(staged
     _damage_blob(copy, index, files["random.bin"])
     sizes = index.chunks["size"]
     dest_source = LocalChunkSource(dest, sizes)
-    source = NodeChunkSource(NodeConnection(str(tmp_path / "no-serve-process")), 0, place(index, 1),
+    source = NodeChunkSource(NodeConnection(str(tmp_path / "no-serve-process")), 0, place(index, 1).owners,
                              StagedChunkSource(LocalChunkSource(copy, sizes), dest_source, 0), dest_source,
                              frozenset())
     assert Reader(index, source).read(files["random.bin"]) == (src / "random.bin").read_bytes()

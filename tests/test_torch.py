@@ -337,7 +337,7 @@ def test_a_reader_whose_serve_process_is_gone_reads_remote_files_from_dest(packe
     with open_dataset(dest) as plain:
         index = plain.index
     sizes = index.chunks["size"]
-    placement = place(index, 2)
+    placement = place(index, 2).owners  # what a reader gets from its serve process
     source = NodeChunkSource(NodeConnection(str(tmp_path / "gone.sock")), 0, placement,
                              LocalChunkSource(dest, sizes), LocalChunkSource(dest, sizes), frozenset())
     paths = [f"files/d{i % 3}/f{i:03d}.bin" for i in range(60)]

@@ -38,8 +38,13 @@ class NodeConnection:
     def __init__(self, path: str) -> None:
         self.path = path
         self._local = threading.local()
+        self._sockets: set[socket.socket] = set()  # every thread's, for close
+        self._lock = threading.Lock()
+        self._closed = False
 
     def _socket(self) -> socket.socket:
+        if self._closed:
+            raise ChunkUnavailable(f"{self.path}: the connection to the node's serve process is closed")
         connection = getattr(self._local, "socket", None)
         if connection is None:
             connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -50,8 +55,28 @@ class NodeConnection:
                 connection.close()
                 raise ChunkUnavailable(f"{self.path}: cannot reach the node's serve process: {exc.strerror}") \
                     from None
+            with self._lock:
+                if self._closed:
+                    connection.close()
+                    raise ChunkUnavailable(f"{self.path}: the connection to the node's serve process is closed")
+                self._sockets.add(connection)
             self._local.socket = connection
         return connection
+
+    def _drop(self, connection: socket.socket) -> None:
+        self._local.socket = None
+        with self._lock:
+            self._sockets.discard(connection)
+        connection.close()
+
+    def close(self) -> None:
+        """Close every thread's socket; asking after it is ChunkUnavailable. Only this process's descriptors
+        close (no shutdown): a forked child closing what it inherited leaves its parent's connections alone."""
+        with self._lock:
+            self._closed = True
+            sockets, self._sockets = self._sockets, set()
+        for connection in sockets:
+            connection.close()
 
     def ask(self, kind: int, chunk: int = 0, offset: int = 0, length: int = 0, payload: bytes = b"") -> \
             tuple[int, bytes]:
@@ -71,8 +96,7 @@ class NodeConnection:
                 raise ConnectionError("a malformed reply")
             return status, _receive(connection, size)
         except OSError as exc:
-            self._local.socket = None
-            connection.close()
+            self._drop(connection)
             raise ChunkUnavailable(f"{self.path}: the node's serve process did not answer: {exc}") from None
 
 
@@ -94,7 +118,10 @@ class NodeServeSource(ChunkSource):
         self.connection = connection
 
     def read(self, chunk_id: int, offset: int, length: int) -> memoryview:
-        status, payload = self.connection.ask_view(READ, chunk_id, offset, length)
+        try:
+            status, payload = self.connection.ask_view(READ, chunk_id, offset, length)
+        except ChunkUnavailable as exc:
+            raise _not_answered(exc, chunk_id, offset) from None
         if status == OK:
             return payload
         raise status_error(status, bytes(payload).decode("utf-8", "replace"), chunk_id)
@@ -118,10 +145,14 @@ class NodeServeSource(ChunkSource):
         if len(blobs) == 1:  # a READ's reply has no table
             return super().read_many(blobs)
         rows = np.array(blobs, dtype=np.int64).view(PLAN_ROW).reshape(-1)
-        status, payload = self.connection.ask_view(READS, length=len(rows), payload=rows.tobytes())
+        try:
+            status, payload = self.connection.ask_view(READS, length=len(rows), payload=rows.tobytes())
+        except ChunkUnavailable as exc:
+            return [_not_answered(exc, chunk_id, offset) for chunk_id, offset, _ in blobs]
         if status != OK:
-            error = status_error(status, bytes(payload).decode("utf-8", "replace"), blobs[0][0])
-            return [error] * len(blobs)
+            # Refused whole, at a row out of range (the node names the first): each blob asked alone gets its own
+            # answer, as read_many promises, the good ones their bytes.
+            return super().read_many(blobs)
         table = np.frombuffer(payload[: len(blobs) * READS_ROW.itemsize], dtype=READS_ROW)
         results: list[bytes | memoryview | ChunkError] = []
         start = len(blobs) * READS_ROW.itemsize
@@ -133,6 +164,15 @@ class NodeServeSource(ChunkSource):
             else:
                 results.append(status_error(blob_status, bytes(blob).decode("utf-8", "replace"), chunk_id))
         return results
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+def _not_answered(exc: ChunkUnavailable, chunk_id: int, offset: int) -> ChunkUnavailable:
+    """The serve process could not be asked (gone, or the connection closed), as the error of one blob: naming its
+    chunk, as every ChunkError does."""
+    return ChunkUnavailable(f"chunk {chunk_id} at {offset}: {exc}", chunk_id=chunk_id)
 
 
 class NodeChunkSource(PlacedReads):

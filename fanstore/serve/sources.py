@@ -22,7 +22,7 @@ import numpy as np
 from ..core.chunk_source import BlobRead, ChunkSource, FallbackChunkSource, ReadDone
 from ..errors import ChunkCorrupt, ChunkError, ChunkUnavailable
 from .placement import NO_OWNER, ChunkOwners
-from .staged_source import PlacedReads, StagedChunkSource
+from .staged_source import PlacedReads, StagedChunkSource, not_in_dataset
 from .peer_messages import MAX_BLOBS
 from .transport import PeerTransport
 
@@ -50,23 +50,38 @@ def batches(reads: Sequence[BlobRead], limit: int = BATCH_BYTES) -> list[list[Bl
 
 
 class PeerChunkSource(ChunkSource):
-    """Blobs stored on other ranks, asked of their owner over the transport."""
+    """Blobs stored on other ranks, asked of their owner over the transport (the node's, which outlives this source:
+    close stops this source's reads, not the transport)."""
 
     def __init__(self, transport: PeerTransport, placement: ChunkOwners) -> None:
         self.transport = transport
         self._remote = transport.remote  # every request to a peer goes through this rank's one state machine
         self._placement = placement
         self._rank = transport.rank
+        self._chunk_count = len(placement)
+        self._closed = False
+
+    def _owner(self, chunk_id: int, offset: int) -> int:
+        """The other rank that stores the blob, or NO_OWNER (this rank's, a replicated one, or no chunk of the
+        dataset): those are not this source's to read."""
+        if self._closed or not 0 <= chunk_id < self._chunk_count:
+            return NO_OWNER
+        owner = self._placement.owner(chunk_id, offset)
+        return NO_OWNER if owner == self._rank else owner
 
     def read(self, chunk_id: int, offset: int, length: int) -> bytes:
-        owner = self._placement.owner(chunk_id, offset)
-        if owner == NO_OWNER or owner == self._rank:
+        owner = self._owner(chunk_id, offset)
+        if owner == NO_OWNER:
+            if self._closed:
+                raise ChunkUnavailable(f"chunk {chunk_id}: the peers' source is closed", chunk_id=chunk_id)
+            if not 0 <= chunk_id < self._chunk_count:
+                raise not_in_dataset(chunk_id, self._chunk_count)
             raise ChunkUnavailable(f"chunk {chunk_id} at {offset} is not stored by another rank", chunk_id=chunk_id)
         return self.transport.fetch(owner, chunk_id, offset, length)
 
     def start_read(self, chunk_id: int, offset: int, length: int, done: ReadDone, ahead: bool = False) -> bool:
-        owner = self._placement.owner(chunk_id, offset)
-        if owner == NO_OWNER or owner == self._rank:
+        owner = self._owner(chunk_id, offset)
+        if owner == NO_OWNER:
             return False
         self._remote.ask(owner, (BlobRead(chunk_id, offset, length, done),), hand_over=ahead)
         return True
@@ -75,16 +90,19 @@ class PeerChunkSource(ChunkSource):
         """The blobs of each owner among `reads` in as few requests as `batches` allows."""
         started = [False] * len(reads)
         by_owner: dict[int, list[BlobRead]] = {}
-        owner_of, rank = self._placement.owner, self._rank
+        owner_of = self._owner
         for number, read in enumerate(reads):
             owner = owner_of(read.chunk_id, read.offset)
-            if owner != NO_OWNER and owner != rank:
+            if owner != NO_OWNER:
                 by_owner.setdefault(owner, []).append(read)
                 started[number] = True
         for owner, owned in by_owner.items():
             for batch in batches(owned):
                 self._remote.ask(owner, batch, hand_over=ahead)
         return started
+
+    def close(self) -> None:
+        self._closed = True
 
     def may_block(self, chunks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         return np.ones(len(chunks), dtype=bool)

@@ -11,10 +11,17 @@ from pathlib import Path
 from typing import Sequence
 
 from ..core.chunk_source import ChunkSource, LocalChunkSource
-from ..errors import ChunkError
+from ..errors import ChunkError, ChunkUnavailable
 from .placement import ChunkOwners
 
 log = logging.getLogger("fanstore.serve")
+
+
+def not_in_dataset(chunk_id: int, chunk_count: int) -> ChunkUnavailable:
+    """The error of a read that names a chunk the placement does not know (a chunk id never is an index into it
+    unchecked: -1 would read as the last chunk, past the end as an IndexError)."""
+    return ChunkUnavailable(f"chunk {chunk_id} is not in the dataset (chunks 0 to {chunk_count - 1})",
+                            chunk_id=chunk_id)
 
 
 class StagedChunkSource(ChunkSource):
@@ -29,6 +36,7 @@ class StagedChunkSource(ChunkSource):
         self._rank = rank
         self._reported: set[int] = set()
         self._lock = threading.Lock()
+        self._closed = False
         self.dest_reads = 0  # blobs read from DEST because the copy here is damaged
         self.dest_bytes = 0
 
@@ -36,6 +44,8 @@ class StagedChunkSource(ChunkSource):
         try:
             return self._staged.read(chunk_id, offset, length)
         except ChunkError as exc:
+            if self._closed:
+                raise  # closed, not damaged: nothing to read from DEST either
             self.report_damaged(chunk_id, str(exc))
         return self._from_dest(chunk_id, offset, length)
 
@@ -49,6 +59,9 @@ class StagedChunkSource(ChunkSource):
             raise
 
     def read_other_copy(self, chunk_id: int, offset: int, length: int) -> bytes:
+        if self._closed:
+            raise ChunkUnavailable(f"{self.path(chunk_id)}: chunk {chunk_id}: the node's copy is closed",
+                                   chunk_id=chunk_id)
         self.report_damaged(chunk_id, f"{self.path(chunk_id)}: a blob at offset {offset} fails its checksum")
         return self._from_dest(chunk_id, offset, length)
 
@@ -71,7 +84,11 @@ class StagedChunkSource(ChunkSource):
         return data
 
     def close(self) -> None:
+        """Closes the copy and DEST behind it (a source given to others too closes once: a second close does
+        nothing): a read after it is ChunkUnavailable, not a damaged copy read from DEST."""
+        self._closed = True
         self._staged.close()
+        self._dest.close()
 
 
 class PlacedReads(ChunkSource):
@@ -86,8 +103,11 @@ class PlacedReads(ChunkSource):
         self._remote = remote
         self._dest = dest
         self._direct = frozenset(direct)
+        self._chunk_count = len(placement)
 
     def read(self, chunk_id: int, offset: int, length: int) -> bytes:
+        if not 0 <= chunk_id < self._chunk_count:
+            raise not_in_dataset(chunk_id, self._chunk_count)
         if chunk_id in self._direct:
             return self._dest.read(chunk_id, offset, length)
         if self._placement.is_local(self._rank, chunk_id, offset):
@@ -113,9 +133,12 @@ class PlacedReads(ChunkSource):
 
     def _from_peer(self, chunk_id: int, offset: int) -> bool:
         """Whether a read of the blob at `offset` of `chunk_id` goes to `remote`."""
-        return not (chunk_id in self._direct or self._placement.is_local(self._rank, chunk_id, offset))
+        return 0 <= chunk_id < self._chunk_count and not (
+            chunk_id in self._direct or self._placement.is_local(self._rank, chunk_id, offset))
 
     def read_other_copy(self, chunk_id: int, offset: int, length: int) -> bytes:
+        if not 0 <= chunk_id < self._chunk_count:
+            raise not_in_dataset(chunk_id, self._chunk_count)
         if chunk_id in self._direct:
             return super().read_other_copy(chunk_id, offset, length)  # DEST's was the only one
         if self._placement.is_local(self._rank, chunk_id, offset):
