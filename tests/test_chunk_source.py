@@ -189,6 +189,27 @@ def test_a_closed_dataset_is_unavailable_not_corrupt(packed_chunks):
         ds.read(path)
 
 
+def test_a_read_into_a_buffer_is_the_read(packed_chunks, tmp_path):
+    """LocalChunkSource.read_into (what a rank serving a peer fills its reply with) gives what read gives, and its
+    errors: a range outside the chunk is unavailable, a chunk file cut short since it was opened is corrupt, each
+    naming the chunk."""
+    dest, sizes = packed_chunks
+    copy = tmp_path / "copy"
+    shutil.copytree(dest, copy)
+    with LocalChunkSource(copy, sizes) as source:
+        for chunk in range(len(sizes)):
+            length = min(int(sizes[chunk]), 4096)
+            out = bytearray(length + 2)
+            source.read_into(chunk, int(sizes[chunk]) - length, length, memoryview(out)[1 : 1 + length])
+            assert bytes(out[1 : 1 + length]) == source.read(chunk, int(sizes[chunk]) - length, length)
+            assert out[0] == out[-1] == 0  # nothing written outside the view
+        with pytest.raises(ChunkUnavailable, match="chunk 0"):
+            source.read_into(0, int(sizes[0]) - 1, 2, memoryview(bytearray(2)))
+        os.truncate(source.path(0), int(sizes[0]) - 10)  # opened above: the file shrank since
+        with pytest.raises(ChunkCorrupt, match="chunk 0"):
+            source.read_into(0, int(sizes[0]) - 20, 20, memoryview(bytearray(20)))
+
+
 def test_open_chunk_files_stay_within_their_bound(packed_chunks):
     dest, sizes = packed_chunks
     assert len(sizes) >= 6
