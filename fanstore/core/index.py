@@ -311,6 +311,16 @@ class IndexLayout:
         self._paths = np.frombuffer(bytes(paths), dtype="u1")
         self.entries = entries
 
+    @classmethod
+    def from_arrays(cls, entries: np.ndarray, paths: np.ndarray, path_hash: np.ndarray, order: np.ndarray,
+                    file_order: np.ndarray) -> IndexLayout:
+        """A layout its caller built in arrays (pack/tree_layout.py, from a walk's columns): the same fields as
+        `IndexLayout(records)` sets."""
+        layout = cls.__new__(cls)
+        layout.entries, layout._paths, layout._path_hash = entries, paths, path_hash
+        layout._order, layout._file_order = order, file_order
+        return layout
+
     def entry_of(self, path: str) -> int:
         return int(self._entry_numbers([path])[0])
 

@@ -15,19 +15,25 @@ from .batches import BlockLayout
 from .codec_plan import CodecPlan
 from .groups import GroupPlan
 from .journal import BlockRow, ChunkRecord
-from .walk import SourceEntry, SourceTree
+from .entry_columns import EntryColumns
+from .tree_layout import layout_of_tree
+from .walk import SourceTree
 
 
 def index_layout(tree: SourceTree, leave_out: frozenset[str] = frozenset()) -> IndexLayout:
     """The index's layout from the walk alone: every entry of the tree but the files in `leave_out`."""
-    return IndexLayout(tree.entries if not leave_out else [e for e in tree.entries if e.path not in leave_out])
+    if not leave_out:
+        return layout_of_tree(tree.entries)
+    paths = tree.entries.paths
+    return layout_of_tree(tree.entries.take(np.array([n for n in range(len(paths)) if paths[n] not in leave_out],
+                                                     dtype=np.int64)))
 
 
 def index_bytes(
     tree: SourceTree,
     layout: Future[IndexLayout],
     records: list[ChunkRecord],
-    files: list[SourceEntry],
+    files: EntryColumns,
     plan: CodecPlan,
     groups: GroupPlan,
     block_layout: BlockLayout,
@@ -41,10 +47,13 @@ def index_bytes(
     def column(name: str) -> np.ndarray:
         return np.concatenate([record.files.column(name) for record in records] or [np.zeros(0, np.uint64)])
 
-    if len(paths) == len(tree.files):  # every file of the walk was packed (a file is recorded once)
+    walked_files = np.flatnonzero(tree.entries.is_file())
+    if len(paths) == len(walked_files):  # every file of the walk was packed (a file is recorded once)
         packed_layout = layout.result()
     else:
-        packed_layout = index_layout(tree, frozenset(e.path for e in tree.files) - frozenset(paths))
+        walked_paths = frozenset(tree.entries.paths[int(n)] for n in walked_files)
+        packed_layout = index_layout(tree, walked_paths - frozenset(paths))
+    del walked_files
     flags = column("flags")
     blocked = np.flatnonzero(flags & FLAG_BLOCKED)
     sizes = column("size")
@@ -73,14 +82,14 @@ def _chunks_table(records: list[ChunkRecord]) -> np.ndarray:
 
 
 def _blocks_table(packed_layout: IndexLayout, records: list[ChunkRecord], blocked_files: list[tuple[str, int]],
-                  files: list[SourceEntry], block_layout: BlockLayout) -> tuple[np.ndarray | None, dict[str, int]]:
+                  files: EntryColumns, block_layout: BlockLayout) -> tuple[np.ndarray | None, dict[str, int]]:
     """The `blocks` section (None when no file is stored in blocks): the blocks of each file stored in blocks
     (`blocked_files`, their paths and sizes), files in entry order; and each such file's first row in it, by path."""
     blocked_rows = sorted((_BlockedRow(path, size) for path, size in blocked_files),
                           key=lambda row: packed_layout.entry_of(row.path))
     if not blocked_rows:
         return None, {}
-    number_of = {files[n].path: n for n in range(len(files)) if block_layout.blocks_of(files[n].size)}
+    number_of = {files.paths[n]: n for n in np.flatnonzero(files.size > block_layout.blocks_above).tolist()}
     placed: dict[int, list[tuple[int, BlockRow]]] = {}
     for record in records:
         for block_row in record.blocks:

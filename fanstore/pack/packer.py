@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
+import numpy as np
+
 from compressors import CodecError, codec_from_spec
 
 from ..core.format import NO_CHUNK
@@ -50,7 +52,8 @@ from .index_size import index_bytes_estimate
 from .journal import ChunkRecord, JournalState, PackJournal
 from .options import AUTO_CODEC, PackOptions
 from .progress import PackProgress, ProgressReport
-from .walk import Problem, SourceEntry, SourceTree
+from .entry_columns import EntryColumns
+from .walk import Problem, SourceTree
 from .walk_archive import source_paths, walk_sources
 
 if TYPE_CHECKING:
@@ -124,8 +127,8 @@ class _PackRun:
     options: PackOptions
     groups: GroupPlan
     tree: SourceTree
-    files: list[SourceEntry]
-    file_groups: list[int]
+    files: EntryColumns
+    file_groups: np.ndarray
     fingerprint: str
     listing_digest: str
     journal: PackJournal
@@ -134,7 +137,7 @@ class _PackRun:
     def let_go_of_the_walk(self) -> None:
         """Once the index's bytes hold what it keeps of each file: the walk goes before they are written and checked,
         which is a pack's peak of memory (a caller that handed in its `tree` still holds that)."""
-        self.tree, self.files, self.file_groups = SourceTree(self.tree.root), [], []
+        self.tree, self.files, self.file_groups = SourceTree(self.tree.root), EntryColumns.of(()), np.zeros(0, np.uint8)
 
 
 class _DestBefore(NamedTuple):
@@ -181,14 +184,15 @@ def _walked(sources: list[Path], dest_path: Path, options: PackOptions, tree: So
         tree = walk_sources(sources, pool.executor if pool is not None else None)
     if options.strict and tree.problems:
         raise PackError(f"--strict: {tree.problems[0]} ({len(tree.problems)} path(s) cannot be packed)")
-    by_group: dict[int, list[SourceEntry]] = {}
-    for entry in tree.files_in_read_order():
-        by_group.setdefault(groups.group_of(entry.path), []).append(entry)
-    in_order = sorted(by_group.items())
-    files = [entry for _, members in in_order for entry in members]
-    file_groups = [group for group, members in in_order for _ in members]
+    numbers = tree.file_numbers_in_read_order()
+    file_groups = np.zeros(len(numbers), dtype=np.uint8)
+    if groups.replicate:
+        paths = tree.entries.paths
+        file_groups[:] = [groups.group_of(paths[number]) for number in numbers.tolist()]
+        by_group = np.argsort(file_groups, kind="stable")
+        numbers, file_groups = numbers[by_group], file_groups[by_group]
     defining = options.output_defining()
-    return _PackRun(sources[0], dest_path, options, groups, tree, files, file_groups,
+    return _PackRun(sources[0], dest_path, options, groups, tree, tree.entries.take(numbers), file_groups,
                     pack_fingerprint(tree, defining), pack_fingerprint(tree, defining, ctimes=False),
                     PackJournal(dest_path))
 
@@ -221,8 +225,8 @@ def _chunks_and_index(run: _PackRun, plan: CodecPlan, progress: Callable[[PackPr
     builder = ChunkBuilder(run.dest, run.journal, run.options.chunk_size, run.files, run.file_groups,
                            run.options.block_layout, finished)
     files = run.files
-    plan_files = PlanFiles([f.path for f in files], [f.size for f in files], run.file_groups, [f.ino for f in files],
-                           [f.mtime_ns for f in files], [f.ctime_ns for f in files], run.options.block_layout)
+    plan_files = PlanFiles(files.paths, files.size, run.file_groups, files.ino, files.mtime_ns, files.ctime_ns,
+                           run.options.block_layout)
     del files
     # Most of the index is known from the walk: it is laid out in a thread while the workers compress.
     background = ThreadPoolExecutor(1, thread_name_prefix="fanstore-index-layout")
@@ -272,7 +276,7 @@ def _compress_all(run: _PackRun, plan: CodecPlan, plan_files: PlanFiles, builder
     watch, progress reported; the chunk records, and the index's layout, made in `background` meanwhile. It starts
     once the first batch is back, so that it does not hold the GIL while the first batches go out."""
     start_file, start_block = builder.resume_from
-    raw_total = sum(f.size for f in run.files)
+    raw_total = int(run.files.size.sum())
     watch = _fit_watch(run.options, run.selection, run.groups, run.tree, plan, raw_total)
     report = ProgressReport(progress, builder, len(run.files), raw_total)
     layout: Future[IndexLayout] | None = None
