@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import stat
 from array import array
-from typing import Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -231,3 +231,30 @@ def in_path_order(paths: PathColumn, strictly: bool = False) -> bool:
                 return False
             previous = path
     return True
+
+
+class PathList(Sequence[str]):
+    """Paths appended one at a time, held as one UTF-8 blob and each one's end: the path's bytes and 8 B, where a
+    list of strings holds about 77 B a path (a chunk record holds one for each file it packed)."""
+
+    __slots__ = ("_blob", "_ends")
+
+    def __init__(self, paths: Iterable[str] = ()) -> None:
+        self._blob = bytearray()
+        self._ends = array("q")
+        for path in paths:
+            self.append(path)
+
+    def append(self, path: str) -> None:
+        self._blob += path.encode("utf-8")
+        self._ends.append(len(self._blob))
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def __getitem__(self, at: int | slice) -> Any:
+        if isinstance(at, slice):
+            return [self[number] for number in range(*at.indices(len(self)))]
+        number = range(len(self))[at]
+        start = self._ends[number - 1] if number else 0
+        return self._blob[start : self._ends[number]].decode("utf-8")

@@ -14,7 +14,7 @@ from ..errors import PackError
 from .batches import BlockLayout
 from .codec_plan import CodecPlan
 from .groups import GroupPlan
-from .journal import BlockRow, ChunkRecord
+from .journal import BlockRow, ChunkRecord, FileRows
 from .entry_columns import EntryColumns
 from .tree_layout import layout_of_tree
 from .walk import SourceTree
@@ -29,45 +29,52 @@ def index_layout(tree: SourceTree, leave_out: frozenset[str] = frozenset()) -> I
                                                      dtype=np.int64)))
 
 
-def index_bytes(
-    tree: SourceTree,
-    layout: Future[IndexLayout],
-    records: list[ChunkRecord],
-    files: EntryColumns,
-    plan: CodecPlan,
-    groups: GroupPlan,
-    block_layout: BlockLayout,
-    meta: dict[str, Any],
-) -> bytearray:
-    """The index file's bytes. `layout` is the tree's layout, built while the files were compressed; it is built
-    again without the files that turned out not to be packable during the pack (they vanished or changed), which is
-    rare. `meta` is the pack's record (with --codec auto, the selection's too)."""
-    paths = [path for record in records for path in record.files.paths]
+class PlacedIndex(NamedTuple):
+    """The index laid out with every packed file's blob placed, and its chunks and blocks sections: all its bytes
+    are made of, so that the walk and the chunk records can go before they are made, written and checked."""
 
-    def column(name: str) -> np.ndarray:
-        return np.concatenate([record.files.column(name) for record in records] or [np.zeros(0, np.uint64)])
+    layout: IndexLayout
+    chunks: np.ndarray
+    blocks: np.ndarray | None
 
+    def to_bytes(self, plan: CodecPlan, groups: GroupPlan, block_layout: BlockLayout, meta: dict[str, Any]
+                 ) -> bytearray:
+        """The index file's bytes; `meta` is the pack's record (with --codec auto, the selection's too)."""
+        return self.layout.to_bytes(self.chunks, groups.table(), plan.rows, plan.dictionaries, meta,
+                                    blocks=self.blocks, block_size=block_layout.block_size)
+
+
+def placed_index(tree: SourceTree, layout: Future[IndexLayout], records: list[ChunkRecord], files: EntryColumns,
+                 block_layout: BlockLayout) -> PlacedIndex:
+    """The index with each packed file's blob placed from the chunk records. `layout` is the tree's layout, built
+    while the files were compressed; it is built again without the files that turned out not to be packable during
+    the pack (they vanished or changed), which is rare."""
     walked_files = np.flatnonzero(tree.entries.is_file())
-    if len(paths) == len(walked_files):  # every file of the walk was packed (a file is recorded once)
+    if sum(len(record.files) for record in records) == len(walked_files):  # a file is recorded once
         packed_layout = layout.result()
     else:
+        packed_paths = frozenset(path for record in records for path in record.files.paths)
         walked_paths = frozenset(tree.entries.paths[int(n)] for n in walked_files)
-        packed_layout = index_layout(tree, walked_paths - frozenset(paths))
+        packed_layout = index_layout(tree, walked_paths - packed_paths)
     del walked_files
-    flags = column("flags")
-    blocked = np.flatnonzero(flags & FLAG_BLOCKED)
-    sizes = column("size")
-    blocks, first_block_rows = _blocks_table(packed_layout, records, [(paths[n], int(sizes[n])) for n in blocked],
-                                             files, block_layout)
-    del sizes
-    # A file stored in blocks: its offset is its first row in the blocks section.
-    offsets = column("offset")
-    offsets[blocked] = [first_block_rows[paths[n]] for n in blocked]
-    packed_layout.place_blobs(paths, chunk=column("chunk"), offset=offsets, stored_len=column("stored_len"),
-                              codec=column("codec"), checksum=column("checksum"), flags=flags)
-    del paths, flags, offsets
-    return packed_layout.to_bytes(_chunks_table(records), groups.table(), plan.rows, plan.dictionaries, meta,
-                                  blocks=blocks, block_size=block_layout.block_size)
+    blocked_files = [(record.files.paths[n], size) for record in records for n, size in _blocked_rows(record.files)]
+    blocks, first_block_rows = _blocks_table(packed_layout, records, blocked_files, files, block_layout)
+    for record in records:  # a record at a time: its columns, not every file's, are made at once
+        rows = record.files
+        # A file stored in blocks: its offset is its first row in the blocks section.
+        offsets = rows.column("offset")
+        for number, _ in _blocked_rows(rows):
+            offsets[number] = first_block_rows[rows.paths[number]]
+        packed_layout.place_blobs(rows.paths, chunk=rows.column("chunk"), offset=offsets,
+                                  stored_len=rows.column("stored_len"), codec=rows.column("codec"),
+                                  checksum=rows.column("checksum"), flags=rows.column("flags"))
+    return PlacedIndex(packed_layout, _chunks_table(records), blocks)
+
+
+def _blocked_rows(rows: FileRows) -> list[tuple[int, int]]:
+    """The rows of files stored in blocks, and their sizes."""
+    blocked = np.flatnonzero(rows.column("flags") & FLAG_BLOCKED)
+    return list(zip(blocked.tolist(), rows.column("size")[blocked].tolist()))
 
 
 def _chunks_table(records: list[ChunkRecord]) -> np.ndarray:

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..core.durable import write_atomically
 from ..errors import PackError, quoted
+from .entry_columns import PathList
 from .walk import Problem
 
 JOURNAL_DIR = ".fanstore-pack"
@@ -59,15 +60,15 @@ _U64 = (1 << 64) - 1
 
 
 class FileRows:
-    """The files finished in a chunk, as FileRow's fields in columns: a reference to the path the walk made and nine
-    u64 words a file (80 bytes), not a named tuple and its integers (about 200): a pack holds a row for every file
+    """The files finished in a chunk, as FileRow's fields in columns: the path's bytes, its end and nine u64 words
+    a file (80 bytes), not a named tuple, its string and its integers (about 280): a pack holds a row for every file
     until its index is written."""
 
     WORDS = FileRow._fields[1:]  # every field but the path, one u64 word each (mtime_ns as two's complement)
     __slots__ = ("paths", "_words")
 
     def __init__(self) -> None:
-        self.paths: list[str] = []
+        self.paths = PathList()
         self._words = array("Q")
 
     def append(self, path: str, size: int, mtime_ns: int, mode: int, chunk: int, offset: int, stored_len: int,
@@ -98,9 +99,9 @@ class FileRows:
         one length); ValueError if a value is not an integer of its field's range."""
         _rows(FileRow._fields, columns, lambda row: None)
         rows = cls()
-        rows.paths = list(columns["path"])
-        if not all(isinstance(path, str) for path in rows.paths):
+        if not all(isinstance(path, str) for path in columns["path"]):
             raise ValueError("a path is not a string")
+        rows.paths = PathList(columns["path"])
         if not all(type(value) is int for name in cls.WORDS for value in columns[name]):
             raise ValueError("a row field holds a value that is not an integer")
         try:
@@ -195,7 +196,7 @@ class PackJournal:
         files = record.files
         # A column of the files is made as its turn to be written comes: a chunk of small files holds a row for each
         # of a million files, whose columns as lists and as JSON all at once were a pack's peak of memory.
-        fields["files"] = {"path": lambda: files.paths,
+        fields["files"] = {"path": lambda: list(files.paths),
                            **{name: functools.partial(_listed, files, name) for name in FileRows.WORDS}}
         fields["blocks"] = _columns(BlockRow._fields, record.blocks)
         fields["problems"] = _columns(("path", "reason"), [(p.path, p.reason) for p in record.problems])

@@ -47,7 +47,7 @@ from .dest import (
 from .fingerprint import pack_fingerprint
 from .fit_watch import FitWatch
 from .groups import GroupPlan
-from .index_bytes import index_bytes, index_layout
+from .index_bytes import index_layout, placed_index
 from .index_size import index_bytes_estimate
 from .journal import ChunkRecord, JournalState, PackJournal
 from .options import AUTO_CODEC, PackOptions
@@ -135,9 +135,10 @@ class _PackRun:
     selection: Selection | None = None
 
     def let_go_of_the_walk(self) -> None:
-        """Once the index's bytes hold what it keeps of each file: the walk goes before they are written and checked,
-        which is a pack's peak of memory (a caller that handed in its `tree` still holds that)."""
-        self.tree, self.files, self.file_groups = SourceTree(self.tree.root), EntryColumns.of(()), np.zeros(0, np.uint8)
+        """Once the index's layout holds what it keeps of each file: the walk goes before the index's bytes are made,
+        written and checked, which is a pack's peak of memory (a caller that handed in its `tree` still holds that)."""
+        self.tree, self.files = SourceTree(self.tree.root), EntryColumns.of(())
+        self.file_groups = np.zeros(0, np.uint8)
 
 
 class _DestBefore(NamedTuple):
@@ -238,10 +239,9 @@ def _chunks_and_index(run: _PackRun, plan: CodecPlan, progress: Callable[[PackPr
         summary = _summarise(records, run.tree.problems)
         summary.reused_chunks = len(finished)
         pause_point("index")
-        packed_index = index_bytes(run.tree, layout, records, run.files, plan, run.groups, run.options.block_layout,
-                                   _index_meta(run, summary))
-        # What the index holds of each file is in its bytes now: the walk, the plan, the journal's rows and the
-        # layout go before the bytes are written and checked, which is a pack's peak of memory.
+        placed = placed_index(run.tree, layout, records, run.files, run.options.block_layout)
+        # Each file's blob is placed in the index's layout now: the walk, the plan, the journal's rows go before the
+        # index's bytes are made, written and checked, which is a pack's peak of memory.
         builder.let_go()
         finished.clear()
         del records, plan_files, layout
@@ -249,6 +249,8 @@ def _chunks_and_index(run: _PackRun, plan: CodecPlan, progress: Callable[[PackPr
         if feed is not None:
             feed.close()
             feed = None
+        packed_index = placed.to_bytes(plan, run.groups, run.options.block_layout, _index_meta(run, summary))
+        del placed
         write_packed_index(run.dest, packed_index)  # and stamps it, checked, for this node's first open
         del packed_index
         background.shutdown(wait=True)  # its thread is idle by now: pack() leaves no thread behind
