@@ -20,11 +20,11 @@ def layout_of_tree(entries: EntryColumns) -> IndexLayout:
     parent = _parents(entries)
     ordered, position = _breadth_first(parent)
     count = len(entries)
-    lengths = entries.paths.lengths()
     layout = np.zeros(count, dtype=ENTRY_DTYPE)
-    layout["path_len"] = lengths[ordered]
+    layout["path_len"] = entries.paths.lengths()[ordered]
     layout["path_off"] = np.cumsum(layout["path_len"]) - layout["path_len"]
     layout["parent"] = position[parent[ordered]]
+    del parent
     for field in ("mode", "mtime_ns", "size"):
         layout[field] = getattr(entries, field)[ordered]
     layout["chunk"] = NO_CHUNK
@@ -40,7 +40,8 @@ def layout_of_tree(entries: EntryColumns) -> IndexLayout:
         hashes[start : start + len(piece)] = np.fromiter(map(xxhash.xxh3_64_intdigest, piece), dtype=HASH_DTYPE,
                                                          count=len(piece))
     hashes = hashes[ordered]
-    order = np.lexsort((np.arange(count), hashes)).astype(ORDER_DTYPE)
+    del ordered
+    order = np.argsort(hashes, kind="stable").astype(ORDER_DTYPE)  # by hash, then by entry
     file_order = position[np.flatnonzero(entries.is_file())].astype(DERIVED_DTYPE)  # entries are in path order
     return IndexLayout.from_arrays(layout, np.frombuffer(bytes(blob), dtype="u1"), hashes[order], order, file_order)
 
@@ -51,7 +52,7 @@ def _parents(entries: EntryColumns) -> np.ndarray:
         raise ValueError("index records must include the root directory (path '')")
     is_dir = (entries.mode & 0o170000) == stat.S_IFDIR
     directories = {entries.paths.encoded(int(n)): int(n) for n in np.flatnonzero(is_dir)}
-    parent = np.zeros(len(entries), dtype=np.int64)
+    parent = np.zeros(len(entries), dtype=np.int32)  # an index holds fewer than 2^32 entries
     for start in range(1, len(entries), SLICE):
         piece = entries.paths.encoded_slice(start, min(start + SLICE, len(entries)))
         try:
@@ -65,20 +66,22 @@ def _parents(entries: EntryColumns) -> np.ndarray:
 def _breadth_first(parent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The entry numbers in breadth-first order, each directory's children together in name order (entries are in
     path order, so a stable sort by the parent's place keeps siblings in it); and each entry's place in that order."""
-    depth = np.zeros(len(parent), dtype=np.int64)
+    depth = np.zeros(len(parent), dtype=np.int32)
     while True:
-        deeper = depth[parent] + 1
+        deeper = depth[parent]
+        deeper += 1
         deeper[0] = 0
         if np.array_equal(deeper, depth):
             break
         depth = deeper
-    position = np.zeros(len(parent), dtype=np.int64)
-    levels = [np.zeros(1, dtype=np.int64)]
+    del deeper
+    position = np.zeros(len(parent), dtype=np.int32)
+    levels = [np.zeros(1, dtype=np.int32)]
     placed = 1
     for level in range(1, int(depth.max(initial=0)) + 1):
-        members = np.flatnonzero(depth == level)
+        members = np.flatnonzero(depth == level).astype(np.int32)
         members = members[np.argsort(position[parent[members]], kind="stable")]
-        position[members] = np.arange(placed, placed + len(members))
+        position[members] = np.arange(placed, placed + len(members), dtype=np.int32)
         placed += len(members)
         levels.append(members)
     return np.concatenate(levels), position
