@@ -52,8 +52,8 @@ class PathColumn(Sequence[str]):
         return self.encoded(number).decode("utf-8")
 
     def encoded(self, number: int) -> bytes:
-        end = int(self.ends[number])
-        return self.blob[int(self.ends[number - 1]) if number else 0 : end]
+        ends = self.ends
+        return self.blob[ends.item(number - 1) if number else 0 : ends.item(number)]
 
     def lengths(self) -> np.ndarray:
         return np.diff(self.ends, prepend=np.int64(0))
@@ -74,11 +74,13 @@ class PathColumn(Sequence[str]):
 
     def take(self, numbers: np.ndarray) -> PathColumn:
         """The paths `numbers` name, in that order, as a column of their own."""
-        lengths = self.lengths()[numbers]
-        blob = bytearray()
-        for start in range(0, len(numbers), SLICE):
-            blob += b"".join(map(self.encoded, numbers[start : start + SLICE].tolist()))
-        return PathColumn(bytes(blob), np.cumsum(lengths, dtype=np.int64))
+        ends = self.ends[numbers]
+        starts = ends - self.lengths()[numbers]
+        blob, whole = bytearray(), self.blob
+        for first in range(0, len(numbers), SLICE):
+            pieces = zip(starts[first : first + SLICE].tolist(), ends[first : first + SLICE].tolist())
+            blob += b"".join([whole[start:end] for start, end in pieces])
+        return PathColumn(bytes(blob), np.cumsum(ends - starts, dtype=np.int64))
 
 
 class _EncodedPaths(Sequence[bytes]):
@@ -122,9 +124,9 @@ class EntryColumns(Sequence[SourceEntry]):
         return len(self.paths)
 
     def __getitem__(self, number: int) -> SourceEntry:  # type: ignore[override]
-        return SourceEntry(self.paths[number], int(self.mode[number]), int(self.size[number]),
-                           int(self.mtime_ns[number]), self.link_targets.get(number, ""), int(self.ino[number]),
-                           int(self.ctime_ns[number]))
+        return SourceEntry(self.paths[number], self.mode.item(number), self.size.item(number),
+                           self.mtime_ns.item(number), self.link_targets.get(number, ""), self.ino.item(number),
+                           self.ctime_ns.item(number))
 
     def __iter__(self) -> Iterator[SourceEntry]:
         for start in range(0, len(self), SLICE):
@@ -255,6 +257,6 @@ class PathList(Sequence[str]):
     def __getitem__(self, at: int | slice) -> Any:
         if isinstance(at, slice):
             return [self[number] for number in range(*at.indices(len(self)))]
-        number = range(len(self))[at]
-        start = self._ends[number - 1] if number else 0
-        return self._blob[start : self._ends[number]].decode("utf-8")
+        end = self._ends[at]  # IndexError past the end, as a list's
+        number = at if at >= 0 else at + len(self._ends)
+        return self._blob[self._ends[number - 1] if number else 0 : end].decode("utf-8")
