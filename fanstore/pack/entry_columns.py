@@ -76,11 +76,11 @@ class PathColumn(Sequence[str]):
         """The paths `numbers` name, in that order, as a column of their own."""
         ends = self.ends[numbers]
         starts = ends - self.lengths()[numbers]
-        blob, whole = bytearray(), self.blob
+        slices, whole = [], self.blob
         for first in range(0, len(numbers), SLICE):
             pieces = zip(starts[first : first + SLICE].tolist(), ends[first : first + SLICE].tolist())
-            blob += b"".join([whole[start:end] for start, end in pieces])
-        return PathColumn(bytes(blob), np.cumsum(ends - starts, dtype=np.int64))
+            slices.append(b"".join([whole[start:end] for start, end in pieces]))
+        return PathColumn(b"".join(slices), np.cumsum(ends - starts, dtype=np.int64))
 
 
 class _EncodedPaths(Sequence[bytes]):

@@ -28,12 +28,17 @@ def layout_of_tree(entries: EntryColumns) -> IndexLayout:
     for field in ("mode", "mtime_ns", "size"):
         layout[field] = getattr(entries, field)[ordered]
     layout["chunk"] = NO_CHUNK
-    blob = bytearray(entries.paths.take(ordered).blob)
+    targets = bytearray()
+    paths_bytes = int(entries.paths.ends[-1])
     # Symlink targets follow the paths in the same blob, in entry order; offset and stored_len locate them.
     for at, target in sorted((int(position[number]), target) for number, target in entries.link_targets.items()):
         encoded = target.encode("utf-8")
-        layout[at]["offset"], layout[at]["stored_len"], layout[at]["size"] = len(blob), len(encoded), len(encoded)
-        blob += encoded
+        row = layout[at]  # a view of the entry's record
+        row["offset"], row["stored_len"], row["size"] = paths_bytes + len(targets), len(encoded), len(encoded)
+        targets += encoded
+    blob = entries.paths.take(ordered).blob
+    if targets:
+        blob += bytes(targets)
     hashes = np.empty(count, dtype=HASH_DTYPE)
     for start in range(0, count, SLICE):
         piece = entries.paths.encoded_slice(start, min(start + SLICE, count))
@@ -43,7 +48,7 @@ def layout_of_tree(entries: EntryColumns) -> IndexLayout:
     del ordered
     order = np.argsort(hashes, kind="stable").astype(ORDER_DTYPE)  # by hash, then by entry
     file_order = position[np.flatnonzero(entries.is_file())].astype(DERIVED_DTYPE)  # entries are in path order
-    return IndexLayout.from_arrays(layout, np.frombuffer(bytes(blob), dtype="u1"), hashes[order], order, file_order)
+    return IndexLayout.from_arrays(layout, np.frombuffer(blob, dtype="u1"), hashes[order], order, file_order)
 
 
 def _parents(entries: EntryColumns) -> np.ndarray:
