@@ -47,6 +47,7 @@ from .dest import (
 from .fingerprint import pack_fingerprint
 from .fit_watch import FitWatch
 from .groups import GroupPlan
+from .heap import give_back_free_heap
 from .index_bytes import index_layout, placed_index
 from .index_size import index_bytes_estimate
 from .journal import ChunkRecord, JournalState, PackJournal
@@ -155,6 +156,7 @@ def _pack_with(sources: list[Path], dest_path: Path, options: PackOptions, tree:
     """The pack's steps: walk, check DEST, select (--codec auto), prepare DEST, plan the codecs, then compress into
     chunk files and write the index."""
     run = _walked(sources, dest_path, options, tree, pool)
+    give_back_free_heap()  # the walk's temporaries: the compress step's peak would stand on them
     dest_plan = check_dest(dest_path, run.journal, run.fingerprint, run.listing_digest, options.force)
     if dest_plan.finished:
         return _finished_summary(dest_path)
@@ -249,6 +251,7 @@ def _chunks_and_index(run: _PackRun, plan: CodecPlan, progress: Callable[[PackPr
         if feed is not None:
             feed.close()
             feed = None
+        give_back_free_heap()  # what the records and the walk took: the index's bytes and check would stand on it
         packed_index = placed.to_bytes(plan, run.groups, run.options.block_layout, _index_meta(run, summary))
         del placed
         write_packed_index(run.dest, packed_index)  # and stamps it, checked, for this node's first open
