@@ -15,7 +15,7 @@ from array import array
 from concurrent.futures import ThreadPoolExecutor
 from itertools import repeat
 from pathlib import Path
-from typing import Any, Iterable, Iterator, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Protocol, Sequence
 
 import numpy as np
 import xxhash
@@ -347,11 +347,14 @@ class IndexLayout:
                 found[start + number] = entry
         return found
 
-    def place_blobs(self, paths: Sequence[str], **columns: Iterable[int] | np.ndarray) -> None:
+    def place_blobs(self, paths: Sequence[str],
+                    **columns: Iterable[int] | np.ndarray | Callable[[], np.ndarray]) -> None:
         """Set where each file's blob lies: `columns` maps entry fields (chunk, offset, stored_len, codec,
-        checksum) to their values for `paths`, in the same order. Every path must be a file of the layout."""
+        checksum) to their values for `paths`, in the same order, or to a function that makes them, called when
+        the field's turn comes (one column made at a time). Every path must be a file of the layout."""
         at = self._entry_numbers(paths)
         for field, values in columns.items():
+            values = values() if callable(values) else values
             self.entries[field][at] = (values.astype(ENTRY_DTYPE[field]) if isinstance(values, np.ndarray) else
                                        np.fromiter(values, dtype=ENTRY_DTYPE[field], count=len(paths)))
 

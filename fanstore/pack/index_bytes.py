@@ -4,6 +4,7 @@ with each packed file's blob placed from the journal's chunk records, and the ch
 from __future__ import annotations
 
 from concurrent.futures import Future
+from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -59,16 +60,21 @@ def placed_index(tree: SourceTree, layout: Future[IndexLayout], records: list[Ch
     del walked_files
     blocked_files = [(record.files.paths[n], size) for record in records for n, size in _blocked_rows(record.files)]
     blocks, first_block_rows = _blocks_table(packed_layout, records, blocked_files, files, block_layout)
-    for record in records:  # a record at a time: its columns, not every file's, are made at once
+    for record in records:  # a record at a time, a column at a time: not every file's columns at once
         rows = record.files
-        # A file stored in blocks: its offset is its first row in the blocks section.
-        offsets = rows.column("offset")
-        for number, _ in _blocked_rows(rows):
-            offsets[number] = first_block_rows[rows.paths[number]]
-        packed_layout.place_blobs(rows.paths, chunk=rows.column("chunk"), offset=offsets,
-                                  stored_len=rows.column("stored_len"), codec=rows.column("codec"),
-                                  checksum=rows.column("checksum"), flags=rows.column("flags"))
+        packed_layout.place_blobs(rows.paths, chunk=partial(rows.column, "chunk"),
+                                  offset=partial(_offsets, rows, first_block_rows),
+                                  stored_len=partial(rows.column, "stored_len"), codec=partial(rows.column, "codec"),
+                                  checksum=partial(rows.column, "checksum"), flags=partial(rows.column, "flags"))
     return PlacedIndex(packed_layout, _chunks_table(records), blocks)
+
+
+def _offsets(rows: FileRows, first_block_rows: dict[str, int]) -> np.ndarray:
+    """The rows' blob offsets; a file stored in blocks: its first row in the blocks section."""
+    offsets = rows.column("offset")
+    for number, _ in _blocked_rows(rows):
+        offsets[number] = first_block_rows[rows.paths[number]]
+    return offsets
 
 
 def _blocked_rows(rows: FileRows) -> list[tuple[int, int]]:
