@@ -71,10 +71,12 @@ def run_pack(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from .core.options import from_args
+    from .pack.heap import map_large_blocks_apart
     from .pack.options import PackOptions
     from .pack.packer import pack
     from .pack.progress import PackProgress
 
+    map_large_blocks_apart()  # this process runs one pack: its freed arrays go back, not into the heap's keep
     options = from_args(PackOptions, args)  # the sizes are read, and the values checked, before --codec auto's
     options = replace(options, **_selection_options(args))
     bar = None

@@ -15,7 +15,7 @@ from array import array
 from concurrent.futures import ThreadPoolExecutor
 from itertools import repeat
 from pathlib import Path
-from typing import Any, Iterable, Iterator, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Protocol, Sequence
 
 import numpy as np
 import xxhash
@@ -311,6 +311,16 @@ class IndexLayout:
         self._paths = np.frombuffer(bytes(paths), dtype="u1")
         self.entries = entries
 
+    @classmethod
+    def from_arrays(cls, entries: np.ndarray, paths: np.ndarray, path_hash: np.ndarray, order: np.ndarray,
+                    file_order: np.ndarray) -> IndexLayout:
+        """A layout its caller built in arrays (pack/tree_layout.py, from a walk's columns): the same fields as
+        `IndexLayout(records)` sets."""
+        layout = cls.__new__(cls)
+        layout.entries, layout._paths, layout._path_hash = entries, paths, path_hash
+        layout._order, layout._file_order = order, file_order
+        return layout
+
     def entry_of(self, path: str) -> int:
         return int(self._entry_numbers([path])[0])
 
@@ -337,11 +347,14 @@ class IndexLayout:
                 found[start + number] = entry
         return found
 
-    def place_blobs(self, paths: Sequence[str], **columns: Iterable[int] | np.ndarray) -> None:
+    def place_blobs(self, paths: Sequence[str],
+                    **columns: Iterable[int] | np.ndarray | Callable[[], np.ndarray]) -> None:
         """Set where each file's blob lies: `columns` maps entry fields (chunk, offset, stored_len, codec,
-        checksum) to their values for `paths`, in the same order. Every path must be a file of the layout."""
+        checksum) to their values for `paths`, in the same order, or to a function that makes them, called when
+        the field's turn comes (one column made at a time). Every path must be a file of the layout."""
         at = self._entry_numbers(paths)
         for field, values in columns.items():
+            values = values() if callable(values) else values
             self.entries[field][at] = (values.astype(ENTRY_DTYPE[field]) if isinstance(values, np.ndarray) else
                                        np.fromiter(values, dtype=ENTRY_DTYPE[field], count=len(paths)))
 

@@ -45,9 +45,9 @@ class ArchiveFeed:
         """Bytes [offset, offset + len(into)) of plan file `number`; "" when done, or why the member cannot be
         read (a damaged zip member: it is skipped). Damage in a tar stream, which the listing found whole, stops
         the pack."""
-        key = self._keys[number]
+        key = int(self._keys[number])
         try:
-            self._members.read(key, self._sizes[number], offset, into)
+            self._members.read(key, int(self._sizes[number]), offset, into)
         except (*_DAMAGE_ERRORS, KeyError) as exc:
             archive, fmt = self._members.archives[key >> ARCHIVE_KEY_SHIFT]
             if fmt == "zip":  # a zip's members stand apart: the others still read

@@ -68,8 +68,9 @@ class ArchivePieces:
 
     def _file(self, path: str) -> SourceEntry | None:
         encoded = path.encode("utf-8")
-        at = bisect.bisect_left(self._entries, encoded, key=_path_bytes)
-        if at < len(self._entries) and self._entries[at].path == path and self._entries[at].is_file:
+        paths = self._entries.paths
+        at = bisect.bisect_left(paths.as_bytes, encoded)
+        if at < len(paths) and paths.encoded(at) == encoded and self._entries[at].is_file:
             return self._entries[at]
         return None
 
@@ -93,7 +94,3 @@ class ArchivePieces:
         while self._cached > CACHE_BYTES and len(self._cache) > 1:
             self._cached -= len(self._cache.popitem(last=False)[1])
         return data
-
-
-def _path_bytes(entry: SourceEntry) -> bytes:
-    return entry.path.encode("utf-8")

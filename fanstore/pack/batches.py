@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple, Protocol, Sequence
 
+import numpy as np
+
 _BATCH_FILES = 256
 BATCH_BYTES = 8 << 20  # raw bytes of a batch, and the size of a slot (a blob is never larger than its raw bytes)
 
@@ -69,7 +71,7 @@ def read_batch(feed: RawFeed, files: PlanFiles, batch: Batch, into: memoryview) 
     failed: dict[int, str] = {}
     used = 0
     for number in range(batch.first, batch.end):
-        size = files.sizes[number]
+        size = int(files.sizes[number])
         if size:
             failure = feed.read_range(number, 0, into[used : used + size])
             if failure:
@@ -84,11 +86,10 @@ def batch_ranges(files: PlanFiles, start: int, start_block: int = 0) -> Iterator
     whole file larger than a batch is a batch of its own, with a buffer sized for it."""
     sizes, layout = files.sizes, files.layout
     if start_block:
-        yield from _block_batches(start, start_block, sizes[start], layout)
+        yield from _block_batches(start, start_block, int(sizes[start]), layout)
         start += 1
     first, count, batch_bytes = start, 0, 0
-    for number in range(start, len(sizes)):
-        size = sizes[number]
+    for number, size in enumerate(_ints(sizes, start), start):
         if size == 0:
             continue
         if layout.blocks_of(size):
@@ -112,3 +113,9 @@ def _block_batches(number: int, first_block: int, size: int, layout: BlockLayout
     for block in range(first_block, total, per_batch):
         end = min(total, block + per_batch)
         yield Batch(number, number + 1, block, end, min(size, end * layout.block_size) - block * layout.block_size)
+
+
+def _ints(values: Sequence[int], start: int) -> Iterator[int]:
+    """values[start:] as Python ints, a slice at a time (numpy's elements are slower to loop over)."""
+    for first in range(start, len(values), 1 << 16):
+        yield from np.asarray(values[first : first + (1 << 16)], dtype=np.int64).tolist()

@@ -9,6 +9,7 @@ continues from inside the file.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 import xxhash
 
@@ -20,7 +21,8 @@ from .chunk_writer import ChunkWriter
 from ..core.format import FLAG_BLOCKED, NO_CHUNK
 from .journal import BlockRow, ChunkRecord, FileRows, PackJournal
 from ..core.pause import pause_point
-from .walk import Problem, SourceEntry
+from .entry_columns import EntryColumns
+from .walk import Problem
 
 _EMPTY_CHECKSUM = xxhash.xxh3_64_intdigest(b"")
 
@@ -38,8 +40,8 @@ class ChunkBuilder:
     """Feeds batches of blobs into chunk files; `files_done`, `raw_done`, `stored_done` and `problems` say how
     far it got, `chunk_bytes()` what its chunk files take."""
 
-    def __init__(self, dest: Path, journal: PackJournal, chunk_size: int, files: list[SourceEntry],
-                 file_groups: list[int], layout: BlockLayout, finished: list[ChunkRecord]) -> None:
+    def __init__(self, dest: Path, journal: PackJournal, chunk_size: int, files: EntryColumns,
+                 file_groups: Sequence[int], layout: BlockLayout, finished: list[ChunkRecord]) -> None:
         self.dest = dest
         self.journal = journal
         self.chunk_size = chunk_size
@@ -106,7 +108,7 @@ class ChunkBuilder:
             if number != self.next_number:
                 self._account_empty_files(number)
             writer = self.writer
-            group = file_groups[number]
+            group = int(file_groups[number])
             pending = run_end - run_start
             overflows = writer is not None and writer.size + pending + stored_len > self.chunk_size
             if writer is not None and (writer.group != group or overflows):
@@ -213,7 +215,7 @@ class ChunkBuilder:
     def let_go(self) -> None:
         """After close_all, once the index's bytes hold what the records say: drop the plan's files and the records
         (a row a file), which the pack would otherwise hold while it writes and checks its index."""
-        self.files, self.file_groups, self.records = [], [], []
+        self.files, self.file_groups, self.records = EntryColumns.of(()), [], []
 
     def abort(self) -> None:
         if self.writer is not None:

@@ -4,6 +4,7 @@ with each packed file's blob placed from the journal's chunk records, and the ch
 from __future__ import annotations
 
 from concurrent.futures import Future
+from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -14,51 +15,72 @@ from ..errors import PackError
 from .batches import BlockLayout
 from .codec_plan import CodecPlan
 from .groups import GroupPlan
-from .journal import BlockRow, ChunkRecord
-from .walk import SourceEntry, SourceTree
+from .journal import BlockRow, ChunkRecord, FileRows
+from .entry_columns import EntryColumns
+from .tree_layout import layout_of_tree
+from .walk import SourceTree
 
 
 def index_layout(tree: SourceTree, leave_out: frozenset[str] = frozenset()) -> IndexLayout:
     """The index's layout from the walk alone: every entry of the tree but the files in `leave_out`."""
-    return IndexLayout(tree.entries if not leave_out else [e for e in tree.entries if e.path not in leave_out])
+    if not leave_out:
+        return layout_of_tree(tree.entries)
+    paths = tree.entries.paths
+    return layout_of_tree(tree.entries.take(np.array([n for n in range(len(paths)) if paths[n] not in leave_out],
+                                                     dtype=np.int64)))
 
 
-def index_bytes(
-    tree: SourceTree,
-    layout: Future[IndexLayout],
-    records: list[ChunkRecord],
-    files: list[SourceEntry],
-    plan: CodecPlan,
-    groups: GroupPlan,
-    block_layout: BlockLayout,
-    meta: dict[str, Any],
-) -> bytearray:
-    """The index file's bytes. `layout` is the tree's layout, built while the files were compressed; it is built
-    again without the files that turned out not to be packable during the pack (they vanished or changed), which is
-    rare. `meta` is the pack's record (with --codec auto, the selection's too)."""
-    paths = [path for record in records for path in record.files.paths]
+class PlacedIndex(NamedTuple):
+    """The index laid out with every packed file's blob placed, and its chunks and blocks sections: all its bytes
+    are made of, so that the walk and the chunk records can go before they are made, written and checked."""
 
-    def column(name: str) -> np.ndarray:
-        return np.concatenate([record.files.column(name) for record in records] or [np.zeros(0, np.uint64)])
+    layout: IndexLayout
+    chunks: np.ndarray
+    blocks: np.ndarray | None
 
-    if len(paths) == len(tree.files):  # every file of the walk was packed (a file is recorded once)
+    def to_bytes(self, plan: CodecPlan, groups: GroupPlan, block_layout: BlockLayout, meta: dict[str, Any]
+                 ) -> bytearray:
+        """The index file's bytes; `meta` is the pack's record (with --codec auto, the selection's too)."""
+        return self.layout.to_bytes(self.chunks, groups.table(), plan.rows, plan.dictionaries, meta,
+                                    blocks=self.blocks, block_size=block_layout.block_size)
+
+
+def placed_index(tree: SourceTree, layout: Future[IndexLayout], records: list[ChunkRecord], files: EntryColumns,
+                 block_layout: BlockLayout) -> PlacedIndex:
+    """The index with each packed file's blob placed from the chunk records. `layout` is the tree's layout, built
+    while the files were compressed; it is built again without the files that turned out not to be packable during
+    the pack (they vanished or changed), which is rare."""
+    walked_files = np.flatnonzero(tree.entries.is_file())
+    if sum(len(record.files) for record in records) == len(walked_files):  # a file is recorded once
         packed_layout = layout.result()
     else:
-        packed_layout = index_layout(tree, frozenset(e.path for e in tree.files) - frozenset(paths))
-    flags = column("flags")
-    blocked = np.flatnonzero(flags & FLAG_BLOCKED)
-    sizes = column("size")
-    blocks, first_block_rows = _blocks_table(packed_layout, records, [(paths[n], int(sizes[n])) for n in blocked],
-                                             files, block_layout)
-    del sizes
-    # A file stored in blocks: its offset is its first row in the blocks section.
-    offsets = column("offset")
-    offsets[blocked] = [first_block_rows[paths[n]] for n in blocked]
-    packed_layout.place_blobs(paths, chunk=column("chunk"), offset=offsets, stored_len=column("stored_len"),
-                              codec=column("codec"), checksum=column("checksum"), flags=flags)
-    del paths, flags, offsets
-    return packed_layout.to_bytes(_chunks_table(records), groups.table(), plan.rows, plan.dictionaries, meta,
-                                  blocks=blocks, block_size=block_layout.block_size)
+        packed_paths = frozenset(path for record in records for path in record.files.paths)
+        walked_paths = frozenset(tree.entries.paths[int(n)] for n in walked_files)
+        packed_layout = index_layout(tree, walked_paths - packed_paths)
+    del walked_files
+    blocked_files = [(record.files.paths[n], size) for record in records for n, size in _blocked_rows(record.files)]
+    blocks, first_block_rows = _blocks_table(packed_layout, records, blocked_files, files, block_layout)
+    for record in records:  # a record at a time, a column at a time: not every file's columns at once
+        rows = record.files
+        packed_layout.place_blobs(rows.paths, chunk=partial(rows.column, "chunk"),
+                                  offset=partial(_offsets, rows, first_block_rows),
+                                  stored_len=partial(rows.column, "stored_len"), codec=partial(rows.column, "codec"),
+                                  checksum=partial(rows.column, "checksum"), flags=partial(rows.column, "flags"))
+    return PlacedIndex(packed_layout, _chunks_table(records), blocks)
+
+
+def _offsets(rows: FileRows, first_block_rows: dict[str, int]) -> np.ndarray:
+    """The rows' blob offsets; a file stored in blocks: its first row in the blocks section."""
+    offsets = rows.column("offset")
+    for number, _ in _blocked_rows(rows):
+        offsets[number] = first_block_rows[rows.paths[number]]
+    return offsets
+
+
+def _blocked_rows(rows: FileRows) -> list[tuple[int, int]]:
+    """The rows of files stored in blocks, and their sizes."""
+    blocked = np.flatnonzero(rows.column("flags") & FLAG_BLOCKED)
+    return list(zip(blocked.tolist(), rows.column("size")[blocked].tolist()))
 
 
 def _chunks_table(records: list[ChunkRecord]) -> np.ndarray:
@@ -73,14 +95,14 @@ def _chunks_table(records: list[ChunkRecord]) -> np.ndarray:
 
 
 def _blocks_table(packed_layout: IndexLayout, records: list[ChunkRecord], blocked_files: list[tuple[str, int]],
-                  files: list[SourceEntry], block_layout: BlockLayout) -> tuple[np.ndarray | None, dict[str, int]]:
+                  files: EntryColumns, block_layout: BlockLayout) -> tuple[np.ndarray | None, dict[str, int]]:
     """The `blocks` section (None when no file is stored in blocks): the blocks of each file stored in blocks
     (`blocked_files`, their paths and sizes), files in entry order; and each such file's first row in it, by path."""
     blocked_rows = sorted((_BlockedRow(path, size) for path, size in blocked_files),
                           key=lambda row: packed_layout.entry_of(row.path))
     if not blocked_rows:
         return None, {}
-    number_of = {files[n].path: n for n in range(len(files)) if block_layout.blocks_of(files[n].size)}
+    number_of = {files.paths[n]: n for n in np.flatnonzero(files.size > block_layout.blocks_above).tolist()}
     placed: dict[int, list[tuple[int, BlockRow]]] = {}
     for record in records:
         for block_row in record.blocks:

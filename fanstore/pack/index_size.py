@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ..core.format import BLOCK_DTYPE, CHUNK_DTYPE, CHUNK_HEADER_LEN, INDEX_HEADER_LEN
 from .groups import GroupPlan
 from .walk import SourceTree
@@ -29,8 +31,9 @@ TOC_ALLOWANCE = 4096
 def index_bytes_estimate(tree: SourceTree) -> int:
     """The least the index of SRC takes: INDEX_BYTES_PER_ENTRY per entry, plus its path, and INDEX_BYTES_PER_FILE
     per regular file."""
-    return (sum(INDEX_BYTES_PER_ENTRY + len(entry.path.encode("utf-8", "surrogateescape")) for entry in tree.entries)
-            + INDEX_BYTES_PER_FILE * sum(1 for _ in tree.files))
+    entries = tree.entries
+    return (INDEX_BYTES_PER_ENTRY * len(entries) + int(entries.paths.lengths().sum())
+            + INDEX_BYTES_PER_FILE * int(np.count_nonzero(entries.is_file())))
 
 
 def index_bytes_bound(tree: SourceTree, groups: GroupPlan, options: PackOptions) -> int:
@@ -40,8 +43,9 @@ def index_bytes_bound(tree: SourceTree, groups: GroupPlan, options: PackOptions)
     ones, and a chunk holds one group), the header, and a table of contents of the pack's options, groups, walk
     problems and codecs, each section aligned."""
     layout = options.block_layout
-    block_rows = sum(layout.blocks_of(entry.size) for entry in tree.files)
-    raw = sum(entry.size for entry in tree.files)
+    sizes = tree.entries.size[tree.entries.is_file()].tolist()
+    block_rows = sum(map(layout.blocks_of, sizes))
+    raw = sum(sizes)
     chunks = -(-raw // options.chunk_size) + len(groups.table())
     contents = json.dumps({"pack": options.output_defining(), "groups": groups.table(),
                            "skipped": [{"path": p.path, "reason": p.reason} for p in tree.problems]},

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..core.durable import write_atomically
 from ..errors import PackError, quoted
+from .entry_columns import SLICE, PathList
 from .walk import Problem
 
 JOURNAL_DIR = ".fanstore-pack"
@@ -59,15 +60,15 @@ _U64 = (1 << 64) - 1
 
 
 class FileRows:
-    """The files finished in a chunk, as FileRow's fields in columns: a reference to the path the walk made and nine
-    u64 words a file (80 bytes), not a named tuple and its integers (about 200): a pack holds a row for every file
+    """The files finished in a chunk, as FileRow's fields in columns: the path's bytes, its end and nine u64 words
+    a file (80 bytes), not a named tuple, its string and its integers (about 280): a pack holds a row for every file
     until its index is written."""
 
     WORDS = FileRow._fields[1:]  # every field but the path, one u64 word each (mtime_ns as two's complement)
     __slots__ = ("paths", "_words")
 
     def __init__(self) -> None:
-        self.paths: list[str] = []
+        self.paths = PathList()
         self._words = array("Q")
 
     def append(self, path: str, size: int, mtime_ns: int, mode: int, chunk: int, offset: int, stored_len: int,
@@ -98,9 +99,9 @@ class FileRows:
         one length); ValueError if a value is not an integer of its field's range."""
         _rows(FileRow._fields, columns, lambda row: None)
         rows = cls()
-        rows.paths = list(columns["path"])
-        if not all(isinstance(path, str) for path in rows.paths):
+        if not all(isinstance(path, str) for path in columns["path"]):
             raise ValueError("a path is not a string")
+        rows.paths = PathList(columns["path"])
         if not all(type(value) is int for name in cls.WORDS for value in columns[name]):
             raise ValueError("a row field holds a value that is not an integer")
         try:
@@ -193,10 +194,11 @@ class PackJournal:
         packed file), and a field can be neither misplaced nor mistaken for another."""
         fields: dict[str, Any] = {name: getattr(record, name) for name in _RECORD_SCALARS}
         files = record.files
-        # A column of the files is made as its turn to be written comes: a chunk of small files holds a row for each
-        # of a million files, whose columns as lists and as JSON all at once were a pack's peak of memory.
+        # A column of the files is made as its turn to be written comes, and written a slice at a time: a chunk of
+        # small files holds a row for each of a million files, whose columns as lists and as JSON were a pack's peak
+        # of memory.
         fields["files"] = {"path": lambda: files.paths,
-                           **{name: functools.partial(_listed, files, name) for name in FileRows.WORDS}}
+                           **{name: functools.partial(files.column, name) for name in FileRows.WORDS}}
         fields["blocks"] = _columns(BlockRow._fields, record.blocks)
         fields["problems"] = _columns(("path", "reason"), [(p.path, p.reason) for p in record.problems])
         write_atomically(self.dir / f"chunk-{record.chunk_id:08d}.json", _json_pieces(fields))
@@ -241,15 +243,14 @@ def _rows(names: tuple[str, ...], columns: Any, make: Callable[[Iterable[Any]], 
     return [make(row) for row in zip(*lists)]
 
 
-def _listed(rows: FileRows, name: str) -> list[int]:
-    return rows.column(name).tolist()
-
-
 def _json_pieces(value: Any) -> Iterator[bytes]:
     """The bytes of json.dumps(value, sort_keys=True, separators=(",", ":")) in pieces, a value of a dict at a time;
     a callable value is called when its turn comes (a column made only to be written)."""
     if callable(value):
         value = value()
+    if isinstance(value, (PathList, np.ndarray)):
+        yield from _json_list_pieces(value)
+        return
     if not isinstance(value, dict):
         yield json.dumps(value, sort_keys=True, separators=(",", ":")).encode("utf-8")
         return
@@ -258,6 +259,16 @@ def _json_pieces(value: Any) -> Iterator[bytes]:
         yield (b"," if number else b"") + json.dumps(key).encode("utf-8") + b":"
         yield from _json_pieces(value[key])
     yield b"}"
+
+
+def _json_list_pieces(column: PathList | np.ndarray) -> Iterator[bytes]:
+    """The bytes of json.dumps(list(column), separators=(",", ":")), a slice of the column at a time."""
+    yield b"["
+    for start in range(0, len(column), SLICE):
+        piece = column[start : start + SLICE]
+        listed = piece.tolist() if isinstance(piece, np.ndarray) else piece
+        yield (b"," if start else b"") + json.dumps(listed, separators=(",", ":")).encode("utf-8")[1:-1]
+    yield b"]"
 
 
 def _write_json_atomically(path: Path, value: Any) -> None:

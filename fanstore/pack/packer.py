@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
+import numpy as np
+
 from compressors import CodecError, codec_from_spec
 
 from ..core.format import NO_CHUNK
@@ -45,12 +47,14 @@ from .dest import (
 from .fingerprint import pack_fingerprint
 from .fit_watch import FitWatch
 from .groups import GroupPlan
-from .index_bytes import index_bytes, index_layout
+from .heap import give_back_free_heap
+from .index_bytes import index_layout, placed_index
 from .index_size import index_bytes_estimate
 from .journal import ChunkRecord, JournalState, PackJournal
 from .options import AUTO_CODEC, PackOptions
 from .progress import PackProgress, ProgressReport
-from .walk import Problem, SourceEntry, SourceTree
+from .entry_columns import EntryColumns
+from .walk import Problem, SourceTree
 from .walk_archive import source_paths, walk_sources
 
 if TYPE_CHECKING:
@@ -124,17 +128,18 @@ class _PackRun:
     options: PackOptions
     groups: GroupPlan
     tree: SourceTree
-    files: list[SourceEntry]
-    file_groups: list[int]
+    files: EntryColumns
+    file_groups: np.ndarray
     fingerprint: str
     listing_digest: str
     journal: PackJournal
     selection: Selection | None = None
 
     def let_go_of_the_walk(self) -> None:
-        """Once the index's bytes hold what it keeps of each file: the walk goes before they are written and checked,
-        which is a pack's peak of memory (a caller that handed in its `tree` still holds that)."""
-        self.tree, self.files, self.file_groups = SourceTree(self.tree.root), [], []
+        """Once the index's layout holds what it keeps of each file: the walk goes before the index's bytes are made,
+        written and checked, which is a pack's peak of memory (a caller that handed in its `tree` still holds that)."""
+        self.tree, self.files = SourceTree(self.tree.root), EntryColumns.of(())
+        self.file_groups = np.zeros(0, np.uint8)
 
 
 class _DestBefore(NamedTuple):
@@ -151,6 +156,7 @@ def _pack_with(sources: list[Path], dest_path: Path, options: PackOptions, tree:
     """The pack's steps: walk, check DEST, select (--codec auto), prepare DEST, plan the codecs, then compress into
     chunk files and write the index."""
     run = _walked(sources, dest_path, options, tree, pool)
+    give_back_free_heap()  # the walk's temporaries: the compress step's peak would stand on them
     dest_plan = check_dest(dest_path, run.journal, run.fingerprint, run.listing_digest, options.force)
     if dest_plan.finished:
         return _finished_summary(dest_path)
@@ -181,14 +187,15 @@ def _walked(sources: list[Path], dest_path: Path, options: PackOptions, tree: So
         tree = walk_sources(sources, pool.executor if pool is not None else None)
     if options.strict and tree.problems:
         raise PackError(f"--strict: {tree.problems[0]} ({len(tree.problems)} path(s) cannot be packed)")
-    by_group: dict[int, list[SourceEntry]] = {}
-    for entry in tree.files_in_read_order():
-        by_group.setdefault(groups.group_of(entry.path), []).append(entry)
-    in_order = sorted(by_group.items())
-    files = [entry for _, members in in_order for entry in members]
-    file_groups = [group for group, members in in_order for _ in members]
+    numbers = tree.file_numbers_in_read_order()
+    file_groups = np.zeros(len(numbers), dtype=np.uint8)
+    if groups.replicate:
+        paths = tree.entries.paths
+        file_groups[:] = [groups.group_of(paths[number]) for number in numbers.tolist()]
+        by_group = np.argsort(file_groups, kind="stable")
+        numbers, file_groups = numbers[by_group], file_groups[by_group]
     defining = options.output_defining()
-    return _PackRun(sources[0], dest_path, options, groups, tree, files, file_groups,
+    return _PackRun(sources[0], dest_path, options, groups, tree, tree.entries.take(numbers), file_groups,
                     pack_fingerprint(tree, defining), pack_fingerprint(tree, defining, ctimes=False),
                     PackJournal(dest_path))
 
@@ -221,8 +228,8 @@ def _chunks_and_index(run: _PackRun, plan: CodecPlan, progress: Callable[[PackPr
     builder = ChunkBuilder(run.dest, run.journal, run.options.chunk_size, run.files, run.file_groups,
                            run.options.block_layout, finished)
     files = run.files
-    plan_files = PlanFiles([f.path for f in files], [f.size for f in files], run.file_groups, [f.ino for f in files],
-                           [f.mtime_ns for f in files], [f.ctime_ns for f in files], run.options.block_layout)
+    plan_files = PlanFiles(files.paths, files.size, run.file_groups, files.ino, files.mtime_ns, files.ctime_ns,
+                           run.options.block_layout)
     del files
     # Most of the index is known from the walk: it is laid out in a thread while the workers compress.
     background = ThreadPoolExecutor(1, thread_name_prefix="fanstore-index-layout")
@@ -234,10 +241,9 @@ def _chunks_and_index(run: _PackRun, plan: CodecPlan, progress: Callable[[PackPr
         summary = _summarise(records, run.tree.problems)
         summary.reused_chunks = len(finished)
         pause_point("index")
-        packed_index = index_bytes(run.tree, layout, records, run.files, plan, run.groups, run.options.block_layout,
-                                   _index_meta(run, summary))
-        # What the index holds of each file is in its bytes now: the walk, the plan, the journal's rows and the
-        # layout go before the bytes are written and checked, which is a pack's peak of memory.
+        placed = placed_index(run.tree, layout, records, run.files, run.options.block_layout)
+        # Each file's blob is placed in the index's layout now: the walk, the plan, the journal's rows go before the
+        # index's bytes are made, written and checked, which is a pack's peak of memory.
         builder.let_go()
         finished.clear()
         del records, plan_files, layout
@@ -245,6 +251,9 @@ def _chunks_and_index(run: _PackRun, plan: CodecPlan, progress: Callable[[PackPr
         if feed is not None:
             feed.close()
             feed = None
+        give_back_free_heap()  # what the records and the walk took: the index's bytes and check would stand on it
+        packed_index = placed.to_bytes(plan, run.groups, run.options.block_layout, _index_meta(run, summary))
+        del placed
         write_packed_index(run.dest, packed_index)  # and stamps it, checked, for this node's first open
         del packed_index
         background.shutdown(wait=True)  # its thread is idle by now: pack() leaves no thread behind
@@ -272,7 +281,7 @@ def _compress_all(run: _PackRun, plan: CodecPlan, plan_files: PlanFiles, builder
     watch, progress reported; the chunk records, and the index's layout, made in `background` meanwhile. It starts
     once the first batch is back, so that it does not hold the GIL while the first batches go out."""
     start_file, start_block = builder.resume_from
-    raw_total = sum(f.size for f in run.files)
+    raw_total = int(run.files.size.sum())
     watch = _fit_watch(run.options, run.selection, run.groups, run.tree, plan, raw_total)
     report = ProgressReport(progress, builder, len(run.files), raw_total)
     layout: Future[IndexLayout] | None = None

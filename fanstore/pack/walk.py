@@ -11,29 +11,15 @@ import stat
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
+
+import numpy as np
 
 from ..errors import UsageError, quoted
 from ..core.index_check import link_target_problem
+from .entry_columns import EntryColumns, EntryColumnsBuilder, SourceEntry, sorted_by_path
 
-
-class SourceEntry(NamedTuple):
-    """A directory, regular file or symlink of SRC, with the metadata the index keeps (a named tuple: a walk
-    makes one per file, and a tuple is made several times faster than a frozen dataclass)."""
-
-    path: str  # relative to SRC, '/'-separated; "" is SRC itself
-    mode: int
-    size: int
-    mtime_ns: int
-    link_target: str = ""
-    # Who the file was at the walk: the packer reads only that file, unchanged since (a same-size rewrite changes
-    # the ctime, a swap the inode). An archive member's is its key, its place in the archives (archive_source.py).
-    ino: int = 0
-    ctime_ns: int = 0
-
-    @property
-    def is_file(self) -> bool:
-        return stat.S_ISREG(self.mode)
+__all__ = ["Problem", "SourceEntry", "SourceTree", "walk_source"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,26 +40,26 @@ class SourceTree:
     stream, see archive_source.py) and `identity` says who each archive file was, so a resume reads the same."""
 
     root: Path
-    entries: list[SourceEntry] = field(default_factory=list)
+    entries: EntryColumns = field(default_factory=lambda: EntryColumns.of(()))  # sorted by path
     problems: list[Problem] = field(default_factory=list)
     archives: tuple[tuple[Path, str], ...] = ()
     identity: tuple[str, ...] = ()
 
     @property
-    def files(self) -> list[SourceEntry]:
-        return [e for e in self.entries if e.is_file]
+    def files(self) -> EntryColumns:
+        return self.entries.take(np.flatnonzero(self.entries.is_file()))
 
-    def files_in_read_order(self) -> list[SourceEntry]:
-        """The files in the order SRC gives them best: by path for a directory; for archives, in stream order,
-        which cannot seek (so an archive whose members come in path order packs as its extracted directory)."""
-        files = self.files
+    def file_numbers_in_read_order(self) -> np.ndarray:
+        """The files' entry numbers in the order SRC gives them best: by path for a directory; for archives, in
+        stream order, which cannot seek (so an archive whose members come in path order packs as its extracted
+        directory)."""
+        numbers = np.flatnonzero(self.entries.is_file())
         if self.archives:
-            files.sort(key=_ino_of)
-        return files
+            numbers = numbers[np.argsort(self.entries.ino[numbers], kind="stable")]
+        return numbers
 
-
-def _ino_of(entry: SourceEntry) -> int:
-    return entry.ino
+    def files_in_read_order(self) -> EntryColumns:
+        return self.entries.take(self.file_numbers_in_read_order())
 
 
 _SPECIAL_KINDS = {
@@ -107,37 +93,38 @@ def walk_source(src: str | os.PathLike[str], executor: Executor | None = None) -
         raise UsageError(f"SRC {quoted(src)} is not a directory")
     real_root = os.path.realpath(root)
     tree = SourceTree(root=root)
-    tree.entries.append(SourceEntry("", stat.S_IMODE(root_stat.st_mode) | stat.S_IFDIR, 0, root_stat.st_mtime_ns))
+    entries = EntryColumnsBuilder()
+    entries.add(SourceEntry("", stat.S_IMODE(root_stat.st_mode) | stat.S_IFDIR, 0, root_stat.st_mtime_ns))
     if executor is None:
-        _walk_subtrees(os.fspath(root), real_root, [""], tree.entries, tree.problems)
+        _walk_subtrees(os.fspath(root), real_root, [""], entries, tree.problems)
     else:
-        _walk_in_parallel(os.fspath(root), real_root, executor, tree)
-    tree.entries.sort(key=lambda e: e.path.encode("utf-8"))
+        _walk_in_parallel(os.fspath(root), real_root, executor, entries, tree.problems)
+    tree.entries = sorted_by_path(entries.build())
     tree.problems.sort(key=lambda p: p.path)
     return tree
 
 
-def _walk_in_parallel(root: str, real_root: str, executor: Executor, tree: SourceTree) -> None:
+def _walk_in_parallel(root: str, real_root: str, executor: Executor, entries: EntryColumnsBuilder,
+                      problems: list[Problem]) -> None:
     """List the top levels here until enough directories wait, then share their subtrees with the workers."""
     frontier = [""]
     while frontier and len(frontier) < _PARALLEL_FRONTIER:
-        frontier = [sub for rel_dir in frontier for sub in _list_dir(root, real_root, rel_dir, tree.entries,
-                                                                      tree.problems)]
+        frontier = [sub for rel_dir in frontier for sub in _list_dir(root, real_root, rel_dir, entries, problems)]
     shares = [frontier[i::_PARALLEL_TASKS] for i in range(min(len(frontier), _PARALLEL_TASKS))]
     walks = [executor.submit(_walk_subtrees_apart, root, real_root, share) for share in shares]
     # This process walks shares from the back while the workers take them from the front (and while they are
     # still starting up): a share it can still cancel is one no worker has begun.
     for share, walk in zip(reversed(shares), reversed(walks)):
         if walk.cancel():
-            _walk_subtrees(root, real_root, share, tree.entries, tree.problems)
+            _walk_subtrees(root, real_root, share, entries, problems)
     for walk in walks:
         if not walk.cancelled():
-            columns, problems = walk.result()
-            tree.entries.extend(map(SourceEntry, *columns))
-            tree.problems.extend(problems)
+            columns, share_problems = walk.result()
+            entries.extend(EntryColumns.from_columns(columns))
+            problems.extend(share_problems)
 
 
-def _walk_subtrees(root: str, real_root: str, rel_dirs: list[str], entries: list[SourceEntry],
+def _walk_subtrees(root: str, real_root: str, rel_dirs: list[str], entries: EntryColumnsBuilder,
                    problems: list[Problem]) -> None:
     """Every entry below the directories `rel_dirs` (not themselves), depth first."""
     pending = list(reversed(rel_dirs))
@@ -145,17 +132,16 @@ def _walk_subtrees(root: str, real_root: str, rel_dirs: list[str], entries: list
         pending.extend(reversed(_list_dir(root, real_root, pending.pop(), entries, problems)))
 
 
-def _walk_subtrees_apart(root: str, real_root: str, rel_dirs: list[str]
-                         ) -> tuple[tuple[tuple[Any, ...], ...], list[Problem]]:
-    """_walk_subtrees in a worker process. Entries go back as columns (paths, modes, ...): a handful of lists
+def _walk_subtrees_apart(root: str, real_root: str, rel_dirs: list[str]) -> tuple[Any, list[Problem]]:
+    """_walk_subtrees in a worker process. Entries go back as columns (a blob of paths, an array a field), which
     pickle and unpickle several times faster than one object per entry."""
-    entries: list[SourceEntry] = []
+    entries = EntryColumnsBuilder()
     problems: list[Problem] = []
     _walk_subtrees(root, real_root, rel_dirs, entries, problems)
-    return tuple(zip(*entries)) or ((),) * len(SourceEntry._fields), problems
+    return entries.build().to_columns(), problems
 
 
-def _list_dir(root: str, real_root: str, rel_dir: str, entries: list[SourceEntry], problems: list[Problem]
+def _list_dir(root: str, real_root: str, rel_dir: str, entries: EntryColumnsBuilder, problems: list[Problem]
               ) -> list[str]:
     """Add the entries of one directory (or what is wrong with them); returns its subdirectories."""
     abs_dir = os.path.join(root, rel_dir) if rel_dir else root
@@ -178,7 +164,7 @@ def _list_dir(root: str, real_root: str, rel_dir: str, entries: list[SourceEntry
         entry = _entry_for(dir_entry, rel, real_root, problems)
         if entry is None:
             continue
-        entries.append(entry)
+        entries.add(entry)
         if stat.S_ISDIR(entry.mode):
             subdirs.append(rel)
     return subdirs

@@ -6,7 +6,7 @@ a warning, as are devices, fifos, hard links and symlinks that leave the dataset
 later member, as extraction does; a directory that only members imply is made, as extraction makes it.
 Directories no member states get the newest member's mtime: the same archive always gives the same dataset.
 
-Memory: one SourceEntry per member (a tuple, its path, size and key: about 250 bytes), whatever the archives hold.
+Memory: the members in columns (entry_columns.py): a member's path bytes and 44 B, whatever the archives hold.
 """
 
 from __future__ import annotations
@@ -20,10 +20,13 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
+import numpy as np
+
 from .archive_source import ARCHIVE_KEY_SHIFT, FORMATS, Damage, archive_format, archive_identity, open_stream
 from ..errors import UsageError, quoted
 from ..core.format import MAX_NAME_BYTES, MAX_PATH_BYTES
 from ..core.index_check import link_target_problem
+from .entry_columns import SLICE, EntryColumns, EntryColumnsBuilder, in_path_order, sorted_by_path
 from .walk import _SPECIAL_KINDS, Problem, SourceEntry, SourceTree, walk_source
 
 _DIR_MODE = stat.S_IFDIR | 0o755
@@ -43,41 +46,44 @@ def walk_archives(archives: Sequence[str | os.PathLike[str]], executor: Executor
         raise UsageError(f"SRC: at most {1 << (63 - ARCHIVE_KEY_SHIFT)} archives in one pack")
     listed = list(zip(range(len(paths)), paths, formats))
     if executor is not None and len(paths) > 1:
-        listings = [_Listing(list(map(SourceEntry, *columns)), *rest)
+        listings = [_Listing(EntryColumns.from_columns(columns), *rest)
                     for columns, *rest in executor.map(_list_archive_apart, *zip(*listed))]
     else:
         listings = [_list_archive(number, path, fmt) for number, path, fmt in listed]
-    entries = [entry for listing in listings for entry in listing.entries]
-    problems = [problem for listing in listings for problem in listing.problems]
     newest = max((listing.newest for listing in listings), default=0)
     root = next((listing.root for listing in reversed(listings) if listing.root is not None), None)
+    problems = [problem for listing in listings for problem in listing.problems]
+    members = listings[0].entries
+    if len(listings) > 1:
+        both = EntryColumnsBuilder()
+        while listings:  # each listing let go of once copied: the members are held at most twice
+            both.extend(listings.pop(0).entries)
+        members = both.build()
     del listings
-    entries = _last_of_each_path(entries)
-    entries, parent_problems = _with_parents(entries, newest)
+    root = root or SourceEntry("", _DIR_MODE, 0, newest)
+    entries, parent_problems = _with_parents(_last_of_each_path(members), root, newest)
     problems += parent_problems
     problems.sort(key=lambda p: p.path)
-    root = root or SourceEntry("", _DIR_MODE, 0, newest)
     identity = tuple(f"{path}\0{archive_identity(path)}" for path in paths)
-    return SourceTree(root=paths[0], entries=[root] + entries, problems=problems,
-                      archives=tuple(zip(paths, formats)), identity=identity)
+    return SourceTree(root=paths[0], entries=entries, problems=problems, archives=tuple(zip(paths, formats)),
+                      identity=identity)
 
 
 class _Listing(NamedTuple):
     """One archive's members as entries (keys carrying its number), what was refused, its newest mtime and the
     root entry a './' member gives."""
 
-    entries: list[SourceEntry]
+    entries: EntryColumns
     problems: list[Problem]
     newest: int
     root: SourceEntry | None
 
 
 def _list_archive(number: int, path: Path, fmt: str) -> _Listing:
-    entries: list[SourceEntry] = []
+    entries = EntryColumnsBuilder()
     problems: list[Problem] = []
     root: SourceEntry | None = None
     newest = 0
-    interned: dict[int, int] = {}
     with open_stream(path, fmt) as stream:
         for member in stream:
             newest = max(newest, member.mtime_ns)
@@ -86,28 +92,25 @@ def _list_archive(number: int, path: Path, fmt: str) -> _Listing:
             if refusal:
                 problems.append(Problem(_shown(member.name), f"{refusal} (in {path.name}); skipped"))
                 continue
-            # Members share a few modes and mtimes: one int object each, not one per member (32 B apiece).
-            mode = interned.setdefault(member.mode, member.mode)
-            mtime_ns = interned.setdefault(member.mtime_ns, member.mtime_ns)
-            entry, reason = _entry_for(rel, key, mode, member.size, mtime_ns, member.link_target, member.refusal)
+            entry, reason = _entry_for(rel, key, member.mode, member.size, member.mtime_ns, member.link_target,
+                                       member.refusal)
             if entry is None:  # worded as the directory walk words it: a pack of the extraction says the same
                 problems.append(Problem(rel or ".", reason))
             elif rel == "":
                 root = entry
             else:
-                entries.append(entry)
+                entries.add(entry)
+        listed = entries.build()
         if stream.damage is not None:
-            entries = _whole_before(entries, stream.damage)
+            listed = _whole_before(listed, stream.damage)
             problems.append(_damage_problem(stream.damage, fmt))
-    return _Listing(entries, problems, newest, root)
+    return _Listing(listed, problems, newest, root)
 
 
-def _list_archive_apart(number: int, path: Path, fmt: str
-                        ) -> tuple[tuple[tuple[Any, ...], ...], list[Problem], int, SourceEntry | None]:
+def _list_archive_apart(number: int, path: Path, fmt: str) -> tuple[Any, list[Problem], int, SourceEntry | None]:
     """_list_archive in a worker process; entries go back as columns, which pickle several times faster."""
     listing = _list_archive(number, path, fmt)
-    columns = tuple(zip(*listing.entries)) or ((),) * len(SourceEntry._fields)
-    return columns, listing.problems, listing.newest, listing.root
+    return listing.entries.to_columns(), listing.problems, listing.newest, listing.root
 
 
 def source_paths(src: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Path]:
@@ -208,9 +211,10 @@ def _inside_target(target: str, rel: str) -> str | None:
     return posixpath.relpath(resolved, link_dir or ".")
 
 
-def _whole_before(entries: list[SourceEntry], damage: Damage) -> list[SourceEntry]:
+def _whole_before(entries: EntryColumns, damage: Damage) -> EntryColumns:
     """The members of a damaged archive whose data ends before the damage."""
-    return [e for e in entries if (e.ino & _KEY_MASK) + e.size <= damage.offset]
+    ends = (entries.ino & np.uint64(_KEY_MASK)).astype(np.int64) + entries.size
+    return entries.take(np.flatnonzero(ends <= damage.offset))
 
 
 def _damage_problem(damage: Damage, fmt: str) -> Problem:
@@ -221,47 +225,70 @@ def _damage_problem(damage: Damage, fmt: str) -> Problem:
                                         "before it are packed, none after")
 
 
-def _last_of_each_path(entries: list[SourceEntry]) -> list[SourceEntry]:
-    """Sorted by path, a path given more than once keeping its last member (as extraction leaves it)."""
-    entries.sort(key=lambda e: (e.path.encode("utf-8"), e.ino))
-    return [e for e, following in zip(entries, entries[1:] + [None]) if following is None or following.path != e.path]
+def _last_of_each_path(entries: EntryColumns) -> EntryColumns:
+    """Sorted by path, a path given more than once keeping its last member (as extraction leaves it). Members come
+    in key order (archive, then place in it), so a stable sort by path puts a path's last member last."""
+    if in_path_order(entries.paths, strictly=True):
+        return entries
+    entries = sorted_by_path(entries)
+    paths, kept = entries.paths, []
+    for start in range(0, len(paths), SLICE):
+        encoded = paths.encoded_slice(start, min(start + SLICE + 1, len(paths)))
+        kept += [start + n for n in range(min(SLICE, len(paths) - start))
+                 if n + 1 == len(encoded) or encoded[n] != encoded[n + 1]]
+    return entries if len(kept) == len(entries) else entries.take(np.array(kept, dtype=np.int64))
 
 
-def _with_parents(entries: list[SourceEntry], mtime_ns: int) -> tuple[list[SourceEntry], list[Problem]]:
-    """The entries with the directories their paths imply made; one whose parent is not a directory (a file, a
-    symlink or something skipped) is refused, as extraction would fail on it."""
-    paths = [e.path.encode("utf-8") for e in entries]
-    directories = {""}
+def _with_parents(entries: EntryColumns, root: SourceEntry, mtime_ns: int) -> tuple[EntryColumns, list[Problem]]:
+    """The entries with the root and the directories their paths imply made; one whose parent is not a directory
+    (a file, a symlink or something skipped) is refused, as extraction would fail on it."""
+    directories = {b""}
     made: list[SourceEntry] = []
-    kept: list[SourceEntry] = []
+    refused: list[int] = []
     problems: list[Problem] = []
-    for entry in entries:
-        parent = entry.path.rpartition("/")[0]
-        missing = []
-        while parent not in directories:
-            missing.append(parent)
-            parent = parent.rpartition("/")[0]
-        blocked = next((path for path in missing if _present(paths, path)), None)
-        if blocked is not None:
-            problems.append(Problem(entry.path, f"its directory {quoted(blocked)} is not a directory in the archive "
-                                                "(or was skipped); skipped"))
-            continue
-        for path in missing:
-            directories.add(path)
-            made.append(SourceEntry(path, _DIR_MODE, 0, mtime_ns))
-        if stat.S_ISDIR(entry.mode):
-            directories.add(entry.path)
-        kept.append(entry)
-    if made:
-        kept += made
-        kept.sort(key=lambda e: e.path.encode("utf-8"))
-    return kept, problems
+    is_dir = ((entries.mode & 0o170000) == stat.S_IFDIR).tolist()
+    for start in range(0, len(entries), SLICE):
+        for number, path in enumerate(entries.paths.encoded_slice(start, min(start + SLICE, len(entries))), start):
+            parent = path.rpartition(b"/")[0]
+            if parent in directories:
+                if is_dir[number]:
+                    directories.add(path)
+                continue
+            missing = []
+            while parent not in directories:
+                missing.append(parent)
+                parent = parent.rpartition(b"/")[0]
+            blocked = next((path for path in missing if _present(entries, path)), None)
+            if blocked is not None:
+                refused.append(number)
+                problems.append(Problem(path.decode("utf-8"), f"its directory {quoted(blocked.decode('utf-8'))} is not "
+                                                              "a directory in the archive (or was skipped); skipped"))
+                continue
+            directories.update(missing)
+            made += [SourceEntry(made_path.decode("utf-8"), _DIR_MODE, 0, mtime_ns) for made_path in missing]
+            if is_dir[number]:
+                directories.add(path)
+    if refused:
+        entries = entries.take(np.setdiff1d(np.arange(len(entries)), refused))
+    return _merged(entries, [root] + made), problems
 
 
-def _present(sorted_paths: list[bytes], path: str) -> bool:
-    encoded = path.encode("utf-8")
-    at = bisect.bisect_left(sorted_paths, encoded)
-    return at < len(sorted_paths) and sorted_paths[at] == encoded
+def _merged(entries: EntryColumns, more: list[SourceEntry]) -> EntryColumns:
+    """`entries` (in path order) and `more` (none of their paths), all in path order."""
+    more.sort(key=lambda e: e.path.encode("utf-8"))
+    both, copied = EntryColumnsBuilder(), 0
+    for entry in more:
+        at = bisect.bisect_left(entries.paths.as_bytes, entry.path.encode("utf-8"))
+        both.extend(entries, copied, at)
+        both.add(entry)
+        copied = at
+    both.extend(entries, copied)
+    return both.build()
+
+
+def _present(entries: EntryColumns, path: bytes) -> bool:
+    at = bisect.bisect_left(entries.paths.as_bytes, path)
+    return at < len(entries) and entries.paths.encoded(at) == path
 
 
 def _shown(name: str) -> str:

@@ -1,0 +1,262 @@
+"""The walk's entries in columns: one blob of paths and one array a field, not one Python object an entry.
+
+A pack holds every entry of SRC until its index is written. As a tuple, a path string and integer objects each, an
+entry took about 230 B; in columns it takes its path's bytes and 48 B. An entry is made a SourceEntry only when
+asked for (`columns[i]`), for the few places that read one entry at a time.
+"""
+
+from __future__ import annotations
+
+import stat
+from array import array
+from typing import Any, Iterable, Iterator, NamedTuple, Sequence
+
+import numpy as np
+
+# Work over every entry goes a slice at a time: what a slice makes (Python ints and strings) is never held for all.
+SLICE = 1 << 16
+
+
+class SourceEntry(NamedTuple):
+    """A directory, regular file or symlink of SRC, with the metadata the index keeps: one entry of EntryColumns,
+    as the code that reads one entry at a time sees it."""
+
+    path: str  # relative to SRC, '/'-separated; "" is SRC itself
+    mode: int
+    size: int
+    mtime_ns: int
+    link_target: str = ""
+    # Who the file was at the walk: the packer reads only that file, unchanged since (a same-size rewrite changes
+    # the ctime, a swap the inode). An archive member's is its key, its place in the archives (archive_source.py).
+    ino: int = 0
+    ctime_ns: int = 0
+
+    @property
+    def is_file(self) -> bool:
+        return stat.S_ISREG(self.mode)
+
+
+class PathColumn(Sequence[str]):
+    """Paths as one UTF-8 blob and the offset where each ends: `column[i]` is path i, `column.encoded(i)` its
+    bytes (a sequence of them for bisect: `column.as_bytes`)."""
+
+    __slots__ = ("blob", "ends")
+
+    def __init__(self, blob: bytes, ends: np.ndarray) -> None:
+        self.blob, self.ends = blob, ends
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def __getitem__(self, number: int) -> str:  # type: ignore[override]
+        return self.encoded(number).decode("utf-8")
+
+    def encoded(self, number: int) -> bytes:
+        ends = self.ends
+        return self.blob[ends.item(number - 1) if number else 0 : ends.item(number)]
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.ends, prepend=np.int64(0))
+
+    def encoded_slice(self, start: int, stop: int) -> list[bytes]:
+        """Paths [start, stop) as bytes."""
+        ends = self.ends[start:stop].tolist()
+        begin = int(self.ends[start - 1]) if start else 0
+        blob, found = self.blob, []
+        for end in ends:
+            found.append(blob[begin:end])
+            begin = end
+        return found
+
+    @property
+    def as_bytes(self) -> _EncodedPaths:
+        return _EncodedPaths(self)
+
+    def take(self, numbers: np.ndarray) -> PathColumn:
+        """The paths `numbers` name, in that order, as a column of their own."""
+        ends = self.ends[numbers]
+        starts = ends - self.lengths()[numbers]
+        slices, whole = [], self.blob
+        for first in range(0, len(numbers), SLICE):
+            pieces = zip(starts[first : first + SLICE].tolist(), ends[first : first + SLICE].tolist())
+            slices.append(b"".join([whole[start:end] for start, end in pieces]))
+        return PathColumn(b"".join(slices), np.cumsum(ends - starts, dtype=np.int64))
+
+
+class _EncodedPaths(Sequence[bytes]):
+    """A PathColumn's paths as bytes, for bisect."""
+
+    __slots__ = ("column",)
+
+    def __init__(self, column: PathColumn) -> None:
+        self.column = column
+
+    def __len__(self) -> int:
+        return len(self.column)
+
+    def __getitem__(self, number: int) -> bytes:  # type: ignore[override]
+        return self.column.encoded(number)
+
+
+_NUMBERS = ("mode", "size", "mtime_ns", "ino", "ctime_ns")
+
+
+class EntryColumns(Sequence[SourceEntry]):
+    """Entries of a walk: `paths`, one numpy array a number field (mode, size, mtime_ns, ino, ctime_ns), and the
+    link targets of the symlinks among them, by entry number."""
+
+    __slots__ = ("paths", "mode", "size", "mtime_ns", "ino", "ctime_ns", "link_targets")
+
+    def __init__(self, paths: PathColumn, numbers: dict[str, np.ndarray], link_targets: dict[int, str]) -> None:
+        self.paths = paths
+        self.mode, self.size, self.mtime_ns = numbers["mode"], numbers["size"], numbers["mtime_ns"]
+        self.ino, self.ctime_ns = numbers["ino"], numbers["ctime_ns"]
+        self.link_targets = link_targets
+
+    @classmethod
+    def of(cls, entries: Iterable[SourceEntry]) -> EntryColumns:
+        builder = EntryColumnsBuilder()
+        for entry in entries:
+            builder.add(entry)
+        return builder.build()
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, number: int) -> SourceEntry:  # type: ignore[override]
+        return SourceEntry(self.paths[number], self.mode.item(number), self.size.item(number),
+                           self.mtime_ns.item(number), self.link_targets.get(number, ""), self.ino.item(number),
+                           self.ctime_ns.item(number))
+
+    def __iter__(self) -> Iterator[SourceEntry]:
+        for start in range(0, len(self), SLICE):
+            stop = min(start + SLICE, len(self))
+            paths = self.paths.encoded_slice(start, stop)
+            columns = [getattr(self, name)[start:stop].tolist() for name in _NUMBERS]
+            for offset, (path, mode, size, mtime_ns, ino, ctime_ns) in enumerate(zip(paths, *columns)):
+                yield SourceEntry(path.decode("utf-8"), mode, size, mtime_ns,
+                                  self.link_targets.get(start + offset, ""), ino, ctime_ns)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, EntryColumns):
+            return NotImplemented
+        return (self.paths.blob == other.paths.blob and np.array_equal(self.paths.ends, other.paths.ends)
+                and all(np.array_equal(getattr(self, name), getattr(other, name)) for name in _NUMBERS)
+                and self.link_targets == other.link_targets)
+
+    def is_file(self) -> np.ndarray:
+        return (self.mode & stat.S_IFMT(0o177777)) == stat.S_IFREG
+
+    def take(self, numbers: np.ndarray) -> EntryColumns:
+        """The entries `numbers` names, in that order."""
+        numbers = np.asarray(numbers, dtype=np.int64)
+        place = {int(old): new for new, old in enumerate(numbers.tolist())} if self.link_targets else {}
+        targets = {place[old]: target for old, target in self.link_targets.items() if old in place}
+        return EntryColumns(self.paths.take(numbers), {name: getattr(self, name)[numbers] for name in _NUMBERS},
+                            targets)
+
+    def to_columns(self) -> tuple[bytes, np.ndarray, dict[str, np.ndarray], dict[int, str]]:
+        """What pickles fast to and from a worker process: the blob, the ends, the numbers, the targets."""
+        return self.paths.blob, self.paths.ends, {name: getattr(self, name) for name in _NUMBERS}, self.link_targets
+
+    @classmethod
+    def from_columns(cls, columns: tuple[bytes, np.ndarray, dict[str, np.ndarray], dict[int, str]]) -> EntryColumns:
+        blob, ends, numbers, targets = columns
+        return cls(PathColumn(blob, ends), numbers, targets)
+
+
+class EntryColumnsBuilder:
+    """Entries appended one at a time into growing columns (8 B a number, the path's bytes), not a list of tuples."""
+
+    __slots__ = ("_blob", "_ends", "_numbers", "_targets")
+
+    def __init__(self) -> None:
+        self._blob = bytearray()
+        self._ends = array("q")
+        self._numbers = {name: array("Q" if name == "ino" else "q") for name in _NUMBERS}
+        self._targets: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def add(self, entry: SourceEntry) -> None:
+        if entry.link_target:
+            self._targets[len(self._ends)] = entry.link_target
+        self._blob += entry.path.encode("utf-8")
+        self._ends.append(len(self._blob))
+        numbers = self._numbers
+        numbers["mode"].append(entry.mode)
+        numbers["size"].append(entry.size)
+        numbers["mtime_ns"].append(entry.mtime_ns)
+        numbers["ino"].append(entry.ino)
+        numbers["ctime_ns"].append(entry.ctime_ns)
+
+    def extend(self, columns: EntryColumns, start: int = 0, stop: int | None = None) -> None:
+        """Entries [start, stop) of `columns` (a worker's walk, all of it), after those added."""
+        stop = len(columns) if stop is None else stop
+        base, blob_base = len(self._ends) - start, len(self._blob)
+        self._targets.update({base + number: target for number, target in columns.link_targets.items()
+                              if start <= number < stop})
+        first = int(columns.paths.ends[start - 1]) if start else 0
+        self._blob += columns.paths.blob[first : int(columns.paths.ends[stop - 1]) if stop else 0]
+        self._ends.frombytes((columns.paths.ends[start:stop] - first + blob_base).astype(np.int64).tobytes())
+        for name, column in self._numbers.items():
+            values = getattr(columns, name)[start:stop]
+            column.frombytes(values.astype(np.uint64 if column.typecode == "Q" else np.int64).tobytes())
+
+    def build(self) -> EntryColumns:
+        """The columns, on the builder's own arrays (not copied: the builder is done with)."""
+        numbers = {name: _array_of(column) for name, column in self._numbers.items()}
+        blob, self._blob = bytes(self._blob), bytearray()
+        return EntryColumns(PathColumn(blob, _array_of(self._ends)), numbers, dict(self._targets))
+
+
+def _array_of(column: array) -> np.ndarray:
+    """An array('q' or 'Q') as numpy, sharing its memory."""
+    dtype = np.uint64 if column.typecode == "Q" else np.int64
+    return np.frombuffer(column, dtype=dtype) if len(column) else np.zeros(0, dtype)
+
+
+def sorted_by_path(columns: EntryColumns) -> EntryColumns:
+    """The entries in UTF-8 byte order of their paths (a stable sort); as they are when they are in it already."""
+    if in_path_order(columns.paths):
+        return columns
+    return columns.take(np.array(sorted(range(len(columns)), key=columns.paths.encoded), dtype=np.int64))
+
+
+def in_path_order(paths: PathColumn, strictly: bool = False) -> bool:
+    """Whether the paths are in UTF-8 byte order (`strictly`: and none is given twice)."""
+    previous = None
+    for start in range(0, len(paths), SLICE):
+        for path in paths.encoded_slice(start, min(start + SLICE, len(paths))):
+            if previous is not None and (path < previous or (strictly and path == previous)):
+                return False
+            previous = path
+    return True
+
+
+class PathList(Sequence[str]):
+    """Paths appended one at a time, held as one UTF-8 blob and each one's end: the path's bytes and 8 B, where a
+    list of strings holds about 77 B a path (a chunk record holds one for each file it packed)."""
+
+    __slots__ = ("_blob", "_ends")
+
+    def __init__(self, paths: Iterable[str] = ()) -> None:
+        self._blob = bytearray()
+        self._ends = array("q")
+        for path in paths:
+            self.append(path)
+
+    def append(self, path: str) -> None:
+        self._blob += path.encode("utf-8")
+        self._ends.append(len(self._blob))
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def __getitem__(self, at: int | slice) -> Any:
+        if isinstance(at, slice):
+            return [self[number] for number in range(*at.indices(len(self)))]
+        end = self._ends[at]  # IndexError past the end, as a list's
+        number = at if at >= 0 else at + len(self._ends)
+        return self._blob[self._ends[number - 1] if number else 0 : end].decode("utf-8")
