@@ -346,7 +346,7 @@ class PeerTransport:
             if more and asked_bytes > self.options.max_reply_bytes:
                 raise RequestRefused(f"{len(blobs)} blobs of {asked_bytes} bytes in all: more than "
                                      f"{self.options.max_reply_bytes} bytes in one reply")
-            reply, served, _ = self._reply(source, blobs, partial_allowed=bool(more))
+            reply, served = self._reply(source, blobs, partial_allowed=bool(more))
             counters.served += len(served)
             counters.served_bytes += sum(map(len, served))
         except RequestRefused as exc:
@@ -365,20 +365,24 @@ class PeerTransport:
         self._to_ring.add(source)
 
     def _reply(self, source: int, blobs: list[tuple[int, int, int]], partial_allowed: bool
-               ) -> tuple[Any, list[memoryview], str]:
+               ) -> tuple[Any, list[memoryview]]:
         """The reply to a request, its blobs read in place one after the other after the header (one copy of each
-        byte, into memory taken once every blob asked is known to be one); the blobs it carries; and why the first
-        one it could not give failed ("" if none). A blob this rank cannot give costs that blob alone where the
-        request asked for several (a partial reply); else its error is raised, as a refusal always is."""
-        statuses, reason = bytearray(len(blobs)), ""
+        byte, into memory taken once every blob asked is known to be one), and the blobs it carries. A blob this rank
+        cannot give costs that blob alone where the request asked for several (a partial reply, which says why the
+        first one failed); else its error is raised, as a refusal always is."""
+        statuses, reasons = bytearray(len(blobs)), []
+
+        def failed(number: int, exc: ChunkError) -> None:
+            if not partial_allowed:
+                raise exc
+            statuses[number] = status_of(exc)
+            reasons.append(str(exc))
+
         for number, (chunk, offset, length) in enumerate(blobs):
             try:
                 self._server.check(source, chunk, offset, length)
             except ChunkError as exc:
-                if not partial_allowed:
-                    raise
-                statuses[number] = status_of(exc)
-                reason = reason or str(exc)
+                failed(number, exc)
         checked_bytes = sum(length for (_, _, length), status in zip(blobs, statuses) if status == Status.OK)
         reply = np.empty(REPLY_HEADER.size + checked_bytes, np.uint8)  # every byte is written before it is sent
         REPLY_HEADER.pack_into(reply, 0, REPLY_MAGIC, Status.OK)
@@ -390,17 +394,13 @@ class PeerTransport:
             at += length
             try:
                 self._server.read_into(chunk, offset, length, out)
+                served.append(out)
             except ChunkError as exc:
-                if not partial_allowed:
-                    raise
-                statuses[number] = status_of(exc)
-                reason = reason or str(exc)
-                continue
-            served.append(out)
-        if reason:
+                failed(number, exc)
+        if reasons:
             asked_bytes = sum(length for _, _, length in blobs)
-            return partial_reply(bytes(statuses), served, reason, asked_bytes), served, reason
-        return reply, served, reason
+            return partial_reply(bytes(statuses), served, reasons[0], asked_bytes), served
+        return reply, served
 
     def _shut_down(self) -> None:
         error_text = "the MPI thread has stopped" if self._failure is None else f"the MPI thread failed: " \
