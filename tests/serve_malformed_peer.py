@@ -108,7 +108,7 @@ def main(dest: Path, workdir: Path) -> None:
     rank = comm.Get_rank()
     index = Index.load(dest)
     placement = place(index, comm.Get_size())
-    blobs = BlobTable.of(index)
+    blobs = placement.blobs
     sizes = [int(size) for size in index.chunks["size"]]
     local_dir = workdir / f"local{rank}"
     Stager(comm, index, placement, dest, local_dir).run()

@@ -30,7 +30,7 @@ from fanstore.core.index import Index  # noqa: E402
 from fanstore.errors import say_line  # noqa: E402
 from fanstore.serve.doorbell import open_doorbell  # noqa: E402
 from fanstore.serve.node import RequestChecker  # noqa: E402
-from fanstore.serve.placement import NO_OWNER, BlobTable, ChunkOwners, place  # noqa: E402
+from fanstore.serve.placement import NO_OWNER, ChunkOwners, place  # noqa: E402
 from fanstore.serve.polling import wait_all  # noqa: E402
 from fanstore.serve.sources import PeerChunkSource, PlacedChunkSource  # noqa: E402
 from fanstore.serve.staged_source import StagedChunkSource  # noqa: E402
@@ -92,7 +92,7 @@ def main(dest: Path, workdir: Path) -> int:
     rank = comm.Get_rank()
     index = Index.load(dest)
     placement = place(index, comm.Get_size())
-    blobs = BlobTable.of(index)
+    blobs = placement.blobs
     sizes = index.chunks["size"]
     local_dir = workdir / f"local{rank}"
     Stager(comm, index, placement, dest, local_dir).run()
