@@ -71,7 +71,7 @@ def run_pack(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from .core.options import from_args
-    from .pack.heap import map_large_blocks_apart
+    from .core.allocator import map_large_blocks_apart
     from .pack.options import PackOptions
     from .pack.packer import pack
     from .pack.progress import PackProgress

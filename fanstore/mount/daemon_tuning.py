@@ -1,34 +1,15 @@
-"""How the mount daemon process is tuned for many small requests: pyfuse3's session loop and glibc's malloc.
+"""How the mount daemon process is tuned for many small requests: pyfuse3's session loop (its malloc setting is
+core/allocator.py's, which the other decoding processes share).
 
-Both change process-wide behaviour, so only the daemon (`fanstore mount`, bench/ram_fs.py) calls them, once,
-before it serves. Each returns False and changes nothing where its hook is missing.
+It changes process-wide behaviour, so only the daemon (`fanstore mount`, bench/ram_fs.py) calls it, once, before
+it serves. It returns False and changes nothing where its hook is missing.
 """
 
 from __future__ import annotations
 
-import ctypes
 import select
 import types
 from typing import Awaitable, Callable
-
-
-def keep_freed_memory(largest_block: int = 32 << 20) -> bool:
-    """Have glibc keep freed decode buffers (blocks up to `largest_block`) for reuse instead of handing them back.
-
-    By default glibc maps large blocks afresh and unmaps them on free, and gives the top of its heap back to the
-    kernel, so each decode page-faults its output buffers in again: lz4 into 2 MiB took 2.0 ms that way, 0.5 ms
-    with this. The daemon decodes all day, so it keeps that memory. One arena for all threads: with one per decode
-    thread, each kept its own freed buffers, and over three epochs of 1 MiB files with a 4 MiB cache the daemon's
-    RSS grew 13.8-17.0 MB instead of 7.6-8.6 MB. False where glibc is not the allocator.
-    """
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8
-    return (bool(mallopt(m_arena_max, 1)) and bool(mallopt(m_mmap_threshold, largest_block))
-            and bool(mallopt(m_trim_threshold, 4 * largest_block)))
 
 
 def install_fast_session_loop(yield_every: int = 16) -> bool:

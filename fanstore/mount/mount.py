@@ -29,7 +29,8 @@ import numpy as np
 
 from ..core.api import Dataset, open_dataset
 from ..core.cache import DecodedCache
-from .daemon_tuning import install_fast_session_loop, keep_freed_memory
+from ..core.allocator import keep_freed_memory
+from .daemon_tuning import install_fast_session_loop
 from ..core.dest_apart import overlap
 from ..errors import FanstoreError, UsageError, quoted
 from ..core.format import CHUNK_DIR, INDEX_NAME

@@ -21,6 +21,7 @@ import numpy as np
 
 from compressors import CodecError, codec_from_spec
 
+from ..core.allocator import give_back_free_heap
 from ..core.format import NO_CHUNK
 from ..core.index import Index, IndexLayout, write_packed_index
 from ..core.pause import pause_point
@@ -47,7 +48,6 @@ from .dest import (
 from .fingerprint import pack_fingerprint
 from .fit_watch import FitWatch
 from .groups import GroupPlan
-from .heap import give_back_free_heap
 from .index_bytes import index_layout, placed_index
 from .index_size import index_bytes_estimate
 from .journal import ChunkRecord, JournalState, PackJournal

@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 
 from ..core.api import Dataset
 from ..core.chunk_source import LocalChunkSource
-from ..mount.daemon_tuning import keep_freed_memory
+from ..core.allocator import keep_freed_memory
 from ..core.dest_apart import check_apart_from_dest
 from ..errors import ChunkUnavailable, FanstoreError, UsageError, quoted, say_line
 from ..core.format import CHUNK_DIR, INDEX_NAME

@@ -19,7 +19,7 @@ import numpy as np
 from ..core.api import Dataset, open_dataset
 from ..core.chunk_source import LocalChunkSource
 from ..core.format import INDEX_NAME
-from ..mount.daemon_tuning import keep_freed_memory
+from ..core.allocator import keep_freed_memory
 from ..core.index import Index
 from .plan import EpochPlan
 
