@@ -661,6 +661,21 @@ def test_a_killed_job_leaves_no_mount_process_or_shared_memory(served_dataset, t
     wait_until(lambda: not _left_behind(shm_before), "MPICH's /dev/shm files removed", 5)
 
 
+def test_a_ranks_threads_carry_their_names_in_the_kernel(served_dataset, tmp_path, jobs):
+    """top -H, ps -L and bench_serve's CPU per thread tell a rank's threads apart by their kernel names
+    (/proc/PID/task/TID/comm): the MPI thread, the node's fetcher and endpoint, the mount's prefetchers."""
+    src, dest = served_dataset
+    job = Job(tmp_path, dest, "--prefetch-threads", "2")
+    jobs.append(job)
+    pids = job.wait_ready()
+    assert tree_digest(job.mountpoints[0]) == tree_digest(src)  # reads start the prefetch threads
+    names = {Path(task, "comm").read_text().strip() for task in Path(f"/proc/{pids[0]}/task").iterdir()}
+    assert {"mpi", "node-ahead", "node-endpoint", "prefetch_0"} <= names, names
+    os.killpg(job.proc.pid, signal.SIGTERM)
+    code, out, err = job.finish()
+    assert code == 0, out + err
+
+
 def test_a_killed_watchdog_is_logged_and_leaves_the_jobs_status_to_its_readers(served_dataset, tmp_path, jobs):
     """kill -9 of rank 1's watchdog while COMMAND runs: rank 1 says so in one line (it has none from then on), and
     a job whose readers all succeeded still exits 0 and leaves nothing behind. Its end wrote to the watchdog's

@@ -27,6 +27,7 @@ from ..core.chunk_source import ChunkSource, ReadDone
 from ..errors import UsageError, quoted
 from ..core.format import FLAG_BLOCKED, NO_CHUNK
 from ..core.index import Index, normalize_path
+from ..core.thread_names import name_os_thread
 
 
 # What the decoded cache holds: a file stored whole by its entry number, one block of a file stored in blocks by
@@ -167,7 +168,8 @@ class Prefetcher:
         self._cache = cache
         self._order = order
         self._depth = depth
-        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="fanstore-prefetch")
+        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="fanstore-prefetch",
+                                        initializer=name_os_thread)
         self._scheduled: set[CacheKey] = set()  # queued or decoding now
         self._waiting: set[CacheKey] = set()  # queued, not started: the reader may still take one over
         self._lock = threading.Lock()

@@ -24,6 +24,7 @@ from ..core.chunk_source import BlobRead, ReadDone
 from ..errors import ChunkError, ChunkUnavailable
 from ..core.format import FLAG_BLOCKED, NO_CHUNK
 from ..core.index import Index
+from ..core.thread_names import name_os_thread
 from .node_protocol import PLAN_ROW, BlobLookup
 
 log = logging.getLogger("fanstore.serve")
@@ -247,6 +248,7 @@ class BlobsAhead:
     # --- the fetching thread -------------------------------------------------------------------------------------
 
     def _work(self) -> None:
+        name_os_thread()
         while True:
             with self._lock:
                 while not self._closed:

@@ -23,6 +23,7 @@ from typing import Any, BinaryIO, Callable, Iterator
 import numpy as np
 
 from ..core.chunk_source import BlobRead, ChunkSource
+from ..core.thread_names import name_os_thread
 from ..errors import ChunkError
 from .blobs_ahead import BlobsAhead, PlanRefused
 from .node_protocol import (HELLO, KIND_NAMES, OK, PLAN, PLAN_ROW, READ, READS, READS_MAX_BLOBS, READS_MAX_BYTES,
@@ -85,15 +86,19 @@ class NodeEndpoint:
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
+                name_os_thread("node-client")
                 endpoint._serve(self.request)
 
         with unix_address(self.path) as address:
             self._server = socketserver.ThreadingUnixStreamServer(address, Handler)
         self._server.daemon_threads = True
         os.chmod(self.path, 0o600)  # this user's readers only
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.5},
-                                        name="fanstore-node-endpoint", daemon=True)
+        self._thread = threading.Thread(target=self._accept, name="fanstore-node-endpoint", daemon=True)
         self._thread.start()
+
+    def _accept(self) -> None:
+        name_os_thread()
+        self._server.serve_forever(poll_interval=0.5)
 
     def _serve(self, connection: socket.socket) -> None:
         """One connection's requests, in turn, until it closes; then its plan is given back."""

@@ -31,6 +31,7 @@ from .doorbell import Doorbell
 from .peer_messages import FIRST_REPLY_TAG, MAX_BLOBS, MORE_BLOB, PING, REASON_ROOM, REPLY_HEADER, REPLY_MAGIC, \
     REQUEST, REQUEST_MAGIC, TAG_REQUEST, TAG_VERDICT, VERDICT, VERDICT_MAGIC, \
     PeerCounters, error_reply, partial_reply
+from ..core.thread_names import name_os_thread
 from .polling import Backoff, precise_sleeps, wait_all
 from .remote_blobs import PeerOptions, RemoteBlobs
 from .statuses import RequestRefused, Status, status_of
@@ -176,6 +177,7 @@ class PeerTransport:
     # --- the MPI thread ---------------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        name_os_thread()
         precise_sleeps()
         remote = self.remote
         try:

@@ -21,6 +21,7 @@ from ..core.chunk_source import LocalChunkSource
 from ..core.format import INDEX_NAME
 from ..core.allocator import keep_freed_memory
 from ..core.index import Index
+from ..core.thread_names import name_os_thread
 from .plan import EpochPlan
 
 PREFETCH_BATCHES = 2  # batches of its own a worker decodes ahead
@@ -241,7 +242,8 @@ class ProcessReading:
             if self._ahead_bytes + size > self._capacity:
                 return
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max(1, self._threads), thread_name_prefix="fanstore-prefetch")
+                self._pool = ThreadPoolExecutor(max(1, self._threads), thread_name_prefix="fanstore-prefetch",
+                                                initializer=name_os_thread)
             self._ahead[start] = _BatchAhead(entries, size,
                                              self._pool.submit(_decode_batch, self.dataset.reader.read_many,
                                                                entries))
