@@ -105,7 +105,7 @@ REPO = BENCH_DIR.parent
 sys.path.insert(0, str(REPO))  # measure this checkout, not some installed fanstore
 
 from bench_read import back_memory, file_bytes, print_table, warm, write_files  # noqa: E402
-from machine_load import OtherLoad, cpu_ns, idle_cpu, machine_lines, wait_for_quiet  # noqa: E402
+from machine_load import OtherLoad, cpu_ns, idle_cpu, machine_lines, thread_cpu_ns, wait_for_quiet  # noqa: E402
 
 from fanstore.core.format import CHUNK_HEADER_LEN, NO_CHUNK  # noqa: E402
 from fanstore.mount.mount import fuse_mounted_at, fuse_unavailable_reason  # noqa: E402
@@ -361,12 +361,14 @@ def _start_reader(dest: str | None) -> None:
 
 
 def _read_segments(root: str | None, segments: list[tuple[str, ...]], pids: list[int]
-                   ) -> list[tuple[float, int, list[int], int]]:
+                   ) -> list[tuple[float, int, list[int], int, list[dict[str, int]]]]:
     """What a data-loader worker does per sample (open, read it all, close; or the API's read), timed per segment:
-    (seconds, bytes, CPU nanoseconds each of `pids` used meanwhile, CPU nanoseconds of this reader) of each."""
+    (seconds, bytes, CPU nanoseconds each of `pids` used meanwhile, CPU nanoseconds of this reader, each of `pids`'
+    CPU nanoseconds by thread name) of each."""
     timings = []
     for paths in segments:
         total = 0
+        threads = [thread_cpu_ns(pid) for pid in pids]
         cpu = [cpu_ns(pid) for pid in pids]
         own = time.process_time_ns()  # this process's CPU-time clock, as cpu_ns reads the others'
         started = time.perf_counter()
@@ -379,7 +381,10 @@ def _read_segments(root: str | None, segments: list[tuple[str, ...]], pids: list
                     total += len(f.read())
         seconds = time.perf_counter() - started
         own = time.process_time_ns() - own
-        timings.append((seconds, total, [cpu_ns(pid) - before for pid, before in zip(pids, cpu)], own))
+        cpu = [cpu_ns(pid) - before for pid, before in zip(pids, cpu)]
+        threads = [{name: ns - before.get(name, 0) for name, ns in thread_cpu_ns(pid).items()}
+                   for pid, before in zip(pids, threads)]
+        timings.append((seconds, total, cpu, own, threads))
     return timings
 
 
@@ -408,6 +413,9 @@ class Epoch:
     others: float  # cores
     cpu: dict[str, list[float]]  # through a mount: CPU seconds of each rank's serving process, per segment
     reader_cpu: dict[str, float]  # CPU seconds of the reader, per segment
+    # through a mount: CPU seconds of each rank's serving process by thread name (machine_load.thread_cpu_ns), per
+    # segment
+    threads: dict[str, list[dict[str, float]]] = field(default_factory=dict)
     sources: dict[str, int] = field(default_factory=dict)  # local, fetched, fallback: reads during the pass
 
     def rate(self, segments: list[str]) -> float:
@@ -433,13 +441,15 @@ def timed_epoch(pool: multiprocessing.pool.Pool, root: Path | None, data: DataSe
         wall = time.perf_counter() - started
     names = [name for name, _ in data.segments]
     expected = [sum((data.src / rel).stat().st_size for rel in paths) for _, paths in data.segments]
-    if [total for _, total, _, _ in timings] != expected:
-        raise SystemExit(f"bench_serve: [{data.label}] read {[t for _, t, _, _ in timings]} bytes by segment "
+    if [timing[1] for timing in timings] != expected:
+        raise SystemExit(f"bench_serve: [{data.label}] read {[timing[1] for timing in timings]} bytes by segment "
                          f"from {root or 'the API'}, expected {expected}")
-    return Epoch({name: seconds for name, (seconds, _, _, _) in zip(names, timings)},
+    return Epoch({name: seconds for name, (seconds, _, _, _, _) in zip(names, timings)},
                  {name: len(paths) for name, paths in data.segments}, others.cpu_seconds / wall,
-                 {name: [ns / 1e9 for ns in cpu] for name, (_, _, cpu, _) in zip(names, timings)},
-                 {name: own / 1e9 for name, (_, _, _, own) in zip(names, timings)})
+                 {name: [ns / 1e9 for ns in cpu] for name, (_, _, cpu, _, _) in zip(names, timings)},
+                 {name: own / 1e9 for name, (_, _, _, own, _) in zip(names, timings)},
+                 {name: [{thread: ns / 1e9 for thread, ns in used.items()} for used in threads]
+                  for name, (_, _, _, _, threads) in zip(names, timings)})
 
 
 def class_segments(rank: int) -> dict[str, list[str]]:
@@ -795,6 +805,53 @@ def epoch_rows(runs: list[Run]) -> list[list[str]]:
     return rows
 
 
+THREAD_FLOOR_US = 0.5  # a thread under this per file, local and remote, is counted in 'other threads'
+
+
+def thread_cpu(epochs: list[Epoch], name: str, side: str) -> tuple[int, dict[str, float]]:
+    """Files of class `name` (local, remote) of a job, every rank's epoch summed, and the CPU seconds each thread
+    (by name) of the reading rank's serving process (`side` 'reading') or of the ranks that stored those files
+    (`side` 'serving': for local files, the other ranks, which serve nothing then) used over them."""
+    files, used = 0, {}
+    for rank, epoch in enumerate(epochs):
+        for segment in class_segments(rank)[name]:
+            files += epoch.files[segment]
+            if side == "reading":
+                ranks = [rank]
+            else:
+                ranks = [int(segment.split()[1])] if name == "remote" else [r for r in range(RANKS) if r != rank]
+            for r in ranks:
+                for thread, seconds in epoch.threads[segment][r].items():
+                    used[thread] = used.get(thread, 0.0) + seconds
+    return files, used
+
+
+def thread_rows(runs: list[Run]) -> list[list[str]]:
+    """Per thread, CPU microseconds per local and per remote file: where a remote file's extra cost goes."""
+    rows = []
+    for result in runs:
+        for way, epochs in result.epochs.items():
+            if len(epochs) != RANKS or not epochs[0].threads:
+                continue  # plain, api: no rank
+            for side in ("reading", "serving"):
+                (local_files, local), (remote_files, remote) = (thread_cpu(epochs, name, side)
+                                                                for name in ("local", "remote"))
+                per_file = {thread: (1e6 * local.get(thread, 0.0) / local_files,
+                                     1e6 * remote.get(thread, 0.0) / remote_files)
+                            for thread in {**local, **remote}}
+                shown = sorted((t for t, us in per_file.items() if max(us) >= THREAD_FLOOR_US),
+                               key=lambda t: -per_file[t][1])
+                rest = [per_file[t] for t in per_file if t not in shown]
+                lines = [(t, per_file[t]) for t in shown]
+                if rest:
+                    lines.append(("other threads", (sum(l for l, _ in rest), sum(r for _, r in rest))))
+                lines.append(("all", (sum(l for _, (l, _) in lines), sum(r for _, (_, r) in lines))))
+                for thread, (local_us, remote_us) in lines:
+                    rows.append([result.data.label, result.placement.label, way, f"{side} rank", thread,
+                                 f"{local_us:.1f}", f"{remote_us:.1f}", f"{remote_us - local_us:+.1f}"])
+    return rows
+
+
 def staging_ok(result: Run) -> tuple[bool, str]:
     data, report = result.data, result.jobs[CONFIGS[0][0]]
     ceiling = data.chunk_bytes + CHUNK_HEADER_LEN * data.split_pieces
@@ -976,6 +1033,15 @@ def print_report(sets: list[DataSet], runs: list[Run], idle_seconds: float, note
     print_table(["dataset", "placement", "reader", "rank", "local files/s", "CPU us: rank", "peers", "reader",
                  "remote files/s", "CPU us: rank", "peers", "reader", "remote/local", "replicated files/s", "MB/s",
                  "others", "as placed"], epoch_rows(runs), left=4)
+    print()
+    print("threads: CPU us per file of each thread of the serving processes, by the kernel name fanstore gives it "
+          "(/proc/PID/task/*/schedstat at each group's start and end; 'main' runs the FUSE loop), the jobs of the "
+          "table above, every rank's epoch summed: reading rank = the rank whose mount is read, over its local and "
+          "its remote files; serving rank = the ranks storing the remote files over them (over the local files: the "
+          "other ranks, which then serve nothing); a thread that ended between two samples is missing (the "
+          "process's clock above counts it)")
+    print_table(["dataset", "placement", "reader", "process", "thread", "us/local file", "us/remote file",
+                 "remote - local"], thread_rows(runs), left=5)
     print()
     print("staging (the first job, page cache dropped first" + ("" if all(r.cold for r in runs) else
           ": NOT dropped (not root), DEST was warm") + "): seconds per rank from --stats (0.1 s resolution); MB/s = "

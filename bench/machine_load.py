@@ -126,6 +126,23 @@ def cpu_ns(pid: int) -> int:
     return time.clock_gettime_ns(_process_cpu_clock(pid))
 
 
+def thread_cpu_ns(pid: int) -> dict[str, int]:
+    """CPU nanoseconds each of a process's live threads has used so far, by kernel name (fanstore names its
+    threads: fanstore/core/thread_names.py), threads of one name summed; the main thread is 'main'. From
+    /proc/PID/task/*/schedstat, so a thread that ends between two samples loses its time: cpu_ns gives the
+    process's total."""
+    used: dict[str, int] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as comm, open(f"/proc/{pid}/task/{tid}/schedstat") as stat:
+                name, nanoseconds = comm.read().strip(), int(stat.read().split()[0])
+        except OSError:  # ended meanwhile
+            continue
+        name = "main" if tid == str(pid) else name
+        used[name] = used.get(name, 0) + nanoseconds
+    return used
+
+
 def idle_cpu(pids: list[int] | tuple[int, ...], seconds: float, settle: float) -> list[float]:
     """Each process's CPU use over `seconds` of wall time, as a share of one core, sampled `settle` seconds from
     now (after the last read, so that what it started has ended)."""
