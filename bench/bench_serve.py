@@ -29,7 +29,10 @@ ended meanwhile too). /proc/PID/stat counts 10 ms ticks, which over a group read
 apart; summing /proc/PID/task/*/schedstat counts nanoseconds but loses a thread that ends between two samples, and
 getrusage sees only this process and its children once they end (the ranks are mpiexec's). The judged figures sum
 every rank's epoch: CPU per remote file less CPU per local file of the reading rank, over the job's 20,000 local and
-40,000 remote reads.
+40,000 remote reads. Where that CPU goes: each thread of the serving processes (fanstore names its threads in the
+kernel: the MPI thread 'mpi', the node's fetcher 'node-ahead', the FUSE loop on 'main', ...) is read from
+/proc/PID/task/*/schedstat at the same moments, and a table gives each one's CPU per local and per remote file,
+for the reading rank and for the ranks serving it.
 
 Ways of reading, each the same epoch, split the same way for each rank:
 
