@@ -7,6 +7,7 @@ import io
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO
+import fanstore
 from fanstore import PackOptions, pack
 from fanstore.core.format import INDEX_NAME
 
@@ -129,6 +131,43 @@ def test_forked_workers_look_the_paths_up_again_when_the_dataset_changed_on_disk
     pack(src, dest, PackOptions(codec="zstd:3", workers=1, force=True))
     loader = DataLoader(dataset, batch_size=1, num_workers=1, collate_fn=list, multiprocessing_context="fork")
     assert [data for batch in loader for data in batch] == [b"b" * 100, b"c, rewritten"]
+
+
+def test_a_spawned_worker_gets_entry_numbers_not_the_paths(packed):
+    """A worker started by spawn unpickles the dataset: given paths travel as 4-byte entry numbers of the index
+    file the training process looked them up in (issue 35: a list of 10^7 paths cost each worker gigabytes and a
+    lookup of every path), and the paths are listed again only if asked for."""
+    src, dest = packed
+    paths = [f"files/d{i % 3}/f{i:03d}.bin" for i in reversed(range(60))]
+    dataset = FileDataset(dest, paths=paths)
+    assert len(dataset) == 60  # the sampler asks this in the training process: it opens the dataset there
+    pickled = pickle.dumps(dataset)
+    half = FileDataset(dest, paths=paths[:30])
+    assert len(half) == 30
+    assert b"f059.bin" not in pickled and len(pickled) - len(pickle.dumps(half)) <= 30 * 4 + 8  # 4 bytes an item
+    worker = pickle.loads(pickled)
+    assert [worker[i] for i in (0, 59)] == [(src / paths[0]).read_bytes(), (src / paths[59]).read_bytes()]
+    assert worker.paths == paths
+    loader = DataLoader(dataset, batch_size=7, num_workers=2, collate_fn=list, multiprocessing_context="spawn")
+    assert [data for batch in loader for data in batch] == [(src / path).read_bytes() for path in paths]
+
+
+def test_a_spawned_worker_refuses_entry_numbers_of_an_index_packed_again(tmp_path):
+    src = tmp_path / "src"
+    for name in ("b", "c"):
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes(name.encode() * 100)
+    dest = tmp_path / "dest"
+    pack(src, dest, PackOptions(codec="zstd:3", workers=1))
+    dataset = FileDataset(dest, paths=["c"])
+    assert len(dataset) == 1
+    pickled = pickle.dumps(dataset)
+    (src / "a").write_bytes(b"a new first file, which moves every entry number")
+    pack(src, dest, PackOptions(codec="zstd:3", workers=1, force=True))
+    worker = pickle.loads(pickled)
+    refusal = re.escape(f"{dest / INDEX_NAME}: not the index file") + ".*packed again"
+    with pytest.raises(fanstore.UsageError, match=refusal):
+        worker[0]
 
 
 def test_forked_workers_open_nothing_again_every_epoch(tmp_path, monkeypatch):

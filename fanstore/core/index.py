@@ -73,9 +73,14 @@ class EntryRecord(NamedTuple):
 class Index:
     """A loaded index: read-only arrays plus the table of contents (groups, codecs, chunks, pack metadata)."""
 
-    def __init__(self, path: Path, toc: dict[str, Any], sections: dict[str, np.ndarray]) -> None:
+    def __init__(self, path: Path, toc: dict[str, Any], sections: dict[str, np.ndarray],
+                 mapped: os.stat_result | None = None) -> None:
         # The sections may be views into a read-only map of the index file, which they keep open.
         self.path = path
+        # Which file was read (device, inode, size, mtime), where known: another process that finds the same
+        # identity reads the very same bytes, so entry numbers from here mean the same there.
+        self.file_identity: tuple[int, int, int, int] | None = (
+            None if mapped is None else (mapped.st_dev, mapped.st_ino, mapped.st_size, mapped.st_mtime_ns))
         self.toc = toc
         self.entries: np.ndarray = sections["entries"]
         # A view into the loaded file, not a copy: the path blob is a third of the index's memory.
@@ -117,7 +122,7 @@ class Index:
         toc, sections = parse_index(path, data, full_check=not checked)
         if not checked and body_hash is not None:
             index_trust.mark_checked(info, body_hash)
-        return cls(path, toc, sections)
+        return cls(path, toc, sections, info)
 
     @classmethod
     def from_bytes(cls, path: Path, data: bytes) -> "Index":

@@ -14,7 +14,7 @@ from torch.utils.data import Dataset as TorchDataset
 from ..core.api import Dataset
 from ..errors import quoted
 from .plan import EpochPlan
-from .reading import PREFETCH_BYTES, PREFETCH_THREADS, ProcessReading, open_source
+from .reading import PREFETCH_BYTES, PREFETCH_THREADS, ProcessReading, ShippedItems, open_source
 
 # The extensions torchvision's ImageFolder accepts (torchvision.datasets.folder.IMG_EXTENSIONS).
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -42,9 +42,15 @@ class FileDataset(TorchDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.pop("_process_reading", None)
+        reading = state.pop("_process_reading", None)
         if state.get("_paths_listed"):  # listed from the index: each worker lists them again, pickles stay small
             state["_paths"] = None
+        elif state["_paths"] is not None and reading is not None and reading.pid == os.getpid():
+            # Paths given and looked up here (the sampler asked len() in the training process): a spawned worker
+            # gets the entry numbers instead, and lists the paths from its index only if it is asked for them.
+            shipped = ShippedItems.of(reading)
+            if shipped is not None:
+                state.update(_paths=None, _paths_listed=True, _shipped=shipped)
         return state
 
     def _reading(self) -> ProcessReading:
@@ -56,7 +62,7 @@ class FileDataset(TorchDataset):
 
         return ProcessReading.of(self, lambda inherited: ProcessReading(self.source, self._paths, plan,
                                                                        self.prefetch_bytes, self.prefetch_threads,
-                                                                       inherited))
+                                                                       inherited, self.__dict__.get("_shipped")))
 
     @property
     def paths(self) -> list[str]:

@@ -21,6 +21,7 @@ from ..core.chunk_source import LocalChunkSource
 from ..core.format import INDEX_NAME
 from ..core.allocator import keep_freed_memory
 from ..core.index import Index
+from ..errors import UsageError
 from ..core.thread_names import name_os_thread
 from .plan import EpochPlan
 
@@ -84,7 +85,7 @@ def _take_over(inherited: "ProcessReading | None", source: str | None) -> Datase
     another source): the process opens its own."""
     if inherited is None or source is None or inherited.source != source:
         return None
-    if inherited.index_file is None or _index_file(source) != inherited.index_file:
+    if inherited.dataset.index.file_identity is None or _index_file(source) != inherited.dataset.index.file_identity:
         return None  # packed again since the parent opened it (one stat, not an open): read what is there now
     return inherited.dataset.for_forked_child()
 
@@ -122,11 +123,40 @@ def first_places(order: np.ndarray, items: int, step: int = 1 << 16) -> np.ndarr
     return places
 
 
+@dataclass(frozen=True)
+class ShippedItems:
+    """A dataset's items as a spawned worker gets them: their entry numbers in the index file the training process
+    looked them up in, and that file's identity. 4 bytes an item travel, where a list of paths cost each worker the
+    paths as str objects and a lookup of every one again (at 10^7 files, gigabytes and seconds a worker)."""
+
+    entries: np.ndarray
+    index_file: tuple[int, int, int, int]
+
+    @classmethod
+    def of(cls, reading: "ProcessReading") -> "ShippedItems | None":
+        """The items of an open reading, or None where its index file's identity is unknown."""
+        identity = reading.dataset.index.file_identity
+        if identity is None:
+            return None
+        entries = reading.entries
+        narrow = np.int32 if len(reading.dataset.index) < 2**31 else np.int64
+        return cls(entries.astype(narrow, copy=False), identity)
+
+    def entries_in(self, index: Index) -> np.ndarray:
+        """The entries, in `index` if it was read from the same file; else one error naming the file."""
+        if index.file_identity != self.index_file:
+            raise UsageError(f"{index.path}: not the index file the training process looked this dataset's items up "
+                             f"in (packed again since?); the items' paths are not known here: start the DataLoader "
+                             f"again")
+        return self.entries
+
+
 class ProcessReading:
     """One process's open dataset, its items' entries, and its decoding ahead."""
 
     def __init__(self, source: str | None, paths: Sequence[str] | None, plan: Callable[[], EpochPlan | None],
-                 prefetch_bytes: int, prefetch_threads: int, inherited: "ProcessReading | None" = None) -> None:
+                 prefetch_bytes: int, prefetch_threads: int, inherited: "ProcessReading | None" = None,
+                 shipped: "ShippedItems | None" = None) -> None:
         self.pid = os.getpid()
         self.source = source
         in_a_worker = _in_a_dataloader_worker()
@@ -135,7 +165,6 @@ class ProcessReading:
             # fault it in page by page. The mount's daemon keeps freed buffers for reuse; so does a worker.
             keep_freed_memory()
         taken = _take_over(inherited, source)
-        self.index_file = _index_file(source) if taken is None else inherited.index_file  # type: ignore[union-attr]
         self.dataset = taken if taken is not None else open_source(source)
         index = self.dataset.index
         if taken is not None:  # the parent's index itself: its items are this process's
@@ -144,6 +173,8 @@ class ProcessReading:
             # A forked worker: the parent's items are this index's too (the same bytes), so it need not look up a
             # million paths again. Only the array is taken; the parent's open files stay the parent's.
             self.entries = inherited.entries
+        elif shipped is not None:
+            self.entries = shipped.entries_in(index)
         elif paths is None:
             self.entries = index.files_in_path_order()  # a 1.2 index's own array, read in place: nothing to sort
         else:
