@@ -11,7 +11,8 @@ before issue 35; its figures in the same run, on the same datasets):
   read us    CPU per Dataset.read of a random path (median of --repeats rounds of 5,000, by turns)
   worker     private memory (Private_Clean + Private_Dirty of /proc/PID/smaps_rollup) of a DataLoader worker
              after its first item: FileDataset over every file, EpochSampler(RandomSampler), 2 workers, spawned
-             and forked; `trivial` is a worker of a Dataset of N ints under the same loader, the floor
+             and forked; `paths=` the same, spawned, with every path given as a list (FileDataset(DEST, paths));
+             `trivial` is a worker of a Dataset of N ints under the same loader, the floor
 
 and the slope of each worker figure between the two smallest sizes, in bytes per file.
 
@@ -70,20 +71,23 @@ def _first(batch: list[int]) -> int:
     return batch[0]
 
 
-def worker_private_memory(dest: str, context: str, trivial: bool = False) -> int:
+def worker_private_memory(dest: str, context: str, floor: str = "fanstore") -> int:
     """The largest private memory of the two workers after their first items."""
-    return max(workers_private_memory(dest, context, 2, trivial))
+    return max(workers_private_memory(dest, context, 2, floor))
 
 
-def workers_private_memory(dest: str, context: str, workers: int, trivial: bool = False) -> list[int]:
-    """The private memory of each of a DataLoader's `workers` workers after its first item."""
+def workers_private_memory(dest: str, context: str, workers: int, floor: str = "fanstore") -> list[int]:
+    """The private memory of each of a DataLoader's `workers` workers after its first item; `floor` 'paths': the
+    dataset given every path as a list, 'trivial': a Dataset of ints."""
     from torch.utils.data import DataLoader, RandomSampler
 
     from fanstore.torch import EpochSampler, FileDataset
 
-    dataset = FileDataset(dest, transform=_memory_item)
+    paths = FileDataset(dest).paths if floor == "paths" else None
+    dataset = FileDataset(dest, paths=paths, transform=_memory_item)
+    del paths  # the list stays the dataset's; a user's own list would be theirs too
     sampler = EpochSampler(RandomSampler(dataset), dataset)
-    if trivial:
+    if floor == "trivial":
         dataset, sampler = _Trivial(len(dataset)), RandomSampler(range(len(dataset)))
     loader = DataLoader(dataset, batch_size=1, num_workers=workers, sampler=sampler,
                         multiprocessing_context=context, collate_fn=_first, prefetch_factor=1)
@@ -129,7 +133,7 @@ def _child(kind: str, dest: str, repeats: int) -> object:
         return workers_private_memory(dest, context, int(workers))
     if kind.startswith("worker"):
         _, context, floor = kind.split(":")
-        return worker_private_memory(dest, context, floor == "trivial")
+        return worker_private_memory(dest, context, floor)
     raise SystemExit(f"unknown figure {kind}")
 
 
@@ -168,7 +172,7 @@ def main() -> None:
     print(f"bench_index: CPUs {sorted(os.sched_getaffinity(0))}, unpinned; {args.repeats} repeats; trees "
           + ", ".join(f"{name} {path}" for name, path in trees.items()))
     header = (f"{'files':>10} {'tree':>8} {'open 1st s':>10} {'open s':>7} {'1st item s':>10} {'lookup us':>9} "
-              f"{'read us':>8} {'spawn MiB':>9} {'fork MiB':>8} {'trivial MiB':>11}")
+              f"{'read us':>8} {'spawn MiB':>9} {'fork MiB':>8} {'paths= MiB':>10} {'trivial MiB':>11}")
     print(header)
     workers: dict[tuple[str, int], list[object]] = {}
     for files in sizes:
@@ -186,7 +190,8 @@ def main() -> None:
             lookup = _measure(tree, "lookup", dest, args.repeats)
             read = _measure(tree, "read", dest, args.repeats)
             memory = [_measure(tree, f"worker:{context}:{floor}", dest, 1)
-                      for context, floor in (("spawn", "fanstore"), ("fork", "fanstore"), ("spawn", "trivial"))]
+                      for context, floor in (("spawn", "fanstore"), ("fork", "fanstore"), ("spawn", "paths"),
+                                             ("spawn", "trivial"))]
             workers[(name, files)] = memory
             open_median = statistics.median(o for o in opens if not isinstance(o, str)) if all(
                 not isinstance(o, str) for o in opens) else opens[0]
@@ -194,15 +199,15 @@ def main() -> None:
                   f"{_cell(first_item, 1, 3):>10} "
                   f"{_cell(lookup if isinstance(lookup, str) else statistics.median(lookup), 1, 2):>9} "
                   f"{_cell(read if isinstance(read, str) else statistics.median(read), 1, 2):>8} "
-                  + " ".join(f"{_cell(m, 1 / MIB, 1):>{w}}" for m, w in zip(memory, (9, 8, 11))), flush=True)
+                  + " ".join(f"{_cell(m, 1 / MIB, 1):>{w}}" for m, w in zip(memory, (9, 8, 10, 11))), flush=True)
     low, high = sizes[0], sizes[1]
     for name in trees:
         slopes = []
-        for column in range(3):
+        for column in range(4):
             a, b = workers[(name, low)][column], workers[(name, high)][column]
             slopes.append("-" if isinstance(a, str) or isinstance(b, str) else f"{(b - a) / (high - low):.1f}")
         print(f"worker private memory per file, {low:,} -> {high:,} files, {name}: spawn {slopes[0]} B, "
-              f"fork {slopes[1]} B, trivial {slopes[2]} B (target <= 24 B)")
+              f"fork {slopes[1]} B, paths= {slopes[2]} B, trivial {slopes[3]} B (target <= 24 B)")
 
 
 if __name__ == "__main__":
