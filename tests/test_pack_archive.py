@@ -155,16 +155,96 @@ def test_hostile_member_names_are_refused_with_a_warning_and_nothing_is_written_
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     for needle in ("../escape.txt", "/tmp/absolute.txt", "sub/../../climb.txt", "out: symlink to '/etc' leaves SRC",
-                   "up: symlink to '../../x' leaves SRC", "dev: is a character device", "fifo: is a fifo",
-                   "hard: is a hard link"):
+                   "up: symlink to '../../x' leaves SRC", "dev: is a character device", "fifo: is a fifo"):
         assert any(needle in line and line.startswith("warning:") for line in proc.stderr.splitlines()), needle
     with open_dataset(work / "ds") as ds:
         assert dataset_digest(ds) == {"fine.txt": tree_digest_of(b"fine"), "in": "link:fine.txt",
+                                      "hard": tree_digest_of(b"fine"),  # a hard link: a file with its target's bytes
                                       "file": "dir", "file/child.txt": tree_digest_of(b"under")}
     assert sorted(p.name for p in tmp_path.rglob("*") if p.name.endswith(".txt") and "evil" in _text(p)) == []
     assert not Path("/tmp/absolute.txt").exists()
     for where in (work, work / "ds", REPO, REPO.parent):  # DEST, SRC's directory, the packer's cwd: no escape
         assert not (where.parent / "escape.txt").exists() and not (where.parent / "climb.txt").exists()
+
+
+def _hard_linked_tree(root: Path) -> Path:
+    """Files with hard links between them, across directories, one with three names."""
+    (root / "a").mkdir(parents=True)
+    (root / "b").mkdir()
+    (root / "a" / "one.bin").write_bytes(_content(7) * 40)
+    os.link(root / "a" / "one.bin", root / "b" / "two.bin")
+    os.link(root / "a" / "one.bin", root / "b" / "three.bin")
+    (root / "s.txt").write_bytes(b"small")
+    os.link(root / "s.txt", root / "a" / "s2.txt")
+    os.chmod(root / "s.txt", 0o600)
+    return root
+
+
+@pytest.mark.parametrize("compress", [[], ["-z"]], ids=["tar", "tar.gz"])
+def test_hard_links_in_a_tar_pack_as_the_files_extraction_gives(tmp_path, compress):
+    """tar stores a second name of a file as a hard link to the first (no data of its own): each packs as a file of
+    its own path with the target's bytes and mode, as `tar -x` makes it, and the data is read from the archive once."""
+    src = _hard_linked_tree(tmp_path / "src")
+    archive = tmp_path / "linked.tar"
+    subprocess.run(["tar", *compress, "-C", str(src), "-cf", str(archive), "."], check=True)
+    assert sum(member.islnk() for member in tarfile.open(archive)) == 3  # tar made hard links, not copies
+    extracted = _extract_tar(archive, tmp_path / "extracted")
+    assert _pack(archive, tmp_path / "from_tar", "--codec", "zstd:3") == ""
+    with open_dataset(tmp_path / "from_tar") as ds:
+        assert dataset_digest(ds) == tree_digest(extracted)
+        assert {path: stat.S_IMODE(ds.stat(path).st_mode) for path in ("s.txt", "a/s2.txt", "b/two.bin")} == \
+            {"s.txt": 0o600, "a/s2.txt": 0o600, "b/two.bin": 0o644}
+    assert run_cli("verify", str(tmp_path / "from_tar")).returncode == 0
+
+
+def test_a_compressed_tar_is_read_once_for_a_member_its_hard_links_share(tmp_path, monkeypatch):
+    """Reading a hard link's bytes again would start a compressed stream over: the feed keeps the shared member's
+    bytes until its last reader has them."""
+    from fanstore.pack import archive_feed
+    from fanstore.pack.walk_archive import walk_archives
+
+    src = _hard_linked_tree(tmp_path / "src")
+    archive = tmp_path / "linked.tar.gz"
+    subprocess.run(["tar", "-z", "-C", str(src), "-cf", str(archive), "."], check=True)
+    tree = walk_archives([archive])
+    assert sorted(tree.linked.values()) == [2, 3]  # s.txt read by 2 files, one.bin by 3
+    opened = []
+    real_open = archive_feed.open_tar_stream
+    monkeypatch.setattr(archive_feed, "open_tar_stream", lambda *args: opened.append(args) or real_open(*args))
+    files = tree.files
+    order = tree.file_numbers_in_read_order()
+    numbers = np.searchsorted(np.flatnonzero(tree.entries.is_file()), order)
+    feed = archive_feed.ArchiveFeed(tree.archives, files.paths, files.ino, files.size, tree.linked)
+    try:
+        for number in numbers.tolist():
+            into = memoryview(bytearray(int(files.size[number])))
+            assert feed.read_range(number, 0, into) == ""
+            assert bytes(into) == (src / files.paths[number]).read_bytes()
+    finally:
+        feed.close()
+    assert len(opened) == 1
+
+
+def test_a_hard_link_to_no_earlier_file_is_refused_with_a_warning(tmp_path):
+    archive = _write_tar(tmp_path / "links.tar", [
+        _member("early", tarfile.LNKTYPE, link="later.txt"),  # its target comes after it: extraction fails too
+        _member("later.txt", data=b"later"),
+        _member("nowhere", tarfile.LNKTYPE, link="missing.txt"),
+        _member("out", tarfile.LNKTYPE, link="../outside.txt"),
+        _member("dir/", tarfile.DIRTYPE),
+        _member("to-dir", tarfile.LNKTYPE, link="dir"),
+        _member("good", tarfile.LNKTYPE, link="./later.txt"),
+    ])
+    proc = run_cli("fanstore-pack", str(archive), str(tmp_path / "ds"), "--quiet")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    warned = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
+    for name, target in (("early", "later.txt"), ("nowhere", "missing.txt"), ("out", "../outside.txt"),
+                         ("to-dir", "dir")):
+        assert any(f"{name}: is a hard link to '{target}', which is not a file packed before it" in line
+                   for line in warned), (name, warned)
+    with open_dataset(tmp_path / "ds") as ds:
+        assert dataset_digest(ds) == {"later.txt": tree_digest_of(b"later"), "good": tree_digest_of(b"later"),
+                                      "dir": "dir"}
 
 
 def tree_digest_of(data: bytes) -> str:

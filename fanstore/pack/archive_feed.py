@@ -6,7 +6,9 @@ and the workers compress from there. At most the batches in flight are held, wha
 
 The listing (walk_archive.py) gave each member its key, where its data lies in the archive's tar stream (a zip:
 its header's offset), so reading needs no second parse of the headers: a tar stream is skipped forward to the
-data, an uncompressed tar seeks, a zip opens the member where it lies.
+data, an uncompressed tar seeks, a zip opens the member where it lies. Hard links share their target's key, and
+come right after it in plan order: a compressed stream keeps such a member's bytes until its last reader has them
+(up to KEPT_BYTES in all), where reading it again would start the stream over.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ..errors import PackError
 
 _KEY_MASK = (1 << ARCHIVE_KEY_SHIFT) - 1
 _SKIP_BYTES = 1 << 20
+KEPT_BYTES = 64 << 20  # shared members' bytes a compressed stream keeps for their next readers, at most
 
 
 class ArchiveFeed:
@@ -30,11 +33,11 @@ class ArchiveFeed:
     a pass goes forward; a member behind it (the next group's first) starts a new pass."""
 
     def __init__(self, archives: Sequence[tuple[Path, str]], paths: Sequence[str], keys: Sequence[int],
-                 sizes: Sequence[int]) -> None:
+                 sizes: Sequence[int], linked: dict[int, int] | None = None) -> None:
         self._paths = paths
         self._keys = keys
         self._sizes = sizes
-        self._members = MemberReads(archives)
+        self._members = MemberReads(archives, linked)
 
     @property
     def head(self) -> bytes:
@@ -66,8 +69,11 @@ class MemberReads:
     the stream again); an uncompressed tar seeks; a zip member is opened where it lies, and read on while the
     reads follow each other."""
 
-    def __init__(self, archives: Sequence[tuple[Path, str]]) -> None:
+    def __init__(self, archives: Sequence[tuple[Path, str]], linked: dict[int, int] | None = None) -> None:
         self.archives = archives
+        self._reads_left = dict(linked or {})  # a key hard links share -> whole reads of it still to come
+        self._kept: dict[int, bytes] = {}  # such a member's bytes, from a compressed stream
+        self._kept_bytes = 0
         self._stream: BinaryIO | None = None
         self._stream_archive = -1
         self._position = 0  # of the tar stream
@@ -84,13 +90,13 @@ class MemberReads:
         if key != self._head_key:
             head = memoryview(bytearray(min(HEAD_BYTES, size)))
             if offset == 0 and len(into) >= len(head):
-                self._read(archive, place, key, 0, into)
+                self._read(archive, place, key, 0, into, len(into) == size)
                 head[:] = into[: len(head)]
                 self.head, self._head_key = bytes(head), key
                 return
-            self._read(archive, place, key, 0, head)
+            self._read(archive, place, key, 0, head, len(head) == size)
             self.head, self._head_key = bytes(head), key
-        self._read(archive, place, key, offset, into)
+        self._read(archive, place, key, offset, into, offset == 0 and len(into) == size)
 
     def close(self) -> None:
         self._close_stream()
@@ -99,11 +105,34 @@ class MemberReads:
             zip_file.close()
         self._zips.clear()
 
-    def _read(self, archive: int, place: int, key: int, offset: int, into: memoryview) -> None:
+    def _read(self, archive: int, place: int, key: int, offset: int, into: memoryview, whole: bool) -> None:
         path, fmt = self.archives[archive]
         if fmt == "zip":
             self._read_zip(archive, path, place, key, offset, into)
             return
+        if whole and fmt != "tar" and key in self._reads_left:
+            self._read_shared(archive, place, key, into)
+            return
+        self._read_stream(archive, place, key, offset, into)
+
+    def _read_shared(self, archive: int, place: int, key: int, into: memoryview) -> None:
+        """A member hard links share, read whole from a compressed stream: from the bytes kept since its last read,
+        or from the stream and kept for the next, while KEPT_BYTES allows."""
+        kept = self._kept.get(key)
+        if kept is not None and len(kept) == len(into):
+            into[:] = kept
+        else:
+            self._read_stream(archive, place, key, 0, into)
+            if self._kept_bytes + len(into) <= KEPT_BYTES:
+                self._kept[key] = bytes(into)
+                self._kept_bytes += len(into)
+        self._reads_left[key] -= 1
+        if self._reads_left[key] <= 0:
+            del self._reads_left[key]
+            self._kept_bytes -= len(self._kept.pop(key, b""))
+
+    def _read_stream(self, archive: int, place: int, key: int, offset: int, into: memoryview) -> None:
+        path, fmt = self.archives[archive]
         if archive != self._stream_archive or self._stream is None:
             self._close_stream()
             self._stream, self._stream_archive, self._position = open_tar_stream(path, fmt), archive, 0
@@ -114,7 +143,7 @@ class MemberReads:
         else:
             if target < self._position:
                 self._close_stream()
-                self._read(archive, place, key, offset, into)
+                self._read_stream(archive, place, key, offset, into)
                 return
             _skip(stream, target - self._position)
         _fill(stream, into)

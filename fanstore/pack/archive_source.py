@@ -50,8 +50,9 @@ class Member(NamedTuple):
     mode: int  # full st_mode: type and permission bits
     size: int
     mtime_ns: int
-    link_target: str = ""  # a symlink's target
-    refusal: str = ""  # why a member that says it is a file is not packed (a hard link, a sparse file)
+    link_target: str = ""  # a symlink's target; a hard link's: the name of the member whose data it shares
+    refusal: str = ""  # why a member that says it is a file is not packed (a sparse file)
+    hard_link: bool = False  # a tar hard link: no data of its own, its target's
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,9 +190,7 @@ def _tar_member(header: Header) -> Member:
                               "without --sparse)")
     if header.typeflag == b"1":
         return Member(header.offset_data, header.name, stat.S_IFREG | perms, 0, header.mtime_ns, header.linkname,
-                      refusal=f"is a hard link to {quoted(header.linkname)} in the archive; hard links in "
-                              "archives are not packed (make the archive with tar --hard-dereference to pack "
-                              "their contents)")
+                      hard_link=True)
     if kind == stat.S_IFREG:
         return Member(header.offset_data, header.name, kind | perms, header.size, header.mtime_ns)
     if kind == stat.S_IFLNK:

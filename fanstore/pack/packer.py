@@ -235,7 +235,7 @@ def _chunks_and_index(run: _PackRun, plan: CodecPlan, progress: Callable[[PackPr
     background = ThreadPoolExecutor(1, thread_name_prefix="fanstore-index-layout")
     feed = None
     if run.tree.archives:
-        feed = ArchiveFeed(run.tree.archives, plan_files.paths, plan_files.inos, plan_files.sizes)
+        feed = ArchiveFeed(run.tree.archives, plan_files.paths, plan_files.inos, plan_files.sizes, run.tree.linked)
     try:
         records, layout = _compress_all(run, plan, plan_files, builder, feed, pool, background, progress)
         summary = _summarise(records, run.tree.problems)

@@ -44,6 +44,7 @@ class SourceTree:
     problems: list[Problem] = field(default_factory=list)
     archives: tuple[tuple[Path, str], ...] = ()
     identity: tuple[str, ...] = ()
+    linked: dict[int, int] = field(default_factory=dict)  # archives: a key hard links share -> files that read it
 
     @property
     def files(self) -> EntryColumns:

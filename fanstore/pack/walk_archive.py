@@ -2,8 +2,10 @@
 
 Members become entries of the same paths as an extraction would give, with nothing extracted: names are made
 relative and normalised ('./a//b' is 'a/b'); a name that could leave the dataset ('../x', '/etc/x') is refused with
-a warning, as are devices, fifos, hard links and symlinks that leave the dataset. A path given twice takes the
-later member, as extraction does; a directory that only members imply is made, as extraction makes it.
+a warning, as are devices, fifos and symlinks that leave the dataset. A tar's hard link is a file of its own path
+with its target's bytes, as extraction gives it (its key and size are the target's: the data is read again). A
+path given twice takes the later member, as extraction does; a directory that only members imply is made, as
+extraction makes it.
 Directories no member states get the newest member's mtime: the same archive always gives the same dataset.
 
 Memory: the members in columns (entry_columns.py): a member's path bytes and 44 B, whatever the archives hold.
@@ -22,7 +24,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from .archive_source import ARCHIVE_KEY_SHIFT, FORMATS, Damage, archive_format, archive_identity, open_stream
+from .archive_source import ARCHIVE_KEY_SHIFT, FORMATS, Damage, Member, archive_format, archive_identity, open_stream
 from ..errors import UsageError, quoted
 from ..core.format import MAX_NAME_BYTES, MAX_PATH_BYTES
 from ..core.index_check import link_target_problem
@@ -50,6 +52,7 @@ def walk_archives(archives: Sequence[str | os.PathLike[str]], executor: Executor
                     for columns, *rest in executor.map(_list_archive_apart, *zip(*listed))]
     else:
         listings = [_list_archive(number, path, fmt) for number, path, fmt in listed]
+    linked = {key: reads for listing in listings for key, reads in listing.linked.items()}
     newest = max((listing.newest for listing in listings), default=0)
     root = next((listing.root for listing in reversed(listings) if listing.root is not None), None)
     problems = [problem for listing in listings for problem in listing.problems]
@@ -66,7 +69,7 @@ def walk_archives(archives: Sequence[str | os.PathLike[str]], executor: Executor
     problems.sort(key=lambda p: p.path)
     identity = tuple(f"{path}\0{archive_identity(path)}" for path in paths)
     return SourceTree(root=paths[0], entries=entries, problems=problems, archives=tuple(zip(paths, formats)),
-                      identity=identity)
+                      identity=identity, linked=linked)
 
 
 class _Listing(NamedTuple):
@@ -77,6 +80,7 @@ class _Listing(NamedTuple):
     problems: list[Problem]
     newest: int
     root: SourceEntry | None
+    linked: dict[int, int]  # key -> how many files read it, for a member that hard links share
 
 
 def _list_archive(number: int, path: Path, fmt: str) -> _Listing:
@@ -84,6 +88,7 @@ def _list_archive(number: int, path: Path, fmt: str) -> _Listing:
     problems: list[Problem] = []
     root: SourceEntry | None = None
     newest = 0
+    hard_links: list[tuple[str, int, Member]] = []  # few, as a rule: resolved once every member is listed
     with open_stream(path, fmt) as stream:
         for member in stream:
             newest = max(newest, member.mtime_ns)
@@ -91,6 +96,9 @@ def _list_archive(number: int, path: Path, fmt: str) -> _Listing:
             rel, refusal = dataset_path(member.name)
             if refusal:
                 problems.append(Problem(_shown(member.name), f"{refusal} (in {path.name}); skipped"))
+                continue
+            if member.hard_link and rel:
+                hard_links.append((rel, key, member))
                 continue
             entry, reason = _entry_for(rel, key, member.mode, member.size, member.mtime_ns, member.link_target,
                                        member.refusal)
@@ -104,13 +112,50 @@ def _list_archive(number: int, path: Path, fmt: str) -> _Listing:
         if stream.damage is not None:
             listed = _whole_before(listed, stream.damage)
             problems.append(_damage_problem(stream.damage, fmt))
-    return _Listing(listed, problems, newest, root)
+    linked: dict[int, int] = {}
+    if hard_links:
+        listed, linked = _with_hard_links(listed, hard_links, number, problems)
+    return _Listing(listed, problems, newest, root, linked)
 
 
-def _list_archive_apart(number: int, path: Path, fmt: str) -> tuple[Any, list[Problem], int, SourceEntry | None]:
+def _with_hard_links(listed: EntryColumns, hard_links: list[tuple[str, int, Member]], number: int,
+                     problems: list[Problem]) -> tuple[EntryColumns, dict[int, int]]:
+    """The listing with each hard link added as a file: its own path, mode and mtime, its target's key and size.
+    The target is the last member of the linked name before the link (extraction links to what is there then),
+    and must be a file packed from this archive; another link resolved before it counts. Returns the listing and,
+    for each shared key, how many files read it."""
+    names = {dataset_path(member.link_target)[0] for _, _, member in hard_links} - {""}
+    # name -> (place in the archive, key of its data, size) of each file member of that name
+    found: dict[str, list[tuple[int, int, int]]] = {}
+    is_file = ((listed.mode & 0o170000) == stat.S_IFREG).tolist()
+    for start in range(0, len(listed), SLICE):
+        for at, path in enumerate(listed.paths.encoded_slice(start, min(start + SLICE, len(listed))), start):
+            name = path.decode("utf-8")
+            if name in names and is_file[at]:
+                key = int(listed.ino[at])
+                found.setdefault(name, []).append((key, key, int(listed.size[at])))
+    added = EntryColumnsBuilder()
+    added.extend(listed)
+    linked: dict[int, int] = {}
+    for rel, key, member in hard_links:
+        target, _ = dataset_path(member.link_target)
+        before = [candidate for candidate in found.get(target, []) if candidate[0] < key]
+        if not before:
+            problems.append(Problem(rel, f"is a hard link to {quoted(member.link_target)}, which is not a file "
+                                         "packed before it in the archive; skipped"))
+            continue
+        _, target_key, size = max(before)
+        added.add(SourceEntry(rel, stat.S_IFREG | (member.mode & 0o7777), size, member.mtime_ns, "", target_key))
+        found.setdefault(rel, []).append((key, target_key, size))  # a later link may name this one
+        linked[target_key] = linked.get(target_key, 1) + 1
+    return added.build(), linked
+
+
+def _list_archive_apart(number: int, path: Path, fmt: str
+                        ) -> tuple[Any, list[Problem], int, SourceEntry | None, dict[int, int]]:
     """_list_archive in a worker process; entries go back as columns, which pickle several times faster."""
     listing = _list_archive(number, path, fmt)
-    return listing.entries.to_columns(), listing.problems, listing.newest, listing.root
+    return listing.entries.to_columns(), listing.problems, listing.newest, listing.root, listing.linked
 
 
 def source_paths(src: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Path]:
