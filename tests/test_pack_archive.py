@@ -339,11 +339,77 @@ def test_a_damaged_zip_member_is_skipped_and_the_others_packed(tmp_path):
     assert_one_line_error(strict, "f2.bin", archive.name)
 
 
-def test_a_truncated_zip_is_one_line(tmp_path):
+class _Unseekable(io.RawIOBase):
+    """A stream zipfile cannot seek back in: it writes each member's sizes after its data (a data descriptor), as
+    a zip written on the fly is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.data = bytearray()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        self.data += data
+        return len(data)
+
+
+def _zip_bytes(kind: str, members: int) -> bytes:
+    if kind == "streamed":
+        stream = _Unseekable()
+        with zipfile.ZipFile(stream, "w", zipfile.ZIP_DEFLATED) as zf:
+            for number in range(members):
+                with zf.open(f"d/f{number}.bin", "w") as member:
+                    member.write(_content(number))
+        return bytes(stream.data)
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED if kind == "stored" else zipfile.ZIP_DEFLATED) as zf:
+        for number in range(members):
+            zf.writestr(f"d/f{number}.bin", _content(number))
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("kind", ["deflated", "stored", "streamed"])
+def test_a_zip_cut_short_packs_the_whole_members_before_the_cut(tmp_path, kind):
+    """A zip's central directory is at its end: a zip cut short has none, but each member still lies behind its
+    local header. Those before the cut are packed, with one warning naming the archive and the byte."""
+    data = _zip_bytes(kind, 8)
+    with zipfile.ZipFile(io.BytesIO(data)) as whole:
+        offsets = [info.header_offset for info in whole.infolist()]
+    archive = tmp_path / "cut.zip"
+    archive.write_bytes(data[: offsets[5] + 100])  # inside the sixth member
+    proc = run_cli("fanstore-pack", str(archive), str(tmp_path / "ds"), "--quiet")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    warned = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warned) == 1 and f"cut.zip: damaged at byte {offsets[5]:,} (no readable central directory" in \
+        warned[0], warned
+    with open_dataset(tmp_path / "ds") as ds:
+        assert ds.listdir("d") == [f"f{number}.bin" for number in range(5)]
+        assert [ds.read(f"d/f{number}.bin") for number in range(5)] == [_content(number) for number in range(5)]
+    strict = run_cli("fanstore-pack", str(archive), str(tmp_path / "strict"), "--strict", "--quiet")
+    assert_one_line_error(strict, archive.name, "no readable central directory")
+
+
+def test_a_remade_central_directory_takes_zip64_records_where_its_values_need_them(tmp_path, monkeypatch):
+    from fanstore.pack import zip_recovery
+
+    monkeypatch.setattr(zip_recovery, "ZIP64_VALUE", 3000)  # every size and most offsets: 8-byte fields
+    monkeypatch.setattr(zip_recovery, "ZIP64_COUNT", 2)  # the member count: the zip64 end records
+    data = _zip_bytes("deflated", 6)
+    with open(tmp_path / "cut.zip", "wb") as file:
+        file.write(data[:-10])
+    with open(tmp_path / "cut.zip", "rb") as file:
+        zip_file, recovered = zip_recovery.open_zip(file)
+        assert recovered is not None and recovered.members == 6
+        assert [zip_file.read(f"d/f{number}.bin") for number in range(6)] == [_content(number) for number in range(6)]
+
+
+def test_a_zip_with_no_whole_member_is_one_line(tmp_path):
     archive = tmp_path / "cut.zip"
     with zipfile.ZipFile(archive, "w") as zf:
         zf.writestr("a.bin", b"a" * 5000)
-    archive.write_bytes(archive.read_bytes()[:-30])
+    archive.write_bytes(archive.read_bytes()[:60])
     proc = run_cli("fanstore-pack", str(archive), str(tmp_path / "ds"), "--strict", "--quiet")
     assert_one_line_error(proc, archive.name, "not a readable zip")
 

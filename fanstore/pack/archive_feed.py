@@ -21,6 +21,7 @@ from typing import BinaryIO, Sequence
 from compressors.kinds import HEAD_BYTES
 
 from .archive_source import _DAMAGE_ERRORS, ARCHIVE_KEY_SHIFT, _reason, open_tar_stream
+from .zip_recovery import open_zip
 from ..errors import PackError
 
 _KEY_MASK = (1 << ARCHIVE_KEY_SHIFT) - 1
@@ -77,7 +78,9 @@ class MemberReads:
         self._stream: BinaryIO | None = None
         self._stream_archive = -1
         self._position = 0  # of the tar stream
-        self._zips: dict[int, tuple[zipfile.ZipFile, list[zipfile.ZipInfo]]] = {}
+        # an open zip: its file, the zip over it (a view of it where the central directory had to be remade), its
+        # members by header offset
+        self._zips: dict[int, tuple[BinaryIO, zipfile.ZipFile, list[zipfile.ZipInfo]]] = {}
         self._zip_member: BinaryIO | None = None
         self._zip_at = (-1, 0)  # (key, offset) the open zip member is at
         self._head_key = -1
@@ -101,8 +104,9 @@ class MemberReads:
     def close(self) -> None:
         self._close_stream()
         self._close_zip_member()
-        for zip_file, _ in self._zips.values():
+        for file, zip_file, _ in self._zips.values():
             zip_file.close()
+            file.close()
         self._zips.clear()
 
     def _read(self, archive: int, place: int, key: int, offset: int, into: memoryview, whole: bool) -> None:
@@ -153,9 +157,14 @@ class MemberReads:
         if self._zip_member is None or self._zip_at != (key, offset):
             self._close_zip_member()
             if archive not in self._zips:
-                zip_file = zipfile.ZipFile(path)
-                self._zips[archive] = zip_file, sorted(zip_file.infolist(), key=_header_offset)
-            zip_file, infos = self._zips[archive]
+                file = open(path, "rb")
+                try:
+                    zip_file, _ = open_zip(file)
+                except BaseException:
+                    file.close()
+                    raise
+                self._zips[archive] = file, zip_file, sorted(zip_file.infolist(), key=_header_offset)
+            _, zip_file, infos = self._zips[archive]
             at = bisect.bisect_left(infos, place, key=_header_offset)
             if at == len(infos) or infos[at].header_offset != place:
                 raise KeyError(f"no member at byte {place}")

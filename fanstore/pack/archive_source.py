@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator, NamedTuple
 
 from ..errors import UsageError, quoted
+from .zip_recovery import open_zip
 from .tar_headers import Header, HeaderDamage, TarHeaders
 
 # Bits of a member's key above this hold the archive's number among several SRC archives; below, its place.
@@ -142,11 +143,15 @@ class MemberStream:
 
     def _zip_members(self) -> Iterator[Member]:
         try:
-            self._zip = zipfile.ZipFile(self._file)
+            self._zip, recovered = open_zip(self._file)
         except _DAMAGE_ERRORS as exc:
             self.damage = Damage(self.path, 0, f"not a readable zip ({_reason(exc)}; its central directory is "
-                                               "missing or damaged, as when the file is truncated)")
+                                               "missing or damaged, and no whole member is found before it)")
             return
+        if recovered is not None:  # its members as their local headers give them: the damage is said after them
+            self.damage = Damage(self.path, recovered.damage_offset, f"no readable central directory: "
+                                 f"{recovered.reason}; {recovered.members} member(s) before it read from their local "
+                                 "headers, with default modes")
         infos = sorted(self._zip.infolist(), key=_header_offset)
         for info in infos:
             target = ""

@@ -110,7 +110,8 @@ def _list_archive(number: int, path: Path, fmt: str) -> _Listing:
                 entries.add(entry)
         listed = entries.build()
         if stream.damage is not None:
-            listed = _whole_before(listed, stream.damage)
+            if fmt != "zip":  # a zip's members are listed whole or not at all
+                listed = _whole_before(listed, stream.damage)
             problems.append(_damage_problem(stream.damage, fmt))
     linked: dict[int, int] = {}
     if hard_links:
