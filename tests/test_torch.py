@@ -117,13 +117,19 @@ def test_forked_workers_take_the_parents_items_instead_of_looking_the_paths_up_a
     assert [data for batch in loader for data in batch] == [(src / path).read_bytes() for path in paths]
 
 
-def test_forked_workers_look_the_paths_up_again_when_the_dataset_changed_on_disk(tmp_path):
+def _two_files_packed(tmp_path: Path) -> tuple[Path, Path]:
+    """A dataset of files b and c, which a test packs again in place after changing them."""
     src = tmp_path / "src"
+    src.mkdir()
     for name in ("b", "c"):
-        (src / name).parent.mkdir(parents=True, exist_ok=True)
         (src / name).write_bytes(name.encode() * 100)
     dest = tmp_path / "dest"
     pack(src, dest, PackOptions(codec="zstd:3", workers=1))
+    return src, dest
+
+
+def test_forked_workers_look_the_paths_up_again_when_the_dataset_changed_on_disk(tmp_path):
+    src, dest = _two_files_packed(tmp_path)
     dataset = FileDataset(dest, paths=["b", "c"])
     assert len(dataset) == 2  # opened in this process, then the dataset is packed again in place
     (src / "a").write_bytes(b"a new first file, which moves every entry number")
@@ -153,12 +159,7 @@ def test_a_spawned_worker_gets_entry_numbers_not_the_paths(packed):
 
 
 def test_a_spawned_worker_refuses_entry_numbers_of_an_index_packed_again(tmp_path):
-    src = tmp_path / "src"
-    for name in ("b", "c"):
-        (src / name).parent.mkdir(parents=True, exist_ok=True)
-        (src / name).write_bytes(name.encode() * 100)
-    dest = tmp_path / "dest"
-    pack(src, dest, PackOptions(codec="zstd:3", workers=1))
+    src, dest = _two_files_packed(tmp_path)
     dataset = FileDataset(dest, paths=["c"])
     assert len(dataset) == 1
     pickled = pickle.dumps(dataset)
