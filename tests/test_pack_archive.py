@@ -405,6 +405,32 @@ def test_a_remade_central_directory_takes_zip64_records_where_its_values_need_th
         assert [zip_file.read(f"d/f{number}.bin") for number in range(6)] == [_content(number) for number in range(6)]
 
 
+def test_zip_members_that_need_a_password_or_another_method_are_refused_with_a_warning(tmp_path):
+    """zipfile reads stored, deflate, bzip2 and lzma members without a password: an encrypted member, or one of
+    another method (deflate64, AES), is one warning at listing, not a traceback when its bytes are read."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as zf:
+        for name in ("locked.bin", "deflate64.bin", "plain.bin"):
+            zf.writestr(name, name.encode() * 50)
+    data = bytearray(buffer.getvalue())
+    with zipfile.ZipFile(io.BytesIO(bytes(data))) as zf:
+        infos = {info.filename: info for info in zf.infolist()}
+    central = data.index(b"PK\x01\x02")
+    for name, field, value in (("locked.bin", "flags", 0x1), ("deflate64.bin", "method", 9)):
+        local = infos[name].header_offset
+        record = data.index(name.encode(), central) - 46  # its central record: 46 bytes, then the name
+        for header, at in ((local, 6 if field == "flags" else 8), (record, 8 if field == "flags" else 10)):
+            data[header + at : header + at + 2] = value.to_bytes(2, "little")
+    archive = tmp_path / "odd.zip"
+    archive.write_bytes(bytes(data))
+    proc = run_cli("fanstore-pack", str(archive), str(tmp_path / "ds"), "--quiet")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "locked.bin: is encrypted in the zip" in proc.stderr
+    assert "deflate64.bin: is compressed with zip method 9, which cannot be read here" in proc.stderr
+    with open_dataset(tmp_path / "ds") as ds:
+        assert ds.listdir("") == ["plain.bin"] and ds.read("plain.bin") == b"plain.bin" * 50
+
+
 def test_a_zip_with_no_whole_member_is_one_line(tmp_path):
     archive = tmp_path / "cut.zip"
     with zipfile.ZipFile(archive, "w") as zf:

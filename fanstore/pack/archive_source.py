@@ -156,6 +156,11 @@ class MemberStream:
         for info in infos:
             target = ""
             mode = _zip_mode(info)
+            refusal = _zip_refusal(info)
+            if refusal:
+                yield Member(info.header_offset, info.filename, stat.S_IFREG | 0o644, 0, _zip_mtime_ns(info),
+                             refusal=refusal)
+                continue
             if stat.S_ISLNK(mode):
                 try:
                     with self._zip.open(info) as link:
@@ -165,6 +170,20 @@ class MemberStream:
                     return
             yield Member(info.header_offset, info.filename, mode, info.file_size if stat.S_ISREG(mode) else 0,
                          _zip_mtime_ns(info), target)
+
+
+_ZIP_METHODS = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflate", zipfile.ZIP_BZIP2: "bzip2",
+                zipfile.ZIP_LZMA: "lzma"}  # what zipfile reads
+
+
+def _zip_refusal(info: zipfile.ZipInfo) -> str:
+    """Why a zip member cannot be read without more than the zip (a password, another decompressor), or ""."""
+    if info.flag_bits & 0x1:
+        return "is encrypted in the zip; encrypted members are not packed (no password is asked for)"
+    if info.compress_type not in _ZIP_METHODS:
+        return (f"is compressed with zip method {info.compress_type}, which cannot be read here (only "
+                f"{', '.join(_ZIP_METHODS.values())})")
+    return ""
 
 
 def _header_offset(info: zipfile.ZipInfo) -> int:
