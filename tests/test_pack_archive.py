@@ -505,6 +505,28 @@ def test_an_interrupted_pack_of_an_archive_resumes_byte_identical(shuffled_tgz, 
     assert "nothing to do" in again.stdout
 
 
+def test_an_interrupted_pack_of_a_tar_with_hard_links_resumes_byte_identical(tmp_path, paused_pack):
+    src = tmp_path / "src"
+    src.mkdir()
+    for number in range(30):
+        path = src / f"d{number % 3}" / f"f{number:02d}.bin"
+        path.parent.mkdir(exist_ok=True)
+        if number % 3 == 2:
+            os.link(src / f"d{(number - 1) % 3}" / f"f{number - 1:02d}.bin", path)
+        else:
+            path.write_bytes(_content(number) * 5)
+    archive = tmp_path / "linked.tar.gz"
+    subprocess.run(["tar", "-z", "-C", str(src), "-cf", str(archive), "."], check=True)
+    args = ["--chunk-size", "64KiB", "--workers", "1", "--codec", "zstd:3", "--quiet"]
+    run_cli("fanstore-pack", str(archive), str(tmp_path / "reference"), *args, check=True)
+    paused_pack(archive, tmp_path / "ds", args, "chunk:2").kill_group()
+    resumed = run_cli("fanstore-pack", str(archive), str(tmp_path / "ds"), *args[:-1], check=True)
+    assert "2 chunks kept from the interrupted run" in resumed.stdout
+    assert dir_bytes(tmp_path / "ds") == dir_bytes(tmp_path / "reference")
+    with open_dataset(tmp_path / "ds") as ds:
+        assert dataset_digest(ds) == tree_digest(src)
+
+
 def test_a_changed_archive_is_not_resumed_over(shuffled_tgz, tmp_path, paused_pack):
     archive = tmp_path / "copy.tar.gz"
     shutil.copy(shuffled_tgz, archive)
