@@ -62,8 +62,9 @@ CPU us/file = microseconds of CPU of the training process and its workers, + tha
 mount's; the rank's serve process, which also serves the other rank), from the first batch to the end, per file.
 The training process and its workers are read with getrusage (RUSAGE_SELF, and RUSAGE_CHILDREN once the workers
 have ended and been waited for: microseconds, every thread, as they are its children); the daemon, which is not,
-from its CPU-time clock (machine_load.cpu_ns: nanoseconds, every thread, ended ones too). /proc/PID/stat's 10 ms
-ticks, used before, could not tell a few microseconds a file apart. The decode floor, measured before each judged
+from its CPU-time clock (machine_load.cpu_ns: nanoseconds, every thread, ended ones too), and by thread (the kernel
+names fanstore gives them, machine_load.thread_cpu_ns), which the serve process's target line splits its figure by.
+/proc/PID/stat's 10 ms ticks, used before, could not tell a few microseconds a file apart. The decode floor, measured before each judged
 pair: the CPU per file of Reader.read (pread, checksum, decode) over every file, in one thread of the bench.
 
 Placement: 'workers pinned' = DataLoader worker k of the run's training process p (numbered rank by rank, then
@@ -125,7 +126,7 @@ from bench_read import back_memory, print_table, unmount_and_wait, wait_until_mo
     write_files  # noqa: E402
 from bench_serve import end_job, exit_on_signals, mpiexec_command, process_tree, reap, reaped_workdir, \
     serve_requirements_missing, unmount_all  # noqa: E402
-from machine_load import OtherLoad, cpu_ns, machine_lines, wait_for_quiet  # noqa: E402
+from machine_load import OtherLoad, cpu_ns, machine_lines, thread_cpu_ns, wait_for_quiet  # noqa: E402
 
 KIB, MIB = 1024, 1 << 20
 FILE_SIZE = 128 * KIB
@@ -366,6 +367,7 @@ def train(args: argparse.Namespace) -> int:
         wait_for_ranks(Path(args.barrier), f"{rank}.{number}", size * processes)
     self_before = resource.getrusage(resource.RUSAGE_SELF)
     daemon_before = cpu_ns(daemon) if daemon else 0
+    threads_before = thread_cpu_ns(daemon) if daemon else {}
     epochs = []
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
@@ -384,12 +386,15 @@ def train(args: argparse.Namespace) -> int:
                 time.sleep(compute)
         epochs.append({"wait": waited, "seconds": time.perf_counter() - started, "files": files})
     daemon_cpu = (cpu_ns(daemon) - daemon_before) / 1e9 if daemon else 0.0
+    daemon_threads = {name: (ns - threads_before.get(name, 0)) / 1e9
+                      for name, ns in (thread_cpu_ns(daemon) if daemon else {}).items()}
     del batches, loader  # persistent workers end and are waited for: their CPU shows in RUSAGE_CHILDREN
     self_after, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     main_cpu = self_after.ru_utime + self_after.ru_stime - self_before.ru_utime - self_before.ru_stime
     Path(args.out.format(rank=rank, process=number)).write_text(json.dumps(
         {"rank": rank, "process": number, "epochs": epochs, "main_cpu": main_cpu,
          "workers_cpu": children.ru_utime + children.ru_stime, "daemon_cpu": daemon_cpu,
+         "daemon_threads": daemon_threads,
          "main_faults": self_after.ru_minflt - self_before.ru_minflt, "workers_faults": children.ru_minflt,
          "torch": torch.__version__}))
     return 0
@@ -453,6 +458,17 @@ class Result:
         else:
             cpu = sum(figures[part] for figures in self.ranks)
         return 1e6 * cpu / self.files()
+
+    def daemon_threads_us(self) -> dict[str, float]:
+        """The daemon's CPU per file by thread (machine_load.thread_cpu_ns: kernel names; live threads only),
+        each rank's largest sample, as cpu_us takes daemon_cpu."""
+        used: dict[str, float] = {}
+        for rank in {figures["rank"] for figures in self.ranks}:
+            sample = max((figures for figures in self.ranks if figures["rank"] == rank),
+                         key=lambda figures: figures["daemon_cpu"])
+            for name, seconds in sample.get("daemon_threads", {}).items():
+                used[name] = used.get(name, 0.0) + seconds
+        return {name: 1e6 * seconds / self.files() for name, seconds in used.items()}
 
     def cpu_us_per_file(self, number: int) -> str:
         """Microseconds of CPU per file of one training process: it and its workers, + the daemon serving it (per
@@ -908,9 +924,11 @@ def target_lines(judged: list[Judged], results: list[Result], scaling: list[tupl
                  f"us: {gap:+.1f} us" + each(gaps, "+.1f"))
             pair, serve_us, figures = median_pair(placement.served, lambda p: p.second.cpu_us("daemon_cpu"))
             status, why = cpu_verdict(serve_us <= TARGET_SERVE_REMOTE_US, placement.served)
+            threads = sorted(pair.second.daemon_threads_us().items(), key=lambda item: -item[1])
             line(status, f"{SERVED}: the serve process's CPU per remote file <= {TARGET_SERVE_REMOTE_US:g} us", where,
                  why + f"{serve_us:.1f} us (it also sent the other rank as many; {pair.first.cpu_us('daemon_cpu'):.1f}"
-                 f" us per local file)" + each(figures, ".1f"))
+                 f" us per local file)" + each(figures, ".1f") + "; by thread: "
+                 + ", ".join(f"{name} {us:.1f}" for name, us in threads if us >= 0.5))
         served, dest = by_key.get((SERVED, where)), by_key.get((TARGET_WAY, where))
         if served and dest and not served.unavailable:
             rates = [served.rank_rate(rank) for rank in range(served.rank_count())]
