@@ -213,8 +213,8 @@ class ChunkBuilder:
         return self.records
 
     def let_go(self) -> None:
-        """After close_all, once the index's bytes hold what the records say: drop the plan's files and the records
-        (a row a file), which the pack would otherwise hold while it writes and checks its index."""
+        """After close_all: drop the plan's files, and this builder's hold on the records (a row a file), so that
+        they go once their caller has placed them in the index."""
         self.files, self.file_groups, self.records = EntryColumns.of(()), [], []
 
     def abort(self) -> None:

@@ -48,7 +48,7 @@ from .dest import (
 from .fingerprint import pack_fingerprint
 from .fit_watch import FitWatch
 from .groups import GroupPlan
-from .index_bytes import index_layout, placed_index
+from .index_bytes import blocked_plan_numbers, index_layout, packed_layout, placed_index
 from .index_size import index_bytes_estimate
 from .journal import ChunkRecord, JournalState, PackJournal
 from .options import AUTO_CODEC, PackOptions
@@ -241,16 +241,21 @@ def _chunks_and_index(run: _PackRun, plan: CodecPlan, progress: Callable[[PackPr
         summary = _summarise(records, run.tree.problems)
         summary.reused_chunks = len(finished)
         pause_point("index")
-        placed = placed_index(run.tree, layout, records, run.files, run.options.block_layout)
-        # Each file's blob is placed in the index's layout now: the walk, the plan, the journal's rows go before the
-        # index's bytes are made, written and checked, which is a pack's peak of memory.
+        packed = packed_layout(run.tree, layout, records)
+        number_of = blocked_plan_numbers(run.files, run.options.block_layout)
+        # The layout holds what the index keeps of the walk: the walk and the plan go before the blobs are placed,
+        # so that they do not stand beside the layout and the journal's rows.
         builder.let_go()
-        finished.clear()
-        del records, plan_files, layout
+        del plan_files, layout
         run.let_go_of_the_walk()
         if feed is not None:
             feed.close()
             feed = None
+        give_back_free_heap()
+        placed = placed_index(packed, records, number_of, run.options.block_layout)
+        # The journal's rows go before the index's bytes are made, written and checked, a pack's peak of memory.
+        finished.clear()
+        del records, packed, number_of
         give_back_free_heap()  # what the records and the walk took: the index's bytes and check would stand on it
         packed_index = placed.to_bytes(plan, run.groups, run.options.block_layout, _index_meta(run, summary))
         del placed
