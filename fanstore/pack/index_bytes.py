@@ -16,18 +16,17 @@ from .batches import BlockLayout
 from .codec_plan import CodecPlan
 from .groups import GroupPlan
 from .journal import BlockRow, ChunkRecord, FileRows
-from .entry_columns import EntryColumns
+from .entry_columns import EntryColumns, EntryColumnsBuilder, sorted_by_path
 from .tree_layout import layout_of_tree
-from .walk import SourceTree
 
 
-def index_layout(tree: SourceTree, leave_out: frozenset[str] = frozenset()) -> IndexLayout:
-    """The index's layout from the walk alone: every entry of the tree but the files in `leave_out`."""
+def index_layout(entries: EntryColumns, leave_out: frozenset[str] = frozenset()) -> IndexLayout:
+    """The index's layout from the walk's entries alone: every entry but the files in `leave_out`."""
     if not leave_out:
-        return layout_of_tree(tree.entries)
-    paths = tree.entries.paths
-    return layout_of_tree(tree.entries.take(np.array([n for n in range(len(paths)) if paths[n] not in leave_out],
-                                                     dtype=np.int64)))
+        return layout_of_tree(entries)
+    paths = entries.paths
+    return layout_of_tree(entries.take(np.array([n for n in range(len(paths)) if paths[n] not in leave_out],
+                                                dtype=np.int64)))
 
 
 class PlacedIndex(NamedTuple):
@@ -45,16 +44,19 @@ class PlacedIndex(NamedTuple):
                                     blocks=self.blocks, block_size=block_layout.block_size)
 
 
-def packed_layout(tree: SourceTree, layout: Future[IndexLayout], records: list[ChunkRecord]) -> IndexLayout:
-    """The layout of what was packed: `layout`, the tree's, built while the files were compressed; built again
-    without the files that turned out not to be packable during the pack (they vanished or changed), which is rare.
-    The walk is read only here, so that it can go before the blobs are placed."""
-    walked_files = np.flatnonzero(tree.entries.is_file())
-    if sum(len(record.files) for record in records) == len(walked_files):  # a file is recorded once
+def packed_layout(layout: Future[IndexLayout], records: list[ChunkRecord], files: EntryColumns,
+                  others: EntryColumns) -> IndexLayout:
+    """The layout of what was packed: `layout`, the walk's, built while the files were compressed; built again
+    without the files that turned out not to be packable during the pack (they vanished or changed), which is rare,
+    from the walk's `files` (all of them, in plan order) and its `others` (directories and symlinks): the walk itself
+    is gone by then."""
+    if sum(len(record.files) for record in records) == len(files):  # a file is recorded once
         return layout.result()
     packed_paths = frozenset(path for record in records for path in record.files.paths)
-    walked_paths = frozenset(tree.entries.paths[int(n)] for n in walked_files)
-    return index_layout(tree, walked_paths - packed_paths)
+    walk = EntryColumnsBuilder()
+    walk.extend(others)
+    walk.extend(files)
+    return index_layout(sorted_by_path(walk.build()), frozenset(files.paths) - packed_paths)
 
 
 def blocked_plan_numbers(files: EntryColumns, block_layout: BlockLayout) -> dict[str, int]:
