@@ -170,7 +170,7 @@ class EntryColumns(Sequence[SourceEntry]):
         numbers = np.asarray(numbers, dtype=np.int64)
         place = {int(old): new for new, old in enumerate(numbers.tolist())} if self.link_targets else {}
         targets = {place[old]: target for old, target in self.link_targets.items() if old in place}
-        return EntryColumns(self.paths.take(numbers), {name: getattr(self, name)[numbers] for name in _NUMBERS},
+        return EntryColumns(self.paths.take(numbers), {name: _taken(getattr(self, name), numbers) for name in _NUMBERS},
                             targets)
 
     def to_columns(self) -> tuple[bytes, np.ndarray, dict[str, np.ndarray], dict[int, str]]:
@@ -224,7 +224,8 @@ class EntryColumnsBuilder:
 
     def build(self) -> EntryColumns:
         """The columns, on the builder's own arrays (not copied: the builder is done with)."""
-        numbers = {name: _array_of(column) for name, column in self._numbers.items()}
+        numbers = {name: _one_value_or_all(_array_of(column)) for name, column in self._numbers.items()}
+        self._numbers = {name: array(column.typecode) for name, column in self._numbers.items()}
         blob, self._blob = bytes(self._blob), bytearray()
         return EntryColumns(PathColumn(blob, _array_of(self._ends)), numbers, dict(self._targets))
 
@@ -233,6 +234,21 @@ def _array_of(column: array) -> np.ndarray:
     """An array('q' or 'Q') as numpy, sharing its memory."""
     dtype = np.uint64 if column.typecode == "Q" else np.int64
     return np.frombuffer(column, dtype=dtype) if len(column) else np.zeros(0, dtype)
+
+
+def _one_value_or_all(column: np.ndarray) -> np.ndarray:
+    """A column whose entries all hold one value, as that value seen `len(column)` times (read-only, no memory a
+    member): an archive member's ctime, 0 for every member, was 8 B a member in the walk and again in the plan."""
+    if len(column) > 1 and not (column != column[0]).any():
+        return np.broadcast_to(column[:1].copy(), column.shape)  # a copy: the column's memory goes
+    return column
+
+
+def _taken(column: np.ndarray, numbers: np.ndarray) -> np.ndarray:
+    """column[numbers], a column of one value kept as one (_one_value_or_all)."""
+    if column.strides == (0,) and len(column) and len(numbers):
+        return np.broadcast_to(column[:1].copy(), (len(numbers),))
+    return column[numbers]
 
 
 def sorted_by_path(columns: EntryColumns) -> EntryColumns:
