@@ -72,15 +72,19 @@ class PathColumn(Sequence[str]):
     def as_bytes(self) -> _EncodedPaths:
         return _EncodedPaths(self)
 
+    def gather(self, numbers: np.ndarray) -> list[bytes]:
+        """The paths `numbers` names, in that order, as bytes."""
+        ends = self.ends[numbers]
+        starts = ends - self.lengths_of(numbers)
+        whole = self.blob
+        return [whole[start:end] for start, end in zip(starts.tolist(), ends.tolist())]
+
     def gather_into(self, numbers: np.ndarray, into: np.ndarray) -> int:
         """The paths `numbers` names, in that order, back to back at the start of the byte array `into`; returns how
         many bytes they took. A slice at a time: never a second copy of them all, as `take(...).blob` is a moment."""
-        ends_of, whole, cursor = self.ends, self.blob, 0
+        cursor = 0
         for first in range(0, len(numbers), SLICE):
-            part = numbers[first : first + SLICE]
-            ends = ends_of[part]
-            starts = ends - self.lengths_of(part)
-            joined = b"".join([whole[start:end] for start, end in zip(starts.tolist(), ends.tolist())])
+            joined = b"".join(self.gather(numbers[first : first + SLICE]))
             into[cursor : cursor + len(joined)] = np.frombuffer(joined, dtype=np.uint8)
             cursor += len(joined)
         return cursor
@@ -294,3 +298,28 @@ class PathList(Sequence[str]):
         end = self._ends[at]  # IndexError past the end, as a list's
         number = at if at >= 0 else at + len(self._ends)
         return self._blob[self._ends[number - 1] if number else 0 : end].decode("utf-8")
+
+
+class PlannedPaths(Sequence[str]):
+    """The paths of files of a plan, appended one at a time by their plan numbers: 4 B a path, not its bytes again
+    (a chunk record names each file it packed; the plan's column holds the paths)."""
+
+    __slots__ = ("_column", "_numbers")
+
+    def __init__(self, column: PathColumn) -> None:
+        self._column = column
+        self._numbers = array("I")  # a plan holds fewer than 2^32 files (an index's entry numbers are u4)
+
+    def append(self, number: int) -> None:
+        self._numbers.append(number)
+
+    def __len__(self) -> int:
+        return len(self._numbers)
+
+    def __getitem__(self, at: int | slice) -> Any:
+        if isinstance(at, slice):
+            numbers = np.frombuffer(self._numbers, dtype=np.uint32)[at] if len(self._numbers) else np.zeros(0, int)
+            listed = [path.decode("utf-8") for path in self._column.gather(numbers)]
+            del numbers  # the array's buffer is exported while a view of it lives: no number could be appended
+            return listed
+        return self._column[self._numbers[at]]

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..core.durable import write_atomically
 from ..errors import PackError, quoted
-from .entry_columns import SLICE, PathList
+from .entry_columns import SLICE, PathColumn, PathList, PlannedPaths
 from .walk import Problem
 
 JOURNAL_DIR = ".fanstore-pack"
@@ -70,13 +70,14 @@ class FileRows:
     280 B; nor nine u64 words, 72 B): a pack holds a row for every file until its index's layout holds them."""
 
     WORDS = FileRow._fields[1:]  # every field but the path
-    __slots__ = ("paths", "_columns")
+    __slots__ = ("paths", "_columns")  # paths: the files' paths (with plan paths, `append` takes a plan number)
 
-    def __init__(self) -> None:
-        self.paths = PathList()
+    def __init__(self, plan_paths: PathColumn | None = None) -> None:
+        """With `plan_paths`, the plan's, a row names its file by plan number (4 B), not by its path's bytes."""
+        self.paths: PathList | PlannedPaths = PathList() if plan_paths is None else PlannedPaths(plan_paths)
         self._columns = tuple(array(_TYPECODES[name]) for name in self.WORDS)
 
-    def append(self, path: str, size: int, mtime_ns: int, mode: int, chunk: int, offset: int, stored_len: int,
+    def append(self, path: Any, size: int, mtime_ns: int, mode: int, chunk: int, offset: int, stored_len: int,
                codec: int, checksum: int, flags: int) -> None:
         self.paths.append(path)
         columns = self._columns
@@ -261,7 +262,7 @@ def _json_pieces(value: Any) -> Iterator[bytes]:
     a callable value is called when its turn comes (a column made only to be written)."""
     if callable(value):
         value = value()
-    if isinstance(value, (PathList, np.ndarray)):
+    if isinstance(value, (PathList, PlannedPaths, np.ndarray)):
         yield from _json_list_pieces(value)
         return
     if not isinstance(value, dict):
@@ -274,7 +275,7 @@ def _json_pieces(value: Any) -> Iterator[bytes]:
     yield b"}"
 
 
-def _json_list_pieces(column: PathList | np.ndarray) -> Iterator[bytes]:
+def _json_list_pieces(column: PathList | PlannedPaths | np.ndarray) -> Iterator[bytes]:
     """The bytes of json.dumps(list(column), separators=(",", ":")), a slice of the column at a time."""
     yield b"["
     for start in range(0, len(column), SLICE):
