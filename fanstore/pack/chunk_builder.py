@@ -216,6 +216,7 @@ class ChunkBuilder:
         """After close_all: drop the plan's files, and this builder's hold on the records (a row a file), so that
         they go once their caller has placed them in the index."""
         self.files, self.file_groups, self.records = EntryColumns.of(()), [], []
+        self.rows = FileRows()  # the open rows' planned paths would keep the plan's path column
 
     def abort(self) -> None:
         if self.writer is not None:
