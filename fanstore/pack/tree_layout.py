@@ -40,6 +40,8 @@ def layout_of_tree(entries: EntryColumns) -> IndexLayout:
     entries.paths.gather_into(ordered, blob)
     blob[paths_bytes:] = np.frombuffer(targets, dtype=np.uint8)
     del targets
+    file_order = position[np.flatnonzero(entries.is_file())].astype(DERIVED_DTYPE)  # entries are in path order
+    del position
     hashes = np.empty(count, dtype=HASH_DTYPE)
     for start in range(0, count, SLICE):
         piece = entries.paths.encoded_slice(start, min(start + SLICE, count))
@@ -48,8 +50,8 @@ def layout_of_tree(entries: EntryColumns) -> IndexLayout:
     hashes = hashes[ordered]
     del ordered
     order = np.argsort(hashes, kind="stable").astype(ORDER_DTYPE)  # by hash, then by entry
-    file_order = position[np.flatnonzero(entries.is_file())].astype(DERIVED_DTYPE)  # entries are in path order
-    return IndexLayout.from_arrays(layout, blob, hashes[order], order, file_order)
+    hashes.sort()  # hashes[order], in place: the layout's peak is not one more column of them
+    return IndexLayout.from_arrays(layout, blob, hashes, order, file_order)
 
 
 def _parents(entries: EntryColumns) -> np.ndarray:
