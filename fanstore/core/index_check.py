@@ -34,6 +34,8 @@ _S_IFMT = 0o170000
 _KIND_NAMES = {stat.S_IFIFO: "a fifo", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
                stat.S_IFSOCK: "a socket"}
 _SLASH, _DOT = ord("/"), ord(".")
+# Entries a round-by-round comparison of paths takes at a time (the arrays of a round: 50 B an entry).
+_ROUND_SLICE = 1 << 18
 
 
 class Refuse:
@@ -47,21 +49,15 @@ class Refuse:
 
 
 class _Columns:
-    """Each entry field as a contiguous array. Reading a field of the 64-byte records streams the whole entries
-    array through memory, and the checks read each field several times; so the records are transposed once, as
-    eight little-endian words each, and the packed small fields are split out of the last two words."""
+    """Each entry field as an array: a view of the records' field (no copy), but the small fields read most
+    (parent, path_len, mode's kind), made contiguous. Transposing every field made the check hold 84 B an entry
+    beside the index's own 64: at the end of a pack, beside the index's bytes, the largest thing it held."""
 
     def __init__(self, entries: np.ndarray) -> None:
-        words = np.ascontiguousarray(entries.view("<u8").reshape(len(entries), ENTRY_DTYPE.itemsize // 8).T)
         for name in ENTRY_DTYPE.names:
-            dtype, offset = ENTRY_DTYPE.fields[name][:2]
-            word = words[offset // 8]
-            if dtype.itemsize == 8:
-                column = word.view(dtype)
-            else:
-                shifted = word >> np.uint64(8 * (offset % 8))
-                column = (shifted & np.uint64((1 << (8 * dtype.itemsize)) - 1)).astype(dtype)
-            setattr(self, name, column)
+            setattr(self, name, entries[name])
+        self.parent = np.ascontiguousarray(entries["parent"])
+        self.path_len = np.ascontiguousarray(entries["path_len"])
         self.count = len(entries)
         self.kind = self.mode & np.uint32(_S_IFMT)
 
@@ -125,6 +121,7 @@ def _check_file_order(refuse: Refuse, columns: _Columns, paths: np.ndarray, orde
     listed[order[in_range]] = True
     if not in_range.all() or len(order) != int(is_file.sum()) or not np.array_equal(listed, is_file):
         raise refuse("file_order", "does not list every regular file of the entries exactly once")
+    del is_file, listed, in_range
     if len(order) < 2:
         return
     starts, lengths = columns.path_off.astype(np.int64), columns.path_len.astype(np.int64)
@@ -132,7 +129,15 @@ def _check_file_order(refuse: Refuse, columns: _Columns, paths: np.ndarray, orde
     big = _windows(padded, ">")
     first_bytes = ~_FIRST_BYTES[::-1]
     first_bytes[0] = 0
-    pairs = np.arange(1, len(order))  # order[pair - 1] must come before order[pair]
+    for first in range(1, len(order), _ROUND_SLICE):  # order[pair - 1] must come before order[pair]
+        _check_order_rounds(refuse, big, first_bytes, starts, lengths, order,
+                            np.arange(first, min(first + _ROUND_SLICE, len(order))))
+
+
+def _check_order_rounds(refuse: Refuse, big: np.ndarray, first_bytes: np.ndarray, starts: np.ndarray,
+                        lengths: np.ndarray, order: np.ndarray, pairs: np.ndarray) -> None:
+    """The paths of order[pair - 1] and order[pair], for each of `pairs`, are in order: compared eight bytes a
+    round."""
     offset = 0
     while len(pairs):
         earlier, later = order[pairs - 1], order[pairs]
@@ -221,6 +226,8 @@ def _check_paths(refuse: Refuse, columns: _Columns, paths: np.ndarray) -> None:
     wrong_dir[0] = False
     if wrong_dir.any():
         raise refuse(_field(int(np.argmax(wrong_dir)), "path"), "does not lie in its parent directory's path")
+    # What the rounds below do not read goes first: they are the check's peak of memory, beside the index.
+    del ends, slashes, before_end, last_slash, has_slash, is_dot, next_is_dot, bad_name, dir_lens, wrong_dir, cut
     _check_prefixes(refuse, padded, starts, parents, lengths)
     _check_sibling_order(refuse, padded, name_starts, name_lens, parents)
 
@@ -238,33 +245,45 @@ _FIRST_BYTES = np.array([(1 << (8 * n)) - 1 for n in range(9)], dtype=np.uint64)
 def _check_prefixes(refuse: Refuse, padded: np.ndarray, starts: np.ndarray, parents: np.ndarray,
                     lengths: np.ndarray) -> None:
     """Each entry's path begins with its parent's path (the lengths agree already). Compared eight bytes a round,
-    each round over the entries whose parent's path is longer still."""
+    each round over the entries whose parent's path is longer still; a slice of entries at a time, so that the
+    rounds' arrays are not held for every entry at once."""
     little = _windows(padded, "<")
-    active = np.flatnonzero(lengths[parents] > 0)
-    child_starts, parent_starts, parent_lengths = starts[active], starts[parents[active]], lengths[parents[active]]
-    offset = 0
-    while len(active):
-        remaining = parent_lengths - offset
-        differ = (little[child_starts + offset] ^ little[parent_starts + offset]) & _FIRST_BYTES[
-            np.minimum(remaining, 8)]
-        if differ.any():
-            raise refuse(_field(int(active[np.argmax(differ != 0)]), "path"), "does not lie in its parent "
-                                                                              "directory's path")
-        longer = remaining > 8
-        active, child_starts, parent_starts, parent_lengths = (
-            active[longer], child_starts[longer], parent_starts[longer], parent_lengths[longer])
-        offset += 8
+    for first in range(0, len(parents), _ROUND_SLICE):
+        active = np.flatnonzero(lengths[parents[first : first + _ROUND_SLICE]] > 0) + first
+        child_starts, parent_starts, parent_lengths = starts[active], starts[parents[active]], lengths[parents[active]]
+        offset = 0
+        while len(active):
+            remaining = parent_lengths - offset
+            differ = (little[child_starts + offset] ^ little[parent_starts + offset]) & _FIRST_BYTES[
+                np.minimum(remaining, 8)]
+            if differ.any():
+                raise refuse(_field(int(active[np.argmax(differ != 0)]), "path"), "does not lie in its parent "
+                                                                                  "directory's path")
+            longer = remaining > 8
+            active, child_starts, parent_starts, parent_lengths = (
+                active[longer], child_starts[longer], parent_starts[longer], parent_lengths[longer])
+            offset += 8
 
 
 def _check_sibling_order(refuse: Refuse, padded: np.ndarray, name_starts: np.ndarray, name_lens: np.ndarray,
                          parents: np.ndarray) -> None:
     """Siblings are sorted by name bytes, strictly: no two entries share a path, and listings come out in order.
-    Names hold no NUL, so zero-padded big-endian 8-byte words order as the names' bytes do."""
+    Names hold no NUL, so zero-padded big-endian 8-byte words order as the names' bytes do. A slice of entries at a
+    time, as the prefixes."""
     big = _windows(padded, ">")
-    later = np.flatnonzero(parents[2:] == parents[1:-1]) + 2  # entries whose previous entry is a sibling
     # Keeping a big-endian window's first n bytes is dropping its last 8 - n.
     first_bytes = ~_FIRST_BYTES[::-1]
     first_bytes[0] = 0
+    for first in range(2, len(parents), _ROUND_SLICE):
+        stop = min(first + _ROUND_SLICE, len(parents))
+        # entries whose previous entry is a sibling
+        later = np.flatnonzero(parents[first:stop] == parents[first - 1 : stop - 1]) + first
+        _check_sibling_rounds(refuse, big, first_bytes, name_starts, name_lens, later)
+
+
+def _check_sibling_rounds(refuse: Refuse, big: np.ndarray, first_bytes: np.ndarray, name_starts: np.ndarray,
+                          name_lens: np.ndarray, later: np.ndarray) -> None:
+    """Each of `later` is named after its previous entry, a sibling: compared eight bytes a round."""
     offset = 0
     while len(later):
         earlier = later - 1

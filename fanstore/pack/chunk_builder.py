@@ -55,7 +55,7 @@ class ChunkBuilder:
         self.first_file, self.first_block = (last.end_file, last.end_block) if last else (0, 0)
         self.next_number = self.first_file
         self.writer: ChunkWriter | None = None
-        self.rows = FileRows()
+        self.rows = FileRows(files.paths)  # a row names its file by plan number
         self.blocks: list[BlockRow] = []
         self.problems: list[Problem] = []
         self.files_done = sum(len(r.files) for r in finished)
@@ -125,7 +125,7 @@ class ChunkBuilder:
             self.stored_done += stored_len
             entry = files[number]
             if block == WHOLE_FILE:
-                self.rows.append(entry.path, raw_size, entry.mtime_ns, entry.mode, writer.chunk_id, offset,
+                self.rows.append(number, raw_size, entry.mtime_ns, entry.mode, writer.chunk_id, offset,
                                  stored_len, codec, checksum, 0)
                 self._file_done(number)
                 continue
@@ -138,7 +138,7 @@ class ChunkBuilder:
             blocked.stored += stored_len
             if block == self.layout.blocks_of(entry.size) - 1:
                 # offset: the file's first row in the blocks section, known once the index orders the files
-                self.rows.append(entry.path, entry.size, entry.mtime_ns, entry.mode, blocked.first_chunk, 0,
+                self.rows.append(number, entry.size, entry.mtime_ns, entry.mode, blocked.first_chunk, 0,
                                  blocked.stored, blocked.codec, 0, FLAG_BLOCKED)
                 self._blocked = None
                 self._file_done(number)
@@ -153,8 +153,8 @@ class ChunkBuilder:
         while self.next_number < upto:
             entry = self.files[self.next_number]
             if entry.size == 0:
-                self.rows.append(entry.path, 0, entry.mtime_ns, entry.mode, NO_CHUNK, 0, 0, NONE_ROW, _EMPTY_CHECKSUM,
-                                 0)
+                self.rows.append(self.next_number, 0, entry.mtime_ns, entry.mode, NO_CHUNK, 0, 0, NONE_ROW,
+                                 _EMPTY_CHECKSUM, 0)
                 self.files_done += 1
             self.next_number += 1
 
@@ -191,7 +191,7 @@ class ChunkBuilder:
         self.next_chunk += 1
         pause_point(f"chunk:{self.next_chunk}")
         self.first_file, self.first_block = end_file, end_block
-        self.rows, self.blocks, self.problems = FileRows(), [], []
+        self.rows, self.blocks, self.problems = FileRows(self.files.paths), [], []
 
     def chunk_bytes(self) -> dict[int, int]:
         """Per group, the bytes of its chunk files so far, headers included: the closed ones and the open one (every
@@ -209,13 +209,14 @@ class ChunkBuilder:
         if len(self.rows) or self.problems:
             self.records.append(ChunkRecord(NO_CHUNK, 0, 0, self.first_file, len(self.files), self.first_block, 0,
                                             self.rows, [], self.problems))
-            self.rows, self.problems = FileRows(), []
+            self.rows, self.problems = FileRows(self.files.paths), []
         return self.records
 
     def let_go(self) -> None:
-        """After close_all, once the index's bytes hold what the records say: drop the plan's files and the records
-        (a row a file), which the pack would otherwise hold while it writes and checks its index."""
+        """After close_all: drop the plan's files, and this builder's hold on the records (a row a file), so that
+        they go once their caller has placed them in the index."""
         self.files, self.file_groups, self.records = EntryColumns.of(()), [], []
+        self.rows = FileRows()  # the open rows' planned paths would keep the plan's path column
 
     def abort(self) -> None:
         if self.writer is not None:

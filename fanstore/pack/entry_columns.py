@@ -72,6 +72,28 @@ class PathColumn(Sequence[str]):
     def as_bytes(self) -> _EncodedPaths:
         return _EncodedPaths(self)
 
+    def gather(self, numbers: np.ndarray) -> list[bytes]:
+        """The paths `numbers` names, in that order, as bytes."""
+        ends = self.ends[numbers]
+        starts = ends - self.lengths_of(numbers)
+        whole = self.blob
+        return [whole[start:end] for start, end in zip(starts.tolist(), ends.tolist())]
+
+    def gather_into(self, numbers: np.ndarray, into: np.ndarray) -> int:
+        """The paths `numbers` names, in that order, back to back at the start of the byte array `into`; returns how
+        many bytes they took. A slice at a time: never a second copy of them all, as `take(...).blob` is a moment."""
+        cursor = 0
+        for first in range(0, len(numbers), SLICE):
+            joined = b"".join(self.gather(numbers[first : first + SLICE]))
+            into[cursor : cursor + len(joined)] = np.frombuffer(joined, dtype=np.uint8)
+            cursor += len(joined)
+        return cursor
+
+    def lengths_of(self, numbers: np.ndarray) -> np.ndarray:
+        """The lengths of the paths `numbers` names (int64)."""
+        ends = self.ends[numbers]
+        return ends - np.where(numbers > 0, self.ends[np.maximum(numbers, 1) - 1], 0)
+
     def take(self, numbers: np.ndarray) -> PathColumn:
         """The paths `numbers` name, in that order, as a column of their own."""
         ends = self.ends[numbers]
@@ -152,7 +174,7 @@ class EntryColumns(Sequence[SourceEntry]):
         numbers = np.asarray(numbers, dtype=np.int64)
         place = {int(old): new for new, old in enumerate(numbers.tolist())} if self.link_targets else {}
         targets = {place[old]: target for old, target in self.link_targets.items() if old in place}
-        return EntryColumns(self.paths.take(numbers), {name: getattr(self, name)[numbers] for name in _NUMBERS},
+        return EntryColumns(self.paths.take(numbers), {name: _taken(getattr(self, name), numbers) for name in _NUMBERS},
                             targets)
 
     def to_columns(self) -> tuple[bytes, np.ndarray, dict[str, np.ndarray], dict[int, str]]:
@@ -206,7 +228,8 @@ class EntryColumnsBuilder:
 
     def build(self) -> EntryColumns:
         """The columns, on the builder's own arrays (not copied: the builder is done with)."""
-        numbers = {name: _array_of(column) for name, column in self._numbers.items()}
+        numbers = {name: _one_value_or_all(_array_of(column)) for name, column in self._numbers.items()}
+        self._numbers = {name: array(column.typecode) for name, column in self._numbers.items()}
         blob, self._blob = bytes(self._blob), bytearray()
         return EntryColumns(PathColumn(blob, _array_of(self._ends)), numbers, dict(self._targets))
 
@@ -215,6 +238,21 @@ def _array_of(column: array) -> np.ndarray:
     """An array('q' or 'Q') as numpy, sharing its memory."""
     dtype = np.uint64 if column.typecode == "Q" else np.int64
     return np.frombuffer(column, dtype=dtype) if len(column) else np.zeros(0, dtype)
+
+
+def _one_value_or_all(column: np.ndarray) -> np.ndarray:
+    """A column whose entries all hold one value, as that value seen `len(column)` times (read-only, no memory a
+    member): an archive member's ctime, 0 for every member, was 8 B a member in the walk and again in the plan."""
+    if len(column) > 1 and not (column != column[0]).any():
+        return np.broadcast_to(column[:1].copy(), column.shape)  # a copy: the column's memory goes
+    return column
+
+
+def _taken(column: np.ndarray, numbers: np.ndarray) -> np.ndarray:
+    """column[numbers], a column of one value kept as one (_one_value_or_all)."""
+    if column.strides == (0,) and len(column) and len(numbers):
+        return np.broadcast_to(column[:1].copy(), (len(numbers),))
+    return column[numbers]
 
 
 def sorted_by_path(columns: EntryColumns) -> EntryColumns:
@@ -260,3 +298,28 @@ class PathList(Sequence[str]):
         end = self._ends[at]  # IndexError past the end, as a list's
         number = at if at >= 0 else at + len(self._ends)
         return self._blob[self._ends[number - 1] if number else 0 : end].decode("utf-8")
+
+
+class PlannedPaths(Sequence[str]):
+    """The paths of files of a plan, appended one at a time by their plan numbers: 4 B a path, not its bytes again
+    (a chunk record names each file it packed; the plan's column holds the paths)."""
+
+    __slots__ = ("_column", "_numbers")
+
+    def __init__(self, column: PathColumn) -> None:
+        self._column = column
+        self._numbers = array("I")  # a plan holds fewer than 2^32 files (an index's entry numbers are u4)
+
+    def append(self, number: int) -> None:
+        self._numbers.append(number)
+
+    def __len__(self) -> int:
+        return len(self._numbers)
+
+    def __getitem__(self, at: int | slice) -> Any:
+        if isinstance(at, slice):
+            numbers = np.frombuffer(self._numbers, dtype=np.uint32)[at] if len(self._numbers) else np.zeros(0, int)
+            listed = [path.decode("utf-8") for path in self._column.gather(numbers)]
+            del numbers  # the array's buffer is exported while a view of it lives: no number could be appended
+            return listed
+        return self._column[self._numbers[at]]

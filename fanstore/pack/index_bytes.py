@@ -16,18 +16,17 @@ from .batches import BlockLayout
 from .codec_plan import CodecPlan
 from .groups import GroupPlan
 from .journal import BlockRow, ChunkRecord, FileRows
-from .entry_columns import EntryColumns
+from .entry_columns import EntryColumns, EntryColumnsBuilder, sorted_by_path
 from .tree_layout import layout_of_tree
-from .walk import SourceTree
 
 
-def index_layout(tree: SourceTree, leave_out: frozenset[str] = frozenset()) -> IndexLayout:
-    """The index's layout from the walk alone: every entry of the tree but the files in `leave_out`."""
+def index_layout(entries: EntryColumns, leave_out: frozenset[str] = frozenset()) -> IndexLayout:
+    """The index's layout from the walk's entries alone: every entry but the files in `leave_out`."""
     if not leave_out:
-        return layout_of_tree(tree.entries)
-    paths = tree.entries.paths
-    return layout_of_tree(tree.entries.take(np.array([n for n in range(len(paths)) if paths[n] not in leave_out],
-                                                     dtype=np.int64)))
+        return layout_of_tree(entries)
+    paths = entries.paths
+    return layout_of_tree(entries.take(np.array([n for n in range(len(paths)) if paths[n] not in leave_out],
+                                                dtype=np.int64)))
 
 
 class PlacedIndex(NamedTuple):
@@ -45,28 +44,40 @@ class PlacedIndex(NamedTuple):
                                     blocks=self.blocks, block_size=block_layout.block_size)
 
 
-def placed_index(tree: SourceTree, layout: Future[IndexLayout], records: list[ChunkRecord], files: EntryColumns,
+def packed_layout(layout: Future[IndexLayout], records: list[ChunkRecord], files: EntryColumns,
+                  others: EntryColumns) -> IndexLayout:
+    """The layout of what was packed: `layout`, the walk's, built while the files were compressed; built again
+    without the files that turned out not to be packable during the pack (they vanished or changed), which is rare,
+    from the walk's `files` (all of them, in plan order) and its `others` (directories and symlinks): the walk itself
+    is gone by then."""
+    if sum(len(record.files) for record in records) == len(files):  # a file is recorded once
+        return layout.result()
+    packed_paths = frozenset(path for record in records for path in record.files.paths)
+    walk = EntryColumnsBuilder()
+    walk.extend(others)
+    walk.extend(files)
+    return index_layout(sorted_by_path(walk.build()), frozenset(files.paths) - packed_paths)
+
+
+def blocked_plan_numbers(files: EntryColumns, block_layout: BlockLayout) -> dict[str, int]:
+    """The plan number of each file that may be stored in blocks, by path: what placing their blocks needs of the
+    plan, taken before the plan goes."""
+    return {files.paths[n]: n for n in np.flatnonzero(files.size > block_layout.blocks_above).tolist()}
+
+
+def placed_index(packed: IndexLayout, records: list[ChunkRecord], number_of: dict[str, int],
                  block_layout: BlockLayout) -> PlacedIndex:
-    """The index with each packed file's blob placed from the chunk records. `layout` is the tree's layout, built
-    while the files were compressed; it is built again without the files that turned out not to be packable during
-    the pack (they vanished or changed), which is rare."""
-    walked_files = np.flatnonzero(tree.entries.is_file())
-    if sum(len(record.files) for record in records) == len(walked_files):  # a file is recorded once
-        packed_layout = layout.result()
-    else:
-        packed_paths = frozenset(path for record in records for path in record.files.paths)
-        walked_paths = frozenset(tree.entries.paths[int(n)] for n in walked_files)
-        packed_layout = index_layout(tree, walked_paths - packed_paths)
-    del walked_files
+    """The index with each packed file's blob placed from the chunk records, into `packed` (packed_layout's);
+    `number_of`: blocked_plan_numbers'."""
     blocked_files = [(record.files.paths[n], size) for record in records for n, size in _blocked_rows(record.files)]
-    blocks, first_block_rows = _blocks_table(packed_layout, records, blocked_files, files, block_layout)
+    blocks, first_block_rows = _blocks_table(packed, records, blocked_files, number_of, block_layout)
     for record in records:  # a record at a time, a column at a time: not every file's columns at once
         rows = record.files
-        packed_layout.place_blobs(rows.paths, chunk=partial(rows.column, "chunk"),
-                                  offset=partial(_offsets, rows, first_block_rows),
-                                  stored_len=partial(rows.column, "stored_len"), codec=partial(rows.column, "codec"),
-                                  checksum=partial(rows.column, "checksum"), flags=partial(rows.column, "flags"))
-    return PlacedIndex(packed_layout, _chunks_table(records), blocks)
+        packed.place_blobs(rows.paths, chunk=partial(rows.column, "chunk"),
+                           offset=partial(_offsets, rows, first_block_rows),
+                           stored_len=partial(rows.column, "stored_len"), codec=partial(rows.column, "codec"),
+                           checksum=partial(rows.column, "checksum"), flags=partial(rows.column, "flags"))
+    return PlacedIndex(packed, _chunks_table(records), blocks)
 
 
 def _offsets(rows: FileRows, first_block_rows: dict[str, int]) -> np.ndarray:
@@ -95,14 +106,13 @@ def _chunks_table(records: list[ChunkRecord]) -> np.ndarray:
 
 
 def _blocks_table(packed_layout: IndexLayout, records: list[ChunkRecord], blocked_files: list[tuple[str, int]],
-                  files: EntryColumns, block_layout: BlockLayout) -> tuple[np.ndarray | None, dict[str, int]]:
+                  number_of: dict[str, int], block_layout: BlockLayout) -> tuple[np.ndarray | None, dict[str, int]]:
     """The `blocks` section (None when no file is stored in blocks): the blocks of each file stored in blocks
     (`blocked_files`, their paths and sizes), files in entry order; and each such file's first row in it, by path."""
     blocked_rows = sorted((_BlockedRow(path, size) for path, size in blocked_files),
                           key=lambda row: packed_layout.entry_of(row.path))
     if not blocked_rows:
         return None, {}
-    number_of = {files.paths[n]: n for n in np.flatnonzero(files.size > block_layout.blocks_above).tolist()}
     placed: dict[int, list[tuple[int, BlockRow]]] = {}
     for record in records:
         for block_row in record.blocks:

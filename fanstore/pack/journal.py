@@ -18,7 +18,7 @@ import numpy as np
 
 from ..core.durable import write_atomically
 from ..errors import PackError, quoted
-from .entry_columns import SLICE, PathList
+from .entry_columns import SLICE, PathColumn, PathList, PlannedPaths
 from .walk import Problem
 
 JOURNAL_DIR = ".fanstore-pack"
@@ -56,42 +56,58 @@ class FileRow(NamedTuple):
     flags: int
 
 
-_U64 = (1 << 64) - 1
+# Each field's array type: the narrowest that holds every value the index can record (a mode, a chunk id, a codec
+# row and the flags are the index's u4, u4, u1 and u1).
+_TYPECODES = {"size": "Q", "mtime_ns": "q", "mode": "I", "chunk": "I", "offset": "Q", "stored_len": "Q",
+              "codec": "B", "checksum": "Q", "flags": "B"}
+if array("I").itemsize != 4:
+    raise ImportError("array('I') must hold 4 bytes")
 
 
 class FileRows:
-    """The files finished in a chunk, as FileRow's fields in columns: the path's bytes, its end and nine u64 words
-    a file (80 bytes), not a named tuple, its string and its integers (about 280): a pack holds a row for every file
-    until its index is written."""
+    """The files finished in a chunk, as FileRow's fields in columns: the path's bytes, its end and 50 bytes of
+    numbers a file, each field in an array of its own type (not a named tuple, its string and its integers: about
+    280 B; nor nine u64 words, 72 B): a pack holds a row for every file until its index's layout holds them."""
 
-    WORDS = FileRow._fields[1:]  # every field but the path, one u64 word each (mtime_ns as two's complement)
-    __slots__ = ("paths", "_words")
+    WORDS = FileRow._fields[1:]  # every field but the path
+    __slots__ = ("paths", "_columns")  # paths: the files' paths (with plan paths, `append` takes a plan number)
 
-    def __init__(self) -> None:
-        self.paths = PathList()
-        self._words = array("Q")
+    def __init__(self, plan_paths: PathColumn | None = None) -> None:
+        """With `plan_paths`, the plan's, a row names its file by plan number (4 B), not by its path's bytes."""
+        self.paths: PathList | PlannedPaths = PathList() if plan_paths is None else PlannedPaths(plan_paths)
+        self._columns = tuple(array(_TYPECODES[name]) for name in self.WORDS)
 
-    def append(self, path: str, size: int, mtime_ns: int, mode: int, chunk: int, offset: int, stored_len: int,
+    def append(self, path: Any, size: int, mtime_ns: int, mode: int, chunk: int, offset: int, stored_len: int,
                codec: int, checksum: int, flags: int) -> None:
         self.paths.append(path)
-        self._words.extend((size, mtime_ns & _U64, mode, chunk, offset, stored_len, codec, checksum, flags))
+        columns = self._columns
+        columns[0].append(size)
+        columns[1].append(mtime_ns)
+        columns[2].append(mode)
+        columns[3].append(chunk)
+        columns[4].append(offset)
+        columns[5].append(stored_len)
+        columns[6].append(codec)
+        columns[7].append(checksum)
+        columns[8].append(flags)
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def column(self, name: str) -> np.ndarray:
         """One field of every row, a copy (int64 for mtime_ns, uint64 for the others; not "path": see `paths`)."""
-        words = np.frombuffer(self._words, dtype=np.uint64).reshape(-1, len(self.WORDS))
-        column = words[:, self.WORDS.index(name)].copy()
-        del words  # the words' buffer is exported while a view of it lives: no row could be appended
-        return column.view(np.int64) if name == "mtime_ns" else column
+        values = self._columns[self.WORDS.index(name)]
+        wide = np.int64 if name == "mtime_ns" else np.uint64
+        if not len(values):
+            return np.zeros(0, dtype=wide)
+        view = np.frombuffer(values, dtype=values.typecode)
+        column = view.astype(wide)
+        del view  # the array's buffer is exported while a view of it lives: no row could be appended
+        return column
 
     def __iter__(self) -> Iterator[FileRow]:
-        words, width = self._words, len(self.WORDS)
-        for number, path in enumerate(self.paths):
-            row = words[number * width : (number + 1) * width]
-            mtime_ns = row[1] - (1 << 64) if row[1] >> 63 else row[1]
-            yield FileRow(path, row[0], mtime_ns, *row[2:])
+        for path, *numbers in zip(self.paths, *self._columns):
+            yield FileRow(path, *numbers)
 
     @classmethod
     def from_columns(cls, columns: dict[str, list[Any]]) -> "FileRows":
@@ -105,11 +121,9 @@ class FileRows:
         if not all(type(value) is int for name in cls.WORDS for value in columns[name]):
             raise ValueError("a row field holds a value that is not an integer")
         try:
-            numbers = [np.array(columns[name], dtype=np.int64 if name == "mtime_ns" else np.uint64).view(np.uint64)
-                       for name in cls.WORDS]
+            rows._columns = tuple(array(_TYPECODES[name], columns[name]) for name in cls.WORDS)
         except OverflowError as exc:
-            raise ValueError(f"a row field is not a 64-bit integer ({exc})") from None
-        rows._words = array("Q", np.stack(numbers, axis=1).tobytes()) if rows.paths else array("Q")
+            raise ValueError(f"a row field holds a value out of its range ({exc})") from None
         return rows
 
 
@@ -248,7 +262,7 @@ def _json_pieces(value: Any) -> Iterator[bytes]:
     a callable value is called when its turn comes (a column made only to be written)."""
     if callable(value):
         value = value()
-    if isinstance(value, (PathList, np.ndarray)):
+    if isinstance(value, (PathList, PlannedPaths, np.ndarray)):
         yield from _json_list_pieces(value)
         return
     if not isinstance(value, dict):
@@ -261,7 +275,7 @@ def _json_pieces(value: Any) -> Iterator[bytes]:
     yield b"}"
 
 
-def _json_list_pieces(column: PathList | np.ndarray) -> Iterator[bytes]:
+def _json_list_pieces(column: PathList | PlannedPaths | np.ndarray) -> Iterator[bytes]:
     """The bytes of json.dumps(list(column), separators=(",", ":")), a slice of the column at a time."""
     yield b"["
     for start in range(0, len(column), SLICE):

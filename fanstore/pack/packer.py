@@ -13,7 +13,7 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
@@ -48,7 +48,7 @@ from .dest import (
 from .fingerprint import pack_fingerprint
 from .fit_watch import FitWatch
 from .groups import GroupPlan
-from .index_bytes import index_layout, placed_index
+from .index_bytes import blocked_plan_numbers, index_layout, packed_layout, placed_index
 from .index_size import index_bytes_estimate
 from .journal import ChunkRecord, JournalState, PackJournal
 from .options import AUTO_CODEC, PackOptions
@@ -134,11 +134,21 @@ class _PackRun:
     listing_digest: str
     journal: PackJournal
     selection: Selection | None = None
+    others: EntryColumns | None = None  # once the walk is let go of: its directories and symlinks
 
     def let_go_of_the_walk(self) -> None:
-        """Once the index's layout holds what it keeps of each file: the walk goes before the index's bytes are made,
-        written and checked, which is a pack's peak of memory (a caller that handed in its `tree` still holds that)."""
-        self.tree, self.files = SourceTree(self.tree.root), EntryColumns.of(())
+        """Once the index's layout is built, which holds what the index keeps of every entry: the walk's entries go
+        (the plan holds its files), but for its directories and symlinks, kept for a layout built again without
+        files the pack could not pack (index_bytes.packed_layout). A caller that handed in its `tree` holds that."""
+        if self.others is None:
+            entries = self.tree.entries
+            self.others = entries.take(np.flatnonzero(~entries.is_file()))
+            self.tree = replace(self.tree, entries=EntryColumns.of(()))
+
+    def let_go_of_the_plan(self) -> None:
+        """Once each file's blob is placed in the index's layout: the plan goes before the index's bytes are made,
+        written and checked, which is a pack's peak of memory."""
+        self.files, self.others = EntryColumns.of(()), None
         self.file_groups = np.zeros(0, np.uint8)
 
 
@@ -241,16 +251,23 @@ def _chunks_and_index(run: _PackRun, plan: CodecPlan, progress: Callable[[PackPr
         summary = _summarise(records, run.tree.problems)
         summary.reused_chunks = len(finished)
         pause_point("index")
-        placed = placed_index(run.tree, layout, records, run.files, run.options.block_layout)
-        # Each file's blob is placed in the index's layout now: the walk, the plan, the journal's rows go before the
-        # index's bytes are made, written and checked, which is a pack's peak of memory.
-        builder.let_go()
-        finished.clear()
-        del records, plan_files, layout
+        layout.result()
         run.let_go_of_the_walk()
+        packed = packed_layout(layout, records, run.files, run.others or EntryColumns.of(()))
+        number_of = blocked_plan_numbers(run.files, run.options.block_layout)
+        # The layout holds what the index keeps of the walk: the plan goes before the blobs are placed, so that it
+        # does not stand beside the layout and the journal's rows.
+        builder.let_go()
+        del plan_files, layout
+        run.let_go_of_the_plan()
         if feed is not None:
             feed.close()
             feed = None
+        give_back_free_heap()
+        placed = placed_index(packed, records, number_of, run.options.block_layout)
+        # The journal's rows go before the index's bytes are made, written and checked, a pack's peak of memory.
+        finished.clear()
+        del records, packed, number_of
         give_back_free_heap()  # what the records and the walk took: the index's bytes and check would stand on it
         packed_index = placed.to_bytes(plan, run.groups, run.options.block_layout, _index_meta(run, summary))
         del placed
@@ -287,7 +304,10 @@ def _compress_all(run: _PackRun, plan: CodecPlan, plan_files: PlanFiles, builder
     layout: Future[IndexLayout] | None = None
     for batch in compress_in_order(run.src, plan, plan_files, start_file, start_block, pool, feed):
         if layout is None:
-            layout = background.submit(index_layout, run.tree)
+            layout = background.submit(index_layout, run.tree.entries)
+        elif layout.done() and run.others is None:
+            layout.result()  # its error, if any, now
+            run.let_go_of_the_walk()  # the records grow from here on: the walk's columns need not stand beside them
         if run.options.strict:
             _refuse_skipped(batch)
         builder.add_batch(batch)
@@ -296,7 +316,7 @@ def _compress_all(run: _PackRun, plan: CodecPlan, plan_files: PlanFiles, builder
         report.every_interval()
     records = builder.close_all()
     if layout is None:  # nothing was left to compress (a resume after the last chunk)
-        layout = background.submit(index_layout, run.tree)
+        layout = background.submit(index_layout, run.tree.entries)
     report.now()
     return records, layout
 

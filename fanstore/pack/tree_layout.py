@@ -21,7 +21,7 @@ def layout_of_tree(entries: EntryColumns) -> IndexLayout:
     ordered, position = _breadth_first(parent)
     count = len(entries)
     layout = np.zeros(count, dtype=ENTRY_DTYPE)
-    layout["path_len"] = entries.paths.lengths()[ordered]
+    layout["path_len"] = entries.paths.lengths_of(ordered)
     layout["path_off"] = np.cumsum(layout["path_len"]) - layout["path_len"]
     layout["parent"] = position[parent[ordered]]
     del parent
@@ -36,9 +36,12 @@ def layout_of_tree(entries: EntryColumns) -> IndexLayout:
         row = layout[at]  # a view of the entry's record
         row["offset"], row["stored_len"], row["size"] = paths_bytes + len(targets), len(encoded), len(encoded)
         targets += encoded
-    blob = entries.paths.take(ordered).blob
-    if targets:
-        blob += bytes(targets)
+    blob = np.empty(paths_bytes + len(targets), dtype=np.uint8)
+    entries.paths.gather_into(ordered, blob)
+    blob[paths_bytes:] = np.frombuffer(targets, dtype=np.uint8)
+    del targets
+    file_order = position[np.flatnonzero(entries.is_file())].astype(DERIVED_DTYPE)  # entries are in path order
+    del position
     hashes = np.empty(count, dtype=HASH_DTYPE)
     for start in range(0, count, SLICE):
         piece = entries.paths.encoded_slice(start, min(start + SLICE, count))
@@ -47,8 +50,8 @@ def layout_of_tree(entries: EntryColumns) -> IndexLayout:
     hashes = hashes[ordered]
     del ordered
     order = np.argsort(hashes, kind="stable").astype(ORDER_DTYPE)  # by hash, then by entry
-    file_order = position[np.flatnonzero(entries.is_file())].astype(DERIVED_DTYPE)  # entries are in path order
-    return IndexLayout.from_arrays(layout, np.frombuffer(blob, dtype="u1"), hashes[order], order, file_order)
+    hashes.sort()  # hashes[order], in place: the layout's peak is not one more column of them
+    return IndexLayout.from_arrays(layout, blob, hashes, order, file_order)
 
 
 def _parents(entries: EntryColumns) -> np.ndarray:
