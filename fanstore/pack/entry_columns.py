@@ -228,7 +228,9 @@ class EntryColumnsBuilder:
 
     def build(self) -> EntryColumns:
         """The columns, on the builder's own arrays (not copied: the builder is done with)."""
-        numbers = {name: _one_value_or_all(_array_of(column)) for name, column in self._numbers.items()}
+        # st_mode in its 32 bits: 4 B a member less, in the walk and again in the plan
+        numbers = {name: _one_value_or_all(_array_of(column).astype(np.uint32) if name == "mode" else _array_of(column))
+                   for name, column in self._numbers.items()}
         self._numbers = {name: array(column.typecode) for name, column in self._numbers.items()}
         blob, self._blob = bytes(self._blob), bytearray()
         return EntryColumns(PathColumn(blob, _array_of(self._ends)), numbers, dict(self._targets))
