@@ -43,7 +43,9 @@ class PathColumn(Sequence[str]):
     __slots__ = ("blob", "ends")
 
     def __init__(self, blob: bytes, ends: np.ndarray) -> None:
-        self.blob, self.ends = blob, ends
+        # 4 B a path where the blob is under 4 GiB (it is, short of 10^8 long paths): the walk's and the plan's
+        # columns stand together at a pack's peak
+        self.blob, self.ends = blob, ends.astype(np.uint32, copy=False) if len(blob) < 1 << 32 else ends
 
     def __len__(self) -> int:
         return len(self.ends)
@@ -91,7 +93,7 @@ class PathColumn(Sequence[str]):
 
     def lengths_of(self, numbers: np.ndarray) -> np.ndarray:
         """The lengths of the paths `numbers` names (int64)."""
-        ends = self.ends[numbers]
+        ends = self.ends[numbers].astype(np.int64)
         return ends - np.where(numbers > 0, self.ends[np.maximum(numbers, 1) - 1], 0)
 
     def take(self, numbers: np.ndarray) -> PathColumn:
@@ -221,7 +223,7 @@ class EntryColumnsBuilder:
                               if start <= number < stop})
         first = int(columns.paths.ends[start - 1]) if start else 0
         self._blob += columns.paths.blob[first : int(columns.paths.ends[stop - 1]) if stop else 0]
-        self._ends.frombytes((columns.paths.ends[start:stop] - first + blob_base).astype(np.int64).tobytes())
+        self._ends.frombytes((columns.paths.ends[start:stop].astype(np.int64) - first + blob_base).tobytes())
         for name, column in self._numbers.items():
             values = getattr(columns, name)[start:stop]
             column.frombytes(values.astype(np.uint64 if column.typecode == "Q" else np.int64).tobytes())
@@ -233,7 +235,8 @@ class EntryColumnsBuilder:
                    for name, column in self._numbers.items()}
         self._numbers = {name: array(column.typecode) for name, column in self._numbers.items()}
         blob, self._blob = bytes(self._blob), bytearray()
-        return EntryColumns(PathColumn(blob, _array_of(self._ends)), numbers, dict(self._targets))
+        ends, self._ends = _array_of(self._ends), array("q")  # PathColumn keeps what it needs of them
+        return EntryColumns(PathColumn(blob, ends), numbers, dict(self._targets))
 
 
 def _array_of(column: array) -> np.ndarray:
