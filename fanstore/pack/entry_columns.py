@@ -15,6 +15,7 @@ import numpy as np
 
 # Work over every entry goes a slice at a time: what a slice makes (Python ints and strings) is never held for all.
 SLICE = 1 << 16
+NARROW_ENDS_BELOW = 1 << 32  # a path blob shorter than this keeps its ends in 32 bits (tests lower it)
 
 
 class SourceEntry(NamedTuple):
@@ -45,7 +46,7 @@ class PathColumn(Sequence[str]):
     def __init__(self, blob: bytes, ends: np.ndarray) -> None:
         # 4 B a path where the blob is under 4 GiB (it is, short of 10^8 long paths): the walk's and the plan's
         # columns stand together at a pack's peak
-        self.blob, self.ends = blob, ends.astype(np.uint32, copy=False) if len(blob) < 1 << 32 else ends
+        self.blob, self.ends = blob, ends.astype(np.uint32, copy=False) if len(blob) < NARROW_ENDS_BELOW else ends
 
     def __len__(self) -> int:
         return len(self.ends)
