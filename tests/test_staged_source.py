@@ -15,7 +15,7 @@ from chunk_source_contract import ChunkSourceContract
 from conftest import flip_byte, make_tree
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.core.chunk_source import LocalChunkSource
-from fanstore.errors import ChunkCorrupt
+from fanstore.errors import ChunkCorrupt, ChunkUnavailable
 from fanstore.core.format import chunk_file_name
 from fanstore.core.reader import Reader
 from fanstore.serve.node_client import NodeChunkSource, NodeConnection
@@ -58,6 +58,23 @@ def test_a_blob_damaged_in_the_copy_is_read_from_dest_and_logged_once(staged, ca
     assert source.dest_reads == 3
     lines = [r.getMessage() for r in caplog.records if "this node's copy" in r.getMessage()]
     assert len(lines) == 1 and str(damaged) in lines[0], lines
+
+
+def test_reads_after_close_are_unavailable_and_report_no_damage(staged, caplog):
+    """A rank that ends closes its copy while a peer may still ask it for a blob (its MPI thread serves until it
+    stops): that read fails as the copy being closed, and no chunk is logged as damaged, by either way of reading."""
+    src, dest, copy, index, files = staged
+    row = index.entries[files["random.bin"]]
+    blob = int(row["chunk"]), int(row["offset"]), int(row["stored_len"])
+    source = _staged_source(dest, copy, index)
+    source.close()
+    with caplog.at_level(logging.WARNING, logger="fanstore.serve"):
+        with pytest.raises(ChunkUnavailable, match="closed"):
+            source.read(*blob)
+        with pytest.raises(ChunkUnavailable, match="closed"):
+            source.read_staged_into(*blob, memoryview(bytearray(blob[2])))
+    assert not [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert source.dest_reads == 0
 
 
 def test_a_copy_cut_short_or_gone_is_read_from_dest(staged):

@@ -55,7 +55,8 @@ class StagedChunkSource(ChunkSource):
         try:
             self._staged.read_into(chunk_id, offset, length, out)
         except ChunkError as exc:
-            self.report_damaged(chunk_id, str(exc))
+            if not self._closed:  # closed, not damaged: a peer asking as the rank ends is no damage to report
+                self.report_damaged(chunk_id, str(exc))
             raise
 
     def read_other_copy(self, chunk_id: int, offset: int, length: int) -> bytes:
