@@ -258,8 +258,10 @@ def test_a_link_down_longer_than_tcp_waits_loses_the_node_for_the_job_without_a_
         assert cut[rank]["peers"]["2"]["fetched"] == 0 and cut[rank]["fallback"] > 0, cut
         assert after[rank]["peers"]["2"]["fetched"] == 0 and after[rank]["fallback"] > 0, after  # not asked again
     lines = [line for line in (out + err).splitlines() if "during the job (no answer for too long)" in line]
-    assert any(line.startswith("fanstore serve: error: rank 0 on node0: lost rank 2 (node2)") for line in lines), \
-        out + err
+    # The first of ranks 0 and 1 to end names node 2; mpiexec then ends the other, which may still be in its
+    # command (under load it was, once: only rank 1's line came), so which of the two says it is not fixed.
+    assert any(re.match(r"fanstore serve: error: rank [01] on node[01]: lost rank 2 \(node2\)", line)
+               for line in lines), out + err
     assert "answered nothing for" in err and "lost for this job" in err, err
 
 
