@@ -306,6 +306,28 @@ def test_a_truncated_tar_packs_the_members_before_the_damage(tmp_path, mode):
     assert not (tmp_path / "strict" / "fanstore.index").exists()
 
 
+def test_bytes_damaged_where_a_compressed_tar_stores_them_as_is_are_caught_by_its_end_check(tmp_path):
+    """Random bytes (a photo's) are stored as is inside gzip's blocks, so damage there decodes without an error;
+    only the stream's check at its end (gzip's CRC; xz's and zstd's likewise) tells. The listing reads to the end,
+    and since the check cannot say which member is damaged, none is packed, with one warning; --strict fails.
+    (Damage that lands on a member's header is found there, as any corrupt header: test above.)"""
+    mode = "w:gz"
+    whole = _write_tar(tmp_path / "whole.tar", _files_before(tmp_path, 200), mode)
+    data = bytearray(whole.read_bytes())
+    for at in range(len(data) // 2, len(data) // 2 + 64):
+        data[at] ^= 0x5A
+    bad = tmp_path / "bad.tar.gz"
+    bad.write_bytes(bytes(data))
+    proc = run_cli("fanstore-pack", str(bad), str(tmp_path / "ds"), "--quiet")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    damage = [line for line in proc.stderr.splitlines() if "damaged at byte" in line]
+    assert len(damage) == 1 and "check at its end fails" in damage[0] and bad.name in damage[0], proc.stderr
+    with open_dataset(tmp_path / "ds") as ds:
+        assert ds.listdir("") == []
+    strict = run_cli("fanstore-pack", str(bad), str(tmp_path / "strict"), "--strict", "--quiet")
+    assert_one_line_error(strict, bad.name, "check at its end fails")
+
+
 def test_a_corrupt_tar_header_ends_the_members_with_a_warning(tmp_path):
     archive = _write_tar(tmp_path / "bad.tar", _files_before(tmp_path, 10))
     data = bytearray(archive.read_bytes())

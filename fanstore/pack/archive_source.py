@@ -29,6 +29,7 @@ from .tar_headers import Header, HeaderDamage, TarHeaders
 
 # Bits of a member's key above this hold the archive's number among several SRC archives; below, its place.
 ARCHIVE_KEY_SHIFT = 48
+_END_READ = 1 << 20  # what is left of a compressed tar past its last member is read in pieces of this
 
 FORMATS = ("tar", "tar.gz", "tar.bz2", "tar.xz", "tar.zst", "zip")
 # Errors a decompressor or a damaged archive raises while read: all mean "damaged here".
@@ -145,8 +146,23 @@ class MemberStream:
                 yield _tar_member(header)
         except HeaderDamage as damage:
             self.damage = Damage(self.path, damage.offset, str(damage))
+            return
         except _DAMAGE_ERRORS as exc:  # a decompressor's error: the damage is where the stream got to
             self.damage = Damage(self.path, headers.position if headers is not None else 0, _reason(exc))
+            return
+        if self.format != "tar":
+            self._check_the_end()
+
+    def _check_the_end(self) -> None:
+        """Read a compressed tar to its end, where its decompressor checks it whole (gzip's CRC, xz's and zstd's
+        checks): bytes damaged inside a block stored as is decode without an error, so without this a corrupt
+        photo would be packed as it came out. A check that fails cannot say which member it was: none is packed."""
+        try:
+            while self._stream.read(_END_READ):  # type: ignore[union-attr]
+                pass
+        except _DAMAGE_ERRORS as exc:
+            self.damage = Damage(self.path, 0, f"{_reason(exc)}: the {self.format} stream's check at its end fails, "
+                                               "so which member is damaged cannot be told")
 
     # --- zip ---------------------------------------------------------------------------------------------------
 
