@@ -137,6 +137,7 @@ class MemberStream:
 
     def _tar_members(self) -> Iterator[Member]:
         headers = None
+        last_data = None  # where the data of the member listed last starts
         try:
             self._stream = _decompressed(self._file, self.format)
             # An uncompressed tar is listed by seeking from header to header, not by reading every byte.
@@ -144,14 +145,26 @@ class MemberStream:
             headers = TarHeaders(self._stream, size)
             for header in headers:
                 yield _tar_member(header)
+                last_data = header.offset_data
         except HeaderDamage as damage:
-            self.damage = Damage(self.path, damage.offset, str(damage))
+            self.damage = self._damage_at(damage.offset, str(damage), damage.truncated, last_data)
             return
         except _DAMAGE_ERRORS as exc:  # a decompressor's error: the damage is where the stream got to
-            self.damage = Damage(self.path, headers.position if headers is not None else 0, _reason(exc))
+            self.damage = self._damage_at(headers.position if headers is not None else 0, _reason(exc),
+                                          isinstance(exc, EOFError), last_data)
             return
         if self.format != "tar":
             self._check_the_end()
+
+    def _damage_at(self, offset: int, reason: str, truncated: bool, last_data: int | None) -> Damage:
+        """Damage found at `offset`. A corrupt block of a compressed tar decodes to garbage before a header or the
+        decompressor can tell, so the member listed last before it is left out too (measured: deflate bytes
+        flipped, the member before the corrupt header came out wrong); a stream cut short decodes right to the
+        cut, and an uncompressed tar's bytes are as they lie."""
+        if self.format != "tar" and not truncated and last_data is not None and last_data < offset:
+            return Damage(self.path, last_data, f"{reason}; the member before it is left out too, which a corrupt "
+                                                "block could have garbled before that showed")
+        return Damage(self.path, offset, reason)
 
     def _check_the_end(self) -> None:
         """Read a compressed tar to its end, where its decompressor checks it whole (gzip's CRC, xz's and zstd's

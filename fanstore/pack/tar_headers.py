@@ -41,12 +41,16 @@ class Header(NamedTuple):
                                                                              _SPECIAL.get(self.typeflag, 0))
 
 
+TRUNCATED = "the archive ends early (truncated)"
+
+
 class HeaderDamage(Exception):
-    """The stream is damaged at `offset`."""
+    """The stream is damaged at `offset`: cut short there (`truncated`), or holding what is no header."""
 
     def __init__(self, offset: int, reason: str) -> None:
         super().__init__(reason)
         self.offset = offset
+        self.truncated = reason == TRUNCATED
 
 
 class TarHeaders:
@@ -67,7 +71,7 @@ class TarHeaders:
             offset = self.position
             block = self._read(BLOCK)
             if len(block) < BLOCK:
-                raise HeaderDamage(offset, "the archive ends early (truncated)")
+                raise HeaderDamage(offset, TRUNCATED)
             if block == _ZERO_BLOCK:
                 return
             if not _checksum_holds(block, _number(block[148:156], offset)):
@@ -77,7 +81,7 @@ class TarHeaders:
             if typeflag in (b"L", b"K", b"x", b"g", b"X"):
                 data = self._read(size)
                 if len(data) < size:
-                    raise HeaderDamage(self.position, "the archive ends early (truncated)")
+                    raise HeaderDamage(self.position, TRUNCATED)
                 self._skip(-size % BLOCK)
                 if typeflag == b"L":
                     long_name = _text(data.split(b"\0", 1)[0])
@@ -117,14 +121,14 @@ class TarHeaders:
         if self._size is not None:
             target = self.position + length
             if target > self._size:
-                raise HeaderDamage(self._size, "the archive ends early (truncated)")
+                raise HeaderDamage(self._size, TRUNCATED)
             self._stream.seek(target)
             self.position = target
             return
         while length > 0:
             skipped = len(self._read(min(length, _SKIP_BYTES)))
             if not skipped:
-                raise HeaderDamage(self.position, "the archive ends early (truncated)")
+                raise HeaderDamage(self.position, TRUNCATED)
             length -= skipped
 
 
