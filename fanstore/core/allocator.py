@@ -7,8 +7,7 @@ last one's. Each is called once by the process it suits; where glibc is not the 
 
 from __future__ import annotations
 
-import ctypes
-from typing import Any
+from .libc import libc_function
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # mallopt's parameter numbers (malloc.h)
 _MAPPED_APART_FROM = 128 << 10  # glibc's own starting mmap threshold
@@ -23,7 +22,7 @@ def keep_freed_memory(largest_block: int = 32 << 20) -> bool:
     thread, each kept its own freed buffers, and over three epochs of 1 MiB files with a 4 MiB cache the daemon's
     RSS grew 13.8-17.0 MB instead of 7.6-8.6 MB. False where glibc is not the allocator.
     """
-    mallopt = _function("mallopt")
+    mallopt = libc_function("mallopt")
     if mallopt is None:
         return False
     return (bool(mallopt(_M_ARENA_MAX, 1)) and bool(mallopt(_M_MMAP_THRESHOLD, largest_block))
@@ -36,7 +35,7 @@ def map_large_blocks_apart() -> None:
     mid-sized arrays (the walk's columns, a chunk record's growing columns, a slice's temporaries) would come from
     the heap, which keeps what they free: about 100 MiB at 10^6 members. For a process that runs one pack (the
     `fanstore pack` command)."""
-    mallopt = _function("mallopt")
+    mallopt = libc_function("mallopt")
     if mallopt is not None:
         mallopt(_M_MMAP_THRESHOLD, _MAPPED_APART_FROM)
 
@@ -44,13 +43,7 @@ def map_large_blocks_apart() -> None:
 def give_back_free_heap() -> None:
     """The heap's free pages back to the system (malloc_trim): between a pack's steps, where a library call cannot
     change the whole process's threshold."""
-    trim = _function("malloc_trim")
+    trim = libc_function("malloc_trim")
     if trim is not None:
         trim(0)
 
-
-def _function(name: str) -> Any:
-    try:
-        return getattr(ctypes.CDLL(None), name)
-    except (OSError, AttributeError):
-        return None

@@ -70,6 +70,12 @@ class EntryRecord(NamedTuple):
     link_target: str = ""
 
 
+def file_identity(info: os.stat_result) -> tuple[int, int, int, int]:
+    """Which file a stat describes (device, inode, size, mtime): the same identity, the same bytes, as a pack writes
+    a new index file and renames it over the old."""
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
+
+
 class Index:
     """A loaded index: read-only arrays plus the table of contents (groups, codecs, chunks, pack metadata)."""
 
@@ -79,8 +85,7 @@ class Index:
         self.path = path
         # Which file was read (device, inode, size, mtime), where known: another process that finds the same
         # identity reads the very same bytes, so entry numbers from here mean the same there.
-        self.file_identity: tuple[int, int, int, int] | None = (
-            None if mapped is None else (mapped.st_dev, mapped.st_ino, mapped.st_size, mapped.st_mtime_ns))
+        self.file_identity = None if mapped is None else file_identity(mapped)
         self.toc = toc
         self.entries: np.ndarray = sections["entries"]
         # A view into the loaded file, not a copy: the path blob is a third of the index's memory.

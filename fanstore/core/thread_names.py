@@ -4,8 +4,9 @@ and its fetcher, and bench_serve reports each thread's CPU per file by that name
 
 from __future__ import annotations
 
-import ctypes
 import threading
+
+from .libc import prctl
 
 _PR_SET_NAME = 15  # prctl's option number (linux/prctl.h)
 _KERNEL_NAME_BYTES = 15  # the kernel keeps 16 bytes, the last a NUL
@@ -16,8 +17,4 @@ def name_os_thread(name: str | None = None) -> None:
     """Give the calling thread `name` (by default its Python name), less the 'fanstore-' prefix and cut to 15
     bytes, as its kernel name. Does nothing where prctl is not there (not Linux): a name is a convenience."""
     text = (threading.current_thread().name if name is None else name).removeprefix(_PREFIX)
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return
-    prctl(_PR_SET_NAME, ctypes.c_char_p(text.encode()[:_KERNEL_NAME_BYTES]), 0, 0, 0)
+    prctl(_PR_SET_NAME, text.encode()[:_KERNEL_NAME_BYTES])

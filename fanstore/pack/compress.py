@@ -13,7 +13,6 @@ compressing a small file; that serial work, not compression, was what two worker
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import mmap
 import multiprocessing
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from ..core.libc import prctl
 from .batches import BATCH_BYTES, Batch, PlanFiles, RawFeed, batch_ranges, read_batch
 from .blob_compressor import BlobCompressor, SlotBlob, Skipped, Supplied
 from .codec_plan import CodecPlan
@@ -126,10 +126,7 @@ def _die_with_parent(parent_pid: int | None) -> None:
     rather than through the handler a forked worker inherits from the packer's CLI."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
+    if not prctl(_PR_SET_PDEATHSIG, signal.SIGKILL):
         return  # no prctl (not Linux): workers still end when the pool is shut down
     if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(1)

@@ -7,11 +7,12 @@ sleeps that start short, to keep latency low while messages flow, and back off w
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 import time
 from typing import Any, Callable, Protocol, Sequence
+
+from ..core.libc import prctl
 
 SHORTEST_SLEEP = 20e-6  # seconds: about a message's latency between ranks on one node
 LONGEST_SLEEP = 2e-3  # idle: 1-5% of a core was measured at 1-5 ms
@@ -136,10 +137,7 @@ def precise_sleeps() -> bool:
     """Let the calling thread's short sleeps last what they ask: Linux adds a 'timer slack' of 50 us to every
     timed wait of a thread, which more than triples a 20 us poll. Only the polling thread calls this; False where
     the call is missing."""
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+    return prctl(_PR_SET_TIMERSLACK, 1000)
 
 
 def wait_all(requests: Sequence[Any], on_idle: Callable[[], None] | None = None, deadline: float | None = None,

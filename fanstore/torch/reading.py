@@ -20,7 +20,7 @@ from ..core.api import Dataset, open_dataset
 from ..core.chunk_source import LocalChunkSource
 from ..core.format import INDEX_NAME
 from ..core.allocator import keep_freed_memory
-from ..core.index import Index
+from ..core.index import Index, file_identity
 from ..errors import UsageError
 from ..core.thread_names import name_os_thread
 from .plan import EpochPlan
@@ -98,7 +98,7 @@ def _index_file(source: str | None) -> tuple[int, int, int, int] | None:
         info = os.stat(os.path.join(source, INDEX_NAME))
     except OSError:
         return None
-    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
+    return file_identity(info)
 
 
 def _same_index(one: Index, other: Index) -> bool:
