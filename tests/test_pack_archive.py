@@ -306,18 +306,22 @@ def test_a_truncated_tar_packs_the_members_before_the_damage(tmp_path, mode):
     assert not (tmp_path / "strict" / "fanstore.index").exists()
 
 
+def _flipped_in_the_middle(archive: Path, count: int) -> Path:
+    """bad.tar.gz beside `archive`: its bytes with `count` of them, from the middle on, flipped."""
+    data = bytearray(archive.read_bytes())
+    for at in range(len(data) // 2, len(data) // 2 + count):
+        data[at] ^= 0x5A
+    bad = archive.with_name("bad.tar.gz")
+    bad.write_bytes(bytes(data))
+    return bad
+
+
 def test_bytes_damaged_where_a_compressed_tar_stores_them_as_is_are_caught_by_its_end_check(tmp_path):
     """Random bytes (a photo's) are stored as is inside gzip's blocks, so damage there decodes without an error;
     only the stream's check at its end (gzip's CRC; xz's and zstd's likewise) tells. The listing reads to the end,
     and since the check cannot say which member is damaged, none is packed, with one warning; --strict fails.
     (Damage that lands on a member's header is found there, as any corrupt header: test above.)"""
-    mode = "w:gz"
-    whole = _write_tar(tmp_path / "whole.tar", _files_before(tmp_path, 200), mode)
-    data = bytearray(whole.read_bytes())
-    for at in range(len(data) // 2, len(data) // 2 + 64):
-        data[at] ^= 0x5A
-    bad = tmp_path / "bad.tar.gz"
-    bad.write_bytes(bytes(data))
+    bad = _flipped_in_the_middle(_write_tar(tmp_path / "whole.tar", _files_before(tmp_path, 200), "w:gz"), 64)
     proc = run_cli("fanstore-pack", str(bad), str(tmp_path / "ds"), "--quiet")
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     damage = [line for line in proc.stderr.splitlines() if "damaged at byte" in line]
@@ -333,12 +337,7 @@ def test_a_corrupt_block_of_a_compressed_tar_leaves_no_garbled_member_packed(tmp
     member before that header came out garbled (measured) and was packed. Every member packed is its original."""
     members = [_member(f"f{number:03d}.txt", data=(f"line {number} of a text file\n" * 300).encode())
                for number in range(200)]
-    whole = _write_tar(tmp_path / "whole.tar.gz", members, "w:gz")
-    data = bytearray(whole.read_bytes())
-    for at in range(len(data) // 2, len(data) // 2 + 16):
-        data[at] ^= 0x5A
-    bad = tmp_path / "bad.tar.gz"
-    bad.write_bytes(bytes(data))
+    bad = _flipped_in_the_middle(_write_tar(tmp_path / "whole.tar.gz", members, "w:gz"), 16)
     proc = run_cli("fanstore-pack", str(bad), str(tmp_path / "ds"), "--quiet")
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert len([line for line in proc.stderr.splitlines() if "damaged at byte" in line]) == 1, proc.stderr
