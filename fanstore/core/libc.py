@@ -4,11 +4,14 @@ library lacks one (not Linux, not glibc), so that each caller does without what 
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Any
 
 
+@functools.cache
 def libc_function(name: str) -> Any | None:
-    """The C library's function `name`, or None."""
+    """The C library's function `name`, or None; looked up once a process (a thread per node-socket connection names
+    itself: loading the library each time was a tenth of that thread's CPU)."""
     try:
         return getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
