@@ -281,6 +281,8 @@ def test_a_few_training_steps_under_mpiexec_fanstore_serve(packed, tmp_path):
         assert result["dest_index_opened"] is False, result
         assert result["refused"] == "refused" and result["steps"] == 3 and np.isfinite(result["loss"]), result
         assert result["remote_ahead"] > 0, result  # the node fetched remote blobs ahead of the workers
+        # The workers read them where they landed, the node's arena, none copied through the socket.
+        assert result["lent"] > 0 and result["not_lent"] == 0, result
         assert result["bogus_plan"] == "taken", result
         assert result["bad_plan"].startswith("plan row 1: chunk -1: the dataset's chunks are 0 to "), result
     # The plan's rows that are not blobs were dropped: none reached a peer, and none broke the node's fetches ahead.

@@ -176,26 +176,48 @@ class BlobsAhead:
         error)` if that fetch fails. False when it was not started: its reader fetches it. Either way the read is
         one of the blob's wants, and a read that comes before its blob was started cancels that start."""
         with self._lock:
-            self.asked += 1
-            entry = self._wanted.get(row)
-            if entry is None:
-                self._cancel_start(row)
-                return False
-            if entry.wants:
-                plan, place = entry.unwant(0)
-                plan.rows[place] = PASSED
-                plan.hits += 1
-            self.hits += 1
-            blob = entry.blob
-            if blob is None:
-                self.joined += 1
-                entry.deliveries.append(deliver)
-            else:
-                self._release(row, entry)
+            claimed, blob = self._claim(row, deliver)
             self._wake_fetcher()
         if blob is not None:
             deliver(blob, None)
-        return True
+        return claimed
+
+    def claim_many(self, rows: Sequence[int],
+                   deliver: Callable[[int, bytes | memoryview | None, ChunkError | None], None]) -> list[bool]:
+        """`claim` of several blobs (a READS' rows) under one hold of the lock; `deliver(number, blob, error)` for
+        the number-th of them. A row < 0 is not claimed."""
+        claimed = [False] * len(rows)
+        here: list[tuple[int, bytes | memoryview]] = []
+        with self._lock:
+            for number, row in enumerate(rows):
+                if row >= 0:
+                    claimed[number], blob = self._claim(row, functools.partial(deliver, number))
+                    if blob is not None:
+                        here.append((number, blob))
+            self._wake_fetcher()
+        for number, blob in here:
+            deliver(number, blob, None)
+        return claimed
+
+    def _claim(self, row: int, deliver: ReadDone) -> tuple[bool, bytes | memoryview | None]:
+        """Under the lock: whether `row` was started, and its blob if it has come (else `deliver` waits for it)."""
+        self.asked += 1
+        entry = self._wanted.get(row)
+        if entry is None:
+            self._cancel_start(row)
+            return False, None
+        if entry.wants:
+            plan, place = entry.unwant(0)
+            plan.rows[place] = PASSED
+            plan.hits += 1
+        self.hits += 1
+        blob = entry.blob
+        if blob is None:
+            self.joined += 1
+            entry.deliveries.append(deliver)
+        else:
+            self._release(row, entry)
+        return True, blob
 
     def take(self, row: int) -> bytes | memoryview | None:
         """Blob `row` if it was fetched ahead (waiting for it while it is on its way), else None: its reader fetches

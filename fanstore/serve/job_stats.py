@@ -81,6 +81,11 @@ def format_rank(stats: dict[str, Any]) -> str:
                      f"({readers['ahead_joined']:,} still on their way)"
                      + (f", {plural(readers['ahead_failed_batches'], 'batch', 'batches')} failed to start (logged)"
                         if readers.get("ahead_failed_batches") else ""))
+    if readers.get("lent") or readers.get("not_lent"):
+        lines.append(f"  to fanstore.torch readers: {plural(readers['lent'], 'remote blob')} lent in the node's arena, "
+                     f"{readers['not_lent']:,} sent through the socket"
+                     + (f" ({plural(readers['arena_full'], 'receive')} found the arena full)"
+                        if readers.get("arena_full") else ""))
     lines.append(f"  staging: {format_bytes(staging['dest_bytes'])} from DEST, "
                  f"{format_bytes(staging['received_bytes'])} from peers, {format_bytes(staging['sent_bytes'])} to "
                  f"peers, {format_bytes(staging['reused_bytes'])} reused, {staging['seconds']:.1f} s"

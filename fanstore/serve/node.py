@@ -40,6 +40,7 @@ from ..mount.mount import cache_bound, check_mountpoint, check_outside, dataset_
 from ..core.pause import pause_point
 from ..mount.prefetch import may_block_flags, read_prefetch_list
 from . import watchdog
+from .blob_arena import open_arena
 from .blobs_ahead import BlobsAhead, EntriesAhead
 from .doorbell import open_doorbell
 from .job_stats import report_stats
@@ -353,9 +354,12 @@ def _serve_staged(options: ServeOptions, comm: Any, index: Index, placement: Pla
     bell = open_doorbell(comm, options.doorbell)
     if bell is not None:
         teardown.callback(bell.close)
+    arena = open_arena()
+    if arena is not None:
+        teardown.callback(arena.close)
     blobs = placement.blobs  # one table for staging, the peers' requests and the node's readers
     transport = PeerTransport(comm, RequestChecker(rank, placement, blobs, local, len(sizes), unverified),
-                              options.peer, bell)
+                              options.peer, bell, arena)
     transport.start()
     teardown.callback(transport.stop)
     source = PlacedChunkSource(rank, placement.owners, local, PeerChunkSource(transport, placement.owners), dest,
@@ -367,7 +371,7 @@ def _serve_staged(options: ServeOptions, comm: Any, index: Index, placement: Pla
     endpoint = NodeEndpoint(local_dir, {"dest": str(Path(options.dest).absolute()), "local_dir": str(local_dir),
                                         "index_dir": str(local_dir), "rank": rank, "size": size,
                                         "direct": sorted(unverified), "owners": placement.owners.to_json()},
-                            source, lookup, ahead)
+                            source, lookup, ahead, arena)
     lifecycle = Lifecycle(transport, options.command, mountpoint, ready_file, endpoint.path, hosts)
     # Chosen once staged: a local dir on tmpfs has taken its share of the job's memory by now.
     bound = cache_bound(mount_options.cache_size, shared_by=len(memory_sharers))

@@ -12,8 +12,9 @@ import logging
 import os
 import socket
 import threading
+from collections import deque
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -22,9 +23,11 @@ from ..core.chunk_source import ChunkSource, FallbackChunkSource, LocalChunkSour
 from ..errors import ChunkError, ChunkUnavailable, DatasetNotFound, UsageError
 from ..core.format import FLAG_BLOCKED, INDEX_NAME
 from ..core.index import Index
+from .blob_arena import ArenaView
 from .node_endpoint import ENVIRONMENT, unix_address
-from .node_protocol import (HELLO, OK, PLAN, PLAN_ROW, READ, READS, READS_MAX_BLOBS, READS_MAX_BYTES, READS_ROW, REPLY,
-                            REPLY_MAGIC, REQUEST, REQUEST_MAGIC)
+from .node_protocol import (ARENA, HELLO, MAX_RETURNED, OK, PLAN, PLAN_ROW, READ, READS, READS_MAX_BLOBS,
+                            READS_MAX_BYTES, READS_ROW, READS_SHARED, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC,
+                            SHARED_ROW, TOKEN)
 from .placement import NO_OWNER, ChunkOwners
 from .staged_source import PlacedReads, StagedChunkSource
 from .statuses import status_error
@@ -32,21 +35,39 @@ from .statuses import status_error
 log = logging.getLogger("fanstore.serve")
 
 
+class _Link:
+    """One thread's socket to the serve process, with what it was lent: the tokens of replies whose blobs are still
+    in use, and those to give back with its next request."""
+
+    __slots__ = ("socket", "returned", "lent", "closing")
+
+    def __init__(self, connection: socket.socket) -> None:
+        self.socket = connection
+        self.returned: deque[int] = deque()
+        self.lent = 0  # replies lent on it whose views live
+        self.closing = False  # closed once they are gone (closing the socket would let their slots be reused)
+
+
 class NodeConnection:
-    """One socket to the serve process per thread (requests and replies alternate on a socket)."""
+    """One socket to the serve process per thread (requests and replies alternate on a socket), and the node's
+    arena mapped once for them all."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._local = threading.local()
-        self._sockets: set[socket.socket] = set()  # every thread's, for close
-        self._lock = threading.Lock()
+        self._links: set[_Link] = set()  # every thread's, for close
+        # Reentrant: a lent reply's last view may go, and give its token back, in any code, this lock's too.
+        self._lock = threading.RLock()
         self._closed = False
+        self._arena: ArenaView | None = None
+        self._arena_asked = False
+        self._arena_lock = threading.Lock()
 
-    def _socket(self) -> socket.socket:
+    def _link(self) -> _Link:
         if self._closed:
             raise ChunkUnavailable(f"{self.path}: the connection to the node's serve process is closed")
-        connection = getattr(self._local, "socket", None)
-        if connection is None:
+        link = getattr(self._local, "link", None)
+        if link is None:
             connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 with unix_address(Path(self.path)) as address:
@@ -55,28 +76,94 @@ class NodeConnection:
                 connection.close()
                 raise ChunkUnavailable(f"{self.path}: cannot reach the node's serve process: {exc.strerror}") \
                     from None
+            link = _Link(connection)
             with self._lock:
                 if self._closed:
                     connection.close()
                     raise ChunkUnavailable(f"{self.path}: the connection to the node's serve process is closed")
-                self._sockets.add(connection)
-            self._local.socket = connection
-        return connection
+                self._links.add(link)
+            self._local.link = link
+        return link
+
+    def _socket(self) -> socket.socket:
+        return self._link().socket
 
     def _drop(self, connection: socket.socket) -> None:
-        self._local.socket = None
+        """This thread's socket failed: closed at once (the serve process gave back whatever it lent on it when it
+        went, or sees it go now; a view still held reads what the slot holds until it is used again, and this
+        thread reads nothing more through it)."""
+        link = self._local.link
+        self._local.link = None
         with self._lock:
-            self._sockets.discard(connection)
+            self._links.discard(link)
         connection.close()
 
+    def lent_reply(self) -> Callable[[int], None]:
+        """Count a reply lent on this thread's socket; returns what its views' finalizer calls with its token."""
+        link = self._link()
+        with self._lock:
+            link.lent += 1
+
+        def given_back(token: int) -> None:
+            with self._lock:
+                link.lent -= 1
+                link.returned.append(token)
+                if link.closing and not link.lent:
+                    link.socket.close()
+
+        return given_back
+
+    def returned(self) -> deque[int]:
+        """This thread's tokens of lent replies whose views are gone, to give back on its socket (the one that lent
+        them: a new socket starts with none, its old one's went with it)."""
+        return self._link().returned
+
+    def arena(self) -> ArenaView | None:
+        """The node's arena mapped read-only, asked for once (the process's other threads wait for that answer);
+        None where the node has none."""
+        with self._arena_lock:
+            if not self._arena_asked:
+                self._arena = self._ask_arena()
+                self._arena_asked = True
+            return self._arena
+
+    def _ask_arena(self) -> ArenaView | None:
+        connection = self._socket()
+        try:
+            connection.sendall(REQUEST.pack(REQUEST_MAGIC, ARENA, 0, 0, 0))
+            header, fds, _, _ = socket.recv_fds(connection, REPLY.size, 1)
+            try:
+                if len(header) < REPLY.size:
+                    header += bytes(_receive(connection, REPLY.size - len(header)))
+                magic, status, size = REPLY.unpack(header)
+                if magic != REPLY_MAGIC:
+                    raise ConnectionError("a malformed reply")
+                payload = bytes(_receive(connection, size))
+                if status != OK or not fds:
+                    return None
+                return ArenaView(fds[0], int(json.loads(payload)["size"]))
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        except OSError as exc:
+            self._drop(connection)  # asked again on the next connection
+            raise ChunkUnavailable(f"{self.path}: the node's serve process did not answer: {exc}") from None
+        except (ValueError, KeyError, TypeError):
+            return None  # an arena that cannot be mapped: blobs come through the socket
+
     def close(self) -> None:
-        """Close every thread's socket; asking after it is ChunkUnavailable. Only this process's descriptors
-        close (no shutdown): a forked child closing what it inherited leaves its parent's connections alone."""
+        """Close every thread's socket; asking after it is ChunkUnavailable. A socket on which blobs are lent and
+        still in use closes once they are gone: the serve process gives a closed connection's slots back, to be
+        received into again, and a decoder must not read them then. Only this process's descriptors close (no
+        shutdown): a forked child closing what it inherited leaves its parent's connections alone."""
         with self._lock:
             self._closed = True
-            sockets, self._sockets = self._sockets, set()
-        for connection in sockets:
-            connection.close()
+            links, self._links = self._links, set()
+            for link in links:
+                if link.lent:
+                    link.closing = True
+                else:
+                    link.socket.close()
 
     def ask(self, kind: int, chunk: int = 0, offset: int = 0, length: int = 0, payload: bytes = b"") -> \
             tuple[int, bytes]:
@@ -142,6 +229,12 @@ class NodeServeSource(ChunkSource):
         return results
 
     def _read_some(self, blobs: Sequence[tuple[int, int, int]]) -> list[bytes | memoryview | ChunkError]:
+        try:
+            arena = self.connection.arena()
+        except ChunkUnavailable as exc:
+            return [_not_answered(exc, chunk_id, offset) for chunk_id, offset, _ in blobs]
+        if arena is not None:
+            return self._read_shared(blobs, arena)
         if len(blobs) == 1:  # a READ's reply has no table
             return super().read_many(blobs)
         rows = np.array(blobs, dtype=np.int64).view(PLAN_ROW).reshape(-1)
@@ -159,6 +252,43 @@ class NodeServeSource(ChunkSource):
         for (chunk_id, _, _), blob_status, length in zip(blobs, table["status"].tolist(), table["length"].tolist()):
             blob = payload[start : start + length]
             start += length
+            if blob_status == OK:
+                results.append(blob)
+            else:
+                results.append(status_error(blob_status, bytes(blob).decode("utf-8", "replace"), chunk_id))
+        return results
+
+    def _read_shared(self, blobs: Sequence[tuple[int, int, int]],
+                     arena: ArenaView) -> list[bytes | memoryview | ChunkError]:
+        """A READS_SHARED: the blobs the serve process lends are views of the arena, valid while they live (their
+        token goes back with this thread's next request once the last is gone); the others come in the reply."""
+        rows = np.array(blobs, dtype=np.int64).view(PLAN_ROW).reshape(-1)
+        try:
+            returned = self.connection.returned()
+            tokens = [returned.popleft() for _ in range(min(len(returned), MAX_RETURNED))]
+            status, payload = self.connection.ask_view(READS_SHARED, len(tokens), 0, len(rows),
+                                                       rows.tobytes() + np.array(tokens, dtype="<u8").tobytes())
+        except ChunkUnavailable as exc:
+            return [_not_answered(exc, chunk_id, offset) for chunk_id, offset, _ in blobs]
+        table_end = TOKEN.size + len(blobs) * SHARED_ROW.itemsize
+        if status != OK or len(payload) < table_end:
+            return super().read_many(blobs)  # each asked alone gets its own answer, as read_many promises
+        token = TOKEN.unpack_from(payload)[0]
+        lent = arena.lend(token, self.connection.lent_reply()) if token else None  # the token goes back with its views
+        table = np.frombuffer(payload[TOKEN.size : table_end], dtype=SHARED_ROW)
+        results: list[bytes | memoryview | ChunkError] = []
+        start = table_end
+        for (chunk_id, offset, _), blob_status, length, place in zip(
+                blobs, table["status"].tolist(), table["length"].tolist(), table["place"].tolist()):
+            if place < 0:
+                blob: memoryview = payload[start : start + length]
+                start += length
+            elif lent is not None and place + length <= arena.size:
+                blob = lent[place : place + length]
+            else:
+                results.append(ChunkUnavailable(f"chunk {chunk_id} at {offset}: the node's serve process lent a blob "
+                                                f"outside its arena", chunk_id=chunk_id))
+                continue
             if blob_status == OK:
                 results.append(blob)
             else:

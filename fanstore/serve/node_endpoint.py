@@ -10,6 +10,7 @@ The wire format and its checks are node_protocol.py's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ import socketserver
 import struct
 import threading
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, BinaryIO, Iterator
 
 import numpy as np
 
@@ -26,8 +27,10 @@ from ..core.chunk_source import BlobRead, ChunkSource
 from ..core.thread_names import name_os_thread
 from ..errors import ChunkError
 from .blobs_ahead import BlobsAhead, PlanRefused
-from .node_protocol import (HELLO, KIND_NAMES, OK, PLAN, PLAN_ROW, READ, READS, READS_MAX_BLOBS, READS_MAX_BYTES,
-                            READS_ROW, REFUSED, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC, BlobLookup, Refused)
+from .blob_arena import BlobArena
+from .node_protocol import (ARENA, HELLO, KIND_NAMES, LENT_MAX_BYTES, MAX_RETURNED, OK, PLAN, PLAN_ROW, READ, READS,
+                            READS_MAX_BLOBS, READS_MAX_BYTES, READS_ROW, READS_SHARED, REFUSED, REPLY, REPLY_MAGIC,
+                            REQUEST, REQUEST_MAGIC, SHARED_ROW, TOKEN, BlobLookup, Refused)
 from .statuses import status_of
 
 log = logging.getLogger("fanstore.serve")
@@ -40,6 +43,32 @@ PLAN_PIECE_ROWS = 1 << 16  # plan rows read and checked at a time (1.5 MiB)
 # deadline (RemoteBlobs), so this only guards against a fetch that never answers.
 READS_WAIT = 600.0
 IOV_MAX = 1024  # buffers one sendmsg takes (Linux's UIO_MAXIOV)
+
+
+class _Lent:
+    """The blobs of the arena one connection's reader holds, by token: each keeps its slot from being used again
+    until the reader gives the token back, or the connection closes (its process ended, however)."""
+
+    def __init__(self) -> None:
+        self.blobs: dict[int, list[memoryview]] = {}
+        self.bytes: dict[int, int] = {}
+        self.held = 0  # bytes lent and not given back
+        self._next = 1
+
+    def lend(self, blobs: list[memoryview], size: int) -> int:
+        token, self._next = self._next, self._next + 1
+        self.blobs[token], self.bytes[token] = blobs, size
+        self.held += size
+        return token
+
+    def give_back(self, tokens: list[int]) -> None:
+        """Refused for a token this connection does not hold (after giving back the others)."""
+        unknown = [token for token in tokens if token not in self.blobs]
+        for token in tokens:
+            if self.blobs.pop(token, None) is not None:
+                self.held -= self.bytes.pop(token)
+        if unknown:
+            raise Refused(f"token {unknown[0]}: not lent on this connection (given back twice, or never lent)")
 
 
 @contextlib.contextmanager
@@ -68,9 +97,10 @@ class NodeEndpoint:
     follows can no longer be told apart (a bad magic, a plan longer than the dataset)."""
 
     def __init__(self, local_dir: Path, description: dict[str, Any], source: ChunkSource, lookup: BlobLookup,
-                 ahead: BlobsAhead) -> None:
+                 ahead: BlobsAhead, arena: BlobArena | None = None) -> None:
         """`ahead`: the node's holder of blobs fetched ahead, the endpoint's plans' and the mount's (closed by its
-        owner, the node)."""
+        owner, the node). `arena`: the shared memory the rank receives remote blobs into, lent to readers that ask
+        READS_SHARED (closed by its owner, the node)."""
         self.path = local_dir / SOCKET_NAME
         self._lookup = lookup
         # `blobs`: the longest plan taken (a reader cuts a longer order: a sampler may draw with replacement).
@@ -79,8 +109,10 @@ class NodeEndpoint:
         self._remote: np.ndarray | None = None  # per blob row: whether this node fetches it from a peer
         self._remote_lock = threading.Lock()
         self._refusals = 0  # requests refused; the first is logged
-        self._refusals_lock = threading.Lock()
+        self._refusals_lock = threading.Lock()  # and the lending counters
         self.ahead = ahead
+        self._arena = arena
+        self._lent_blobs = self._inline_blobs = 0  # READS_SHARED's blobs read in the arena, and sent through the socket
         self.path.unlink(missing_ok=True)  # left by a killed job
         endpoint = self
 
@@ -103,6 +135,7 @@ class NodeEndpoint:
     def _serve(self, connection: socket.socket) -> None:
         """One connection's requests, in turn, until it closes; then its plan is given back."""
         holder = id(connection)  # its plans' holder: unique while it is open, and they go before it closes
+        lent = _Lent()  # dropped with the connection: its slots come back
         stream = connection.makefile("rb")
         try:
             process = _peer_process(connection)
@@ -111,7 +144,7 @@ class NodeEndpoint:
                 if len(header) < REQUEST.size:
                     return
                 try:
-                    if not self._answer(connection, stream, holder, process, *REQUEST.unpack(header)):
+                    if not self._answer(connection, stream, holder, process, lent, *REQUEST.unpack(header)):
                         return
                 except Refused as refused:
                     self._refused(connection, refused)
@@ -124,8 +157,8 @@ class NodeEndpoint:
             stream.close()
             connection.close()
 
-    def _answer(self, connection: socket.socket, stream: BinaryIO, holder: int, process: int, magic: bytes,
-                kind: int, chunk: int, offset: int, length: int) -> bool:
+    def _answer(self, connection: socket.socket, stream: BinaryIO, holder: int, process: int, lent: _Lent,
+                magic: bytes, kind: int, chunk: int, offset: int, length: int) -> bool:
         """Answer one request; False when the connection ended in the middle of it. Refused for a bad one."""
         if magic != REQUEST_MAGIC:
             raise Refused(f"magic {magic!r}: a request starts with {REQUEST_MAGIC!r}", fatal=True)
@@ -134,6 +167,8 @@ class NodeEndpoint:
         if kind == READ:
             self._answer_read(connection, self._lookup.read_row(chunk, offset, length), length)
             return True
+        if kind == READS_SHARED:
+            return self._answer_reads_shared(connection, stream, lent, chunk, offset, length)
         rows_follow = kind in (PLAN, READS)
         unused = {"chunk": chunk, "offset": offset} if rows_follow else \
             {"chunk": chunk, "offset": offset, "length": length}
@@ -144,6 +179,9 @@ class NodeEndpoint:
             return self._take_plan(connection, stream, holder, process, length)
         if kind == READS:
             return self._answer_reads(connection, stream, length)
+        if kind == ARENA:
+            self._answer_arena(connection)
+            return True
         self._reply(connection, OK, self._hello if kind == HELLO else json.dumps(self.stats()).encode())
         return True
 
@@ -193,8 +231,10 @@ class NodeEndpoint:
         """The node's readers: blobs they asked for, blobs fetched ahead, how many of their reads found one, and
         each plan's counters (by the process that announced it)."""
         with self._refusals_lock:
-            refusals = self._refusals
-        return {**self.ahead.stats(), "refused": refusals}
+            refusals, lent, not_lent = self._refusals, self._lent_blobs, self._inline_blobs
+        arena = self._arena.stats() if self._arena is not None else {}
+        return {**self.ahead.stats(), "refused": refusals, "lent": lent, "not_lent": not_lent,
+                **arena}
 
     def _answer_read(self, connection: socket.socket, row: int, length: int) -> None:
         blob = self.ahead.take(row)
@@ -205,6 +245,63 @@ class NodeEndpoint:
             self._reply(connection, status_of(exc), str(exc).encode())
         else:
             self._reply(connection, OK, blob)
+
+    def _answer_arena(self, connection: socket.socket) -> None:
+        """The arena's descriptor (SCM_RIGHTS) with the reply's first bytes; REFUSED where this node has none."""
+        if self._arena is None:
+            raise Refused("this node has no shared arena: ask READS")
+        payload = json.dumps({"size": self._arena.size}).encode()
+        message = REPLY.pack(REPLY_MAGIC, OK, len(payload)) + payload
+        sent = socket.send_fds(connection, [message], [self._arena.reader_fd])
+        if sent < len(message):
+            connection.sendall(message[sent:])
+
+    def _answer_reads_shared(self, connection: socket.socket, stream: BinaryIO, lent: _Lent, returned: int,
+                             offset: int, count: int) -> bool:
+        """A READS whose blobs in the arena are lent, not sent: the reader reads them where they lie, through its
+        mapping. The tokens it gives back come first. False when the connection ended in the middle of it."""
+        if self._arena is None:
+            raise Refused("this node has no shared arena: ask READS", fatal=True)
+        if offset:
+            raise Refused(f"offset {offset}: READS_SHARED takes 0 there", fatal=True)
+        if not 1 <= count <= READS_MAX_BLOBS:
+            raise Refused(f"length {count}: a READS_SHARED asks for 1 to {READS_MAX_BLOBS} blobs", fatal=True)
+        if returned > MAX_RETURNED:
+            raise Refused(f"chunk {returned}: a READS_SHARED gives back 0 to {MAX_RETURNED} tokens", fatal=True)
+        raw = stream.read(count * PLAN_ROW.itemsize + returned * TOKEN.size)
+        if len(raw) < count * PLAN_ROW.itemsize + returned * TOKEN.size:
+            return False
+        lent.give_back(np.frombuffer(raw, dtype="<u8", offset=count * PLAN_ROW.itemsize).tolist())
+        asked = np.frombuffer(raw, dtype=PLAN_ROW, count=count)
+        rows = self._lookup.plan_rows(asked, 0, "READS_SHARED row")
+        total = int(asked["length"].sum())
+        if total > READS_MAX_BYTES:
+            raise Refused(f"a READS_SHARED of {total} bytes: at most {READS_MAX_BYTES} bytes of blobs a request")
+        statuses, blobs = self._gather(rows.tolist(), asked["length"].tolist())
+        table = np.zeros(count, dtype=SHARED_ROW)
+        table["status"] = statuses
+        table["length"] = [len(blob) for blob in blobs]
+        places = [-1] * count
+        lending: list[memoryview] = []
+        lending_bytes = 0
+        inline: list[bytes | memoryview] = []
+        place_of, room = self._arena.place, LENT_MAX_BYTES - lent.held
+        for number, (status, blob) in enumerate(zip(statuses, blobs)):
+            place = place_of(blob) if status == OK and lending_bytes + len(blob) <= room else -1
+            if place >= 0:
+                places[number] = place
+                lending.append(blob)  # type: ignore[arg-type]
+                lending_bytes += len(blob)
+            else:
+                inline.append(blob)
+        table["place"] = places
+        token = lent.lend(lending, lending_bytes) if lending else 0
+        with self._refusals_lock:
+            self._lent_blobs += len(lending)
+            self._inline_blobs += count - len(lending)
+        size = TOKEN.size + table.nbytes + sum(len(blob) for blob in inline)
+        _send_buffers(connection, [REPLY.pack(REPLY_MAGIC, OK, size), TOKEN.pack(token), table.tobytes(), *inline])
+        return True
 
     def _answer_reads(self, connection: socket.socket, stream: BinaryIO, count: int) -> bool:
         """Several blobs in one round trip (a DataLoader batch's, a prefetch window's): each taken from the holder
@@ -236,44 +333,37 @@ class NodeEndpoint:
         count = len(rows)
         blobs: list[bytes | memoryview | None] = [None] * count
         statuses = [int(OK)] * count
-        waiting = [0]
+        waiting = [count + 1]  # and this thread's own share, given back once every fetch was started
         lock = threading.Lock()
         all_here = threading.Event()
 
-        def deliverer(number: int) -> Callable[[bytes | memoryview | None, ChunkError | None], None]:
-            def deliver(blob: bytes | memoryview | None, _error: ChunkError | None) -> None:
+        def deliver(number: int, blob: bytes | memoryview | None, _error: ChunkError | None = None) -> None:
+            if number >= 0:
                 blobs[number] = blob
-                with lock:
-                    waiting[0] -= 1
-                    if waiting[0] == 0:
-                        all_here.set()
-            return deliver
+            with lock:
+                waiting[0] -= 1
+                if waiting[0] == 0:
+                    all_here.set()
 
         remote = self._remote_blobs()
         reads: list[BlobRead] = []
         read_numbers: list[int] = []
-        with lock:
-            waiting[0] = count + 1  # this thread's own share, given back once every fetch was started
-        for number, (row, length) in enumerate(zip(rows, lengths)):
+        for number, (row, length, claimed) in enumerate(zip(rows, lengths, self.ahead.claim_many(rows, deliver))):
+            if claimed:
+                continue
             if row < 0:
                 statuses[number] = int(REFUSED)
-                blobs[number] = b"no blob of %d bytes there" % length
-                deliverer(number)(blobs[number], None)
-            elif self.ahead.claim(row, deliverer(number)):
-                continue
+                deliver(number, b"no blob of %d bytes there" % length)
             elif remote[row]:
-                reads.append(BlobRead(*self._lookup.locate(row), deliverer(number)))
+                reads.append(BlobRead(*self._lookup.locate(row), functools.partial(deliver, number)))
                 read_numbers.append(number)
             else:
-                deliverer(number)(None, None)  # this node's own: read below
+                deliver(number, None)  # this node's own: read below
         if reads:
             for number, started in zip(read_numbers, self._source.start_reads(reads)):
                 if not started:
-                    deliverer(number)(None, None)
-        with lock:  # this thread's share: every blob was claimed, asked for or settled above
-            waiting[0] -= 1
-            if waiting[0] == 0:
-                all_here.set()
+                    deliver(number, None)
+        deliver(-1, None)  # this thread's share: every blob was claimed, asked for or settled above
         all_here.wait(READS_WAIT)
         for number, (row, length) in enumerate(zip(rows, lengths)):
             blob = blobs[number]

@@ -6,7 +6,10 @@ Little-endian. A request: REQUEST (magic FSNQ, kind, chunk, offset, length) and,
 of PLAN_ROW (chunk, offset, stored length, int64). A reply: REPLY (magic FSNP, status, payload length) and the
 payload: the blob, the node's description (HELLO, JSON), its readers' counters (STATS, JSON), or a UTF-8 reason
 (status not OK); for READS, one READS_ROW (status, length) per blob asked, then each one's bytes (its blob, or the
-reason it failed) in the order asked.
+reason it failed) in the order asked. ARENA's reply carries the node's shared memory (blob_arena.py) as a
+descriptor (SCM_RIGHTS) beside its JSON size; READS_SHARED asks as READS does, `chunk` counting the tokens given back
+(u64 each, after the rows), and its reply is the token of the blobs it lends (0: none), one SHARED_ROW (status,
+length, place in the arena or -1) per blob, then the bytes of those not lent (a blob, or a reason), in order.
 
 Imports nothing of MPI: the node's readers (DataLoader workers) import it too.
 """
@@ -23,15 +26,22 @@ from .statuses import RequestRefused, Status
 REQUEST = struct.Struct("<4sIIQQ")  # magic, kind, chunk, offset, length (PLAN: rows that follow)
 REPLY = struct.Struct("<4sIQ")  # magic, status, payload length
 REQUEST_MAGIC, REPLY_MAGIC = b"FSNQ", b"FSNP"
-HELLO, READ, PLAN, STATS, READS = 1, 2, 3, 4, 5
-KIND_NAMES = {HELLO: "HELLO", READ: "READ", PLAN: "PLAN", STATS: "STATS", READS: "READS"}
+HELLO, READ, PLAN, STATS, READS, ARENA, READS_SHARED = 1, 2, 3, 4, 5, 6, 7
+KIND_NAMES = {HELLO: "HELLO", READ: "READ", PLAN: "PLAN", STATS: "STATS", READS: "READS", ARENA: "ARENA",
+              READS_SHARED: "READS_SHARED"}
 OK, REFUSED, UNAVAILABLE, CORRUPT = Status.OK, Status.REFUSED, Status.UNAVAILABLE, Status.CORRUPT  # as a peer's
 PLAN_ROW = np.dtype([("chunk", "<i8"), ("offset", "<i8"), ("length", "<i8")])
 READS_ROW = np.dtype([("status", "<u4"), ("length", "<u8")])  # of each blob a READS asked for, in its reply
+SHARED_ROW = np.dtype([("status", "<u4"), ("unused", "<u4"), ("length", "<u8"), ("place", "<i8")])  # READS_SHARED's
+TOKEN = struct.Struct("<Q")  # a READS_SHARED reply's lending; tokens given back follow a READS_SHARED's rows
 # What one READS may ask for: a DataLoader batch's remote blobs, or a prefetch window's, in one round trip; the serve
 # process holds them all until the reply is sent.
 READS_MAX_BLOBS = 4096
 READS_MAX_BYTES = 64 << 20
+FEW_ROWS = 64  # a request of at most this many rows is looked up in Python ints (BlobLookup._few_rows)
+# Tokens one READS_SHARED may give back, and what a connection may hold lent at once (more goes through the socket).
+MAX_RETURNED = 4096
+LENT_MAX_BYTES = 4 * READS_MAX_BYTES
 
 
 class Refused(RequestRefused):
@@ -93,6 +103,8 @@ class BlobLookup:
         """Each plan row's blob row in the table (-1 where no blob is exactly there: a row inside a blob, between
         blobs); Refused at the first row with a field out of range, naming the row (`what`, numbered from `first`)
         and the field."""
+        if len(rows) <= FEW_ROWS:
+            return self._few_rows(rows, first, what)
         chunks, offsets, lengths = rows["chunk"], rows["offset"], rows["length"]
         bad_chunk = (chunks < 0) | (chunks >= self.chunk_count)
         safe_chunks = np.where(bad_chunk, 0, chunks)
@@ -118,6 +130,29 @@ class BlobLookup:
         alone = (following == found) | (self._keys[following] != keys)
         match = (self._keys[found] == keys) & alone & (self.blobs.stored_len[found].astype(np.int64) == lengths)
         return np.where(match, found, -1)
+
+    def _few_rows(self, rows: np.ndarray, first: int, what: str) -> np.ndarray:
+        """plan_rows of a request of a few rows (a DataLoader batch's remote blobs), checked in Python ints with
+        one searchsorted: numpy's cost per call, a dozen masks over a few rows, was most of such a request's cost."""
+        keys: list[int] = []
+        for number, (chunk, offset, length) in enumerate(rows.tolist()):
+            if not 0 <= chunk < self.chunk_count:
+                raise Refused(self._bad_chunk(f"{what} {first + number}: ", chunk))
+            end = self._end_list[chunk]
+            if not 0 <= offset < end:
+                raise Refused(self._bad_offset(f"{what} {first + number}: ", chunk, offset, end))
+            if not 1 <= length <= self.largest:
+                raise Refused(self._bad_length(f"{what} {first + number}: ", length))
+            keys.append(self._base_list[chunk] + offset)
+        found = np.full(len(keys), -1, dtype=np.int64)
+        table_keys, stored_len, count = self._keys, self.blobs.stored_len, len(self._keys)
+        for number, (row, key, length) in enumerate(zip(table_keys.searchsorted(keys).tolist(), keys,
+                                                        rows["length"].tolist())):
+            # Exactly one blob there (a crafted index may put two at one offset: neither is served), of that length.
+            if row < count and table_keys[row] == key and (row + 1 == count or table_keys[row + 1] != key) \
+                    and stored_len[row] == length:
+                found[number] = row
+        return found
 
     def _bad_chunk(self, prefix: str, chunk: int) -> str:
         return f"{prefix}chunk {chunk}: the dataset's chunks are 0 to {self.chunk_count - 1}"

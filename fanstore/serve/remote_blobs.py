@@ -55,6 +55,7 @@ import numpy as np
 
 from ..core.chunk_source import BlobRead
 from ..errors import ChunkError, ChunkUnavailable
+from .blob_arena import BlobArena
 from .doorbell import Doorbell
 from .options import PeerOptions
 from .peer_messages import FIRST_REPLY_TAG, MAX_BLOBS, PING, REPLY_HEADER, REPLY_MAGIC, TAG_REQUEST, PeerCounters, \
@@ -108,7 +109,10 @@ class RemoteBlobs:
     MPI thread's sleep short when it has a request to post."""
 
     def __init__(self, comm: Any, options: PeerOptions, counters: list[PeerCounters], bell: Doorbell | None,
-                 any_thread: bool, wake_mpi_thread: Callable[[], None], tag_limit: int) -> None:
+                 any_thread: bool, wake_mpi_thread: Callable[[], None], tag_limit: int,
+                 arena: BlobArena | None = None) -> None:
+        """`arena`: where replies are received, so that the node's readers read their blobs where they land
+        (private memory when it is full or absent)."""
         from mpi4py import MPI
 
         self._mpi = MPI
@@ -131,6 +135,7 @@ class RemoteBlobs:
         self.outstanding = 0  # requests queued or in flight
         self._stopped_reason: str | None = None
         self._lost_after = options.lost_after_seconds()
+        self._arena = arena
 
     # --- asking: any thread ---------------------------------------------------------------------------------------
 
@@ -328,7 +333,9 @@ class RemoteBlobs:
         request.tag = tag
         # Not zeroed: a bytearray of a reply's size (a batch's blobs, megabytes) was a memset a request, half the CPU of
         # the thread that fetches ahead (py-spy --gil); the receive writes every byte that is read.
-        request.buffer = np.empty(reply_room(sum(read.length for read in request.reads), len(request.reads)), np.uint8)
+        room = reply_room(sum(read.length for read in request.reads), len(request.reads))
+        slot = self._arena.slot(room) if self._arena is not None else None
+        request.buffer = slot if slot is not None else np.empty(room, np.uint8)
         MPI = self._mpi
         # The reply's receive is posted before the request leaves, so the reply never waits unexpected.
         request.receive = self._comm.Irecv([request.buffer, MPI.BYTE], source=request.peer, tag=tag)

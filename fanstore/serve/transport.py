@@ -27,6 +27,7 @@ import numpy as np
 
 from ..core.chunk_source import BlobRead, ReadDone
 from ..errors import ChunkError, ChunkUnavailable
+from .blob_arena import BlobArena
 from .doorbell import Doorbell
 from .peer_messages import FIRST_REPLY_TAG, MAX_BLOBS, MORE_BLOB, PING, REASON_ROOM, REPLY_HEADER, REPLY_MAGIC, \
     REQUEST, REQUEST_MAGIC, TAG_REQUEST, TAG_VERDICT, VERDICT, VERDICT_MAGIC, \
@@ -72,7 +73,8 @@ class PeerTransport:
     """Fetches from peers and serves them, on `comm` (a duplicate of the job's communicator, ours alone)."""
 
     def __init__(self, comm: Any, server: RequestServer, options: PeerOptions = PeerOptions(),
-                 bell: Doorbell | None = None) -> None:
+                 bell: Doorbell | None = None, arena: BlobArena | None = None) -> None:
+        """`arena`: the node's shared memory, where this rank's requests receive their replies (blob_arena.py)."""
         from mpi4py import MPI
 
         self._mpi = MPI
@@ -98,7 +100,7 @@ class PeerTransport:
         self._backoff = Backoff.rung_by(bell)
         # This rank's own requests to peers: one state machine, which this thread drives.
         self.remote = RemoteBlobs(comm, options, self.counters, bell, MPI.Query_thread() == MPI.THREAD_MULTIPLE,
-                                  self._backoff.wake, self._tag_limit)
+                                  self._backoff.wake, self._tag_limit, arena)
         self._stopping = threading.Event()
         self._stopped = threading.Event()  # the MPI thread has ended: fetches fail at once
         self._alone = threading.Lock()  # collectives once the MPI thread has stopped (_collective_alone)
