@@ -361,3 +361,22 @@ def test_cut_positions_merge_as_a_union_would(seed):
     shuffled = rng.permutation(second)
     assert np.array_equal(_sorted_union(first, shuffled), np.union1d(first, shuffled))
     assert _sorted_union(np.array([], dtype=np.int64), np.array([], dtype=np.int64)).tolist() == []
+
+
+def test_blob_row_finds_exactly_one_whole_blob_and_nothing_else(mixed):
+    """What a peer's request must name: the row of the blob of that length at that offset of that chunk; None for
+    part of a blob, bytes between blobs, a length that is not the blob's, a chunk or offset out of range, and an
+    offset where a crafted index put two blobs."""
+    index = Index.load(mixed)
+    blobs = BlobTable.of(index)
+    for row, (chunk, offset, length) in enumerate(zip(blobs.chunk.tolist(), blobs.offset.tolist(),
+                                                      blobs.stored_len.tolist())):
+        assert blobs.blob_row(chunk, offset, length) == row
+        assert blobs.blob_row(chunk, offset, length + 1) is None
+        assert blobs.blob_row(chunk, offset + 1, length - 1) is None
+    chunk, offset, length = int(blobs.chunk[0]), int(blobs.offset[0]), int(blobs.stored_len[0])
+    for bad in ((-1, offset, length), (len(index.chunks), offset, length), (chunk, -1, length),
+                (chunk, 2**63, length)):
+        assert blobs.blob_row(*bad) is None
+    twice = BlobTable([0, 0, 0], [0, 0, 10], [10, 10, 5], [1, 2, 3], 1)  # two blobs at offset 0 of chunk 0
+    assert twice.blob_row(0, 0, 10) is None and twice.blob_row(0, 10, 5) == 2

@@ -83,10 +83,12 @@ class BlobTable:
         request from a peer or a local reader must name: never part of a blob, two blobs, or bytes between)."""
         if not 0 <= chunk < len(self._rows) - 1 or offset < 0:
             return None
-        rows = self.in_range(chunk, offset, offset + 1)
-        if rows.stop - rows.start != 1 or int(self.stored_len[rows.start]) != length:
+        first, last = self._rows[chunk], self._rows[chunk + 1]
+        row = first + int(self.offset[first:last].searchsorted(offset))  # one search: a peer's every blob comes here
+        if row == last or self.offset[row] != offset or self.stored_len[row] != length or \
+                (row + 1 < last and self.offset[row + 1] == offset):
             return None
-        return rows.start
+        return row
 
     def in_range(self, chunk: int, start: int, end: int) -> slice:
         """Rows of the blobs of `chunk` that start in [start, end). For a Piece these are exactly the blobs it holds,
