@@ -272,12 +272,7 @@ class NodeEndpoint:
         if len(raw) < count * PLAN_ROW.itemsize + returned * TOKEN.size:
             return False
         lent.give_back(np.frombuffer(raw, dtype="<u8", offset=count * PLAN_ROW.itemsize).tolist())
-        asked = np.frombuffer(raw, dtype=PLAN_ROW, count=count)
-        rows = self._lookup.plan_rows(asked, 0, "READS_SHARED row")
-        total = int(asked["length"].sum())
-        if total > READS_MAX_BYTES:
-            raise Refused(f"a READS_SHARED of {total} bytes: at most {READS_MAX_BYTES} bytes of blobs a request")
-        statuses, blobs = self._gather(rows.tolist(), asked["length"].tolist())
+        statuses, blobs = self._gather_asked(np.frombuffer(raw, dtype=PLAN_ROW, count=count), "READS_SHARED")
         table = np.zeros(count, dtype=SHARED_ROW)
         table["status"] = statuses
         table["length"] = [len(blob) for blob in blobs]
@@ -312,18 +307,22 @@ class NodeEndpoint:
         raw = stream.read(count * PLAN_ROW.itemsize)
         if len(raw) < count * PLAN_ROW.itemsize:
             return False
-        asked = np.frombuffer(raw, dtype=PLAN_ROW)
-        rows = self._lookup.plan_rows(asked, 0, "READS row")  # Refused by row; the connection goes on
-        total = int(asked["length"].sum())
-        if total > READS_MAX_BYTES:
-            raise Refused(f"a READS of {total} bytes: at most {READS_MAX_BYTES} bytes of blobs a request")
-        statuses, blobs = self._gather(rows.tolist(), asked["length"].tolist())
+        statuses, blobs = self._gather_asked(np.frombuffer(raw, dtype=PLAN_ROW), "READS")
         table = np.empty(count, dtype=READS_ROW)
         table["status"] = statuses
         table["length"] = [len(blob) for blob in blobs]
         header = REPLY.pack(REPLY_MAGIC, OK, table.nbytes + int(table["length"].sum()))
         _send_buffers(connection, [header, table.tobytes(), *blobs])
         return True
+
+    def _gather_asked(self, asked: np.ndarray, kind: str) -> tuple[list[int], list[bytes | memoryview]]:
+        """The blobs of a READS' or READS_SHARED's rows, once they are checked: Refused by row, or for asking more
+        than READS_MAX_BYTES in all (the connection goes on: the request was read whole)."""
+        rows = self._lookup.plan_rows(asked, 0, f"{kind} row")
+        total = int(asked["length"].sum())
+        if total > READS_MAX_BYTES:
+            raise Refused(f"a {kind} of {total} bytes: at most {READS_MAX_BYTES} bytes of blobs a request")
+        return self._gather(rows.tolist(), asked["length"].tolist())
 
     def _gather(self, rows: list[int], lengths: list[int]) -> tuple[list[int], list[bytes | memoryview]]:
         """Each blob's status and bytes (its blob, or the reason it failed). Blobs fetched ahead or on their way
