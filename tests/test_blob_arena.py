@@ -202,15 +202,21 @@ def test_a_connection_lends_at_most_its_bound_and_the_rest_comes_in_the_reply(da
 
 
 def test_reads_shared_out_of_bounds_is_refused_by_name(dataset, shared, endpoint):
+    """A header whose rows and tokens cannot be told any more is refused by field and its connection closed."""
     blobs = blobs_of(dataset)[:2]
-    reader = Reader(shared.path)
-    try:
-        status, reason = reader.ask(READS_SHARED, chunk=node_endpoint.MAX_RETURNED + 1, length=1)
-        assert (status, reason.decode()) == (REFUSED, f"chunk {node_endpoint.MAX_RETURNED + 1}: a READS_SHARED gives "
-                                                      f"back 0 to {node_endpoint.MAX_RETURNED} tokens")
-        assert reader.closed()
-    finally:
-        reader.close()
+    for fields, reason in (
+            ({"chunk": node_endpoint.MAX_RETURNED + 1, "length": 1},
+             f"chunk {node_endpoint.MAX_RETURNED + 1}: a READS_SHARED gives back 0 to {node_endpoint.MAX_RETURNED} "
+             f"tokens"),
+            ({"length": 0}, f"length 0: a READS_SHARED asks for 1 to {node_endpoint.READS_MAX_BLOBS} blobs"),
+            ({"offset": 3, "length": 1}, "offset 3: READS_SHARED takes 0 there")):
+        reader = Reader(shared.path)
+        try:
+            status, payload = reader.ask(READS_SHARED, **fields)
+            assert (status, payload.decode()) == (REFUSED, reason)
+            assert reader.closed()
+        finally:
+            reader.close()
     reader = Reader(endpoint.path)  # a node without an arena
     try:
         assert reader.ask(ARENA) == (REFUSED, b"this node has no shared arena: ask READS")
