@@ -5,6 +5,7 @@ test_torch.py's test_a_few_training_steps_under_mpiexec_fanstore_serve."""
 
 from __future__ import annotations
 
+import errno
 import gc
 import json
 import mmap
@@ -289,3 +290,22 @@ def test_a_connection_closed_while_its_lent_blobs_are_in_use_stays_open_until_th
     assert [bytes(blob) for blob in got] == [shared.source.read(*row) for row in blobs]
     del got
     wait_until_true(lambda: shared.arena.stats()["arena_used"] == 0, "the slots came back once the views went")
+
+
+def test_an_arena_this_process_cannot_map_leaves_its_blobs_to_the_socket(dataset, shared, monkeypatch):
+    """A mapping refused here (ENOMEM: an address-space limit) is no arena, not an unreachable serve process: the
+    blobs come through the socket, none from DEST."""
+    from fanstore.serve import node_client
+
+    def refused(fd: int, size: int) -> ArenaView:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(node_client, "ArenaView", refused)
+    blobs = [row for row in blobs_of(dataset) if row[0] % 2 == 1][:4]
+    source = NodeServeSource(NodeConnection(str(shared.path)))
+    try:
+        got = source.read_many(blobs)
+        assert [bytes(blob) for blob in got] == [shared.source.read(*row) for row in blobs]
+        assert shared.stats()["lent"] == 0
+    finally:
+        source.close()

@@ -141,15 +141,13 @@ class NodeConnection:
                 payload = bytes(_receive(connection, size))
                 if status != OK or not fds:
                     return None
-                return ArenaView(fds[0], int(json.loads(payload)["size"]))
+                return _map_arena(self.path, fds[0], payload)
             finally:
                 for fd in fds:
                     os.close(fd)
         except OSError as exc:
             self._drop(connection)  # asked again on the next connection
             raise ChunkUnavailable(f"{self.path}: the node's serve process did not answer: {exc}") from None
-        except (ValueError, KeyError, TypeError):
-            return None  # an arena that cannot be mapped: blobs come through the socket
 
     def close(self) -> None:
         """Close every thread's socket; asking after it is ChunkUnavailable. A socket on which blobs are lent and
@@ -185,6 +183,16 @@ class NodeConnection:
         except OSError as exc:
             self._drop(connection)
             raise ChunkUnavailable(f"{self.path}: the node's serve process did not answer: {exc}") from None
+
+
+def _map_arena(path: str, fd: int, description: bytes) -> ArenaView | None:
+    """The arena the serve process sent, mapped; None (blobs then come through the socket) where it cannot be: a
+    mapping this process is refused (its address space, say) is not a serve process that does not answer."""
+    try:
+        return ArenaView(fd, int(json.loads(description)["size"]))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("%s: the node's arena cannot be mapped here (%s); remote blobs come through the socket", path, exc)
+        return None
 
 
 def _receive(connection: socket.socket, size: int) -> memoryview:
