@@ -188,3 +188,21 @@ def test_serve_stats_count_blobs_and_say_so() -> None:
     assert format_totals([stats]) == ("job (1 rank): blobs read 387 local, 1,496 from peers (2.15 MB), 0 from DEST; "
                                        "bytes read from DEST: 2.39 MB staging (2,390,000 B), 0 B during the epochs "
                                        "(0 B)")
+
+
+def test_serve_stats_say_how_many_remote_blobs_the_readers_were_lent() -> None:
+    pytest.importorskip("mpi4py", reason="fanstore.serve needs mpi4py")
+    from fanstore.serve.job_stats import format_rank
+
+    stats = {"rank": 1, "host": "vm", "reads": {"local": 0, "local_bytes": 0, "fallback": 0, "fallback_bytes": 0,
+                                                "peers": {}},
+             "ahead": {"asked": 10, "fetched_ahead": 10, "ahead_hits": 9, "ahead_joined": 2, "lent": 8,
+                       "not_lent": 2, "arena_full": 1},
+             "staging": {"dest_bytes": 0, "received_bytes": 0, "sent_bytes": 0, "reused_bytes": 0, "seconds": 0.1,
+                         "bad_blobs": 0}}
+    lines = format_rank(stats).splitlines()
+    assert "  to fanstore.torch readers: 8 remote blobs lent in the node's arena, 2 sent through the socket (1 "\
+           "receive found the arena full)" in lines, lines
+    del stats["ahead"]["arena_full"]
+    assert "  to fanstore.torch readers: 8 remote blobs lent in the node's arena, 2 sent through the socket" \
+        in format_rank(stats).splitlines()
