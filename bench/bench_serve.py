@@ -1092,12 +1092,21 @@ def clean_up(workdir: Path) -> None:
     def ours() -> list[int]:  # the watchdogs are left to end on their own once their rank is gone
         return [pid for pid in processes_mentioning(str(workdir)) if b"watchdog.py" not in command_line(pid)]
 
-    for pid in ours():
-        if command_line(pid).split(b"\0")[0].endswith(b"mpiexec"):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 30
-    while ours() and time.monotonic() < deadline:
+    def is_launcher(pid: int) -> bool:
+        return command_line(pid).split(b"\0")[0].endswith(b"mpiexec")
+
+    for pid in filter(is_launcher, ours()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    # The rest (a simulated file system's servers, bench_cluster's) are asked once the job has ended, as a bench's
+    # own end asks them: they serve the job's ranks until then. Waiting for them to end by themselves took 30 s.
+    deadline, others_asked = time.monotonic() + 30, False
+    while (left := ours()) and time.monotonic() < deadline:
+        if not others_asked and not any(map(is_launcher, left)):
+            others_asked = True
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
         time.sleep(0.1)
     for pid in ours():
         with contextlib.suppress(ProcessLookupError):
