@@ -65,7 +65,10 @@ have ended and been waited for: microseconds, every thread, as they are its chil
 from its CPU-time clock (machine_load.cpu_ns: nanoseconds, every thread, ended ones too), and by thread (the kernel
 names fanstore gives them, machine_load.thread_cpu_ns), which the serve process's target line splits its figure by.
 /proc/PID/stat's 10 ms ticks, used before, could not tell a few microseconds a file apart. The decode floor, measured before each judged
-pair: the CPU per file of Reader.read (pread, checksum, decode) over every file, in one thread of the bench.
+pair: the CPU per file of Reader.read (pread, checksum, decode) over every file, in one thread of the bench. The copy
+floor, measured before each pair of local and remote files, beside the serve process's figure: per file, the pread of
+its blob into a buffer and one copy of it (the blob a serve process reads for the other rank's reply, and the one it
+receives), the bytes it must move whatever language moves them.
 
 Placement: 'workers pinned' = DataLoader worker k of the run's training process p (numbered rank by rank, then
 process on the rank) on CPU p x workers + k of those this process may use, modulo their count (worker_init_fn:
@@ -646,13 +649,13 @@ class Judged:
 
 
 def by_turns(setup: Setup, first: Way, second: Way, placement: Placement, compute_ms: float, pairs: int,
-             tries: int, floor: bool = False) -> list[Pair]:
-    """`first` and `second` by turns, `pairs` times (first, second, first, second, ...), with the decode floor
-    before each pair where asked. Runs here vary by 30% and more: a figure of neighbouring runs cancels the
+             tries: int, floor: Callable[[DataSet], float] | None = None) -> list[Pair]:
+    """`first` and `second` by turns, `pairs` times (first, second, first, second, ...), with a floor (the decode
+    floor, the copy floor) measured before each pair where asked. Runs here vary by 30% and more: a figure of neighbouring runs cancels the
     machine's drift, and the median of the pairs' figures a single run's luck."""
     turns = []
     for number in range(pairs):
-        floor_us = decode_floor_us(setup.data) if floor else 0.0
+        floor_us = floor(setup.data) if floor is not None else 0.0
         one = least_disturbed(setup, first, placement, compute_ms, tries=tries, first_attempt=number * tries)
         two = least_disturbed(setup, second, placement, compute_ms, tries=tries, first_attempt=number * tries)
         turns.append(Pair(one, two, floor_us))
@@ -699,6 +702,39 @@ def decode_floor_us(data: DataSet) -> float:
         for entry in entries:
             read(entry)
         return (time.thread_time_ns() - started) / 1e3 / len(entries)
+
+
+def copy_floor_us(data: DataSet) -> float:
+    """Microseconds of CPU per remote file that a serve process moving bytes in memory cannot go below, with both
+    ranks reading: the pread of the blob it serves the other rank into the reply, and one copy of the blob it
+    receives (what MPI's receive does at least, CMA or the network's). Measured on the dataset's own blobs, DEST warm,
+    in one thread of this process: the serve target's figure beside it."""
+    import fanstore
+    from fanstore.core.format import chunk_file_name
+
+    warm(data.dest)
+    with fanstore.open_dataset(data.dest) as dataset:
+        entries = dataset.index.entries[dataset.resolve_many(list(data.paths))]
+    order = np.lexsort((entries["offset"], entries["chunk"]))  # a chunk's blobs together: one file open at a time
+    blobs = list(zip(entries["chunk"][order].tolist(), entries["offset"][order].tolist(),
+                     entries["stored_len"][order].tolist()))
+    largest = max(length for _, _, length in blobs)
+    reply, received = np.empty(largest, np.uint8), np.empty(largest, np.uint8)
+    spent_ns, descriptor, opened = 0, -1, -1
+    try:
+        for chunk, offset, length in blobs:
+            if chunk != opened:  # opening is not the floor's: the serve process keeps its chunks open
+                if descriptor >= 0:
+                    os.close(descriptor)
+                descriptor, opened = os.open(data.dest / chunk_file_name(chunk), os.O_RDONLY), chunk
+            started = time.thread_time_ns()
+            os.preadv(descriptor, [memoryview(reply)[:length]], offset)
+            np.copyto(received[:length], reply[:length])
+            spent_ns += time.thread_time_ns() - started
+    finally:
+        if descriptor >= 0:
+            os.close(descriptor)
+    return spent_ns / 1e3 / len(blobs)
 
 
 def measure_way(setup: Setup, way: Way, placement: Placement, compute_ms: float, workers: int = WORKERS,
@@ -927,7 +963,7 @@ def target_lines(judged: list[Judged], results: list[Result], scaling: list[tupl
             threads = sorted(pair.second.daemon_threads_us().items(), key=lambda item: -item[1])
             line(status, f"{SERVED}: the serve process's CPU per remote file <= {TARGET_SERVE_REMOTE_US:g} us", where,
                  why + f"{serve_us:.1f} us (it also sent the other rank as many; {pair.first.cpu_us('daemon_cpu'):.1f}"
-                 f" us per local file)" + each(figures, ".1f") + "; by thread: "
+                 f" us per local file)" + each(figures, ".1f") + f"; copy floor {pair.floor_us:.1f} us; by thread: "
                  + ", ".join(f"{name} {us:.1f}" for name, us in threads if us >= 0.5))
         served, dest = by_key.get((SERVED, where)), by_key.get((TARGET_WAY, where))
         if served and dest and not served.unavailable:
@@ -1184,7 +1220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress(f"[{placement.label}] {BASELINE} and {TARGET_WAY} by turns, {compute_ms:g} ms compute per "
                          f"batch, {pairs} pair(s) ...")
                 judged_here.wait = by_turns(setup, plain_way, target_way, placement, compute_ms, pairs, target_tries,
-                                            floor=True)
+                                            floor=decode_floor_us)
                 judged = dict(zip((BASELINE, TARGET_WAY), shown(judged_here.wait)))
             for way in ways:
                 if way.label in judged:
@@ -1196,7 +1232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress(f"[{placement.label}] {SERVED_LOCAL.label} and {SERVED_REMOTE.label} by turns, "
                          f"{compute_ms:g} ms compute per batch, {pairs} pair(s) ...")
                 judged_here.served = by_turns(setup, SERVED_LOCAL, SERVED_REMOTE, placement, compute_ms, pairs,
-                                              target_tries)
+                                              target_tries, floor=copy_floor_us)
                 results.extend(shown(judged_here.served, served_worker_gap))
             if TWO_PROCESSES.label in turns and ONE_PROCESS.label in turns:
                 progress(f"[{placement.label}] {TWO_PROCESSES.label} and {ONE_PROCESS.label} by turns, no compute, "
@@ -1208,7 +1244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress(f"[{placement.label}] {BASELINE} and {TARGET_WAY} by turns, {spare_ms:g} ms compute per "
                          f"batch (headroom), {pairs} pair(s) ...")
                 judged_here.headroom = by_turns(setup, plain_way, target_way, placement, spare_ms, pairs,
-                                                target_tries, floor=True)
+                                                target_tries, floor=decode_floor_us)
                 headroom.extend(shown(judged_here.headroom))
     plot(results, plot_path)
     print_report(setup, results, scaling, headroom, judged_turns, args.compute_ms is None, target_tries, plot_path,
