@@ -127,8 +127,9 @@ def test_a_journal_of_another_version_is_refused_in_one_line(big_tree, reference
     assert_one_line_error(run_cli("fanstore-pack", str(big_tree), str(dest), *ARGS), str(state_path),
                           f"journal version {version!r}", f"resumes version {JOURNAL_VERSION}", "--force")
     assert dir_bytes(dest) == before
-    run_cli("fanstore-pack", str(big_tree), str(dest), *ARGS, "--force", check=True)
-    assert dir_bytes(dest) == reference
+    if version == JOURNAL_VERSION + 1:  # what the refusal offers works (once: it is the same pack for each version)
+        run_cli("fanstore-pack", str(big_tree), str(dest), *ARGS, "--force", check=True)
+        assert dir_bytes(dest) == reference
 
 
 @pytest.mark.parametrize("damage", ["a column missing", "columns of two lengths", "a positional row"])
