@@ -607,6 +607,38 @@ def test_command_status_is_the_worst_of_every_rank(served_dataset, tmp_path, job
     _assert_nothing_left(job)
 
 
+def test_a_process_the_command_left_running_ends_with_the_job(served_dataset, tmp_path, jobs):
+    """A command that ends leaving a process in the background, which holds the rank's output open: mpiexec would
+    wait for it (the job ended when it did, 123 s later, SIGTERM or not). The rank ends it as the job ends."""
+    _, dest = served_dataset
+    tag = f"{time.monotonic_ns() % 10**6}.5"  # this test's sleeps, told apart from any other's
+    job = Job(tmp_path, dest, command=["sh", "-c", f"(sleep 300{tag}) & echo started"])
+    jobs.append(job)
+    code, out, _err = job.finish(timeout=60)
+    assert code == 0 and out.count("started") == RANKS, out
+    wait_until(lambda: not _processes_mentioning(f"sleep 300{tag}"), "the left process gone", 5)
+    _assert_nothing_left(job)
+
+
+def test_a_stopped_command_ends_with_every_process_it_started(served_dataset, tmp_path, jobs):
+    """SIGTERM to the job while each rank's command (a shell script) waits on a child, and another child has left
+    its session (setsid: no signal to the job's process groups reaches it): every one ends with the job."""
+    _, dest = served_dataset
+    tag = f"{time.monotonic_ns() % 10**6}.5"
+    started = tmp_path / "started"
+    started.mkdir()
+    script = f'setsid sleep 301{tag} & touch {started}/"$FANSTORE_RANK"; sleep 302{tag}; echo never'
+    job = Job(tmp_path, dest, command=["sh", "-c", script])
+    jobs.append(job)
+    wait_until(lambda: len(os.listdir(started)) == RANKS or job.proc.poll() is not None, "every command started",
+               60)
+    os.kill(job.proc.pid, signal.SIGTERM)  # mpiexec, which passes it on to the ranks
+    code, out, err = job.finish(timeout=60)
+    assert code != 0 and "never" not in out, out + err
+    wait_until(lambda: not _processes_mentioning(tag), "every process of the commands gone", 5)
+    _assert_nothing_left(job)
+
+
 @pytest.mark.parametrize("asker", ["the reading thread", "the MPI thread"])
 def test_a_stopped_peer_costs_a_deadline_not_a_read(served_dataset, tmp_path, jobs, asker):
     """Whichever thread posts the requests to peers (the one that reads where MPI gives THREAD_MULTIPLE, else the

@@ -13,7 +13,9 @@ process leaves without it (node.run), its mount removed and its watchdog told.
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import secrets
 import signal
 import subprocess
 import threading
@@ -26,7 +28,10 @@ import numpy as np
 from ..core.durable import write_atomically
 from ..errors import ChunkError, quoted, say_line
 from . import node_endpoint
+from .command_processes import COMMAND_TOKEN, end_command_processes
 from .transport import PeerTransport
+
+log = logging.getLogger("fanstore.serve")
 
 AGREE_TIMEOUT = 600.0  # seconds the final agreement waits after a signal before the rank leaves without it
 STOP_GRACE = 10.0  # seconds a COMMAND gets between SIGTERM and SIGKILL
@@ -189,26 +194,28 @@ class Lifecycle:
 
     def _run_command(self, stop: threading.Event) -> int:
         rank, size = self.transport.rank, self.transport.size
+        token = f"{os.getpid()}-{secrets.token_hex(8)}"  # marks the command's processes (command_processes.py)
         env = dict(os.environ, FANSTORE_MOUNT=str(self.mountpoint), FANSTORE_RANK=str(rank),
-                   FANSTORE_SIZE=str(size), **{node_endpoint.ENVIRONMENT: str(self.endpoint)})
+                   FANSTORE_SIZE=str(size), **{node_endpoint.ENVIRONMENT: str(self.endpoint), COMMAND_TOKEN: token})
         try:
             command = subprocess.Popen(list(self.command), env=env)
         except OSError as exc:
             say_line(f"fanstore serve: rank {rank}: cannot run {quoted(self.command[0])}: {exc.strerror}")
             return 127
+        marker = f"{COMMAND_TOKEN}={token}".encode()
         while True:
             try:
                 code = command.wait(timeout=0.2)
                 break
             except subprocess.TimeoutExpired:
-                if stop.is_set():
-                    command.terminate()
-                    try:
-                        code = command.wait(timeout=STOP_GRACE)
-                    except subprocess.TimeoutExpired:
-                        command.kill()
-                        code = command.wait()
+                if stop.is_set():  # the command and every process it started (command_processes.py)
+                    end_command_processes(marker, STOP_GRACE)
+                    code = command.wait()
                     break
+        left = end_command_processes(marker, STOP_GRACE)  # what it left running would hold the job's output open
+        if left:
+            log.warning("rank %d: %d process(es) the command left running did not end on SIGTERM within %g s: "
+                        "killed", rank, len(left), STOP_GRACE)
         return code if code >= 0 else 128 - code
 
     def _wait_for_signal(self, stop: threading.Event) -> int:

@@ -1,0 +1,59 @@
+"""Every process a rank's COMMAND started, found and ended with it.
+
+Signalling the command alone is not enough: a shell script's children outlive the shell killed by SIGTERM, and a
+process the command left running in the background holds the rank's stdout and stderr open, so mpiexec waits for it
+(a job whose command was `sh -c '(sleep 123) & echo hi'` ended after 123 s, SIGTERM to mpiexec or not). So the rank
+ends the command's processes itself, as a batch system ends a job step's: on a stop, each gets SIGTERM, then SIGKILL
+after the grace; when the command has ended, whatever it left running gets the same.
+
+A process of the command is one whose environment holds the rank's COMMAND_TOKEN, a value made afresh for each
+command (the rank's pid and random bytes: ranks on one host share paths when each has a mount namespace of its own,
+so no path would do): inherited through fork and exec, it still marks a child that left the command's process group
+or session, or was orphaned. A process that cleared its environment is not found (nor one of another user, whose
+environment this rank cannot read).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+COMMAND_TOKEN = "FANSTORE_COMMAND_TOKEN"  # the variable, in the command's environment
+_POLL_SECONDS = 0.05
+
+
+def command_processes(marker: bytes) -> list[int]:
+    """The processes (other than this one) whose environment holds `marker`, a NAME=VALUE entry."""
+    own = os.getpid()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == own:
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as environ:
+                entries = environ.read().split(b"\0")
+        except OSError:  # ended meanwhile, a kernel thread, or another user's
+            continue
+        if marker in entries:
+            found.append(int(name))
+    return found
+
+
+def end_command_processes(marker: bytes, grace: float) -> list[int]:
+    """SIGTERM to every process of the command still running, then SIGKILL to those left after `grace` seconds.
+    Returns those that had to be killed."""
+    _signal_each(command_processes(marker), signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while (left := command_processes(marker)) and time.monotonic() < deadline:
+        time.sleep(_POLL_SECONDS)
+    _signal_each(left, signal.SIGKILL)
+    return left
+
+
+def _signal_each(pids: list[int], number: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, number)
+        except ProcessLookupError:
+            pass
