@@ -63,6 +63,20 @@ def _left_behind(script: subprocess.Popen, temporary: Path) -> list[str]:
     return left
 
 
+def _session_processes(script: subprocess.Popen) -> list[str]:
+    """Each process of the script's session, with its state and command line."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getsid(int(pid)) == script.pid:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{pid} {state} {command.strip()[:200]}")
+        except OSError:  # ended meanwhile
+            pass
+    return found
+
+
 def _cleanup(script: subprocess.Popen, temporary: Path) -> None:
     with open("/proc/self/mountinfo") as mountinfo:
         points = [line.split()[4] for line in mountinfo if str(temporary) in line.split()[4]]
@@ -117,7 +131,11 @@ def test_a_signal_mid_job_ends_it_and_cleans_up(dataset: Path, tmp_path: Path, s
         wait_until(lambda: len(os.listdir(started)) == 2 or script.poll() is not None, "both ranks running", 120)
         assert script.poll() is None, script.communicate()[0]
         os.kill(script.pid, signal_number)
-        output, _ = script.communicate(timeout=60)
+        try:
+            output, _ = script.communicate(timeout=60)
+        except subprocess.TimeoutExpired as timed_out:  # say what still ran, and what the job printed, not only that
+            pytest.fail(f"the script did not end within 60 s of its signal; still running: "
+                        f"{_session_processes(script)}; it printed: {timed_out.output!r}")
         assert script.returncode == 128 + signal_number, output
         wait_until(lambda: _left_behind(script, temporary) == [], "nothing left behind", 10)
     finally:
