@@ -620,18 +620,31 @@ def test_a_process_the_command_left_running_ends_with_the_job(served_dataset, tm
     _assert_nothing_left(job)
 
 
-def test_a_stopped_command_ends_with_every_process_it_started(served_dataset, tmp_path, jobs):
-    """SIGTERM to the job while each rank's command (a shell script) waits on a child, and another child has left
-    its session (setsid: no signal to the job's process groups reaches it): every one ends with the job."""
+def _job_whose_commands_leave_a_child_in_its_own_session(served_dataset, tmp_path: Path, jobs: list
+                                                         ) -> tuple[Job, str, list[int]]:
+    """A job whose every rank's command (a shell script) starts a child in a session of its own (setsid: no signal
+    to the job's process groups reaches it), then waits on another child; once every one runs: the job, the tag
+    every one of those processes' command lines holds, and each rank's serve process."""
     _, dest = served_dataset
-    tag = f"{time.monotonic_ns() % 10**6}.5"
+    tag = f"{time.monotonic_ns() % 10**6}.5"  # this test's sleeps, told apart from any other's
     started = tmp_path / "started"
     started.mkdir()
-    script = f'setsid sleep 301{tag} & touch {started}/"$FANSTORE_RANK"; sleep 302{tag}; echo never'
+    script = f'setsid sleep 301{tag} & echo $PPID > {started}/"$FANSTORE_RANK"; sleep 302{tag}; echo never'
     job = Job(tmp_path, dest, command=["sh", "-c", script])
     jobs.append(job)
     wait_until(lambda: len(os.listdir(started)) == RANKS or job.proc.poll() is not None, "every command started",
                60)
+    in_own_session = f"sleep 301{tag}"  # (the shells' command lines name it too)
+    wait_until(lambda: sum(line.split(": ", 1)[1].startswith(in_own_session)
+                           for line in _processes_mentioning(in_own_session)) == RANKS,
+               "every command's child in its session", 10)
+    return job, tag, [int((started / str(rank)).read_text()) for rank in range(RANKS)]
+
+
+def test_a_stopped_command_ends_with_every_process_it_started(served_dataset, tmp_path, jobs):
+    """SIGTERM to the job while each rank's command waits on a child, and another child has left its session: every
+    one ends with the job."""
+    job, tag, _ = _job_whose_commands_leave_a_child_in_its_own_session(served_dataset, tmp_path, jobs)
     os.kill(job.proc.pid, signal.SIGTERM)  # mpiexec, which passes it on to the ranks
     code, out, err = job.finish(timeout=60)
     assert code != 0 and "never" not in out, out + err
@@ -691,6 +704,16 @@ def test_a_killed_job_leaves_no_mount_process_or_shared_memory(served_dataset, t
     job.proc.wait(30)
     _assert_nothing_left(job)
     wait_until(lambda: not _left_behind(shm_before), "MPICH's /dev/shm files removed", 5)
+
+
+def test_a_killed_rank_s_watchdog_ends_its_command_s_processes(served_dataset, tmp_path, jobs):
+    """kill -9 of a rank while its command runs: mpiexec SIGKILLs every rank's process group, which reaches the
+    commands' processes in it but not one that left it (setsid); each rank's watchdog ends that one."""
+    job, tag, ranks = _job_whose_commands_leave_a_child_in_its_own_session(served_dataset, tmp_path, jobs)
+    os.kill(ranks[1], signal.SIGKILL)
+    job.proc.wait(30)
+    wait_until(lambda: not _processes_mentioning(tag), "every process of the commands gone", 20)
+    _assert_nothing_left(job)
 
 
 def test_a_ranks_threads_carry_their_names_in_the_kernel(served_dataset, tmp_path, jobs):

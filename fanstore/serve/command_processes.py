@@ -4,7 +4,8 @@ Signalling the command alone is not enough: a shell script's children outlive th
 process the command left running in the background holds the rank's stdout and stderr open, so mpiexec waits for it
 (a job whose command was `sh -c '(sleep 123) & echo hi'` ended after 123 s, SIGTERM to mpiexec or not). So the rank
 ends the command's processes itself, as a batch system ends a job step's: on a stop, each gets SIGTERM, then SIGKILL
-after the grace; when the command has ended, whatever it left running gets the same.
+after the grace; when the command has ended, whatever it left running gets the same. A rank killed outright cannot:
+its watchdog (watchdog.py, which imports this module) does it for it.
 
 A process of the command is one whose environment holds the rank's COMMAND_TOKEN, a value made afresh for each
 command (the rank's pid and random bytes: ranks on one host share paths when each has a mount namespace of its own,
@@ -16,11 +17,23 @@ environment this rank cannot read).
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import time
 
 COMMAND_TOKEN = "FANSTORE_COMMAND_TOKEN"  # the variable, in the command's environment
+STOP_GRACE = 10.0  # seconds a process of the command gets between SIGTERM and SIGKILL
 _POLL_SECONDS = 0.05
+
+
+def new_token() -> str:
+    """A value for COMMAND_TOKEN: this process's pid and random bytes."""
+    return f"{os.getpid()}-{secrets.token_hex(8)}"
+
+
+def marker_of(token: str) -> bytes:
+    """The environment entry that marks a process of the command given `token`."""
+    return f"{COMMAND_TOKEN}={token}".encode()
 
 
 def command_processes(marker: bytes) -> list[int]:

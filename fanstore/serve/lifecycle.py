@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import secrets
 import signal
 import subprocess
 import threading
@@ -28,13 +27,12 @@ import numpy as np
 from ..core.durable import write_atomically
 from ..errors import ChunkError, quoted, say_line
 from . import node_endpoint
-from .command_processes import COMMAND_TOKEN, end_command_processes
+from .command_processes import COMMAND_TOKEN, STOP_GRACE, end_command_processes, marker_of
 from .transport import PeerTransport
 
 log = logging.getLogger("fanstore.serve")
 
 AGREE_TIMEOUT = 600.0  # seconds the final agreement waits after a signal before the rank leaves without it
-STOP_GRACE = 10.0  # seconds a COMMAND gets between SIGTERM and SIGKILL
 LOST_DEADLINES = 6  # peer deadlines (--peer-timeout) a rank may leave every ping unanswered before it is lost
 
 
@@ -78,8 +76,10 @@ class Lifecycle:
     in both agreements all the same (`without_mount`), so the job still ends together, each rank with one line."""
 
     def __init__(self, transport: PeerTransport, command: Sequence[str], mountpoint: Path, ready_file: Path,
-                 endpoint: Path, hosts: Sequence[str]) -> None:
+                 endpoint: Path, hosts: Sequence[str], token: str) -> None:
+        """`token`: what marks the command's processes (command_processes.py; the rank's watchdog has it too)."""
         self.transport = transport
+        self.token = token
         self.endpoint = endpoint
         self.command = tuple(command)
         self.hosts = list(hosts)  # each rank's host name, to name a lost one
@@ -194,15 +194,14 @@ class Lifecycle:
 
     def _run_command(self, stop: threading.Event) -> int:
         rank, size = self.transport.rank, self.transport.size
-        token = f"{os.getpid()}-{secrets.token_hex(8)}"  # marks the command's processes (command_processes.py)
-        env = dict(os.environ, FANSTORE_MOUNT=str(self.mountpoint), FANSTORE_RANK=str(rank),
-                   FANSTORE_SIZE=str(size), **{node_endpoint.ENVIRONMENT: str(self.endpoint), COMMAND_TOKEN: token})
+        env = dict(os.environ, FANSTORE_MOUNT=str(self.mountpoint), FANSTORE_RANK=str(rank), FANSTORE_SIZE=str(size),
+                   **{node_endpoint.ENVIRONMENT: str(self.endpoint), COMMAND_TOKEN: self.token})
         try:
             command = subprocess.Popen(list(self.command), env=env)
         except OSError as exc:
             say_line(f"fanstore serve: rank {rank}: cannot run {quoted(self.command[0])}: {exc.strerror}")
             return 127
-        marker = f"{COMMAND_TOKEN}={token}".encode()
+        marker = marker_of(self.token)
         while True:
             try:
                 code = command.wait(timeout=0.2)

@@ -42,6 +42,7 @@ from ..mount.prefetch import may_block_flags, read_prefetch_list
 from . import watchdog
 from .blob_arena import open_arena
 from .blobs_ahead import BlobsAhead, EntriesAhead
+from .command_processes import new_token
 from .doorbell import open_doorbell
 from .job_stats import report_stats
 from .lifecycle import Lifecycle
@@ -116,14 +117,16 @@ class RankWatchdog:
     (`close`) does not fail on a watchdog gone.
     """
 
-    def __init__(self, rank: int, mountpoint: Path, ready_file: Path, log_path: Path) -> None:
+    def __init__(self, rank: int, mountpoint: Path, ready_file: Path, log_path: Path, token: str) -> None:
+        """`token`: what marks the processes of the rank's command (command_processes.py), which the watchdog ends
+        should the rank die before it could."""
         self._rank = rank
         self._mountpoint = mountpoint
         read_end, self._keep_alive = os.pipe()
         log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-I", "-S", watchdog.__file__, str(read_end), str(mountpoint), str(ready_file),
+                [sys.executable, "-I", "-S", watchdog.__file__, str(read_end), str(mountpoint), str(ready_file), token,
                  *shm_files_mapped()],
                 pass_fds=(read_end,), stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
                 start_new_session=True)
@@ -307,7 +310,8 @@ def run(options: ServeOptions) -> int:
     hosts = host_names(comm, host)  # to name a rank that stops answering at the end
     cgroup = job_memory().cgroup  # the memory cgroup whose limit binds, if any
     memory_sharers = ranks_sharing_memory(comm, host, cgroup.path if cgroup is not None else None)
-    guard = RankWatchdog(rank, mountpoint, ready_file, local_dir / "fanstore-watchdog.log")
+    token = new_token()  # marks the processes of the rank's command, for the rank and its watchdog to end
+    guard = RankWatchdog(rank, mountpoint, ready_file, local_dir / "fanstore-watchdog.log", token)
 
     bar = _progress_bar(rank, options.progress)
     try:
@@ -332,7 +336,8 @@ def run(options: ServeOptions) -> int:
         bar(-1, -1)
     with contextlib.ExitStack() as teardown:  # unwound in reverse: the endpoint first, the doorbell last
         status, lifecycle = _serve_staged(options, comm, index, placement, local_dir, mountpoint, ready_file,
-                                          mount_options, prefetch_order, report, hosts, memory_sharers, teardown)
+                                          mount_options, prefetch_order, report, hosts, memory_sharers, token,
+                                          teardown)
     if lifecycle.agreed:
         comm.Free()
         mpi.Finalize()
@@ -342,7 +347,7 @@ def run(options: ServeOptions) -> int:
 
 def _serve_staged(options: ServeOptions, comm: Any, index: Index, placement: Placement, local_dir: Path,
                   mountpoint: Path, ready_file: Path, mount_options: MountOptions, prefetch_order: list[int] | None,
-                  report: StagingReport, hosts: list[str], memory_sharers: list[int],
+                  report: StagingReport, hosts: list[str], memory_sharers: list[int], token: str,
                   teardown: contextlib.ExitStack) -> tuple[int, Lifecycle]:
     """Once staged: the transport, the node's holder and endpoint, the mount and COMMAND; each part's close is
     pushed on `teardown` as it starts. Returns the job's status and the lifecycle (whether every rank agreed)."""
@@ -372,7 +377,7 @@ def _serve_staged(options: ServeOptions, comm: Any, index: Index, placement: Pla
                                         "index_dir": str(local_dir), "rank": rank, "size": size,
                                         "direct": sorted(unverified), "owners": placement.owners.to_json()},
                             source, lookup, ahead, arena)
-    lifecycle = Lifecycle(transport, options.command, mountpoint, ready_file, endpoint.path, hosts)
+    lifecycle = Lifecycle(transport, options.command, mountpoint, ready_file, endpoint.path, hosts, token)
     # Chosen once staged: a local dir on tmpfs has taken its share of the job's memory by now.
     bound = cache_bound(mount_options.cache_size, shared_by=len(memory_sharers))
 

@@ -1,13 +1,17 @@
-"""A rank's watchdog: when the rank dies, however it dies, its mount and its MPI shared-memory files go too.
+"""A rank's watchdog: when the rank dies, however it dies, its mount, its MPI shared-memory files and its command's
+processes go too.
 
 A launcher that ends a job SIGKILLs every rank's process group (mpiexec does when one rank dies); no handler runs,
 so the kernel is left with a FUSE mount whose daemon is gone (every access: ENOTCONN) and MPICH with its
 /dev/shm files. The rank starts this script in a session of its own, which the launcher does not kill, holding
 the write end of a pipe: when the rank is gone the read end sees end-of-file, and the watchdog lazily unmounts
 the mount point (if still mounted) and removes the rank's ready file and the shared-memory files it had mapped. Its output goes to
-a file, never the rank's stdout: a process holding that open keeps mpiexec waiting.
+a file, never the rank's stdout: a process holding that open keeps mpiexec waiting. Then it ends what is left of the
+rank's command (command_processes.py): the launcher's kill reaches the rank's process group, not a process of the
+command that left it.
 
-Run as a script (`python -I -S watchdog.py`), importing only the standard library, so it starts in milliseconds.
+Run as a script (`python -I -S watchdog.py`), importing only the standard library and command_processes.py beside
+it (which does too), so it starts in milliseconds.
 """
 
 from __future__ import annotations
@@ -18,6 +22,12 @@ import shutil
 import subprocess
 import sys
 import time
+
+if __package__:  # imported by the rank (node.py), for its path and CLEAN_EXIT
+    from .command_processes import STOP_GRACE, end_command_processes, marker_of
+else:  # run as the watchdog: -I leaves this script's folder off the path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from command_processes import STOP_GRACE, end_command_processes, marker_of  # noqa: E402
 
 CLEAN_EXIT = b"clean exit"
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
@@ -52,10 +62,10 @@ def clean_up(mountpoint: str, ready_file: str, shm_files: list[str]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """watchdog.py FD MOUNTPOINT READY_FILE [SHM_FILE ...]: wait for end-of-file on FD, then clean up. A rank
-    that ends normally writes CLEAN_EXIT first: it removed its ready file, MPI its shared-memory files (and other
-    ranks may still be finishing with them)."""
-    fd, mountpoint, ready_file, shm_files = int(argv[0]), argv[1], argv[2], argv[3:]
+    """watchdog.py FD MOUNTPOINT READY_FILE TOKEN [SHM_FILE ...]: wait for end-of-file on FD, then clean up. A rank
+    that ends normally writes CLEAN_EXIT first: it removed its ready file and ended its command's processes, MPI its
+    shared-memory files (and other ranks may still be finishing with them)."""
+    fd, mountpoint, ready_file, token, shm_files = int(argv[0]), argv[1], argv[2], argv[3], argv[4:]
     said = b""
     while True:
         try:
@@ -71,6 +81,9 @@ def main(argv: list[str]) -> int:
         clean_up(mountpoint, ready_file, [])
     else:
         clean_up(mountpoint, ready_file, shm_files)
+        killed = end_command_processes(marker_of(token), STOP_GRACE)
+        if killed:
+            print(f"rank gone: killed {len(killed)} process(es) of its command that outlived SIGTERM", flush=True)
     return 0
 
 
