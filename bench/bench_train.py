@@ -651,8 +651,8 @@ class Judged:
 def by_turns(setup: Setup, first: Way, second: Way, placement: Placement, compute_ms: float, pairs: int,
              tries: int, floor: Callable[[DataSet], float] | None = None) -> list[Pair]:
     """`first` and `second` by turns, `pairs` times (first, second, first, second, ...), with a floor (the decode
-    floor, the copy floor) measured before each pair where asked. Runs here vary by 30% and more: a figure of neighbouring runs cancels the
-    machine's drift, and the median of the pairs' figures a single run's luck."""
+    floor, the copy floor) measured before each pair where asked. Runs here vary by 30% and more: a figure of
+    neighbouring runs cancels the machine's drift, and the median of the pairs' figures a single run's luck."""
     turns = []
     for number in range(pairs):
         floor_us = floor(setup.data) if floor is not None else 0.0

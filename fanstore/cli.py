@@ -311,8 +311,9 @@ def _add_serve_parser(subcommands: Any) -> None:
             "into --local-dir, and mount the whole dataset at MOUNTPOINT on every node; files stored on another "
             "node come from it over MPI. With -- COMMAND, run COMMAND on every rank once all are mounted "
             "(FANSTORE_MOUNT, FANSTORE_RANK, FANSTORE_SIZE in its environment), then end what it left running, "
-            "unmount and exit with the worst status; without, write MOUNTPOINT.ready once all are mounted and serve until SIGTERM. {rank} in "
-            "MOUNTPOINT, --local-dir and --ready-file gives each rank its own path (several ranks on one host).",
+            "unmount and exit with the worst status; without, write MOUNTPOINT.ready once all are mounted and serve "
+            "until SIGTERM. {rank} in MOUNTPOINT, --local-dir and --ready-file gives each rank its own path (several "
+            "ranks on one host).",
             [(0, "every rank's COMMAND exited 0; without COMMAND, the job served until SIGTERM and unmounted"),
              (EXIT_FAILURE, "a rank could not start, stage or mount (each rank stops, and says why in one line), "
                             "or a rank was lost"),

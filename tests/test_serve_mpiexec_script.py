@@ -54,13 +54,7 @@ def _left_behind(script: subprocess.Popen, temporary: Path) -> list[str]:
     left = [f"file {name}" for name in os.listdir(temporary)]
     with open("/proc/self/mountinfo") as mountinfo:
         left += [f"mount {line.split()[4]}" for line in mountinfo if str(temporary) in line.split()[4]]
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.getsid(int(pid)) == script.pid:
-                left.append(f"process {pid}")
-        except OSError:  # ended meanwhile
-            pass
-    return left
+    return left + [f"process {process}" for process in _session_processes(script)]
 
 
 def _session_processes(script: subprocess.Popen) -> list[str]:

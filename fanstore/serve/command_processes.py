@@ -7,11 +7,11 @@ ends the command's processes itself, as a batch system ends a job step's: on a s
 after the grace; when the command has ended, whatever it left running gets the same. A rank killed outright cannot:
 its watchdog (watchdog.py, which imports this module) does it for it.
 
-A process of the command is one whose environment holds the rank's COMMAND_TOKEN, a value made afresh for each
-command (the rank's pid and random bytes: ranks on one host share paths when each has a mount namespace of its own,
-so no path would do): inherited through fork and exec, it still marks a child that left the command's process group
-or session, or was orphaned. A process that cleared its environment is not found (nor one of another user, whose
-environment this rank cannot read).
+A process of the command is one whose environment holds the rank's COMMAND_TOKEN, a value the rank makes at its
+start and gives its watchdog too (its pid and random bytes: ranks on one host share paths when each has a mount
+namespace of its own, so no path would do): inherited through fork and exec, it still marks a child that left the
+command's process group or session, or was orphaned. A process that cleared its environment is not found (nor one
+of another user, whose environment this rank cannot read).
 """
 
 from __future__ import annotations
