@@ -49,7 +49,11 @@ MAX_TYPESIZE = blosc.MAX_TYPESIZE  # 255
 DEFAULT_SHUFFLE = "shuffle"
 DEFAULT_TYPESIZE = 4  # what `auto` uses for anything that is not a .npy file: float32 and int32 are the common cases
 
-_HEADER_SIZE = 16  # a blosc buffer starts with a 16-byte header holding its raw and stored sizes
+# A blosc buffer starts with a 16-byte header: version, its codec's version, flags, typesize, then its raw size,
+# block size and stored size (little-endian uint32). Read here: python-blosc's cbuffer_validate never releases the
+# buffer it is given, so every blob it checked stayed in memory for good.
+_HEADER = struct.Struct("<4BIII")
+_HEADER_SIZE = _HEADER.size
 _NPY_MAGIC = b"\x93NUMPY"
 _NPY_MAX_HEADER = 10_000  # numpy's own limit on the header it will parse
 # Per .npy major version: how the header's length is stored after the magic and version bytes, and its encoding.
@@ -105,9 +109,12 @@ class BloscCodec(SegmentedCodec):
 
     def _decode_block(self, block: memoryview, raw_size: int) -> bytes:
         # python-blosc trusts the header: check it describes exactly this block and raw_size before decoding.
-        if len(block) < _HEADER_SIZE or not blosc.cbuffer_validate(block):
+        if len(block) < _HEADER_SIZE:
             raise CodecError(f"{self.spec}: {len(block)} stored bytes are not a valid blosc buffer")
-        header_raw_size, _, _ = blosc.get_cbuffer_sizes(bytes(block[:_HEADER_SIZE]))
+        *_, header_raw_size, _, header_stored_size = _HEADER.unpack_from(block)
+        if header_stored_size != len(block):
+            raise CodecError(f"{self.spec}: {len(block)} stored bytes are not a valid blosc buffer (its header says "
+                             f"{header_stored_size})")
         if header_raw_size != raw_size:
             raise CodecError(f"{self.spec}: blosc header says {header_raw_size} raw bytes, expected {raw_size}")
         try:

@@ -155,6 +155,24 @@ def test_round_trip_memoryview_input(codec: Codec) -> None:
     assert codec.decode(codec.encode(memoryview(payload)), len(payload)) == payload
 
 
+def test_a_codec_keeps_no_hold_on_the_bytes_it_is_given(codec: Codec, smooth_field_npy: bytes) -> None:
+    """Readers decode millions of blobs: a library call that keeps a buffer it was given (python-blosc's
+    cbuffer_validate did) leaks every blob for good. Each call, good input or bad, must let go of its buffers."""
+    stored = codec.encode(smooth_field_npy)
+    raw_view = memoryview(smooth_field_npy)
+    codec.encode(raw_view)
+    raw_view.release()  # BufferError if the encoder still holds an export of it
+    for blob, raw_size in ((stored, len(smooth_field_npy)), (stored[: len(stored) // 2], len(smooth_field_npy)),
+                           (bytes(64), 1000)):
+        before = sys.getrefcount(blob)
+        view = memoryview(blob)
+        try:
+            codec.decode(view, raw_size)
+        except CodecError:
+            pass
+        view.release()
+        assert sys.getrefcount(blob) == before
+
 def test_round_trip_large_compressible(codec: Codec, smooth_field_npy: bytes) -> None:
     stored = codec.encode(smooth_field_npy)
     assert codec.decode(stored, len(smooth_field_npy)) == smooth_field_npy
