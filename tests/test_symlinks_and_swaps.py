@@ -3,15 +3,19 @@ saw: one swapped for a symlink, a fifo or another file, or rewritten at the same
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
 from conftest import run_cli
 from fanstore import PackOptions, open_dataset, pack
-from fanstore.errors import PathNotFound
+from fanstore.core.api import EntryStat
+from fanstore.errors import PathNotFound, SymlinkLoop
 from fanstore.pack.walk import walk_source
 
 
@@ -61,6 +65,50 @@ def test_resolving_many_paths_at_once_gives_what_resolving_each_gives(linked_tre
             ds.resolve_many(["data/labels.txt", "a/b/missing"])
         with pytest.raises(PathNotFound, match="leaves"):
             ds.resolve_many(["a/b/leaves"])
+
+
+def _outcome(look: Callable[[], os.stat_result | EntryStat]) -> tuple:
+    """What a lookup gave, comparably for the kernel and the API: the kind of error, or the entry's type and size."""
+    try:
+        found = look()
+    except OSError as exc:
+        if isinstance(exc, SymlinkLoop) or exc.errno == errno.ELOOP:
+            return ("ELOOP",)
+        return (next(kind for kind in (FileNotFoundError, NotADirectoryError, OSError) if isinstance(exc, kind)),)
+    return stat.S_IFMT(found.st_mode), found.st_size if stat.S_ISREG(found.st_mode) else None
+
+
+def test_the_api_resolves_a_path_as_the_kernel_does_in_src(tmp_path):
+    """Loops, chains of links at and past the kernel's 40, links to the root on the way, a file taken for a
+    directory, a path far deeper than any link: the API gives what os.stat and os.lstat give in SRC, never a
+    RecursionError (one budget of hops for a whole lookup, however links lead to links)."""
+    src = tmp_path / "src"
+    (src / "a" / "b").mkdir(parents=True)
+    (src / "a" / "b" / "file.txt").write_text("file\n")
+    os.symlink("l/l", src / "l")                       # through itself, as a directory
+    os.symlink("m2", src / "m1")
+    os.symlink("m1", src / "m2")
+    os.symlink("../..", src / "a" / "b" / "top")         # the root, on the way
+    for number in range(45):                             # chain0 -> chain1 -> ... -> chain45 = a file
+        os.symlink(f"chain{number + 1}", src / f"chain{number}")
+    os.symlink("a/b/file.txt", src / "chain45")
+    pack(src, tmp_path / "ds", PackOptions(workers=1))
+    paths = ["l", "l/x", "l/l/l", "m1", "m1/x", "a/b/top/a/b/file.txt", "a/b/file.txt/x", "a/b/file.txt/",
+             "x/" * 600 + "y", "a/" * 600 + "y", "chain45", "chain6", "chain5", "chain4", "chain5/x",
+             "a/b/top" + "/a/b/top" * 38 + "/a/b/file.txt", "a/b/top" + "/a/b/top" * 40 + "/a/b/file.txt",
+             "a/b/top" + "/a/b/top" * 38 + "/chain44", "a/b/top" + "/a/b/top" * 38 + "/chain43"]
+    with open_dataset(tmp_path / "ds") as ds:
+        for path in paths:
+            for follow in (True, False):
+                kernel = _outcome(lambda: os.stat(src / path, follow_symlinks=follow))
+                assert _outcome(lambda: ds.stat(path, follow_symlinks=follow)) == kernel, (path[:80], follow)
+        assert _outcome(lambda: ds.stat("chain5")) == ("ELOOP",)  # the chain is 41 links from there
+        assert ds.read("chain6") == b"file\n" and ds.readlink("a/b/top/a/b/top/chain0") == "chain1"
+        for path in ("l", "l/x", "m1/x"):
+            with pytest.raises(SymlinkLoop, match="too many levels of symbolic links"):
+                ds.read(path)
+        with pytest.raises(PathNotFound):
+            ds.listdir("x/" * 600 + "y")
 
 
 def test_the_mount_resolves_every_link_inside_it(linked_tree, tmp_path):

@@ -173,15 +173,14 @@ class Dataset:
         source = self.reader.source.for_forked_child()
         return None if source is None else Dataset(self.index, source)
 
-    def resolve(self, path: str | os.PathLike[str]) -> int:
-        """Entry number of a path, following symlinks (they all stay inside the dataset)."""
-        current = normalize_path(path)
-        for _ in range(_MAX_SYMLINK_HOPS):
-            entry = self._lookup_following_parents(current)
-            if not stat.S_ISLNK(int(self.index.entries[entry]["mode"])):
-                return entry
-            current = self._link_destination(entry)
-        raise SymlinkLoop(f"{quoted(path)}: too many levels of symbolic links")
+    def resolve(self, path: str | os.PathLike[str], follow_symlinks: bool = True) -> int:
+        """Entry number of a path, following symlinks (they all stay inside the dataset); with `follow_symlinks`
+        False, a link at the end is the entry (links on the way are followed, as lstat does)."""
+        spelled = normalize_path(path)
+        entry = self.index.lookup_key(spelled.encode("utf-8", "surrogateescape"))
+        if entry is not None and not (follow_symlinks and stat.S_ISLNK(int(self.index.entries[entry]["mode"]))):
+            return entry  # no link on the way: the common case, one lookup
+        return self._walk(path, spelled, follow_symlinks)
 
     def resolve_many(self, paths: Sequence[str]) -> np.ndarray:
         """Entry numbers of many paths, as `resolve` gives them (the same errors), in one vectorized search:
@@ -193,18 +192,31 @@ class Dataset:
             entries[number] = self.resolve(paths[number])
         return entries
 
-    def _lookup_following_parents(self, path: str) -> int:
-        try:
-            return self.index.lookup(path)
-        except PathNotFound:
-            # A directory on the way may be a symlink: resolve the longest existing prefix and retry.
-            head, _, tail = path.rpartition("/")
-            if not head:
-                raise
-            parent = self.resolve(head)
-            if not stat.S_ISDIR(int(self.index.entries[parent]["mode"])):
-                raise
-            return self.index.lookup(posixpath.join(self.index.path_of(parent), tail))
+    def _walk(self, path: str | os.PathLike[str], spelled: str, follow_last: bool) -> int:
+        """`resolve` name by name, as the kernel looks a path up: one budget of _MAX_SYMLINK_HOPS links for the
+        whole lookup, however links lead to links (each one's own budget let a loop through a directory link
+        recurse without end), and a name that is not there ends it at once, however deep the path."""
+        root = self.index.lookup("")
+        pending = spelled.split("/")[::-1] if spelled else []  # a stack: the next name last
+        here, entry, hops = "", root, 0
+        while pending:
+            if not stat.S_ISDIR(int(self.index.entries[entry]["mode"])):
+                raise NotADirectory(f"{quoted(path)}: {quoted(here)} is not a directory")
+            name = pending.pop()
+            candidate = f"{here}/{name}" if here else name
+            found = self.index.lookup_key(candidate.encode("utf-8", "surrogateescape"))
+            if found is None:
+                raise PathNotFound(f"{quoted(path)}: no such file or directory in the dataset")
+            if not stat.S_ISLNK(int(self.index.entries[found]["mode"])) or not (pending or follow_last):
+                here, entry = candidate, found
+                continue
+            hops += 1
+            if hops > _MAX_SYMLINK_HOPS:
+                raise SymlinkLoop(f"{quoted(path)}: too many levels of symbolic links")
+            target = self._link_destination(found)  # from the root, normalized
+            pending.extend(target.split("/")[::-1] if target else [])
+            here, entry = "", root
+        return entry
 
     def _link_destination(self, entry: int) -> str:
         """Where a link points, joined to the link's own path: every directory above an entry is a real one, so
@@ -232,8 +244,7 @@ class Dataset:
         return entry
 
     def stat(self, path: str | os.PathLike[str], follow_symlinks: bool = True) -> EntryStat:
-        entry = self.resolve(path) if follow_symlinks else self.index.lookup(path)
-        return self.stat_entry(entry)
+        return self.stat_entry(self.resolve(path, follow_symlinks))
 
     def stat_entry(self, entry: int) -> EntryStat:
         rec = self.index.entries[entry]
@@ -244,7 +255,7 @@ class Dataset:
                          st_mtime_ns=int(rec["mtime_ns"]), st_nlink=nlink)
 
     def readlink(self, path: str | os.PathLike[str]) -> str:
-        entry = self.index.lookup(path)
+        entry = self.resolve(path, follow_symlinks=False)
         if not stat.S_ISLNK(int(self.index.entries[entry]["mode"])):
             raise NotASymlink(f"{quoted(path)} is not a symbolic link")
         return self.index.link_target(entry)
