@@ -479,3 +479,40 @@ def test_sibling_order_is_checked_as_bytes_compare_whatever_the_name_lengths(enc
         assert not in_order, f"{encoded} refused: {exc}"
     else:
         assert in_order, f"{encoded} accepted"
+
+
+_HOSTILE_META = [float("inf"), float("-inf"), float("nan"), 10**400, -(10**400), -1, 0, "x", None, True, [], {},
+                 [1, 2], {"a": 1}]
+
+
+def _meta_paths(value: Any, prefix: tuple) -> list[tuple]:
+    """Every key path below `value` (dict keys, and the first two items of each list)."""
+    found = []
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            found += [prefix + (key,)] + _meta_paths(inner, prefix + (key,))
+    elif isinstance(value, list):
+        for number, inner in enumerate(value[:2]):
+            found += [prefix + (number,)] + _meta_paths(inner, prefix + (number,))
+    return found
+
+
+@pytest.mark.parametrize("dataset", ["crafted", "golden auto"])
+def test_any_value_anywhere_in_meta_is_described_never_raised(original, dataset):
+    """`meta` (the pack's options, skipped paths, the selector's choice) is informational, and a crafted one is read
+    like any other JSON: an infinite chunk size or a 400-digit byte count once made `fanstore info` print a
+    traceback (OverflowError). Every value at every key path, hostile ones included, gives lines."""
+    path = original[0] if dataset == "crafted" else Path(__file__).parent / "golden" / "v1.1-auto" / "dataset"
+    with open_dataset(path) as ds:
+        meta = copy.deepcopy(ds.index.meta)
+        paths = _meta_paths(meta, ())
+        assert len(paths) > (40 if dataset == "golden auto" else 5)
+        for where in paths:
+            for value in _HOSTILE_META:
+                crafted = copy.deepcopy(meta)
+                parent = crafted
+                for key in where[:-1]:
+                    parent = parent[key]
+                parent[where[-1]] = value
+                ds.index.meta = crafted
+                assert describe_dataset(ds), where

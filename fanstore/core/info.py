@@ -111,7 +111,7 @@ def _described_meta(key: str, record: Any, describe: Callable[[Any], list[str]])
     fanstore writes it is shown as such, never an error."""
     try:
         return describe(record)
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, ArithmeticError) as exc:
         return [f"meta.{key}      not as fanstore writes it ({type(exc).__name__}: {exc}); it is informational only"]
 
 
