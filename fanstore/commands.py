@@ -240,9 +240,12 @@ def run_verify(args: argparse.Namespace) -> int:
         print(f"BAD CHUNK {chunk}: {problem}")
     for bad in report.bad:
         print(f"BAD {bad}")
+    for path in report.unfindable:
+        print(f"BAD PATH {quoted(path)}: the index lists it, but its hash table does not find it (a damaged index)")
     chunks = f", {plural(len(report.bad_chunks), 'bad chunk file')}" if report.bad_chunks else ""
+    paths = f", {plural(len(report.unfindable), 'path')} not found by lookup" if report.unfindable else ""
     print(f"checked {plural(report.files_checked, 'file')} ({format_bytes(report.raw_bytes)}): "
-          f"{len(report.bad):,} bad{chunks}")
+          f"{len(report.bad):,} bad{chunks}{paths}")
     return 0 if report.ok else EXIT_FAILURE
 
 

@@ -95,6 +95,9 @@ def test_bad_magic_truncation_and_corruption_are_refused(tmp_path):
     (tmp_path / INDEX_NAME).write_bytes(data[:-9])
     with pytest.raises(FormatError, match="truncated"):
         Index.load(tmp_path)
+    (tmp_path / INDEX_NAME).write_bytes(data + b"appended")
+    with pytest.raises(FormatError, match=r"index is longer than its header says \(body \d+ of \d+ bytes\)"):
+        Index.load(tmp_path)
     flipped = bytearray(data)
     flipped[len(data) // 2] ^= 0x40
     (tmp_path / INDEX_NAME).write_bytes(bytes(flipped))

@@ -126,7 +126,8 @@ def parse_index(path: Path, data: bytes | mmap.mmap,
                           f"{INDEX_HEADER_LEN} to the file's size")
     body = memoryview(data)[header_len:]
     if len(body) != body_len:
-        raise FormatError(f"{path}: index is truncated (body {len(body)} of {body_len} bytes)")
+        state = "truncated" if len(body) < body_len else "longer than its header says"
+        raise FormatError(f"{path}: index is {state} (body {len(body)} of {body_len} bytes)")
     if xxhash.xxh3_64_intdigest(body) != body_hash:
         raise FormatError(f"{path}: index checksum mismatch: the index file is corrupt")
     if toc_len > body_len:

@@ -1,4 +1,5 @@
-"""`fanstore verify`: read, checksum and decode every blob, and list the files and chunks that fail."""
+"""`fanstore verify`: read, checksum and decode every blob, and list the files and chunks that fail, and the paths the
+index lists but cannot find."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ class VerifyReport:
     raw_bytes: int = 0
     bad: list[ChunkError] = field(default_factory=list)  # one per file that fails, naming it
     bad_chunks: dict[int, ChunkError] = field(default_factory=dict)  # chunk files that cannot serve at all
+    unfindable: list[str] = field(default_factory=list)  # paths the index lists but its lookups miss
 
     @property
     def ok(self) -> bool:
-        return not self.bad and not self.bad_chunks
+        return not self.bad and not self.bad_chunks and not self.unfindable
 
 
 def chunk_problems(ds: Dataset) -> dict[int, ChunkError]:
@@ -34,7 +36,8 @@ def chunk_problems(ds: Dataset) -> dict[int, ChunkError]:
 def verify_dataset(ds: Dataset, progress: Callable[[int], None] | None = None) -> VerifyReport:
     """Check every file in storage order (sequential chunk reads), a block at a time for files stored in blocks
     (memory stays a block's whatever the file's size); a bad blob is listed, not fatal."""
-    report = VerifyReport(bad_chunks=chunk_problems(ds))
+    report = VerifyReport(bad_chunks=chunk_problems(ds),
+                          unfindable=[ds.index.path_of(entry) for entry in ds.index.unfindable().tolist()])
     reader = ds.reader
     for entry in ds.index.iter_files():
         try:
