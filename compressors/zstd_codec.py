@@ -129,7 +129,9 @@ class ZstdDictCodec(_ZstdBase):
         if not self.dictionary:
             raise CodecSpecError(f"{self.spec}: the dictionary is empty")
         try:
-            zstd_dict = zstandard.ZstdCompressionDict(self.dictionary)
+            # A trained dictionary, as fanstore writes: read as raw content, any bytes would pass here and every
+            # decode with them fail.
+            zstd_dict = zstandard.ZstdCompressionDict(self.dictionary, dict_type=zstandard.DICT_TYPE_FULLDICT)
             # Digest the dictionary once here rather than in every thread's compressor.
             zstd_dict.precompute_compress(compression_params=self._params)
         except zstandard.ZstdError as exc:

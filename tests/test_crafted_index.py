@@ -353,6 +353,9 @@ CRAFTED = {
     "a directory in the file order": (_derived("file_order", _set_row(0, 0)), "file_order", "exactly once"),
     "a file order past the entries": (_derived("file_order", _set_row(2, 2**31)), "file_order", "exactly once"),
     "a file order one file short": (_derived("file_order", lambda values: values[:-1]), "file_order"),
+    "a dictionary that is not one": (lambda sections: sections.update(
+        {name: np.frombuffer(os.urandom(len(array)), dtype=np.uint8) for name, array in sections.items()
+         if name.startswith("dict.")}), "codecs[1]", "unusable dictionary"),
     "a file order of a part of a number": (lambda sections: sections.update(file_order=sections["file_order"][:-1]),
                                            "file_order", "whole number"),
 }
@@ -380,6 +383,8 @@ TOC_CASES = {
     "a codec row of the wrong type": (lambda toc: toc["codecs"].__setitem__(1, "zstd"), "codecs[1]"),
     "a dictionary naming no section": (lambda toc: toc["codecs"][1].__setitem__("dictionary", "dict.9"),
                                        "names no dictionary"),
+    "a dictionary codec naming none": (lambda toc: toc["codecs"][1].__setitem__("dictionary", None),
+                                       "codecs[1].dictionary: 'zstd-dict:3' decodes with a dictionary"),
     "a section outside the file": (lambda toc: toc["sections"]["entries"].__setitem__("offset", 2**40), "outside"),
     "a section over another": (lambda toc: toc["sections"]["paths"].__setitem__(
         "offset", toc["sections"]["entries"]["offset"]), "overlaps"),

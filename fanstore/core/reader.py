@@ -24,12 +24,15 @@ _BLOCK_FIELDS = ("offset", "checksum", "chunk", "stored_len", "codec")
 def build_codecs(index: Index) -> list[Codec]:
     """The codec table of an index as codec objects, built once at open (dictionaries loaded once)."""
     codecs = []
-    for row in index.codecs:
+    for number, row in enumerate(index.codecs):
         dictionary = index.dictionaries.get(row["dictionary"]) if row.get("dictionary") else None
         try:
             codec = codec_from_spec(row["spec"], dictionary=dictionary)
         except CodecError as exc:
-            raise FormatError(f"{index.path}: codec table: {exc}") from None
+            raise FormatError(f"{index.path}: codecs[{number}]: {exc}") from None
+        if codec.needs_dictionary and dictionary is None:
+            raise FormatError(f"{index.path}: codecs[{number}].dictionary: {quoted(row['spec'])} decodes with a "
+                              "dictionary, and the row names none")
         if codec.codec_id != row["id"]:
             raise FormatError(f"{index.path}: codec {quoted(row['spec'])} has id {row['id']}, expected "
                               f"{codec.codec_id}")
