@@ -30,6 +30,10 @@ from .tar_headers import Header, HeaderDamage, TarHeaders
 # Bits of a member's key above this hold the archive's number among several SRC archives; below, its place.
 ARCHIVE_KEY_SHIFT = 48
 _END_READ = 1 << 20  # what is left of a compressed tar past its last member is read in pieces of this
+# Why a compressed tar that fails to decode is packed none of: a corrupt block decodes to garbage before anything
+# tells (measured: deflate bytes flipped garbled the member before the header that showed it; a zstd block holds
+# 128 KiB of members), and its stream's check, the one thing that would tell which bytes are whole, never ran.
+_UNCHECKED = "its check at its end cannot be made, so which members the damage garbled cannot be told"
 
 FORMATS = ("tar", "tar.gz", "tar.bz2", "tar.xz", "tar.zst", "zip")
 # Errors a decompressor or a damaged archive raises while read: all mean "damaged here".
@@ -137,7 +141,6 @@ class MemberStream:
 
     def _tar_members(self) -> Iterator[Member]:
         headers = None
-        last_data = None  # where the data of the member listed last starts
         try:
             self._stream = _decompressed(self._file, self.format)
             # An uncompressed tar is listed by seeking from header to header, not by reading every byte.
@@ -145,26 +148,21 @@ class MemberStream:
             headers = TarHeaders(self._stream, size)
             for header in headers:
                 yield _tar_member(header)
-                last_data = header.offset_data
         except HeaderDamage as damage:
-            self.damage = self._damage_at(damage.offset, str(damage), damage.truncated, last_data)
+            self.damage = Damage(self.path, damage.offset, str(damage))
+            if self.format != "tar" and not damage.truncated:
+                self._check_the_end()  # a tar damaged before it was compressed passes; a stream damaged since fails
             return
-        except _DAMAGE_ERRORS as exc:  # a decompressor's error: the damage is where the stream got to
-            self.damage = self._damage_at(headers.position if headers is not None else 0, _reason(exc),
-                                          isinstance(exc, EOFError), last_data)
+        except _DAMAGE_ERRORS as exc:
+            position = headers.position if headers is not None else 0
+            if self.format == "tar" or isinstance(exc, EOFError):  # bytes as they lie, or decoded up to a cut
+                self.damage = Damage(self.path, position, _reason(exc))
+            else:
+                self.damage = Damage(self.path, 0, f"{_reason(exc)} at byte {position:,} of the {self.format} "
+                                                   f"stream: {_UNCHECKED}")
             return
         if self.format != "tar":
             self._check_the_end()
-
-    def _damage_at(self, offset: int, reason: str, truncated: bool, last_data: int | None) -> Damage:
-        """Damage found at `offset`. A corrupt block of a compressed tar decodes to garbage before a header or the
-        decompressor can tell, so the member listed last before it is left out too (measured: deflate bytes
-        flipped, the member before the corrupt header came out wrong); a stream cut short decodes right to the
-        cut, and an uncompressed tar's bytes are as they lie."""
-        if self.format != "tar" and not truncated and last_data is not None and last_data < offset:
-            return Damage(self.path, last_data, f"{reason}; the member before it is left out too, which a corrupt "
-                                                "block could have garbled before that showed")
-        return Damage(self.path, offset, reason)
 
     def _check_the_end(self) -> None:
         """Read a compressed tar to its end, where its decompressor checks it whole (gzip's CRC, xz's and zstd's
