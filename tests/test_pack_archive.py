@@ -671,3 +671,29 @@ def test_a_sparse_member_is_refused_with_a_warning(tmp_path):
     assert "sparse.bin: is a sparse file in the archive" in proc.stderr
     with open_dataset(tmp_path / "ds") as ds:
         assert ds.listdir("") == ["ok.txt"]
+
+
+@pytest.mark.parametrize("root_name", [".", "./", "./.", ""])
+@pytest.mark.parametrize("kind", ["file", "symlink", "hard link"])
+def test_a_member_at_the_root_that_is_not_a_directory_is_skipped_with_a_warning(tmp_path, root_name, kind):
+    """A member named '.' (or './', or nothing) is the dataset's root, which is a directory: one that is a file, a
+    link or a hard link is refused with a warning, as tar -x refuses it, not taken for the root (that crashed the
+    index with a traceback, and an empty-named file vanished unreported)."""
+    members = [_member("ok.txt", data=b"ok")]
+    members.append({"file": _member(root_name, data=b"the root as a file"),
+                    "symlink": _member(root_name, tarfile.SYMTYPE, link="ok.txt"),
+                    "hard link": _member(root_name, tarfile.LNKTYPE, link="ok.txt")}[kind])
+    archive = _write_tar(tmp_path / "dotroot.tar", members)
+    proc = run_cli("fanstore-pack", str(archive), str(tmp_path / "ds"), "--quiet")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"warning: skipped .: is a {kind} in dotroot.tar, where the dataset's root, a directory, lies" in \
+        proc.stderr, proc.stderr
+    with open_dataset(tmp_path / "ds") as ds:
+        assert ds.listdir("") == ["ok.txt"] and ds.read("ok.txt") == b"ok"
+    if kind == "file" and root_name == ".":
+        zipped = tmp_path / "dotroot.zip"
+        with zipfile.ZipFile(zipped, "w") as archive_zip:
+            archive_zip.writestr("ok.txt", b"ok")
+            archive_zip.writestr(".", b"the root as a file")
+        proc = run_cli("fanstore-pack", str(zipped), str(tmp_path / "zds"), "--quiet")
+        assert proc.returncode == 0 and "is a file in dotroot.zip" in proc.stderr, proc.stderr

@@ -97,7 +97,11 @@ def _list_archive(number: int, path: Path, fmt: str) -> _Listing:
             if refusal:
                 problems.append(Problem(_shown(member.name), f"{refusal} (in {path.name}); skipped"))
                 continue
-            if member.hard_link and rel:
+            if rel == "" and not stat.S_ISDIR(member.mode):  # the root ('.', './', ''): a directory, whatever it says
+                problems.append(Problem(".", f"is {_kind_name(member)} in {path.name}, where the dataset's root, a "
+                                             "directory, lies; skipped"))
+                continue
+            if member.hard_link:
                 hard_links.append((rel, key, member))
                 continue
             entry, reason = _entry_for(rel, key, member.mode, member.size, member.mtime_ns, member.link_target,
@@ -219,6 +223,14 @@ def _format_of(path: Path) -> str:
         raise UsageError(f"SRC {quoted(path)} is not a directory, nor an archive fanstore reads "
                          f"({', '.join(FORMATS)})")
     return fmt
+
+
+def _kind_name(member: Member) -> str:
+    """What a member is, in a problem's words."""
+    if member.hard_link:
+        return "a hard link"
+    kind = stat.S_IFMT(member.mode)
+    return {stat.S_IFREG: "a file", stat.S_IFLNK: "a symlink"}.get(kind) or _SPECIAL_KINDS.get(kind, "a special file")
 
 
 def _entry_for(rel: str, key: int, mode: int, size: int, mtime_ns: int, link_target: str, refusal: str
