@@ -81,6 +81,19 @@ def test_sigkill_then_resume_is_byte_identical(big_tree, reference, tmp_path, ev
     assert dir_bytes(dest) == reference
 
 
+def test_killed_after_its_index_was_in_place_the_pack_ends_its_journal_on_the_next_run(big_tree, reference,
+                                                                                     tmp_path, paused_pack):
+    """A kill between the index's rename and the journal's removal left the journal in DEST for good: the next
+    run found the pack finished ("nothing to do") and kept it, so DEST was not what a pack writes."""
+    dest = tmp_path / "ds"
+    paused_pack(big_tree, dest, ARGS, "indexed").kill_group()
+    assert (dest / "fanstore.index").exists() and (dest / ".fanstore-pack").exists()
+    again = run_cli("fanstore-pack", str(big_tree), str(dest), *ARGS, check=True)
+    assert "nothing to do" in again.stdout
+    assert not (dest / ".fanstore-pack").exists()
+    assert dir_bytes(dest) == reference
+
+
 def test_killed_twice_then_resumed(big_tree, reference, tmp_path, paused_pack):
     dest = tmp_path / "ds"
     for event in ("chunk:3", "chunk:12"):

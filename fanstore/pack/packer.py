@@ -169,6 +169,7 @@ def _pack_with(sources: list[Path], dest_path: Path, options: PackOptions, tree:
     give_back_free_heap()  # the walk's temporaries: the compress step's peak would stand on them
     dest_plan = check_dest(dest_path, run.journal, run.fingerprint, run.listing_digest, options.force)
     if dest_plan.finished:
+        run.journal.remove()  # left by a run killed after its index was in place: the one step it had left
         return _finished_summary(dest_path)
     selecting = time.monotonic()
     run.selection = _selection(options, run.src, run.tree, run.groups, run.journal if dest_plan.resume else None)
@@ -181,6 +182,7 @@ def _pack_with(sources: list[Path], dest_path: Path, options: PackOptions, tree:
     plan = _codec_plan(run)
     pause_point("planned")
     summary = _chunks_and_index(run, plan, progress, pool, before)
+    pause_point("indexed")
     run.journal.remove()
     summary.selection, summary.selection_seconds = run.selection, selection_seconds
     return summary
