@@ -697,3 +697,16 @@ def test_a_member_at_the_root_that_is_not_a_directory_is_skipped_with_a_warning(
             archive_zip.writestr(".", b"the root as a file")
         proc = run_cli("fanstore-pack", str(zipped), str(tmp_path / "zds"), "--quiet")
         assert proc.returncode == 0 and "is a file in dotroot.zip" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("how", ["as given", "by a pattern"])
+def test_a_fifo_as_src_is_refused_in_one_line_not_waited_on(tmp_path, how):
+    """A fifo named like an archive (given, or matched by 'shards/*.tar') blocked the pack's first open forever,
+    waiting for a writer; a directory's walk skips fifos, and SRC refuses them by name."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    _write_tar(shards / "a.tar", [_member("ok.txt", data=b"ok")])
+    os.mkfifo(shards / "b.tar")
+    src = str(shards / "b.tar") if how == "as given" else str(shards / "*.tar")
+    proc = run_cli("fanstore-pack", src, str(tmp_path / "ds"), "--quiet", timeout=60)
+    assert_one_line_error(proc, "b.tar", "is a fifo")

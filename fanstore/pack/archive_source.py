@@ -85,11 +85,14 @@ class Damage:
 def archive_format(path: Path) -> str | None:
     """The archive format of `path` from its first bytes (its name decides only for an old tar without magic);
     None when it is none fanstore reads."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(512)
+    try:  # without waiting: a fifo put in its place would block an open until a writer came
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        head = f.read(512)
     if head.startswith(b"\x1f\x8b"):
         return "tar.gz"
     if head.startswith(b"\x28\xb5\x2f\xfd"):

@@ -218,6 +218,9 @@ def _format_of(path: Path) -> str:
         raise UsageError(f"SRC {quoted(path)} does not exist")
     if path.is_dir():
         raise UsageError(f"SRC {quoted(path)} is a directory: several SRC must all be archives")
+    if not path.is_file():  # a fifo would block the open until a writer came
+        kind = _SPECIAL_KINDS.get(stat.S_IFMT(path.stat().st_mode), "not a regular file")
+        raise UsageError(f"SRC {quoted(path)} is {kind}: SRC is a directory, or archive files")
     fmt = archive_format(path)
     if fmt is None:
         raise UsageError(f"SRC {quoted(path)} is not a directory, nor an archive fanstore reads "
