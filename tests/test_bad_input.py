@@ -205,6 +205,7 @@ def test_a_journal_of_another_version_is_refused_then_replaced_with_force(source
     "option, value, needle",
     [("--chunk-size", "lots", "--chunk-size"), ("--chunk-size", "1K", "--chunk-size"),
      ("--codec", "zstd:99", "--codec"), ("--codec", "gzip", "--codec"), ("--workers", "-2", "--workers"),
+     ("--workers", "1025", "--workers"), ("--workers", "99999999999", "0 (every core) to 1024"),
      ("--replicate", "val/[abc", "--replicate")],
 )
 def test_bad_options(source_tree, tmp_path, option, value, needle):

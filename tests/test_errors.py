@@ -149,7 +149,7 @@ def test_packing_raises_the_exported_errors(tmp_path):
     (lambda: _serve_options(mount=MountOptions(prefetch_threads=0)),
      "--prefetch-threads: must be 1 or more threads, got 0"),
     (lambda: PackOptions(chunk_size=100), "--chunk-size: 100 bytes is too small (at least 4 KiB)"),
-    (lambda: PackOptions(workers=-1), "--workers: must be 0 (all cores) or more, got -1"),
+    (lambda: PackOptions(workers=-1), "--workers: must be 0 (every core) to 1024, got -1"),
     (lambda: PackOptions(block_size=1), "--block-size: 1 bytes is not from"),
     (lambda: PackOptions(blocks_above=-1), "--blocks-above: must be 0 or more bytes, got -1"),
     (lambda: PackOptions(prefetch_threads=-1), "--prefetch-threads: must be 0 or more, got -1"),

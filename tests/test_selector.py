@@ -379,6 +379,8 @@ def test_bad_command_line_values_name_the_option(tree_root: Path) -> None:
     assert_one_line_error(run_cli("select", str(tree_root), "--budget", "1GB/s", "--sample", "0%"), "--sample")
     assert_one_line_error(run_cli("select", str(tree_root), "--budget", "1GB/s", "--prefetch-threads", "-2"),
                           "--prefetch-threads")
+    assert_one_line_error(run_cli("select", str(tree_root), "--budget", "1GB/s", "--workers", "99999999999"),
+                          "--workers: must be 0 (every core) to 1024")
 
 
 # --- reporting -----------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from .archive_pieces import pieces_of
 from .codec_plan import ANY_KIND
 from .groups import GroupPlan
 from .index_size import index_bytes_bound
-from .options import DEFAULT_TOLERANCE
+from .options import DEFAULT_TOLERANCE, check_workers
 from .walk import SourceTree
 
 if TYPE_CHECKING:
@@ -31,8 +31,7 @@ def make_goal(fit: int = 0, nodes: int = 0, tolerance: float = DEFAULT_TOLERANCE
     from selector import Goal, SelectionError
     from selector.estimate import usable_workers
 
-    if workers < 0:
-        raise UsageError(f"--workers: must be 0 (all cores) or more, got {workers}")
+    check_workers(workers)
     try:
         return Goal(fit_bytes=fit, nodes=nodes, tolerance=tolerance, pack_mbps=pack_speed / 1e6,
                     workers=usable_workers(workers))

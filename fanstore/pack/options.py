@@ -27,6 +27,9 @@ DEFAULT_BLOCKS_ABOVE = 4 << 20
 AUTO_CODEC = "auto"
 DEFAULT_TOLERANCE = 0.01  # selector.policy.DEFAULT_TOLERANCE (the selector is imported only with --codec auto)
 MIN_CHUNK_SIZE = 4096
+# Worker processes at most: each compresses on one core and costs its memory; thousands only exhausted memory (5,000
+# forked 1,500 processes and 8 GB before anything was packed) and 10^11 overflowed the pool's C int.
+MAX_WORKERS = 1024
 
 
 def _size_or_zero(text: str, flag: str) -> int:
@@ -35,6 +38,12 @@ def _size_or_zero(text: str, flag: str) -> int:
 
 def _workers(workers: int) -> str:
     return "every core" if workers == 0 else str(workers)
+
+
+def check_workers(workers: int) -> None:
+    """--workers, for pack and select: 0 (every core) to MAX_WORKERS."""
+    if not 0 <= workers <= MAX_WORKERS:
+        raise UsageError(f"--workers: must be 0 (every core) to {MAX_WORKERS}, got {workers}")
 
 
 def _percent(fraction: float) -> str:
@@ -76,7 +85,7 @@ class PackOptions:
         DEFAULT_BLOCKS_ABOVE, flag="--blocks-above", metavar="SIZE", parse=_size_or_zero, show=size_option,
         help="files larger than SIZE are stored in blocks (default {default}); smaller ones whole")
     workers: int = option(0, flag="--workers", metavar="N", type=int, show=_workers,
-                          help="compression processes (default: {default})")
+                          help=f"compression processes, 0 to {MAX_WORKERS} (default: {{default}})")
     strict: bool = option(False, flag="--strict", help="fail instead of skipping files that cannot be packed")
     force: bool = option(False, flag="--force", help="replace a dataset or interrupted pack already in DEST")
     # Only with codec="auto": what the selector must meet, and how it samples (`fanstore select` takes them too; the
@@ -112,8 +121,7 @@ class PackOptions:
         when the pack starts (packer._check_options), before anything is written."""
         if self.chunk_size < MIN_CHUNK_SIZE:
             raise UsageError(f"--chunk-size: {self.chunk_size} bytes is too small (at least 4 KiB)")
-        if self.workers < 0:
-            raise UsageError(f"--workers: must be 0 (all cores) or more, got {self.workers}")
+        check_workers(self.workers)
         if not MIN_BLOCK_SIZE <= self.block_size <= MAX_BLOCK_SIZE:
             raise UsageError(f"--block-size: {self.block_size} bytes is not from {MIN_BLOCK_SIZE} to {MAX_BLOCK_SIZE}")
         if self.blocks_above < 0:
