@@ -16,7 +16,7 @@ from typing import Any, Sequence
 from . import commands
 from .core.options import add_option
 from .commands import EXIT_DOES_NOT_FIT, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE
-from .errors import DoesNotFit, FanstoreError, say_line
+from .errors import DoesNotFit, FanstoreError, Terminated, say_line
 
 EPILOG_WIDTH = 78  # columns of the exit statuses, as argparse wraps the rest of --help for an 80-column terminal
 _ERROR = (EXIT_FAILURE, "an error, said in one line on stderr")
@@ -320,6 +320,7 @@ def _add_serve_parser(subcommands: Any) -> None:
              _USAGE,
              ("N", "the highest status of any rank's COMMAND: 128+S for one killed by signal S, 127 for one that "
                    "could not be run"),
+             (EXIT_INTERRUPTED, "Ctrl-C (SIGINT) before every rank was mounted"),
              (128 + signal.SIGTERM, "SIGTERM before every rank was mounted")],
             "srun --ntasks-per-node=1 fanstore serve /lustre/imagenet.fanstore /tmp/imagenet --local-dir "
             "$TMPDIR/fs -- python train.py --data /tmp/imagenet/train"))
@@ -340,7 +341,7 @@ def _add_serve_parser(subcommands: Any) -> None:
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+    raise Terminated
 
 
 def _run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
@@ -362,11 +363,12 @@ def _run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None)
     except FanstoreError as exc:
         say_line(f"{prog}: error: {exc}")
         return EXIT_FAILURE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         resumable = args.run is commands.run_pack
         print(f"{prog}: interrupted" + ("; run the same command again to resume" if resumable else ""),
               file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return 128 + signal.SIGTERM if isinstance(exc, Terminated) and args.run is commands.run_serve \
+            else EXIT_INTERRUPTED
     except BrokenPipeError as exc:
         if not _stdout_closed():  # another pipe (a child's, a socket's) closed under us: say so, it is a fault
             say_line(f"{prog}: error: {exc.strerror or 'Broken pipe'}: a pipe or socket it wrote to was closed "

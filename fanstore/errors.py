@@ -111,6 +111,11 @@ class ChunkUnavailable(ChunkError):
     files), a closed dataset, a peer that does not answer. The bytes may well be fine; a later read may work."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, which the command line turns into an interrupt as Ctrl-C's: `fanstore serve` exits 128 + SIGTERM for
+    it, as a job's ranks report a signal, where the other commands say "interrupted" (130) for either."""
+
+
 class PackError(FanstoreError):
     """The pack cannot go on (disk full, DEST unusable, SRC changed); what is done stays resumable."""
 

@@ -870,6 +870,26 @@ def test_a_rank_that_cannot_mount_ends_the_job_together_with_one_line_each(serve
     wait_until(lambda: not _left_behind(shm_before), "the job's shared memory files removed", 5)
 
 
+@pytest.mark.parametrize("signal_number", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_before_every_rank_is_mounted_ends_the_job_with_its_status(served_dataset, tmp_path, jobs,
+                                                                           signal_number):
+    """`fanstore serve --help`: 143 for SIGTERM, 130 for Ctrl-C, before every rank was mounted. SIGTERM gave 130, and
+    in about half the runs the launcher's BAD TERMINATION and 9: the first rank to leave (without MPI_Finalize) had
+    the launcher SIGKILL the others. The ranks say they were interrupted, and nothing is left."""
+    _, dest = served_dataset
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    job = Job(tmp_path, dest, command=["true"],
+              env={"FANSTORE_PAUSE_AT": "serve: staged", "FANSTORE_PAUSE_DIR": str(pause)})
+    jobs.append(job)
+    wait_until(lambda: (pause / "paused").exists() or job.proc.poll() is not None, "a rank staged", 60)
+    os.kill(job.proc.pid, signal_number)  # mpiexec, which passes it on to the ranks
+    code, out, err = job.finish(timeout=60)
+    assert code == 128 + signal_number and "BAD TERMINATION" not in out, (code, out, err)
+    assert "interrupted" in err and "Traceback" not in err, err
+    _assert_nothing_left(job)
+
+
 def test_a_local_dir_with_room_for_the_chunks_but_not_the_index_copy_is_refused_before_anything_is_copied(
         tmp_path, jobs):
     """Once staged, each rank writes a copy of DEST's index into its directory, where the node's readers load it: the

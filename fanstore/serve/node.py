@@ -30,7 +30,7 @@ from ..core.api import Dataset
 from ..core.chunk_source import LocalChunkSource
 from ..core.allocator import keep_freed_memory
 from ..core.dest_apart import check_apart_from_dest
-from ..errors import ChunkUnavailable, FanstoreError, UsageError, quoted, say_line
+from ..errors import ChunkUnavailable, FanstoreError, Terminated, UsageError, quoted, say_line
 from ..core.format import CHUNK_DIR, INDEX_NAME
 from ..core.index import Index
 from ..core.index_file import map_index_file, mark_copy_checked
@@ -300,6 +300,20 @@ def run(options: ServeOptions) -> int:
     keep_freed_memory()
     mpi = start_mpi(options.loop_requests)
     comm = mpi.COMM_WORLD.Dup()
+    try:
+        return _serve_rank(options, comm, mpi)
+    except KeyboardInterrupt as exc:
+        # Before the ranks agreed to end (the lifecycle's signals end it in order): leaving without MPI_Finalize had
+        # the launcher SIGKILL the ranks still ending, in some runs and not others (`BAD TERMINATION`, exit 9).
+        # MPI_Abort ends them all at once with the status `fanstore serve --help` gives.
+        status = 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
+        say_line(f"fanstore serve: rank {comm.Get_rank()}: interrupted before every rank was mounted; ending the job")
+        comm.Abort(status)
+        raise
+
+
+def _serve_rank(options: ServeOptions, comm: Any, mpi: Any) -> int:
+    """Check, stage this rank's share, then serve it until the job ends; the job's status."""
     rank = comm.Get_rank()
     host = socket.gethostname()
     start = _start_together(options, comm, mpi)
