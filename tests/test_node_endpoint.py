@@ -106,8 +106,11 @@ class Reader:
         return data
 
     def closed(self) -> bool:
-        """Whether the node closed this connection (nothing more comes, ever)."""
-        return self.socket.recv(1) == b""
+        """Whether the node closed this connection (nothing more comes, ever; a reset if what was sent was unread)."""
+        try:
+            return self.socket.recv(1) == b""
+        except ConnectionResetError:
+            return True
 
     def close(self) -> None:
         self.socket.close()
@@ -436,3 +439,30 @@ def test_a_reads_out_of_bounds_is_refused_by_name(dataset, endpoint, monkeypatch
         assert split_reads_reply(payload, 1) == [(OK, endpoint.source.read(*blobs[0]))]
     finally:
         reader.close()
+
+
+def test_connections_past_the_limit_are_told_why_and_closed_and_a_place_comes_back(dataset, tmp_path):
+    """Each connection costs a descriptor and a thread: 1,100 idle ones (each 4 bytes of a request) took every
+    descriptor of a 1,024 limit, the rank's own chunk reads failed and then its end. Past the limit a connection is
+    answered REFUSED, naming the limit, and closed; the ones served go on, and a place that frees is taken again."""
+    source = HalfRemote(dataset)
+    lookup = BlobLookup(BlobTable.of(dataset.index), len(dataset.index.chunks))
+    ahead = BlobsAhead(source.start_reads, lookup.locate)
+    node = NodeEndpoint(tmp_path, {"rank": 0}, source, lookup, ahead, max_connections=4)
+    try:
+        held = [Reader(node.path) for _ in range(4)]
+        for reader in held:
+            assert reader.ask(HELLO)[0] == OK
+        held[0].socket.sendall(REQUEST_MAGIC)  # half a request: its connection still counts
+        extra = Reader(node.path)
+        status, reason = extra.ask(HELLO)
+        assert status == REFUSED and reason.decode().startswith(
+            "this node's serve process takes 4 reader connections at once, and has as many"), reason
+        assert extra.closed()
+        assert held[1].ask(HELLO)[0] == OK
+        held[0].close()
+        wait_until_true(lambda: Reader(node.path).ask(HELLO)[0] == OK, "a freed place taken again")
+        assert node.stats()["turned_away"] >= 1
+    finally:
+        node.close()
+        ahead.close()

@@ -877,6 +877,7 @@ def test_a_signal_before_every_rank_is_mounted_ends_the_job_with_its_status(serv
     in about half the runs the launcher's BAD TERMINATION and 9: the first rank to leave (without MPI_Finalize) had
     the launcher SIGKILL the others. The ranks say they were interrupted, and nothing is left."""
     _, dest = served_dataset
+    shm_before = _shm_files()
     pause = tmp_path / "pause"
     pause.mkdir()
     job = Job(tmp_path, dest, command=["true"],
@@ -888,6 +889,7 @@ def test_a_signal_before_every_rank_is_mounted_ends_the_job_with_its_status(serv
     assert code == 128 + signal_number and "BAD TERMINATION" not in out, (code, out, err)
     assert "interrupted" in err and "Traceback" not in err, err
     _assert_nothing_left(job)
+    wait_until(lambda: not _left_behind(shm_before), "the job's shared memory files removed", 5)
 
 
 def test_a_local_dir_with_room_for_the_chunks_but_not_the_index_copy_is_refused_before_anything_is_copied(

@@ -16,10 +16,13 @@ of another user, whose environment this rank cannot read).
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import signal
 import time
+
+log = logging.getLogger("fanstore.serve")
 
 COMMAND_TOKEN = "FANSTORE_COMMAND_TOKEN"  # the variable, in the command's environment
 STOP_GRACE = 10.0  # seconds a process of the command gets between SIGTERM and SIGKILL
@@ -40,7 +43,12 @@ def command_processes(marker: bytes) -> list[int]:
     """The processes (other than this one) whose environment holds `marker`, a NAME=VALUE entry."""
     own = os.getpid()
     found = []
-    for name in os.listdir("/proc"):
+    try:
+        names = os.listdir("/proc")
+    except OSError as exc:  # out of descriptors, say: the rank goes on ending, without this sweep
+        log.warning("cannot look for the command's processes in /proc: %s; any still running are left", exc)
+        return []
+    for name in names:
         if not name.isdigit() or int(name) == own:
             continue
         try:

@@ -86,6 +86,9 @@ def format_rank(stats: dict[str, Any]) -> str:
                      f"{readers['not_lent']:,} sent through the socket"
                      + (f" ({plural(readers['arena_full'], 'receive')} found the arena full)"
                         if readers.get("arena_full") else ""))
+    if readers.get("refused") or readers.get("turned_away"):
+        lines.append(f"  the node's readers: {plural(readers.get('refused', 0), 'request')} refused (malformed), "
+                     f"{plural(readers.get('turned_away', 0), 'connection')} turned away (over the limit)")
     lines.append(f"  staging: {format_bytes(staging['dest_bytes'])} from DEST, "
                  f"{format_bytes(staging['received_bytes'])} from peers, {format_bytes(staging['sent_bytes'])} to "
                  f"peers, {format_bytes(staging['reused_bytes'])} reused, {staging['seconds']:.1f} s"

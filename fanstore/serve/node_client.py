@@ -174,7 +174,10 @@ class NodeConnection:
         """`ask`, the payload as a view of the buffer it was received into: blobs are not copied again."""
         connection = self._socket()
         try:
-            connection.sendall(REQUEST.pack(REQUEST_MAGIC, kind, chunk, offset, length) + payload)
+            try:
+                connection.sendall(REQUEST.pack(REQUEST_MAGIC, kind, chunk, offset, length) + payload)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # closed on us: a connection turned away has its reason waiting to be read
             header = _receive(connection, REPLY.size)
             magic, status, size = REPLY.unpack(header)
             if magic != REPLY_MAGIC:
@@ -367,7 +370,8 @@ def open_served_dataset(socket_path: str | None = None) -> Dataset:
     connection = NodeConnection(path)
     status, payload = connection.ask(HELLO)
     if status != OK:
-        raise UsageError(f"{path}: the node's serve process refused to describe its dataset")
+        raise UsageError(f"{path}: the node's serve process refused to describe its dataset: "
+                         f"{payload.decode('utf-8', 'replace')}")
     node = json.loads(payload)
     try:
         index = Index.load(node["index_dir"])

@@ -14,9 +14,11 @@ import functools
 import json
 import logging
 import os
+import resource
 import socket
 import socketserver
 import struct
+import sys
 import threading
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
@@ -43,6 +45,15 @@ PLAN_PIECE_ROWS = 1 << 16  # plan rows read and checked at a time (1.5 MiB)
 # deadline (RemoteBlobs), so this only guards against a fetch that never answers.
 READS_WAIT = 600.0
 IOV_MAX = 1024  # buffers one sendmsg takes (Linux's UIO_MAXIOV)
+MAX_CONNECTIONS = 4096  # readers' connections at once, however many descriptors the process may open
+
+
+def connection_limit() -> int:
+    """Connections the endpoint takes at once: each costs a descriptor and a thread, and without a limit 1,100 idle
+    ones took every descriptor of a 1,024 limit (the rank's own chunk reads failed, then its end). A quarter of the
+    descriptors, as each chunk source keeps (chunk_source.default_max_open_chunks): the rest stay the process's."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else max(16, min(MAX_CONNECTIONS, soft // 4))
 
 
 class _Lent:
@@ -97,10 +108,11 @@ class NodeEndpoint:
     follows can no longer be told apart (a bad magic, a plan longer than the dataset)."""
 
     def __init__(self, local_dir: Path, description: dict[str, Any], source: ChunkSource, lookup: BlobLookup,
-                 ahead: BlobsAhead, arena: BlobArena | None = None) -> None:
+                 ahead: BlobsAhead, arena: BlobArena | None = None, max_connections: int | None = None) -> None:
         """`ahead`: the node's holder of blobs fetched ahead, the endpoint's plans' and the mount's (closed by its
         owner, the node). `arena`: the shared memory the rank receives remote blobs into, lent to readers that ask
-        READS_SHARED (closed by its owner, the node)."""
+        READS_SHARED (closed by its owner, the node). `max_connections`: connections served at once (default
+        connection_limit())."""
         self.path = local_dir / SOCKET_NAME
         self._lookup = lookup
         # `blobs`: the longest plan taken (a reader cuts a longer order: a sampler may draw with replacement).
@@ -113,6 +125,8 @@ class NodeEndpoint:
         self.ahead = ahead
         self._arena = arena
         self._lent_blobs = self._inline_blobs = 0  # READS_SHARED's blobs read in the arena, and sent through the socket
+        self._limit = connection_limit() if max_connections is None else max_connections
+        self._connections = self.turned_away = 0  # connections open now, and those refused for the limit
         self.path.unlink(missing_ok=True)  # left by a killed job
         endpoint = self
 
@@ -121,9 +135,17 @@ class NodeEndpoint:
                 name_os_thread("node-client")
                 endpoint._serve(self.request)
 
+        class Server(socketserver.ThreadingUnixStreamServer):
+            daemon_threads = True
+
+            def verify_request(self, request: Any, client_address: Any) -> bool:
+                return endpoint._admit(request)
+
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                log.warning("a reader's connection to this node's serve process failed: %r", sys.exc_info()[1])
+
         with unix_address(self.path) as address:
-            self._server = socketserver.ThreadingUnixStreamServer(address, Handler)
-        self._server.daemon_threads = True
+            self._server = Server(address, Handler)
         os.chmod(self.path, 0o600)  # this user's readers only
         self._thread = threading.Thread(target=self._accept, name="fanstore-node-endpoint", daemon=True)
         self._thread.start()
@@ -131,6 +153,25 @@ class NodeEndpoint:
     def _accept(self) -> None:
         name_os_thread()
         self._server.serve_forever(poll_interval=0.5)
+
+    def _admit(self, connection: socket.socket) -> bool:
+        """Whether a new connection is served (its thread starts); past the limit it is told why and closed."""
+        with self._refusals_lock:
+            admitted = self._connections < self._limit
+            self._connections += admitted
+            self.turned_away += not admitted
+            first = self.turned_away == 1
+        if admitted:
+            return True
+        reason = (f"this node's serve process takes {self._limit} reader connections at once, and has as many "
+                  "(a quarter of its open file limit: raise `ulimit -n` for more)").encode()
+        try:  # the reply waits in the socket for the reader's first request; never blocks the accepting thread
+            connection.send(REPLY.pack(REPLY_MAGIC, REFUSED, len(reason)) + reason, socket.MSG_DONTWAIT)
+        except OSError:
+            pass
+        if first:
+            log.warning("%s (--stats counts the connections turned away)", reason.decode())
+        return False
 
     def _serve(self, connection: socket.socket) -> None:
         """One connection's requests, in turn, until it closes; then its plan is given back."""
@@ -156,6 +197,8 @@ class NodeEndpoint:
             self.ahead.drop_plans_of(holder)
             stream.close()
             connection.close()
+            with self._refusals_lock:
+                self._connections -= 1
 
     def _answer(self, connection: socket.socket, stream: BinaryIO, holder: int, process: int, lent: _Lent,
                 magic: bytes, kind: int, chunk: int, offset: int, length: int) -> bool:
@@ -232,9 +275,10 @@ class NodeEndpoint:
         each plan's counters (by the process that announced it)."""
         with self._refusals_lock:
             refusals, lent, not_lent = self._refusals, self._lent_blobs, self._inline_blobs
+            turned_away = self.turned_away
         arena = self._arena.stats() if self._arena is not None else {}
         return {**self.ahead.stats(), "refused": refusals, "lent": lent, "not_lent": not_lent,
-                **arena}
+                "turned_away": turned_away, **arena}
 
     def _answer_read(self, connection: socket.socket, row: int, length: int) -> None:
         blob = self.ahead.take(row)

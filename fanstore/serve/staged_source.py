@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..core.chunk_source import ChunkSource, LocalChunkSource
-from ..errors import ChunkError, ChunkUnavailable
+from ..errors import ChunkCorrupt, ChunkError, ChunkUnavailable
 from .placement import ChunkOwners
 
 log = logging.getLogger("fanstore.serve")
@@ -46,7 +46,7 @@ class StagedChunkSource(ChunkSource):
         except ChunkError as exc:
             if self._closed:
                 raise  # closed, not damaged: nothing to read from DEST either
-            self.report_damaged(chunk_id, str(exc))
+            self.report_damaged(chunk_id, str(exc), isinstance(exc, ChunkCorrupt))
         return self._from_dest(chunk_id, offset, length)
 
     def read_staged_into(self, chunk_id: int, offset: int, length: int, out: memoryview) -> None:
@@ -56,7 +56,7 @@ class StagedChunkSource(ChunkSource):
             self._staged.read_into(chunk_id, offset, length, out)
         except ChunkError as exc:
             if not self._closed:  # closed, not damaged: a peer asking as the rank ends is no damage to report
-                self.report_damaged(chunk_id, str(exc))
+                self.report_damaged(chunk_id, str(exc), isinstance(exc, ChunkCorrupt))
             raise
 
     def read_other_copy(self, chunk_id: int, offset: int, length: int) -> bytes:
@@ -69,13 +69,15 @@ class StagedChunkSource(ChunkSource):
     def path(self, chunk_id: int) -> Path:
         return self._staged.path(chunk_id)
 
-    def report_damaged(self, chunk_id: int, what: str) -> None:
+    def report_damaged(self, chunk_id: int, what: str, damaged: bool = True) -> None:
+        """Once per chunk. `damaged` False: the copy could not be read (too many open files, a disk error), which
+        says nothing of its bytes."""
         with self._lock:
             if chunk_id in self._reported:
                 return
             self._reported.add(chunk_id)
-        log.warning("rank %d: %s: this node's copy of chunk %d is damaged; what fails of it is read from DEST",
-                    self._rank, what, chunk_id)
+        log.warning("rank %d: %s: this node's copy of chunk %d %s; what fails of it is read from DEST", self._rank,
+                    what, chunk_id, "is damaged" if damaged else "could not be read")
 
     def _from_dest(self, chunk_id: int, offset: int, length: int) -> bytes:
         data = self._dest.read(chunk_id, offset, length)
