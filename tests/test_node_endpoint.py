@@ -441,6 +441,16 @@ def test_a_reads_out_of_bounds_is_refused_by_name(dataset, endpoint, monkeypatch
         reader.close()
 
 
+def _hello_as_a_client_asks(reader: Reader) -> tuple[int, bytes]:
+    """HELLO as node_client sends it: a connection turned away may be closed before the request goes, and its
+    reason is read all the same."""
+    try:
+        reader.socket.sendall(REQUEST.pack(REQUEST_MAGIC, HELLO, 0, 0, 0))
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    return reader.reply()
+
+
 def test_connections_past_the_limit_are_told_why_and_closed_and_a_place_comes_back(dataset, tmp_path):
     """Each connection costs a descriptor and a thread: 1,100 idle ones (each 4 bytes of a request) took every
     descriptor of a 1,024 limit, the rank's own chunk reads failed and then its end. Past the limit a connection is
@@ -455,14 +465,43 @@ def test_connections_past_the_limit_are_told_why_and_closed_and_a_place_comes_ba
             assert reader.ask(HELLO)[0] == OK
         held[0].socket.sendall(REQUEST_MAGIC)  # half a request: its connection still counts
         extra = Reader(node.path)
-        status, reason = extra.ask(HELLO)
+        status, reason = _hello_as_a_client_asks(extra)
         assert status == REFUSED and reason.decode().startswith(
             "this node's serve process takes 4 reader connections at once, and has as many"), reason
         assert extra.closed()
         assert held[1].ask(HELLO)[0] == OK
         held[0].close()
-        wait_until_true(lambda: Reader(node.path).ask(HELLO)[0] == OK, "a freed place taken again")
+        wait_until_true(lambda: _hello_as_a_client_asks(Reader(node.path))[0] == OK, "a freed place taken again")
         assert node.stats()["turned_away"] >= 1
     finally:
         node.close()
         ahead.close()
+
+
+def test_a_reply_its_reader_does_not_take_holds_the_node_s_reply_bytes_until_its_connection_times_out(
+        dataset, endpoint, monkeypatch):
+    """Replies being answered hold at most REPLY_BYTES, all connections together: 30 readers that each asked a 15 kB
+    blob 4,096 times and never read took a serve process from 64 MB to 1.9 GB. Here one stalled reply holds all of
+    it: another reader's request waits for room, and gets it once the stalled connection's send times out (and it
+    is closed), not before."""
+    own = [blob for blob in blobs_of(dataset) if blob[0] % 2 == 0]  # this node's: read on the connection's thread
+    big = max(own, key=lambda blob: blob[2])
+    monkeypatch.setattr(node_endpoint, "REPLY_BYTES", READS_MAX_BLOBS * big[2])
+    monkeypatch.setattr(node_endpoint, "SEND_TIMEOUT", 2)
+    stalled = Reader(endpoint.path)
+    stalled.socket.sendall(REQUEST.pack(REQUEST_MAGIC, READS, 0, 0, READS_MAX_BLOBS)
+                           + plan_bytes([big] * READS_MAX_BLOBS))  # ~20 MB of reply: more than a socket holds
+    wait_until_true(lambda: stalled.socket.recv(1, socket.MSG_PEEK), "the stalled reply's first bytes")
+    other = Reader(endpoint.path)
+    other.socket.sendall(REQUEST.pack(REQUEST_MAGIC, READS, 0, 0, 1) + plan_bytes([big]))
+    other.socket.settimeout(0.5)
+    with pytest.raises(socket.timeout):
+        other.socket.recv(1)  # no room while the stalled reply holds it
+    other.socket.settimeout(10)
+    assert split_reads_reply(other.reply()[1], 1) == [(OK, endpoint.source.read(*big))]
+    received = 0
+    while not stalled.closed():  # what its reply got into the socket, then the end
+        received += 1
+    assert received < READS_MAX_BLOBS * big[2]
+    stalled.close()
+    other.close()

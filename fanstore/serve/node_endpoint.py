@@ -46,6 +46,12 @@ PLAN_PIECE_ROWS = 1 << 16  # plan rows read and checked at a time (1.5 MiB)
 READS_WAIT = 600.0
 IOV_MAX = 1024  # buffers one sendmsg takes (Linux's UIO_MAXIOV)
 MAX_CONNECTIONS = 4096  # readers' connections at once, however many descriptors the process may open
+# Bytes of blobs the node's connections answer at once, from reading a request to sending its reply: without it,
+# each connection held up to READS_MAX_BYTES while its reader did not take the reply (30 connections asking one
+# 15 kB blob 4,096 times each took a serve process from 64 MB to 1.9 GB). A reply not taken within SEND_TIMEOUT
+# seconds closes its connection, so a reader that stops reading holds its share that long at most.
+REPLY_BYTES = 256 << 20
+SEND_TIMEOUT = 60.0
 
 
 def connection_limit() -> int:
@@ -126,6 +132,8 @@ class NodeEndpoint:
         self._arena = arena
         self._lent_blobs = self._inline_blobs = 0  # READS_SHARED's blobs read in the arena, and sent through the socket
         self._limit = connection_limit() if max_connections is None else max_connections
+        self._replying = 0  # bytes of blobs being answered now, all connections together (REPLY_BYTES at most)
+        self._reply_room = threading.Condition(threading.Lock())
         self._connections = self.turned_away = 0  # connections open now, and those refused for the limit
         self.path.unlink(missing_ok=True)  # left by a killed job
         endpoint = self
@@ -178,6 +186,8 @@ class NodeEndpoint:
         holder = id(connection)  # its plans' holder: unique while it is open, and they go before it closes
         lent = _Lent()  # dropped with the connection: its slots come back
         stream = connection.makefile("rb")
+        # Sends alone time out (an idle reader between requests is no fault): a reply not taken ends the connection.
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_TIMEOUT), 0))
         try:
             process = _peer_process(connection)
             while True:
@@ -281,14 +291,31 @@ class NodeEndpoint:
                 "turned_away": turned_away, **arena}
 
     def _answer_read(self, connection: socket.socket, row: int, length: int) -> None:
-        blob = self.ahead.take(row)
+        with self._room_for(length):
+            blob = self.ahead.take(row)
+            try:
+                if blob is None or len(blob) != length:
+                    blob = self._source.read(*self._lookup.locate(row))
+            except ChunkError as exc:
+                self._reply(connection, status_of(exc), str(exc).encode())
+            else:
+                self._reply(connection, OK, blob)
+
+    @contextlib.contextmanager
+    def _room_for(self, size: int) -> Iterator[None]:
+        """Hold `size` bytes of REPLY_BYTES while a request is answered, waiting while other connections' replies
+        hold them; Refused after READS_WAIT (the node is that busy, or its readers have stopped taking replies)."""
+        with self._reply_room:
+            if not self._reply_room.wait_for(lambda: self._replying + size <= REPLY_BYTES, READS_WAIT):
+                raise Refused(f"the node's readers are sent {REPLY_BYTES} bytes of replies at once, and have been "
+                              f"for {READS_WAIT:g} s")
+            self._replying += size
         try:
-            if blob is None or len(blob) != length:
-                blob = self._source.read(*self._lookup.locate(row))
-        except ChunkError as exc:
-            self._reply(connection, status_of(exc), str(exc).encode())
-        else:
-            self._reply(connection, OK, blob)
+            yield
+        finally:
+            with self._reply_room:
+                self._replying -= size
+                self._reply_room.notify_all()
 
     def _answer_arena(self, connection: socket.socket) -> None:
         """The arena's descriptor (SCM_RIGHTS) with the reply's first bytes; REFUSED where this node has none."""
@@ -316,7 +343,15 @@ class NodeEndpoint:
         if len(raw) < count * PLAN_ROW.itemsize + returned * TOKEN.size:
             return False
         lent.give_back(np.frombuffer(raw, dtype="<u8", offset=count * PLAN_ROW.itemsize).tolist())
-        statuses, blobs = self._gather_asked(np.frombuffer(raw, dtype=PLAN_ROW, count=count), "READS_SHARED")
+        rows, lengths, total = self._checked(np.frombuffer(raw, dtype=PLAN_ROW, count=count), "READS_SHARED")
+        with self._room_for(total):
+            self._lend_or_send(connection, lent, rows, lengths)
+        return True
+
+    def _lend_or_send(self, connection: socket.socket, lent: _Lent, rows: list[int], lengths: list[int]) -> None:
+        """READS_SHARED's reply: the blobs that lie in the arena lent (a token and their places), the others sent."""
+        count = len(rows)
+        statuses, blobs = self._gather(rows, lengths)
         table = np.zeros(count, dtype=SHARED_ROW)
         table["status"] = statuses
         table["length"] = [len(blob) for blob in blobs]
@@ -340,7 +375,6 @@ class NodeEndpoint:
             self._inline_blobs += count - len(lending)
         size = TOKEN.size + table.nbytes + sum(len(blob) for blob in inline)
         _send_buffers(connection, [REPLY.pack(REPLY_MAGIC, OK, size), TOKEN.pack(token), table.tobytes(), *inline])
-        return True
 
     def _answer_reads(self, connection: socket.socket, stream: BinaryIO, count: int) -> bool:
         """Several blobs in one round trip (a DataLoader batch's, a prefetch window's): each taken from the holder
@@ -351,22 +385,25 @@ class NodeEndpoint:
         raw = stream.read(count * PLAN_ROW.itemsize)
         if len(raw) < count * PLAN_ROW.itemsize:
             return False
-        statuses, blobs = self._gather_asked(np.frombuffer(raw, dtype=PLAN_ROW), "READS")
-        table = np.empty(count, dtype=READS_ROW)
-        table["status"] = statuses
-        table["length"] = [len(blob) for blob in blobs]
-        header = REPLY.pack(REPLY_MAGIC, OK, table.nbytes + int(table["length"].sum()))
-        _send_buffers(connection, [header, table.tobytes(), *blobs])
+        rows, lengths, total = self._checked(np.frombuffer(raw, dtype=PLAN_ROW), "READS")
+        with self._room_for(total):
+            statuses, blobs = self._gather(rows, lengths)
+            table = np.empty(count, dtype=READS_ROW)
+            table["status"] = statuses
+            table["length"] = [len(blob) for blob in blobs]
+            header = REPLY.pack(REPLY_MAGIC, OK, table.nbytes + int(table["length"].sum()))
+            _send_buffers(connection, [header, table.tobytes(), *blobs])
         return True
 
-    def _gather_asked(self, asked: np.ndarray, kind: str) -> tuple[list[int], list[bytes | memoryview]]:
-        """The blobs of a READS' or READS_SHARED's rows, once they are checked: Refused by row, or for asking more
-        than READS_MAX_BYTES in all (the connection goes on: the request was read whole)."""
+    def _checked(self, asked: np.ndarray, kind: str) -> tuple[list[int], list[int], int]:
+        """A READS' or READS_SHARED's rows, checked: each one's blob row and length, and their bytes in all.
+        Refused by row, or for asking more than READS_MAX_BYTES in all (the connection goes on: the request was
+        read whole)."""
         rows = self._lookup.plan_rows(asked, 0, f"{kind} row")
         total = int(asked["length"].sum())
         if total > READS_MAX_BYTES:
             raise Refused(f"a {kind} of {total} bytes: at most {READS_MAX_BYTES} bytes of blobs a request")
-        return self._gather(rows.tolist(), asked["length"].tolist())
+        return rows.tolist(), asked["length"].tolist(), total
 
     def _gather(self, rows: list[int], lengths: list[int]) -> tuple[list[int], list[bytes | memoryview]]:
         """Each blob's status and bytes (its blob, or the reason it failed). Blobs fetched ahead or on their way
