@@ -938,6 +938,42 @@ def test_a_local_dir_with_room_for_the_chunks_but_not_the_index_copy_is_refused_
     _assert_nothing_left(job)
 
 
+def test_local_dirs_that_share_a_file_system_are_checked_for_their_shares_together(served_dataset, tmp_path, jobs):
+    """Three ranks of a host whose --local-dir lie on one file system: each share fits its free space alone, not
+    all three together. Each rank checked alone, all passed, and each failed half-way through staging with the
+    disk full (the whole job aborted, its partial chunks left); now each rank counts the others' shares there, and
+    every rank refuses at start, naming the ranks it shares with, and nothing is copied."""
+    _, dest = served_dataset
+    index_bytes = (dest / INDEX_NAME).stat().st_size
+    with open_dataset(dest) as ds:
+        needs = [place(ds.index, RANKS).stored_bytes(rank) + index_bytes for rank in range(RANKS)]
+    room = (max(needs) + sum(needs)) // 2 // 4096 * 4096
+    assert max(needs) + 64 * 4096 < room < sum(needs), (needs, room)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room}", "tmpfs", str(shared)],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        job = Job(tmp_path, dest, command=["true"], local=str(shared / "local{rank}"))
+        jobs.append(job)
+        code, out, err = job.finish()
+        copied = [path for path in shared.rglob("*.fsc")]
+    finally:
+        subprocess.run(["umount", "-l", str(shared)])
+    assert code == 1 and out == "" and "Traceback" not in err, (code, out, err)
+    lines = sorted(err.splitlines())
+    assert len(lines) == RANKS, err
+    for rank, line in enumerate(lines):
+        others = ", ".join(str(other) for other in range(RANKS) if other != rank)
+        assert re.fullmatch(rf"fanstore: error: rank {rank} on \S+: --local-dir {shared}/local{rank}: not enough "
+                            rf"space: needs .* \({needs[rank]} bytes\), .* with ranks {others}, whose --local-dir is on "
+                            rf"the same file system, .* free, for its share .*", line), line
+    assert copied == []
+    _assert_nothing_left(job)
+
+
 @pytest.mark.parametrize("failure", ["out of inodes", "a directory in the way"])
 def test_a_local_dir_failing_during_staging_ends_the_job_with_one_line(served_dataset, tmp_path, jobs, failure):
     """The local directory fails once staging has begun (the space check passed): the rank says so in one line
