@@ -120,6 +120,40 @@ def test_fallback_reads_what_the_primary_has_corrupt_from_the_fallback_once(tmp_
         assert all(ds.read(path) == (src / path).read_bytes() for path in others)
 
 
+def test_bytes_the_fallback_gave_that_fail_the_checksum_are_its_damage_final_and_not_counted_when_unread(tmp_path):
+    """The primary cannot give a blob (a peer refusing a chunk it could not verify), the fallback (DEST) gives
+    damaged bytes: the reader's ChunkCorrupt names the fallback's file, the fallback is not read again, nothing
+    blames the primary (a peer was logged as having sent bytes it never sent), and only blobs the fallback gave
+    are counted (one it failed to read was counted as read)."""
+    from conftest import flip_byte, make_tree
+    from fanstore import PackOptions, pack
+
+    src, dest, empty = tmp_path / "src", tmp_path / "ds", tmp_path / "empty"
+    pack(make_tree(src), dest, PackOptions(chunk_size=16 * 1024, workers=1))
+    (empty / "chunks").mkdir(parents=True)  # the primary: holds nothing (ChunkUnavailable for every blob)
+    with open_dataset(dest) as ds:
+        sizes = ds.index.chunks["size"].copy()
+        rows = {path: ds.index.entries[ds.resolve(path)] for path in ds.files()}
+    whole = {path: (int(row["chunk"]), int(row["offset"]), int(row["stored_len"])) for path, row in rows.items()
+             if int(row["stored_len"]) > 16 and not int(row["flags"])}
+    path, (chunk, offset, length) = next(iter(whole.items()))
+    flip_byte(dest / chunk_file_name(chunk), offset + length // 2)
+    fell_back: list[int] = []
+    fallback = _CountingSource(dest, sizes)
+    source = FallbackChunkSource(LocalChunkSource(empty, sizes), fallback,
+                                 on_fallback=lambda exc, size: fell_back.append(size))
+    with open_dataset(dest, source=source) as ds:
+        with pytest.raises(ChunkCorrupt, match=rf"checksum mismatch in chunk {chunk} \(chunks/{chunk:08d}.fsc at "
+                                               rf"offset {offset}, {length} bytes\)"):
+            ds.read(path)
+        assert fallback.reads[(chunk, offset)] == 1 and fell_back == [length]
+        os.truncate(dest / chunk_file_name(chunk), offset + 1)  # now the fallback cannot give it either
+        fell_back.clear()
+        with pytest.raises(ChunkCorrupt, match="short"):
+            ds.read(path)
+        assert fell_back == []
+
+
 def test_chunk_with_a_wrong_header_is_refused(tmp_path):
     from conftest import make_tree
     from fanstore import PackOptions, pack

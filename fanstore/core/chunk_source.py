@@ -302,45 +302,69 @@ class LocalChunkSource(ChunkSource):
             self._evict_idle(keep=0)
 
 
+# Blobs a FallbackChunkSource remembers it read from its fallback, the latest: a reader checks a blob at once.
+_FALLBACK_REMEMBERED = 4096
+
+
 class FallbackChunkSource(ChunkSource):
     """Reads from `primary`, and from `fallback` whatever `primary` cannot give (ChunkUnavailable) or gives from a
     copy found corrupt (ChunkCorrupt: a peer node's copy is damaged, DEST's may be sound): a peer node first, the
     shared file system when the peer is slow, gone or damaged. Bytes the primary gave that fail the reader's
     checksum are read from the fallback too (read_other_copy): either way, once; what the fallback gives is final.
-    `on_fallback(error, length)` counts each blob read from the fallback."""
+    `on_fallback(error, length)` is told of each blob the fallback gave, once it gave it."""
 
     def __init__(self, primary: ChunkSource, fallback: ChunkSource,
                  on_fallback: Callable[[ChunkError, int], None] | None = None) -> None:
         self.primary = primary
         self.fallback = fallback
         self._on_fallback = on_fallback
+        # The blobs the fallback gave last, (chunk, offset): their bytes failing the reader's checksum are the
+        # fallback's copy damaged, not the primary's (a peer that could not give a blob was blamed for DEST's).
+        self._from_fallback: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self._lock = threading.Lock()
 
     def read(self, chunk_id: int, offset: int, length: int) -> bytes:
         try:
             return self.primary.read(chunk_id, offset, length)
         except ChunkError as exc:
-            if self._on_fallback is not None:
-                self._on_fallback(exc, length)
-            return self.fallback.read(chunk_id, offset, length)
+            return self._from_the_fallback(exc, chunk_id, offset, length)
 
     def read_many(self, blobs: Sequence[tuple[int, int, int]]) -> list[bytes | memoryview | ChunkError]:
         results = self.primary.read_many(blobs)
         for number, result in enumerate(results):
             if isinstance(result, ChunkError):
-                chunk_id, offset, length = blobs[number]
-                if self._on_fallback is not None:
-                    self._on_fallback(result, length)
                 try:
-                    results[number] = self.fallback.read(chunk_id, offset, length)
+                    results[number] = self._from_the_fallback(result, *blobs[number])
                 except ChunkError as exc:
                     results[number] = exc
         return results
 
+    def gave(self, chunk_id: int, offset: int) -> bool:
+        """Whether the fallback gave the blob at `offset` of `chunk_id`, read last (its bytes are final)."""
+        with self._lock:
+            return (chunk_id, offset) in self._from_fallback
+
     def read_other_copy(self, chunk_id: int, offset: int, length: int) -> bytes:
+        with self._lock:
+            final = self._from_fallback.pop((chunk_id, offset), False) is None
+        if final:
+            path = getattr(self.fallback, "path", None)
+            where = f"{path(chunk_id)}: " if path is not None else ""
+            raise ChunkCorrupt(f"{where}chunk {chunk_id}: the blob at offset {offset} ({length} bytes), read from the "
+                               "fallback copy, fails its checksum: that copy is damaged", chunk_id=chunk_id)
+        return self._from_the_fallback(ChunkCorrupt(f"chunk {chunk_id}: the blob at offset {offset} ({length} bytes) "
+                                                    f"fails its checksum", chunk_id=chunk_id),
+                                       chunk_id, offset, length)
+
+    def _from_the_fallback(self, reason: ChunkError, chunk_id: int, offset: int, length: int) -> bytes:
+        data = self.fallback.read(chunk_id, offset, length)
+        with self._lock:
+            self._from_fallback[(chunk_id, offset)] = None
+            if len(self._from_fallback) > _FALLBACK_REMEMBERED:
+                self._from_fallback.popitem(last=False)
         if self._on_fallback is not None:
-            self._on_fallback(ChunkCorrupt(f"chunk {chunk_id}: the blob at offset {offset} ({length} bytes) fails "
-                                           f"its checksum", chunk_id=chunk_id), length)
-        return self.fallback.read(chunk_id, offset, length)
+            self._on_fallback(reason, length)
+        return data
 
     def may_block(self, chunks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         return self.primary.may_block(chunks, offsets) | self.fallback.may_block(chunks, offsets)

@@ -125,8 +125,8 @@ class PlacedChunkSource(PlacedReads):
 
     def __init__(self, rank: int, placement: ChunkOwners, local: StagedChunkSource, peers: PeerChunkSource,
                  dest: ChunkSource, direct: set[int] | frozenset[int] = frozenset()) -> None:
-        super().__init__(rank, placement, local, FallbackChunkSource(peers, dest, on_fallback=self._count_fallback),
-                         dest, direct)
+        self._fallback = FallbackChunkSource(peers, dest, on_fallback=self._count_fallback)
+        super().__init__(rank, placement, local, self._fallback, dest, direct)
         self._peers = peers
         self.counters = SourceCounters()
         self._lock = threading.Lock()
@@ -151,7 +151,9 @@ class PlacedChunkSource(PlacedReads):
         return started
 
     def read_other_copy(self, chunk_id: int, offset: int, length: int) -> bytes:
-        if self._from_peer(chunk_id, offset):  # the peer sent what its copy holds: that copy is damaged
+        # The peer sent what its copy holds: that copy is damaged. Unless the peer could not give the blob, and
+        # these bytes were DEST's (damaged there: the fallback says so).
+        if self._from_peer(chunk_id, offset) and not self._fallback.gave(chunk_id, offset):
             self._report_damaged_on_peer(chunk_id, f"rank {self._placement.owner(chunk_id, offset)} sent chunk "
                                                    f"{chunk_id} at {offset}, which fails its checksum")
         return super().read_other_copy(chunk_id, offset, length)
