@@ -248,7 +248,7 @@ def _add_mount_parsers(subcommands: Any) -> None:
             "fanstore mount /scratch/imagenet.fanstore /tmp/imagenet --cache-size 4GiB"))
     mount_parser.add_argument("dest", metavar="DEST", help="the dataset directory (its fanstore.index and chunks/)")
     mount_parser.add_argument("mountpoint", metavar="MOUNTPOINT",
-                              help="an existing directory, outside the dataset, where its files appear")
+                              help="an existing empty directory, outside the dataset, where its files appear")
     mount_parser.add_argument("--foreground", action="store_true", help="serve in this process until unmounted")
     from .mount.options import MountOptions
 

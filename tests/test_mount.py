@@ -412,6 +412,7 @@ def test_resolve_mountpoint_follows_links_with_readlink(tmp_path, monkeypatch):
 @pytest.mark.parametrize("command, needles", [
     ("mount {ds} {tmp}/absent", ["{tmp}/absent", "does not exist"]),
     ("mount {ds} {tmp}/file", ["{tmp}/file", "not a directory"]),
+    ("mount {ds} {tmp}/full", ["MOUNTPOINT {tmp}/full", "is not empty (it holds 'kept.txt')", "would hide"]),
     ("mount {tmp} {tmp}/mp", ["{tmp}", "not a fanstore dataset"]),
     ("mount {tmp}/file {tmp}/mp", ["{tmp}/file", "is a file"]),
     ("mount {ds} {tmp}/mp --cache-size -1", ["--cache-size", "-1"]),
@@ -439,6 +440,8 @@ def test_mount_argument_errors_are_one_line(packed, tmp_path, monkeypatch, comma
     for directory in ("mp", "dir"):
         (tmp_path / directory).mkdir()
     (tmp_path / "file").write_text("not a directory")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "kept.txt").write_text("a file the mount would hide")
     (tmp_path / "binary").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")  # an image given for the epoch's list
     shutil.copytree(ds, tmp_path / "dir" / "ds")  # a dataset inside a mount point, as given or through a link
     (tmp_path / "dir" / "link").symlink_to(ds)

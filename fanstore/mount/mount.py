@@ -127,7 +127,7 @@ def check_outside(mountpoint: Path, paths: dict[str, Path]) -> None:
 
 
 def check_mountpoint(mountpoint: Path) -> None:
-    """A mount point must be an existing directory that nothing is mounted on, stale mounts included.
+    """A mount point must be an existing empty directory that nothing is mounted on, stale mounts included.
 
     `mountpoint` is resolved (resolve_mountpoint). Whether a FUSE file system is there is read from mountinfo,
     never from a stat: the kernel answers a stat of a killed daemon's mount from its cache for a day.
@@ -155,6 +155,14 @@ def check_mountpoint(mountpoint: Path) -> None:
         raise UsageError(f"MOUNTPOINT {quoted(mountpoint)} is not a directory")
     if os.path.ismount(mountpoint):
         raise MountError(f"{mountpoint}: something is already mounted here; `fanstore umount {mountpoint}` first")
+    try:
+        with os.scandir(mountpoint) as entries:
+            first = next(entries, None)
+    except OSError as exc:
+        raise MountError(f"{mountpoint}: {exc.strerror}") from None
+    if first is not None:  # the mount would hide it, as libfuse 2 refused to without -o nonempty
+        raise UsageError(f"MOUNTPOINT {quoted(mountpoint)} is not empty (it holds {quoted(first.name)}): the mount "
+                         "would hide what it holds; give an empty directory")
 
 
 def fuse_answer(mountpoint: Path, timeout: float = PROBE_TIMEOUT) -> int | None:
