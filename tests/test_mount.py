@@ -412,7 +412,7 @@ def test_resolve_mountpoint_follows_links_with_readlink(tmp_path, monkeypatch):
 @pytest.mark.parametrize("command, needles", [
     ("mount {ds} {tmp}/absent", ["{tmp}/absent", "does not exist"]),
     ("mount {ds} {tmp}/file", ["{tmp}/file", "not a directory"]),
-    ("mount {ds} {tmp}/full", ["MOUNTPOINT {tmp}/full", "is not empty (it holds 'kept.txt')", "would hide"]),
+    ("mount {ds} {tmp}/full", ["{tmp}/full' is not empty (it holds 'kept.txt')", "would hide"]),
     ("mount {tmp} {tmp}/mp", ["{tmp}", "not a fanstore dataset"]),
     ("mount {tmp}/file {tmp}/mp", ["{tmp}/file", "is a file"]),
     ("mount {ds} {tmp}/mp --cache-size -1", ["--cache-size", "-1"]),
