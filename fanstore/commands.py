@@ -33,7 +33,7 @@ def _selection_options(args: argparse.Namespace) -> dict[str, Any]:
     from .pack.options import AUTO_CODEC, PackOptions
 
     if getattr(args, "codec", AUTO_CODEC) != AUTO_CODEC:
-        for name in ("budget", "prefetch_threads", "fit", "nodes", "tolerance", "pack_speed", "sample"):
+        for name in ("budget", "prefetch_threads", "fit", "nodes", "tolerance", "pack_speed", "sample", "seed"):
             if name == "nodes" and args.nodes is not None:
                 raise UsageError("--nodes only applies with --codec auto")
             if name != "nodes" and given(PackOptions, args, name):
@@ -106,6 +106,8 @@ def run_pack(args: argparse.Namespace) -> int:
 
         print(f"warning: ... and {len(summary.problems) - _WARNINGS_SHOWN} more skipped "
               f"({all_skipped_command(args.dest)} lists them all)", file=sys.stderr)
+    for pattern in summary.unmatched:
+        print(f"warning: --replicate {quoted(pattern)} matches no file of SRC: it replicates nothing", file=sys.stderr)
     reused = (f", {plural(summary.reused_chunks, 'chunk')} kept from the interrupted run" if summary.reused_chunks
               else "")
     print(f"packed {plural(summary.files, 'file')} into {plural(summary.chunks, 'chunk')}{reused}: "

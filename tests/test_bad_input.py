@@ -472,3 +472,23 @@ def test_a_long_value_is_echoed_cut_in_its_error(source_tree, tmp_path, command,
     failed = run_cli(*args, timeout=60)
     assert_one_line_error(failed, needle, f"...' ({length:,} characters)")
     assert len(failed.stderr) < 600, failed.stderr[:2000]
+
+
+def test_option_values_a_person_gets_wrong_are_said_so(source_tree, tmp_path):
+    """A byte count with a fraction and no unit was cut down without a word (--chunk-size 1.5: '1 bytes is too
+    small'); --budget 0MB/s was refused where 0 was taken; --tolerance -1% said it must be more than 0%, which
+    0 is not and is accepted; --seed with a fixed codec was taken silently where --sample is refused; a
+    --replicate pattern that matches nothing (a typo) replicated nothing without a word."""
+    def pack_with(*options: str):
+        return run_cli("fanstore-pack", str(source_tree), str(tmp_path / "ds"), "--quiet", *options)
+
+    assert_one_line_error(pack_with("--chunk-size", "1.5"), "--chunk-size", "'1.5' is not a whole number of bytes")
+    assert_one_line_error(pack_with("--codec", "auto", "--budget", "1GB/s", "--tolerance=-1%"),
+                          "--tolerance", "must be from 0% up to, not including, 100%")
+    assert_one_line_error(pack_with("--codec", "lz4", "--seed", "3"), "--seed only applies with --codec auto")
+    typo = pack_with("--codec", "lz4", "--replicate", "vla/**", "--replicate", "val/**")
+    assert typo.returncode == 0, typo.stderr
+    assert "warning: --replicate 'vla/**' matches no file of SRC: it replicates nothing" in typo.stderr
+    assert "'val/**'" not in typo.stderr
+    zero = run_cli("select", str(source_tree), "--budget", "0MB/s", "--fit", "1GB")
+    assert zero.returncode == 0, zero.stderr

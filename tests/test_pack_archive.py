@@ -532,7 +532,11 @@ def test_sources_that_are_not_archives_are_one_line(tmp_path):
     assert_one_line_error(run_cli("fanstore-pack", str(tmp_path / "a.tar"), str(tmp_path / "dir"), str(tmp_path / "ds")),
                           "several SRC must all be archives")
     assert_one_line_error(run_cli("fanstore-pack", str(tmp_path / "a.tar"), str(tmp_path / "a.tar"),
-                                  str(tmp_path / "ds")), "the same archive is given twice")
+                                  str(tmp_path / "ds")), f"the archive '{tmp_path / 'a.tar'}' is given twice")
+    (tmp_path / "b.tar").symlink_to(tmp_path / "a.tar")
+    assert_one_line_error(run_cli("fanstore-pack", str(tmp_path / "a.tar"), str(tmp_path / "b.tar"),
+                                  str(tmp_path / "ds")),
+                          f"the archive '{tmp_path / 'b.tar'}' is given twice (as '{tmp_path / 'a.tar'}' too)")
 
 
 def _shards(tree: Path, into: Path, count: int) -> list[Path]:

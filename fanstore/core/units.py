@@ -27,6 +27,8 @@ def parse_size(text: str, option: str = "size", minimum: int = 1) -> int:
     if prefix:
         base = 1000 if (suffix or "").lower() == "b" else 1024
         value *= base ** _POWERS[prefix.lower()]
+    elif not value.is_integer():
+        raise UsageError(f"{option}: {quoted(text)} is not a whole number of bytes (a fraction takes a unit: 1.5MB)")
     if value < minimum:
         raise UsageError(f"{option}: {quoted(text)} must be at least {minimum} byte{'s' if minimum != 1 else ''}")
     return int(value)
@@ -75,10 +77,8 @@ def parse_rate(text: str, option: str = "rate") -> float:
     """Bytes per second from `800MB/s`, `1.5GiB/s`, `0` (no requirement); raises UsageError naming the option."""
     match = _RATE_RE.match(str(text))
     body = match.group(1) if match else str(text)
-    if body.strip() == "0":
-        return 0.0
     try:
-        return float(parse_size(body, option))
+        return float(parse_size(body, option, minimum=0))  # 0 (or 0MB/s): no requirement
     except UsageError:
         raise UsageError(f"{option}: cannot read {quoted(text)} as a throughput (try 800MB/s or 1GiB/s)") from None
 

@@ -59,9 +59,18 @@ class GroupPlan:
     def __init__(self, replicate: tuple[str, ...] = ()) -> None:
         self.replicate = tuple(replicate)
         self._regexes = tuple(glob_to_regex(p) for p in self.replicate)
+        self._matched: set[int] = set()  # the patterns a file given to group_of matched (the first of each file's)
 
     def group_of(self, path: str) -> int:
-        return REPLICATED if any(rx.match(path) for rx in self._regexes) else SPREAD
+        for number, regex in enumerate(self._regexes):
+            if regex.match(path):
+                self._matched.add(number)
+                return REPLICATED
+        return SPREAD
+
+    def unmatched(self) -> list[str]:
+        """The --replicate patterns no file given to group_of matched: a typo (`vla/**`) replicates nothing."""
+        return [pattern for number, pattern in enumerate(self.replicate) if number not in self._matched]
 
     def table(self) -> list[dict[str, Any]]:
         """The groups as the index records them."""

@@ -56,11 +56,13 @@ def _no_floor(rate: float) -> str:
 
 def parse_tolerance(text: str, flag: str = "--tolerance") -> float:
     """--tolerance as a fraction from 0 (unlike --sample, 0 is meaningful: the smallest stored size always wins)."""
-    if str(text).strip().rstrip("%").strip() in ("0", "0.0"):
-        return 0.0
-    tolerance = parse_fraction(text, flag)
-    if tolerance >= 1:
-        raise UsageError(f"{flag}: {quoted(text)} must be less than 100% (e.g. 1%)")
+    value = str(text).strip()
+    try:
+        tolerance = float(value[:-1]) / 100 if value.endswith("%") else float(value)
+    except ValueError:
+        raise UsageError(f"{flag}: cannot read {quoted(text)} as a fraction (try 1% or 0.01)") from None
+    if not 0 <= tolerance < 1:
+        raise UsageError(f"{flag}: {quoted(text)} must be from 0% up to, not including, 100% (e.g. 1%)")
     return tolerance
 
 

@@ -73,6 +73,7 @@ class PackSummary:
     selection: Selection | None = None  # with --codec auto: what was chosen, and what it predicted
     selection_seconds: float = 0.0  # spent selecting in this run (0 when a resumed pack reused the journaled one)
     up_to_date: bool = False  # DEST held this very pack, finished: nothing was done, the figures are its index's
+    unmatched: list[str] = field(default_factory=list)  # --replicate patterns that matched no file
 
     @property
     def ratio(self) -> float:
@@ -182,6 +183,7 @@ def _pack_with(sources: list[Path], dest_path: Path, options: PackOptions, tree:
     plan = _codec_plan(run)
     pause_point("planned")
     summary = _chunks_and_index(run, plan, progress, pool, before)
+    summary.unmatched = run.groups.unmatched()
     pause_point("indexed")
     run.journal.remove()
     summary.selection, summary.selection_seconds = run.selection, selection_seconds

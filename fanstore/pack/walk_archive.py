@@ -42,8 +42,12 @@ def walk_archives(archives: Sequence[str | os.PathLike[str]], executor: Executor
     tar is decompressing all of it."""
     paths = [Path(archive) for archive in archives]
     formats = [_format_of(path) for path in paths]
-    if len(set(map(os.path.realpath, paths))) != len(paths):
-        raise UsageError("SRC: the same archive is given twice")
+    seen: dict[str, Path] = {}
+    for path in paths:
+        first = seen.setdefault(os.path.realpath(path), path)
+        if first is not path:
+            also = "" if str(first) == str(path) else f" (as {quoted(first)} too)"
+            raise UsageError(f"SRC: the archive {quoted(path)} is given twice{also}")
     if len(paths) > 1 << (63 - ARCHIVE_KEY_SHIFT):
         raise UsageError(f"SRC: at most {1 << (63 - ARCHIVE_KEY_SHIFT)} archives in one pack")
     listed = list(zip(range(len(paths)), paths, formats))
