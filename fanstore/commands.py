@@ -6,6 +6,7 @@ a FanstoreError, which cli.py turns into one line on stderr.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -218,6 +219,11 @@ def run_select(args: argparse.Namespace) -> int:
     groups = GroupPlan(tuple(args.replicate or ()))  # validates the patterns before the long part
     options = _selection_options(args)
     goal = make_goal(options["fit"], options["nodes"], options["tolerance"], options["pack_speed"], args.workers)
+    if args.plot:  # checked before the measuring, which takes a minute on a large sample
+        folder = Path(args.plot).parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise UsageError(f"--plot {quoted(args.plot)}: {quoted(str(folder))} is not a directory this process "
+                             "can write in")
     sources = source_paths(args.src)
     selection = select_for(sources[0], walk_sources(sources), groups, options["budget"],
                            options["prefetch_threads"], options["sample"], options["seed"], goal)

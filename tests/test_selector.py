@@ -381,6 +381,8 @@ def test_bad_command_line_values_name_the_option(tree_root: Path) -> None:
                           "--prefetch-threads")
     assert_one_line_error(run_cli("select", str(tree_root), "--budget", "1GB/s", "--workers", "99999999999"),
                           "--workers: must be 0 (every core) to 1024")
+    assert_one_line_error(run_cli("select", str(tree_root), "--budget", "1GB/s", "--plot", "/nonexistent/dir/x.png"),
+                          "--plot '/nonexistent/dir/x.png': '/nonexistent/dir' is not a directory")  # before measuring
 
 
 # --- reporting -----------------------------------------------------------------------------------------------------
