@@ -35,6 +35,25 @@ def test_dest_inside_src(source_tree):
     assert_one_line_error(run_cli("fanstore-pack", str(source_tree), str(source_tree / "ds")), "inside SRC")
 
 
+def test_dest_inside_src_through_a_bind_mount_or_a_link(source_tree, tmp_path):
+    """SRC reached by another path: DEST under a bind mount of SRC was written into SRC (and the next run saw its
+    own chunks as changed source files); a link to SRC alike. Both are refused, and nothing is written."""
+    linked = tmp_path / "linked"
+    linked.symlink_to(source_tree)
+    assert_one_line_error(run_cli("fanstore-pack", str(source_tree), str(linked / "ds")), "inside SRC")
+    bound = tmp_path / "bound"
+    bound.mkdir()
+    mounted = subprocess.run(["mount", "--bind", str(source_tree), str(bound)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot bind-mount SRC (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        assert_one_line_error(run_cli("fanstore-pack", str(source_tree), str(bound / "ds")), "inside SRC")
+        assert_one_line_error(run_cli("fanstore-pack", str(bound / "train"), str(source_tree)), "inside DEST")
+        assert not (source_tree / "ds").exists()
+    finally:
+        subprocess.run(["umount", str(bound)])
+
+
 def test_dest_holding_another_dataset_needs_force(source_tree, tmp_path):
     dest = tmp_path / "ds"
     run_cli("fanstore-pack", str(source_tree), str(dest), "--quiet", check=True)

@@ -31,6 +31,7 @@ from typing import Callable
 
 from ..core.api import open_dataset
 from ..core.durable import PARTIAL_SUFFIX
+from ..core.dest_apart import overlap
 from ..errors import FanstoreError, UsageError, quoted
 from ..core.format import CHUNK_DIR, CHUNK_MAGIC, INDEX_MAGIC, INDEX_NAME
 from .journal import JOURNAL_DIR, STATE_FILE, JournalError, PackJournal
@@ -41,11 +42,13 @@ _JOURNAL_NAME = re.compile(r"(state\.json|chunk-[0-9]{8}\.json|dict\.[0-9]+(\.[a
 
 
 def check_src_and_dest(src: Path, dest: Path) -> None:
-    """Neither may hold the other: a pack writes and deletes under DEST, and must not read what it writes."""
-    real_src, real_dest = os.path.realpath(src), os.path.realpath(dest)
-    if real_dest == real_src or real_dest.startswith(real_src + os.sep):
+    """Neither may hold the other: a pack writes and deletes under DEST, and must not read what it writes. Links are
+    followed and a directory reached by two paths (a bind mount) is seen as one (dest_apart.overlap): DEST under a
+    bind mount of SRC was written into SRC, and the next run saw its own chunks as changed source files."""
+    where = overlap(dest, src)
+    if where in ("is", "inside"):
         raise UsageError(f"DEST {quoted(dest)} is inside SRC {quoted(src)}; choose a directory outside it")
-    if real_src.startswith(real_dest + os.sep):
+    if where == "holds":
         raise UsageError(f"SRC {quoted(src)} is inside DEST {quoted(dest)}, where the pack writes and may delete; "
                          "choose a DEST outside SRC")
 
