@@ -140,7 +140,9 @@ def prepare_dest(dest: Path, journal: PackJournal, fingerprint: str, listing_dig
     try:
         (dest / CHUNK_DIR).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise UsageError(f"DEST {quoted(dest)} cannot be created: {exc.strerror}") from None
+        what = f"cannot be written ({quoted(str(dest / CHUNK_DIR))} cannot be made)" if dest.is_dir() else \
+            "cannot be created"
+        raise UsageError(f"DEST {quoted(dest)} {what}: {exc.strerror}") from None
 
 
 def discard_unrecorded_chunks(dest: Path, finished: int) -> None:
