@@ -511,3 +511,19 @@ def test_option_values_a_person_gets_wrong_are_said_so(source_tree, tmp_path):
     assert "'val/**'" not in typo.stderr
     zero = run_cli("select", str(source_tree), "--budget", "0MB/s", "--fit", "1GB")
     assert zero.returncode == 0, zero.stderr
+
+
+def test_a_dest_on_a_read_only_file_system_is_one_line_saying_what_it_is(source_tree, tmp_path):
+    """An existing DEST that cannot be written was said to be one that 'cannot be created'."""
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(read_only)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        assert_one_line_error(run_cli("fanstore-pack", str(source_tree), str(read_only)),
+                              f"DEST '{read_only}' cannot be written ('{read_only}/chunks' cannot be made): Read-only")
+        assert_one_line_error(run_cli("fanstore-pack", str(source_tree), str(read_only / "new")),
+                              f"DEST '{read_only}/new' cannot be created: Read-only")
+    finally:
+        subprocess.run(["umount", str(read_only)])
