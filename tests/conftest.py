@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -9,7 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -189,6 +190,18 @@ def paused_pack(tmp_path):
     for paused in started:
         if paused.proc.poll() is None:
             paused.kill_group()
+
+
+@contextlib.contextmanager
+def mounted(target: Path, *mount_args: str, purpose: str) -> Iterator[Path]:
+    """`mount MOUNT_ARGS TARGET` for the block (detached after it), or the test skipped: it cannot `purpose` here."""
+    done = subprocess.run(["mount", *mount_args, str(target)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot {purpose} (needs root): {done.stderr.decode().strip()}")
+    try:
+        yield target
+    finally:
+        subprocess.run(["umount", "-l", str(target)])
 
 
 def wait_until(condition, what: str, timeout: float = 60) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_one_line_error, dir_bytes, make_tree, run_cli
+from conftest import assert_one_line_error, dir_bytes, make_tree, mounted, run_cli
 from fanstore import PackError, PackOptions, open_dataset, pack
 from fanstore.errors import quoted
 from fanstore.pack.walk import walk_source
@@ -43,15 +43,10 @@ def test_dest_inside_src_through_a_bind_mount_or_a_link(source_tree, tmp_path):
     assert_one_line_error(run_cli("fanstore-pack", str(source_tree), str(linked / "ds")), "inside SRC")
     bound = tmp_path / "bound"
     bound.mkdir()
-    mounted = subprocess.run(["mount", "--bind", str(source_tree), str(bound)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot bind-mount SRC (needs root): {mounted.stderr.decode().strip()}")
-    try:
+    with mounted(bound, "--bind", str(source_tree), purpose="bind-mount SRC"):
         assert_one_line_error(run_cli("fanstore-pack", str(source_tree), str(bound / "ds")), "inside SRC")
         assert_one_line_error(run_cli("fanstore-pack", str(bound / "train"), str(source_tree)), "inside DEST")
         assert not (source_tree / "ds").exists()
-    finally:
-        subprocess.run(["umount", str(bound)])
 
 
 def test_dest_holding_another_dataset_needs_force(source_tree, tmp_path):
@@ -517,13 +512,8 @@ def test_a_dest_on_a_read_only_file_system_is_one_line_saying_what_it_is(source_
     """An existing DEST that cannot be written was said to be one that 'cannot be created'."""
     read_only = tmp_path / "ro"
     read_only.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(read_only)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs (needs root): {mounted.stderr.decode().strip()}")
-    try:
+    with mounted(read_only, "-t", "tmpfs", "-o", "ro", "tmpfs", purpose="mount a read-only tmpfs"):
         assert_one_line_error(run_cli("fanstore-pack", str(source_tree), str(read_only)),
                               f"DEST '{read_only}' cannot be written ('{read_only}/chunks' cannot be made): Read-only")
         assert_one_line_error(run_cli("fanstore-pack", str(source_tree), str(read_only / "new")),
                               f"DEST '{read_only}/new' cannot be created: Read-only")
-    finally:
-        subprocess.run(["umount", str(read_only)])

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from client_files import make_client_tree
-from conftest import REPO, assert_one_line_error, dir_bytes, flip_byte, run_cli, tree_digest, wait_until
+from conftest import REPO, assert_one_line_error, dir_bytes, flip_byte, mounted, run_cli, tree_digest, wait_until
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.core.format import INDEX_NAME, chunk_file_name
 from fanstore.mount.job_memory import job_memory
@@ -951,25 +951,19 @@ def test_local_dirs_that_share_a_file_system_are_checked_for_their_shares_togeth
     assert max(needs) + 64 * 4096 < room < sum(needs), (needs, room)
     shared = tmp_path / "shared"
     shared.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room}", "tmpfs", str(shared)],
-                             capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {mounted.stderr.decode().strip()}")
-    try:
+    with mounted(shared, "-t", "tmpfs", "-o", f"size={room}", "tmpfs", purpose="mount a small tmpfs to fill"):
         job = Job(tmp_path, dest, command=["true"], local=str(shared / "local{rank}"))
         jobs.append(job)
         code, out, err = job.finish()
         copied = [path for path in shared.rglob("*.fsc")]
-    finally:
-        subprocess.run(["umount", "-l", str(shared)])
     assert code == 1 and out == "" and "Traceback" not in err, (code, out, err)
     lines = sorted(err.splitlines())
     assert len(lines) == RANKS, err
     for rank, line in enumerate(lines):
         others = ", ".join(str(other) for other in range(RANKS) if other != rank)
         assert re.fullmatch(rf"fanstore: error: rank {rank} on \S+: --local-dir {shared}/local{rank}: not enough "
-                            rf"space: needs .* \({needs[rank]} bytes\), .* with ranks {others}, whose --local-dir is on "
-                            rf"the same file system, .* free, for its share .*", line), line
+                            rf"space: needs .* \({needs[rank]} bytes\), .* with ranks {others}, whose --local-dir "
+                            rf"is on the same file system, .* free, for its share .*", line), line
     assert copied == []
     _assert_nothing_left(job)
 
