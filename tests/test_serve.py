@@ -22,6 +22,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -938,6 +939,15 @@ def test_a_local_dir_with_room_for_the_chunks_but_not_the_index_copy_is_refused_
     _assert_nothing_left(job)
 
 
+def _assert_one_line_each(err: str, pattern: Callable[[int, str], str]) -> None:
+    """Every rank said one line, `pattern(rank, the other ranks as "1, 2")` in full."""
+    lines = sorted(err.splitlines())
+    assert len(lines) == RANKS, err
+    for rank, line in enumerate(lines):
+        others = ", ".join(str(other) for other in range(RANKS) if other != rank)
+        assert re.fullmatch(pattern(rank, others), line), line
+
+
 def test_local_dirs_that_share_a_file_system_are_checked_for_their_shares_together(served_dataset, tmp_path, jobs):
     """Three ranks of a host whose --local-dir lie on one file system: each share fits its free space alone, not
     all three together. Each rank checked alone, all passed, and each failed half-way through staging with the
@@ -957,13 +967,10 @@ def test_local_dirs_that_share_a_file_system_are_checked_for_their_shares_togeth
         code, out, err = job.finish()
         copied = [path for path in shared.rglob("*.fsc")]
     assert code == 1 and out == "" and "Traceback" not in err, (code, out, err)
-    lines = sorted(err.splitlines())
-    assert len(lines) == RANKS, err
-    for rank, line in enumerate(lines):
-        others = ", ".join(str(other) for other in range(RANKS) if other != rank)
-        assert re.fullmatch(rf"fanstore: error: rank {rank} on \S+: --local-dir {shared}/local{rank}: not enough "
-                            rf"space: needs .* \({needs[rank]} bytes\), .* with ranks {others}, whose --local-dir "
-                            rf"is on the same file system, .* free, for its share .*", line), line
+    _assert_one_line_each(err, lambda rank, others: (
+        rf"fanstore: error: rank {rank} on \S+: --local-dir {shared}/local{rank}: not enough space: needs .* "
+        rf"\({needs[rank]} bytes\), .* with ranks {others}, whose --local-dir is on the same file system, .* free, "
+        rf"for its share .*"))
     assert copied == []
     _assert_nothing_left(job)
 
@@ -1217,16 +1224,12 @@ def test_a_share_that_cannot_fit_the_jobs_memory_cgroup_is_refused_at_start_nami
     killed = cgroup.oom_kills()
     cgroup.remove()
     assert code == 1 and out == "" and killed == 0, (code, killed, out, err)
-    lines = sorted(err.splitlines())
-    assert len(lines) == RANKS, err
-    for rank, line in enumerate(lines):
-        others = ", ".join(str(other) for other in range(RANKS) if other != rank)
-        assert re.fullmatch(rf"fanstore: error: rank {rank} on \S+: --local-dir {local}/local{rank}: not enough "
-                            rf"memory: it is on a tmpfs, whose files take the job's memory: needs 302 MB "
-                            rf"\(\d+ bytes\), 906 MB with ranks {others} on this host under the same memory "
-                            rf"cgroup, the \S+ [kMG]?B left in this job's memory cgroup {re.escape(cgroup.name)} "
-                            rf"\(limit 268 MB, \S+ [kMG]?B in use\), for its share of the chunk files \(\d+ bytes\) "
-                            rf"and its copy of DEST's index \(\d+ bytes\)", line), line
+    _assert_one_line_each(err, lambda rank, others: (
+        rf"fanstore: error: rank {rank} on \S+: --local-dir {local}/local{rank}: not enough memory: it is on a tmpfs, "
+        rf"whose files take the job's memory: needs 302 MB \(\d+ bytes\), 906 MB with ranks {others} on this host "
+        rf"under the same memory cgroup, the \S+ [kMG]?B left in this job's memory cgroup {re.escape(cgroup.name)} "
+        rf"\(limit 268 MB, \S+ [kMG]?B in use\), for its share of the chunk files \(\d+ bytes\) and its copy of "
+        rf"DEST's index \(\d+ bytes\)"))
     assert copied == []
 
 
