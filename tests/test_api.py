@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import pickle
+
 import pytest
 
 from fanstore import ChunkCorrupt, PackOptions, open_dataset, pack
+from fanstore.core.chunk_source import FallbackChunkSource, LocalChunkSource
 from fanstore.core.format import chunk_file_name
 
 
@@ -29,3 +33,27 @@ def test_the_api_keeps_no_decoded_cache(source_tree, tmp_path):
             ds.read("labels.txt")
         with pytest.raises(ChunkCorrupt, match="labels.txt"), ds.open("labels.txt") as reopened:
             reopened.read()
+
+
+def _read_in_child(ds, path: str) -> bytes:
+    return ds.read(path)
+
+
+@pytest.mark.parametrize("start", ["spawn", "forkserver"])
+def test_a_dataset_goes_to_a_spawned_process_as_what_opens_it_again(source_tree, tmp_path, start):
+    """A user's own torch Dataset holding `open_dataset(...)` failed in spawn and forkserver DataLoader workers
+    (cannot pickle memoryview objects): the dataset pickles as its directory, opened again where it lands. One read
+    through another source (a serve node's) says it cannot be pickled and what to do, in one line."""
+    dest = tmp_path / "ds"
+    pack(source_tree, dest, PackOptions(codec="zstd:3", workers=1))
+    with open_dataset(dest) as ds:
+        clone = pickle.loads(pickle.dumps(ds))
+        with clone:
+            assert clone.read("labels.txt") == (source_tree / "labels.txt").read_bytes()
+        with multiprocessing.get_context(start).Pool(1) as pool:
+            assert pool.apply(_read_in_child, (ds, "labels.txt")) == (source_tree / "labels.txt").read_bytes()
+    other = FallbackChunkSource(LocalChunkSource(dest, ds.index.chunks["size"]),
+                                LocalChunkSource(dest, ds.index.chunks["size"]))
+    with open_dataset(dest, source=other) as ds:
+        with pytest.raises(TypeError, match="a dataset read through FallbackChunkSource cannot be pickled: open it"):
+            pickle.dumps(ds)

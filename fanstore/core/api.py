@@ -13,7 +13,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -164,6 +164,16 @@ class Dataset:
 
     def close(self) -> None:
         self.reader.source.close()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as what opens it again (a spawn or forkserver DataLoader worker, a multiprocessing pool): the
+        index maps a file and the source holds descriptors, which no pickle carries. A dataset read through another
+        source (a serve node's) is opened again in the process that needs it."""
+        source = self.reader.source
+        if type(source) is not LocalChunkSource or Path(source.directory) != Path(self.path):
+            raise TypeError(f"a dataset read through {type(source).__name__} cannot be pickled: open it in the process "
+                            "that reads it, or use fanstore.torch.FileDataset, which pickles as its source's name")
+        return open_dataset, (str(self.path),)
 
     def for_forked_child(self) -> "Dataset | None":
         """In a process forked from the one that opened this dataset: the same dataset, its index shared with the

@@ -176,6 +176,11 @@ class LocalChunkSource(ChunkSource):
         return ChunkCorrupt(f"{self.path(chunk_id)}: short read of chunk {chunk_id} at offset {offset} "
                             f"({got} of {length} bytes): the file shrank", chunk_id=chunk_id)
 
+    @property
+    def directory(self) -> Path:
+        """The dataset directory whose chunk files it reads."""
+        return self._dir
+
     def path(self, chunk_id: int) -> Path:
         """The chunk file, for messages."""
         return self._dir / chunk_file_name(chunk_id)
