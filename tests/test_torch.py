@@ -10,6 +10,7 @@ import pickle
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -407,6 +408,34 @@ def test_plan_files_of_processes_that_are_gone_are_removed(tmp_path):
     path = mine.path
     del mine
     assert not Path(path).exists()
+
+
+def test_two_samplers_over_one_dataset_publish_from_two_threads_without_failing_and_are_warned_of(packed):
+    """A training loader and an evaluation loader over one dataset object, iterated from two threads: their
+    publications shared one temporary file name per process, and one thread's rename took the other's file away
+    (FileNotFoundError from EpochSampler.__iter__). Each publication now has its own; and since the two orders
+    take turns in the one plan, the second sampler is warned of it."""
+    dataset = FileDataset(packed[1])
+    first = EpochSampler(RandomSampler(dataset), dataset)
+    with pytest.warns(UserWarning, match="this dataset already has an EpochSampler"):
+        second = EpochSampler(RandomSampler(dataset), dataset)
+    failures: list[BaseException] = []
+
+    def publish(sampler: EpochSampler) -> None:
+        try:
+            for _ in range(300):
+                list(iter(sampler))
+        except BaseException as exc:  # noqa: BLE001 - the test reports whatever a thread met
+            failures.append(exc)
+
+    threads = [threading.Thread(target=publish, args=(sampler,)) for sampler in (first, second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    serial, order = first.plan.current()
+    assert serial > 0 and sorted(order.tolist()) == list(range(len(dataset)))
 
 
 @pytest.mark.parametrize("context", ["spawn", "fork"])

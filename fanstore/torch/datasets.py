@@ -37,6 +37,7 @@ class FileDataset(TorchDataset):
         self.prefetch_bytes = prefetch_bytes
         self.prefetch_threads = prefetch_threads
         self.plan: EpochPlan | None = None  # set by an EpochSampler, before the loader's workers start
+        self.plan_owners = 0  # EpochSamplers that publish into `plan` (one, unless two loaders share this object)
 
     # --- what travels to workers: the recipe, never the open dataset ------------------------------------------
 

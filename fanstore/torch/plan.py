@@ -50,7 +50,7 @@ class EpochPlan:
         order = np.asarray(order, dtype=np.int64)
         fits = not len(order) or (int(order.min()) >= -(2**31) and int(order.max()) < 2**31)
         numbers = order.astype(np.int32) if fits else order
-        temporary = f"{self.path}.{os.getpid()}.tmp"
+        temporary = f"{self.path}.{uuid.uuid4().hex[:12]}.tmp"  # each publish its own: two threads may publish at once
         with open(temporary, "wb") as handle:
             handle.write(np.array([self._published, numbers.itemsize], dtype=np.int64).tobytes())
             handle.write(numbers.tobytes())

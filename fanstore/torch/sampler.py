@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Iterator
 
 import numpy as np
@@ -24,6 +25,11 @@ class EpochSampler(Sampler[int]):
         self.dataset = dataset
         if dataset.plan is None:
             dataset.plan = EpochPlan.create()
+        elif dataset.plan_owners:
+            warnings.warn("this dataset already has an EpochSampler: the orders of two loaders over one dataset "
+                          "object take turns in its plan, and each decodes ahead for the other's; give each loader "
+                          "a dataset of its own (FileDataset(...) again)", stacklevel=2)
+        dataset.plan_owners += 1
         self.plan = dataset.plan
 
     def set_epoch(self, epoch: int) -> None:
