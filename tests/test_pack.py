@@ -245,3 +245,29 @@ def test_archive_members_whose_names_no_file_system_holds_are_refused_by_name(tm
         assert sorted(ds.files()) == ["ok.txt"]
     with pytest.raises(FanstoreError, match="strict"):
         pack(archive, tmp_path / "strict", PackOptions(workers=1, strict=True))
+
+@pytest.mark.parametrize("member", [False, True], ids=["directory", "tar member"])
+def test_a_file_dated_past_what_the_index_holds_is_packed_with_the_nearest_time(tmp_path, member):
+    """An mtime in 2300 (or before 1677) does not fit the index's int64 nanoseconds: a pack of such a file ended
+    in an OverflowError traceback. Its bytes are packed, its time the nearest the index holds, and the same command
+    run again finds the pack finished."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, seconds in (("future.txt", 10_413_792_000), ("past.txt", -11_676_096_000), ("now.txt", 1_700_000_000)):
+        (src / name).write_text(name)
+        os.utime(src / name, ns=(seconds * 10**9, seconds * 10**9))
+    given = src
+    if member:
+        given = tmp_path / "src.tar"
+        with tarfile.open(given, "w", format=tarfile.PAX_FORMAT) as tar:
+            tar.add(src, arcname=".")
+    done = run_cli("fanstore-pack", str(given), str(tmp_path / "ds"), "--quiet")
+    assert done.returncode == 0 and "Traceback" not in done.stderr and "skipped" not in done.stderr, done.stderr
+    with open_dataset(tmp_path / "ds") as ds:
+        assert {name: ds.read(name) for name in ds.listdir("")} == {name: name.encode() for name in
+                                                                   ("future.txt", "now.txt", "past.txt")}
+        assert ds.stat("future.txt").st_mtime_ns == 2**63 - 1
+        # This file system may keep the past one no further back than 1901 (a 32-bit second): as it keeps it.
+        assert ds.stat("past.txt").st_mtime_ns == max(os.stat(src / "past.txt").st_mtime_ns, -(2**63))
+        assert ds.stat("now.txt").st_mtime_ns == 1_700_000_000 * 10**9
+    assert "nothing to do" in run_cli("fanstore-pack", str(given), str(tmp_path / "ds"), check=True).stdout

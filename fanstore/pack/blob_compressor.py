@@ -19,6 +19,7 @@ from compressors.kinds import HEAD_BYTES, file_kind
 
 from .batches import Batch, PlanFiles
 from .codec_plan import NONE_ROW, CodecPlan
+from .entry_columns import time_column
 from .walk import Problem
 
 
@@ -178,7 +179,8 @@ class BlobCompressor:
             if info.st_size != files.sizes[number]:
                 raise _Changed(f"changed size during the pack ({files.sizes[number]} bytes at walk, "
                                f"{info.st_size} now)")
-            if info.st_mtime_ns != files.mtimes[number] or info.st_ctime_ns != files.ctimes[number]:
+            if time_column(info.st_mtime_ns) != files.mtimes[number] or \
+                    time_column(info.st_ctime_ns) != files.ctimes[number]:
                 raise _Changed("changed during the pack (modified since the walk)")
             yield fd
         except OSError as exc:
@@ -189,7 +191,7 @@ class BlobCompressor:
     def _check_unchanged_after(self, fd: int, number: int) -> None:
         """A write while the file was read changes its size, mtime or ctime: the bytes read may be a mix."""
         info = os.fstat(fd)
-        if (info.st_size, info.st_mtime_ns, info.st_ctime_ns) != (
+        if (info.st_size, time_column(info.st_mtime_ns), time_column(info.st_ctime_ns)) != (
                 self.files.sizes[number], self.files.mtimes[number], self.files.ctimes[number]):
             raise _Changed("changed while it was being read")
 

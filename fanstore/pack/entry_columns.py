@@ -190,6 +190,16 @@ class EntryColumns(Sequence[SourceEntry]):
         return cls(PathColumn(blob, ends), numbers, targets)
 
 
+# Times a column holds (int64 nanoseconds: 1677 to 2262). A file dated outside is packed with the nearest one: a
+# file dated 2300 ended a pack in an OverflowError traceback, and its bytes are what a reader wants.
+_NS_MIN, _NS_MAX = -(2**63), 2**63 - 1
+
+
+def time_column(ns: int) -> int:
+    """A time in nanoseconds as a column holds it (the nearest one it can), to store it or compare a stat with it."""
+    return min(max(ns, _NS_MIN), _NS_MAX)
+
+
 class EntryColumnsBuilder:
     """Entries appended one at a time into growing columns (8 B a number, the path's bytes), not a list of tuples."""
 
@@ -212,9 +222,9 @@ class EntryColumnsBuilder:
         numbers = self._numbers
         numbers["mode"].append(entry.mode)
         numbers["size"].append(entry.size)
-        numbers["mtime_ns"].append(entry.mtime_ns)
+        numbers["mtime_ns"].append(time_column(entry.mtime_ns))
         numbers["ino"].append(entry.ino)
-        numbers["ctime_ns"].append(entry.ctime_ns)
+        numbers["ctime_ns"].append(time_column(entry.ctime_ns))
 
     def extend(self, columns: EntryColumns, start: int = 0, stop: int | None = None) -> None:
         """Entries [start, stop) of `columns` (a worker's walk, all of it), after those added."""
