@@ -57,3 +57,18 @@ def test_a_dataset_goes_to_a_spawned_process_as_what_opens_it_again(source_tree,
     with open_dataset(dest, source=other) as ds:
         with pytest.raises(TypeError, match="a dataset read through FallbackChunkSource cannot be pickled: open it"):
             pickle.dumps(ds)
+
+
+def test_an_open_file_takes_what_a_python_file_takes(source_tree, tmp_path):
+    """read(None) reads to the end, as a file's does (it raised TypeError); seek(1.5) is refused at the seek (it was
+    taken, and the next read failed with an unrelated TypeError); a bytes path names the same file."""
+    dest = tmp_path / "ds"
+    pack(source_tree, dest, PackOptions(codec="zstd:3", workers=1))
+    original = (source_tree / "labels.txt").read_bytes()
+    with open_dataset(dest) as ds, ds.open(b"labels.txt") as opened:
+        assert opened.read(None) == original
+        opened.seek(0)
+        assert opened.read(3) + opened.read(-1) == original
+        with pytest.raises(TypeError):
+            opened.seek(1.5)
+        assert opened.tell() == len(original)

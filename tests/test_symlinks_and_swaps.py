@@ -15,7 +15,7 @@ import pytest
 from conftest import run_cli
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.core.api import EntryStat
-from fanstore.errors import PathNotFound, SymlinkLoop
+from fanstore.errors import NotADirectory, PathNotFound, SymlinkLoop
 from fanstore.pack.walk import walk_source
 
 
@@ -57,7 +57,7 @@ def test_links_are_stored_in_a_form_that_stays_inside(linked_tree, tmp_path):
 def test_resolving_many_paths_at_once_gives_what_resolving_each_gives(linked_tree, tmp_path):
     pack(linked_tree, tmp_path / "ds", PackOptions(workers=1))
     paths = ["data/labels.txt", "a/b/deep.txt", "a/b/out_and_back", "data/absolute", "to_b/data_dir/labels.txt",
-             "to_b/root/a/b/deep.txt", "./a//b/deep.txt/", "a/b/root", "to_b"]
+             "to_b/root/a/b/deep.txt", "./a//b/deep.txt", "a/b/root/", "to_b"]
     with open_dataset(tmp_path / "ds") as ds:
         assert ds.resolve_many(paths).tolist() == [ds.resolve(path) for path in paths]
         assert ds.resolve_many([]).tolist() == []
@@ -65,6 +65,8 @@ def test_resolving_many_paths_at_once_gives_what_resolving_each_gives(linked_tre
             ds.resolve_many(["data/labels.txt", "a/b/missing"])
         with pytest.raises(PathNotFound, match="leaves"):
             ds.resolve_many(["a/b/leaves"])
+        with pytest.raises(NotADirectory, match="'a/b/deep.txt' is not a directory"):
+            ds.resolve_many(["./a//b/deep.txt/"])  # a file named as a directory, as the kernel refuses it
 
 
 def _outcome(look: Callable[[], os.stat_result | EntryStat]) -> tuple:
@@ -80,8 +82,9 @@ def _outcome(look: Callable[[], os.stat_result | EntryStat]) -> tuple:
 
 def test_the_api_resolves_a_path_as_the_kernel_does_in_src(tmp_path):
     """Loops, chains of links at and past the kernel's 40, links to the root on the way, a file taken for a
-    directory, a path far deeper than any link: the API gives what os.stat and os.lstat give in SRC, never a
-    RecursionError (one budget of hops for a whole lookup, however links lead to links)."""
+    directory, a path far deeper than any link, '..' anywhere, a trailing '/' or '.': the API gives what os.stat and
+    os.lstat give in SRC, never a RecursionError (one budget of hops for a whole lookup, however links lead to
+    links). '..' was looked up as a name, and 'file.txt/' read the file; walk of a file gave it as a directory."""
     src = tmp_path / "src"
     (src / "a" / "b").mkdir(parents=True)
     (src / "a" / "b" / "file.txt").write_text("file\n")
@@ -96,14 +99,23 @@ def test_the_api_resolves_a_path_as_the_kernel_does_in_src(tmp_path):
     paths = ["l", "l/x", "l/l/l", "m1", "m1/x", "a/b/top/a/b/file.txt", "a/b/file.txt/x", "a/b/file.txt/",
              "x/" * 600 + "y", "a/" * 600 + "y", "chain45", "chain6", "chain5", "chain4", "chain5/x",
              "a/b/top" + "/a/b/top" * 38 + "/a/b/file.txt", "a/b/top" + "/a/b/top" * 40 + "/a/b/file.txt",
-             "a/b/top" + "/a/b/top" * 38 + "/chain44", "a/b/top" + "/a/b/top" * 38 + "/chain43"]
+             "a/b/top" + "/a/b/top" * 38 + "/chain44", "a/b/top" + "/a/b/top" * 38 + "/chain43",
+             # '..' as the kernel takes it (after a link, from where the link led), and what must be a directory
+             "a/../a/b/file.txt", "a/b/top/a/../a/b/./file.txt", "x/..",
+             "a/b/file.txt/", "a/b/file.txt/.", "a/b/file.txt/..", "a/b/", "a/b/.", "a/b/..", "a/b/top/", "chain6/",
+             "chain6/..", "l/..", "/a/b/file.txt", "./a//b/file.txt"]
     with open_dataset(tmp_path / "ds") as ds:
         for path in paths:
             for follow in (True, False):
-                kernel = _outcome(lambda: os.stat(src / path, follow_symlinks=follow))
+                kernel = _outcome(lambda: os.stat(f"{src}/{path}", follow_symlinks=follow))  # as spelled: "x/" too
                 assert _outcome(lambda: ds.stat(path, follow_symlinks=follow)) == kernel, (path[:80], follow)
         assert _outcome(lambda: ds.stat("chain5")) == ("ELOOP",)  # the chain is 41 links from there
         assert ds.read("chain6") == b"file\n" and ds.readlink("a/b/top/a/b/top/chain0") == "chain1"
+        assert list(ds.walk("a/b/file.txt")) == [] and ds.read(os.fsencode("a/b/file.txt")) == b"file\n"
+        # The dataset's root is a root, as '/' is: '..' there stays there (in SRC it would climb out of SRC).
+        for path, same in (("..", ""), ("../a/b/file.txt", "a/b/file.txt"),
+                           ("a/b/top/../a/b/file.txt", "a/b/file.txt")):
+            assert ds.stat(path) == ds.stat(same), path
         for path in ("l", "l/x", "m1/x"):
             with pytest.raises(SymlinkLoop, match="too many levels of symbolic links"):
                 ds.read(path)

@@ -7,6 +7,7 @@ decoded last). Decoded bytes are kept where reads repeat or run ahead: the mount
 from __future__ import annotations
 
 import io
+import operator
 import os
 import posixpath
 import stat
@@ -94,6 +95,10 @@ class BlobFile(io.RawIOBase):
                 self._pos += taken
         return count
 
+    def read(self, size: int | None = -1) -> bytes:
+        """As a file's: `size` None or negative reads to the end (io.RawIOBase's refuses None)."""
+        return self.readall() if size is None or size < 0 else super().read(size)
+
     def readall(self) -> bytes:
         self._checkClosed()
         if self._pos == 0 and not self._reader.index.block_count(self._entry):
@@ -125,6 +130,7 @@ class BlobFile(io.RawIOBase):
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         self._checkClosed()
+        offset = operator.index(offset)  # TypeError for 1.5 here, as a file's seek gives, not at the next read
         bases = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}
         if whence not in bases:
             raise ValueError(f"{self.name}: invalid whence {whence!r} (use io.SEEK_SET, SEEK_CUR or SEEK_END)")
@@ -186,11 +192,17 @@ class Dataset:
     def resolve(self, path: str | os.PathLike[str], follow_symlinks: bool = True) -> int:
         """Entry number of a path, following symlinks (they all stay inside the dataset); with `follow_symlinks`
         False, a link at the end is the entry (links on the way are followed, as lstat does)."""
-        spelled = normalize_path(path)
-        entry = self.index.lookup_key(spelled.encode("utf-8", "surrogateescape"))
-        if entry is not None and not (follow_symlinks and stat.S_ISLNK(int(self.index.entries[entry]["mode"]))):
-            return entry  # no link on the way: the common case, one lookup
-        return self._walk(path, spelled, follow_symlinks)
+        text = os.fsdecode(path)
+        spelled = normalize_path(text)
+        # A trailing '/', '.' or '..' names a directory, as for the kernel: a link there is followed.
+        directory_wanted = text.endswith("/") or text.rpartition("/")[2] in (".", "..")
+        follow = follow_symlinks or directory_wanted
+        entry = None if "/../" in f"/{spelled}/" else self.index.lookup_key(spelled.encode("utf-8", "surrogateescape"))
+        if entry is None or (follow and stat.S_ISLNK(int(self.index.entries[entry]["mode"]))):
+            entry = self._walk(path, spelled, follow)  # a link or '..' on the way; or nothing there
+        if directory_wanted and not stat.S_ISDIR(int(self.index.entries[entry]["mode"])):
+            raise NotADirectory(f"{quoted(path)}: {quoted(self.index.path_of(entry))} is not a directory")
+        return entry
 
     def resolve_many(self, paths: Sequence[str]) -> np.ndarray:
         """Entry numbers of many paths, as `resolve` gives them (the same errors), in one vectorized search:
@@ -213,6 +225,10 @@ class Dataset:
             if not stat.S_ISDIR(int(self.index.entries[entry]["mode"])):
                 raise NotADirectory(f"{quoted(path)}: {quoted(here)} is not a directory")
             name = pending.pop()
+            if name == "..":  # `here` holds no link: its parent is where '..' leads (the root's is itself)
+                here = posixpath.dirname(here)
+                entry = self.index.lookup(here) if here else root
+                continue
             candidate = f"{here}/{name}" if here else name
             found = self.index.lookup_key(candidate.encode("utf-8", "surrogateescape"))
             if found is None:
@@ -278,8 +294,11 @@ class Dataset:
         return [self.index.path_of(c).rpartition("/")[2] for c in self.index.children(entry)]
 
     def walk(self, top: str | os.PathLike[str] = "") -> Iterator[tuple[str, list[str], list[str]]]:
-        """Like os.walk (top-down, symlinks to directories not followed): (dirpath, dirnames, filenames)."""
+        """Like os.walk (top-down, symlinks to directories not followed): (dirpath, dirnames, filenames). A top that is
+        not a directory gives nothing, as os.walk's; one that is not there is PathNotFound."""
         start = self.resolve(top)
+        if not stat.S_ISDIR(int(self.index.entries[start]["mode"])):
+            return
         pending = [start]
         while pending:
             entry = pending.pop()

@@ -49,8 +49,9 @@ _LOOKUP_SLICE = 1 << 16  # paths looked up at once when the packer places blobs
 
 
 def normalize_path(path: str | os.PathLike[str]) -> str:
-    """The index spells paths relative, '/'-separated, with no leading, trailing or doubled slashes."""
-    text = os.fspath(path)
+    """The index spells paths relative, '/'-separated, with no leading, trailing or doubled slashes. A bytes path is
+    decoded as the file system's names are (os.fsdecode)."""
+    text = os.fsdecode(path)
     return "/".join(part for part in text.split("/") if part and part != ".")
 
 
