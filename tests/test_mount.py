@@ -134,6 +134,23 @@ def test_tree_bytes_and_attributes_match(mounted):
     assert [d for d, _, _ in os.walk(mnt)] and sorted(os.listdir(mnt)) == sorted(os.listdir(src))
 
 
+def test_directories_list_dot_entries_and_count_links_as_on_disk(packed, mounted):
+    """Every directory said st_nlink 2 and listed no '.' and '..' (`ls -a` showed two entries fewer, code counting
+    a directory's links or entries was misled); the API's stat said the right count. A name longer than statfs's
+    255 bytes is ENAMETOOLONG, not ENOENT."""
+    src, mnt = mounted
+    with open_dataset(packed[1]) as ds:
+        for path in [src, *(path for path in src.rglob("*") if path.is_dir() and not path.is_symlink())]:
+            rel = path.relative_to(src)
+            assert os.stat(mnt / rel).st_nlink == os.stat(path).st_nlink == ds.stat(str(rel)).st_nlink, rel
+            listed = subprocess.run(["ls", "-a", str(mnt / rel)], capture_output=True, text=True, check=True).stdout
+            original = subprocess.run(["ls", "-a", str(path)], capture_output=True, text=True, check=True).stdout
+            assert listed == original, rel
+    with pytest.raises(OSError) as too_long:
+        os.stat(mnt / ("n" * 300))
+    assert too_long.value.errno == errno.ENAMETOOLONG
+
+
 def test_read_ahead_is_raised_where_root_may(mounted):
     """A 2 MiB file then costs 2 read requests instead of 16; only root may write the mount's bdi setting."""
     _, mnt = mounted

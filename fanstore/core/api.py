@@ -275,10 +275,8 @@ class Dataset:
     def stat_entry(self, entry: int) -> EntryStat:
         rec = self.index.entries[entry]
         mode = int(rec["mode"])
-        nlink = 2 + sum(1 for c in self.index.children(entry) if stat.S_ISDIR(int(self.index.entries[c]["mode"]))) \
-            if stat.S_ISDIR(mode) else 1
         return EntryStat(st_ino=entry + 1, st_mode=mode, st_size=int(rec["size"]),
-                         st_mtime_ns=int(rec["mtime_ns"]), st_nlink=nlink)
+                         st_mtime_ns=int(rec["mtime_ns"]), st_nlink=self.index.link_count(entry))
 
     def readlink(self, path: str | os.PathLike[str]) -> str:
         entry = self.resolve(path, follow_symlinks=False)

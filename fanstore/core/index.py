@@ -109,6 +109,7 @@ class Index:
         self._path_len = self.entries["path_len"]
         # Children of entry i are first_child[i]..first_child[i+1]; regular files in path order. Stored by 1.2
         # packs (read in place, shared by the node's processes); derived here from an older index.
+        self._link_counts: dict[int, int] | None = None  # per directory, its st_nlink (link_count)
         self._first_child: np.ndarray = (sections["first_child"].view(DERIVED_DTYPE) if "first_child" in sections
                                          else derive_first_child(self.entries["parent"]))
         self._file_order: np.ndarray | None = (sections["file_order"].view(DERIVED_DTYPE)
@@ -214,6 +215,18 @@ class Index:
 
     def path_of(self, entry: int) -> str:
         return self.path_bytes(entry).decode("utf-8")
+
+    def link_count(self, entry: int) -> int:
+        """st_nlink as a file system gives it: 2 and one a subdirectory for a directory, 1 otherwise. Counted once,
+        for every directory (few beside the files), at the first call."""
+        counts = self._link_counts
+        if counts is None:
+            kinds = self.entries["mode"] & 0o170000
+            directories = np.flatnonzero(kinds == stat.S_IFDIR)
+            below = directories[directories != 0]  # the root is its own parent, not its own subdirectory
+            subdirectories = np.bincount(self.entries["parent"][below].astype(np.int64), minlength=len(self.entries))
+            counts = self._link_counts = dict(zip(directories.tolist(), (2 + subdirectories[directories]).tolist()))
+        return counts.get(entry, 1)
 
     def children(self, entry: int) -> range:
         """Entry numbers of a directory's children, in name order (empty for files and symlinks)."""

@@ -24,7 +24,7 @@ import trio
 from ..core.cache import DecodedCache
 from ..core.chunk_source import ChunkSource
 from ..errors import ChunkCorrupt, ChunkError, ChunkUnavailable, FanstoreError, fuse_errno_of, quoted
-from ..core.format import FLAG_BLOCKED, fields_view
+from ..core.format import FLAG_BLOCKED, MAX_NAME_BYTES, fields_view
 from ..core.index import Index
 from .kernel_holds import KernelHolds
 from .options import INLINE_DECODE_BYTES
@@ -173,7 +173,7 @@ class FanstoreOperations(pyfuse3.Operations):
         self._statfs.f_bfree = self._statfs.f_bavail = 0
         self._statfs.f_files = len(index)
         self._statfs.f_ffree = self._statfs.f_favail = 0
-        self._statfs.f_namemax = 255
+        self._statfs.f_namemax = MAX_NAME_BYTES
 
     def init(self) -> None:
         """pyfuse3 calls this while answering the kernel's INIT; waiters run once the answer is written."""
@@ -192,7 +192,7 @@ class FanstoreOperations(pyfuse3.Operations):
         attrs = pyfuse3.EntryAttributes()
         attrs.st_ino = entry + 1
         attrs.st_mode = mode & ~_DROPPED_MODE_BITS
-        attrs.st_nlink = 2 if stat.S_ISDIR(mode) else 1
+        attrs.st_nlink = self.index.link_count(entry) if stat.S_ISDIR(mode) else 1
         attrs.st_size = size
         attrs.st_blksize = 128 * 1024
         attrs.st_blocks = (size + 511) // 512
@@ -203,6 +203,8 @@ class FanstoreOperations(pyfuse3.Operations):
 
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         parent = self._entry(parent_inode)
+        if len(name) > MAX_NAME_BYTES:  # as statfs says: not merely absent
+            raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
         if name == b".":
             return self._attributes(parent)
         if name == b"..":
@@ -229,12 +231,16 @@ class FanstoreOperations(pyfuse3.Operations):
         return entry
 
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        # The offset of a child is its position in the listing plus one: stable, since the listing never changes.
+        # '.' and '..' first, as a directory on disk lists them (`ls -a`, code that counts entries), then the children.
+        # The offset of each is its position in the listing plus one: stable, since the listing never changes.
         children = self.index.children(fh)
-        for position in range(start_id, len(children)):
-            child = children[position]
-            name = self.index.path_bytes(child).rpartition(b"/")[2]
-            if not pyfuse3.readdir_reply(token, name, self._attributes(child), position + 1):
+        for position in range(start_id, len(children) + 2):
+            if position < 2:
+                name, entry = (b".", fh) if position == 0 else (b"..", int(self._entries[fh]["parent"]))
+            else:
+                entry = children[position - 2]
+                name = self.index.path_bytes(entry).rpartition(b"/")[2]
+            if not pyfuse3.readdir_reply(token, name, self._attributes(entry), position + 1):
                 return
 
     async def releasedir(self, fh: int) -> None:
