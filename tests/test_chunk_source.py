@@ -154,6 +154,40 @@ def test_bytes_the_fallback_gave_that_fail_the_checksum_are_its_damage_final_and
         assert fell_back == []
 
 
+class _PrimaryThatFailsThenDamages(LocalChunkSource):
+    """A primary that cannot give any blob the first time it is asked (a peer timing out), and gives it with one
+    byte flipped after (its copy damaged)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked: set[tuple[int, int]] = set()
+
+    def read(self, chunk_id: int, offset: int, length: int) -> bytes:
+        if (chunk_id, offset) not in self.asked:
+            self.asked.add((chunk_id, offset))
+            raise ChunkUnavailable(f"chunk {chunk_id}: not now", chunk_id=chunk_id)
+        data = bytearray(super().read(chunk_id, offset, length))
+        data[len(data) // 2] ^= 0xFF
+        return bytes(data)
+
+
+def test_a_blob_the_fallback_gave_once_is_read_from_it_again_when_the_primary_gives_it_damaged_later(tmp_path):
+    """What the fallback gave is final only for the read that got it: the same blob given later by the primary,
+    damaged, is read from the fallback again, not refused as the fallback's damage."""
+    from conftest import make_tree
+    from fanstore import PackOptions, pack
+
+    src, dest = tmp_path / "src", tmp_path / "ds"
+    pack(make_tree(src), dest, PackOptions(chunk_size=16 * 1024, workers=1))
+    with open_dataset(dest) as ds:
+        sizes = ds.index.chunks["size"].copy()
+    source = FallbackChunkSource(_PrimaryThatFailsThenDamages(dest, sizes), LocalChunkSource(dest, sizes))
+    with open_dataset(dest, source=source) as ds:
+        path = next(path for path in ds.files() if (src / path).stat().st_size > 100)
+        assert ds.read(path) == (src / path).read_bytes()  # from the fallback: the primary could not give it
+        assert ds.read(path) == (src / path).read_bytes()  # the primary's damaged, so the fallback's again
+
+
 def test_chunk_with_a_wrong_header_is_refused(tmp_path):
     from conftest import make_tree
     from fanstore import PackOptions, pack

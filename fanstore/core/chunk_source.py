@@ -307,8 +307,7 @@ class LocalChunkSource(ChunkSource):
             self._evict_idle(keep=0)
 
 
-# Blobs a FallbackChunkSource remembers it read from its fallback, the latest: a reader checks a blob at once.
-_FALLBACK_REMEMBERED = 4096
+_NONE_GIVEN: frozenset[tuple[int, int]] = frozenset()
 
 
 class FallbackChunkSource(ChunkSource):
@@ -323,18 +322,20 @@ class FallbackChunkSource(ChunkSource):
         self.primary = primary
         self.fallback = fallback
         self._on_fallback = on_fallback
-        # The blobs the fallback gave last, (chunk, offset): their bytes failing the reader's checksum are the
-        # fallback's copy damaged, not the primary's (a peer that could not give a blob was blamed for DEST's).
-        self._from_fallback: OrderedDict[tuple[int, int], None] = OrderedDict()
-        self._lock = threading.Lock()
+        # Per thread, the blobs (chunk, offset) the fallback gave in its last read or read_many: a reader checks
+        # what it read at once, on its thread, and bytes of these that fail are the fallback's copy damaged, not
+        # the primary's (a peer that could not give a blob was blamed for DEST's).
+        self._given = threading.local()
 
     def read(self, chunk_id: int, offset: int, length: int) -> bytes:
+        self._given.blobs = _NONE_GIVEN
         try:
             return self.primary.read(chunk_id, offset, length)
         except ChunkError as exc:
             return self._from_the_fallback(exc, chunk_id, offset, length)
 
     def read_many(self, blobs: Sequence[tuple[int, int, int]]) -> list[bytes | memoryview | ChunkError]:
+        self._given.blobs = _NONE_GIVEN
         results = self.primary.read_many(blobs)
         for number, result in enumerate(results):
             if isinstance(result, ChunkError):
@@ -345,14 +346,12 @@ class FallbackChunkSource(ChunkSource):
         return results
 
     def gave(self, chunk_id: int, offset: int) -> bool:
-        """Whether the fallback gave the blob at `offset` of `chunk_id`, read last (its bytes are final)."""
-        with self._lock:
-            return (chunk_id, offset) in self._from_fallback
+        """Whether the fallback gave the blob at `offset` of `chunk_id` in this thread's last read (its bytes are
+        final)."""
+        return (chunk_id, offset) in getattr(self._given, "blobs", _NONE_GIVEN)
 
     def read_other_copy(self, chunk_id: int, offset: int, length: int) -> bytes:
-        with self._lock:
-            final = self._from_fallback.pop((chunk_id, offset), False) is None
-        if final:
+        if self.gave(chunk_id, offset):
             path = getattr(self.fallback, "path", None)
             where = f"{path(chunk_id)}: " if path is not None else ""
             raise ChunkCorrupt(f"{where}chunk {chunk_id}: the blob at offset {offset} ({length} bytes), read from the "
@@ -363,10 +362,10 @@ class FallbackChunkSource(ChunkSource):
 
     def _from_the_fallback(self, reason: ChunkError, chunk_id: int, offset: int, length: int) -> bytes:
         data = self.fallback.read(chunk_id, offset, length)
-        with self._lock:
-            self._from_fallback[(chunk_id, offset)] = None
-            if len(self._from_fallback) > _FALLBACK_REMEMBERED:
-                self._from_fallback.popitem(last=False)
+        given = getattr(self._given, "blobs", _NONE_GIVEN)
+        if given is _NONE_GIVEN:
+            given = self._given.blobs = set()
+        given.add((chunk_id, offset))
         if self._on_fallback is not None:
             self._on_fallback(reason, length)
         return data
