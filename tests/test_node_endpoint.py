@@ -505,3 +505,19 @@ def test_a_reply_its_reader_does_not_take_holds_the_node_s_reply_bytes_until_its
     assert received < READS_MAX_BLOBS * big[2]
     stalled.close()
     other.close()
+
+
+def test_a_blob_larger_than_the_reply_bytes_is_answered_alone(dataset, endpoint, monkeypatch):
+    """A file stored whole may be larger than all replies may hold at once (--blocks-above 0): it takes all of it,
+    alone, rather than waiting for room that never comes."""
+    own = [blob for blob in blobs_of(dataset) if blob[0] % 2 == 0]
+    big = max(own, key=lambda blob: blob[2])
+    monkeypatch.setattr(node_endpoint, "REPLY_BYTES", big[2] - 1)
+    monkeypatch.setattr(node_endpoint, "READS_WAIT", 5.0)
+    reader = Reader(endpoint.path)
+    try:
+        assert reader.ask(READ, *big) == (OK, endpoint.source.read(*big))
+        status, payload = reader.ask(READS, length=2, payload=plan_bytes([big, big]))
+        assert split_reads_reply(payload, 2) == [(OK, endpoint.source.read(*big))] * 2
+    finally:
+        reader.close()

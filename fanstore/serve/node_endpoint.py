@@ -304,7 +304,9 @@ class NodeEndpoint:
     @contextlib.contextmanager
     def _room_for(self, size: int) -> Iterator[None]:
         """Hold `size` bytes of REPLY_BYTES while a request is answered, waiting while other connections' replies
-        hold them; Refused after READS_WAIT (the node is that busy, or its readers have stopped taking replies)."""
+        hold them; Refused after READS_WAIT (the node is that busy, or its readers have stopped taking replies). A
+        blob larger than REPLY_BYTES (a file stored whole, however large) takes all of it, alone."""
+        size = min(size, REPLY_BYTES)
         with self._reply_room:
             if not self._reply_room.wait_for(lambda: self._replying + size <= REPLY_BYTES, READS_WAIT):
                 raise Refused(f"the node's readers are sent {REPLY_BYTES} bytes of replies at once, and have been "
