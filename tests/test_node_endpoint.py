@@ -521,3 +521,30 @@ def test_a_blob_larger_than_the_reply_bytes_is_answered_alone(dataset, endpoint,
         assert split_reads_reply(payload, 2) == [(OK, endpoint.source.read(*big))] * 2
     finally:
         reader.close()
+
+
+def test_a_plan_the_node_does_not_take_is_said_once_and_the_epoch_reads_all_the_same(dataset, tmp_path, caplog):
+    """Past the node's plans (MAX_PLANS processes; none here), EpochSampler.__iter__ raised ChunkUnavailable and
+    ended training: a plan is a hint. The reader says once that its files are fetched as read, and reads them."""
+    from fanstore.serve.node_client import open_served_dataset
+    from fanstore.serve.placement import place
+
+    source = HalfRemote(dataset)
+    lookup = BlobLookup(BlobTable.of(dataset.index), len(dataset.index.chunks))
+    ahead = BlobsAhead(source.start_reads, lookup.locate, max_plans=0)
+    path = str(dataset.path)
+    description = {"dest": path, "local_dir": path, "index_dir": path, "rank": 0, "size": 2, "direct": [],
+                   "owners": place(dataset.index, 2).owners.to_json()}
+    node = NodeEndpoint(tmp_path, description, source, lookup, ahead)
+    try:
+        with open_served_dataset(str(node.path)) as served:
+            entries = np.array([served.resolve(name) for name in sorted(served.files())])
+            with caplog.at_level("WARNING", logger="fanstore.serve"):
+                served.reader.source.announce(served.index, entries)
+                served.reader.source.announce(served.index, entries)
+            said = [record.getMessage() for record in caplog.records if "epoch plan" in record.getMessage()]
+            assert len(said) == 1 and "keeps plans of 0 processes at most" in said[0], said
+            assert all(served.read(name) == dataset.read(name) for name in served.files())
+    finally:
+        node.close()
+        ahead.close()

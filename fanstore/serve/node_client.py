@@ -328,6 +328,7 @@ class NodeChunkSource(PlacedReads):
                          direct)
         self._connection = connection
         self._plan_rows = plan_rows  # the longest plan the serve process takes (its dataset's blobs), if known
+        self._plan_refusal_said = False  # a plan the node did not take is logged once
         self._reported = False
         self.fallbacks = 0
 
@@ -350,9 +351,17 @@ class NodeChunkSource(PlacedReads):
         plan = np.zeros(len(remote), dtype=PLAN_ROW)
         plan["chunk"], plan["offset"], plan["length"] = (rows["chunk"][remote], rows["offset"][remote],
                                                          rows["stored_len"][remote])
-        status, payload = self._connection.ask(PLAN, length=len(plan), payload=plan.tobytes())
-        if status != OK:
-            raise ChunkUnavailable(f"the node's serve process refused the plan: {payload.decode('utf-8', 'replace')}")
+        # A hint: refused (the node keeps as many plans as it takes) or not delivered, the epoch reads all the same,
+        # its remote files fetched as they are read; said once (it raised from EpochSampler.__iter__, ending training).
+        try:
+            status, payload = self._connection.ask(PLAN, length=len(plan), payload=plan.tobytes())
+            reason = "" if status == OK else payload.decode("utf-8", "replace")
+        except ChunkError as exc:
+            reason = str(exc)
+        if reason and not self._plan_refusal_said:
+            self._plan_refusal_said = True
+            log.warning("the node's serve process did not take this process's epoch plan (%s): its remote files are "
+                        "fetched as they are read, not ahead", reason)
 
     def stats(self) -> dict[str, Any]:
         return {"socket": self._connection.path, "fallbacks": self.fallbacks}
