@@ -88,7 +88,7 @@ def build_codec_plan(
                     if samples_by_kind is None:
                         # Numbers, not entries: a SourceEntry for every file of a group, to sample a few, took
                         # 260 MB more than the pack's own peak at 10^6 files.
-                        members = np.flatnonzero((np.asarray(file_groups) == group) & (files.size > 0))
+                        members = np.flatnonzero((file_groups == group) & (files.size > 0))
                         samples_by_kind = _dictionary_samples(src, files, members,
                                                               frozenset(spec_by_kind) - {ANY_KIND})
                     dictionary = train_dictionary(samples_by_kind.get(kind, []), level=codec.level)

@@ -127,7 +127,7 @@ class NodeEndpoint:
         self._remote: np.ndarray | None = None  # per blob row: whether this node fetches it from a peer
         self._remote_lock = threading.Lock()
         self._refusals = 0  # requests refused; the first is logged
-        self._refusals_lock = threading.Lock()  # and the lending counters
+        self._refusals_lock = threading.Lock()  # and the lending and connection counters
         self.ahead = ahead
         self._arena = arena
         self._lent_blobs = self._inline_blobs = 0  # READS_SHARED's blobs read in the arena, and sent through the socket
