@@ -248,6 +248,27 @@ def test_a_read_before_its_blob_was_started_cancels_the_start_and_one_while_on_i
         ahead.close()
 
 
+def test_a_read_that_waits_for_a_blob_whose_fetch_fails_is_no_hit(dataset, lookup):
+    """--stats' hits are reads the holder answered: one that waited for a fetch that failed reads its blob itself."""
+    source = AnsweredLater(dataset, delay=0.2)
+    plan = plan_of(dataset, lookup)
+    chunks = [lookup.locate(int(row))[0] for row in plan]
+    failing = chunks[0]
+    good = [int(row) for row, chunk in zip(plan, chunks) if chunk != failing][:3]
+    source.failing.add(failing)
+    ahead = ahead_of(source, lookup)
+    try:
+        ahead.replace_plan(1, "a", np.array([plan[0], *good], dtype=plan.dtype))
+        wait_for(lambda: source.out > 0, "the fetches")
+        assert ahead.take(int(plan[0])) is None  # it waited, and the fetch failed: its reader fetches it
+        assert all(ahead.take(row) is not None for row in good)
+        stats = ahead.stats()
+        assert stats["ahead_hits"] == stats["plans"]["1"]["hits"] == len(good)
+        assert stats["ahead_joined_failed"] == 1 and stats["ahead_joined"] <= len(good)
+    finally:
+        ahead.close()
+
+
 def test_a_read_wakes_the_fetcher_only_when_it_makes_the_room_the_fetcher_waits_for(dataset, lookup):
     source = AnsweredLater(dataset, delay=0.001)
     plan = plan_of(dataset, lookup)

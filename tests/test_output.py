@@ -206,3 +206,9 @@ def test_serve_stats_say_how_many_remote_blobs_the_readers_were_lent() -> None:
     del stats["ahead"]["arena_full"]
     assert "  to fanstore.torch readers: 8 remote blobs lent in the node's arena, 2 sent through the socket" \
         in format_rank(stats).splitlines()
+    assert "  fetched ahead on this node (mount and fanstore.torch readers): 10 blobs; reads asked for 10 remote " \
+           "blobs, 9 of them fetched ahead (2 waited for theirs on its way)" in lines, lines
+    stats["ahead"]["ahead_joined_failed"] = 1  # no hit: its reader read the blob itself
+    assert ("  fetched ahead on this node (mount and fanstore.torch readers): 10 blobs; reads asked for 10 remote "
+            "blobs, 9 of them fetched ahead (2 waited for theirs on its way); 1 read waited for one whose fetch "
+            "failed (read again by its reader)") in format_rank(stats).splitlines()

@@ -69,7 +69,7 @@ class _Plan:
 class _Wanted:
     """A blob started for one or more plans and not yet read by all of them, or read before it came."""
 
-    __slots__ = ("blob", "cost", "deliveries", "fetch", "wants")
+    __slots__ = ("blob", "cost", "deliveries", "fetch", "hit_plans", "wants")
 
     def __init__(self, length: int, fetch: int) -> None:
         self.cost = length + BLOB_OVERHEAD
@@ -78,6 +78,7 @@ class _Wanted:
         self.wants: list[tuple[_Plan, int]] = []
         self.blob: bytes | memoryview | None = None  # None while asked and not come
         self.deliveries: list[ReadDone] = []  # reads that came while it was on its way, waiting for it
+        self.hit_plans: list[_Plan | None] = []  # per delivery, the plan whose want it ended: a hit if the blob comes
         self.fetch = fetch  # the fetch it waits for: an answer to an earlier fetch of the same blob is not it
 
     def want(self, plan: _Plan, place: int, row: int) -> None:
@@ -130,7 +131,8 @@ class BlobsAhead:
         self._fetcher_waits = False
         self._closed = False
         self.asked = self.hits = self.fetched = self.failed_batches = self.cancelled = self.given_back = 0
-        self.joined = 0  # reads that found their blob on its way and waited for it (counted in hits too)
+        self.joined = 0  # reads that found their blob on its way and got it when it came (counted in hits too)
+        self.joined_failed = 0  # reads that found their blob on its way, whose fetch failed: not hits
         self.wakeups = 0  # times a read, an arrival or a plan woke the fetching thread
         self._thread = threading.Thread(target=self._work, name="fanstore-node-ahead", daemon=True)
         self._thread.start()
@@ -206,16 +208,18 @@ class BlobsAhead:
         if entry is None:
             self._cancel_start(row)
             return False, None
+        plan: _Plan | None = None
         if entry.wants:
             plan, place = entry.unwant(0)
             plan.rows[place] = PASSED
-            plan.hits += 1
-        self.hits += 1
         blob = entry.blob
-        if blob is None:
-            self.joined += 1
+        if blob is None:  # a hit (and a join) once it comes: a fetch that fails is no hit
             entry.deliveries.append(deliver)
+            entry.hit_plans.append(plan)
         else:
+            self.hits += 1
+            if plan is not None:
+                plan.hits += 1
             self._release(row, entry)
         return True, blob
 
@@ -247,6 +251,7 @@ class BlobsAhead:
             return {"asked": self.asked, "fetched_ahead": self.fetched, "ahead_hits": self.hits,
                     "ahead_failed_batches": self.failed_batches, "ahead_cancelled": self.cancelled,
                     "ahead_given_back": self.given_back, "ahead_joined": self.joined,
+                    "ahead_joined_failed": self.joined_failed,
                     "ahead_held_bytes": self._held_bytes,
                     "ahead_asked_bytes": self._reserved,
                     "plans": {str(plan.owner): {"rows": len(plan.rows), "started": plan.started,
@@ -261,7 +266,8 @@ class BlobsAhead:
             self._room.notify()
             waiting = [deliver for entry in self._wanted.values() for deliver in entry.deliveries]
             for entry in self._wanted.values():
-                entry.deliveries = []
+                self.joined_failed += len(entry.deliveries)
+                entry.deliveries, entry.hit_plans = [], []
         self._thread.join()
         closing = ChunkUnavailable("the node's holder of blobs fetched ahead has closed")
         for deliver in waiting:
@@ -333,9 +339,12 @@ class BlobsAhead:
             entry = self._wanted.get(row)
             if entry is not None and entry.fetch == fetch and entry.blob is None:
                 deliveries, entry.deliveries = entry.deliveries, []
+                hit_plans, entry.hit_plans = entry.hit_plans, []
                 if blob is None or self._closed:
+                    self.joined_failed += len(deliveries)
                     self._drop(row, entry)
                 else:
+                    self._joined_hits(hit_plans)
                     self.fetched += 1
                     for plan in {plan for plan, _ in entry.wants}:
                         plan.fetched += 1
@@ -365,7 +374,8 @@ class BlobsAhead:
                 entry = self._wanted.get(row)
                 if entry is not None and entry.fetch == number:
                     waiting += entry.deliveries  # reads that came while the batch was being started
-                    entry.deliveries = []
+                    self.joined_failed += len(entry.deliveries)
+                    entry.deliveries, entry.hit_plans = [], []
                     self._drop(row, entry)
             self._wake_fetcher()
         failed = ChunkUnavailable("fetching ahead failed to start")
@@ -406,6 +416,14 @@ class BlobsAhead:
                 plan.next = furthest  # started again when its turn comes
                 self.given_back += 1
                 self._release(row, entry)
+
+    def _joined_hits(self, plans: list[_Plan | None]) -> None:
+        """Reads that waited for a blob on its way, which came: hits now."""
+        self.hits += len(plans)
+        self.joined += len(plans)
+        for plan in plans:
+            if plan is not None:
+                plan.hits += 1
 
     def _release(self, row: int, entry: _Wanted) -> None:
         """Let the blob go if nobody wants it or waits for it (one on its way is dropped when it comes)."""

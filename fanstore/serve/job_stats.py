@@ -78,7 +78,9 @@ def format_rank(stats: dict[str, Any]) -> str:
         lines.append(f"  fetched ahead on this node (mount and fanstore.torch readers): "
                      f"{plural(readers['fetched_ahead'], 'blob')}; reads asked for "
                      f"{plural(readers['asked'], 'remote blob')}, {readers['ahead_hits']:,} of them fetched ahead "
-                     f"({readers['ahead_joined']:,} still on their way)"
+                     f"({readers['ahead_joined']:,} waited for theirs on its way)"
+                     + (f"; {plural(readers['ahead_joined_failed'], 'read')} waited for one whose fetch failed "
+                        f"(read again by its reader)" if readers.get("ahead_joined_failed") else "")
                      + (f", {plural(readers['ahead_failed_batches'], 'batch', 'batches')} failed to start (logged)"
                         if readers.get("ahead_failed_batches") else ""))
     if readers.get("lent") or readers.get("not_lent"):
