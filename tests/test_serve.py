@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import struct
@@ -1249,6 +1250,48 @@ def test_the_node_socket_works_in_a_local_dir_deeper_than_a_socket_path_may_be(s
     jobs.append(job)
     code, out, err = job.finish()
     assert code == 0 and "Traceback" not in err, out + err
+    _assert_nothing_left(job)
+
+
+# Run on every rank: every file read through the node socket by 8 threads at once (a connection each, as a
+# DataLoader's workers and their decode threads hold), each compared with the source; then the serve process's
+# (this command's parent's) open file limits. Prints one JSON line.
+THREADED_API_READS = r"""
+import json, os, sys
+from concurrent.futures import ThreadPoolExecutor
+from fanstore.serve.node_client import open_served_dataset
+src = sys.argv[1]
+with open_served_dataset() as ds:
+    paths = sorted(ds.files())
+    with ThreadPoolExecutor(8) as pool:
+        same = list(pool.map(lambda path: ds.read(path) == open(f"{src}/{path}", "rb").read(), paths))
+limits = next(line for line in open(f"/proc/{os.getppid()}/limits") if line.startswith("Max open files")).split()
+print(json.dumps({"rank": int(os.environ["FANSTORE_RANK"]), "read": len(paths), "differ": same.count(False),
+                  "serve_limits": [int(limits[3]), int(limits[4])]}), flush=True)
+"""
+
+
+def test_a_serve_process_started_with_a_low_soft_open_file_limit_raises_it_and_serves_its_readers(
+        served_dataset, tmp_path, jobs):
+    """The probe that found it: `ulimit -S -n 48` on the serve processes (the hard limit 20,000), readers with
+    several connections each. A rank holds about 45 descriptors before its first reader (MPI, FUSE, its arena): the
+    endpoint's accepts failed with EMFILE while it polled again at once, and the readers waited on their HELLO
+    forever. A serve process raises its soft limit to the hard one at start, silently when that is enough."""
+    src, dest = served_dataset
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1024:
+        pytest.skip(f"the hard open file limit here is {hard}: too low to serve 8 connections a rank")
+    job = Job(tmp_path, dest, command=[sys.executable, "-c", THREADED_API_READS, str(src)],
+              launcher=("sh", "-c", 'ulimit -S -n 48 && exec "$@"', "sh"))
+    jobs.append(job)
+    code, out, err = job.finish(timeout=60)
+    assert code == 0, out + err
+    seen = {line["rank"]: line for line in map(json.loads, out.splitlines())}
+    files = sum(1 for path in src.rglob("*") if path.is_file() or path.is_symlink())
+    for rank in range(RANKS):
+        assert seen[rank]["read"] >= files - 1 and seen[rank]["differ"] == 0, seen
+        assert seen[rank]["serve_limits"][0] == seen[rank]["serve_limits"][1] > 48, seen
+    assert "open file limit" not in err and "Traceback" not in err, err
     _assert_nothing_left(job)
 
 

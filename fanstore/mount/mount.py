@@ -30,6 +30,7 @@ import numpy as np
 from ..core.api import Dataset, open_dataset
 from ..core.cache import DecodedCache
 from ..core.allocator import keep_freed_memory
+from ..core.descriptors import raise_descriptor_limit
 from .daemon_tuning import install_fast_session_loop
 from ..core.dest_apart import overlap
 from ..errors import FanstoreError, UsageError, quoted
@@ -189,6 +190,9 @@ def fuse_answer(mountpoint: Path, timeout: float = PROBE_TIMEOUT) -> int | None:
 
 def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, ready_fd: int | None = None) -> int:
     """Serve until unmounted or signalled. `ready_fd` gets one line, `ok` or the error, once the mount answers."""
+    too_few = raise_descriptor_limit()  # before the dataset sizes its pool of open chunk files by it
+    if too_few is not None:
+        log.warning("%s: %s", mountpoint, too_few)
     try:
         check_mountpoint(mountpoint)
         ds = open_dataset(dataset)

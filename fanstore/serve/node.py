@@ -29,6 +29,7 @@ from typing import Any, NoReturn
 from ..core.api import Dataset
 from ..core.chunk_source import LocalChunkSource
 from ..core.allocator import keep_freed_memory
+from ..core.descriptors import raise_descriptor_limit
 from ..core.dest_apart import check_apart_from_dest
 from ..errors import ChunkUnavailable, FanstoreError, Terminated, UsageError, quoted, say_line
 from ..core.format import CHUNK_DIR, INDEX_NAME
@@ -298,8 +299,13 @@ def run(options: ServeOptions) -> int:
     # Before any thread starts: each would grow a malloc arena of its own, which fragments (bench/soak_serve.py:
     # the serve process's RSS grew 0.2-0.4 MiB an epoch for good that way, and stayed flat with one arena).
     keep_freed_memory()
+    # Before MPI and every pool sized by the limit (chunk files kept open, reader connections): MPI alone holds about
+    # 40 descriptors, and a soft limit of 48 left the readers none though the hard one allowed 20,000.
+    too_few = raise_descriptor_limit()
     mpi = start_mpi(options.loop_requests)
     comm = mpi.COMM_WORLD.Dup()
+    if too_few is not None:
+        log.warning("rank %d on %s: %s", comm.Get_rank(), socket.gethostname(), too_few)
     try:
         return _serve_rank(options, comm, mpi)
     except KeyboardInterrupt as exc:

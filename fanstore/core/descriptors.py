@@ -1,0 +1,58 @@
+"""The process's file descriptors: its open file limit (RLIMIT_NOFILE), raised once by a long-lived process, and how
+many it holds. One owner of that process-wide setting, as allocator.py is of malloc's.
+
+A serve rank holds about 45 descriptors before its first reader connects (MPI's pipes, sockets and shared memory,
+FUSE, its arena, its index): under a soft limit of 48, which a job script or a site may set, it had none left for
+its readers or its chunk files, though the hard limit allowed 20,000. A daemon raises its soft limit to the hard
+limit at start, as systemd does for its services; the soft limit is a default, the hard one the site's ceiling.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+
+# Descriptors a daemon wants at the least: the usual default soft limit. Below it, once raised as far as the hard
+# limit allows, the process says so (readers may be turned away, chunk reads fall back to DEST).
+ENOUGH = 1024
+_NR_OPEN = "/proc/sys/fs/nr_open"  # the most a process may be allowed, where the hard limit is unlimited
+
+
+def raise_descriptor_limit(enough: int = ENOUGH) -> str | None:
+    """Raise this process's soft open file limit to its hard limit, before anything sizes its pools by it. Returns
+    a sentence for the log where the soft limit was below `enough` and could not be raised that far; else None."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else _kernel_ceiling()
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            pass
+    raised = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if raised == resource.RLIM_INFINITY or raised >= enough:
+        return None
+    return (f"the open file limit is {raised} (`ulimit -n`; its hard limit, `ulimit -Hn`, is "
+            f"{'unlimited' if hard == resource.RLIM_INFINITY else hard}), less than the {enough} this process "
+            f"wants: readers may be turned away and chunk reads fall back to DEST; raise `ulimit -Hn` for the job")
+
+
+def _kernel_ceiling() -> int:
+    try:
+        with open(_NR_OPEN) as ceiling:
+            return int(ceiling.read())
+    except (OSError, ValueError):
+        return 1 << 20  # Linux's default nr_open
+
+
+def descriptor_limit() -> int | None:
+    """This process's soft open file limit; None where unlimited."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def descriptors_in_use() -> int:
+    """Descriptors this process holds now (0 where /proc cannot tell): what a pool sized by the limit must leave."""
+    try:
+        return max(0, len(os.listdir("/proc/self/fd")) - 1)  # the listing's own descriptor aside
+    except OSError:
+        return 0
