@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -548,3 +549,60 @@ def test_a_plan_the_node_does_not_take_is_said_once_and_the_epoch_reads_all_the_
     finally:
         node.close()
         ahead.close()
+
+
+class StarvedEndpoint:
+    """tests/serve_starved_endpoint.py: a real endpoint in a process with no descriptor left, `spare` its own or
+    not."""
+
+    def __init__(self, dataset, directory: Path, spare: bool) -> None:
+        self.process = subprocess.Popen([sys.executable, str(Path(__file__).with_name("serve_starved_endpoint.py")),
+                                         str(dataset.path), str(directory), "spare" if spare else "none"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+        line = self.process.stdout.readline()
+        assert line, self.process.communicate(timeout=10)
+        self.socket = json.loads(line)["socket"]
+
+    def say(self, what: str) -> None:
+        self.process.stdin.write(what + "\n")
+        self.process.stdin.flush()
+
+    def stats(self) -> dict:
+        self.say("stats")
+        return json.loads(self.process.stdout.readline())
+
+    def end(self) -> str:
+        """Its log."""
+        return self.process.communicate(timeout=10)[1]
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.communicate()
+
+
+def test_a_reader_the_serve_process_has_no_descriptor_for_is_told_so_at_once(dataset, tmp_path):
+    """The probe: a serve process out of descriptors (a soft limit of 48 with MPI holding 45) failed every accept
+    with EMFILE, and each reader waited on its HELLO for good. The endpoint keeps one spare descriptor for that: it
+    gives it back to accept the reader, tells it why (one line: out of file descriptors, raise `ulimit -n`) and
+    closes it; the reader's error is that line, at once. Logged once, counted each time."""
+    from fanstore.errors import UsageError
+    from fanstore.serve.node_client import open_served_dataset
+
+    node = StarvedEndpoint(dataset, tmp_path, spare=True)
+    try:
+        started = time.monotonic()
+        for _ in range(3):
+            with pytest.raises(UsageError) as refused:
+                open_served_dataset(node.socket)
+        assert time.monotonic() - started < 5
+        assert str(refused.value) == (f"{node.socket}: the node's serve process refused to describe its dataset: this "
+                                      f"node's serve process is out of file descriptors (`ulimit -n`: 64): raise "
+                                      f"`ulimit -n` for the job"), refused.value
+        assert node.stats()["out_of_descriptors"] == 3
+        log = node.end()
+        assert log.count("out of file descriptors") == 1 and "Traceback" not in log, log
+    finally:
+        node.kill()
+

@@ -212,3 +212,16 @@ def test_serve_stats_say_how_many_remote_blobs_the_readers_were_lent() -> None:
     assert ("  fetched ahead on this node (mount and fanstore.torch readers): 10 blobs; reads asked for 10 remote "
             "blobs, 9 of them fetched ahead (2 waited for theirs on its way); 1 read waited for one whose fetch "
             "failed (read again by its reader)") in format_rank(stats).splitlines()
+
+
+def test_serve_stats_say_how_many_accepts_failed_for_want_of_a_descriptor() -> None:
+    pytest.importorskip("mpi4py", reason="fanstore.serve needs mpi4py")
+    from fanstore.serve.job_stats import format_rank
+
+    stats = {"rank": 0, "host": "vm", "reads": {"local": 0, "local_bytes": 0, "fallback": 0, "fallback_bytes": 0,
+                                                "peers": {}},
+             "ahead": {"refused": 0, "turned_away": 2, "out_of_descriptors": 3},
+             "staging": {"dest_bytes": 0, "received_bytes": 0, "sent_bytes": 0, "reused_bytes": 0, "seconds": 0.1,
+                         "bad_blobs": 0}}
+    assert "  the node's readers: 0 requests refused (malformed), 2 connections turned away (over the limit), 3 "\
+           "accepts failed for want of a file descriptor" in format_rank(stats).splitlines()

@@ -88,9 +88,11 @@ def format_rank(stats: dict[str, Any]) -> str:
                      f"{readers['not_lent']:,} sent through the socket"
                      + (f" ({plural(readers['arena_full'], 'receive')} found the arena full)"
                         if readers.get("arena_full") else ""))
-    if readers.get("refused") or readers.get("turned_away"):
+    if readers.get("refused") or readers.get("turned_away") or readers.get("out_of_descriptors"):
         lines.append(f"  the node's readers: {plural(readers.get('refused', 0), 'request')} refused (malformed), "
-                     f"{plural(readers.get('turned_away', 0), 'connection')} turned away (over the limit)")
+                     f"{plural(readers.get('turned_away', 0), 'connection')} turned away (over the limit)"
+                     + (f", {plural(readers['out_of_descriptors'], 'accept')} failed for want of a file descriptor"
+                        if readers.get("out_of_descriptors") else ""))
     lines.append(f"  staging: {format_bytes(staging['dest_bytes'])} from DEST, "
                  f"{format_bytes(staging['received_bytes'])} from peers, {format_bytes(staging['sent_bytes'])} to "
                  f"peers, {format_bytes(staging['reused_bytes'])} reused, {staging['seconds']:.1f} s"

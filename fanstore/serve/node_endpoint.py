@@ -10,22 +10,24 @@ The wire format and its checks are node_protocol.py's.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import logging
 import os
-import resource
 import socket
 import socketserver
 import struct
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
 import numpy as np
 
 from ..core.chunk_source import BlobRead, ChunkSource
+from ..core.descriptors import descriptor_limit, descriptors_in_use
 from ..core.thread_names import name_os_thread
 from ..errors import ChunkError
 from .blobs_ahead import BlobsAhead, PlanRefused
@@ -52,14 +54,22 @@ MAX_CONNECTIONS = 4096  # readers' connections at once, however many descriptors
 # seconds closes its connection, so a reader that stops reading holds its share that long at most.
 REPLY_BYTES = 256 << 20
 SEND_TIMEOUT = 60.0
+# How long the accepting thread waits before it accepts again when the process has no descriptor for a connection,
+# doubling from the first to the last while none comes free: the listener stays readable, and polling it again at
+# once took 85% of a core.
+ACCEPT_BACKOFF = (0.01, 1.0)
 
 
 def connection_limit() -> int:
     """Connections the endpoint takes at once: each costs a descriptor and a thread, and without a limit 1,100 idle
     ones took every descriptor of a 1,024 limit (the rank's own chunk reads failed, then its end). A quarter of the
-    descriptors, as each chunk source keeps (chunk_source.default_max_open_chunks): the rest stay the process's."""
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else max(16, min(MAX_CONNECTIONS, soft // 4))
+    descriptors still free when the endpoint starts, the rest staying the process's (its chunk files, MPI's): a
+    quarter of the limit itself (16 of 48) counted the 45 that MPI, FUSE and the arena hold already, so accept failed
+    with EMFILE before the limit could turn anyone away."""
+    limit = descriptor_limit()
+    if limit is None:
+        return MAX_CONNECTIONS
+    return max(1, min(MAX_CONNECTIONS, (limit - descriptors_in_use()) // 4))
 
 
 class _Lent:
@@ -135,6 +145,8 @@ class NodeEndpoint:
         self._replying = 0  # bytes of blobs being answered now, all connections together (REPLY_BYTES at most)
         self._reply_room = threading.Condition(threading.Lock())
         self._connections = self.turned_away = 0  # connections open now, and those refused for the limit
+        self.out_of_descriptors = 0  # accepts that failed for want of a descriptor (EMFILE, ENFILE)
+        self._accept_delay = ACCEPT_BACKOFF[0]  # the accepting thread's alone
         self.path.unlink(missing_ok=True)  # left by a killed job
         endpoint = self
 
@@ -146,6 +158,18 @@ class NodeEndpoint:
         class Server(socketserver.ThreadingUnixStreamServer):
             daemon_threads = True
 
+            def get_request(self) -> tuple[socket.socket, Any]:
+                try:
+                    request = super().get_request()
+                except OSError as exc:  # socketserver goes on to its next poll
+                    if exc.errno in (errno.EMFILE, errno.ENFILE):
+                        endpoint._out_of_descriptors(self.socket)
+                    raise
+                endpoint._accept_delay = ACCEPT_BACKOFF[0]
+                if endpoint._spare is None:  # taken again once descriptors come back (an open only while none)
+                    endpoint._spare = _spare_descriptor()
+                return request
+
             def verify_request(self, request: Any, client_address: Any) -> bool:
                 return endpoint._admit(request)
 
@@ -155,6 +179,7 @@ class NodeEndpoint:
         with unix_address(self.path) as address:
             self._server = Server(address, Handler)
         os.chmod(self.path, 0o600)  # this user's readers only
+        self._spare = _spare_descriptor()  # given up to accept a reader only to say it has none (the thread's alone)
         self._thread = threading.Thread(target=self._accept, name="fanstore-node-endpoint", daemon=True)
         self._thread.start()
 
@@ -172,14 +197,37 @@ class NodeEndpoint:
         if admitted:
             return True
         reason = (f"this node's serve process takes {self._limit} reader connections at once, and has as many "
-                  "(a quarter of its open file limit: raise `ulimit -n` for more)").encode()
-        try:  # the reply waits in the socket for the reader's first request; never blocks the accepting thread
-            connection.send(REPLY.pack(REPLY_MAGIC, REFUSED, len(reason)) + reason, socket.MSG_DONTWAIT)
-        except OSError:
-            pass
+                  "(a quarter of the descriptors it had free: raise `ulimit -n` for more)")
+        _turn_away(connection, reason)
         if first:
-            log.warning("%s (--stats counts the connections turned away)", reason.decode())
+            log.warning("%s (--stats counts the connections turned away)", reason)
         return False
+
+    def _out_of_descriptors(self, listener: socket.socket) -> None:
+        """accept failed for want of a descriptor: the reader first in line is told so at once, through the spare
+        descriptor given back for it (it waited on its first reply for good); with none spare, the accepting thread
+        backs off. Logged once, counted (--stats)."""
+        with self._refusals_lock:
+            self.out_of_descriptors += 1
+            first = self.out_of_descriptors == 1
+        reason = (f"this node's serve process is out of file descriptors (`ulimit -n`: {descriptor_limit()}): "
+                  "raise `ulimit -n` for the job")
+        if first:
+            log.warning("%s (--stats counts the connections turned away for it)", reason)
+        if self._spare is not None:
+            os.close(self._spare)
+            try:
+                connection, _ = listener.accept()  # the one waiting: the listener polled readable
+            except OSError:
+                connection = None
+            if connection is not None:
+                _turn_away(connection, reason)
+                connection.close()
+            self._spare = _spare_descriptor()  # the descriptor just given back, unless another thread took it
+            if connection is not None:
+                return
+        time.sleep(self._accept_delay)
+        self._accept_delay = min(2 * self._accept_delay, ACCEPT_BACKOFF[1])
 
     def _serve(self, connection: socket.socket) -> None:
         """One connection's requests, in turn, until it closes; then its plan is given back."""
@@ -285,10 +333,10 @@ class NodeEndpoint:
         each plan's counters (by the process that announced it)."""
         with self._refusals_lock:
             refusals, lent, not_lent = self._refusals, self._lent_blobs, self._inline_blobs
-            turned_away = self.turned_away
+            turned_away, out_of_descriptors = self.turned_away, self.out_of_descriptors
         arena = self._arena.stats() if self._arena is not None else {}
         return {**self.ahead.stats(), "refused": refusals, "lent": lent, "not_lent": not_lent,
-                "turned_away": turned_away, **arena}
+                "turned_away": turned_away, "out_of_descriptors": out_of_descriptors, **arena}
 
     def _answer_read(self, connection: socket.socket, row: int, length: int) -> None:
         with self._room_for(length):
@@ -472,7 +520,28 @@ class NodeEndpoint:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+        if self._spare is not None:
+            os.close(self._spare)
+            self._spare = None
         self.path.unlink(missing_ok=True)
+
+
+def _spare_descriptor() -> int | None:
+    """A descriptor held for the moment the process has no other: None where it has none to hold."""
+    try:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
+def _turn_away(connection: socket.socket, reason: str) -> None:
+    """A REFUSED reply naming `reason`, left in the socket for the reader's first request (the connection is closed
+    after it); never blocks the accepting thread."""
+    payload = reason.encode()
+    try:
+        connection.send(REPLY.pack(REPLY_MAGIC, REFUSED, len(payload)) + payload, socket.MSG_DONTWAIT)
+    except OSError:
+        pass
 
 
 def _send_buffers(connection: socket.socket, buffers: list[bytes | memoryview]) -> None:
