@@ -606,3 +606,39 @@ def test_a_reader_the_serve_process_has_no_descriptor_for_is_told_so_at_once(dat
     finally:
         node.kill()
 
+
+def test_a_serve_process_that_cannot_accept_costs_its_reader_a_deadline_and_no_spinning(dataset, tmp_path):
+    """Out of descriptors with none spare, the endpoint cannot even say why: its accepting thread backs off (it polled
+    the readable listener again at once, 85% of a core) and the reader gives up at its deadline, with one line
+    naming the cause and what to do; the process's other threads ask nothing more (at once, not a deadline each),
+    so its reads go to DEST. Once a descriptor comes back, a new reader is served."""
+    from fanstore.errors import ChunkUnavailable
+    from fanstore.serve.node_client import NodeConnection
+
+    node = StarvedEndpoint(dataset, tmp_path, spare=False)
+    try:
+        reader = NodeConnection(node.socket, deadline=1.0)
+        cpu = node.stats()["cpu"]
+        started = time.monotonic()
+        with pytest.raises(ChunkUnavailable) as unanswered:
+            reader.ask(HELLO)
+        assert 1.0 <= time.monotonic() - started < 3
+        assert str(unanswered.value) == (f"{node.socket}: the node's serve process has not answered for 1 s: it may "
+                                         f"be out of file descriptors (its log says so; raise `ulimit -n` for the "
+                                         f"job) or stopped; this process asks it nothing more")
+        other_thread: list[BaseException] = []
+        started = time.monotonic()
+        worker = threading.Thread(target=lambda: other_thread.append(pytest.raises(ChunkUnavailable, reader.ask,
+                                                                                   HELLO).value))
+        worker.start()
+        worker.join()
+        assert time.monotonic() - started < 0.5 and str(other_thread[0]) == str(unanswered.value)
+        time.sleep(2)  # its connection still waits to be accepted: the listener stays readable
+        stats = node.stats()
+        assert stats["cpu"] - cpu < 0.5 and stats["out_of_descriptors"] >= 1, (cpu, stats)
+        node.say("free")
+        assert NodeConnection(node.socket, deadline=10).ask(HELLO)[0] == OK
+        log = node.end()
+        assert log.count("out of file descriptors") == 1 and "Traceback" not in log, log
+    finally:
+        node.kill()

@@ -7,10 +7,12 @@ Imports nothing of MPI: a DataLoader worker is not an MPI process.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import socket
+import struct
 import threading
 from collections import deque
 from pathlib import Path
@@ -34,6 +36,11 @@ from .statuses import status_error
 
 log = logging.getLogger("fanstore.serve")
 
+# How long a reader waits on the serve process, for a connection, a request's sending or its reply. The node bounds
+# its own waits below it (a reply not taken in node_endpoint.SEND_TIMEOUT, a peer's answer in --peer-timeout), so a
+# node that misses it is stuck or starved: a serve process out of descriptors left its readers waiting for good.
+ANSWER_DEADLINE = 120.0
+
 
 class _Link:
     """One thread's socket to the serve process, with what it was lent: the tokens of replies whose blobs are still
@@ -52,8 +59,14 @@ class NodeConnection:
     """One socket to the serve process per thread (requests and replies alternate on a socket), and the node's
     arena mapped once for them all."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, deadline: float = ANSWER_DEADLINE) -> None:
+        """`deadline`: seconds each wait on the serve process may last; once one passed, this process asks it
+        nothing more (each ask is ChunkUnavailable at once: its reads go to DEST)."""
         self.path = path
+        # The sockets' kernel timeouts (SO_RCVTIMEO, SO_SNDTIMEO), set once a socket: a request costs no more calls.
+        self._deadline = struct.pack("ll", int(deadline), int(deadline % 1 * 1e6))
+        self.deadline = deadline
+        self._silent: str | None = None  # why this process asks the serve process nothing more
         self._local = threading.local()
         self._links: set[_Link] = set()  # every thread's, for close
         # Reentrant: a lent reply's last view may go, and give its token back, in any code, this lock's too.
@@ -66,15 +79,23 @@ class NodeConnection:
     def _link(self) -> _Link:
         if self._closed:
             raise ChunkUnavailable(f"{self.path}: the connection to the node's serve process is closed")
+        if self._silent is not None:
+            raise ChunkUnavailable(self._silent)
         link = getattr(self._local, "link", None)
         if link is None:
-            connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
+                connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            except OSError as exc:
+                raise ChunkUnavailable(f"{self.path}: cannot reach the node's serve process: {exc.strerror} (this "
+                                       f"process's `ulimit -n`)") from None
+            try:
+                connection.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, self._deadline)
+                connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, self._deadline)  # connect's too
                 with unix_address(Path(self.path)) as address:
                     connection.connect(address)
             except OSError as exc:
                 connection.close()
-                raise ChunkUnavailable(f"{self.path}: cannot reach the node's serve process: {exc.strerror}") \
+                raise self._unanswered(exc, "cannot reach the node's serve process: " + str(exc.strerror)) \
                     from None
             link = _Link(connection)
             with self._lock:
@@ -98,9 +119,19 @@ class NodeConnection:
             self._links.discard(link)
         connection.close()
 
+    def _unanswered(self, exc: OSError, otherwise: str) -> ChunkUnavailable:
+        """The error of a wait that failed: past its deadline, the serve process is not answering, and this process
+        asks it nothing more (every other thread's next ask fails at once, not after a deadline of its own)."""
+        if exc.errno not in (errno.EAGAIN, errno.EWOULDBLOCK) and not isinstance(exc, TimeoutError):
+            return ChunkUnavailable(f"{self.path}: {otherwise}")
+        self._silent = (f"{self.path}: the node's serve process has not answered for {self.deadline:g} s: it may be "
+                        f"out of file descriptors (its log says so; raise `ulimit -n` for the job) or stopped; this "
+                        f"process asks it nothing more")
+        return ChunkUnavailable(self._silent)
+
     def lent_reply(self) -> Callable[[int], None]:
         """Count a reply lent on this thread's socket; returns what its views' finalizer calls with its token."""
-        link = self._link()
+        link = getattr(self._local, "link", None) or self._link()  # the socket the reply came on, whatever came since
         with self._lock:
             link.lent += 1
 
@@ -147,7 +178,7 @@ class NodeConnection:
                     os.close(fd)
         except OSError as exc:
             self._drop(connection)  # asked again on the next connection
-            raise ChunkUnavailable(f"{self.path}: the node's serve process did not answer: {exc}") from None
+            raise self._unanswered(exc, f"the node's serve process did not answer: {exc}") from None
 
     def close(self) -> None:
         """Close every thread's socket; asking after it is ChunkUnavailable. A socket on which blobs are lent and
@@ -185,7 +216,7 @@ class NodeConnection:
             return status, _receive(connection, size)
         except OSError as exc:
             self._drop(connection)
-            raise ChunkUnavailable(f"{self.path}: the node's serve process did not answer: {exc}") from None
+            raise self._unanswered(exc, f"the node's serve process did not answer: {exc}") from None
 
 
 def _map_arena(path: str, fd: int, description: bytes) -> ArenaView | None:
