@@ -1295,6 +1295,23 @@ def test_a_serve_process_started_with_a_low_soft_open_file_limit_raises_it_and_s
     _assert_nothing_left(job)
 
 
+def test_a_rank_without_the_descriptors_to_start_says_so_and_the_job_ends_clean(served_dataset, tmp_path, jobs):
+    """Under a hard open file limit of 48 a rank has about 15 descriptors left once MPI started: it crashed at start
+    with an OSError traceback (its watchdog's pipe, at 32) and left MPI's shared memory in /dev/shm, or, started,
+    turned every reader away. Every rank now refuses at start, one line each naming the limit and `ulimit -Hn`."""
+    _, dest = served_dataset
+    before = _shm_files()
+    job = Job(tmp_path, dest, command=[sys.executable, "-c", "pass"],
+              launcher=("sh", "-c", 'ulimit -n 48 && exec "$@"', "sh"))
+    jobs.append(job)
+    for line in _refused_by_every_rank(job):
+        assert re.fullmatch(r"fanstore: error: rank \d on .*: only \d+ file descriptors free of its open file limit "
+                            r"\(48\) once MPI started, fewer than the 32 a rank needs: raise `ulimit -Hn` for the "
+                            r"job", line), line
+    _assert_nothing_left(job)
+    assert not _left_behind(before)
+
+
 def test_an_mpi_error_is_told_by_its_innermost_cause():
     from fanstore.serve.transport import mpi_failure
 

@@ -50,6 +50,12 @@ def descriptor_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
+def free_descriptors() -> int | None:
+    """Descriptors this process may still open; None where its limit is unlimited."""
+    limit = descriptor_limit()
+    return None if limit is None else max(0, limit - descriptors_in_use())
+
+
 def descriptors_in_use() -> int:
     """Descriptors this process holds now (0 where /proc cannot tell): what a pool sized by the limit must leave."""
     try:

@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 from ..core.api import Dataset
 from ..core.chunk_source import LocalChunkSource
 from ..core.allocator import keep_freed_memory
-from ..core.descriptors import raise_descriptor_limit
+from ..core.descriptors import descriptor_limit, free_descriptors, raise_descriptor_limit
 from ..core.dest_apart import check_apart_from_dest
 from ..errors import ChunkUnavailable, FanstoreError, Terminated, UsageError, quoted, say_line
 from ..core.format import CHUNK_DIR, INDEX_NAME
@@ -63,6 +63,11 @@ from .transport import PeerTransport, mpi_failure
 
 log = logging.getLogger("fanstore.serve")
 
+# Descriptors a rank needs free once MPI has started: about 15 for the rest of its start (its watchdog, doorbell,
+# arena, index, staging, FUSE) and a few for readers' connections and chunk files. With fewer, a rank crashed at start
+# (a hard limit of 32: its watchdog's pipe, a traceback, MPI's shared memory left in /dev/shm) or turned every reader
+# away (48).
+FREE_DESCRIPTORS_TO_START = 32
 
 
 class ServeError(FanstoreError):
@@ -227,6 +232,11 @@ class _RankStart:
 
     @classmethod
     def of(cls, options: ServeOptions, rank: int, size: int) -> "_RankStart":
+        free = free_descriptors()
+        if free is not None and free < FREE_DESCRIPTORS_TO_START:
+            raise UsageError(f"only {free} file descriptors free of its open file limit ({descriptor_limit()}) once MPI "
+                             f"started, fewer than the {FREE_DESCRIPTORS_TO_START} a rank needs: raise `ulimit -Hn` "
+                             f"for the job")
         prefetch_order = None
         # Mapped from DEST and read once (the check, the identity, the copy into DIR), never copied into this
         # process: at 10^7 files the index is a gigabyte. Once copied, the rank maps its copy instead.
@@ -304,10 +314,8 @@ def run(options: ServeOptions) -> int:
     too_few = raise_descriptor_limit()
     mpi = start_mpi(options.loop_requests)
     comm = mpi.COMM_WORLD.Dup()
-    if too_few is not None:
-        log.warning("rank %d on %s: %s", comm.Get_rank(), socket.gethostname(), too_few)
     try:
-        return _serve_rank(options, comm, mpi)
+        return _serve_rank(options, comm, mpi, too_few)
     except KeyboardInterrupt as exc:
         # Before the ranks agreed to end (the lifecycle's signals end it in order): leaving without MPI_Finalize had
         # the launcher SIGKILL the ranks still ending, in some runs and not others (`BAD TERMINATION`, exit 9).
@@ -318,11 +326,14 @@ def run(options: ServeOptions) -> int:
         raise
 
 
-def _serve_rank(options: ServeOptions, comm: Any, mpi: Any) -> int:
-    """Check, stage this rank's share, then serve it until the job ends; the job's status."""
+def _serve_rank(options: ServeOptions, comm: Any, mpi: Any, too_few: str | None = None) -> int:
+    """Check, stage this rank's share, then serve it until the job ends; the job's status. `too_few`: why its open
+    file limit is short, said once the rank has started (one that cannot start says why it cannot, alone)."""
     rank = comm.Get_rank()
     host = socket.gethostname()
     start = _start_together(options, comm, mpi)
+    if too_few is not None:
+        log.warning("rank %d on %s: %s", rank, host, too_few)
     mountpoint, local_dir = start.mountpoint, start.local_dir
     index, index_bytes, identity, placement = start.index, start.index_bytes, start.identity, start.placement
     ready_file, mount_options, prefetch_order = start.ready_file, start.mount_options, start.prefetch_order
