@@ -36,9 +36,10 @@ from .statuses import status_error
 
 log = logging.getLogger("fanstore.serve")
 
-# How long a reader waits on the serve process, for a connection, a request's sending or its reply. The node bounds
-# its own waits below it (a reply not taken in node_endpoint.SEND_TIMEOUT, a peer's answer in --peer-timeout), so a
-# node that misses it is stuck or starved: a serve process out of descriptors left its readers waiting for good.
+# How long a reader waits on the serve process, for a connection, a request's sending or its reply. A working serve
+# process answers well within it (it waits on a peer for --peer-timeout, 5 s by default, and for room for a reply,
+# which a reader not taking its own holds node_endpoint.SEND_TIMEOUT at most), so one that misses it is stuck or
+# starved: a serve process out of descriptors left its readers waiting for good.
 ANSWER_DEADLINE = 120.0
 
 
