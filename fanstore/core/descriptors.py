@@ -15,14 +15,18 @@ import resource
 # Descriptors a daemon wants at the least: the usual default soft limit. Below it, once raised as far as the hard
 # limit allows, the process says so (readers may be turned away, chunk reads fall back to DEST).
 ENOUGH = 1024
-_NR_OPEN = "/proc/sys/fs/nr_open"  # the most a process may be allowed, where the hard limit is unlimited
+# The most it raises the soft limit to (Linux's default nr_open). Some container runtimes set a hard limit of 2^30 or
+# unlimited, and a soft limit that high slows whatever loops over every possible descriptor (closing them before an
+# exec, say) or sizes a table by it: MPI starts after the raise, and COMMAND inherits it.
+CEILING = 1 << 20
+_NR_OPEN = "/proc/sys/fs/nr_open"  # the most the kernel lets a process be allowed
 
 
 def raise_descriptor_limit(enough: int = ENOUGH) -> str | None:
-    """Raise this process's soft open file limit to its hard limit, before anything sizes its pools by it. Returns
-    a sentence for the log where the soft limit was below `enough` and could not be raised that far; else None."""
+    """Raise this process's soft open file limit to its hard limit (CEILING at most), before anything sizes its pools
+    by it. Returns a sentence for the log where that is below `enough`; else None."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = hard if hard != resource.RLIM_INFINITY else _kernel_ceiling()
+    target = min(CEILING, _kernel_ceiling()) if hard == resource.RLIM_INFINITY else min(hard, CEILING)
     if soft != resource.RLIM_INFINITY and soft < target:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
@@ -41,7 +45,7 @@ def _kernel_ceiling() -> int:
         with open(_NR_OPEN) as ceiling:
             return int(ceiling.read())
     except (OSError, ValueError):
-        return 1 << 20  # Linux's default nr_open
+        return CEILING
 
 
 def descriptor_limit() -> int | None:
