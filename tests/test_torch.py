@@ -8,9 +8,12 @@ import json
 import os
 import pickle
 import re
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -391,23 +394,75 @@ def test_a_reader_whose_serve_process_is_gone_reads_remote_files_from_dest(packe
     assert source.fallbacks == remote > 0
 
 
-def test_plan_files_of_processes_that_are_gone_are_removed(tmp_path):
-    """A process that leaves by os._exit (a fork server's child, a killed job) runs no exit handler and leaves its
-    plan file: the next plan made on the machine removes it; a live process's file stays."""
-    from fanstore.torch.plan import EpochPlan
+# A training process: a persistent 2-worker loader mid-epoch, its workers fed by the EpochSampler's plan. It prints
+# its pid, its workers' and how many files they decoded ahead, then waits for a line: "os._exit" ends it so.
+_TRAINER = """
+import os, sys, time
+from torch.utils.data import DataLoader, RandomSampler
+from fanstore.torch import EpochSampler, FileDataset
 
-    code = ("import os; from fanstore.torch.plan import EpochPlan; plan = EpochPlan.create(); plan.publish([1, 2]); "
-            "print(plan.path, flush=True); os._exit(0)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    left = Path(done.stdout.strip())
-    assert left.exists()
-    mine = EpochPlan.create()
-    mine.publish([3])
-    assert not left.exists() and Path(mine.path).exists()
-    path = mine.path
-    del mine
-    assert not Path(path).exists()
+class Ahead(FileDataset):
+    def _item(self, data, item):
+        return self.prefetch_stats()["ahead"]
+
+dataset = Ahead(sys.argv[1])
+loader = DataLoader(dataset, batch_size=2, sampler=EpochSampler(RandomSampler(dataset), dataset), num_workers=2,
+                    collate_fn=list, persistent_workers=True)
+batches = iter(loader)
+ahead = max(max(next(batches)) for _ in range(6))
+print(os.getpid(), *(worker.pid for worker in batches._workers), ahead, flush=True)
+if sys.stdin.readline().strip() == "os._exit":
+    os._exit(0)
+time.sleep(60)
+"""
+
+
+def _names_held(pids: list[int], outside: Path) -> set[str]:
+    """Paths in /dev/shm or the temporary directory that the processes have open or mapped (`outside` aside)."""
+    places = ("/dev/shm/", tempfile.gettempdir().rstrip("/") + "/")
+    held = set()
+    for pid in pids:
+        for link in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                held.add(os.readlink(link))
+            except OSError:
+                pass
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6:
+                held.add(fields[5])
+    return {path for path in held if path.startswith(places) and not path.endswith(" (deleted)")
+            and not Path(path).is_relative_to(outside)}
+
+
+@pytest.mark.parametrize("end", ["SIGKILL", "SIGTERM", "os._exit"])
+def test_a_training_process_ended_any_way_leaves_no_epoch_plan_behind(packed, tmp_path, end):
+    """The epoch plan lived in /dev/shm/fanstore-plan-PID-*.npy, removed by an exit handler: a training process
+    killed (SIGKILL, or SIGTERM, which runs no handler) or leaving by os._exit left it until the next plan made on
+    the machine. Nothing the plan uses has a name now: once the process and its workers are gone, so is it."""
+    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, str(packed[1])], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, start_new_session=True,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        main, *workers, ahead = (int(number) for number in trainer.stdout.readline().split())
+        assert int(ahead) > 0, "the workers never saw the plan"
+        held = _names_held([main, *workers], packed[1])
+        if end == "os._exit":
+            trainer.stdin.write("os._exit\n")
+            trainer.stdin.flush()
+            trainer.wait(timeout=30)
+        os.killpg(trainer.pid, getattr(signal, end, signal.SIGKILL))  # the workers too, as a launcher does
+        trainer.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        if trainer.poll() is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+            trainer.wait()
+    named = held | {str(path) for folder in {Path("/dev/shm"), Path(tempfile.gettempdir())}
+                    for path in folder.glob(f"fanstore-plan-{main}-*")}  # what an exit handler would have removed
+    assert sorted(path for path in named if Path(path).exists()) == []
 
 
 def test_two_samplers_over_one_dataset_publish_from_two_threads_without_failing_and_are_warned_of(packed):

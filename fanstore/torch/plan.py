@@ -1,75 +1,93 @@
 """The epoch order, from the sampler (in the training process) to the readers (its DataLoader workers).
 
 A sampler draws each epoch's order in the main process, after the workers have started, so the order cannot
-travel with the pickled dataset. It goes through one small file instead, rewritten (atomically) at the start of
-each epoch; a worker looks at the file's identity once per batch and reloads it when it changed. Works the same
-whatever starts the workers (fork, spawn, forkserver) and costs one stat per batch.
+travel with the pickled dataset. It goes through memory the kernel alone keeps: each publication is a new memfd,
+sealed once written, put in place of the last at one descriptor number of the training process (dup2, atomic),
+and a worker opens it as /proc/PID/fd/N. A worker looks at that descriptor's identity once per batch and maps the
+order again when it changed. Works the same whatever starts the workers (fork, spawn, forkserver) and costs one
+stat per batch. Nothing has a name in a file system: the memory goes when the training process and the workers
+that map it have ended, however they end (a plan file in /dev/shm stayed after SIGKILL, SIGTERM or os._exit).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
-import tempfile
-import uuid
+import threading
 import weakref
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-_SHM = Path("/dev/shm")
-_PREFIX = "fanstore-plan-"
 _HEADER_BYTES = 16  # the serial and the bytes per number (int64 each), before the order
+_NAME = "fanstore-epoch-plan"  # what /proc/PID/maps and ls -l /proc/PID/fd show
+_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
 
 class EpochPlan:
     """One loader's epoch order: `publish` in the process that samples, `current` in those that read."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str | None) -> None:
+        """`path`: where readers open the order, /proc/PID/fd/N of the publishing process (None: no readers
+        elsewhere, where the system has no memfd)."""
         self.path = path
         self._seen: tuple[int, int] | None = None
-        self._order = np.empty(0, dtype=np.int64)
-        self._serial = -1
+        self._latest: tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))  # (serial, order), set at once
         self._published = 0
+        self._owner: int | None = None  # the process whose descriptor `path` names: it publishes, and reads its own
+        self._slot = -1  # that descriptor
+        self._publishing = threading.Lock()  # two samplers of one dataset may publish from two threads
 
     @classmethod
     def create(cls) -> "EpochPlan":
-        """A plan file of this process's own, removed when the plan object is collected or the process exits. A
-        process that ends without running its exit handlers (killed, or leaving by os._exit) leaves its files:
-        each new plan first removes those of processes that are gone."""
-        folder = _SHM if _SHM.is_dir() and os.access(_SHM, os.W_OK) else Path(tempfile.gettempdir())
-        _remove_orphans(folder)
-        plan = cls(str(folder / f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}.npy"))
-        weakref.finalize(plan, _remove, plan.path, os.getpid())
+        """A plan of this process's own; its descriptor is closed when the plan object is collected."""
+        plan = cls(None)
+        plan._take_slot()
         return plan
 
+    def _take_slot(self) -> None:
+        """Hold the descriptor each publication is put at, in this process (a child forked from the creator that
+        publishes gets its own: the creator's descriptor table is not the child's)."""
+        self._owner = os.getpid()
+        if not hasattr(os, "memfd_create"):  # not Linux: this process alone sees its plan
+            self.path = None
+            return
+        self._slot = os.memfd_create(_NAME, os.MFD_CLOEXEC)
+        self.path = f"/proc/{self._owner}/fd/{self._slot}"
+        weakref.finalize(self, _close, self._slot, self._owner)
+
     def publish(self, order: Sequence[int] | np.ndarray) -> None:
-        """Write this epoch's order of item numbers; readers see all of it or the previous one, never a part. The
-        file holds the serial and the width of a number (4 bytes where every item fits, else 8), then the order."""
-        self._published += 1
-        order = np.asarray(order, dtype=np.int64)
+        """Publish this epoch's order of item numbers; readers see all of it or the previous one, never a part. It
+        holds the serial and the width of a number (4 bytes where every item fits, else 8), then the order."""
+        order = np.ascontiguousarray(order, dtype=np.int64)
         fits = not len(order) or (int(order.min()) >= -(2**31) and int(order.max()) < 2**31)
         numbers = order.astype(np.int32) if fits else order
-        temporary = f"{self.path}.{uuid.uuid4().hex[:12]}.tmp"  # each publish its own: two threads may publish at once
-        with open(temporary, "wb") as handle:
-            handle.write(np.array([self._published, numbers.itemsize], dtype=np.int64).tobytes())
-            handle.write(numbers.tobytes())
-        os.replace(temporary, self.path)
+        with self._publishing:
+            if self._owner != os.getpid():
+                self._take_slot()
+            self._published += 1
+            header = np.array([self._published, numbers.itemsize], dtype=np.int64).tobytes()
+            if self._slot >= 0:
+                _put(self._slot, header, numbers)
+            self._latest = (self._published, numbers)
 
     def current(self) -> tuple[int, np.ndarray]:
         """(serial, order) as last published, the serial counting publications from 1; (-1, empty) before the
-        first. Re-read only when the file changed."""
+        first. In another process, re-read only when the publication changed."""
+        if self._owner == os.getpid() or self.path is None:
+            return self._latest
         try:
             info = os.stat(self.path)
-        except FileNotFoundError:
-            return self._serial, self._order
+        except OSError:  # the publishing process is gone: its last order stands
+            return self._latest
         if (info.st_ino, info.st_mtime_ns) != self._seen:
             self._load()
-        return self._serial, self._order
+        return self._latest
 
     def _load(self) -> None:
-        """Map the published order, not read it: every worker of the loader shares one copy. A plan file is never
-        rewritten in place (publish renames a new one over it), so the mapped pages stay whole."""
+        """Map the published order, not read it: every worker of the loader shares one copy. A publication is
+        sealed, never written again (the next one is another memfd), so the mapped pages stay whole."""
+        assert self.path is not None
         try:
             with open(self.path, "rb") as handle:
                 info = os.fstat(handle.fileno())
@@ -80,9 +98,9 @@ class EpochPlan:
                 count = (info.st_size - _HEADER_BYTES) // dtype().itemsize
                 order = (np.memmap(handle, dtype=dtype, mode="r", offset=_HEADER_BYTES, shape=(count,)) if count
                          else np.empty(0, dtype=dtype))
-        except (FileNotFoundError, ValueError):  # replaced or removed meanwhile: the next batch looks again
+        except (OSError, ValueError):  # the publisher gone meanwhile: the next batch looks again
             return
-        self._seen, self._serial, self._order = (info.st_ino, info.st_mtime_ns), int(header[0]), order
+        self._seen, self._latest = (info.st_ino, info.st_mtime_ns), (int(header[0]), order)
 
     def __getstate__(self) -> dict:
         return {"path": self.path}
@@ -91,30 +109,22 @@ class EpochPlan:
         self.__init__(state["path"])  # type: ignore[misc]
 
 
-def _remove_orphans(folder: Path) -> None:
-    """Remove plan files whose creating process no longer runs (its pid is in the name)."""
-    for path in folder.glob(f"{_PREFIX}*.npy*"):
-        pid = path.name[len(_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not _running(int(pid)):
-            try:
-                path.unlink()
-            except OSError:  # removed meanwhile, or not ours to remove
-                pass
-
-
-def _running(pid: int) -> bool:
+def _put(slot: int, header: bytes, numbers: np.ndarray) -> None:
+    """Write one publication into a memfd of its own, seal it, and put it at `slot` in one step (dup2)."""
+    fd = os.memfd_create(_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
+        with open(fd, "wb", closefd=False) as out:
+            out.write(header)
+            out.write(memoryview(numbers).cast("B"))
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        os.dup2(fd, slot, inheritable=False)
+    finally:
+        os.close(fd)
 
 
-def _remove(path: str, owner: int) -> None:
-    if os.getpid() == owner:  # a forked worker's copy is collected too; only the creator removes the file
+def _close(slot: int, owner: int) -> None:
+    if os.getpid() == owner:  # a forked worker's copy is collected too; its descriptor table is its own
         try:
-            os.unlink(path)
-        except FileNotFoundError:
+            os.close(slot)
+        except OSError:
             pass
