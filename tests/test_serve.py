@@ -15,6 +15,7 @@ import re
 import resource
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from fanstore import PackOptions, open_dataset, pack
 from fanstore.core.format import INDEX_NAME, chunk_file_name
 from fanstore.mount.job_memory import job_memory
 from fanstore.mount.mount import DEFAULT_CACHE_FRACTION, fuse_mounted_at, fuse_unavailable_reason, unmount
+from fanstore.serve.node_endpoint import SOCKET_NAME
 from fanstore.serve.placement import BlobTable, place
 from fanstore.serve.blob_spans import spans_of
 
@@ -176,10 +178,16 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
+def _sockets(job: Job) -> list[Path]:
+    """Each rank's socket for its node's readers (fanstore.torch), in its local directory."""
+    return [Path(job.tmp, job.local.format(rank=rank), SOCKET_NAME) for rank in range(RANKS)]
+
+
 def _assert_nothing_left(job: Job) -> None:
     wait_until(lambda: not any(fuse_mounted_at(mp) for mp in job.mountpoints), "every mount gone", 5)
     wait_until(lambda: not _processes_mentioning(str(job.tmp)), "every rank and watchdog gone", 5)
     assert not any(f.exists() for f in job.ready_files())
+    assert [str(path) for path in _sockets(job) if os.path.lexists(path)] == []
 
 
 # What every rank runs as the job's command: the replicated files first (each must be read from this rank's own
@@ -756,8 +764,35 @@ def test_a_killed_watchdog_is_logged_and_leaves_the_jobs_status_to_its_readers(s
     _assert_nothing_left(job)
 
 
-def test_a_stale_mount_from_a_killed_job_is_cleared(served_dataset, tmp_path, jobs):
-    _, dest = served_dataset
+# A reader of the node's dataset through its serve process (fanstore.torch's way, no FUSE): every file equal to SRC's
+# (argv[1]), none of them read from DEST for want of a serve process.
+READ_THROUGH_THE_SOCKET = r"""
+import os, sys
+from fanstore.serve.node_client import open_served_dataset
+dataset = open_served_dataset()
+bad = [path for path in dataset.files() if dataset.read(path) != open(os.path.join(sys.argv[1], path), "rb").read()]
+sys.exit(1 if bad or dataset.reader.source.fallbacks else 0)
+"""
+
+
+def _listened_on(path: Path) -> bool:
+    """Whether a process listens on the Unix socket `path` (a killed one's closes as its exit ends)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as reader:
+        try:
+            reader.connect(str(path))
+            return True
+        except ConnectionRefusedError:
+            return False
+
+
+def test_a_stale_mount_and_socket_from_a_job_killed_with_its_watchdogs_are_cleared(served_dataset, tmp_path, jobs):
+    """What a rank killed together with its watchdog leaves (SLURM ends a job step by killing its whole cgroup): a
+    stale mount, which the next job there clears, and the readers' socket: nothing listens on it, so a reader given
+    it is refused at once, and the next job, holding the directory, puts its own in its place."""
+    from fanstore.errors import ChunkUnavailable
+    from fanstore.serve.node_client import open_served_dataset
+
+    src, dest = served_dataset
     shm_before = _shm_files()
     first = Job(tmp_path, dest)
     jobs.append(first)
@@ -777,9 +812,16 @@ def test_a_stale_mount_from_a_killed_job_is_cleared(served_dataset, tmp_path, jo
     first.proc.wait(30)
     wait_until(lambda: not _processes_mentioning(str(tmp_path / "mp{rank}")), "ranks gone", 10)
     assert any(fuse_mounted_at(mp) for mp in first.mountpoints), "no stale mount was left to clear"
+    stale = _sockets(first)
+    assert all(path.is_socket() for path in stale), "no socket was left"
+    wait_until(lambda: not any(_listened_on(path) for path in stale), "the ranks' sockets closed", 10)
+    for path in stale:
+        with pytest.raises(ChunkUnavailable, match="cannot reach the node's serve process: Connection refused"):
+            open_served_dataset(str(path))
     for name in orphaned:
         os.unlink(f"/dev/shm/{name}")
-    second = Job(tmp_path, dest, command=["sh", "-c", 'test -f "$FANSTORE_MOUNT/train/big.bin"'])
+    second = Job(tmp_path, dest, command=["sh", "-c", f'test -f "$FANSTORE_MOUNT/train/big.bin" && "{sys.executable}" '
+                                                      f'-c \'{READ_THROUGH_THE_SOCKET}\' {src}'])
     jobs.append(second)
     code, out, err = second.finish()
     assert code == 0, out + err

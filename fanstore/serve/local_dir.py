@@ -25,6 +25,7 @@ from .blob_spans import Span
 
 MANIFEST_NAME = "fanstore-staged.json"
 LOCK_NAME = "fanstore-serve.lock"  # held by the job that uses the directory (claim_local_dir)
+WATCHDOG_LOG = "fanstore-watchdog.log"  # what the rank's watchdog (watchdog.py) did
 MANIFEST_VERSION = 1
 
 

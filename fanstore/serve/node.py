@@ -47,14 +47,14 @@ from .command_processes import new_token
 from .doorbell import open_doorbell
 from .job_stats import report_stats
 from .lifecycle import Lifecycle
-from .node_endpoint import NodeEndpoint
+from .node_endpoint import SOCKET_NAME, NodeEndpoint
 from .node_protocol import BlobLookup
 from .placement import BlobTable, Placement, place
 from .polling import first_failed_rank
 from .sources import PeerChunkSource, PlacedChunkSource
 from .start_checks import host_names, other_dataset, ranks_sharing_memory, shared_paths
 from .staged_source import StagedChunkSource
-from .local_dir import StagingBroken, StagingError, claim_local_dir, copy_index
+from .local_dir import LOCK_NAME, WATCHDOG_LOG, StagingBroken, StagingError, claim_local_dir, copy_index
 from .staging import StagingReport, Stager, index_identity
 from .statuses import RequestRefused
 from ..mount.options import MountOptions
@@ -123,17 +123,18 @@ class RankWatchdog:
     (`close`) does not fail on a watchdog gone.
     """
 
-    def __init__(self, rank: int, mountpoint: Path, ready_file: Path, log_path: Path, token: str) -> None:
-        """`token`: what marks the processes of the rank's command (command_processes.py), which the watchdog ends
+    def __init__(self, rank: int, mountpoint: Path, ready_file: Path, local_dir: Path, token: str) -> None:
+        """`local_dir`: the rank's, held by it (its lock), where the watchdog's log goes and the readers' socket lies.
+        `token`: what marks the processes of the rank's command (command_processes.py), which the watchdog ends
         should the rank die before it could."""
         self._rank = rank
         self._mountpoint = mountpoint
         read_end, self._keep_alive = os.pipe()
-        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        log_fd = os.open(local_dir / WATCHDOG_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-I", "-S", watchdog.__file__, str(read_end), str(mountpoint), str(ready_file), token,
-                 *shm_files_mapped()],
+                [sys.executable, "-I", "-S", watchdog.__file__, str(read_end), str(mountpoint), str(ready_file),
+                 str(local_dir / SOCKET_NAME), str(local_dir / LOCK_NAME), token, *shm_files_mapped()],
                 pass_fds=(read_end,), stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
                 start_new_session=True)
         finally:
@@ -342,7 +343,7 @@ def _serve_rank(options: ServeOptions, comm: Any, mpi: Any, too_few: str | None 
     cgroup = job_memory().cgroup  # the memory cgroup whose limit binds, if any
     memory_sharers = ranks_sharing_memory(comm, host, cgroup.path if cgroup is not None else None)
     token = new_token()  # marks the processes of the rank's command, for the rank and its watchdog to end
-    guard = RankWatchdog(rank, mountpoint, ready_file, local_dir / "fanstore-watchdog.log", token)
+    guard = RankWatchdog(rank, mountpoint, ready_file, local_dir, token)
 
     bar = _progress_bar(rank, options.progress)
     try:

@@ -1,11 +1,12 @@
-"""A rank's watchdog: when the rank dies, however it dies, its mount, its MPI shared-memory files and its command's
-processes go too.
+"""A rank's watchdog: when the rank dies, however it dies, its mount, its MPI shared-memory files, its readers' socket
+and its command's processes go too.
 
 A launcher that ends a job SIGKILLs every rank's process group (mpiexec does when one rank dies); no handler runs,
 so the kernel is left with a FUSE mount whose daemon is gone (every access: ENOTCONN) and MPICH with its
 /dev/shm files. The rank starts this script in a session of its own, which the launcher does not kill, holding
 the write end of a pipe: when the rank is gone the read end sees end-of-file, and the watchdog lazily unmounts
-the mount point (if still mounted) and removes the rank's ready file and the shared-memory files it had mapped. Its output goes to
+the mount point (if still mounted) and removes the rank's ready file, the shared-memory files it had mapped, and the
+socket of the node's readers once no job holds the rank's local directory. Its output goes to
 a file, never the rank's stdout: a process holding that open keeps mpiexec waiting. Then it ends what is left of the
 rank's command (command_processes.py): the launcher's kill reaches the rank's process group, not a process of the
 command that left it.
@@ -16,6 +17,7 @@ it (which does too), so it starts in milliseconds.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -30,6 +32,9 @@ else:  # run as the watchdog: -I leaves this script's folder off the path
     from command_processes import STOP_GRACE, end_command_processes, marker_of  # noqa: E402
 
 CLEAN_EXIT = b"clean exit"
+# Seconds to wait for the local directory's lock: a killed rank's goes as the kernel closes its descriptors, a moment
+# after the pipe's end-of-file; a rank that closed the pipe itself (an end without the others) holds it until it exits.
+LOCK_WAIT = 5.0
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
 
 
@@ -61,11 +66,45 @@ def clean_up(mountpoint: str, ready_file: str, shm_files: list[str]) -> None:
             print(f"rank gone: cannot remove {path}: {exc.strerror}", flush=True)
 
 
+def remove_socket(socket_path: str, lock_path: str) -> None:
+    """The socket of the node's readers, once the local directory's lock can be had: a job holds its directory (an
+    flock, local_dir.claim_local_dir) while it serves there, so a socket found then is no live process's, and one
+    that holds it by now has put its own socket there (never removed here). Where it cannot be had (a new job, no
+    flock on that file system), the socket stays: the next job there replaces it, and a reader given its path is
+    refused (ECONNREFUSED), which it takes as a serve process gone."""
+    try:
+        lock = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        deadline = time.monotonic() + LOCK_WAIT
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.01)
+            except OSError:
+                return
+        try:
+            os.unlink(socket_path)
+            print(f"rank gone: removed {socket_path}", flush=True)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            print(f"rank gone: cannot remove {socket_path}: {exc.strerror}", flush=True)
+    finally:
+        os.close(lock)  # the lock with it
+
+
 def main(argv: list[str]) -> int:
-    """watchdog.py FD MOUNTPOINT READY_FILE TOKEN [SHM_FILE ...]: wait for end-of-file on FD, then clean up. A rank
-    that ends normally writes CLEAN_EXIT first: it removed its ready file and ended its command's processes, MPI its
-    shared-memory files (and other ranks may still be finishing with them)."""
-    fd, mountpoint, ready_file, token, shm_files = int(argv[0]), argv[1], argv[2], argv[3], argv[4:]
+    """watchdog.py FD MOUNTPOINT READY_FILE SOCKET LOCK TOKEN [SHM_FILE ...]: wait for end-of-file on FD, then clean
+    up. A rank that ends normally writes CLEAN_EXIT first: it removed its ready file and socket and ended its
+    command's processes, MPI its shared-memory files (and other ranks may still be finishing with them)."""
+    fd, mountpoint, ready_file, socket_path, lock_path, token, shm_files = \
+        int(argv[0]), argv[1], argv[2], argv[3], argv[4], argv[5], argv[6:]
     said = b""
     while True:
         try:
@@ -81,6 +120,7 @@ def main(argv: list[str]) -> int:
         clean_up(mountpoint, ready_file, [])
     else:
         clean_up(mountpoint, ready_file, shm_files)
+        remove_socket(socket_path, lock_path)
         killed = end_command_processes(marker_of(token), STOP_GRACE)
         if killed:
             print(f"rank gone: killed {len(killed)} process(es) of its command that outlived SIGTERM", flush=True)
