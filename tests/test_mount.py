@@ -763,12 +763,21 @@ def test_prefetch_decodes_ahead_in_directory_and_list_order(packed, tmp_path):
     listing.write_text("\n".join(str(tmp_path / "mnt" / rel) for rel in shuffled) + "\n")
     assert hits("--prefetch", "4", "--prefetch-min-size", "0", "--prefetch-list", str(listing),
                 order=shuffled) == len(small) - 1
+    # Through a link and '..' (the link `cats` leads to train/cat, whose '..' is train): resolved as the kernel
+    # resolves them, the same files; '..' was looked up as a name, and the mount refused the list.
+    listing.write_text("\n".join(f"cats/../cat/{Path(rel).name}" for rel in shuffled) + "\n")
+    assert hits("--prefetch", "4", "--prefetch-min-size", "0", "--prefetch-list", str(listing),
+                order=shuffled) == len(small) - 1
     bad = tmp_path / "bad.txt"
-    bad.write_text("train/cat/img_001.png\nnot/there.png\n")
     (tmp_path / "mnt2").mkdir()
-    assert_one_line_error(run_cli("mount", str(ds), str(tmp_path / "mnt2"), "--log", str(tmp_path / "log"),
-                                  "--prefetch-list", str(bad)),
-                          "bad.txt:2", "not/there.png")
+    # A name the dataset lacks, a directory (taken without a word), a file named as a directory (taken as the file).
+    for line, said in (("not/there.png", "'not/there.png' is not in the dataset"),
+                       ("train/cat", "'train/cat' is a directory"),
+                       ("train/cat/img_001.png/", "'train/cat/img_001.png' is not a directory")):
+        bad.write_text(f"train/cat/img_001.png\n{line}\n")
+        assert_one_line_error(run_cli("mount", str(ds), str(tmp_path / "mnt2"), "--log", str(tmp_path / "log"),
+                                      "--prefetch-list", str(bad)),
+                              "bad.txt:2", said)
 
 
 def test_prefetch_comes_back_once_the_kernel_drops_the_files_it_held(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -66,11 +67,72 @@ def test_a_list_may_name_files_through_the_mount_and_end_lines_as_windows_does(d
     listing.write_bytes(f"{mountpoint}/d/f.bin\r\n./other.bin\r\n{mountpoint}//d/a.bin\n".encode())
     entries = read_prefetch_list(dataset.index, listing, mountpoint)
     assert entries == [dataset.index.lookup(p) for p in ("d/f.bin", "other.bin", "d/a.bin")]
-    with pytest.raises(UsageError, match=rf"epoch\.txt:1: '{mountpoint}/d/f\.bin' is not in the dataset$"):
+    with pytest.raises(UsageError, match=rf"epoch\.txt:1: '{mountpoint}/d/f\.bin' is not in the dataset "
+                                         r"\(1 more line of it names no file either\)$"):
         read_prefetch_list(dataset.index, listing)  # no mount point given: only dataset paths
     listing.write_text("d/a.bin\n/elsewhere/d/f.bin\n")
     with pytest.raises(UsageError, match=rf"epoch\.txt:2: .* \(a path through the mount starts with {mountpoint}/\)"):
         read_prefetch_list(dataset.index, listing, mountpoint)
+
+
+@pytest.fixture(scope="module")
+def linked(tmp_path_factory):
+    """A tree with links (to a file, to a directory, up and across) beside the dataset packed from it."""
+    src = tmp_path_factory.mktemp("linked") / "src"
+    (src / "d" / "sub").mkdir(parents=True)
+    for rel in ("d/a.bin", "d/sub/s.bin", "other.bin"):
+        (src / rel).write_bytes(rel.encode() * 100)
+    os.symlink("../other.bin", src / "d" / "to_other")
+    os.symlink("d/sub", src / "to_sub")
+    os.symlink("../sub", src / "d" / "sub" / "loop")  # to d/sub itself
+    pack(src, src.parent / "ds", PackOptions(codec="none", workers=1))
+    with open_dataset(src.parent / "ds") as ds:
+        yield src, ds
+
+
+# Lines the kernel resolves to a file of the original directory: '..' taken from where a link led, links followed.
+RESOLVED_LINES = ["d/sub/../a.bin", "to_sub/../a.bin", "to_sub/s.bin", "d/to_other", "./d//sub/./s.bin", "/other.bin",
+                  "d/sub/loop/loop/s.bin", "to_sub/loop/../../other.bin", "d/../d/sub/../../other.bin"]
+
+
+def test_each_line_is_resolved_as_the_api_and_the_kernel_resolve_it(linked, tmp_path):
+    """`..` in a line was looked up as a name (an error), and a link to a file was taken as the link, which is
+    never decoded: each line now goes through the API's path walk, which follows the kernel's."""
+    src, ds = linked
+    listing = tmp_path / "epoch.txt"
+    mountpoint = tmp_path / "mnt"
+    listing.write_text("".join(f"{line}\n" for line in RESOLVED_LINES) + f"{mountpoint}/to_sub/../a.bin\n")
+    entries = read_prefetch_list(ds.index, listing, mountpoint)
+    kernel = [os.path.relpath(os.path.realpath(src / line.lstrip("/")), src) for line in RESOLVED_LINES]
+    assert [ds.index.path_of(entry) for entry in entries] == kernel + ["d/a.bin"]
+    assert entries[:-1] == [ds.resolve(line) for line in RESOLVED_LINES]
+
+
+@pytest.mark.parametrize("line, problem", [
+    ("d", "'d' is a directory; the list names the files to read, in order"),
+    ("d/sub/", "'d/sub/' is a directory; the list names the files to read, in order"),
+    ("to_sub", "'to_sub' is a directory; the list names the files to read, in order"),
+    ("d/sub/..", "'d/sub/..' is a directory; the list names the files to read, in order"),
+    ("d/a.bin/", "'d/a.bin/': 'd/a.bin' is not a directory"),
+    ("d/a.bin/.", "'d/a.bin/.': 'd/a.bin' is not a directory"),
+    ("d/to_other/", "'d/to_other/': 'other.bin' is not a directory"),
+    ("d/a.bin/../a.bin", "'d/a.bin/../a.bin': 'd/a.bin' is not a directory"),
+    ("d/sub/../nope.bin", "'d/sub/../nope.bin' is not in the dataset"),
+], ids=["directory", "directory/", "link to a directory", "dir/..", "file/", "file/.", "link to a file/",
+        "file/..", "missing after .."])
+def test_a_line_that_names_no_file_is_an_error_naming_file_and_line(linked, tmp_path, line, problem):
+    """A directory and a file named as a directory ('file/') were taken without a word (the first as nothing to
+    read, the second as the file); like a name the dataset lacks, each is an error naming the list's file and
+    line, and how many more lines name no file."""
+    _, ds = linked
+    listing = tmp_path / "epoch.txt"
+    listing.write_text(f"d/a.bin\n{line}\nother.bin\n")
+    with pytest.raises(UsageError) as raised:
+        read_prefetch_list(ds.index, listing)
+    assert str(raised.value) == f"--prefetch-list: {listing}:2: {problem}"
+    listing.write_text(f"d/a.bin\n{line}\nother.bin\nd\nd/\n")
+    with pytest.raises(UsageError, match=r"epoch\.txt:2: .* \(2 more lines of it name no file either\)$"):
+        read_prefetch_list(ds.index, listing)
 
 
 def test_a_list_that_is_not_text_names_its_first_bad_line(dataset, tmp_path):

@@ -1607,10 +1607,13 @@ GOOD_LINE = b"train/dog/img_000.bin\n"
 @pytest.mark.parametrize("lists, failing, needle", [
     ({rank: b"\xb3\x01\xff binary\n" for rank in range(RANKS)}, [0, 1, 2], "epoch{rank}.txt:1: not UTF-8 text"),
     ({0: GOOD_LINE, 1: GOOD_LINE + b"no/such.bin\n", 2: GOOD_LINE}, [1], "epoch1.txt:2: 'no/such.bin' is not in"),
+    # Rank 0's '..' (through the link `cats`) resolves as the kernel's; a directory was taken without a word.
+    ({0: GOOD_LINE + b"cats/../dog/img_002.bin\n", 1: GOOD_LINE + b"train/cat/\n", 2: GOOD_LINE + b"train/cat/\n"},
+     [1, 2], "epoch{rank}.txt:2: 'train/cat/' is a directory"),
     # A line of 50 MB: each rank echoed it whole (150 MB of output); cut, it is one readable line a rank.
     ({rank: GOOD_LINE + b"x" * 50_000_000 + b"\n" for rank in range(RANKS)}, [0, 1, 2],
      "epoch{rank}.txt:2: '" + "x" * 200 + "...' (50,000,000 characters) is not in the dataset"),
-], ids=["binary", "not in the dataset", "a line of 50 MB"])
+], ids=["binary", "not in the dataset", "a directory", "a line of 50 MB"])
 def test_prefetch_lists_a_rank_cannot_use_stop_every_rank_before_anything_is_copied(served_dataset, tmp_path, jobs,
                                                                                     lists, failing, needle):
     """Each rank reads its own list (`{rank}`); one that names nothing in the dataset, or is not text, is found

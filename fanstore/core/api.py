@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import operator
 import os
-import posixpath
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,11 +18,10 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from .chunk_source import ChunkSource, LocalChunkSource
-from ..errors import IsADirectory, NotADirectory, NotASymlink, PathNotFound, SymlinkLoop, quoted
+from ..errors import IsADirectory, NotADirectory, NotASymlink, quoted
 from .index import Index, normalize_path
+from .path_walk import PathWalk
 from .reader import Reader
-
-_MAX_SYMLINK_HOPS = 40
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +151,7 @@ class Dataset:
 
     def __init__(self, index: Index, source: ChunkSource) -> None:
         self.index = index
+        self.path_walk = PathWalk(index)  # how a path names an entry (the kernel's way)
         self.reader = Reader(index, source)
         self.path = index.path.parent
 
@@ -191,68 +190,12 @@ class Dataset:
 
     def resolve(self, path: str | os.PathLike[str], follow_symlinks: bool = True) -> int:
         """Entry number of a path, following symlinks (they all stay inside the dataset); with `follow_symlinks`
-        False, a link at the end is the entry (links on the way are followed, as lstat does)."""
-        text = os.fsdecode(path)
-        spelled = normalize_path(text)
-        # A trailing '/', '.' or '..' names a directory, as for the kernel: a link there is followed.
-        directory_wanted = text.endswith("/") or text.rpartition("/")[2] in (".", "..")
-        follow = follow_symlinks or directory_wanted
-        entry = None if "/../" in f"/{spelled}/" else self.index.lookup_key(spelled.encode("utf-8", "surrogateescape"))
-        if entry is None or (follow and stat.S_ISLNK(int(self.index.entries[entry]["mode"]))):
-            entry = self._walk(path, spelled, follow)  # a link or '..' on the way; or nothing there
-        if directory_wanted and not stat.S_ISDIR(int(self.index.entries[entry]["mode"])):
-            raise NotADirectory(f"{quoted(path)}: {quoted(self.index.path_of(entry))} is not a directory")
-        return entry
+        False, a link at the end is the entry (links on the way are followed, as lstat does). See PathWalk."""
+        return self.path_walk.resolve(path, follow_symlinks)
 
     def resolve_many(self, paths: Sequence[str]) -> np.ndarray:
-        """Entry numbers of many paths, as `resolve` gives them (the same errors), in one vectorized search:
-        paths spelled as the index spells them are found at once, the others (unnormalized, or through a
-        symlink) one by one."""
-        entries = self.index.lookup_keys([path.encode("utf-8", "surrogateescape") for path in paths])
-        modes = self.index.entries["mode"][np.maximum(entries, 0)]
-        for number in np.flatnonzero((entries < 0) | ((modes & 0o170000) == stat.S_IFLNK)).tolist():
-            entries[number] = self.resolve(paths[number])
-        return entries
-
-    def _walk(self, path: str | os.PathLike[str], spelled: str, follow_last: bool) -> int:
-        """`resolve` name by name, as the kernel looks a path up: one budget of _MAX_SYMLINK_HOPS links for the
-        whole lookup, however links lead to links (each one's own budget let a loop through a directory link
-        recurse without end), and a name that is not there ends it at once, however deep the path."""
-        root = self.index.lookup("")
-        pending = spelled.split("/")[::-1] if spelled else []  # a stack: the next name last
-        here, entry, hops = "", root, 0
-        while pending:
-            if not stat.S_ISDIR(int(self.index.entries[entry]["mode"])):
-                raise NotADirectory(f"{quoted(path)}: {quoted(here)} is not a directory")
-            name = pending.pop()
-            if name == "..":  # `here` holds no link: its parent is where '..' leads (the root's is itself)
-                here = posixpath.dirname(here)
-                entry = self.index.lookup(here) if here else root
-                continue
-            candidate = f"{here}/{name}" if here else name
-            found = self.index.lookup_key(candidate.encode("utf-8", "surrogateescape"))
-            if found is None:
-                raise PathNotFound(f"{quoted(path)}: no such file or directory in the dataset")
-            if not stat.S_ISLNK(int(self.index.entries[found]["mode"])) or not (pending or follow_last):
-                here, entry = candidate, found
-                continue
-            hops += 1
-            if hops > _MAX_SYMLINK_HOPS:
-                raise SymlinkLoop(f"{quoted(path)}: too many levels of symbolic links")
-            target = self._link_destination(found)  # from the root, normalized
-            pending.extend(target.split("/")[::-1] if target else [])
-            here, entry = "", root
-        return entry
-
-    def _link_destination(self, entry: int) -> str:
-        """Where a link points, joined to the link's own path: every directory above an entry is a real one, so
-        a '..' in the target climbs what the kernel would (not a symlinked directory the caller went through).
-        The index check guarantees the result stays inside."""
-        link_path = self.index.path_of(entry)
-        joined = posixpath.normpath(posixpath.join(posixpath.dirname(link_path), self.index.link_target(entry)))
-        if joined.startswith("..") or joined.startswith("/"):
-            raise PathNotFound(f"{quoted(link_path)}: symlink points outside the dataset")
-        return "" if joined == "." else joined
+        """Entry numbers of many paths, as `resolve` gives them (the same errors), in one vectorized search."""
+        return self.path_walk.resolve_many(paths)
 
     def read(self, path: str | os.PathLike[str]) -> bytes:
         """The whole original content of a file. ChunkCorrupt if its stored bytes are damaged, ChunkUnavailable if

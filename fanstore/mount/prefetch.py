@@ -24,9 +24,10 @@ import numpy as np
 
 from ..core.cache import DecodedCache
 from ..core.chunk_source import ChunkSource, ReadDone
-from ..errors import UsageError, quoted
+from ..errors import FanstoreError, PathNotFound, UsageError, quoted
 from ..core.format import FLAG_BLOCKED, NO_CHUNK
-from ..core.index import Index, normalize_path
+from ..core.index import Index
+from ..core.path_walk import PathWalk
 from ..core.thread_names import name_os_thread
 
 
@@ -118,16 +119,18 @@ class FileOrder:
 
 
 def read_prefetch_list(index: Index, path: Path, mountpoint: Path | None = None) -> list[int]:
-    """Entries of a prefetch list file: one path a line, relative to the dataset's root or, given `mountpoint`,
-    through the mount (what a training script that reads the mount has at hand). A line that is not UTF-8 text
-    or names nothing in the dataset is an error naming the file and line."""
+    """Entries of a prefetch list file: one file's path a line, relative to the dataset's root or, given
+    `mountpoint`, through the mount (what a training script that reads the mount has at hand), each resolved as the
+    API resolves a path (core/path_walk.py: '..', links followed as the kernel follows them). A line that is not
+    UTF-8 text, names nothing in the dataset, a directory, or a file as a directory ('file/') is an error naming
+    the file and line: the list names the files read, and a line that reads nothing is a list gone wrong."""
     try:
         lines = path.read_bytes().splitlines()
     except OSError as exc:
         raise UsageError(f"--prefetch-list: cannot read {quoted(path)}: {exc.strerror}") from None
     through_mount = f"{mountpoint}/" if mountpoint is not None else None
     names: list[tuple[int, str]] = []  # (line number, the path as written)
-    keys: list[bytes] = []
+    relatives: list[str] = []
     for number, line in enumerate(lines, start=1):
         line = line.strip()
         if not line:
@@ -136,17 +139,29 @@ def read_prefetch_list(index: Index, path: Path, mountpoint: Path | None = None)
             name = line.decode("utf-8")
         except UnicodeDecodeError:
             raise UsageError(f"--prefetch-list: {path}:{number}: not UTF-8 text (one dataset path a line)") from None
-        relative = name[len(through_mount):] if through_mount and name.startswith(through_mount) else name
         names.append((number, name))
-        keys.append(normalize_path(relative).encode("utf-8"))
-    entries = index.lookup_keys(keys)
-    unknown = np.flatnonzero(entries < 0)
-    if len(unknown):
-        number, name = names[int(unknown[0])]
-        hint = ""
-        if through_mount and name.startswith("/"):
-            hint = f" (a path through the mount starts with {through_mount})"
-        raise UsageError(f"--prefetch-list: {path}:{number}: {quoted(name)} is not in the dataset{hint}")
+        relatives.append(name[len(through_mount):] if through_mount and name.startswith(through_mount) else name)
+    errors: dict[int, FanstoreError] = {}
+    entries = PathWalk(index).resolve_many(relatives, errors)
+    directories = np.flatnonzero((entries >= 0) & ((index.entries["mode"][entries] & 0o170000) == stat.S_IFDIR))
+    unusable = sorted([*errors, *directories.tolist()])
+    if unusable:
+        first = unusable[0]
+        number, name = names[first]
+        error = errors.get(first)
+        if error is None:
+            problem = f"{quoted(name)} is a directory; the list names the files to read, in order"
+        elif isinstance(error, PathNotFound):
+            hint = ""
+            if through_mount and name.startswith("/"):
+                hint = f" (a path through the mount starts with {through_mount})"
+            problem = f"{quoted(name)} is not in the dataset{hint}"
+        else:
+            problem = str(error)  # a file named as a directory ('file/'), a link loop
+        more = len(unusable) - 1
+        also = f" ({more:,} more line{'s' if more > 1 else ''} of it name{'' if more > 1 else 's'} no file either)" \
+            if more else ""
+        raise UsageError(f"--prefetch-list: {path}:{number}: {problem}{also}")
     return entries.tolist()
 
 
