@@ -830,7 +830,7 @@ def test_a_stale_mount_and_socket_from_a_job_killed_with_its_watchdogs_are_clear
 
 def test_a_ready_file_that_cannot_be_written_once_mounted_ends_the_job_with_one_line(served_dataset, tmp_path, jobs):
     """Its directory passed the check at start, then the disk filled: a batch script would wait for the ready file
-    for good, so each rank says so and the job ends."""
+    for good, so each rank says so and the job ends, leaving nothing there."""
     _, dest = served_dataset
     full = tmp_path / "full"
     full.mkdir()
@@ -842,8 +842,10 @@ def test_a_ready_file_that_cannot_be_written_once_mounted_ends_the_job_with_one_
         job = Job(tmp_path, dest, "--ready-file", str(full / "ready{rank}"))
         jobs.append(job)
         code, _, err = job.finish(timeout=60)
+        left = sorted(os.listdir(full))  # each rank's partial ready file stayed beside the filler
     finally:
         subprocess.run(["umount", "-l", str(full)])
+    assert left == ["filler"]
     assert code == 1 and "Traceback" not in err, err
     lines = sorted(line for line in err.splitlines() if "error" in line)
     assert lines == [f"fanstore serve: error: rank {rank}: cannot write the ready file {full}/ready{rank}: No space "

@@ -18,22 +18,32 @@ def write_atomically(path: Path, data: bytes | bytearray | memoryview | mmap.mma
     written under a temporary name, synced, renamed, and the rename synced: a reader (or a resumed pack) sees the
     whole file or none. Returns the written file's identity before and after the rename,
     taken from the open file, not by name (the rename may change its ctime; a write between them, its size or
-    mtime)."""
-    partial = path.with_name(path.name + PARTIAL_SUFFIX)
+    mtime). A write that fails (a full disk) removes what it wrote; one killed leaves it under partial_of(path)."""
+    partial = partial_of(path)
     with naming_the_file(partial):
-        with open(partial, "wb") as out:
-            if isinstance(data, (bytes, bytearray, memoryview, mmap.mmap)):
-                out.write(data)
-            else:
-                for piece in data:
-                    out.write(piece)
-            out.flush()
-            os.fsync(out.fileno())
-            written = os.fstat(out.fileno())
-            os.replace(partial, path)
-            renamed = os.fstat(out.fileno())
+        try:
+            with open(partial, "wb") as out:
+                if isinstance(data, (bytes, bytearray, memoryview, mmap.mmap)):
+                    out.write(data)
+                else:
+                    for piece in data:
+                        out.write(piece)
+                out.flush()
+                os.fsync(out.fileno())
+                written = os.fstat(out.fileno())
+                os.replace(partial, path)
+                renamed = os.fstat(out.fileno())
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
+            raise
         fsync_dir(path.parent)
     return written, renamed
+
+
+def partial_of(path: Path) -> Path:
+    """The name write_atomically writes `path` under until it is whole."""
+    return path.with_name(path.name + PARTIAL_SUFFIX)
 
 
 @contextlib.contextmanager

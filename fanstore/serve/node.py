@@ -31,6 +31,7 @@ from ..core.chunk_source import LocalChunkSource
 from ..core.allocator import keep_freed_memory
 from ..core.descriptors import descriptor_limit, free_descriptors, raise_descriptor_limit
 from ..core.dest_apart import check_apart_from_dest
+from ..core.durable import partial_of
 from ..errors import ChunkUnavailable, FanstoreError, Terminated, UsageError, quoted, say_line
 from ..core.format import CHUNK_DIR, INDEX_NAME
 from ..core.index import Index
@@ -134,7 +135,8 @@ class RankWatchdog:
         try:
             self._process = subprocess.Popen(
                 [sys.executable, "-I", "-S", watchdog.__file__, str(read_end), str(mountpoint), str(ready_file),
-                 str(local_dir / SOCKET_NAME), str(local_dir / LOCK_NAME), token, *shm_files_mapped()],
+                 str(local_dir / SOCKET_NAME), str(local_dir / LOCK_NAME), token, *shm_files_mapped(),
+                 str(partial_of(ready_file))],
                 pass_fds=(read_end,), stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
                 start_new_session=True)
         finally:

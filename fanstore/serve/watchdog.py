@@ -5,8 +5,8 @@ A launcher that ends a job SIGKILLs every rank's process group (mpiexec does whe
 so the kernel is left with a FUSE mount whose daemon is gone (every access: ENOTCONN) and MPICH with its
 /dev/shm files. The rank starts this script in a session of its own, which the launcher does not kill, holding
 the write end of a pipe: when the rank is gone the read end sees end-of-file, and the watchdog lazily unmounts
-the mount point (if still mounted) and removes the rank's ready file, the shared-memory files it had mapped, and the
-socket of the node's readers once no job holds the rank's local directory. Its output goes to
+the mount point (if still mounted) and removes the rank's ready file (and its partial write), the shared-memory files
+it had mapped, and the socket of the node's readers once no job holds the rank's local directory. Its output goes to
 a file, never the rank's stdout: a process holding that open keeps mpiexec waiting. Then it ends what is left of the
 rank's command (command_processes.py): the launcher's kill reaches the rank's process group, not a process of the
 command that left it.
@@ -49,14 +49,14 @@ def fuse_mounted(mountpoint: str) -> bool:
     return False
 
 
-def clean_up(mountpoint: str, ready_file: str, shm_files: list[str]) -> None:
+def clean_up(mountpoint: str, ready_file: str, left_files: list[str]) -> None:
     if fuse_mounted(mountpoint):
         tool = shutil.which("fusermount3") or shutil.which("fusermount")
         command = [tool, "-u", "-z", mountpoint] if tool else ["umount", "-l", mountpoint]
         done = subprocess.run(command, capture_output=True, text=True)
         print(f"{time.strftime('%H:%M:%S')} rank gone: unmounted {mountpoint}" if done.returncode == 0 else
               f"rank gone: {' '.join(command)} failed: {done.stderr.strip()}", flush=True)
-    for path in [ready_file, *shm_files]:
+    for path in [ready_file, *left_files]:
         try:
             os.unlink(path)
             print(f"rank gone: removed {path}", flush=True)
@@ -100,10 +100,11 @@ def remove_socket(socket_path: str, lock_path: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """watchdog.py FD MOUNTPOINT READY_FILE SOCKET LOCK TOKEN [SHM_FILE ...]: wait for end-of-file on FD, then clean
-    up. A rank that ends normally writes CLEAN_EXIT first: it removed its ready file and socket and ended its
+    """watchdog.py FD MOUNTPOINT READY_FILE SOCKET LOCK TOKEN [FILE ...]: wait for end-of-file on FD, then clean up.
+    The FILEs are what only a killed rank leaves: MPI's shared-memory files it mapped, its ready file's partial
+    write. A rank that ends normally writes CLEAN_EXIT first: it removed its ready file and socket and ended its
     command's processes, MPI its shared-memory files (and other ranks may still be finishing with them)."""
-    fd, mountpoint, ready_file, socket_path, lock_path, token, shm_files = \
+    fd, mountpoint, ready_file, socket_path, lock_path, token, left_files = \
         int(argv[0]), argv[1], argv[2], argv[3], argv[4], argv[5], argv[6:]
     said = b""
     while True:
@@ -119,7 +120,7 @@ def main(argv: list[str]) -> int:
     if said == CLEAN_EXIT:
         clean_up(mountpoint, ready_file, [])
     else:
-        clean_up(mountpoint, ready_file, shm_files)
+        clean_up(mountpoint, ready_file, left_files)
         remove_socket(socket_path, lock_path)
         killed = end_command_processes(marker_of(token), STOP_GRACE)
         if killed:
