@@ -21,7 +21,6 @@ import numpy as np
 
 _HEADER_BYTES = 16  # the serial and the bytes per number (int64 each), before the order
 _NAME = "fanstore-epoch-plan"  # what /proc/PID/maps and ls -l /proc/PID/fd show
-_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
 
 class EpochPlan:
@@ -116,7 +115,8 @@ def _put(slot: int, header: bytes, numbers: np.ndarray) -> None:
         with open(fd, "wb", closefd=False) as out:
             out.write(header)
             out.write(memoryview(numbers).cast("B"))
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+                    | fcntl.F_SEAL_WRITE)  # what a reader maps stays as written
         os.dup2(fd, slot, inheritable=False)
     finally:
         os.close(fd)
