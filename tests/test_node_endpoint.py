@@ -642,3 +642,36 @@ def test_a_serve_process_that_cannot_accept_costs_its_reader_a_deadline_and_no_s
         assert log.count("out of file descriptors") == 1 and "Traceback" not in log, log
     finally:
         node.kill()
+
+
+def test_a_reader_waits_as_long_as_its_node_says_a_working_one_may_take(dataset, tmp_path):
+    """A reader's deadline was 120 s whatever the job: a node with --peer-timeout 60 may work on one READS for minutes
+    (a fetch behind --max-in-flight others, each allowed its timeout), and its readers took it for stuck and read
+    DEST for good. The node says its figure in HELLO; the reader takes it, on the socket HELLO came on too."""
+    import socket as sockets
+    import struct as structs
+
+    from fanstore.serve.node_client import open_served_dataset
+    from fanstore.serve.node_endpoint import ANSWER_DEADLINE, SEND_TIMEOUT, answer_within
+    from fanstore.serve.placement import place
+
+    assert answer_within(5.0, 8) == ANSWER_DEADLINE  # the defaults
+    assert answer_within(60.0, 8) == 60.0 * 9 + SEND_TIMEOUT
+    source = HalfRemote(dataset)
+    lookup = BlobLookup(BlobTable.of(dataset.index), len(dataset.index.chunks))
+    ahead = BlobsAhead(source.start_reads, lookup.locate)
+    path = str(dataset.path)
+    description = {"dest": path, "local_dir": path, "index_dir": path, "rank": 0, "size": 2, "direct": [],
+                   "owners": place(dataset.index, 2).owners.to_json(), "answer_within": answer_within(60.0, 8)}
+    node = NodeEndpoint(tmp_path, description, source, lookup, ahead)
+    try:
+        with open_served_dataset(str(node.path)) as served:
+            connection = served.reader.source._connection
+            assert connection.deadline == 600.0
+            for link in connection._links:  # the socket HELLO came on, and any opened since
+                seconds, _ = structs.unpack("ll", link.socket.getsockopt(sockets.SOL_SOCKET, sockets.SO_RCVTIMEO, 16))
+                assert seconds == 600
+            assert all(served.read(name) == dataset.read(name) for name in served.files())
+    finally:
+        node.close()
+        ahead.close()

@@ -48,7 +48,7 @@ from .command_processes import new_token
 from .doorbell import open_doorbell
 from .job_stats import report_stats
 from .lifecycle import Lifecycle
-from .node_endpoint import SOCKET_NAME, NodeEndpoint
+from .node_endpoint import SOCKET_NAME, NodeEndpoint, answer_within
 from .node_protocol import BlobLookup
 from .placement import BlobTable, Placement, place
 from .polling import first_failed_rank
@@ -409,7 +409,9 @@ def _serve_staged(options: ServeOptions, comm: Any, index: Index, placement: Pla
     ahead = BlobsAhead(source.start_reads, lookup.locate)
     endpoint = NodeEndpoint(local_dir, {"dest": str(Path(options.dest).absolute()), "local_dir": str(local_dir),
                                         "index_dir": str(local_dir), "rank": rank, "size": size,
-                                        "direct": sorted(unverified), "owners": placement.owners.to_json()},
+                                        "direct": sorted(unverified), "owners": placement.owners.to_json(),
+                                        "answer_within": answer_within(options.peer.timeout,
+                                                                       options.peer.max_in_flight)},
                             source, lookup, ahead, arena)
     lifecycle = Lifecycle(transport, options.command, mountpoint, ready_file, endpoint.path, hosts, token)
     # Chosen once staged: a local dir on tmpfs has taken its share of the job's memory by now.

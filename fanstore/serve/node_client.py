@@ -26,7 +26,7 @@ from ..errors import ChunkError, ChunkUnavailable, DatasetNotFound, UsageError
 from ..core.format import FLAG_BLOCKED, INDEX_NAME
 from ..core.index import Index
 from .blob_arena import ArenaView
-from .node_endpoint import ENVIRONMENT, unix_address
+from .node_endpoint import ANSWER_DEADLINE, ENVIRONMENT, unix_address
 from .node_protocol import (ARENA, HELLO, MAX_RETURNED, OK, PLAN, PLAN_ROW, READ, READS, READS_MAX_BLOBS,
                             READS_MAX_BYTES, READS_ROW, READS_SHARED, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC,
                             SHARED_ROW, TOKEN)
@@ -35,12 +35,6 @@ from .staged_source import PlacedReads, StagedChunkSource
 from .statuses import status_error
 
 log = logging.getLogger("fanstore.serve")
-
-# How long a reader waits on the serve process, for a connection, a request's sending or its reply. A working serve
-# process answers well within it (it waits on a peer for --peer-timeout, 5 s by default, and for room for a reply,
-# which a reader not taking its own holds node_endpoint.SEND_TIMEOUT at most), so one that misses it is stuck or
-# starved: a serve process out of descriptors left its readers waiting for good.
-ANSWER_DEADLINE = 120.0
 
 
 class _Link:
@@ -76,6 +70,20 @@ class NodeConnection:
         self._arena: ArenaView | None = None
         self._arena_asked = False
         self._arena_lock = threading.Lock()
+
+    def answer_within(self, deadline: float) -> None:
+        """Wait `deadline` seconds for each answer from now on (the node's figure, from HELLO), on sockets open
+        already too."""
+        self._deadline = struct.pack("ll", int(deadline), int(deadline % 1 * 1e6))
+        self.deadline = deadline
+        with self._lock:
+            links = list(self._links)
+        for link in links:
+            try:
+                link.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, self._deadline)
+                link.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, self._deadline)
+            except OSError:
+                pass  # closed meanwhile: its next ask opens another, with the new deadline
 
     def _link(self) -> _Link:
         if self._closed:
@@ -414,6 +422,8 @@ def open_served_dataset(socket_path: str | None = None) -> Dataset:
         raise UsageError(f"{path}: the node's serve process refused to describe its dataset: "
                          f"{payload.decode('utf-8', 'replace')}")
     node = json.loads(payload)
+    if isinstance(node.get("answer_within"), (int, float)) and node["answer_within"] > connection.deadline:
+        connection.answer_within(float(node["answer_within"]))
     try:
         index = Index.load(node["index_dir"])
     except DatasetNotFound:

@@ -54,6 +54,9 @@ MAX_CONNECTIONS = 4096  # readers' connections at once, however many descriptors
 # seconds closes its connection, so a reader that stops reading holds its share that long at most.
 REPLY_BYTES = 256 << 20
 SEND_TIMEOUT = 60.0
+# How long a reader waits on one answer of the serve process before it takes it for stuck, at least (readers start
+# with it, and take the node's own figure from HELLO: answer_within).
+ANSWER_DEADLINE = 120.0
 # How long the accepting thread waits before it accepts again when the process has no descriptor for a connection,
 # doubling from the first to the last while none comes free: the listener stays readable, and polling it again at
 # once took 85% of a core.
@@ -111,6 +114,14 @@ def unix_address(path: Path) -> Iterator[str]:
         yield f"/proc/self/fd/{directory}/{path.name}"
     finally:
         os.close(directory)
+
+
+def answer_within(peer_timeout: float, max_in_flight: int) -> float:
+    """Seconds a node's readers wait on one answer before they take its serve process for stuck: longer than a
+    working one ever makes them wait (a blob fetched behind `max_in_flight` other requests to its peer, each allowed
+    `peer_timeout`, then read from DEST; room for its reply, which a reader not taking its own holds SEND_TIMEOUT at
+    most), and ANSWER_DEADLINE at least. Told to readers in HELLO, so that a long --peer-timeout is no stuck node."""
+    return max(ANSWER_DEADLINE, peer_timeout * (1 + max_in_flight) + SEND_TIMEOUT)
 
 
 class NodeEndpoint:
