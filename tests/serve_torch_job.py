@@ -103,6 +103,7 @@ def main() -> int:
     say_line(json.dumps({"rank": rank, "read": len(got), "expected": len(order), "bad": bad, "steps": steps,
                          "loss": loss, "refused": refused, "remote_ahead": stats.get("ahead_hits", 0),
                          "lent": stats.get("lent", 0), "not_lent": stats.get("not_lent", 0),
+                         "readers_local": stats.get("readers_local", 0),
                          "bogus_plan": bogus_plan, "bad_plan": bad_plan, "index_paths": index_paths,
                          "dest_index_opened": opened(dest_index)}), sys.stdout)
     return 0

@@ -675,3 +675,60 @@ def test_a_reader_waits_as_long_as_its_node_says_a_working_one_may_take(dataset,
     finally:
         node.close()
         ahead.close()
+
+
+def _read_in_a_forked_child(served, names) -> None:
+    for name in names:
+        served.read(name)
+
+
+def test_what_readers_read_themselves_is_told_to_the_node_once_from_each_process(dataset, tmp_path):
+    """--stats said `0 local` for a job whose fanstore.torch readers read half their files from the node's chunks:
+    they read those themselves. Each reader tells the node (COUNTS) on close, at its process's end (a forked
+    DataLoader worker's too, which multiprocessing ends with os._exit), and once a second: every local blob once,
+    a forked child's never counted again by its parent. A malformed COUNTS is refused by name."""
+    import multiprocessing
+
+    from fanstore.serve.node_client import NodeConnection, open_served_dataset
+    from fanstore.serve.node_protocol import COUNTS, READ_COUNTS, REFUSED
+    from fanstore.serve.placement import place
+
+    source = HalfRemote(dataset)
+    lookup = BlobLookup(BlobTable.of(dataset.index), len(dataset.index.chunks))
+    ahead = BlobsAhead(source.start_reads, lookup.locate)
+    path = str(dataset.path)
+    owners = place(dataset.index, 2).owners
+    description = {"dest": path, "local_dir": path, "index_dir": path, "rank": 0, "size": 2, "direct": [],
+                   "owners": owners.to_json()}
+    node = NodeEndpoint(tmp_path, description, source, lookup, ahead)
+    names = sorted(dataset.files())
+
+    def local_of(some) -> tuple[int, int]:
+        entries = [dataset.index.entries[dataset.resolve(name)] for name in some]
+        mine = [e for e in entries if owners.owner(int(e["chunk"]), int(e["offset"])) == 0]
+        return len(mine), sum(int(e["stored_len"]) for e in mine)
+
+    try:
+        served = open_served_dataset(str(node.path))
+        first, second = names[: len(names) // 2], names[len(names) // 2 :]
+        for name in first:
+            served.read(name)
+        child = multiprocessing.get_context("fork").Process(target=_read_in_a_forked_child, args=(served, second))
+        child.start()
+        child.join(30)
+        assert child.exitcode == 0
+        stats = node.stats()
+        assert (stats["readers_local"], stats["readers_local_bytes"]) == local_of(second)  # the child's, at its end
+        served.close()
+        stats = node.stats()
+        assert (stats["readers_local"], stats["readers_local_bytes"]) == local_of(names) and local_of(first)[0] > 0
+        assert stats["readers_dest"] == stats["readers_dest_bytes"] == 0
+        reader = NodeConnection(str(node.path))
+        assert reader.ask(COUNTS, length=READ_COUNTS.size, payload=READ_COUNTS.pack(1 << 53, 0, 0, 0)) == (
+            REFUSED, b"COUNTS value 9007199254740992: each is below 2^53")
+        status, reason = reader.ask(COUNTS, length=3, payload=b"abc")
+        assert status == REFUSED and b"COUNTS takes chunk 0, offset 0 and length 32" in reason
+        assert node.stats()["readers_local"] == local_of(names)[0]
+    finally:
+        node.close()
+        ahead.close()

@@ -225,3 +225,22 @@ def test_serve_stats_say_how_many_accepts_failed_for_want_of_a_descriptor() -> N
                          "bad_blobs": 0}}
     assert "  the node's readers: 0 requests refused (malformed), 2 connections turned away (over the limit), 3 "\
            "accepts failed for want of a file descriptor" in format_rank(stats).splitlines()
+
+
+def test_serve_stats_count_what_fanstore_torch_readers_read_themselves() -> None:
+    """A job whose readers read half their files from the node's own chunks said `0 local` in its totals: those
+    reads never pass through the serve process. The readers tell it (COUNTS), and both lines say them."""
+    pytest.importorskip("mpi4py", reason="fanstore.serve needs mpi4py")
+    from fanstore.serve.job_stats import format_rank, format_totals
+
+    stats = {"rank": 0, "host": "vm", "reads": {"local": 3, "local_bytes": 300, "fallback": 1, "fallback_bytes": 10,
+                                                "peers": {"1": {"fetched": 40, "fetched_bytes": 4000, "asked": 2,
+                                                                "served": 0, "served_bytes": 0, "failed": 0,
+                                                                "refused": 0}}},
+             "ahead": {"readers_local": 37, "readers_local_bytes": 3700, "readers_dest": 2, "readers_dest_bytes": 20},
+             "staging": {"dest_bytes": 0, "received_bytes": 0, "sent_bytes": 0, "reused_bytes": 0, "seconds": 0.1,
+                         "bad_blobs": 0}}
+    assert "  read by fanstore.torch readers themselves: 37 blobs from local chunks (3.7 kB), 2 blobs from DEST " \
+           "(20 B)" in format_rank(stats).splitlines()
+    assert format_totals([stats]) == ("job (1 rank): blobs read 40 local, 40 from peers (4 kB), 3 from DEST; bytes "
+                                      "read from DEST: 0 B staging (0 B), 30 B during the epochs (30 B)")

@@ -287,6 +287,8 @@ def test_a_few_training_steps_under_mpiexec_fanstore_serve(packed, tmp_path):
         assert result["remote_ahead"] > 0, result  # the node fetched remote blobs ahead of the workers
         # The workers read them where they landed, the node's arena, none copied through the socket.
         assert result["lent"] > 0 and result["not_lent"] == 0, result
+        # The blobs of this rank's own chunks the workers read themselves, told to the node at their ends (--stats).
+        assert result["readers_local"] > 0, result
         assert result["bogus_plan"] == "taken", result
         assert result["bad_plan"].startswith("plan row 1: chunk -1: the dataset's chunks are 0 to "), result
     # The plan's rows that are not blobs were dropped: none reached a peer, and none broke the node's fetches ahead.

@@ -83,6 +83,11 @@ def format_rank(stats: dict[str, Any]) -> str:
                         f"(read again by its reader)" if readers.get("ahead_joined_failed") else "")
                      + (f", {plural(readers['ahead_failed_batches'], 'batch', 'batches')} failed to start (logged)"
                         if readers.get("ahead_failed_batches") else ""))
+    if readers.get("readers_local") or readers.get("readers_dest"):
+        lines.append(f"  read by fanstore.torch readers themselves: {plural(readers['readers_local'], 'blob')} from "
+                     f"local chunks ({format_bytes(readers['readers_local_bytes'])}), "
+                     f"{plural(readers['readers_dest'], 'blob')} from DEST "
+                     f"({format_bytes(readers['readers_dest_bytes'])})")
     if readers.get("lent") or readers.get("not_lent"):
         lines.append(f"  to fanstore.torch readers: {plural(readers['lent'], 'remote blob')} lent in the node's arena, "
                      f"{readers['not_lent']:,} sent through the socket"
@@ -103,12 +108,17 @@ def format_rank(stats: dict[str, Any]) -> str:
 
 
 def format_totals(ranks: list[dict[str, Any]]) -> str:
+    """The job's reads, the serve processes' and those their fanstore.torch readers made themselves (local, DEST)."""
+    def readers(rank: dict[str, Any], key: str) -> int:
+        return int((rank.get("ahead") or {}).get(key, 0))
+
     staged = sum(r["staging"]["dest_bytes"] for r in ranks)
-    fallback = sum(r["reads"]["fallback_bytes"] for r in ranks)
-    local = sum(r["reads"]["local"] for r in ranks)
+    fallback = sum(r["reads"]["fallback_bytes"] + readers(r, "readers_dest_bytes") for r in ranks)
+    local = sum(r["reads"]["local"] + readers(r, "readers_local") for r in ranks)
+    dest = sum(r["reads"]["fallback"] + readers(r, "readers_dest") for r in ranks)
     remote = sum(c["fetched"] for r in ranks for c in r["reads"]["peers"].values())
     remote_bytes = sum(c["fetched_bytes"] for r in ranks for c in r["reads"]["peers"].values())
     return (f"job ({plural(len(ranks), 'rank')}): blobs read {local:,} local, {remote:,} from peers "
-            f"({format_bytes(remote_bytes)}), {sum(r['reads']['fallback'] for r in ranks):,} from DEST; bytes read "
+            f"({format_bytes(remote_bytes)}), {dest:,} from DEST; bytes read "
             f"from DEST: {format_bytes(staged)} staging ({staged:,} B), {format_bytes(fallback)} during the epochs "
             f"({fallback:,} B)")

@@ -31,6 +31,7 @@ from .node_protocol import (ARENA, HELLO, MAX_RETURNED, OK, PLAN, PLAN_ROW, READ
                             READS_MAX_BYTES, READS_ROW, READS_SHARED, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC,
                             SHARED_ROW, TOKEN)
 from .placement import NO_OWNER, ChunkOwners
+from .reader_counts import DEST, LOCAL, ReaderCounts
 from .staged_source import PlacedReads, StagedChunkSource
 from .statuses import status_error
 
@@ -371,9 +372,29 @@ class NodeChunkSource(PlacedReads):
         self._plan_refusal_said = False  # a plan the node did not take is logged once
         self._reported = False
         self.fallbacks = 0
+        # What this reader reads without the serve process, told to it for --stats.
+        self._counts = ReaderCounts(lambda kind, length, payload: connection.ask(kind, length=length,
+                                                                                 payload=payload)[0],
+                                    lambda: (local.dest_reads, local.dest_bytes))
+        self._counts.report_at_exit(self)
 
-    def _fell_back(self, reason: ChunkUnavailable, _length: int) -> None:
+    def _read_local(self, chunk_id: int, offset: int, length: int) -> bytes:
+        blob = self._local.read(chunk_id, offset, length)
+        self._counts.count(LOCAL, length)
+        return blob
+
+    def _read_direct(self, chunk_id: int, offset: int, length: int) -> bytes:
+        blob = self._dest.read(chunk_id, offset, length)
+        self._counts.count(DEST, length)
+        return blob
+
+    def close(self) -> None:
+        self._counts.report()
+        super().close()
+
+    def _fell_back(self, reason: ChunkUnavailable, length: int) -> None:
         self.fallbacks += 1
+        self._counts.count(DEST, length)
         if not self._reported:
             self._reported = True
             log.warning("%s; reading such files from the dataset directory", reason)

@@ -32,9 +32,9 @@ from ..core.thread_names import name_os_thread
 from ..errors import ChunkError
 from .blobs_ahead import BlobsAhead, PlanRefused
 from .blob_arena import BlobArena
-from .node_protocol import (ARENA, HELLO, KIND_NAMES, LENT_MAX_BYTES, MAX_RETURNED, OK, PLAN, PLAN_ROW, READ, READS,
-                            READS_MAX_BLOBS, READS_MAX_BYTES, READS_ROW, READS_SHARED, REFUSED, REPLY, REPLY_MAGIC,
-                            REQUEST, REQUEST_MAGIC, SHARED_ROW, TOKEN, BlobLookup, Refused)
+from .node_protocol import (ARENA, COUNTS, HELLO, KIND_NAMES, LENT_MAX_BYTES, MAX_RETURNED, OK, PLAN, PLAN_ROW,
+                            READ, READ_COUNTS, READS, READS_MAX_BLOBS, READS_MAX_BYTES, READS_ROW, READS_SHARED,
+                            REFUSED, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC, SHARED_ROW, TOKEN, BlobLookup, Refused)
 from .statuses import status_of
 
 log = logging.getLogger("fanstore.serve")
@@ -152,6 +152,9 @@ class NodeEndpoint:
         self.ahead = ahead
         self._arena = arena
         self._lent_blobs = self._inline_blobs = 0  # READS_SHARED's blobs read in the arena, and sent through the socket
+        # What the node's readers read without this process, as they report it (COUNTS): local blobs and bytes, DEST
+        # blobs and bytes.
+        self._reader_counts = [0, 0, 0, 0]
         self._limit = connection_limit() if max_connections is None else max_connections
         self._replying = 0  # bytes of blobs being answered now, all connections together (REPLY_BYTES at most)
         self._reply_room = threading.Condition(threading.Lock())
@@ -281,6 +284,8 @@ class NodeEndpoint:
             return True
         if kind == READS_SHARED:
             return self._answer_reads_shared(connection, stream, lent, chunk, offset, length)
+        if kind == COUNTS:
+            return self._take_counts(connection, stream, chunk, offset, length)
         rows_follow = kind in (PLAN, READS)
         unused = {"chunk": chunk, "offset": offset} if rows_follow else \
             {"chunk": chunk, "offset": offset, "length": length}
@@ -295,6 +300,23 @@ class NodeEndpoint:
             self._answer_arena(connection)
             return True
         self._reply(connection, OK, self._hello if kind == HELLO else json.dumps(self.stats()).encode())
+        return True
+
+    def _take_counts(self, connection: socket.socket, stream: BinaryIO, chunk: int, offset: int, length: int) -> bool:
+        """A reader's own reads since its last COUNTS, added to the node's for --stats. False when the connection
+        ended in the middle of it."""
+        if chunk or offset or length != READ_COUNTS.size:
+            raise Refused(f"COUNTS takes chunk 0, offset 0 and length {READ_COUNTS.size} (got {chunk}, {offset}, "
+                          f"{length})", fatal=True)
+        raw = stream.read(READ_COUNTS.size)
+        if len(raw) < READ_COUNTS.size:
+            return False
+        counts = READ_COUNTS.unpack(raw)
+        if max(counts) >= 1 << 53:
+            raise Refused(f"COUNTS value {max(counts)}: each is below 2^53")
+        with self._refusals_lock:
+            self._reader_counts = [total + count for total, count in zip(self._reader_counts, counts)]
+        self._reply(connection, OK, b"")
         return True
 
     def _take_plan(self, connection: socket.socket, stream: BinaryIO, holder: int, process: int,
@@ -344,9 +366,12 @@ class NodeEndpoint:
         each plan's counters (by the process that announced it)."""
         with self._refusals_lock:
             refusals, lent, not_lent = self._refusals, self._lent_blobs, self._inline_blobs
+            local, local_bytes, dest, dest_bytes = self._reader_counts
             turned_away, out_of_descriptors = self.turned_away, self.out_of_descriptors
         arena = self._arena.stats() if self._arena is not None else {}
         return {**self.ahead.stats(), "refused": refusals, "lent": lent, "not_lent": not_lent,
+                "readers_local": local, "readers_local_bytes": local_bytes, "readers_dest": dest,
+                "readers_dest_bytes": dest_bytes,
                 "turned_away": turned_away, "out_of_descriptors": out_of_descriptors, **arena}
 
     def _answer_read(self, connection: socket.socket, row: int, length: int) -> None:

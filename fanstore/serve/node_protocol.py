@@ -10,6 +10,7 @@ reason it failed) in the order asked. ARENA's reply carries the node's shared me
 descriptor (SCM_RIGHTS) beside its JSON size; READS_SHARED asks as READS does, `chunk` counting the tokens given back
 (u64 each, after the rows), and its reply is the token of the blobs it lends (0: none), one SHARED_ROW (status,
 length, place in the arena or -1) per blob, then the bytes of those not lent (a blob, or a reason), in order.
+COUNTS carries READ_COUNTS after its header (`length` its size) and is answered OK and empty.
 
 Imports nothing of MPI: the node's readers (DataLoader workers) import it too.
 """
@@ -26,13 +27,16 @@ from .statuses import RequestRefused, Status
 REQUEST = struct.Struct("<4sIIQQ")  # magic, kind, chunk, offset, length (PLAN: rows that follow)
 REPLY = struct.Struct("<4sIQ")  # magic, status, payload length
 REQUEST_MAGIC, REPLY_MAGIC = b"FSNQ", b"FSNP"
-HELLO, READ, PLAN, STATS, READS, ARENA, READS_SHARED = 1, 2, 3, 4, 5, 6, 7
+HELLO, READ, PLAN, STATS, READS, ARENA, READS_SHARED, COUNTS = 1, 2, 3, 4, 5, 6, 7, 8
 KIND_NAMES = {HELLO: "HELLO", READ: "READ", PLAN: "PLAN", STATS: "STATS", READS: "READS", ARENA: "ARENA",
-              READS_SHARED: "READS_SHARED"}
+              READS_SHARED: "READS_SHARED", COUNTS: "COUNTS"}
 OK, REFUSED, UNAVAILABLE, CORRUPT = Status.OK, Status.REFUSED, Status.UNAVAILABLE, Status.CORRUPT  # as a peer's
 PLAN_ROW = np.dtype([("chunk", "<i8"), ("offset", "<i8"), ("length", "<i8")])
 READS_ROW = np.dtype([("status", "<u4"), ("length", "<u8")])  # of each blob a READS asked for, in its reply
 SHARED_ROW = np.dtype([("status", "<u4"), ("unused", "<u4"), ("length", "<u8"), ("place", "<i8")])  # READS_SHARED's
+# COUNTS: what a reader read without the serve process since its last COUNTS (local blobs and bytes, DEST blobs and
+# bytes), `length` its bytes; for --stats. Each value below 2^53, so that the totals stay exact in JSON.
+READ_COUNTS = struct.Struct("<QQQQ")
 TOKEN = struct.Struct("<Q")  # a READS_SHARED reply's lending; tokens given back follow a READS_SHARED's rows
 # What one READS may ask for: a DataLoader batch's remote blobs, or a prefetch window's, in one round trip; the serve
 # process holds them all until the reply is sent.

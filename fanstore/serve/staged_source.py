@@ -112,13 +112,16 @@ class PlacedReads(ChunkSource):
         if not 0 <= chunk_id < self._chunk_count:
             raise not_in_dataset(chunk_id, self._chunk_count)
         if chunk_id in self._direct:
-            return self._dest.read(chunk_id, offset, length)
+            return self._read_direct(chunk_id, offset, length)
         if self._placement.is_local(self._rank, chunk_id, offset):
             return self._read_local(chunk_id, offset, length)
         return self._remote.read(chunk_id, offset, length)
 
     def _read_local(self, chunk_id: int, offset: int, length: int) -> bytes:
         return self._local.read(chunk_id, offset, length)
+
+    def _read_direct(self, chunk_id: int, offset: int, length: int) -> bytes:
+        return self._dest.read(chunk_id, offset, length)
 
     def read_many(self, blobs: Sequence[tuple[int, int, int]]) -> list[bytes | memoryview | ChunkError]:
         """The remote ones among `blobs` asked of `remote` together; the others read here, one by one."""
