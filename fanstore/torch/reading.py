@@ -186,6 +186,7 @@ class ProcessReading:
         self._plan_serial = -1
         self._position = np.empty(0, dtype=np.int32)  # item -> its place in this epoch's order, -1 if absent
         self._order = np.empty(0, dtype=np.int64)
+        self._expected = -1  # where this process's next batch should start in the order (-1: not known)
         self._capacity = prefetch_bytes
         self._threads = prefetch_threads
         self._pool: ThreadPoolExecutor | None = None  # started with the first plan
@@ -240,8 +241,10 @@ class ProcessReading:
         return [decoded[entry] for entry in entries]
 
     def _position_of(self, items: Sequence[int]) -> int:
-        """The place in the epoch's order of this batch's first item (-1: no plan, or not in it), the plan of a new
-        epoch taken up first."""
+        """The place in the epoch's order where this batch lies (-1: no plan, or not in it), the plan of a new epoch
+        taken up first. Where this process's next batch was expected, or else at its first item's first place;
+        either only if the order holds the whole batch there. An item drawn twice (a sampler with replacement) was
+        taken at its first place, and batches long past were decoded ahead, and held, in place of the next ones."""
         plan = self._plan()
         if plan is None or self._capacity <= 0 or not len(items):
             return -1
@@ -251,8 +254,12 @@ class ProcessReading:
             self._plan_serial, self._order = serial, order
             self._position = np.empty(0, dtype=np.int32)  # the last epoch's, freed before the next is built
             self._position = first_places(order, len(self.entries))
+            self._expected = -1
         first = int(items[0])
-        return int(self._position[first]) if 0 <= first < len(self._position) else -1
+        for position in (self._expected, int(self._position[first]) if 0 <= first < len(self._position) else -1):
+            if position >= 0 and np.array_equal(self._order[position : position + len(items)], items):
+                return position
+        return -1
 
     def _look_ahead(self, position: int, batch_len: int) -> None:
         """Queue the decoding of this worker's next batches of the epoch order. Workers take batches in turn
@@ -264,6 +271,7 @@ class ProcessReading:
 
         info = get_worker_info()
         stride = batch_len * (info.num_workers if info is not None else 1)
+        self._expected = position + stride
         for batch in range(1, PREFETCH_BATCHES + 1):
             start = position + batch * stride
             if start in self._ahead or start >= len(self._order):
