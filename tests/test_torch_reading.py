@@ -47,7 +47,8 @@ def test_a_sampler_with_replacement_has_its_own_next_batches_decoded_ahead_and_n
 
 def test_an_order_published_again_mid_epoch_decodes_nothing_the_loader_does_not_read(packed):
     """The sampler iterated once more while the loader reads (to log it, say): the plan no longer says what comes
-    next, so nothing more is decoded ahead by it, where it decoded batches never read and held them to the epoch's end."""
+    next, so nothing more is decoded ahead by it, where it decoded batches never read and held them to the epoch's
+    end."""
     dest, originals = packed
     dataset = WithCounters(dest)
     sampler = EpochSampler(RandomSampler(dataset, generator=torch.Generator().manual_seed(0)), dataset)
@@ -56,5 +57,5 @@ def test_an_order_published_again_mid_epoch_decodes_nothing_the_loader_does_not_
     list(sampler)
     got += [item for batch in batches for item in batch]
     assert sorted(data for data, _ in got) == sorted(originals)
-    counters = got[-1][1]  # decoded ahead and not read: only the two batches queued before the order changed
+    counters = got[-1][1]  # decoded ahead, not read: only the two batches queued before the order changed
     assert counters["ahead"] - counters["used"] <= 10 and counters["held_bytes"] == 0, counters

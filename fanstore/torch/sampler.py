@@ -23,15 +23,16 @@ class EpochSampler(Sampler[Any]):
 
     A batch sampler (one that yields lists of item numbers, as BatchSampler does) is wrapped the same way and given
     as DataLoader(batch_sampler=...). A sampler that never ends, or yields more than its len() says, is drawn a
-    piece at a time (len() values or the dataset's length, whichever is more), each piece published as the loader reaches it.
+    piece at a time (len() values or the dataset's length, whichever is more), each published as the loader
+    reaches it.
 
     Create it before the DataLoader's workers start (as DataLoader(dataset, sampler=EpochSampler(...)) does)."""
 
     def __init__(self, sampler: Iterable[Any], dataset: FileDataset) -> None:
         if not isinstance(dataset, FileDataset):
-            raise UsageError(f"EpochSampler: the dataset must be the fanstore.torch FileDataset or ImageFolder that the "
-                             f"DataLoader reads, not a {type(dataset).__name__}: it publishes that dataset's item "
-                             f"numbers (for a Subset, sample the full dataset's numbers instead, as "
+            raise UsageError(f"EpochSampler: the dataset must be the fanstore.torch FileDataset or ImageFolder "
+                             f"that the DataLoader reads, not a {type(dataset).__name__}: it publishes that "
+                             f"dataset's item numbers (for a Subset, sample the full dataset's numbers instead, as "
                              f"SubsetRandomSampler(indices) does)")
         self.sampler = sampler
         self.dataset = dataset
