@@ -4,6 +4,7 @@ files, in parallel, with no FUSE daemon between it and the chunks."""
 from __future__ import annotations
 
 import io
+import operator
 import os
 import stat
 import weakref
@@ -80,12 +81,36 @@ class FileDataset(TorchDataset):
     def __len__(self) -> int:
         return len(self._reading().entries)
 
-    def __getitem__(self, item: int) -> Any:
-        return self._item(self._reading().read_items([item])[0], item)
+    def __getitem__(self, item: int | list[int]) -> Any:
+        """Item `item` (negative counts from the end, as in a list); a list of item numbers is a batch, as a
+        batch sampler given as DataLoader(sampler=..., batch_size=None) asks for one."""
+        if isinstance(item, list):
+            return self.__getitems__(item)
+        numbers = self._item_numbers([item])
+        return self._item(self._reading().read_items(numbers)[0], numbers[0])
 
     def __getitems__(self, items: list[int]) -> list[Any]:
         """A whole batch (the DataLoader asks for it in one call): the worker sees where it is in the epoch."""
-        return [self._item(data, item) for data, item in zip(self._reading().read_items(items), items)]
+        numbers = self._item_numbers(items)
+        return [self._item(data, item) for data, item in zip(self._reading().read_items(numbers), numbers)]
+
+    def _item_numbers(self, items: list[Any]) -> list[int]:
+        """Items as numbers in 0..len-1, or one error naming the item and the dataset: a slice or a path failed in
+        numpy with "only 0-dimensional arrays can be converted", and a negative item read the right file but was
+        never found in the epoch's order, so it was not decoded ahead."""
+        count = len(self)
+        numbers = []
+        for item in items:
+            try:
+                number = operator.index(item)
+            except TypeError:
+                raise TypeError(f"{type(self).__name__}({quoted(self.source)}): an item is an int (or a list of "
+                                f"them), not {type(item).__name__} {repr(item)[:80]}") from None
+            if not -count <= number < count:
+                raise IndexError(f"{type(self).__name__}({quoted(self.source)}): item {number} out of range: "
+                                 f"{count} items")
+            numbers.append(number + count if number < 0 else number)
+        return numbers
 
     def _item(self, data: bytes, item: int) -> Any:
         return data if self.transform is None else self.transform(data)
