@@ -380,14 +380,17 @@ def test_a_reader_whose_serve_process_is_gone_reads_remote_files_from_dest(packe
     from fanstore.core.chunk_source import LocalChunkSource
     from fanstore.serve.node_client import NodeChunkSource, NodeConnection
     from fanstore.serve.placement import place
+    from fanstore.serve.staged_source import StagedChunkSource
 
     src, dest = packed
     with open_dataset(dest) as plain:
         index = plain.index
     sizes = index.chunks["size"]
     placement = place(index, 2).owners  # what a reader gets from its serve process
+    dest_source = LocalChunkSource(dest, sizes)
     source = NodeChunkSource(NodeConnection(str(tmp_path / "gone.sock")), 0, placement,
-                             LocalChunkSource(dest, sizes), LocalChunkSource(dest, sizes), frozenset())
+                             StagedChunkSource(LocalChunkSource(dest, sizes), dest_source, 0), dest_source,
+                             frozenset())
     paths = [f"files/d{i % 3}/f{i:03d}.bin" for i in range(60)]
     with open_dataset(dest, source=source) as dataset:
         assert [dataset.read(path) for path in paths] == [(src / path).read_bytes() for path in paths]
