@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -211,3 +212,13 @@ def wait_until(condition, what: str, timeout: float = 60) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout} s")
         time.sleep(0.002)
+
+
+def listened_on(path: Path) -> bool:
+    """Whether a process listens on the Unix socket `path` (a killed one's closes as its exit ends)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as reader:
+        try:
+            reader.connect(str(path))
+            return True
+        except ConnectionRefusedError:
+            return False

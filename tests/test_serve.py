@@ -15,7 +15,6 @@ import re
 import resource
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -30,7 +29,8 @@ import numpy as np
 import pytest
 
 from client_files import make_client_tree
-from conftest import REPO, assert_one_line_error, dir_bytes, flip_byte, mounted, run_cli, tree_digest, wait_until
+from conftest import (REPO, assert_one_line_error, dir_bytes, flip_byte, listened_on, mounted, run_cli, tree_digest,
+                      wait_until)
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.core.format import INDEX_NAME, chunk_file_name
 from fanstore.mount.job_memory import job_memory
@@ -775,16 +775,6 @@ sys.exit(1 if bad or dataset.reader.source.fallbacks else 0)
 """
 
 
-def _listened_on(path: Path) -> bool:
-    """Whether a process listens on the Unix socket `path` (a killed one's closes as its exit ends)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as reader:
-        try:
-            reader.connect(str(path))
-            return True
-        except ConnectionRefusedError:
-            return False
-
-
 def test_a_stale_mount_and_socket_from_a_job_killed_with_its_watchdogs_are_cleared(served_dataset, tmp_path, jobs):
     """What a rank killed together with its watchdog leaves (SLURM ends a job step by killing its whole cgroup): a
     stale mount, which the next job there clears, and the readers' socket: nothing listens on it, so a reader given
@@ -814,7 +804,7 @@ def test_a_stale_mount_and_socket_from_a_job_killed_with_its_watchdogs_are_clear
     assert any(fuse_mounted_at(mp) for mp in first.mountpoints), "no stale mount was left to clear"
     stale = _sockets(first)
     assert all(path.is_socket() for path in stale), "no socket was left"
-    wait_until(lambda: not any(_listened_on(path) for path in stale), "the ranks' sockets closed", 10)
+    wait_until(lambda: not any(listened_on(path) for path in stale), "the ranks' sockets closed", 10)
     for path in stale:
         with pytest.raises(ChunkUnavailable, match="cannot reach the node's serve process: Connection refused"):
             open_served_dataset(str(path))

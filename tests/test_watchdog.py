@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, wait_until
+from conftest import REPO, listened_on, wait_until
 from fanstore.serve import watchdog
 from fanstore.serve.local_dir import LOCK_NAME, WATCHDOG_LOG
 from fanstore.serve.node_endpoint import SOCKET_NAME
@@ -45,21 +44,12 @@ def _start_rank(local_dir: Path, watched: bool) -> subprocess.Popen:
     return rank
 
 
-def _answers(path: Path) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as reader:
-        try:
-            reader.connect(str(path))
-            return True
-        except ConnectionRefusedError:
-            return False
-
-
 @pytest.mark.parametrize("signal_number", [signal.SIGKILL, signal.SIGHUP], ids=["SIGKILL", "SIGHUP"])
 def test_a_rank_killed_outright_has_its_socket_removed_by_its_watchdog(tmp_path, signal_number):
     """No handler of the rank runs: the socket stayed in --local-dir until the next job there."""
     rank = _start_rank(tmp_path, watched=True)
     try:
-        assert _answers(tmp_path / SOCKET_NAME)
+        assert listened_on(tmp_path / SOCKET_NAME)
         rank.send_signal(signal_number)
         rank.wait(timeout=10)
     finally:
@@ -78,10 +68,10 @@ def test_the_socket_of_a_job_that_holds_the_directory_is_left_alone(tmp_path, mo
     live = _start_rank(tmp_path, watched=False)
     try:
         watchdog.remove_socket(socket_path, lock_path)
-        assert _answers(tmp_path / SOCKET_NAME)
+        assert listened_on(tmp_path / SOCKET_NAME)
         live.kill()
         live.wait(timeout=10)
-        assert not _answers(tmp_path / SOCKET_NAME)  # stale: a reader is refused, never served
+        assert not listened_on(tmp_path / SOCKET_NAME)  # stale: a reader is refused, never served
         watchdog.remove_socket(socket_path, lock_path)
         assert not os.path.lexists(socket_path)
     finally:

@@ -57,13 +57,18 @@ def clean_up(mountpoint: str, ready_file: str, left_files: list[str]) -> None:
         print(f"{time.strftime('%H:%M:%S')} rank gone: unmounted {mountpoint}" if done.returncode == 0 else
               f"rank gone: {' '.join(command)} failed: {done.stderr.strip()}", flush=True)
     for path in [ready_file, *left_files]:
-        try:
-            os.unlink(path)
-            print(f"rank gone: removed {path}", flush=True)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            print(f"rank gone: cannot remove {path}: {exc.strerror}", flush=True)
+        _remove(path)
+
+
+def _remove(path: str) -> None:
+    """A file the rank left, said in the watchdog's log; one gone already is no matter."""
+    try:
+        os.unlink(path)
+        print(f"rank gone: removed {path}", flush=True)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        print(f"rank gone: cannot remove {path}: {exc.strerror}", flush=True)
 
 
 def remove_socket(socket_path: str, lock_path: str) -> None:
@@ -88,13 +93,7 @@ def remove_socket(socket_path: str, lock_path: str) -> None:
                 time.sleep(0.01)
             except OSError:
                 return
-        try:
-            os.unlink(socket_path)
-            print(f"rank gone: removed {socket_path}", flush=True)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            print(f"rank gone: cannot remove {socket_path}: {exc.strerror}", flush=True)
+        _remove(socket_path)
     finally:
         os.close(lock)  # the lock with it
 
