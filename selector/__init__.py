@@ -83,6 +83,9 @@ class Selection:
     fixed_bytes: int = 0  # stored whatever the codecs (the index), counted against a total --fit
     others_cores: float = 0.0  # cores other processes used while the selector measured (the estimate leaves them)
     cores: int = 0  # cores the selector could use (0: unknown, this machine's): a record estimates the same anywhere
+    # With --nodes: what the placement may give one node beyond its share of the spread bytes (the largest spread
+    # blob, which it never cuts, and chunk headers); the caller knows the blob layout (0: none, as records before it)
+    node_slack: int = 0
     failed: tuple[str, ...] = ()  # settings left out because their codec failed on the sample, and why (not recorded)
 
     def codec_by_kind(self) -> dict[str, str]:
@@ -114,7 +117,7 @@ class Selection:
     def need(self, chosen: dict[str, Measurement | None] | None = None) -> Need:
         """Predicted stored bytes: the whole dataset's (blobs, dictionaries, the index) and, with --nodes, the
         replicated and spread parts one node stores."""
-        return need_of(chosen or self.chosen(), self.scales_by_kind(), self.goal, self.fixed_bytes)
+        return need_of(chosen or self.chosen(), self.scales_by_kind(), self.goal, self.fixed_bytes, self.node_slack)
 
     def estimate(self, chosen: dict[str, Measurement | None] | None = None) -> PackEstimate:
         """Predicted seconds of the pack with these choices (the selection itself not counted)."""
@@ -138,6 +141,7 @@ class Selection:
                        "files": self.sample_files, "bytes": self.sample_bytes, "replicate": list(self.replicate),
                        "kind_bytes": dict(sorted(self.kind_bytes.items()))},
             "tree": {"files": self.tree_files, "bytes": self.tree_bytes, "fixed_bytes": self.fixed_bytes,
+                     "node_slack": self.node_slack,
                      "others_cores": self.others_cores, "cores": self.cores,
                      "head_reads": {"files": self.head_reads[0], "bytes": self.head_reads[1]},
                      "kinds": {kind: {"replicated_bytes": scale.replicated_bytes, "groups": scale.groups,
@@ -197,6 +201,7 @@ class Selection:
             tree_files=tree.get("files", 0),
             tree_bytes=tree.get("bytes", 0),
             fixed_bytes=tree.get("fixed_bytes", 0),
+            node_slack=tree.get("node_slack", 0),
             others_cores=tree.get("others_cores", 0.0),
             cores=tree.get("cores", 0),
             head_reads=(tree.get("head_reads", {}).get("files", 0), tree.get("head_reads", {}).get("bytes", 0)),
@@ -227,11 +232,14 @@ def select_codecs(
     goal: Goal = Goal(),
     replicated_groups: frozenset[int] = frozenset(),
     fixed_bytes: int = 0,
+    node_slack: int = 0,
 ) -> Selection:
     """Sample `files` (SRC's regular files, as the caller walked them), measure every candidate per kind, and
     choose per kind for `budget` and `goal` (policy.py says how). `group_of` gives a file's group, so the sample is
     stratified by group too; `replicated_groups` are the groups every node stores (for --nodes); `replicate`, the
-    patterns behind them, is recorded; `fixed_bytes` (the index) count against a total --fit. Bad arguments raise
+    patterns behind them, is recorded; `fixed_bytes` (the index) count against a total --fit, and `node_slack` (what
+    the placement may give a node beyond its share: the largest spread blob, chunk headers) against a per-node one.
+    Bad arguments raise
     SelectionError naming the option; a --fit that cannot be met raises DoesNotFit."""
     started, clock = time.perf_counter(), CpuClock.now()
     fraction, seed, max_bytes = _checked_arguments(budget, goal, fraction, seed, max_bytes)
@@ -245,7 +253,8 @@ def select_codecs(
     kinds = sorted({m.kind for m in measurements})
     fixed_bytes += record_bytes(measurements, len(kinds))  # the record of this selection, in the index
     if goal.fit_bytes:
-        choices = choose_to_fit(measurements, {kind: scales[kind] for kind in kinds}, budget, goal, fixed_bytes)
+        choices = choose_to_fit(measurements, {kind: scales[kind] for kind in kinds}, budget, goal, fixed_bytes,
+                                node_slack)
     return Selection(
         budget=budget,
         fraction=fraction,
@@ -264,6 +273,7 @@ def select_codecs(
         tree_bytes=sum(f.size for members in by_group.values() for f in members),
         head_reads=(sum(map(len, heads.values())), sum(head for group in heads.values() for _, head in group)),
         fixed_bytes=fixed_bytes,
+        node_slack=node_slack,
         others_cores=CpuClock.now().others_since(clock),
         cores=usable_workers(0),
         failed=tuple(failed),

@@ -9,7 +9,9 @@ thread) moves to it. Stronger settings are taken along each kind's front (the se
 stored size); once it fits, a kind that can step back to a faster decoder and still fit does so. When even the
 strongest setting of every kind does not fit, it fails in one line saying by how much. With --nodes N the size
 that must fit is one node's: its replicated bytes plus its share of the spread bytes (spread / N, rounded up; the
-placement balances spread bytes to within a few percent, which `fanstore plan` checks on the packed dataset).
+placement balances spread bytes to within a few percent, which `fanstore plan` checks on the packed dataset), plus
+the node's slack: the placement cuts only between blobs, so a node may get up to one blob more than its share
+(with more nodes than blobs, a node that gets any gets a whole one), and the header of each chunk it stores part of.
 The 5% minimum saving of the default mode does not apply: a saving of 2% may be what makes the dataset fit.
 
 --fit plans against the bound of each prediction, not the prediction: the predicted stored bytes plus BOUND_Z
@@ -41,12 +43,18 @@ class Need:
     fixed: float = 0.0  # bytes stored whatever the codecs (index, chunk headers), counted in `total` only
     total_error: float = 0.0
     node_error: float = 0.0
+    node_slack: float = 0.0  # with nodes > 1: what the placement may give a node beyond spread / N (Selection)
+
+    @property
+    def slack(self) -> float:
+        """The node's slack, where there is one: a single node stores the spread bytes uncut."""
+        return self.node_slack if self.nodes > 1 else 0.0
 
     @property
     def bytes(self) -> float:
         """What is compared with --fit: the total, or one node's replicated bytes plus its spread share."""
         if self.nodes:
-            return self.replicated + math.ceil(self.spread / self.nodes)
+            return self.replicated + math.ceil(self.spread / self.nodes) + self.slack
         return self.total
 
     @property
@@ -62,8 +70,9 @@ class Need:
         at_most = f", at most {decimal_bytes(self.bound)}" if self.bound - self.bytes >= 0.5 else ""
         if not self.nodes:
             return decimal_bytes(self.bytes) + at_most
+        slack = f" + {decimal_bytes(self.slack)} slack" if self.slack >= 0.5 else ""
         return (f"{decimal_bytes(self.bytes)} per node ({decimal_bytes(self.replicated)} replicated + "
-                f"{decimal_bytes(self.spread)} spread / {self.nodes:,}){at_most}")
+                f"{decimal_bytes(self.spread)} spread / {self.nodes:,}{slack}){at_most}")
 
 
 class DoesNotFit(SelectionError):
@@ -87,9 +96,10 @@ class _Front:
 
 
 def need_of(chosen: dict[str, Measurement | None], scales: dict[str, KindScale], goal: Goal,
-            fixed_bytes: float = 0.0) -> Need:
-    """The bytes these settings store: the whole dataset's and, for --nodes, its replicated and spread parts; and
-    their deviations from sampling (kinds as independent: their samples are)."""
+            fixed_bytes: float = 0.0, node_slack: float = 0.0) -> Need:
+    """The bytes these settings store: the whole dataset's and, for --nodes, its replicated and spread parts (and
+    the node's slack, what the placement may add to its share); and their deviations from sampling (kinds as
+    independent: their samples are)."""
     total = replicated = spread = total_variance = node_variance = 0.0
     for kind, m in chosen.items():
         scale = scales[kind]
@@ -102,7 +112,7 @@ def need_of(chosen: dict[str, Measurement | None], scales: dict[str, KindScale],
             replicated_share = scale.replicated_bytes / scale.raw_bytes
             node_variance += (error * (replicated_share + (1 - replicated_share) / goal.nodes)) ** 2
     return Need(total + fixed_bytes, replicated, spread, goal.nodes, fixed_bytes, math.sqrt(total_variance),
-                math.sqrt(node_variance))
+                math.sqrt(node_variance), node_slack if goal.nodes else 0.0)
 
 
 def choose_to_fit(
@@ -111,10 +121,12 @@ def choose_to_fit(
     budget: Budget,
     goal: Goal,
     fixed_bytes: float = 0.0,
+    node_slack: float = 0.0,
 ) -> dict[str, Choice]:
     """The --fit mode (see the module docstring) over every kind in `scales`: per kind, the setting that decodes
     fastest while the whole dataset (or one node's share) still fits in goal.fit_bytes, its prediction taken at its
-    bound. `fixed_bytes` (the index, chunk headers) count against a total --fit. Raises DoesNotFit, one line saying
+    bound. `fixed_bytes` (the index, chunk headers) count against a total --fit, `node_slack` against a per-node
+    one. Raises DoesNotFit, one line saying
     by how much, when it cannot."""
     if not goal.fit_bytes:
         raise SelectionError("--fit: choose_to_fit needs a capacity to fit")
@@ -122,9 +134,10 @@ def choose_to_fit(
               for kind in sorted(scales)]
 
     def need() -> Need:
-        return need_of({front.kind: front.current for front in fronts}, scales, goal, fixed_bytes)
+        return need_of({front.kind: front.current for front in fronts}, scales, goal, fixed_bytes, node_slack)
 
-    strongest = need_of({front.kind: front.options[-1] for front in fronts}, scales, goal, fixed_bytes)
+    strongest = need_of({front.kind: front.options[-1] for front in fronts}, scales, goal, fixed_bytes,
+                        node_slack)
     if strongest.bound > goal.fit_bytes:
         raise DoesNotFit(_shortfall(strongest, budget, goal))
     moves = 0

@@ -152,8 +152,9 @@ def _fit_lines(selection: Selection) -> list[str]:
     lines = [f"fits --fit {decimal_bytes(goal.fit_bytes)}: {need.describe()} ({need.bound / goal.fit_bytes:.0%} at "
              "the bound, which --fit is planned against)"]
     if goal.nodes:
-        lines.append(f"  per node: replicated bytes + spread bytes / {goal.nodes:,}, rounded up; the placement "
-                     "balances spread bytes to within a few percent, and chunk headers add a little: `fanstore plan "
+        lines.append(f"  per node: replicated bytes + spread bytes / {goal.nodes:,}, rounded up, + slack (the "
+                     "placement never cuts a file or block, so a node may get up to the largest of them more, and a "
+                     "chunk header or two); it balances spread bytes to within a few percent: `fanstore plan "
                      f"DEST --nodes {goal.nodes} --local-capacity {goal.fit_bytes}` checks the packed dataset")
     return lines
 

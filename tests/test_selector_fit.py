@@ -349,6 +349,25 @@ def test_an_impossible_fit_fails_in_one_line_with_its_own_status(small_tree: Pat
     assert packed.returncode == 3 and "per node" in packed.stderr
 
 
+def test_per_node_fit_counts_the_blobs_the_placement_cannot_cut(tmp_path: Path) -> None:
+    # Four incompressible 1 MB files on 8 nodes: spread / 8 is 500 kB, but the placement never cuts a file, so four
+    # nodes store 1 MB each. A --fit of 700 kB was accepted, the whole tree packed, and only the final check failed.
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(7)
+    for number in range(4):
+        (src / f"r{number}.bin").write_bytes(rng.bytes(1_000_000))
+    dest = tmp_path / "ds"
+    refused = run_cli("fanstore-pack", str(src), str(dest), "--codec", "auto", "--fit", "700kB", "--nodes", "8",
+                      "--quiet")
+    assert_one_line_error(refused, "--fit 700 kB --nodes 8", "slack")
+    assert refused.returncode == 3 and "packed" not in refused.stdout and not dest.exists()
+    packed = run_cli("fanstore-pack", str(src), str(dest), "--codec", "auto", "--fit", "1600kB", "--nodes", "8",
+                     "--quiet", check=True)
+    assert "fit: the fullest of 8 nodes stores 1 MB" in packed.stdout
+    run_cli("plan", str(dest), "--nodes", "8", "--local-capacity", "1600kB", check=True)
+
+
 def test_select_shows_the_fit_and_the_pack_time(small_tree: Path, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="matplotlib is not installed: the test extra installs it")
     plot = tmp_path / "tradeoff.png"

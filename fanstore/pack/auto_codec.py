@@ -8,12 +8,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from compressors.kinds import OTHER
 
+from ..core.format import CHUNK_HEADER_LEN
 from ..errors import DoesNotFit, UsageError
 from .archive_pieces import pieces_of
+from .batches import BlockLayout
 from .codec_plan import ANY_KIND
-from .groups import GroupPlan
+from .groups import SPREAD, GroupPlan
 from .index_size import index_bytes_bound
 from .options import DEFAULT_TOLERANCE, check_workers
 from .walk import SourceTree
@@ -58,11 +62,29 @@ def select_for(src: Path, tree: SourceTree, groups: GroupPlan, budget: float, pr
             return select_codecs(pieces, Budget(budget, prefetch_threads), tree.files_in_read_order(),
                                  groups.group_of, fraction=fraction, seed=seed, replicate=groups.replicate,
                                  goal=goal if goal is not None else Goal(), replicated_groups=replicated,
-                                 fixed_bytes=index_bytes_bound(tree, groups, options))
+                                 fixed_bytes=index_bytes_bound(tree, groups, options),
+                                 node_slack=node_slack(tree, groups, options.block_layout))
         except SelectorDoesNotFit as exc:
             raise DoesNotFit(str(exc)) from None
         except SelectionError as exc:
             raise UsageError(str(exc)) from None
+
+
+def node_slack(tree: SourceTree, groups: GroupPlan, layout: BlockLayout) -> int:
+    """The most the placement may give one node of an N-node job beyond its even share of the spread bytes: it cuts
+    the spread chunks only between blobs, so a node may hold up to the largest spread blob more (raw bytes: a blob
+    stores at most its raw bytes), and the headers of the two chunks it may share with its neighbours. Without it,
+    --fit --nodes with more nodes than blobs, or blobs larger than a node's share, accepted a fit no placement
+    could give."""
+    files = tree.files_in_read_order()
+    sizes = np.asarray(files.size, dtype=np.int64)
+    blobs = np.where(sizes > layout.blocks_above, np.minimum(sizes, layout.block_size), sizes)
+    for number in np.argsort(-blobs, kind="stable").tolist():  # the largest blob first; most often it is spread
+        if not blobs[number]:
+            break
+        if groups.group_of(files.paths[number]) == SPREAD:
+            return int(blobs[number]) + 2 * CHUNK_HEADER_LEN
+    return 0
 
 
 def spec_by_kind(selection: Selection) -> dict[str, str]:
