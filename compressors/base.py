@@ -55,6 +55,12 @@ class Codec(abc.ABC):
     def decode(self, stored: BytesLike, raw_size: int) -> bytes:
         """Exactly `raw_size` raw bytes back from stored bytes, or CodecError: never short, never a library error."""
 
+    def for_file(self, head: BytesLike) -> Codec:
+        """The codec that encodes any part of the file whose first bytes are `head` (kinds.HEAD_BYTES of them) as
+        `encode` encodes the whole file: itself, unless a setting is read from the file (blosc's `auto` typesize,
+        from a .npy header that only the file's first block holds). What it stores decodes with this codec."""
+        return self
+
     @classmethod
     @abc.abstractmethod
     def from_spec_fields(cls, fields: list[str], dictionary: bytes | None) -> Codec:

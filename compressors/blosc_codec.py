@@ -101,6 +101,13 @@ class BloscCodec(SegmentedCodec):
         typesize = self.typesize if self.typesize is not None else auto_typesize(view)
         return encode_segments(view, self.segment_size, functools.partial(self._encode_block, typesize=typesize))
 
+    def for_file(self, head: BytesLike) -> BloscCodec:
+        """With `auto`: this setting at the file's own element size, so that every block of a large .npy file
+        shuffles by it, not the first block alone (the others hold no header: they shuffled by 4 bytes)."""
+        if self.typesize is not None:
+            return self
+        return BloscCodec(self.inner, self.level, self.shuffle, auto_typesize(head), segment_size=self.segment_size)
+
     def _encode_block(self, block: memoryview, typesize: int) -> bytes:
         try:
             return blosc.compress(block, typesize, self.level, SHUFFLES[self.shuffle], self.inner)

@@ -307,9 +307,11 @@ def _measure(
     clock = time.perf_counter
     weighted_raw = weighted_seconds = unweighted_seconds = 0.0
     for sample_file, codec in zip(files, codecs):
+        # A piece is encoded as the packer encodes a block: with the codec the whole file would get (`for_file`).
+        encoder = codec.for_file(sample_file.head) if sample_file.truncated else codec
         started = clock()
         try:
-            stored = codec.encode(sample_file.data)
+            stored = encoder.encode(sample_file.data)
         except Exception as exc:  # noqa: BLE001 - named with the file, for measure_kind to report
             raise CodecError(f"encoding {sample_file.path!r} failed: {exc}") from exc
         seconds = clock() - started

@@ -99,6 +99,8 @@ class SampleFile:
     pieces: int = 1
     file_pieces: int = 1
     cell: CellEstimate | None = None
+    # The file's first HEAD_BYTES: a piece is encoded with codec.for_file(head), as the packer encodes each block
+    head: bytes = b""
 
     @property
     def truncated(self) -> bool:
@@ -147,6 +149,7 @@ class _Drawn:
     kind: str = ""
     sniffed: float = 1.0  # the chance it had of being sniffed (by either draw)
     certain: bool = False  # so large that the draw by bytes always takes it: it stands for itself alone
+    head: bytes = b""  # its first HEAD_BYTES, as sniffed
 
     @property
     def sampled_bytes(self) -> int:
@@ -272,7 +275,7 @@ def _draw_stratum(root: Path | PieceSource, members: list[tuple[int, SourceFile]
         pieces, piece_bytes = _pieces(entry.size, quota, stratum_bytes, unit_cap)
         sniffed = 1.0 - (1.0 - float(by_bytes_chance[index])) * (1.0 - by_count_chance)
         drawn.append(_Drawn(entry, digest, float(priorities[index]), pieces, piece_bytes,
-                            file_kind(entry.path, head), sniffed, bool(by_bytes_chance[index] >= 1.0)))
+                            file_kind(entry.path, head), sniffed, bool(by_bytes_chance[index] >= 1.0), head))
     return drawn
 
 
@@ -394,7 +397,7 @@ def _measured_files(root: Path | PieceSource, cell: _Cell, measured: list[_Drawn
         blocks = -(-size // found.piece_bytes)
         for offset, data in pieces:
             sample.append(SampleFile(found.entry.path, kind, group, data, size, kind_bytes, stands_for / read_bytes,
-                                     offset, chance, len(pieces), blocks, cell_estimate))
+                                     offset, chance, len(pieces), blocks, cell_estimate, found.head))
     return sample
 
 

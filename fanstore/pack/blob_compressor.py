@@ -112,11 +112,12 @@ class BlobCompressor:
         used = 0
         try:
             with self._open(number) as fd:
-                codec = self.plan.row_for(self.files.groups[number], self._kind(number, fd=fd))
+                head = os.pread(fd, HEAD_BYTES, 0)
+                codec = self.plan.row_for(self.files.groups[number], self._kind(number, head))
                 for block in range(first_block, end_block):
                     offset = block * block_size
                     raw = _read_exactly(fd, min(block_size, size - offset), offset)
-                    stored, block_codec = self._encode(raw, codec)
+                    stored, block_codec = self._encode(raw, codec, head)
                     length = len(stored)
                     into[used : used + length] = stored
                     results.append((number, block, used, length, block_codec, xxhash.xxh3_64_intdigest(stored),
@@ -138,23 +139,27 @@ class BlobCompressor:
         for block in range(batch.first_block, batch.end_block):
             start = (block - batch.first_block) * block_size
             raw = supplied.raw[start : min(start + block_size, batch.raw_bytes)]
-            stored, block_codec = self._encode(raw, codec)
+            stored, block_codec = self._encode(raw, codec, supplied.head)
             length = len(stored)
             into[used : used + length] = stored
             results.append((number, block, used, length, block_codec, xxhash.xxh3_64_intdigest(stored), len(raw)))
             used += length
         return results
 
-    def _encode(self, raw: bytes | bytearray | memoryview, codec: int) -> tuple[bytes | bytearray | memoryview, int]:
-        """Stored bytes and codec row; raw bytes under `none` when compressing would not make them smaller."""
-        stored = self.plan.codecs[codec].encode(raw) if codec != NONE_ROW else raw
+    def _encode(self, raw: bytes | bytearray | memoryview, codec: int, head: bytes | None = None
+                ) -> tuple[bytes | bytearray | memoryview, int]:
+        """Stored bytes and codec row; raw bytes under `none` when compressing would not make them smaller. A block
+        of a file is encoded as the whole file would be (Codec.for_file of its `head`), under the same row."""
+        if codec == NONE_ROW:
+            return raw, NONE_ROW
+        encoder = self.plan.codecs[codec] if head is None else self.plan.codecs[codec].for_file(head)
+        stored = encoder.encode(raw)
         return (raw, NONE_ROW) if len(stored) >= len(raw) else (stored, codec)
 
-    def _kind(self, number: int, raw: bytes | bytearray | memoryview | None = None, fd: int | None = None) -> str:
+    def _kind(self, number: int, raw: bytes | bytearray | memoryview) -> str:
         if self.files.groups[number] not in self._sniffed_groups:
             return ""
-        head = raw[:HEAD_BYTES] if raw is not None else os.pread(fd, HEAD_BYTES, 0)  # type: ignore[arg-type]
-        return file_kind(self.files.paths[number], bytes(head))
+        return file_kind(self.files.paths[number], bytes(raw[:HEAD_BYTES]))
 
     @contextlib.contextmanager
     def _open(self, number: int) -> Iterator[int]:
