@@ -325,6 +325,8 @@ def small_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (["--budget", "1GB/s", "--tolerance", "100%"], "--tolerance"),
     (["--budget", "1GB/s", "--pack-speed", "fast"], "--pack-speed"),
     (["--budget", "1GB/s", "--workers", "-1"], "--workers"), ([], "--fit"),
+    (["--budget", "800"], "--budget: '800' has no unit"), (["--budget", "800/s"], "--budget: '800/s' has no unit"),
+    (["--budget", "1GB/s", "--pack-speed", "50"], "--pack-speed: '50' has no unit"),
 ])
 def test_bad_selection_options_are_one_line_errors(small_tree: Path, arguments: list[str], option: str) -> None:
     assert_one_line_error(run_cli("select", str(small_tree), *arguments), option)

@@ -71,16 +71,23 @@ def plural(count: int, noun: str, nouns: str | None = None) -> str:
 
 
 _RATE_RE = re.compile(r"^\s*(.+?)\s*/\s*s(?:ec)?\s*$", re.IGNORECASE)
+_BARE_NUMBER_RE = re.compile(r"^\s*\d+(?:\.\d+)?\s*$")
 
 
 def parse_rate(text: str, option: str = "rate") -> float:
-    """Bytes per second from `800MB/s`, `1.5GiB/s`, `0` (no requirement); raises UsageError naming the option."""
+    """Bytes per second from `800MB/s`, `1.5GiB/s`, `200B/s`, `0` (no requirement); raises UsageError naming the
+    option. A number without a unit is refused unless it is 0: `--budget 800` read as 800 bytes/s was met by every
+    codec, and the selection printed 'budget 0 MB/s' for what was meant as 800 MB/s."""
     match = _RATE_RE.match(str(text))
     body = match.group(1) if match else str(text)
     try:
-        return float(parse_size(body, option, minimum=0))  # 0 (or 0MB/s): no requirement
+        rate = float(parse_size(body, option, minimum=0))  # 0 (or 0MB/s): no requirement
     except UsageError:
         raise UsageError(f"{option}: cannot read {quoted(text)} as a throughput (try 800MB/s or 1GiB/s)") from None
+    if rate and _BARE_NUMBER_RE.match(body):
+        raise UsageError(f"{option}: {quoted(text)} has no unit: write {body.strip()}MB/s, {body.strip()}B/s or "
+                         "another unit (0 alone means no floor)")
+    return rate
 
 
 def parse_fraction(text: str, option: str = "fraction") -> float:
