@@ -10,7 +10,7 @@ import os
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .errors import UsageError, quoted
 from .core.units import format_bytes, parse_size, plural
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from .pack.options import PackOptions
     from .pack.packer import PackSummary
+    from .pack.walk import Problem
     from .serve.placement import Placement
 
 EXIT_FAILURE = 1
@@ -225,8 +226,10 @@ def run_select(args: argparse.Namespace) -> int:
             raise UsageError(f"--plot {quoted(args.plot)}: {quoted(str(folder))} is not a directory this process "
                              "can write in")
     sources = source_paths(args.src)
-    selection = select_for(sources[0], walk_sources(sources), groups, options["budget"],
+    tree = walk_sources(sources)
+    selection = select_for(sources[0], tree, groups, options["budget"],
                            options["prefetch_threads"], options["sample"], options["seed"], goal)
+    _warn_left_out(tree.problems, groups.unmatched())
     _warn_failed_codecs(selection)
     print(format_selection(selection))
     if args.plot:
@@ -236,6 +239,18 @@ def run_select(args: argparse.Namespace) -> int:
             raise UsageError(str(exc)) from None
         print(f"plot written to {args.plot}")
     return 0
+
+
+def _warn_left_out(problems: Sequence[Problem], unmatched: list[str]) -> None:
+    """What `fanstore select` measured without, said as fanstore-pack says it: the paths a pack would skip (a damaged
+    archive, a fifo, a link out of SRC), and --replicate patterns that match nothing. Without them a damaged archive
+    selected from nothing and said only that SRC has no non-empty files."""
+    for problem in problems[:_WARNINGS_SHOWN]:
+        print(f"warning: left out (fanstore-pack skips it too): {problem}", file=sys.stderr)
+    if len(problems) > _WARNINGS_SHOWN:
+        print(f"warning: ... and {len(problems) - _WARNINGS_SHOWN} more left out", file=sys.stderr)
+    for pattern in unmatched:
+        print(f"warning: --replicate {quoted(pattern)} matches no file of SRC: it replicates nothing", file=sys.stderr)
 
 
 def run_verify(args: argparse.Namespace) -> int:

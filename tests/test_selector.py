@@ -518,3 +518,21 @@ def test_select_and_an_auto_pack_go_on_without_a_failing_codec(tmp_path: Path) -
 
     with open_dataset(tmp_path / "ds") as dataset:
         assert all(dataset.read(p.name) == p.read_bytes() for p in src.iterdir())
+
+
+def test_select_says_what_it_left_out_as_the_pack_does(tmp_path: Path) -> None:
+    # A damaged archive selected from nothing and said only "SRC has no non-empty files"; a fifo, a link out of SRC
+    # and a --replicate typo went unsaid, where fanstore-pack warns of each.
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "notes.txt").write_text("a line of text\n" * 2000)
+    os.mkfifo(src / "pipe")
+    (src / "out").symlink_to("/etc/hostname")
+    result = run_cli("select", str(src), "--budget", "100MB/s", "--replicate", "vla/**", check=True)
+    assert "warning: left out (fanstore-pack skips it too): pipe: is a fifo" in result.stderr
+    assert "warning: left out (fanstore-pack skips it too): out: symlink to '/etc/hostname' leaves SRC" in result.stderr
+    assert "warning: --replicate 'vla/**' matches no file of SRC" in result.stderr
+    damaged = tmp_path / "damaged.tar"
+    damaged.write_bytes(np.random.default_rng(1).bytes(3000))
+    result = run_cli("select", str(damaged), "--budget", "100MB/s", check=True)
+    assert "warning: left out (fanstore-pack skips it too): damaged.tar: damaged at byte 0" in result.stderr
