@@ -210,7 +210,7 @@ def _predicted_beside_packed(summary: PackSummary) -> str:
 
 def run_select(args: argparse.Namespace) -> int:
     from selector import SelectionError
-    from selector.report import format_selection, plot_selection
+    from selector.report import check_plot_path, format_selection, plot_selection
 
     from .pack.groups import GroupPlan
     from .pack.auto_codec import make_goal, select_for
@@ -225,6 +225,10 @@ def run_select(args: argparse.Namespace) -> int:
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             raise UsageError(f"--plot {quoted(args.plot)}: {quoted(str(folder))} is not a directory this process "
                              "can write in")
+        try:
+            check_plot_path(Path(args.plot))
+        except SelectionError as exc:
+            raise UsageError(str(exc)) from None
     sources = source_paths(args.src)
     tree = walk_sources(sources)
     selection = select_for(sources[0], tree, groups, options["budget"],

@@ -159,6 +159,24 @@ def _fit_lines(selection: Selection) -> list[str]:
     return lines
 
 
+def check_plot_path(path: Path) -> None:
+    """SelectionError naming --plot, before the measuring (a minute on a large sample), when the plot could not be
+    drawn: no matplotlib, or a file name whose extension names no format it writes (savefig takes the format from
+    it, and failed only once everything had been measured and printed)."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise SelectionError("--plot needs matplotlib, which is not installed: pip install matplotlib") from None
+    formats = Figure().canvas.get_supported_filetypes()
+    extension = path.suffix[1:].lower()
+    if not extension:
+        raise SelectionError(f"--plot {str(path)!r}: the file name needs an extension naming its format, e.g. "
+                             f"{path.name}.png")
+    if extension not in formats:
+        raise SelectionError(f"--plot {str(path)!r}: .{extension} is not an image format matplotlib writes "
+                             f"({', '.join(sorted(formats))}): try tradeoff.png")
+
+
 def plot_selection(selection: Selection, path: Path) -> None:
     """Per kind, side by side: ratio against decode throughput (log x) with the Pareto front and the required decode
     throughput; and the kind's predicted stored size in SRC against its estimated pack time (log x), with the

@@ -385,6 +385,17 @@ def test_bad_command_line_values_name_the_option(tree_root: Path) -> None:
                           "--plot '/nonexistent/dir/x.png': '/nonexistent/dir' is not a directory")  # before measuring
 
 
+def test_a_plot_format_matplotlib_cannot_write_is_refused_before_measuring(tree_root: Path, tmp_path: Path) -> None:
+    # savefig takes the format from the extension: 'x.txt' failed only once the whole sample had been measured.
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed: the test extra installs it")
+    result = run_cli("select", str(tree_root), "--budget", "1GB/s", "--plot", str(tmp_path / "x.txt"))
+    assert_one_line_error(result, "--plot", ".txt is not an image format matplotlib writes")
+    assert result.stdout == ""  # nothing measured, nothing printed
+    result = run_cli("select", str(tree_root), "--budget", "1GB/s", "--plot", str(tmp_path / "tradeoff"))
+    assert_one_line_error(result, "--plot", "needs an extension naming its format, e.g. tradeoff.png")
+    assert result.stdout == ""
+
+
 # --- reporting -----------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
