@@ -1593,6 +1593,52 @@ def test_paths_overlapping_dest_are_refused_before_anything_is_written(served_da
     wait_until(lambda: not _left_behind(shm_before), "the job's shared memory files removed", 5)
 
 
+@pytest.mark.parametrize("layout, needles", [
+    ("chunks linked", ["--local-dir's chunk directory {tmp}/local{rank}/chunks (links followed: {dest}/chunks) lies "
+                       "inside DEST {dest}: fanstore writes there"]),
+    ("lock linked", ["--local-dir {tmp}/local{rank}: {tmp}/local{rank}/fanstore-serve.lock is a symbolic link (to "
+                     "{dest}/fanstore.index): fanstore writes that file in place and would write through the link"]),
+    ("chunk files linked", ["--local-dir {tmp}/local{rank}: {tmp}/local{rank}/chunks/",
+                            ".fsc is a symbolic link (to {dest}/chunks/"]),
+    ("cp -al", ["--local-dir {tmp}/local{rank}: {tmp}/local{rank}/chunks/",
+                ".fsc is a hard link (4 names, a copy made with `cp -al`?): fanstore writes that file in place and "
+                "would change every name's; remove it"]),
+], ids=["chunk directory linked into DEST", "lock linked to DEST's index", "chunk files linked to DEST's",
+        "a hard-linked copy of DEST"])
+def test_a_local_dir_whose_entries_lead_into_dest_is_refused_and_dest_left_whole(served_dataset, tmp_path, jobs,
+                                                                                 layout, needles):
+    """A local directory holding what staging would write through into DEST: its `chunks` a link to DEST's, its
+    lock a link to DEST's index, chunk files links to DEST's, or the whole directory a hard-linked copy of DEST
+    (`cp -al`, a quick "pre-stage"). Staging truncated DEST's chunk files (the job's reads then failed) and the lock
+    truncated DEST's index (the job died of SIGBUS): the packed dataset lost for every job. Every rank now stops at
+    start, naming the path at fault, and DEST is left byte for byte."""
+    _, packed = served_dataset
+    dest = tmp_path / "dest"
+    shutil.copytree(packed, dest)
+    chunk_files = sorted((dest / "chunks").iterdir())
+    for rank in range(RANKS):
+        local = tmp_path / f"local{rank}"
+        if layout == "cp -al":
+            subprocess.run(["cp", "-al", str(dest), str(local)], check=True)
+            continue
+        local.mkdir()
+        if layout == "chunks linked":
+            (local / "chunks").symlink_to(dest / "chunks")
+        elif layout == "lock linked":
+            (local / "fanstore-serve.lock").symlink_to(dest / INDEX_NAME)
+        else:
+            (local / "chunks").mkdir()
+            for chunk_file in chunk_files:
+                (local / "chunks" / chunk_file.name).symlink_to(chunk_file)
+    before, files_before = tree_digest(dest), dir_bytes(dest)
+    job = Job(tmp_path, dest, command=["true"])
+    jobs.append(job)
+    for rank, line in enumerate(_refused_by_every_rank(job)):
+        assert all(needle.format(tmp=tmp_path, dest=dest, rank=rank) in line for needle in needles), line
+    assert tree_digest(dest) == before and dir_bytes(dest) == files_before
+    _assert_nothing_left(job)
+
+
 GOOD_LINE = b"train/dog/img_000.bin\n"
 
 

@@ -15,6 +15,7 @@ import os
 import socket
 import stat
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 
@@ -39,12 +40,34 @@ class StagingBroken(StagingError):
     work, or about to wait on this rank, so the job has to end."""
 
 
+def check_written_in_place(path: Path, chunks: Iterable[int]) -> None:
+    """The files a rank writes in place in its local directory (the lock, the watchdog's log, the chunk files of
+    its share, `chunks`) must be its own: a symbolic link there, or a hard link (a directory made with `cp -al` or
+    `cp -as` of DEST), would have staging truncate and overwrite the file it leads to, DEST's own chunk files and
+    index among them. StagingError naming the first such file; the files written atomically (the manifest, the
+    index copy) replace a link and need no check."""
+    for name in (path / LOCK_NAME, path / WATCHDOG_LOG, *(path / chunk_file_name(chunk) for chunk in chunks)):
+        try:
+            info = os.lstat(name)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise StagingError(f"--local-dir {path}: cannot look at {name}: {exc.strerror}") from None
+        if stat.S_ISLNK(info.st_mode):
+            raise StagingError(f"--local-dir {path}: {name} is a symbolic link (to {os.readlink(name)}): fanstore "
+                               f"writes that file in place and would write through the link; remove it")
+        if stat.S_ISREG(info.st_mode) and info.st_nlink > 1:
+            raise StagingError(f"--local-dir {path}: {name} is a hard link ({info.st_nlink} names, a copy made with "
+                               f"`cp -al`?): fanstore writes that file in place and would change every name's; "
+                               f"remove it")
+
+
 def claim_local_dir(path: Path) -> int | None:
     """Hold the local directory for this job: another job on this node staging into it at the same time would undo
     this one's chunk files and remove its readers' socket. The hold is an flock, which the kernel drops when the
     process ends, however it ends; the descriptor returned keeps it (None where the file system has no flock)."""
     try:
-        lock = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        lock = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     except OSError as exc:  # another user's directory, say
         raise StagingError(f"--local-dir {path}: cannot use it: {exc.strerror}") from None
     try:

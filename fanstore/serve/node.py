@@ -55,7 +55,8 @@ from .polling import first_failed_rank
 from .sources import PeerChunkSource, PlacedChunkSource
 from .start_checks import host_names, other_dataset, ranks_sharing_memory, shared_paths
 from .staged_source import StagedChunkSource
-from .local_dir import LOCK_NAME, WATCHDOG_LOG, StagingBroken, StagingError, claim_local_dir, copy_index
+from .local_dir import LOCK_NAME, WATCHDOG_LOG, StagingBroken, StagingError, check_written_in_place, claim_local_dir, \
+    copy_index
 from .staging import StagingReport, Stager, index_identity
 from .statuses import RequestRefused
 from ..mount.options import MountOptions
@@ -265,7 +266,7 @@ class _RankStart:
                                    "--ready-file": ready_file})
         # Before anything below writes (the ready file of a killed job removed, DIR made), and before any copy:
         # staging into DEST would truncate its chunk files.
-        writes = {"--local-dir": local_dir}
+        writes = {"--local-dir": local_dir, "--local-dir's chunk directory": local_dir / CHUNK_DIR}
         if options.ready_file or not options.command:  # a ready file named is removed at start, command or not
             writes["--ready-file" if options.ready_file else "the ready file MOUNTPOINT.ready"] = ready_file
         check_apart_from_dest(options.dest, writes)
@@ -294,6 +295,8 @@ def _start_together(options: ServeOptions, comm: Any, mpi: Any) -> _RankStart:
         or other_dataset(comm, host, options.dest, start.identity if start is not None else None) or problem
     if problem is None:  # no rank of this job shares it: one that holds it now is another job's
         try:
+            share = {piece.chunk for piece in start.placement.pieces(rank)} | set(start.placement.replicated_chunks)
+            check_written_in_place(local_dir, sorted(share))
             claim_local_dir(local_dir)  # held until this process ends
         except StagingError as exc:
             problem = f"rank {rank} on {host}: {exc}"
