@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -904,6 +905,63 @@ def test_a_rank_that_cannot_mount_ends_the_job_together_with_one_line_each(serve
     assert not ran.exists()
     _assert_nothing_left(job)
     wait_until(lambda: not _left_behind(shm_before), "the job's shared memory files removed", 5)
+
+
+def test_a_job_given_a_mountpoint_another_job_mounted_meanwhile_leaves_that_mount_alone(served_dataset, tmp_path,
+                                                                                        jobs):
+    """Two jobs given the same MOUNTPOINTs: the second mounts while the first is staging. The first refuses to mount
+    there, each rank in one line, and ends; its watchdogs unmounted whatever FUSE mount they found at MOUNTPOINT
+    and removed its ready file, so the second job's mounts and ready files went with the first job, under its
+    readers. Now each watchdog removes its own rank's mount alone, and the second job serves on untouched."""
+    src, dest = served_dataset
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+    first = Job(tmp_path / "first", dest, command=["true"], mountpoint=str(tmp_path / "mp{rank}"),
+                local=str(tmp_path / "first" / "local{rank}"),
+                env={"FANSTORE_PAUSE_AT": "serve: staged", "FANSTORE_PAUSE_DIR": str(pause)})
+    jobs.append(first)
+    wait_until(lambda: (pause / "paused").exists() or first.proc.poll() is not None, "a rank staged", 60)
+    second = Job(tmp_path / "second", dest, mountpoint=str(tmp_path / "mp{rank}"),
+                 local=str(tmp_path / "second" / "local{rank}"))
+    jobs.append(second)
+    second.wait_ready()
+    (pause / "resume").write_text("")
+    code, _, err = first.finish(timeout=60)
+    assert code == 1 and "Traceback" not in err, err
+    for rank in range(RANKS):
+        assert f"rank {rank} on {os.uname().nodename}: {tmp_path}/mp{rank}: something is already mounted here" in err
+    wait_until(lambda: not _processes_mentioning(str(tmp_path / "first")), "the first job's watchdogs gone", 10)
+    assert all(fuse_mounted_at(mp) for mp in second.mountpoints)
+    assert all(ready.exists() for ready in second.ready_files())
+    assert tree_digest(second.mountpoints[2]) == tree_digest(src)
+    os.killpg(second.proc.pid, signal.SIGTERM)
+    code, out, err = second.finish()
+    assert code == 0, out + err
+    _assert_nothing_left(second)
+
+
+def test_a_mountpoint_another_process_is_mounting_is_refused_not_mounted_over(served_dataset, tmp_path, jobs):
+    """A mount point is checked at start and mounted once staged: two jobs given the same one at once both found it
+    free and mounted one over the other, and the first's command read the second's dataset under its own names.
+    A mount now holds an flock on the mount point's directory from its last check to its unmount; a rank that finds
+    it held (here by this test, as another job's mount would) refuses to mount there, in one line."""
+    _, dest = served_dataset
+    job_mountpoint = tmp_path / "mp1"
+    job_mountpoint.mkdir()
+    held = os.open(job_mountpoint, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        job = Job(tmp_path, dest, command=["true"])
+        jobs.append(job)
+        code, _, err = job.finish(timeout=60)
+    finally:
+        os.close(held)
+    assert code == 1 and "Traceback" not in err, err
+    assert f"rank 1 on {os.uname().nodename}: {job_mountpoint}: another process is mounting a dataset here (another " \
+           f"job given the same MOUNTPOINT?); give each its own" in err, err
+    _assert_nothing_left(job)
 
 
 @pytest.mark.parametrize("signal_number", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

@@ -37,6 +37,7 @@ from ..errors import FanstoreError, UsageError, quoted
 from ..core.format import CHUNK_DIR, INDEX_NAME
 from .job_memory import JobMemory, job_memory
 from .kernel_holds import KernelHolds
+from .mount_claim import MountpointClaim
 from .mountinfo import fuse_mount_holding, fuse_mounted_at, fuse_mounts, read_ahead_setting, resolve_mountpoint, \
     set_read_ahead  # noqa: F401 (fuse_mounted_at, read_ahead_setting: their old home)
 from .options import INLINE_DECODE_BYTES, READ_AHEAD_KIB, MountOptions  # noqa: F401 (MountOptions: its old home)
@@ -206,7 +207,7 @@ def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, rea
 def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd: int | None = None,
                   while_mounted: Callable[[threading.Event], int] | None = None,
                   prefetch_order: list[int] | None = None, bound: CacheBound | None = None,
-                  ahead: FetchedAhead | None = None) -> int:
+                  ahead: FetchedAhead | None = None, on_mount: Callable[[], None] | None = None) -> int:
     """Mount `ds` at `mountpoint` and serve until unmounted or signalled; the caller closes `ds`.
 
     `while_mounted(stop)`, when given, runs in a thread once the kernel has the mount; the mount ends when it
@@ -214,15 +215,22 @@ def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd
     `prefetch_order`: the entries of options.prefetch_list, when the caller has read it already. `bound`: the
     cache's, when the caller has chosen it already (cache_bound). `ahead`: who fetches files from other nodes ahead
     of their reads (under serve, the node's holder); its `covers` are the files that may be slow to come.
+    `on_mount()`: called as soon as the kernel has the mount (a serve rank tells its watchdog which mount is its).
     """
     import pyfuse3
 
+    claim = None
     try:
         session = _open_session(ds, mountpoint, options, prefetch_order, bound, ahead)
         if options.fast_session_loop:
             install_fast_session_loop()
+        claim = MountpointClaim(mountpoint)  # held until unmounted: no other mount comes between check and mount
         _init_fuse(session.operations, mountpoint, options.allow_other)
+        if on_mount is not None:
+            on_mount()
     except FanstoreError as exc:
+        if claim is not None:
+            claim.close()
         _report_ready(ready_fd, f"error: {exc}")
         raise
     stop = threading.Event()
@@ -237,6 +245,7 @@ def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd
         log.info("unmounted %s; cache: %d hits, %d misses, %d waits, %d evictions, %d bytes held", mountpoint,
                  stats.hits, stats.misses, stats.waits, stats.evictions, stats.bytes_held)
         _close_fuse(pyfuse3, mountpoint)
+        claim.close()
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,7 @@ from ..core.index_file import map_index_file, mark_copy_checked
 from ..mount.job_memory import job_memory
 from ..mount.mount import cache_bound, check_mountpoint, check_outside, dataset_paths, \
     fuse_answer, fuse_mounted_at, resolve_mountpoint, serve_dataset, unmount
+from ..mount.mountinfo import fuse_device
 from ..core.pause import pause_point
 from ..mount.prefetch import may_block_flags, read_prefetch_list
 from . import watchdog
@@ -164,6 +165,17 @@ class RankWatchdog:
         log.warning("rank %d: its watchdog (pid %d) has ended%s; the rank goes on without one: should it die now, "
                     "its mount at %s stays behind (`fanstore umount %s` clears it)", self._rank, self._process.pid,
                     how, self._mountpoint, self._mountpoint)
+
+    def mounted(self, mountpoint: Path) -> None:
+        """The rank's mount is up: the watchdog is told its device, the one mount at `mountpoint` it may remove
+        (another job given the same MOUNTPOINT may have one there by the time this rank is gone)."""
+        device = fuse_device(mountpoint)
+        if device is None:
+            return
+        try:
+            os.write(self._keep_alive, watchdog.MOUNTED + device.encode() + b"\n")
+        except BrokenPipeError:  # gone already: the watch thread says so
+            pass
 
     def close(self, clean: bool) -> None:
         """The rank is ending: `clean` when MPI was finalised (the watchdog then leaves MPI's files alone, since
@@ -374,7 +386,7 @@ def _serve_rank(options: ServeOptions, comm: Any, mpi: Any, too_few: str | None 
     with contextlib.ExitStack() as teardown:  # unwound in reverse: the endpoint first, the doorbell last
         status, lifecycle = _serve_staged(options, comm, index, placement, local_dir, mountpoint, ready_file,
                                           mount_options, prefetch_order, report, hosts, memory_sharers, token,
-                                          teardown)
+                                          teardown, guard)
     if lifecycle.agreed:
         comm.Free()
         mpi.Finalize()
@@ -385,7 +397,7 @@ def _serve_rank(options: ServeOptions, comm: Any, mpi: Any, too_few: str | None 
 def _serve_staged(options: ServeOptions, comm: Any, index: Index, placement: Placement, local_dir: Path,
                   mountpoint: Path, ready_file: Path, mount_options: MountOptions, prefetch_order: list[int] | None,
                   report: StagingReport, hosts: list[str], memory_sharers: list[int], token: str,
-                  teardown: contextlib.ExitStack) -> tuple[int, Lifecycle]:
+                  teardown: contextlib.ExitStack, guard: RankWatchdog) -> tuple[int, Lifecycle]:
     """Once staged: the transport, the node's holder and endpoint, the mount and COMMAND; each part's close is
     pushed on `teardown` as it starts. Returns the job's status and the lifecycle (whether every rank agreed)."""
     rank, size, host = comm.Get_rank(), comm.Get_size(), socket.gethostname()
@@ -436,7 +448,8 @@ def _serve_staged(options: ServeOptions, comm: Any, index: Index, placement: Pla
         with Dataset(index, source) as dataset:
             status = serve_dataset(dataset, mountpoint, mount_options, while_mounted=lifecycle,
                                    prefetch_order=prefetch_order, bound=bound,
-                                   ahead=EntriesAhead(ahead, lookup, index, may_block_flags(index, source)))
+                                   ahead=EntriesAhead(ahead, lookup, index, may_block_flags(index, source)),
+                                   on_mount=lambda: guard.mounted(mountpoint))
     except FanstoreError as exc:
         say_line(f"fanstore serve: error: rank {rank} on {host}: {exc}")
         status = 1
