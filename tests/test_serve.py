@@ -1730,6 +1730,23 @@ def test_prefetch_lists_a_rank_cannot_use_stop_every_rank_before_anything_is_cop
     _assert_nothing_left(job)
 
 
+@pytest.mark.parametrize("local, needle", [
+    ("afile", "--local-dir {tmp}/afile: not a directory"),
+    ("afile/local{rank}", "--local-dir {tmp}/afile/local{rank}: cannot make it a directory: Not a directory"),
+], ids=["a file", "under a file"])
+def test_a_local_dir_that_cannot_be_made_is_one_line_naming_the_option(served_dataset, tmp_path, jobs, local,
+                                                                       needle):
+    """A --local-dir that is a file, or lies under one (or on a read-only file system): each rank said Python's
+    repr of the OSError (`[Errno 17] File exists: '...'`), naming neither the option nor what to do."""
+    _, dest = served_dataset
+    (tmp_path / "afile").write_text("")
+    job = Job(tmp_path, dest, command=["true"], local=str(tmp_path / local))
+    jobs.append(job)
+    for rank, line in enumerate(_refused_by_every_rank(job)):
+        assert line.endswith(needle.format(tmp=tmp_path, rank=rank)), line
+    _assert_nothing_left(job)
+
+
 def test_a_local_dir_another_job_is_using_is_refused_and_that_job_goes_on(served_dataset, tmp_path, jobs):
     """Two jobs on one node given the same --local-dir (/dev/shm/fanstore, say): the second would undo the first's
     chunk files and remove its readers' socket, so it stops, naming the directory and the job that holds it."""

@@ -286,8 +286,21 @@ class _RankStart:
             option = "--ready-file" if options.ready_file else "MOUNTPOINT.ready (--ready-file puts it elsewhere)"
             raise UsageError(f"{option}: cannot write {ready_file}: its directory does not exist or is not writable")
         clear_stale_mount(mountpoint)
-        local_dir.mkdir(parents=True, exist_ok=True)
-        ready_file.unlink(missing_ok=True)  # left by a killed job: a batch script waiting for it must wait for us
+        try:
+            local_dir.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise UsageError(f"--local-dir {local_dir}: not a directory") from None
+        except OSError as exc:  # read-only, a file in the way: said as the option, not as Python's repr
+            raise UsageError(f"--local-dir {local_dir}: cannot make it a directory: {exc.strerror}"
+                             + ("" if exc.filename in (None, str(local_dir)) else f" ({exc.filename})")) from None
+        if not local_dir.is_dir():
+            raise UsageError(f"--local-dir {local_dir}: not a directory")
+        try:
+            ready_file.unlink(missing_ok=True)  # left by a killed job: a batch script waiting for it must wait for us
+        except OSError as exc:
+            option = "--ready-file" if options.ready_file else "MOUNTPOINT.ready (--ready-file puts it elsewhere)"
+            raise UsageError(f"{option}: cannot remove the one an earlier job left, {ready_file}: {exc.strerror}") \
+                from None
         return cls(index, index_bytes, identity, placement, mountpoint, local_dir, ready_file, mount_options,
                    prefetch_order)
 
