@@ -39,14 +39,14 @@ class MountpointClaim:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self.close()
-            raise MountpointUnavailable(f"{mountpoint}: another process is mounting a dataset here (another job given the "
-                                  f"same MOUNTPOINT?); give each its own") from None
+            raise MountpointUnavailable(f"{mountpoint}: another process is mounting a dataset here (another job "
+                                        f"given the same MOUNTPOINT?); give each its own") from None
         except OSError:  # a file system without flock: mountinfo alone, as before
             pass
         if fuse_mounted_at(mountpoint):
             self.close()
-            raise MountpointUnavailable(f"{mountpoint}: mounted by another process since it was checked (another job "
-                                  f"given the same MOUNTPOINT?); give each its own")
+            raise MountpointUnavailable(f"{mountpoint}: mounted by another process since it was checked (another "
+                                        f"job given the same MOUNTPOINT?); give each its own")
 
     def close(self) -> None:
         """The mount is gone: another may take the mount point."""
