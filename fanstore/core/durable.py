@@ -21,8 +21,13 @@ def write_atomically(path: Path, data: bytes | bytearray | memoryview | mmap.mma
     mtime). A write that fails (a full disk) removes what it wrote; one killed leaves it under partial_of(path)."""
     partial = partial_of(path)
     with naming_the_file(partial):
+        # What stands at the temporary name (left by a write that was killed, or put there) is replaced, never
+        # written through: a link there to another file (DEST's index, say) had that file truncated and rewritten.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+        descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
         try:
-            with open(partial, "wb") as out:
+            with open(descriptor, "wb") as out:
                 if isinstance(data, (bytes, bytearray, memoryview, mmap.mmap)):
                     out.write(data)
                 else:
