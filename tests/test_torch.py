@@ -423,7 +423,8 @@ time.sleep(60)
 
 
 def _names_held(pids: list[int], outside: Path) -> set[str]:
-    """Paths in /dev/shm or the temporary directory that the processes have open or mapped (`outside` aside)."""
+    """Paths in /dev/shm or the temporary directory that the processes have open or mapped: `outside`, the checkout
+    and the Python environment aside (a clean clone in /tmp maps its virtual environment's libraries from there)."""
     places = ("/dev/shm/", tempfile.gettempdir().rstrip("/") + "/")
     held = set()
     for pid in pids:
@@ -436,8 +437,9 @@ def _names_held(pids: list[int], outside: Path) -> set[str]:
             fields = line.split(maxsplit=5)
             if len(fields) == 6:
                 held.add(fields[5])
+    ours = (outside, REPO, Path(sys.prefix), Path(sys.base_prefix))
     return {path for path in held if path.startswith(places) and not path.endswith(" (deleted)")
-            and not Path(path).is_relative_to(outside)}
+            and not any(Path(path).is_relative_to(place) for place in ours)}
 
 
 @pytest.mark.parametrize("end", ["SIGKILL", "SIGTERM", "os._exit"])
