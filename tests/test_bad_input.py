@@ -370,6 +370,24 @@ def test_disk_full_while_writing_the_index_names_the_index(tmp_path, paused_pack
         assert dir_bytes(small / "ds") == dir_bytes(tmp_path / "reference")
 
 
+@pytest.mark.parametrize("codec", ["zstd-dict:3", "lz4"])
+def test_disk_full_while_starting_the_journal_is_one_line_and_resumes(tmp_path, paused_pack, codec):
+    """The journal's state and a zstd-dict pack's dictionaries are written before any chunk, outside the chunk
+    step's error handling: a full disk there ended in a traceback of OSError."""
+    src = make_tree(tmp_path / "src")
+    args = [*SMALL_PACK[:1], codec, *SMALL_PACK[2:]]
+    run_cli("fanstore-pack", str(src), str(tmp_path / "reference"), *args, check=True)
+    with small_disk(tmp_path / "small", "2m") as small:
+        paused = paused_pack(src, small / "ds", args, "walked")
+        with open(small / "filler", "wb", buffering=0) as filler, contextlib.suppress(OSError):
+            while True:
+                filler.write(b"\1" * 4096)
+        assert_one_line_error(paused.resume(), "disk full", f"{small}/ds/.fanstore-pack/", "resume")
+        (small / "filler").unlink()
+        run_cli("fanstore-pack", str(src), str(small / "ds"), *args, check=True)
+        assert dir_bytes(small / "ds") == dir_bytes(tmp_path / "reference")
+
+
 def test_missing_dataset_for_verify_and_info(tmp_path):
     (tmp_path / "plain.txt").write_text("not a dataset")
     (tmp_path / "index_is_dir" / "fanstore.index").mkdir(parents=True)

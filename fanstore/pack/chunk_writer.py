@@ -77,9 +77,14 @@ class ChunkWriter:
         return self.size
 
     def abort(self) -> None:
-        """Drop an unfinished chunk (interrupt, disk full): the resumed pack writes it again."""
+        """Drop an unfinished chunk (interrupt, disk full): the resumed pack writes it again. Called while the error
+        that stopped the pack is raised: one that stops the unlink too (DEST made read-only) must not hide it, and
+        the resumed pack discards the `.partial` file it leaves."""
         self._close()
-        self.partial_path.unlink(missing_ok=True)
+        try:
+            self.partial_path.unlink(missing_ok=True)
+        except OSError:
+            pass
 
     def _close(self) -> None:
         if self._fd >= 0:

@@ -8,6 +8,7 @@ SRC unchanged: there is nothing to do, and DEST is left as it is. A --fit pack t
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import time
@@ -15,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -176,11 +177,15 @@ def _pack_with(sources: list[Path], dest_path: Path, options: PackOptions, tree:
     run.selection = _selection(options, run.src, run.tree, run.groups, run.journal if dest_plan.resume else None)
     selection_seconds = time.monotonic() - selecting
     # The first write to DEST: every refusal (bad options, DEST, the selection, --fit) has been raised above it.
-    before = _prepare_dest(run, dest_plan)
+    # A write that fails from here on (a full disk, DEST made read-only) is one line, as in _chunks_and_index: the
+    # journal's start and its dictionaries are written before any chunk.
+    with _writing(run.dest):
+        before = _prepare_dest(run, dest_plan)
     pause_point("walked")
     if run.selection is not None and on_selection is not None:
         on_selection(run.selection)
-    plan = _codec_plan(run)
+    with _writing(run.dest):
+        plan = _codec_plan(run)
     pause_point("planned")
     summary = _chunks_and_index(run, plan, progress, pool, before)
     summary.unmatched = run.groups.unmatched()
@@ -441,6 +446,15 @@ def _finished_summary(dest: Path) -> PackSummary:
         except (SelectionError, KeyError, TypeError):  # informational: a --fit check then goes unpredicted
             pass
     return summary
+
+
+@contextlib.contextmanager
+def _writing(dest: Path) -> Iterator[None]:
+    """A write to DEST that fails (a full disk, DEST made read-only) ends the pack in one line, resumable."""
+    try:
+        yield
+    except OSError as exc:
+        raise _global_error(exc, dest) from None
 
 
 def _global_error(exc: OSError, dest: Path) -> PackError:
