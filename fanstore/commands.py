@@ -108,6 +108,8 @@ def run_pack(args: argparse.Namespace) -> int:
 
         print(f"warning: ... and {len(summary.problems) - _WARNINGS_SHOWN} more skipped "
               f"({all_skipped_command(args.dest)} lists them all)", file=sys.stderr)
+    if summary.repacked is not None:
+        print(f"warning: {summary.repacked}", file=sys.stderr)
     for pattern in summary.unmatched:
         print(f"warning: --replicate {quoted(pattern)} matches no file of SRC: it replicates nothing", file=sys.stderr)
     reused = (f", {plural(summary.reused_chunks, 'chunk')} kept from the interrupted run" if summary.reused_chunks

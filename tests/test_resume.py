@@ -207,3 +207,28 @@ def test_a_worker_killed_mid_pack_is_one_line_and_resumable(tmp_path, paused_pac
     resumed = run_cli("fanstore-pack", str(src), str(dest), *args, check=True)
     assert "chunks kept from the interrupted run" in resumed.stdout
     assert dir_bytes(dest) == dir_bytes(tmp_path / "reference")
+
+
+@pytest.mark.parametrize("damage", ["removed", "cut short", "another chunk's file", "a record past a gap"])
+def test_a_journaled_chunk_damaged_since_is_packed_again(big_tree, reference, tmp_path, paused_pack, damage):
+    """The resume kept every journaled chunk without looking at its file: one removed or cut short between the
+    runs gave an index of chunks that are not there, from a pack that said it succeeded. Journal records past a
+    gap (their files discarded by the run that found the gap) were trusted by the run after."""
+    dest = tmp_path / "ds"
+    paused_pack(big_tree, dest, ARGS, "chunk:10").kill_group()
+    chunk = dest / "chunks" / "00000004.fsc"
+    if damage == "removed":
+        chunk.unlink()
+    elif damage == "cut short":
+        os.truncate(chunk, chunk.stat().st_size - 1)
+    elif damage == "another chunk's file":
+        chunk.write_bytes((dest / "chunks" / "00000003.fsc").read_bytes())
+    else:
+        (dest / JOURNAL_DIR / "chunk-00000004.json").unlink()
+        paused_pack(big_tree, dest, ARGS, "chunk:6").kill_group()  # chunks 4 and 5 again; records 6 to 9 stale
+    resumed = run_cli("fanstore-pack", str(big_tree), str(dest), *ARGS, check=True)
+    if damage != "a record past a gap":
+        assert "4 chunks kept from the interrupted run" in resumed.stdout
+        assert "chunks/00000004.fsc" in resumed.stderr and "from 4 on are packed again" in resumed.stderr
+    assert dir_bytes(dest) == reference
+    assert run_cli("verify", str(dest)).returncode == 0

@@ -32,9 +32,10 @@ from typing import Callable
 from ..core.api import open_dataset
 from ..core.durable import PARTIAL_SUFFIX
 from ..core.dest_apart import overlap
-from ..errors import FanstoreError, UsageError, quoted
-from ..core.format import CHUNK_DIR, CHUNK_MAGIC, INDEX_MAGIC, INDEX_NAME
-from .journal import JOURNAL_DIR, STATE_FILE, JournalError, PackJournal
+from ..errors import FanstoreError, FormatError, UsageError, quoted
+from ..core.format import (CHUNK_DIR, CHUNK_HEADER, CHUNK_HEADER_LEN, CHUNK_MAGIC, INDEX_MAGIC, INDEX_NAME,
+                           check_chunk_header, chunk_file_name)
+from .journal import JOURNAL_DIR, STATE_FILE, ChunkRecord, JournalError, PackJournal
 from ..core.verify import chunk_problems
 
 _CHUNK_NAME = re.compile(r"[0-9]{8}\.fsc(\.partial)?\Z")
@@ -143,6 +144,46 @@ def prepare_dest(dest: Path, journal: PackJournal, fingerprint: str, listing_dig
         what = f"cannot be written ({quoted(str(dest / CHUNK_DIR))} cannot be made)" if dest.is_dir() else \
             "cannot be created"
         raise UsageError(f"DEST {quoted(dest)} {what}: {exc.strerror}") from None
+
+
+def keep_sound_chunks(dest: Path, journal: PackJournal) -> tuple[list[ChunkRecord], str | None]:
+    """The journaled chunks a resumed pack keeps: those before the first whose file is no longer as the journal
+    recorded it (missing, another size, another header: removed, cut short or replaced since the interruption),
+    and, if one is not, what is wrong with it. From that chunk on, journal records and chunk files are discarded
+    and packed again: kept, they made an index of chunks that are not there, and a pack that said it succeeded."""
+    finished = journal.finished_chunks()
+    sound, damage = 0, None
+    for record in finished:
+        damage = _chunk_damage(dest, record)
+        if damage is not None:
+            break
+        sound += 1
+    journal.forget_chunks_from(sound)
+    discard_unrecorded_chunks(dest, sound)
+    return finished[:sound], damage
+
+
+def _chunk_damage(dest: Path, record: ChunkRecord) -> str | None:
+    """What is wrong with a journaled chunk's file (its type, size and header: one open, no blob read), or None."""
+    path = dest / chunk_file_name(record.chunk_id)
+    try:
+        info = os.lstat(path)
+        if not stat.S_ISREG(info.st_mode):
+            return f"{path} is not a regular file"
+        if info.st_size != record.size:
+            return f"{path} is {info.st_size:,} bytes, the journal says {record.size:,}"
+        with open(path, "rb") as chunk:
+            header = chunk.read(CHUNK_HEADER_LEN)
+        check_chunk_header(header, record.chunk_id, path)
+    except FileNotFoundError:
+        return f"{path} is missing"
+    except FormatError as exc:  # an OSError too
+        return str(exc)
+    except OSError as exc:
+        return f"{path} cannot be read ({exc.strerror})"
+    if CHUNK_HEADER.unpack(header)[4] != record.group:
+        return f"{path} holds a chunk of another group than the journal says"
+    return None
 
 
 def discard_unrecorded_chunks(dest: Path, finished: int) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import shutil
 from array import array
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ STATE_FILE = "state.json"
 # 2: plan positions are (file, block) pairs, and chunk records list their blocks.
 # 3: the state and every row are named records (chunk records hold one named column per field), not positional.
 JOURNAL_VERSION = 3
+_RECORD_NAME = re.compile(r"chunk-([0-9]{8})\.json")
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +238,16 @@ class PackJournal:
             except (OSError, ValueError, TypeError) as exc:
                 raise JournalError(f"{path}: the interrupted pack's journal is damaged ({exc}); pass --force to "
                                    "start the pack afresh") from None
+
+    def forget_chunks_from(self, first: int) -> None:
+        """Remove the records of chunks `first` and later, including any past a gap, which finished_chunks never
+        reads but a later run would once the gap is filled again."""
+        if not self.dir.is_dir():
+            return
+        for path in self.dir.iterdir():
+            number = _RECORD_NAME.fullmatch(path.name)
+            if number is not None and int(number.group(1)) >= first:
+                path.unlink()
 
     def remove(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)

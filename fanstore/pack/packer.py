@@ -41,8 +41,8 @@ from .dest import (
     check_dest,
     check_src_and_dest,
     dest_as_found,
-    discard_unrecorded_chunks,
     files_of_ours,
+    keep_sound_chunks,
     prepare_dest,
     undo_pack,
 )
@@ -75,6 +75,7 @@ class PackSummary:
     selection_seconds: float = 0.0  # spent selecting in this run (0 when a resumed pack reused the journaled one)
     up_to_date: bool = False  # DEST held this very pack, finished: nothing was done, the figures are its index's
     unmatched: list[str] = field(default_factory=list)  # --replicate patterns that matched no file
+    repacked: str | None = None  # a resume found a journaled chunk damaged: what, and that it was packed again
 
     @property
     def ratio(self) -> float:
@@ -242,8 +243,8 @@ def _chunks_and_index(run: _PackRun, plan: CodecPlan, progress: Callable[[PackPr
                       pool: WorkerPool | None, before: _DestBefore) -> PackSummary:
     """Compress the files the journal has not got yet into chunk files, then write the index (atomically). On any
     failure the chunk being written goes; once --fit broke, DEST goes back to what the command found."""
-    finished = run.journal.finished_chunks()
-    discard_unrecorded_chunks(run.dest, len(finished))
+    with _writing(run.dest):
+        finished, damage = keep_sound_chunks(run.dest, run.journal)
     builder = ChunkBuilder(run.dest, run.journal, run.options.chunk_size, run.files, run.file_groups,
                            run.options.block_layout, finished)
     files = run.files
@@ -259,6 +260,8 @@ def _chunks_and_index(run: _PackRun, plan: CodecPlan, progress: Callable[[PackPr
         records, layout = _compress_all(run, plan, plan_files, builder, feed, pool, background, progress)
         summary = _summarise(records, run.tree.problems)
         summary.reused_chunks = len(finished)
+        if damage is not None:
+            summary.repacked = f"{damage}: chunks from {len(finished)} on are packed again"
         pause_point("index")
         layout.result()
         run.let_go_of_the_walk()
