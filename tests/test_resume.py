@@ -232,3 +232,19 @@ def test_a_journaled_chunk_damaged_since_is_packed_again(big_tree, reference, tm
         assert "chunks/00000004.fsc" in resumed.stderr and "from 4 on are packed again" in resumed.stderr
     assert dir_bytes(dest) == reference
     assert run_cli("verify", str(dest)).returncode == 0
+
+
+def test_a_second_pack_into_a_dest_being_packed_is_refused(big_tree, reference, tmp_path, paused_pack):
+    """Nothing kept two packs out of one DEST: the second (with --force, or resuming the same journal) removed or
+    rewrote the first's chunk files, and the one to finish wrote an index of chunks the other had replaced (or one
+    died in a traceback of rmtree). The first pack holds DEST; a second is refused in one line and writes nothing."""
+    dest = tmp_path / "ds"
+    first = paused_pack(big_tree, dest, ARGS, "chunk:2")
+    before = dir_bytes(dest)
+    for args in (["--codec", "lz4", "--quiet", "--force"], ARGS):
+        assert_one_line_error(run_cli("fanstore-pack", str(big_tree), str(dest), *args), f"DEST '{dest}'",
+                              "being written by another fanstore-pack")
+        assert dir_bytes(dest) == before
+    finished = first.resume()
+    assert finished.returncode == 0, finished.stderr
+    assert dir_bytes(dest) == reference

@@ -35,6 +35,7 @@ from ..core.dest_apart import overlap
 from ..errors import FanstoreError, FormatError, UsageError, quoted
 from ..core.format import (CHUNK_DIR, CHUNK_HEADER, CHUNK_HEADER_LEN, CHUNK_MAGIC, INDEX_MAGIC, INDEX_NAME,
                            check_chunk_header, chunk_file_name)
+from .dest_lock import DestLock
 from .journal import JOURNAL_DIR, STATE_FILE, ChunkRecord, JournalError, PackJournal
 from ..core.verify import chunk_problems
 
@@ -131,9 +132,15 @@ def _holds_this_pack(dest: Path, listing_digest: str) -> bool:
 
 
 def prepare_dest(dest: Path, journal: PackJournal, fingerprint: str, listing_digest: str, force: bool,
-                 planned: DestPlan) -> None:
-    """Carry out what check_dest decided, the pack's first write to DEST. DEST is checked again first: time has
-    passed since (the codec selection), and what is deleted must be what was found to be fanstore's."""
+                 planned: DestPlan, lock: DestLock) -> None:
+    """Carry out what check_dest decided, the pack's first write to DEST. DEST is made and locked for this pack
+    (dest_lock.py), then checked again: time has passed since (the codec selection), another pack may have written
+    there, and what is deleted must be what was found to be fanstore's."""
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"DEST {quoted(dest)} cannot be created: {exc.strerror}") from None
+    lock.take()
     if check_dest(dest, journal, fingerprint, listing_digest, force) != planned:
         raise UsageError(f"DEST {quoted(dest)} changed while the pack was getting ready (is another process "
                          "writing there?); nothing was written: run the same command again")

@@ -46,6 +46,7 @@ from .dest import (
     prepare_dest,
     undo_pack,
 )
+from .dest_lock import DestLock
 from .fingerprint import pack_fingerprint
 from .fit_watch import FitWatch
 from .groups import GroupPlan
@@ -110,7 +111,9 @@ def pack(
     # Workers hand blobs back through memfd shared memory (Linux); elsewhere this process compresses alone.
     pool = WorkerPool(workers) if workers > 1 and hasattr(os, "memfd_create") else None
     try:
-        summary = _pack_with(sources, Path(dest), options, tree, progress, on_selection, pool)
+        with DestLock(Path(dest)) as lock:  # taken after the workers are forked: they never hold it
+            lock.take_if_there()
+            summary = _pack_with(sources, Path(dest), options, tree, progress, on_selection, pool, lock)
     except BrokenProcessPool:  # from the walk or from compressing: the pool cannot go on
         raise PackError("a worker process died (killed, or out of memory); finished chunks are kept: run the same "
                         "command again to resume") from None
@@ -165,11 +168,13 @@ class _DestBefore(NamedTuple):
 
 def _pack_with(sources: list[Path], dest_path: Path, options: PackOptions, tree: SourceTree | None,
                progress: Callable[[PackProgress], None] | None,
-               on_selection: Callable[[Selection], None] | None, pool: WorkerPool | None) -> PackSummary:
+               on_selection: Callable[[Selection], None] | None, pool: WorkerPool | None,
+               lock: DestLock) -> PackSummary:
     """The pack's steps: walk, check DEST, select (--codec auto), prepare DEST, plan the codecs, then compress into
     chunk files and write the index."""
     run = _walked(sources, dest_path, options, tree, pool)
     give_back_free_heap()  # the walk's temporaries: the compress step's peak would stand on them
+    lock.take_if_there()  # made by another pack during the walk: its journal is not an interrupted pack's
     dest_plan = check_dest(dest_path, run.journal, run.fingerprint, run.listing_digest, options.force)
     if dest_plan.finished:
         run.journal.remove()  # left by a run killed after its index was in place: the one step it had left
@@ -181,7 +186,7 @@ def _pack_with(sources: list[Path], dest_path: Path, options: PackOptions, tree:
     # A write that fails from here on (a full disk, DEST made read-only) is one line, as in _chunks_and_index: the
     # journal's start and its dictionaries are written before any chunk.
     with _writing(run.dest):
-        before = _prepare_dest(run, dest_plan)
+        before = _prepare_dest(run, dest_plan, lock)
     pause_point("walked")
     if run.selection is not None and on_selection is not None:
         on_selection(run.selection)
@@ -220,10 +225,10 @@ def _walked(sources: list[Path], dest_path: Path, options: PackOptions, tree: So
                     PackJournal(dest_path))
 
 
-def _prepare_dest(run: _PackRun, dest_plan: DestPlan) -> _DestBefore:
+def _prepare_dest(run: _PackRun, dest_plan: DestPlan, lock: DestLock) -> _DestBefore:
     """DEST made ready for this pack (check_dest planned how), and what it held before, for a pack its --fit stops."""
     found = dest_as_found(run.dest)
-    prepare_dest(run.dest, run.journal, run.fingerprint, run.listing_digest, run.options.force, dest_plan)
+    prepare_dest(run.dest, run.journal, run.fingerprint, run.listing_digest, run.options.force, dest_plan, lock)
     return _DestBefore(found, files_of_ours(run.dest), dest_plan)
 
 
