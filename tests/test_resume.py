@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_one_line_error, dir_bytes, run_cli
+from conftest import assert_one_line_error, dir_bytes, numbered_files, run_cli
 from fanstore.pack.journal import JOURNAL_DIR, JOURNAL_VERSION, STATE_FILE, BlockRow, FileRow
 
 ARGS = ["--codec", "zstd-dict:19", "--chunk-size", "256KiB", "--replicate", "val/**", "--workers", "2", "--quiet"]
@@ -248,3 +248,19 @@ def test_a_second_pack_into_a_dest_being_packed_is_refused(big_tree, reference, 
     finished = first.resume()
     assert finished.returncode == 0, finished.stderr
     assert dir_bytes(dest) == reference
+
+
+def test_a_refused_resume_names_the_options_that_differ_or_says_src_changed(tmp_path, paused_pack):
+    """The refusal printed the interrupted pack's options as JSON and said 'run that command to resume it': run again
+    after SRC changed, the same command got the same advice for good, and another option was not named."""
+    src = tmp_path / "src"
+    numbered_files(src, 300, lambda number: 3000 + number)
+    args = ["--codec", "none", "--chunk-size", "64KiB", "--workers", "1", "--quiet"]
+    dest = tmp_path / "ds"
+    paused_pack(src, dest, args, "chunk:2").kill_group()
+    other = ["--codec", "lz4", "--chunk-size", "128KiB", "--workers", "1", "--quiet"]
+    assert_one_line_error(run_cli("fanstore-pack", str(src), str(dest), *other), "interrupted pack with other options",
+                          '--chunk-size 65536 then, 131072 now', '--codec "none" then, "lz4" now', "--force")
+    (src / "f007.bin").write_bytes(b"changed")
+    assert_one_line_error(run_cli("fanstore-pack", str(src), str(dest), *args), "of SRC as it was then",
+                          "changed, added or removed since", "--force")

@@ -27,7 +27,7 @@ import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from ..core.api import open_dataset
 from ..core.durable import PARTIAL_SUFFIX
@@ -36,7 +36,7 @@ from ..errors import FanstoreError, FormatError, UsageError, quoted
 from ..core.format import (CHUNK_DIR, CHUNK_HEADER, CHUNK_HEADER_LEN, CHUNK_MAGIC, INDEX_MAGIC, INDEX_NAME,
                            check_chunk_header, chunk_file_name)
 from .dest_lock import DestLock
-from .journal import JOURNAL_DIR, STATE_FILE, ChunkRecord, JournalError, PackJournal
+from .journal import JOURNAL_DIR, STATE_FILE, ChunkRecord, JournalError, JournalState, PackJournal
 from ..core.verify import chunk_problems
 
 _CHUNK_NAME = re.compile(r"[0-9]{8}\.fsc(\.partial)?\Z")
@@ -66,7 +66,7 @@ class DestPlan:
 
 
 def check_dest(dest: Path, journal: PackJournal, fingerprint: str, listing_digest: str,
-               force: bool) -> DestPlan:
+               force: bool, options: dict[str, Any]) -> DestPlan:
     """A new or empty DEST, the journal of this very pack to resume (its `fingerprint`), or this very pack finished
     (its index records `listing_digest`: nothing to do); another dataset or another pack's journal only with
     --force; anything fanstore did not write, never. Reads DEST, never writes it."""
@@ -101,15 +101,26 @@ def check_dest(dest: Path, journal: PackJournal, fingerprint: str, listing_diges
             return DestPlan(resume=True)  # the same pack: resume it
         if force:
             return fresh
-        raise UsageError(
-            f"DEST {quoted(dest)} holds an interrupted pack of other files or options "
-            f"({json.dumps(previous.options if previous is not None else None)}); run that command to resume "
-            "it, or pass --force"
-        )
+        raise UsageError(f"DEST {quoted(dest)} holds an interrupted pack {_what_differs(previous, options)}; pass "
+                         "--force to start this pack afresh there")
     if chunk_files and not force:
         raise UsageError(f"DEST {quoted(dest)} holds fanstore chunk files but no index or journal (a copy, or a "
                          "pack from elsewhere); pass --force to replace them")
     return fresh  # at most an empty chunks/ and dictionaries of a pack killed at its start
+
+
+def _what_differs(previous: JournalState | None, options: dict[str, Any]) -> str:
+    """Why an interrupted pack is not this one, for its refusal: the output-defining options that differ, each named
+    as its flag, else SRC, which changed since (the journal keeps its listing's digest only)."""
+    if previous is None:
+        return "that cannot be resumed"
+    changed = [f"{'--' + name.replace('_', '-')} {json.dumps(previous.options.get(name))} then, "
+               f"{json.dumps(options.get(name))} now" for name in sorted({*previous.options, *options})
+               if previous.options.get(name) != options.get(name)]
+    if changed:
+        return f"with other options ({'; '.join(changed)}): run it with those to resume it"
+    return ("of SRC as it was then: a file or directory of SRC was changed, added or removed since, so it cannot be "
+            "resumed")
 
 
 def _holds_this_pack(dest: Path, listing_digest: str) -> bool:
@@ -132,7 +143,7 @@ def _holds_this_pack(dest: Path, listing_digest: str) -> bool:
 
 
 def prepare_dest(dest: Path, journal: PackJournal, fingerprint: str, listing_digest: str, force: bool,
-                 planned: DestPlan, lock: DestLock) -> None:
+                 options: dict[str, Any], planned: DestPlan, lock: DestLock) -> None:
     """Carry out what check_dest decided, the pack's first write to DEST. DEST is made and locked for this pack
     (dest_lock.py), then checked again: time has passed since (the codec selection), another pack may have written
     there, and what is deleted must be what was found to be fanstore's."""
@@ -141,7 +152,7 @@ def prepare_dest(dest: Path, journal: PackJournal, fingerprint: str, listing_dig
     except OSError as exc:
         raise UsageError(f"DEST {quoted(dest)} cannot be created: {exc.strerror}") from None
     lock.take()
-    if check_dest(dest, journal, fingerprint, listing_digest, force) != planned:
+    if check_dest(dest, journal, fingerprint, listing_digest, force, options) != planned:
         raise UsageError(f"DEST {quoted(dest)} changed while the pack was getting ready (is another process "
                          "writing there?); nothing was written: run the same command again")
     _remove_ours(dest, set(planned.remove))

@@ -175,7 +175,8 @@ def _pack_with(sources: list[Path], dest_path: Path, options: PackOptions, tree:
     run = _walked(sources, dest_path, options, tree, pool)
     give_back_free_heap()  # the walk's temporaries: the compress step's peak would stand on them
     lock.take_if_there()  # made by another pack during the walk: its journal is not an interrupted pack's
-    dest_plan = check_dest(dest_path, run.journal, run.fingerprint, run.listing_digest, options.force)
+    dest_plan = check_dest(dest_path, run.journal, run.fingerprint, run.listing_digest, options.force,
+                           options.output_defining())
     if dest_plan.finished:
         run.journal.remove()  # left by a run killed after its index was in place: the one step it had left
         return _finished_summary(dest_path)
@@ -228,7 +229,8 @@ def _walked(sources: list[Path], dest_path: Path, options: PackOptions, tree: So
 def _prepare_dest(run: _PackRun, dest_plan: DestPlan, lock: DestLock) -> _DestBefore:
     """DEST made ready for this pack (check_dest planned how), and what it held before, for a pack its --fit stops."""
     found = dest_as_found(run.dest)
-    prepare_dest(run.dest, run.journal, run.fingerprint, run.listing_digest, run.options.force, dest_plan, lock)
+    prepare_dest(run.dest, run.journal, run.fingerprint, run.listing_digest, run.options.force,
+                 run.options.output_defining(), dest_plan, lock)
     return _DestBefore(found, files_of_ours(run.dest), dest_plan)
 
 
