@@ -1,5 +1,5 @@
-"""core/durable.py: a file appears under its name only whole, and writing it never writes through what stands at its
-temporary name."""
+"""core/durable.py, and the packer's chunk files, which follow its rule: a file appears under its name only whole,
+and writing it never writes through what stands at its temporary name."""
 
 from __future__ import annotations
 
@@ -39,3 +39,21 @@ def test_a_write_left_by_a_killed_run_is_written_over_and_one_that_fails_leaves_
         write_atomically(tmp_path / "other", failing())
     assert failed.value.filename == str(partial_of(tmp_path / "other"))
     assert not partial_of(tmp_path / "other").exists() and not (tmp_path / "other").exists()
+
+
+def test_a_chunk_written_at_a_name_a_link_stands_at_replaces_the_link(tmp_path):
+    """The packer's chunk files follow write_atomically's rule: a link at `N.fsc.partial` (another file, SRC's say)
+    was opened with O_TRUNC and written through."""
+    from fanstore.core.format import chunk_file_name
+    from fanstore.pack.chunk_writer import ChunkWriter
+
+    victim = tmp_path / "a source file"
+    victim.write_bytes(b"not the packer's to write")
+    final = tmp_path / chunk_file_name(3)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    partial_of(final).symlink_to(victim)
+    writer = ChunkWriter(tmp_path, 3, 0)
+    writer.append(b"a blob")
+    size = writer.finish()
+    assert final.stat().st_size == size and not final.is_symlink() and not partial_of(final).exists()
+    assert victim.read_bytes() == b"not the packer's to write"

@@ -10,6 +10,7 @@ with ftruncate.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -100,8 +101,12 @@ class ChunkWriter:
 
 
 def _open_for_writing(path: Path) -> tuple[int, bool]:
-    """A descriptor for a new file, and whether it bypasses the page cache (tmpfs and some others refuse)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+    """A descriptor for a new file, and whether it bypasses the page cache (tmpfs and some others refuse). What stands
+    at `path` (a write killed, or a link put there) is replaced, never written through: a link to another file had
+    that file truncated and overwritten (core/durable.write_atomically's rule)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     direct = getattr(os, "O_DIRECT", 0)
     if direct:
         try:
