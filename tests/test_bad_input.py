@@ -352,15 +352,20 @@ def test_disk_full_stops_cleanly_and_resumes(tmp_path):
         assert dir_bytes(small / "ds") == dir_bytes(tmp_path / "reference")
 
 
+def fill(filler: Path) -> None:
+    """Write `filler` until its file system is full."""
+    with open(filler, "wb", buffering=0) as out, contextlib.suppress(OSError):
+        while True:
+            out.write(b"\1" * 4096)
+
+
 def test_disk_full_while_writing_the_index_names_the_index(tmp_path, paused_pack):
     """The pack pauses once every chunk is written; the disk is then filled, so only the index can hit ENOSPC."""
     src = make_tree(tmp_path / "src")
     run_cli("fanstore-pack", str(src), str(tmp_path / "reference"), *SMALL_PACK, check=True)
     with small_disk(tmp_path / "small", "2m") as small:
         paused = paused_pack(src, small / "ds", SMALL_PACK, "index")
-        with open(small / "filler", "wb", buffering=0) as filler, contextlib.suppress(OSError):
-            while True:
-                filler.write(b"\1" * 4096)
+        fill(small / "filler")
         full = paused.resume()
         assert_one_line_error(full, "disk full", "fanstore.index.partial", "resume")
         assert not (small / "ds" / "fanstore.index").exists()
@@ -379,9 +384,7 @@ def test_disk_full_while_starting_the_journal_is_one_line_and_resumes(tmp_path, 
     run_cli("fanstore-pack", str(src), str(tmp_path / "reference"), *args, check=True)
     with small_disk(tmp_path / "small", "2m") as small:
         paused = paused_pack(src, small / "ds", args, "walked")
-        with open(small / "filler", "wb", buffering=0) as filler, contextlib.suppress(OSError):
-            while True:
-                filler.write(b"\1" * 4096)
+        fill(small / "filler")
         assert_one_line_error(paused.resume(), "disk full", f"{small}/ds/.fanstore-pack/", "resume")
         (small / "filler").unlink()
         run_cli("fanstore-pack", str(src), str(small / "ds"), *args, check=True)

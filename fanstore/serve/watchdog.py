@@ -6,11 +6,11 @@ so the kernel is left with a FUSE mount whose daemon is gone (every access: ENOT
 /dev/shm files. The rank starts this script in a session of its own, which the launcher does not kill, holding
 the write end of a pipe: when the rank is gone the read end sees end-of-file, and the watchdog lazily unmounts
 the rank's own mount (if still mounted: the rank tells it the mount's device once mounted, and a mount of another
-process at the same path, another job given the same MOUNTPOINT, is never touched) and removes the rank's ready file (and its partial write), the shared-memory files
-it had mapped, and the socket of the node's readers once no job holds the rank's local directory. Its output goes to
-a file, never the rank's stdout: a process holding that open keeps mpiexec waiting. Then it ends what is left of the
-rank's command (command_processes.py): the launcher's kill reaches the rank's process group, not a process of the
-command that left it.
+process at the same path, another job given the same MOUNTPOINT, is never touched) and removes the rank's ready
+file (and its partial write), the shared-memory files it had mapped, and the socket of the node's readers once no
+job holds the rank's local directory. Its output goes to a file, never the rank's stdout: a process holding that
+open keeps mpiexec waiting. Then it ends what is left of the rank's command (command_processes.py): the launcher's
+kill reaches the rank's process group, not a process of the command that left it.
 
 Run as a script (`python -I -S watchdog.py`), importing only the standard library and command_processes.py beside
 it (which does too), so it starts in milliseconds.
