@@ -249,14 +249,16 @@ def _add_mount_parsers(subcommands: Any) -> None:
     mount_parser.add_argument("dest", metavar="DEST", help="the dataset directory (its fanstore.index and chunks/)")
     mount_parser.add_argument("mountpoint", metavar="MOUNTPOINT",
                               help="an existing empty directory, outside the dataset, where its files appear")
-    mount_parser.add_argument("--foreground", action="store_true", help="serve in this process until unmounted")
+    mount_parser.add_argument("--foreground", action="store_true",
+                              help="serve in this process until unmounted, logging to stderr (or --log)")
     from .mount.options import MountOptions
 
     for name in ("cache_size", "prefetch", "prefetch_min_size", "prefetch_list", "allow_other"):
         add_option(mount_parser, MountOptions, name)
     mount_parser.add_argument("--log", metavar="FILE",
                               help="daemon log (default: mount-PATH-DIGEST.log, named after MOUNTPOINT's whole "
-                                   "path, in $XDG_RUNTIME_DIR/fanstore or, without it, ~/.cache/fanstore)")
+                                   "path, in $XDG_RUNTIME_DIR/fanstore or, without it, ~/.cache/fanstore; with "
+                                   "--foreground, stderr)")
     for name in ("keep_cache", "kernel_timeout"):
         add_option(mount_parser, MountOptions, name)
     mount_parser.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)

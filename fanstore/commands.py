@@ -361,21 +361,28 @@ def run_mount(args: argparse.Namespace) -> int:
     from .core.dest_apart import check_apart_from_dest
     from .core.options import from_args
     from .mount.mount import check_outside, dataset_paths, default_log_path, mount_background, mount_foreground, \
-        resolve_mountpoint
+        open_daemon_log, resolve_mountpoint
     from .mount.options import MountOptions
 
     options = from_args(MountOptions, args)
     # Resolved once, here: mountinfo lists resolved paths, and the check, the mount and the messages must agree.
     mountpoint = resolve_mountpoint(Path(args.mountpoint))
-    if args.foreground:
+    log_format = "%(asctime)s fanstore: %(message)s"
+    # A background mount's daemon is this command re-run with --foreground and --ready-fd, its stderr the log
+    # already; a user's --foreground logs to stderr, or to --log where one is given.
+    if args.foreground and (args.log is None or args.ready_fd is not None):
         check_outside(mountpoint, dataset_paths(Path(args.dest)))
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s fanstore: %(message)s", stream=sys.stderr)
+        logging.basicConfig(level=logging.INFO, format=log_format, stream=sys.stderr)
         return mount_foreground(Path(args.dest), mountpoint, options, ready_fd=args.ready_fd)
     private_log = args.log is None
     log_path = default_log_path(mountpoint) if private_log else Path(args.log)
     check_outside(mountpoint, {**dataset_paths(Path(args.dest)), "--log": log_path})
     log_name = "the default log (--log puts it elsewhere)" if private_log else "--log"
     check_apart_from_dest(Path(args.dest), {log_name: log_path})
+    if args.foreground:
+        log = os.fdopen(open_daemon_log(log_path), "a", buffering=1)
+        logging.basicConfig(level=logging.INFO, format=log_format, stream=log)
+        return mount_foreground(Path(args.dest), mountpoint, options)
     pid = mount_background(Path(args.dest), mountpoint, args.argv, log_path, private_log=private_log)
     print(f"mounted {args.dest} at {args.mountpoint} (daemon pid {pid}, log {log_path}); "
           f"`fanstore umount {args.mountpoint}` to unmount")

@@ -357,6 +357,29 @@ def test_sigterm_unmounts(packed, tmp_path):
         assert not os.path.ismount(mount.mountpoint)
 
 
+def test_foreground_logs_to_log_when_given_else_to_stderr(packed, tmp_path):
+    """`--foreground --log FILE` logs to FILE, as --help says --log does: it went to stderr, FILE never made."""
+    _, ds = packed
+    mountpoint, log = tmp_path / "mnt", tmp_path / "fg.log"
+    mountpoint.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "fanstore", "mount", str(ds), str(mountpoint), "--foreground",
+               "--cache-size", "4MiB"]
+    for given_log in (True, False):
+        daemon = subprocess.Popen(command + (["--log", str(log)] if given_log else []), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+        with _left_unmounted(mountpoint):
+            wait_until(lambda: fuse_mounted_at(mountpoint), "the foreground mount", timeout=30)
+            daemon.send_signal(signal.SIGTERM)
+            out, err = daemon.communicate(timeout=30)
+        assert daemon.returncode == 0, err
+        said = log.read_text() if given_log else err
+        assert f"{mountpoint}: cache 4.19 MB: --cache-size 4MiB" in said, (said, err)
+        assert "signal 15: unmounting" in said, said
+        if given_log:
+            assert err == "" and out == "", (out, err)
+
+
 def _cache_attributes(mountpoint: Path) -> None:
     """Make the kernel hold the mount's attributes (for a day): from then on a stat never reaches the daemon."""
     os.stat(mountpoint)
