@@ -5,13 +5,17 @@ beside them, '-' where a figure would mean nothing."""
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from conftest import REPO, run_cli
 from fanstore import PackOptions, pack
 from fanstore.core.units import format_bytes, parse_size, plural, size_option
 from selector import Budget
@@ -144,7 +148,27 @@ def test_info_names_no_codec_with_no_files_as_a_count_and_echoes_the_chunk_size(
     codecs = info[info.index("codecs:\n"):].split("\n\n")[0].splitlines()[1:]
     assert [line.split()[:3] for line in codecs] == [["none", "1", "file,"], ["zstd:19", "no", "files:"]], info
     assert codecs[1].endswith("it made none of the files given it smaller, so they are stored as is"), info
-    assert "packed with   --codec zstd:19 --chunk-size 64MiB\n" in info and "\nskipped      none" in info, info
+    assert "packed with   --codec zstd:19 --chunk-size 64MiB --block-size 1MiB --blocks-above 4MiB\n" in info, info
+    assert "\nskipped      none" in info, info
+
+
+def test_info_gives_every_option_the_bytes_depend_on_so_the_same_pack_has_nothing_to_do(tmp_path: Path) -> None:
+    """Was: 'packed with --codec zstd:3 --chunk-size 1MiB --replicate val/**', no --block-size or --blocks-above
+    (packed with 64KiB and 256KiB), and a glob a shell would expand: the command pasted back packed it again."""
+    src = tmp_path / "src"
+    (src / "val").mkdir(parents=True)
+    (src / "val" / "big.bin").write_bytes(bytes(range(256)) * 2_000)
+    (src / "small.txt").write_text("small\n")
+    dest = tmp_path / "ds"
+    options = ["--chunk-size", "1MiB", "--block-size", "64KiB", "--blocks-above", "256KiB", "--replicate", "val/**"]
+    run_cli("fanstore-pack", str(src), str(dest), *options, "--quiet", check=True)
+    info = run_cli("info", str(dest), check=True).stdout
+    line = next(line for line in info.splitlines() if line.startswith("packed with"))
+    assert line == "packed with   --codec zstd:3 " + " ".join(options[:-1]) + " 'val/**'", info
+    again = subprocess.run(f"{shlex.quote(sys.executable)} -m fanstore pack {src} {dest} "
+                           + line.removeprefix("packed with"), shell=True, capture_output=True, text=True,
+                           cwd=src, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert again.returncode == 0 and again.stdout.startswith("nothing to do"), again.stdout + again.stderr
 
 
 def test_info_says_a_kind_stored_as_is_decodes_nothing(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import stat
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
@@ -117,8 +118,11 @@ def _described_meta(key: str, record: Any, describe: Callable[[Any], list[str]])
 
 def _describe_pack(pack_meta: dict, dataset: str, shown: int | None) -> list[str]:
     """The pack's options and the paths it skipped: the first `shown`, then how many more and how to see them."""
+    # Every option the stored bytes depend on, as a shell takes it: the same pack again finds nothing to do.
+    blocks = "".join(f" {flag} {size_option(int(pack_meta[key]))}" for flag, key in
+                     (("--block-size", "block_size"), ("--blocks-above", "blocks_above")) if key in pack_meta)
     lines = [f"packed with   --codec {pack_meta['codec']} --chunk-size {size_option(int(pack_meta['chunk_size']))}"
-             + "".join(f" --replicate {p}" for p in pack_meta.get("replicate", []))]
+             + blocks + "".join(f" --replicate {shlex.quote(p)}" for p in pack_meta.get("replicate", []))]
     skipped = pack_meta.get("skipped", [])
     lines.append(f"skipped      {plural(len(skipped), 'path')}:" if skipped else "skipped      none")
     lines.extend(f"  {s['path']}: {s['reason']}" for s in skipped[:shown])
