@@ -158,6 +158,8 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_mount_parsers(subcommands)
     _add_demo_parser(subcommands)
     _add_serve_parser(subcommands)
+    for command_parser in subcommands.choices.values():
+        command_parser.set_defaults(command_parser=command_parser)
     return parser
 
 
@@ -352,7 +354,9 @@ def _run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None)
     if argv[:1] == ["serve"] and "--" in argv:  # everything after `--` is the job's command, options and all
         split = argv.index("--")
         argv, job_command = argv[:split], argv[split + 1 :]
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said with the command's own usage: the top parser's would say nothing of its options
+        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if job_command:
         args.job_command = job_command
     args.argv = argv  # a background mount re-runs itself with the same arguments

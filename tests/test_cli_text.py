@@ -140,6 +140,18 @@ def test_exit_statuses_in_help_are_the_codes_the_cli_returns() -> None:
     assert run_cli("plan", "--nodes", "2").returncode == EXIT_USAGE  # argparse: DEST missing
 
 
+@pytest.mark.parametrize("command", ["mount", "info", "serve", "pack"])
+def test_an_unknown_option_is_said_with_the_commands_own_usage(command: str) -> None:
+    """Status 2's "a usage message says how": `fanstore mount --bogus a b` printed `usage: fanstore [-h]
+    [--version] COMMAND ...`, which names none of mount's options."""
+    required = ["--local-dir", "d"] if command == "serve" else []
+    proc = run_cli(command, "--bogus", "a", "b", *required)
+    assert proc.returncode == 2, proc.stderr
+    usage = "mpiexec -n N fanstore serve" if command == "serve" else f"fanstore {command} [-h]"
+    assert proc.stderr.startswith(f"usage: {usage}"), proc.stderr
+    assert f"\nfanstore {command}: error: unrecognized arguments: --bogus" in proc.stderr, proc.stderr
+
+
 def _pyproject_version() -> str:
     with open(REPO / "pyproject.toml", "rb") as pyproject:
         return tomllib.load(pyproject)["project"]["version"]
