@@ -37,7 +37,7 @@ pytest.importorskip("pyfuse3", reason="pyfuse3 is not installed (needs libfuse3-
 
 
 def _daemon_pid(mountpoint: Path) -> int:
-    out = subprocess.run(["pgrep", "-f", f"fanstore mount .* {mountpoint} "], capture_output=True, text=True)
+    out = subprocess.run(["pgrep", "-f", f"fanstore mount .* {mountpoint}( |$)"], capture_output=True, text=True)
     pids = [int(p) for p in out.stdout.split()]
     assert len(pids) == 1, out.stdout
     return pids[0]
@@ -432,6 +432,23 @@ def test_mount_and_umount_through_a_symlinked_mount_point(packed, tmp_path):
         run_cli("umount", str(link), check=True)
         _wait_gone(mount.pid)
         assert not fuse_mounted_at(tmp_path / "real")
+
+
+def test_a_dest_and_mount_point_named_like_options_mount_after_a_double_dash(packed, tmp_path):
+    """`fanstore mount -- -ds -mnt` is how a DEST or MOUNTPOINT starting with '-' is given: the background daemon
+    was handed its own options after that `--`, took them for arguments, and exited with status 2."""
+    src, ds = packed
+    shutil.copytree(ds, tmp_path / "-ds")
+    (tmp_path / "-mnt").mkdir()
+    command = [sys.executable, "-m", "fanstore"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    mounted = subprocess.run([*command, "mount", "--log", "daemon.log", "--", "-ds", "-mnt"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True)
+    with _left_unmounted(tmp_path / "-mnt"):
+        assert mounted.returncode == 0, mounted.stderr
+        assert (tmp_path / "-mnt" / "labels.txt").read_bytes() == (src / "labels.txt").read_bytes()
+        subprocess.run([*command, "umount", "--", "-mnt"], cwd=tmp_path, env=env, check=True, capture_output=True)
+        assert not fuse_mounted_at(tmp_path / "-mnt")
 
 
 def test_resolve_mountpoint_follows_links_with_readlink(tmp_path, monkeypatch):

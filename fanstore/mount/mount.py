@@ -370,7 +370,8 @@ def _report_ready(ready_fd: int | None, message: str) -> None:
 
 def mount_background(dataset: Path, mountpoint: Path, argv: list[str], log_path: Path,
                      private_log: bool = False) -> int:
-    """Start the foreground mount as a daemon in its own session; return once it is ready (or failed).
+    """Start the foreground mount as a daemon in its own session; return once it is ready (or failed). `argv` is
+    the command line as given, from the command's name on (`mount DEST MOUNTPOINT ...`).
 
     `private_log`: `log_path` is default_log_path's, not the user's choice, and is opened only as open_daemon_log
     says a private log is.
@@ -378,9 +379,12 @@ def mount_background(dataset: Path, mountpoint: Path, argv: list[str], log_path:
     check_mountpoint(mountpoint)
     log_fd = open_daemon_log(log_path, private=private_log)
     read_end, write_end = os.pipe()
+    # The daemon's own options go right after the command's name: appended, they followed a `--` the user gave
+    # for a DEST or MOUNTPOINT that starts with '-', and the daemon took them for arguments and refused them.
+    command, given = argv[:1], argv[1:]
     try:
         daemon = subprocess.Popen(
-            [sys.executable, "-m", "fanstore", *argv, "--foreground", "--ready-fd", str(write_end)],
+            [sys.executable, "-m", "fanstore", *command, "--foreground", "--ready-fd", str(write_end), *given],
             pass_fds=(write_end,), stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
             start_new_session=True,
         )
