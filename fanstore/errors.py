@@ -151,6 +151,16 @@ def quoted(text: object) -> str:
     return f"{head[:-1]}...{head[-1]} ({len(text):,} {unit})"
 
 
+def shown_path(path: str) -> str:
+    """A path from SRC or the dataset as a message shows it: as it is where it reads so unambiguously (every
+    character prints, no space at either end), else quoted as `quoted` quotes it. A name may hold a newline, a
+    terminal's escape or a trailing space: shown bare, it split a one-line error in two, recoloured the terminal,
+    or hid. Plain paths stay bare, so `BAD train/a.png: ...` reads as before."""
+    if path.isprintable() and path.strip() == path:
+        return path
+    return quoted(path)
+
+
 def say_line(text: str, stream: TextIO | None = None) -> None:
     """Print one line (to stderr unless told) in a single write. print() writes the text and its newline separately,
     and under mpiexec the lines of several ranks writing at once then run together on one line."""

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from ..errors import shown_path
 from .api import Dataset
 from .format import FLAG_BLOCKED, FORMAT_MAJOR, FORMAT_MINOR, NO_CHUNK, chunk_file_name
 from .units import format_bytes, plural, size_option
@@ -125,7 +126,7 @@ def _describe_pack(pack_meta: dict, dataset: str, shown: int | None) -> list[str
              + blocks + "".join(f" --replicate {shlex.quote(p)}" for p in pack_meta.get("replicate", []))]
     skipped = pack_meta.get("skipped", [])
     lines.append(f"skipped      {plural(len(skipped), 'path')}:" if skipped else "skipped      none")
-    lines.extend(f"  {s['path']}: {s['reason']}" for s in skipped[:shown])
+    lines.extend(f"  {shown_path(s['path'])}: {s['reason']}" for s in skipped[:shown])
     if shown is not None and len(skipped) > shown:
         lines.append(f"  ... and {len(skipped) - shown} more: {all_skipped_command(dataset)} lists them all")
     return lines

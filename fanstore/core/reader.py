@@ -11,7 +11,7 @@ from compressors import Codec, CodecError, codec_from_spec
 
 from .chunk_source import ChunkSource
 from ..errors import (ChunkCorrupt, ChunkError, ChunkUnavailable, FanstoreError, FormatError, IsADirectory, UsageError,
-                     quoted)
+                     quoted, shown_path)
 from .format import FLAG_BLOCKED, NO_CHUNK, chunk_file_name, fields_view
 from .index import Index
 
@@ -126,7 +126,7 @@ class Reader:
         return self._block_rows[rows[block]].item()
 
     def _where(self, entry: int, block: int) -> str:
-        return self.index.path_of(entry) + (f" (block {block})" if block >= 0 else "")
+        return shown_path(self.index.path_of(entry)) + (f" (block {block})" if block >= 0 else "")
 
     def decode_fetched(self, entry: int, stored: bytes | memoryview) -> bytes:
         """A file stored whole, from the stored blob its caller fetched itself (ChunkSource.start_read): verified,

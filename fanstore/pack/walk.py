@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import UsageError, quoted
+from ..errors import UsageError, quoted, shown_path
 from ..core.index_check import link_target_problem
 from .entry_columns import EntryColumns, EntryColumnsBuilder, SourceEntry, sorted_by_path
 
@@ -30,7 +30,7 @@ class Problem:
     reason: str
 
     def __str__(self) -> str:
-        return f"{self.path}: {self.reason}"
+        return f"{shown_path(self.path)}: {self.reason}"
 
 
 @dataclass(slots=True)
