@@ -476,7 +476,7 @@ def test_resolve_mountpoint_follows_links_with_readlink(tmp_path, monkeypatch):
     ("mount {ds} {tmp}/mp --prefetch -1", ["--prefetch", "-1"]),
     ("mount {ds} {tmp}/mp --prefetch-list {tmp}/dir", ["--prefetch-list", "{tmp}/dir", "Is a directory"]),
     ("mount {ds} {tmp}/mp --prefetch 0 --prefetch-list {tmp}/absent", ["--prefetch-list", "{tmp}/absent"]),
-    ("mount {ds} {tmp}/mp --prefetch-list {tmp}/binary", ["--prefetch-list", "{tmp}/binary:1: not UTF-8 text"]),
+    ("mount {ds} {tmp}/mp --prefetch-list {tmp}/binary", ["--prefetch-list", "{tmp}/binary: entry 1: not UTF-8 text"]),
     ("mount {ds} {tmp}/mp --kernel-timeout -1", ["--kernel-timeout", "-1"]),
     ("mount {ds} {tmp}/mp --kernel-timeout nan", ["--kernel-timeout", "nan"]),
     ("mount {ds} {tmp}/mp --log {tmp}/no_dir/mount.log", ["--log", "{tmp}/no_dir/mount.log", "No such file"]),

@@ -137,9 +137,40 @@ def test_a_line_that_names_no_file_is_an_error_naming_file_and_line(linked, tmp_
 
 def test_a_list_that_is_not_text_names_its_first_bad_line(dataset, tmp_path):
     listing = tmp_path / "epoch.bin"
-    listing.write_bytes(b"d/a.bin\n\x89PNG\r\n\x1a\n\x00\x00\xff\n")
+    listing.write_bytes(b"d/a.bin\n\x89PNG\r\n\x1a\n\xff\n")
     with pytest.raises(UsageError, match=r"epoch\.bin:2: not UTF-8 text"):
         read_prefetch_list(dataset.index, listing)
+    listing.write_bytes(b"d/a.bin\0\x89PNG\r\n\x1a\n\x00\x00\xff\n")  # with a NUL: NUL-separated
+    with pytest.raises(UsageError, match=r"epoch\.bin: entry 2: not UTF-8 text"):
+        read_prefetch_list(dataset.index, listing)
+
+
+@pytest.fixture(scope="module")
+def spaced(tmp_path_factory):
+    """Names a line cannot hold as the old reader read it: spaces or a tab at an end, a newline, a lone '\r'."""
+    src = tmp_path_factory.mktemp("spaced") / "src"
+    src.mkdir()
+    for name in ("lead", " lead", "trail ", "tab\t", "new\nline", "cr\rname"):
+        (src / name).write_bytes(name.encode() * 10)
+    pack(src, src.parent / "ds", PackOptions(codec="none", workers=1))
+    with open_dataset(src.parent / "ds") as ds:
+        yield ds
+
+
+def test_a_line_is_taken_exactly_and_a_nul_separated_list_names_any_file(spaced, tmp_path):
+    """Each line was stripped: ' lead' prefetched the other file 'lead', 'trail ' was refused as missing, and a
+    name holding a newline or a '\r' could not be written at all. A line now keeps its spaces (only a '\r' before
+    its '\n' goes), and a list holding a NUL is read as NUL-separated paths, as find -print0 writes them."""
+    listing = tmp_path / "epoch.txt"
+    listing.write_bytes(b" lead\r\ntrail \ntab\t\n\nlead\n")
+    assert paths(spaced, read_prefetch_list(spaced.index, listing)) == [" lead", "trail ", "tab\t", "lead"]
+    names = ["new\nline", "cr\rname", " lead", "trail "]
+    listing.write_bytes("".join(f"{name}\0" for name in names).encode())
+    assert paths(spaced, read_prefetch_list(spaced.index, listing)) == names
+    listing.write_bytes(b"lead\0trail\0")
+    with pytest.raises(UsageError) as raised:
+        read_prefetch_list(spaced.index, listing)
+    assert str(raised.value) == f"--prefetch-list: {listing}: entry 2: 'trail' is not in the dataset"
 
 
 def test_the_prefetcher_decodes_the_next_files_into_the_cache(dataset):

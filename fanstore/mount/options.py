@@ -45,7 +45,8 @@ class MountOptions:
              "directory order) stored in at least --prefetch-min-size bytes (default {default}; 0: off)")
     prefetch_list: Path | None = option(
         None, flag="--prefetch-list", metavar="FILE", parse=_path,
-        help="epoch order to prefetch in: one file's path a line, in the dataset or through MOUNTPOINT")
+        help="epoch order to prefetch in: one file's path a line, in the dataset or through MOUNTPOINT, taken "
+             "exactly (spaces too); or split by NUL bytes, as find -print0 writes it, for names holding a newline")
     prefetch_threads: int = option(  # 0: one per core
         0, flag="--prefetch-threads", metavar="K", type=int,
         help="threads decoding ahead (default {default}: one per core)")

@@ -123,23 +123,22 @@ def read_prefetch_list(index: Index, path: Path, mountpoint: Path | None = None)
     `mountpoint`, through the mount (what a training script that reads the mount has at hand), each resolved as the
     API resolves a path (core/path_walk.py: '..', links followed as the kernel follows them). A line that is not
     UTF-8 text, names nothing in the dataset, a directory, or a file as a directory ('file/') is an error naming
-    the file and line: the list names the files read, and a line that reads nothing is a list gone wrong."""
+    the file and line: the list names the files read, and a line that reads nothing is a list gone wrong. A list
+    holding a NUL byte is read as NUL-separated paths (`find -print0`), the way to name a file whose name holds a
+    newline."""
     try:
-        lines = path.read_bytes().splitlines()
+        raw = path.read_bytes()
     except OSError as exc:
         raise UsageError(f"--prefetch-list: cannot read {quoted(path)}: {exc.strerror}") from None
     through_mount = f"{mountpoint}/" if mountpoint is not None else None
-    names: list[tuple[int, str]] = []  # (line number, the path as written)
+    names: list[tuple[str, str]] = []  # (where in the list, the path as written)
     relatives: list[str] = []
-    for number, line in enumerate(lines, start=1):
-        line = line.strip()
-        if not line:
-            continue
+    for where, line in _list_items(path, raw):
         try:
             name = line.decode("utf-8")
         except UnicodeDecodeError:
-            raise UsageError(f"--prefetch-list: {path}:{number}: not UTF-8 text (one dataset path a line)") from None
-        names.append((number, name))
+            raise UsageError(f"--prefetch-list: {where}: not UTF-8 text (one dataset path a line)") from None
+        names.append((where, name))
         relatives.append(name[len(through_mount):] if through_mount and name.startswith(through_mount) else name)
     errors: dict[int, FanstoreError] = {}
     entries = PathWalk(index).resolve_many(relatives, errors)
@@ -147,7 +146,7 @@ def read_prefetch_list(index: Index, path: Path, mountpoint: Path | None = None)
     unusable = sorted([*errors, *directories.tolist()])
     if unusable:
         first = unusable[0]
-        number, name = names[first]
+        where, name = names[first]
         error = errors.get(first)
         if error is None:
             problem = f"{quoted(name)} is a directory; the list names the files to read, in order"
@@ -161,8 +160,20 @@ def read_prefetch_list(index: Index, path: Path, mountpoint: Path | None = None)
         more = len(unusable) - 1
         also = f" ({more:,} more line{'s' if more > 1 else ''} of it name{'' if more > 1 else 's'} no file either)" \
             if more else ""
-        raise UsageError(f"--prefetch-list: {path}:{number}: {problem}{also}")
+        raise UsageError(f"--prefetch-list: {where}: {problem}{also}")
     return entries.tolist()
+
+
+def _list_items(path: Path, raw: bytes) -> list[tuple[str, bytes]]:
+    """The paths a prefetch list's bytes hold, each with where it stands (`FILE:LINE`, or `FILE: entry N`), empty
+    ones left out. A line ends at '\n' (or '\r\n'), and nothing else is taken off it: a name may start or end with
+    a space or a tab, and a stripped line named another file or none. A name that holds a newline or a lone '\r'
+    cannot be a line: such a list is written NUL-separated, and then each entry is taken exactly."""
+    if b"\0" in raw:
+        return [(f"{path}: entry {number}", item) for number, item in enumerate(raw.split(b"\0"), start=1) if item]
+    lines = raw.split(b"\n")
+    return [(f"{path}:{number}", line.removesuffix(b"\r")) for number, line in enumerate(lines, start=1)
+            if line.removesuffix(b"\r")]
 
 
 # See Prefetcher.accessed: (entry, the files after it, this read followed a recent one, most reads do) -> the files

@@ -90,8 +90,8 @@ SERVE_MOUNT = MountOptions(prefetch=SERVE_PREFETCH, prefetch_threads=8)
 # The mount's options as `fanstore serve --help` words them: under serve they fetch from other nodes too.
 SERVE_MOUNT_HELP = {
     "prefetch_list": "the epoch's reading order, one file's path a line (in the dataset or through the rank's "
-                     "MOUNTPOINT): files are fetched and decoded ahead ({rank} is replaced by the rank: each its own "
-                     "order)",
+                     "MOUNTPOINT; or split by NUL bytes, as find -print0 writes it): files are fetched and decoded "
+                     "ahead ({rank} is replaced by the rank: each its own order)",
     "prefetch": "after each file opened, fetch and decode ahead those of the next N files that are stored on another "
                 f"node or in at least {size_option(INLINE_DECODE_BYTES)} (default {{default}}; 0 turns it off)",
     "prefetch_threads": "threads fetching and decoding ahead (default {default})",
