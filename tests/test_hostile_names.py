@@ -4,9 +4,11 @@ through every face that shows or takes one: the pack's warnings, verify, info an
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
 
 from conftest import run_cli
+from fanstore import open_dataset
 from fanstore.core.format import CHUNK_HEADER_LEN, chunk_file_name
 
 # Each would split a line, recolour the terminal, or hide at a line's end if printed bare.
@@ -38,3 +40,33 @@ def test_messages_naming_a_hostile_path_stay_one_readable_line(tmp_path: Path) -
         assert sum(line.startswith(f"BAD {name!r}: checksum mismatch") for line in lines) == 1, (name, lines)
     assert any(line.startswith("BAD plain.txt: checksum mismatch") for line in lines)
     assert not any(char in verify.stdout + packed.stderr + info.stdout for char in "\x1b\r\t")
+
+
+
+def _zip_with_stored_names(path: Path, names: list[bytes]) -> None:
+    """A zip whose members are named by these bytes, without the UTF-8 flag, as Linux's zip writes them: written
+    under stand-in names of the same lengths, which are then replaced in the local and the central headers."""
+    stand_ins = [f"{number}".rjust(len(name), "_").encode() for number, name in enumerate(names)]
+    with zipfile.ZipFile(path, "w") as archive:
+        for number, stand_in in enumerate(stand_ins):
+            archive.writestr(stand_in.decode(), f"member {number}")
+    data = path.read_bytes()
+    for stand_in, name in zip(stand_ins, names):
+        assert data.count(stand_in) == 2  # the local header and the central one
+        data = data.replace(stand_in, name)
+    path.write_bytes(data)
+
+
+def test_zip_names_without_the_utf8_flag_are_read_as_unzip_gives_them(tmp_path: Path) -> None:
+    """Linux's zip stores UTF-8 names without the zip's UTF-8 flag, which zipfile then reads as CP437: café.txt was
+    packed as 'caf├⌐.txt'. And zipfile cuts a name at a NUL: 'nul\\0b.txt' was packed as 'nul'. Names that are UTF-8
+    are now read so, others as CP437 (as the zip spec says), and a NUL is refused by name."""
+    archive = tmp_path / "linux.zip"
+    _zip_with_stored_names(archive, ["caf\u00e9.txt".encode(), "d/\u65e5\u672c.txt".encode(), b"cp437\x82.txt",
+                                     b"nul\0b.txt", b"plain.txt"])
+    packed = run_cli("pack", str(archive), str(tmp_path / "ds"), "--workers", "1", check=True)
+    assert "warning: skipped 'nul\\x00b.txt': contains a NUL byte" in packed.stderr, packed.stderr
+    with open_dataset(tmp_path / "ds") as ds:
+        assert sorted(path for _, _, files in ds.walk() for path in files) == \
+            sorted(["caf\u00e9.txt", "\u65e5\u672c.txt", "cp437\u00e9.txt", "plain.txt"])
+        assert ds.read("caf\u00e9.txt") == b"member 0" and ds.read("cp437\u00e9.txt") == b"member 2"

@@ -197,7 +197,7 @@ class MemberStream:
             mode = _zip_mode(info)
             refusal = _zip_refusal(info)
             if refusal:
-                yield Member(info.header_offset, info.filename, stat.S_IFREG | 0o644, 0, _zip_mtime_ns(info),
+                yield Member(info.header_offset, zip_member_name(info), stat.S_IFREG | 0o644, 0, _zip_mtime_ns(info),
                              refusal=refusal)
                 continue
             if stat.S_ISLNK(mode):
@@ -207,8 +207,23 @@ class MemberStream:
                 except _DAMAGE_ERRORS as exc:
                     self.damage = Damage(self.path, info.header_offset, _reason(exc))
                     return
-            yield Member(info.header_offset, info.filename, mode, info.file_size if stat.S_ISREG(mode) else 0,
+            yield Member(info.header_offset, zip_member_name(info), mode, info.file_size if stat.S_ISREG(mode) else 0,
                          _zip_mtime_ns(info), target)
+
+
+def zip_member_name(info: zipfile.ZipInfo) -> str:
+    """A zip member's name as unzip gives it on Linux. Without the UTF-8 flag zipfile reads a name as CP437, as the
+    zip spec says, but Linux's zip and many other tools store UTF-8 there unflagged: `caf\u00e9.txt` was packed as
+    `caf\u251c\u2310.txt`. Bytes that are UTF-8 are read so; others stay CP437. The name is taken whole, as
+    stored (zipfile's `filename` ends at a NUL: `a\0b` became `a`; a NUL is refused by name later)."""
+    name = info.orig_filename
+    if info.flag_bits & 0x800:
+        return name
+    stored = name.encode("cp437")
+    try:
+        return stored.decode("utf-8")
+    except UnicodeDecodeError:
+        return name
 
 
 _ZIP_METHODS = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflate", zipfile.ZIP_BZIP2: "bzip2",
