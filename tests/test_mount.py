@@ -380,6 +380,30 @@ def test_foreground_logs_to_log_when_given_else_to_stderr(packed, tmp_path):
             assert err == "" and out == "", (out, err)
 
 
+@pytest.mark.parametrize("signal_number", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_as_the_mount_appears_unmounts_it_as_one_a_moment_later(packed, tmp_path, signal_number):
+    """The mount is in mountinfo from its start, before the session loop takes signals: a SIGTERM then was raised
+    inside the loop (a traceback, exit 1; seen in a CI run), or, a moment earlier, left the mount behind. It is noted
+    and acted on once the loop runs: unmounted, exit 0, as a signal a moment later."""
+    _, ds = packed
+    mountpoint, pause = tmp_path / "mnt", tmp_path / "pause"
+    mountpoint.mkdir()
+    pause.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "FANSTORE_PAUSE_AT": "mount: mounted",
+           "FANSTORE_PAUSE_DIR": str(pause)}
+    daemon = subprocess.Popen([sys.executable, "-m", "fanstore", "mount", str(ds), str(mountpoint), "--foreground"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    with _left_unmounted(mountpoint):
+        wait_until(lambda: (pause / "paused").exists() or daemon.poll() is not None, "the mount's pause", timeout=30)
+        assert fuse_mounted_at(mountpoint)
+        daemon.send_signal(signal_number)
+        (pause / "resume").touch()
+        out, err = daemon.communicate(timeout=30)
+        assert daemon.returncode == 0 and "Traceback" not in err, err
+        assert f"signal {int(signal_number)}: unmounting" in err, err
+        assert not fuse_mounted_at(mountpoint)
+
+
 def _cache_attributes(mountpoint: Path) -> None:
     """Make the kernel hold the mount's attributes (for a day): from then on a stat never reaches the daemon."""
     os.stat(mountpoint)

@@ -13,6 +13,10 @@ the event's name) when the event comes, then waits until DIR/resume exists. Even
 
     serve: staged   the rank's share is staged and its transport started; it has not mounted
 
+and a mount (`fanstore mount`, a serve rank's) one:
+
+    mount: mounted  the kernel has the mount (it is in mountinfo); the session loop has not started
+
 Without the variables an event costs one environment lookup (a few per chunk).
 """
 

@@ -31,6 +31,7 @@ from ..core.api import Dataset, open_dataset
 from ..core.cache import DecodedCache
 from ..core.allocator import keep_freed_memory
 from ..core.descriptors import raise_descriptor_limit
+from ..core.pause import pause_point
 from .daemon_tuning import install_fast_session_loop
 from ..core.dest_apart import overlap
 from ..errors import FanstoreError, UsageError, quoted
@@ -225,27 +226,50 @@ def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd
         if options.fast_session_loop:
             install_fast_session_loop()
         claim = MountpointClaim(mountpoint)  # held until unmounted: no other mount comes between check and mount
-        _init_fuse(session.operations, mountpoint, options.allow_other)
-        if on_mount is not None:
-            on_mount()
     except FanstoreError as exc:
         if claim is not None:
             claim.close()
         _report_ready(ready_fd, f"error: {exc}")
         raise
+    early: list[int] = []
+    held = _hold_signals(early)  # from the moment the mount is seen to the session loop's own receiver
     stop = threading.Event()
     try:
-        return _serve_until_unmounted(session.operations, mountpoint, options.read_ahead_kib, stop, ready_fd,
-                                      while_mounted)
+        try:
+            _init_fuse(session.operations, mountpoint, options.allow_other)
+            if on_mount is not None:
+                on_mount()
+            pause_point("mount: mounted")
+        except FanstoreError as exc:
+            claim.close()
+            _report_ready(ready_fd, f"error: {exc}")
+            raise
+        try:
+            return _serve_until_unmounted(session.operations, mountpoint, options.read_ahead_kib, stop, ready_fd,
+                                          while_mounted, early)
+        finally:
+            stop.set()
+            if session.prefetcher is not None:
+                session.prefetcher.close()
+            stats = session.cache.stats()
+            log.info("unmounted %s; cache: %d hits, %d misses, %d waits, %d evictions, %d bytes held", mountpoint,
+                     stats.hits, stats.misses, stats.waits, stats.evictions, stats.bytes_held)
+            _close_fuse(pyfuse3, mountpoint)
+            claim.close()
     finally:
-        stop.set()
-        if session.prefetcher is not None:
-            session.prefetcher.close()
-        stats = session.cache.stats()
-        log.info("unmounted %s; cache: %d hits, %d misses, %d waits, %d evictions, %d bytes held", mountpoint,
-                 stats.hits, stats.misses, stats.waits, stats.evictions, stats.bytes_held)
-        _close_fuse(pyfuse3, mountpoint)
-        claim.close()
+        for number, handler in held.items():
+            signal.signal(number, handler)
+
+
+def _hold_signals(received: list[int]) -> dict[int, object]:
+    """SIGTERM and SIGINT noted in `received`, not raised, until the session loop's receiver takes them (it acts
+    on those noted first): the mount is in mountinfo from its start, and a SIGTERM before the receiver was open
+    raised inside the loop (a traceback, exit 1, where a signal a moment later unmounts and exits 0). Returns the
+    handlers to put back."""
+    def note(signum: int, _frame: object) -> None:
+        received.append(signum)
+
+    return {number: signal.signal(number, note) for number in (signal.SIGTERM, signal.SIGINT)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,10 +330,11 @@ def _init_fuse(operations: FanstoreOperations, mountpoint: Path, allow_other: bo
 
 
 def _serve_until_unmounted(operations: FanstoreOperations, mountpoint: Path, read_ahead_kib: int, stop: threading.Event,
-                           ready_fd: int | None, while_mounted: Callable[[threading.Event], int] | None) -> int:
-    """Answer the kernel's requests until unmounted, signalled, or `while_mounted` returns (its result is
-    returned; else 0); readiness is reported once the session loop runs, the read-ahead set once the kernel has
-    answered INIT."""
+                           ready_fd: int | None, while_mounted: Callable[[threading.Event], int] | None,
+                           early: list[int]) -> int:
+    """Answer the kernel's requests until unmounted, signalled (`early`: signals that came before the loop ran),
+    or `while_mounted` returns (its result is returned; else 0); readiness is reported once the session loop runs
+    and takes signals, the read-ahead set once the kernel has answered INIT."""
     import pyfuse3
     import trio
 
@@ -325,7 +350,7 @@ def _serve_until_unmounted(operations: FanstoreOperations, mountpoint: Path, rea
 
     async def serve() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_unmount_on_signal, stop, while_mounted is None)
+            await nursery.start(_unmount_on_signal, stop, while_mounted is None, early)
             nursery.start_soon(after_init)
             _report_ready(ready_fd, "ok")
             await pyfuse3.main()
@@ -336,17 +361,27 @@ def _serve_until_unmounted(operations: FanstoreOperations, mountpoint: Path, rea
     return outcome[0] if outcome else 0
 
 
-async def _unmount_on_signal(stop: threading.Event, terminate: bool) -> None:
-    """SIGTERM or SIGINT sets `stop`; the mount ends here unless a `while_mounted` ends it once it sees `stop`."""
+async def _unmount_on_signal(stop: threading.Event, terminate: bool, early: list[int],
+                             task_status: object = None) -> None:
+    """SIGTERM or SIGINT (those in `early` first) sets `stop`; the mount ends here unless a `while_mounted` ends it
+    once it sees `stop`. Started (`task_status`) once it takes signals."""
     import pyfuse3
     import trio
 
+    def unmount(signum: int) -> bool:
+        log.info("signal %d: unmounting", signum)
+        stop.set()
+        if terminate:
+            pyfuse3.terminate()
+        return terminate
+
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        task_status.started()  # type: ignore[union-attr]
+        for signum in early:
+            if unmount(signum):
+                return
         async for signum in signals:
-            log.info("signal %d: unmounting", signum)
-            stop.set()
-            if terminate:
-                pyfuse3.terminate()
+            if unmount(signum):
                 return
 
 
