@@ -9,10 +9,10 @@ mount is gone; the kernel drops it when the process ends, however it ends.
 
 from __future__ import annotations
 
-import fcntl
 import os
 from pathlib import Path
 
+from ..core.flocks import lock_now
 from ..errors import FanstoreError
 from .mountinfo import fuse_mounted_at
 
@@ -36,12 +36,12 @@ class MountpointClaim:
         except OSError as exc:  # gone or replaced since it was checked
             raise MountpointUnavailable(f"{mountpoint}: cannot mount here: {exc.strerror}") from None
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            lock_now(self._fd)
         except BlockingIOError:
             self.close()
             raise MountpointUnavailable(f"{mountpoint}: another process is mounting a dataset here (another job "
                                         f"given the same MOUNTPOINT?); give each its own") from None
-        except OSError:  # a file system without flock: mountinfo alone, as before
+        except OSError:  # flock failing otherwise: mountinfo alone, as where there is none
             pass
         if fuse_mounted_at(mountpoint):
             self.close()

@@ -10,18 +10,12 @@ noflock, NFS), packs go on without it, as they did before.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
 from pathlib import Path
 from types import TracebackType
 
+from ..core.flocks import lock_now
 from ..errors import UsageError, quoted
-
-# What flock answers where the file system cannot lock a directory (NFS emulates flock with a write lock, which a
-# directory opened to read cannot take: EBADF).
-_NO_FLOCK = (errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOLCK, errno.EBADF)
-
 
 class DestLock:
     """Held from `take` until `release` (or the end of a `with`); `take` on a DEST that another pack holds raises
@@ -40,15 +34,14 @@ class DestLock:
         except OSError:
             return  # DEST cannot be opened (not a directory, no permission): the pack's own checks say so
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            lock_now(fd)
         except BlockingIOError:
             os.close(fd)
             raise UsageError(f"DEST {quoted(self.dest)} is being written by another fanstore-pack; let it end (or "
                              "stop it) and run this command again") from None
-        except OSError as exc:
-            if exc.errno not in _NO_FLOCK:
-                os.close(fd)
-                raise
+        except OSError:
+            os.close(fd)
+            raise
         self._fd = fd  # kept open without a lock where there is no flock: `take` is not retried
 
     def take_if_there(self) -> None:

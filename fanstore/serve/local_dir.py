@@ -7,8 +7,6 @@ finds it again (the manifest) and no other job undoes it meanwhile (the lock).
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import mmap
 import os
@@ -20,6 +18,7 @@ from typing import Iterable
 import numpy as np
 
 from ..core.durable import write_atomically
+from ..core.flocks import lock_now
 from ..core.format import INDEX_NAME, chunk_file_name
 from ..errors import FanstoreError
 from .blob_spans import Span
@@ -71,7 +70,7 @@ def claim_local_dir(path: Path) -> int | None:
     except OSError as exc:  # another user's directory, say
         raise StagingError(f"--local-dir {path}: cannot use it: {exc.strerror}") from None
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held = lock_now(lock)
     except BlockingIOError:
         holder = os.pread(lock, 256, 0).decode("utf-8", "replace").split()
         os.close(lock)
@@ -82,8 +81,9 @@ def claim_local_dir(path: Path) -> int | None:
         raise StagingError(f"--local-dir {path}: in use by fanstore serve pid {pid} on {host}: is it on a shared "
                            f"file system? Each node needs its own, on node-local storage") from None
     except OSError as exc:
-        if exc.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOLCK):
-            raise StagingError(f"--local-dir {path}: cannot lock {LOCK_NAME}: {exc.strerror}") from None
+        os.close(lock)
+        raise StagingError(f"--local-dir {path}: cannot lock {LOCK_NAME}: {exc.strerror}") from None
+    if not held:
         os.close(lock)
         return None  # a file system without flock (Lustre mounted noflock): node-local storage has it
     os.ftruncate(lock, 0)
