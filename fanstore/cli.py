@@ -327,7 +327,7 @@ def _add_serve_parser(subcommands: Any) -> None:
              (EXIT_INTERRUPTED, "Ctrl-C (SIGINT) before every rank was mounted"),
              (128 + signal.SIGTERM, "SIGTERM before every rank was mounted")],
             "srun --ntasks-per-node=1 fanstore serve /lustre/imagenet.fanstore /tmp/imagenet --local-dir "
-            "$TMPDIR/fs -- python train.py --data /tmp/imagenet/train"))
+            "$TMPDIR/fs -- python main.py -a resnet50 /tmp/imagenet"))
     serve_parser.add_argument("dest", metavar="DEST", help="the packed dataset, on the shared file system")
     serve_parser.add_argument("mountpoint", metavar="MOUNTPOINT", help="an existing empty directory on each node")
     from .serve.options import SERVE_MOUNT, SERVE_MOUNT_HELP, PeerOptions, ServeOptions
