@@ -59,16 +59,16 @@ in the page cache, as the plain directory does; FileDataset decodes every file e
 share changes each epoch, so it meets files its mount has not read yet.
 
 CPU us/file = microseconds of CPU of the training process and its workers, + that of the daemon serving it (the
-mount's; the rank's serve process, which also serves the other rank), from the first batch to the end, per file.
-The training process and its workers are read with getrusage (RUSAGE_SELF, and RUSAGE_CHILDREN once the workers
-have ended and been waited for: microseconds, every thread, as they are its children); the daemon, which is not,
-from its CPU-time clock (machine_load.cpu_ns: nanoseconds, every thread, ended ones too), and by thread (the kernel
-names fanstore gives them, machine_load.thread_cpu_ns), which the serve process's target line splits its figure by.
-/proc/PID/stat's 10 ms ticks, used before, could not tell a few microseconds a file apart. The decode floor, measured before each judged
-pair: the CPU per file of Reader.read (pread, checksum, decode) over every file, in one thread of the bench. The copy
-floor, measured before each pair of local and remote files, beside the serve process's figure: per file, the pread of
-its blob into a buffer and one copy of it (the blob a serve process reads for the other rank's reply, and the one it
-receives), the bytes it must move whatever language moves them.
+mount's; the rank's serve process, which also serves the other rank), from the first batch to the end, per file. The
+training process and its workers are read with getrusage (RUSAGE_SELF, and RUSAGE_CHILDREN once the workers have ended
+and been waited for: microseconds, every thread, as they are its children); the daemon, which is not, from its
+CPU-time clock (machine_load.cpu_ns: nanoseconds, every thread, ended ones too), and by thread (the kernel names
+fanstore gives them, machine_load.thread_cpu_ns), which the serve process's target line splits its figure by.
+/proc/PID/stat's 10 ms ticks, used before, could not tell a few microseconds a file apart. The decode floor, measured
+before each judged pair: the CPU per file of Reader.read (pread, checksum, decode) over every file, in one thread of
+the bench. The copy floor, measured before each pair of local and remote files, beside the serve process's figure: per
+file, the pread of its blob into a buffer and one copy of it (the blob a serve process reads for the other rank's
+reply, and the one it receives), the bytes it must move whatever language moves them.
 
 Placement: 'workers pinned' = DataLoader worker k of the run's training process p (numbered rank by rank, then
 process on the rank) on CPU p x workers + k of those this process may use, modulo their count (worker_init_fn:
@@ -82,10 +82,12 @@ Runs by turns. Each target is judged on pairs run by turns, three (JUDGED_PAIRS)
 each pair's figure sets neighbouring runs side by side, and the target is judged on the median figure, every pair's
 printed beside it (identical runs gave 0.89x and 1.73x one after the other, so one pair decides nothing). The pairs:
 plain and FileDataset+EpochSampler (CPU per file over plain's + the decode floor; data-wait with the 1.5x step), local
-files and remote files (a worker's CPU per remote file over per local file; the serve process's per remote file),
-2 processes and 1 with 4 workers (files/s). Targets are printed last for each placement: PASS or FAIL where this
-machine can judge them; the timing ones (files/s, data-wait) need CPUs of their own for every worker, loop and serve
-process (TIMED_MIN_CPUS, 8; the 2-worker scaling 3) and say 'not judged here' with their figures on fewer.
+files and remote files (a worker's CPU per remote file over per local file; the serve process's per remote file), 2
+processes and 1 with 4 workers (files/s), FileDataset+EpochSampler on DEST and FileDataset(None) under serve (the
+slower rank's files/s over DEST's), FileDataset+EpochSampler with 1 worker and with 2 (files/s, no compute). Targets
+are printed last for each placement: PASS or FAIL where this machine can judge them; the timing ones (files/s,
+data-wait) need CPUs of their own for every worker, loop and serve process (TIMED_MIN_CPUS, 8; the 2-worker scaling 3)
+and say 'not judged here' with their figures on fewer.
 
 Each training run is a fresh interpreter, as a job's is. (Forked from a fork server that had imported torch, runs
 started 2 s sooner, but their workers took twice the page faults per file, 61 against 33 for the plain directory,
@@ -646,6 +648,8 @@ class Judged:
     headroom: list[Pair] = field(default_factory=list)  # the same with a step HEADROOM times as long
     served: list[Pair] = field(default_factory=list)  # FileDataset(None) under serve: local files, remote files
     processes: list[Pair] = field(default_factory=list)  # 2 training processes a rank, 1 with twice the workers
+    rate: list[Pair] = field(default_factory=list)  # FileDataset+EpochSampler on DEST, FileDataset(None) under serve
+    scaling: list[Pair] = field(default_factory=list)  # FileDataset+EpochSampler, 1 worker and 2, no compute
 
 
 def by_turns(setup: Setup, first: Way, second: Way, placement: Placement, compute_ms: float, pairs: int,
@@ -747,6 +751,8 @@ def measure_way(setup: Setup, way: Way, placement: Placement, compute_ms: float,
         return result
     name = "-".join("".join(c for c in part if c.isalnum()) for part in (placement.label, way.label, f"{workers}w",
                                                                           f"{compute_ms:g}ms", f"try{attempt}"))
+    while (setup.workdir / f"{name}-barrier").exists():  # the same way and step again, in another pair by turns
+        name = f"{name}-again"
     out, barrier = setup.workdir / f"{name}-rank{{rank}}.{{process}}.json", setup.workdir / f"{name}-barrier"
     barrier.mkdir()
     options = [setup.prefetch_list.as_posix() if option == LIST else option for option in way.options]
@@ -874,6 +880,19 @@ def processes_rows(judged: list[Judged]) -> list[list[str]]:
     return rows
 
 
+def served_rate_ratio(pair: Pair) -> float:
+    """The slower rank's files/s under serve over one process's on DEST (FileDataset+EpochSampler)."""
+    served = pair.second
+    if served.unavailable:
+        return 0.0
+    return min(served.rank_rate(rank) for rank in range(served.rank_count())) / pair.first.files_per_second(0)
+
+
+def scaling_ratio(pair: Pair) -> float:
+    """Files/s with 2 workers over 1, no compute, epochs 2 and 3."""
+    return pair.second.files_per_second(0, 1) / pair.first.files_per_second(0, 1)
+
+
 def processes_ratio(pair: Pair) -> float:
     """Files/s of the 2-process run over the 1-process run's, epochs 2 and 3, every rank's summed."""
     two, one = pair.first, pair.second
@@ -899,8 +918,7 @@ def disturbed(*runs: Result) -> str:
     return f"  (disturbed: others used {'; '.join(noisy)})" if noisy else ""
 
 
-def target_lines(judged: list[Judged], results: list[Result], scaling: list[tuple[Result, Result]],
-                 quick: bool) -> list[str]:
+def target_lines(judged: list[Judged], quick: bool) -> list[str]:
     """PASS or FAIL for what this run can judge; '----' with the figures for what it cannot: a CPU target under
     --quick (a smoke test) or over runs of fewer than JUDGED_FILES reads, a timing target on a machine with fewer
     CPUs than it needs."""
@@ -929,7 +947,6 @@ def target_lines(judged: list[Judged], results: list[Result], scaling: list[tupl
         return (f" (median of {len(figures)} pairs by turns: {' '.join(format(f, form) for f in figures)})"
                 if len(figures) > 1 else "")
 
-    by_key = {(r.way, r.placement): r for r in results}
     for placement in judged:
         where = placement.placement
         if placement.wait:
@@ -965,14 +982,23 @@ def target_lines(judged: list[Judged], results: list[Result], scaling: list[tupl
                  why + f"{serve_us:.1f} us (it also sent the other rank as many; {pair.first.cpu_us('daemon_cpu'):.1f}"
                  f" us per local file)" + each(figures, ".1f") + f"; copy floor {pair.floor_us:.1f} us; by thread: "
                  + ", ".join(f"{name} {us:.1f}" for name, us in threads if us >= 0.5))
-        served, dest = by_key.get((SERVED, where)), by_key.get((TARGET_WAY, where))
-        if served and dest and not served.unavailable:
+        if placement.rate and not any(pair.second.unavailable for pair in placement.rate):
+            pair, ratio, ratios = median_pair(placement.rate, served_rate_ratio)
+            served, dest = pair.second, pair.first
             rates = [served.rank_rate(rank) for rank in range(served.rank_count())]
-            ratio = min(rates) / dest.files_per_second(0)
             status, why = timed_verdict(ratio >= TARGET_SERVED_RATE, TIMED_MIN_CPUS)
             line(status, f"{SERVED}: files/s per rank >= {TARGET_SERVED_RATE:.0%} of {TARGET_WAY}'s (DEST)", where,
                  why + f"{' and '.join(f'{r:,.0f}' for r in rates)} vs {dest.files_per_second(0):,.0f} files/s: "
-                 f"{ratio:.1%} (the slower rank; one run each)")
+                 f"{ratio:.1%} (the slower rank)" + each([100 * r for r in ratios], ".1f")
+                 + disturbed(pair.first, pair.second))
+        if placement.scaling:
+            pair, ratio, ratios = median_pair(placement.scaling, scaling_ratio)
+            one, two = pair.first, pair.second
+            status, why = timed_verdict(ratio >= TARGET_SCALING, SCALING_MIN_CPUS)
+            line(status, f"{TARGET_WAY} files/s, 2 workers >= {TARGET_SCALING}x 1 worker", where,
+                 why + f"{two.files_per_second(0, 1):,.0f} vs {one.files_per_second(0, 1):,.0f} files/s, no compute: "
+                 f"{ratio:.3f}x (ceiling here {scaling_ceiling(two):.2f}x)" + each(ratios, ".2f")
+                 + disturbed(one, two))
         if placement.processes and not any(r.unavailable for pair in placement.processes
                                            for r in (pair.first, pair.second)):
             pair, ratio, ratios = median_pair(placement.processes, processes_ratio)
@@ -980,13 +1006,6 @@ def target_lines(judged: list[Judged], results: list[Result], scaling: list[tupl
             line(status, f"2 training processes a rank >= {TARGET_PROCESSES:g}x the files/s of 1 with "
                  f"{2 * WORKERS} workers", where, why + f"{ratio:.3f}x, no compute, epochs 2 and 3, both ranks"
                  + each(ratios, ".2f"))
-    for one, two in scaling:
-        if one.way == TARGET_WAY:
-            ratio = two.files_per_second(0, 1) / one.files_per_second(0, 1)
-            status, why = timed_verdict(ratio >= TARGET_SCALING, SCALING_MIN_CPUS)
-            line(status, f"{TARGET_WAY} files/s, 2 workers >= {TARGET_SCALING}x 1 worker", one.placement,
-                 why + f"{two.files_per_second(0, 1):,.0f} vs {one.files_per_second(0, 1):,.0f} files/s, no compute: "
-                 f"{ratio:.3f}x (ceiling here {scaling_ceiling(two):.2f}x)" + disturbed(one, two))
     return lines
 
 
@@ -1080,7 +1099,8 @@ def print_report(setup: Setup, results: list[Result], scaling: list[tuple[Result
           "others as above; loop 2w = the training process's own share of that CPU with 2 workers (receiving their "
           "batches); ceiling = the most 2/1 can be here with CPU-bound workers, min(2, usable CPUs x (1 - loop "
           "share)); faults = minor page faults of the training process and its workers per file (a 128 KiB "
-          f"file is 32 pages); {tries_text(target_tries)} each")
+          f"file is 32 pages); {tries_text(target_tries)} each; {TARGET_WAY}: the pair whose 2/1 is the median of "
+          "the pairs run by turns")
     print_table(["way", "placement", "1 worker files/s", "2 workers", "2/1", "loop 2w", "ceiling", "CPU us/file 1w",
                  "2w", "faults 1w", "2w", "others 1w", "2w"], scaling_rows(scaling), left=2)
     rows = processes_rows(judged)
@@ -1109,7 +1129,7 @@ def print_report(setup: Setup, results: list[Result], scaling: list[tuple[Result
               "Reader.read of each file's entry (pread, checksum, decode) in one thread of the bench, DEST warm")
     print("targets (CPU ones judged on any machine over runs of "
           f">= {JUDGED_FILES:,} file reads; timing ones where the CPUs they need are there)")
-    for line in target_lines(judged, results, scaling, quick):
+    for line in target_lines(judged, quick):
         print(f"  {line}")
 
 
@@ -1207,6 +1227,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             judged_here = Judged(placement.label)
             judged_turns.append(judged_here)
             for label, reader, via in SCALING:
+                if label == TARGET_WAY:  # its 2-worker target is judged on pairs by turns
+                    progress(f"[{placement.label}] pure data rate: {label}, 1 and 2 workers by turns, {pairs} "
+                             "pair(s) ...")
+                    judged_here.scaling = by_turns(setup, Way(label, reader, via, workers=1),
+                                                   Way(label, reader, via, workers=2), placement, 0.0, pairs,
+                                                   target_tries)
+                    pair = median_pair(judged_here.scaling, scaling_ratio)[0]
+                    scaling.append((pair.first, pair.second))
+                    continue
                 progress(f"[{placement.label}] pure data rate: {label}, 1 and 2 workers ...")
                 way = Way(label, reader, via)
                 scaling.append((least_disturbed(setup, way, placement, 0.0, 1, target_tries),
@@ -1225,6 +1254,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for way in ways:
                 if way.label in judged:
                     results.append(judged[way.label])
+                    continue
+                if way.label == SERVED and target_way:  # its files/s target is judged on pairs by turns
+                    progress(f"[{placement.label}] {TARGET_WAY} and {SERVED} by turns, {compute_ms:g} ms compute per "
+                             f"batch, {pairs} pair(s) ...")
+                    judged_here.rate = by_turns(setup, target_way, way, placement, compute_ms, pairs, target_tries)
+                    results.append(median_pair(judged_here.rate, served_rate_ratio)[0].second)
                     continue
                 progress(f"[{placement.label}] {way.label}, {compute_ms:g} ms compute per batch ...")
                 results.append(least_disturbed(setup, way, placement, compute_ms))
