@@ -271,6 +271,82 @@ def test_hostile_zip_names_are_refused(tmp_path):
         assert ds.listdir("") == ["ok.txt"]
 
 
+def _zip_of(archive: Path, members: list[tuple[str, int, bytes]]) -> Path:
+    """A zip of these (name, create_system, data) members, names stored as given: a name ending in '\\' or '/' is a
+    directory (the MS-DOS directory attribute, or a Unix directory mode)."""
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, system, data in members:
+            member = zipfile.ZipInfo(name, time.gmtime(MTIME)[:6])
+            member.create_system = system
+            directory = name.endswith(("/", "\\"))
+            if system == 3:
+                member.external_attr = ((stat.S_IFDIR | 0o755) if directory else (stat.S_IFREG | 0o644)) << 16
+            elif directory:
+                member.external_attr = 0x10  # MS-DOS: a directory
+            zf.writestr(member, data)
+    return archive
+
+
+def test_a_zip_made_on_windows_with_backslash_separators_packs_the_directories_unzip_makes(tmp_path):
+    """Some Windows tools store 'photos\\2023\\a.jpg' where the zip spec asks for '/': unzip reads '\\' as the
+    separator there and makes the directories, fanstore packed one file named 'photos\\2023\\a.jpg' at the top.
+    Now a name from MS-DOS/Windows (create_system 0) with no '/' reads as unzip reads it; a Unix name keeps its
+    '\\', as does an MS-DOS name that already separates with '/'."""
+    archive = _zip_of(tmp_path / "windows.zip", [
+        ("photos\\", 0, b""),
+        ("photos\\2023\\a.jpg", 0, b"jpeg a"),
+        ("photos\\2023\\b.jpg", 0, b"jpeg b"),
+        ("docs\\notes\\readme.txt", 0, b"implied directories"),
+        (".\\top.txt", 0, b"top"),
+        ("unix\\name.txt", 3, b"a Unix name holds a backslash"),
+        ("mixed/part\\name.txt", 0, b"separated by '/' already"),
+    ])
+    extracted = tmp_path / "extracted"
+    unzipped = subprocess.run(["unzip", "-q", str(archive), "-d", str(extracted)], capture_output=True, text=True)
+    assert unzipped.returncode in (0, 1) and "backslashes as path separators" in unzipped.stdout + unzipped.stderr
+    stderr = _pack(archive, tmp_path / "ds")
+    assert stderr == ""
+    with open_dataset(tmp_path / "ds") as ds:
+        assert dataset_digest(ds) == tree_digest(extracted)
+        assert ds.listdir("") == ["docs", "mixed", "photos", "top.txt", "unix\\name.txt"]
+        assert ds.listdir("photos/2023") == ["a.jpg", "b.jpg"]
+        assert ds.read("photos/2023/b.jpg") == b"jpeg b" and ds.read("docs/notes/readme.txt") == b"implied directories"
+        assert ds.read("mixed/part\\name.txt") == b"separated by '/' already"
+        assert stat.S_ISDIR(ds.stat("photos").st_mode) and stat.S_ISDIR(ds.stat("docs/notes").st_mode)
+
+
+def test_backslash_names_that_leave_the_dataset_or_clash_go_through_the_checks_other_names_do(tmp_path):
+    """A Windows name read with '/' for '\\' may become '../x', an absolute path, or a path under a file: each
+    is refused as the same name written with '/' is, with a warning naming it and the archive; a name that becomes
+    another member's takes the later member, as extraction does."""
+    archive = _zip_of(tmp_path / "windows.zip", [
+        ("..\\escape.txt", 0, b"evil"),
+        ("\\abs.txt", 0, b"evil"),
+        ("a\\..\\..\\up.txt", 0, b"evil"),
+        ("plain", 0, b"a file"),
+        ("plain\\under.txt", 0, b"under a file"),
+        ("same/name.txt", 3, b"first"),
+        ("same\\name.txt", 0, b"second"),
+        ("ok.txt", 0, b"ok"),
+    ])
+    proc = run_cli("fanstore-pack", str(archive), str(tmp_path / "ds"), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    for line in ("warning: skipped ../escape.txt: has a '..' component, which could leave the dataset (in "
+                 "windows.zip); skipped",
+                 "warning: skipped /abs.txt: is an absolute path, which would leave the dataset (in windows.zip); "
+                 "skipped",
+                 "warning: skipped a/../../up.txt: has a '..' component, which could leave the dataset (in "
+                 "windows.zip); skipped",
+                 "warning: skipped plain/under.txt: its directory 'plain' is not a directory in the archive (or was "
+                 "skipped); skipped"):
+        assert line in lines, proc.stderr
+    assert len(lines) == 4, proc.stderr
+    with open_dataset(tmp_path / "ds") as ds:
+        assert ds.listdir("") == ["ok.txt", "plain", "same"]
+        assert ds.read("same/name.txt") == b"second" and ds.read("plain") == b"a file"
+
+
 def _content(number: int) -> bytes:
     """A member's bytes: random, so that a compressed archive is as long as the tar (and a cut lands in it)."""
     return np.random.default_rng(number).bytes(3000 + number)

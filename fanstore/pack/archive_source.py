@@ -194,11 +194,11 @@ class MemberStream:
         infos = sorted(self._zip.infolist(), key=_header_offset)
         for info in infos:
             target = ""
-            mode = _zip_mode(info)
+            name = zip_member_name(info)
+            mode = _zip_mode(info, name)
             refusal = _zip_refusal(info)
             if refusal:
-                yield Member(info.header_offset, zip_member_name(info), stat.S_IFREG | 0o644, 0, _zip_mtime_ns(info),
-                             refusal=refusal)
+                yield Member(info.header_offset, name, stat.S_IFREG | 0o644, 0, _zip_mtime_ns(info), refusal=refusal)
                 continue
             if stat.S_ISLNK(mode):
                 try:
@@ -207,7 +207,7 @@ class MemberStream:
                 except _DAMAGE_ERRORS as exc:
                     self.damage = Damage(self.path, info.header_offset, _reason(exc))
                     return
-            yield Member(info.header_offset, zip_member_name(info), mode, info.file_size if stat.S_ISREG(mode) else 0,
+            yield Member(info.header_offset, name, mode, info.file_size if stat.S_ISREG(mode) else 0,
                          _zip_mtime_ns(info), target)
 
 
@@ -215,15 +215,21 @@ def zip_member_name(info: zipfile.ZipInfo) -> str:
     """A zip member's name as unzip gives it on Linux. Without the UTF-8 flag zipfile reads a name as CP437, as the
     zip spec says, but Linux's zip and many other tools store UTF-8 there unflagged: `caf\u00e9.txt` was packed as
     `caf\u251c\u2310.txt`. Bytes that are UTF-8 are read so; others stay CP437. The name is taken whole, as
-    stored (zipfile's `filename` ends at a NUL: `a\0b` became `a`; a NUL is refused by name later)."""
+    stored (zipfile's `filename` ends at a NUL: `a\0b` became `a`; a NUL is refused by name later).
+
+    A name made on MS-DOS/Windows (`create_system` 0) that holds no '/' has each '\\' read as '/', as Info-ZIP
+    unzip reads it ("appears to use backslashes as path separators"): some Windows tools store `dir\\sub\\a.jpg`,
+    which was packed as one file of that name at the top. No name from those systems holds a '\\' of its own. A
+    name from any other system (a Unix name may hold '\\'), or one that separates with '/' already, is kept."""
     name = info.orig_filename
-    if info.flag_bits & 0x800:
-        return name
-    stored = name.encode("cp437")
-    try:
-        return stored.decode("utf-8")
-    except UnicodeDecodeError:
-        return name
+    if not info.flag_bits & 0x800:
+        try:
+            name = name.encode("cp437").decode("utf-8")
+        except UnicodeDecodeError:
+            pass
+    if info.create_system == 0 and "/" not in name:
+        name = name.replace("\\", "/")
+    return name
 
 
 _ZIP_METHODS = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflate", zipfile.ZIP_BZIP2: "bzip2",
@@ -276,12 +282,13 @@ def _tar_member(header: Header) -> Member:
     return Member(header.offset_data, header.name, kind | perms, 0, header.mtime_ns)
 
 
-def _zip_mode(info: zipfile.ZipInfo) -> int:
-    """st_mode from a zip entry: its Unix mode when a Unix tool made it, else 0644 files and 0755 directories."""
+def _zip_mode(info: zipfile.ZipInfo, name: str) -> int:
+    """st_mode from a zip entry: its Unix mode when a Unix tool made it, else 0644 files and 0755 directories, a
+    directory being a `name` (zip_member_name's: 'dir\\' from Windows is 'dir/') that ends in '/', as unzip has it."""
     unix = info.external_attr >> 16
     if info.create_system == 3 and stat.S_IFMT(unix):
         return unix
-    return (stat.S_IFDIR | 0o755) if info.is_dir() else (stat.S_IFREG | 0o644)
+    return (stat.S_IFDIR | 0o755) if name.endswith("/") else (stat.S_IFREG | 0o644)
 
 
 def _zip_mtime_ns(info: zipfile.ZipInfo) -> int:

@@ -4,8 +4,10 @@ then read through a view that ends after the last whole member and carries a cen
 standard zipfile module reads it as any other zip, so listing and reading need nothing else.
 
 What only a central directory holds is lost: the members' Unix modes, so they come back as files and directories
-of the default modes (a symlink as a file that holds its target's name). A member whose sizes only the central
-directory states (a stored member written by a streaming zip) ends the walk, as damage does.
+of the default modes (a symlink as a file that holds its target's name), and the system that made them: the remade
+directory says MS-DOS, so a name with '\\' and no '/' reads with '\\' as its separator (zip_member_name). A member
+whose sizes only the central directory states (a stored member written by a streaming zip) ends the walk, as damage
+does.
 """
 
 from __future__ import annotations
