@@ -151,11 +151,24 @@ def quoted(text: object) -> str:
     return f"{head[:-1]}...{head[-1]} ({len(text):,} {unit})"
 
 
+PATH_ENDS_SHOWN = 60  # characters of each end of a path longer than QUOTE_LIMIT that a message shows
+
+
 def shown_path(path: str) -> str:
     """A path from SRC or the dataset as a message shows it: as it is where it reads so unambiguously (every
     character prints, no space at either end), else quoted as `quoted` quotes it. A name may hold a newline, a
     terminal's escape or a trailing space: shown bare, it split a one-line error in two, recoloured the terminal,
-    or hid. Plain paths stay bare, so `BAD train/a.png: ...` reads as before."""
+    or hid. Plain paths stay bare, so `BAD train/a.png: ...` reads as before.
+
+    Past QUOTE_LIMIT characters a path is cut to its first and last PATH_ENDS_SHOWN, each shown by the same rule,
+    with its length in bytes: an archive member's path of 4,100 bytes (refused past PATH_MAX) made a 4,100-character
+    warning line; its ends say where it was and which file."""
+    if len(path) > QUOTE_LIMIT:
+        head, tail = path[:PATH_ENDS_SHOWN], path[-PATH_ENDS_SHOWN:]
+        length = len(path.encode("utf-8", "surrogatepass"))
+        if path.isprintable() and path.strip() == path:
+            return f"{head}...{tail} ({length:,} bytes)"
+        return f"{head!r}...{tail!r} ({length:,} bytes)"
     if path.isprintable() and path.strip() == path:
         return path
     return quoted(path)

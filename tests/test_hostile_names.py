@@ -3,13 +3,16 @@ through every face that shows or takes one: the pack's warnings, verify, info an
 
 from __future__ import annotations
 
+import io
 import os
+import tarfile
 import zipfile
 from pathlib import Path
 
 from conftest import run_cli
 from fanstore import open_dataset
 from fanstore.core.format import CHUNK_HEADER_LEN, chunk_file_name
+from fanstore.errors import shown_path
 
 # Each would split a line, recolour the terminal, or hide at a line's end if printed bare.
 HOSTILE = ["new\nline.txt", "esc\x1b[31mred.txt", "tab\there.txt", "trail.txt ", "cr\rname.txt"]
@@ -41,6 +44,35 @@ def test_messages_naming_a_hostile_path_stay_one_readable_line(tmp_path: Path) -
     assert any(line.startswith("BAD plain.txt: checksum mismatch") for line in lines)
     assert not any(char in verify.stdout + packed.stderr + info.stdout for char in "\x1b\r\t")
 
+
+def test_a_path_too_long_to_pack_is_named_by_its_ends_in_one_short_line(tmp_path: Path) -> None:
+    """An archive member's path past PATH_MAX is skipped with a warning, which printed the whole path: a line of
+    5,000 characters. The warning and info's list now show its first and last 60 characters and its length in
+    bytes; a path that needs quoting is still quoted."""
+    long_path = "/".join(["y" * 200] * 24) + "/" + "z" * 100 + "/last.jpg"
+    hostile = "new\nline/" + "w" * 4200 + "/last.jpg"
+    archive = tmp_path / "long.tar"
+    with tarfile.open(archive, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name in (long_path, hostile, "ok.txt"):
+            member = tarfile.TarInfo(name)
+            member.size = 5
+            tar.addfile(member, io.BytesIO(b"hello"))
+    packed = run_cli("pack", str(archive), str(tmp_path / "ds"), "--workers", "1", check=True)
+    length = len(long_path.encode())
+    shown = f"{long_path[:60]}...{long_path[-60:]} ({length:,} bytes)"
+    warning = f"warning: skipped {shown}: is {length:,} bytes long: a path holds at most 4,096 (PATH_MAX) (in " \
+        "long.tar); skipped"
+    assert warning in packed.stderr.splitlines(), packed.stderr
+    quoted_ends = f"{hostile[:60]!r}...{hostile[-60:]!r} ({len(hostile.encode()):,} bytes)"
+    assert f"warning: skipped {quoted_ends}: is {len(hostile.encode()):,} bytes long" in packed.stderr, packed.stderr
+    assert max(len(line) for line in packed.stderr.splitlines()) < 300, packed.stderr
+    info = run_cli("info", str(tmp_path / "ds"), check=True)
+    assert any(line.startswith(f"  {shown}: is {length:,} bytes long") for line in info.stdout.splitlines())
+    assert max(len(line) for line in info.stdout.splitlines()) < 300, info.stdout
+    with open_dataset(tmp_path / "ds") as ds:
+        assert list(ds.files()) == ["ok.txt"]
+    assert shown_path("x" * 200) == "x" * 200 and shown_path("x" * 201) == f"{'x' * 60}...{'x' * 60} (201 bytes)"
+    assert shown_path("\u00e9" * 201) == f"{chr(0xe9) * 60}...{chr(0xe9) * 60} (402 bytes)"
 
 
 def _zip_with_stored_names(path: Path, names: list[bytes]) -> None:
