@@ -151,7 +151,8 @@ def quoted(text: object) -> str:
     return f"{head[:-1]}...{head[-1]} ({len(text):,} {unit})"
 
 
-PATH_ENDS_SHOWN = 60  # characters of each end of a path longer than QUOTE_LIMIT that a message shows
+PATH_SHOWN_WHOLE = 1024  # characters of a path a message shows whole: deep real trees stay named in full
+PATH_ENDS_SHOWN = 60  # characters of each end of a longer path that a message shows
 
 
 def shown_path(path: str) -> str:
@@ -160,12 +161,15 @@ def shown_path(path: str) -> str:
     terminal's escape or a trailing space: shown bare, it split a one-line error in two, recoloured the terminal,
     or hid. Plain paths stay bare, so `BAD train/a.png: ...` reads as before.
 
-    Past QUOTE_LIMIT characters a path is cut to its first and last PATH_ENDS_SHOWN, each shown by the same rule,
-    with its length in bytes: an archive member's path of 4,100 bytes (refused past PATH_MAX) made a 4,100-character
-    warning line; its ends say where it was and which file."""
-    if len(path) > QUOTE_LIMIT:
+    Past PATH_SHOWN_WHOLE characters a path is cut to its first and last PATH_ENDS_SHOWN, each shown by the same
+    rule, with its length in bytes: an archive member's path of 4,100 bytes (refused past PATH_MAX) made a
+    4,100-character warning line; its ends say where it was and which file."""
+    if len(path) > PATH_SHOWN_WHOLE:
         head, tail = path[:PATH_ENDS_SHOWN], path[-PATH_ENDS_SHOWN:]
-        length = len(path.encode("utf-8", "surrogatepass"))
+        try:
+            length = len(path.encode("utf-8", "surrogateescape"))  # a name's undecodable bytes count one each
+        except UnicodeEncodeError:
+            length = len(path.encode("utf-8", "surrogatepass"))
         if path.isprintable() and path.strip() == path:
             return f"{head}...{tail} ({length:,} bytes)"
         return f"{head!r}...{tail!r} ({length:,} bytes)"
