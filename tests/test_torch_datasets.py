@@ -1,18 +1,24 @@
 """How a FileDataset is indexed: as a list is (negative items from the end), a list of items as a batch (a batch
-sampler given as sampler=, batch_size=None), and anything else one error naming the dataset and the item."""
+sampler given as sampler=, batch_size=None), and anything else one error naming the dataset and the item; and what
+an item's error says: user code's (a transform, a loader) noted with the item and its path, fanstore's its own."""
 
 from __future__ import annotations
 
+import shutil
+import traceback
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 
+from fanstore import ChunkCorrupt, PackOptions, open_dataset, pack
+from fanstore.core.format import chunk_file_name
 from torch_packed import pack_sixty_files
 
 torch = pytest.importorskip("torch", reason="torch is not installed (scripts/setup installs torch==2.13.0+cpu)")
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler  # noqa: E402
 
-from fanstore.torch import EpochSampler, FileDataset  # noqa: E402
+from fanstore.torch import EpochSampler, FileDataset, ImageFolder  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -48,3 +54,90 @@ def test_a_batch_sampler_given_as_the_sampler_reads_each_batch_decoded_ahead(pac
     got = list(loader)
     batches.sampler.generator.manual_seed(3)
     assert got == [[originals[item] for item in batch] for batch in batches]
+
+
+def _as_raised(exc: BaseException) -> str:
+    """An error as a traceback prints it, its notes included (what a DataLoader worker sends the main process)."""
+    return "".join(traceback.format_exception(exc))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_transform_that_fails_names_the_item_and_its_path_and_keeps_its_error(packed, num_workers):
+    """A transform that raised on one file of a million said nothing of which: its error now carries a note naming
+    the item and its path (in the main process too, where a worker's error is re-raised from its traceback text), and
+    stays the error it was, of its type, unwrapped."""
+    dest, originals = packed
+
+    def transform(data: bytes) -> bytes:
+        if len(data) == len(originals[7]):
+            raise ValueError("cannot decode this one")
+        return data
+
+    dataset = FileDataset(dest, transform=transform)
+    loader = DataLoader(dataset, batch_size=4, collate_fn=list, num_workers=num_workers)
+    with pytest.raises(ValueError) as raised:
+        list(loader)
+    assert f"fanstore.torch: while transforming item 7 ({dataset.paths[7]}) of FileDataset('{dest}')" \
+        in _as_raised(raised.value)
+    if num_workers == 0:
+        assert str(raised.value) == "cannot decode this one" and raised.value.__cause__ is None
+        assert len(raised.value.__notes__) == 1
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    """An ImageFolder tree of two classes whose 'images' are plain bytes, for loaders that read them as such."""
+    base = tmp_path_factory.mktemp("torch_images")
+    for name in ("cat/1.png", "cat/2.png", "dog/1.png", "dog/ugly\nname.png"):
+        (base / "src" / name).parent.mkdir(parents=True, exist_ok=True)
+        (base / "src" / name).write_bytes(name.encode())
+    pack(base / "src", base / "dest", PackOptions(codec="zstd:3", workers=1))
+    return base / "dest"
+
+
+def _fails_on(bad: object, then: Callable[[Any], Any] = lambda value: value) -> Callable[[Any], Any]:
+    def step(value: Any) -> Any:
+        if value == bad:
+            raise KeyError(value)
+        return then(value)
+    return step
+
+
+@pytest.mark.parametrize("stage", ["loader", "transform", "target_transform"])
+def test_an_image_folder_step_that_fails_names_the_item_and_its_path_quoted_where_it_must_be(images, stage):
+    """The loader, transform and target_transform of ImageFolder each run user code on an item: whichever raised, its
+    error names the item and its path (as messages show paths: a name with a newline quoted, on one line)."""
+    bad = {"loader": b"dog/ugly\nname.png", "transform": b"dog/ugly\nname.png", "target_transform": 1}[stage]
+    steps = {stage: _fails_on(bad)}
+    dataset = ImageFolder(images, loader=steps.pop("loader", lambda data: data), **steps)
+    assert dataset.samples[3] == ("dog/ugly\nname.png", 1)
+    with pytest.raises(KeyError) as raised:
+        if stage == "target_transform":
+            [dataset[item] for item in range(len(dataset))]
+        else:
+            dataset[[0, 3]]
+    item = 2 if stage == "target_transform" else 3
+    shown = "dog/1.png" if item == 2 else r"'dog/ugly\nname.png'"
+    assert raised.value.__notes__ == [f"fanstore.torch: while transforming item {item} ({shown}) of "
+                                      f"ImageFolder('{images}')"]
+
+
+def test_a_corrupt_file_is_named_once_by_fanstore_s_own_error(packed, tmp_path):
+    """A corrupt blob's error names its path already: it gets no note of a transform it never reached, in a worker or
+    not."""
+    dest, _ = packed
+    copy = tmp_path / "dest"
+    shutil.copytree(dest, copy)
+    with open_dataset(copy) as dataset:
+        entry = dataset.resolve("d1/f010.bin")
+        chunk, offset = (int(dataset.index.entries[entry][field]) for field in ("chunk", "offset"))
+        chunk_file = copy / chunk_file_name(chunk)
+    damaged = bytearray(chunk_file.read_bytes())
+    damaged[offset + 5] ^= 0xFF
+    chunk_file.write_bytes(bytes(damaged))
+    for num_workers in (0, 2):
+        loader = DataLoader(FileDataset(copy, transform=len), batch_size=4, collate_fn=list, num_workers=num_workers)
+        with pytest.raises(ChunkCorrupt) as raised:
+            list(loader)
+        text = _as_raised(raised.value)
+        assert "d1/f010.bin: checksum mismatch" in text and "fanstore.torch" not in text, text
