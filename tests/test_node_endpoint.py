@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -473,6 +474,47 @@ def test_connections_past_the_limit_are_told_why_and_closed_and_a_place_comes_ba
         assert held[1].ask(HELLO)[0] == OK
         held[0].close()
         wait_until_true(lambda: _hello_as_a_client_asks(Reader(node.path))[0] == OK, "a freed place taken again")
+        assert node.stats()["turned_away"] >= 1
+    finally:
+        node.close()
+        ahead.close()
+
+
+@pytest.mark.parametrize("closed_first", [False, True])
+def test_a_reader_turned_away_when_it_asks_for_the_arena_says_the_node_s_reason(dataset, tmp_path, closed_first):
+    """A reader thread's first request is often ARENA: turned away (past the node's connection limit), it said
+    "Broken pipe" where the node had closed the connection before the request went, or took the refusal for a node
+    without an arena and never asked again. It now reads the node's reason as HELLO does, says it, and asks again on
+    its next connection; a node without an arena is still told apart."""
+    from fanstore.errors import ChunkUnavailable
+    from fanstore.serve.node_client import NodeConnection
+
+    source = HalfRemote(dataset)
+    lookup = BlobLookup(BlobTable.of(dataset.index), len(dataset.index.chunks))
+    ahead = BlobsAhead(source.start_reads, lookup.locate)
+    node = NodeEndpoint(tmp_path, {"rank": 0}, source, lookup, ahead, max_connections=1)
+    try:
+        held = Reader(node.path)
+        assert held.ask(HELLO)[0] == OK
+        reader = NodeConnection(str(node.path))
+        if closed_first:  # the node has answered and closed: the request's send fails (EPIPE)
+            poller = select.poll()
+            poller.register(reader._socket(), select.POLLHUP)
+            assert poller.poll(10_000), "the node did not close the connection it turned away"
+        with pytest.raises(ChunkUnavailable) as refused:
+            reader.arena()
+        assert str(refused.value).startswith(
+            f"{node.path}: the node's serve process refused to lend its arena: this node's serve process takes 1 "
+            f"reader connections at once, and has as many"), refused.value
+        held.close()
+
+        def asked_again() -> bool:
+            try:
+                return reader.arena() is None  # this node has none: READS, as before
+            except ChunkUnavailable:
+                return False
+
+        wait_until_true(asked_again, "the arena asked again once a place is free")
         assert node.stats()["turned_away"] >= 1
     finally:
         node.close()

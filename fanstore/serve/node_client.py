@@ -27,9 +27,9 @@ from ..core.format import FLAG_BLOCKED, INDEX_NAME
 from ..core.index import Index
 from .blob_arena import ArenaView
 from .node_endpoint import ANSWER_DEADLINE, ENVIRONMENT, unix_address
-from .node_protocol import (ARENA, HELLO, MAX_RETURNED, OK, PLAN, PLAN_ROW, READ, READS, READS_MAX_BLOBS,
-                            READS_MAX_BYTES, READS_ROW, READS_SHARED, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC,
-                            SHARED_ROW, TOKEN)
+from .node_protocol import (ARENA, HELLO, MAX_RETURNED, NO_ARENA, OK, PLAN, PLAN_ROW, READ, READS, READS_MAX_BLOBS,
+                            READS_MAX_BYTES, READS_ROW, READS_SHARED, REFUSED, REPLY, REPLY_MAGIC, REQUEST,
+                            REQUEST_MAGIC, SHARED_ROW, TOKEN)
 from .placement import NO_OWNER, ChunkOwners
 from .reader_counts import DEST, LOCAL, ReaderCounts
 from .staged_source import PlacedReads, StagedChunkSource
@@ -169,26 +169,30 @@ class NodeConnection:
             return self._arena
 
     def _ask_arena(self) -> ArenaView | None:
+        """The node's arena, None where it has none; ChunkUnavailable naming the node's reason where it turned this
+        connection away (dropped: the arena is asked again on the next connection)."""
         connection = self._socket()
         try:
-            connection.sendall(REQUEST.pack(REQUEST_MAGIC, ARENA, 0, 0, 0))
-            header, fds, _, _ = socket.recv_fds(connection, REPLY.size, 1)
-            try:
-                if len(header) < REPLY.size:
-                    header += bytes(_receive(connection, REPLY.size - len(header)))
-                magic, status, size = REPLY.unpack(header)
-                if magic != REPLY_MAGIC:
-                    raise ConnectionError("a malformed reply")
-                payload = bytes(_receive(connection, size))
-                if status != OK or not fds:
-                    return None
-                return _map_arena(self.path, fds[0], payload)
-            finally:
-                for fd in fds:
-                    os.close(fd)
+            status, payload, fds = self._exchange(connection, REQUEST.pack(REQUEST_MAGIC, ARENA, 0, 0, 0), 1)
         except OSError as exc:
             self._drop(connection)  # asked again on the next connection
             raise self._unanswered(exc, f"the node's serve process did not answer: {exc}") from None
+        try:
+            if status == OK:
+                return _map_arena(self.path, fds[0], bytes(payload)) if fds else None
+            reason = bytes(payload).decode("utf-8", "replace")
+            if status == REFUSED and reason == NO_ARENA:
+                return None
+            self._drop(connection)  # turned away: the node closed it after its reason
+            raise ChunkUnavailable(self.refusal("to lend its arena", reason))
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def refusal(self, what: str, reason: str) -> str:
+        """The message for a request the serve process refused (`what` it refused, "to describe its dataset"), its
+        reason said: a connection turned away, past the node's limit or out of descriptors, names why."""
+        return f"{self.path}: the node's serve process refused {what}: {reason}"
 
     def close(self) -> None:
         """Close every thread's socket; asking after it is ChunkUnavailable. A socket on which blobs are lent and
@@ -215,18 +219,41 @@ class NodeConnection:
         """`ask`, the payload as a view of the buffer it was received into: blobs are not copied again."""
         connection = self._socket()
         try:
-            try:
-                connection.sendall(REQUEST.pack(REQUEST_MAGIC, kind, chunk, offset, length) + payload)
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # closed on us: a connection turned away has its reason waiting to be read
-            header = _receive(connection, REPLY.size)
-            magic, status, size = REPLY.unpack(header)
-            if magic != REPLY_MAGIC:
-                raise ConnectionError("a malformed reply")
-            return status, _receive(connection, size)
+            status, reply, _ = self._exchange(connection, REQUEST.pack(REQUEST_MAGIC, kind, chunk, offset, length)
+                                              + payload)
+            return status, reply
         except OSError as exc:
             self._drop(connection)
             raise self._unanswered(exc, f"the node's serve process did not answer: {exc}") from None
+
+    @staticmethod
+    def _exchange(connection: socket.socket, request: bytes, descriptors: int = 0) -> \
+            tuple[int, memoryview, list[int]]:
+        """Send a request and read its reply: its status, its payload (a refusal's reason where not OK) and the
+        descriptors it carried (at most `descriptors`; the caller closes them). The one place a reply is read: a
+        connection turned away may be closed before the request goes, and its REFUSED reply waits to be read all
+        the same, so a send that finds it closed is not the error."""
+        try:
+            connection.sendall(request)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # closed on us: a connection turned away has its reason waiting to be read
+        fds: list[int] = []
+        header: bytes | memoryview
+        try:
+            if descriptors:
+                header, fds, _, _ = socket.recv_fds(connection, REPLY.size, descriptors)
+                if len(header) < REPLY.size:
+                    header += bytes(_receive(connection, REPLY.size - len(header)))
+            else:
+                header = _receive(connection, REPLY.size)
+            magic, status, size = REPLY.unpack(header)
+            if magic != REPLY_MAGIC:
+                raise ConnectionError("a malformed reply")
+            return status, _receive(connection, size), fds
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
 
 
 def _map_arena(path: str, fd: int, description: bytes) -> ArenaView | None:
@@ -440,8 +467,7 @@ def open_served_dataset(socket_path: str | None = None) -> Dataset:
     connection = NodeConnection(path)
     status, payload = connection.ask(HELLO)
     if status != OK:
-        raise UsageError(f"{path}: the node's serve process refused to describe its dataset: "
-                         f"{payload.decode('utf-8', 'replace')}")
+        raise UsageError(connection.refusal("to describe its dataset", payload.decode("utf-8", "replace")))
     node = json.loads(payload)
     if isinstance(node.get("answer_within"), (int, float)) and node["answer_within"] > connection.deadline:
         connection.answer_within(float(node["answer_within"]))

@@ -32,9 +32,10 @@ from ..core.thread_names import name_os_thread
 from ..errors import ChunkError
 from .blobs_ahead import BlobsAhead, PlanRefused
 from .blob_arena import BlobArena
-from .node_protocol import (ARENA, COUNTS, HELLO, KIND_NAMES, LENT_MAX_BYTES, MAX_RETURNED, OK, PLAN, PLAN_ROW,
-                            READ, READ_COUNTS, READS, READS_MAX_BLOBS, READS_MAX_BYTES, READS_ROW, READS_SHARED,
-                            REFUSED, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC, SHARED_ROW, TOKEN, BlobLookup, Refused)
+from .node_protocol import (ARENA, COUNTS, HELLO, KIND_NAMES, LENT_MAX_BYTES, MAX_RETURNED, NO_ARENA, OK, PLAN,
+                            PLAN_ROW, READ, READ_COUNTS, READS, READS_MAX_BLOBS, READS_MAX_BYTES, READS_ROW,
+                            READS_SHARED, REFUSED, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC, SHARED_ROW, TOKEN,
+                            BlobLookup, Refused)
 from .statuses import status_of
 
 log = logging.getLogger("fanstore.serve")
@@ -406,7 +407,7 @@ class NodeEndpoint:
     def _answer_arena(self, connection: socket.socket) -> None:
         """The arena's descriptor (SCM_RIGHTS) with the reply's first bytes; REFUSED where this node has none."""
         if self._arena is None:
-            raise Refused("this node has no shared arena: ask READS")
+            raise Refused(NO_ARENA)
         payload = json.dumps({"size": self._arena.size}).encode()
         message = REPLY.pack(REPLY_MAGIC, OK, len(payload)) + payload
         sent = socket.send_fds(connection, [message], [self._arena.reader_fd])
@@ -418,7 +419,7 @@ class NodeEndpoint:
         """A READS whose blobs in the arena are lent, not sent: the reader reads them where they lie, through its
         mapping. The tokens it gives back come first. False when the connection ended in the middle of it."""
         if self._arena is None:
-            raise Refused("this node has no shared arena: ask READS", fatal=True)
+            raise Refused(NO_ARENA, fatal=True)
         if offset:
             raise Refused(f"offset {offset}: READS_SHARED takes 0 there", fatal=True)
         if not 1 <= count <= READS_MAX_BLOBS:

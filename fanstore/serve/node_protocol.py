@@ -46,6 +46,9 @@ FEW_ROWS = 64  # a request of at most this many rows is looked up in Python ints
 # Tokens one READS_SHARED may give back, and what a connection may hold lent at once (more goes through the socket).
 MAX_RETURNED = 4096
 LENT_MAX_BYTES = 4 * READS_MAX_BYTES
+# ARENA's refusal by a node without an arena: an answer (the reader asks READS), where any other refusal of ARENA is
+# the node turning the connection away, and its reason is said.
+NO_ARENA = "this node has no shared arena: ask READS"
 
 
 class Refused(RequestRefused):
