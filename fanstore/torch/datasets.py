@@ -133,8 +133,11 @@ class FileDataset(TorchDataset):
         million files, the error alone did not say which broke the epoch. A note (PEP 678), not a wrapper: the error
         keeps its type for whoever catches it, and a DataLoader worker's traceback text, which the main process
         re-raises, prints it."""
-        reading = self._reading()
-        path = reading.dataset.index.path_of(int(reading.entries[item]))
+        try:
+            reading = self._reading()
+            path = reading.dataset.index.path_of(int(reading.entries[item]))
+        except Exception:  # the user's error is the one to see: no note rather than another error
+            return
         exc.add_note(f"fanstore.torch: while transforming item {item} ({shown_path(path)}) of "
                      f"{type(self).__name__}({quoted(self.source)})")
 
