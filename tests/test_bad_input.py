@@ -161,14 +161,31 @@ def _user_files_under_fanstore_names(dest: Path, elsewhere: Path) -> None:
 
 @pytest.mark.parametrize("case", ["chunks_link", "chunks_dir", "index_text", "chunk_named", "journal"])
 def test_user_files_under_fanstore_names_are_never_deleted(source_tree, tmp_path, case):
+    """A name fanstore never writes is 'not written by fanstore'; a file under one of its names but not in its
+    format may be a pack's damaged file, and is called so (nothing is deleted either way)."""
     dest = tmp_path / case
     dest.mkdir()
     _user_files_under_fanstore_names(dest, tmp_path / "elsewhere")
     before = {p: p.read_bytes() for p in [*dest.rglob("*"), *(tmp_path / "elsewhere").rglob("*")] if p.is_file()}
+    said = "not in their format" if case in ("index_text", "chunk_named", "journal") else "did not write"
     for extra in ([], ["--force"]):
-        assert_one_line_error(run_cli("fanstore-pack", str(source_tree), str(dest), "--quiet", *extra),
-                              "did not write")
+        assert_one_line_error(run_cli("fanstore-pack", str(source_tree), str(dest), "--quiet", *extra), said)
     assert {p: p.read_bytes() for p in before} == before
+
+
+def test_a_damaged_chunk_file_is_not_called_foreign(source_tree, tmp_path):
+    """A pack's own chunk file whose start was overwritten: --force refuses to delete it (fanstore cannot tell it is
+    its own), and says it may be a damaged file of a pack, naming it, rather than that fanstore never wrote it."""
+    dest = tmp_path / "ds"
+    run_cli("fanstore-pack", str(source_tree), str(dest), "--quiet", "--workers", "1", check=True)
+    chunk = sorted((dest / "chunks").iterdir())[0]
+    with open(chunk, "r+b") as file:
+        file.write(b"\0garbage")
+    before = dir_bytes(dest)
+    refused = run_cli("fanstore-pack", str(source_tree), str(dest), "--quiet", "--force")
+    assert_one_line_error(refused, chunk.name, "a damaged file of a pack", "remove or move it yourself")
+    assert "did not write" not in refused.stderr
+    assert dir_bytes(dest) == before
 
 
 def test_src_inside_dest_is_refused_even_with_force(tmp_path):

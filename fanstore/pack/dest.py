@@ -78,7 +78,13 @@ def check_dest(dest: Path, journal: PackJournal, fingerprint: str, listing_diges
     foreign = _foreign_files(dest, present)
     if foreign:
         more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
-        raise UsageError(f"DEST {quoted(dest)} holds {quoted(foreign[0])}{more}, which fanstore did not write; "
+        first, by_content = foreign[0]
+        if by_content:
+            raise UsageError(f"DEST {quoted(dest)} holds {quoted(first)}{more}, named as fanstore's own files are but "
+                             "not in their format (a damaged file of a pack, or another program's); fanstore-pack "
+                             "never deletes what it cannot tell is its own: remove or move it yourself, or choose an "
+                             "empty or new directory")
+        raise UsageError(f"DEST {quoted(dest)} holds {quoted(first)}{more}, which fanstore did not write; "
                          "fanstore-pack never deletes what it did not write: choose an empty or new directory, "
                          "or move those files away")
     fresh = DestPlan(resume=False, remove=tuple(sorted(present)))
@@ -213,13 +219,15 @@ def discard_unrecorded_chunks(dest: Path, finished: int) -> None:
             path.unlink()
 
 
-def _foreign_files(dest: Path, present: set[str]) -> list[Path]:
-    """Everything under DEST that fanstore did not write, by name and by content."""
-    foreign = [dest / name for name in sorted(present - {INDEX_NAME, INDEX_NAME + PARTIAL_SUFFIX, CHUNK_DIR,
-                                                         JOURNAL_DIR})]
+def _foreign_files(dest: Path, present: set[str]) -> list[tuple[Path, bool]]:
+    """Everything under DEST that fanstore did not write, by name and by content, each with whether only its content
+    says so (named as fanstore's, not in its format): the refusal then says it may be a pack's damaged file rather
+    than claim fanstore never wrote it."""
+    foreign = [(dest / name, False) for name in sorted(present - {INDEX_NAME, INDEX_NAME + PARTIAL_SUFFIX, CHUNK_DIR,
+                                                                  JOURNAL_DIR})]
     for name, magic in ((INDEX_NAME, INDEX_MAGIC), (INDEX_NAME + PARTIAL_SUFFIX, INDEX_MAGIC)):
         if name in present and not _written_by_us(dest / name, magic, torn_ok=name.endswith(PARTIAL_SUFFIX)):
-            foreign.append(dest / name)
+            foreign.append((dest / name, os.path.isfile(dest / name) and not os.path.islink(dest / name)))
     if CHUNK_DIR in present:
         foreign += _foreign_in(dest / CHUNK_DIR, _CHUNK_NAME,
                                lambda path: _written_by_us(path, CHUNK_MAGIC, torn_ok=path.name.endswith(".partial")))
@@ -228,12 +236,19 @@ def _foreign_files(dest: Path, present: set[str]) -> list[Path]:
     return foreign
 
 
-def _foreign_in(directory: Path, names: re.Pattern[str], ours: Callable[[Path], bool]) -> list[Path]:
+def _foreign_in(directory: Path, names: re.Pattern[str],
+                ours: Callable[[Path], bool]) -> list[tuple[Path, bool]]:
     """A directory of fanstore's: a real directory (not a symlink to elsewhere) holding only its files."""
     if directory.is_symlink() or not directory.is_dir():
-        return [directory]
-    return [directory / entry.name for entry in sorted(os.scandir(directory), key=lambda e: e.name)
-            if not names.match(entry.name) or not ours(directory / entry.name)]
+        return [(directory, False)]
+    foreign = []
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        path = directory / entry.name
+        if not names.match(entry.name):
+            foreign.append((path, False))
+        elif not ours(path):
+            foreign.append((path, entry.is_file(follow_symlinks=False)))
+    return foreign
 
 
 def _written_by_us(path: Path, magic: bytes, torn_ok: bool) -> bool:
