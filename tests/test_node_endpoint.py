@@ -26,7 +26,8 @@ from fanstore.serve.blobs_ahead import BLOB_OVERHEAD, BlobsAhead
 from fanstore.serve import node_endpoint
 from fanstore.serve.node_endpoint import NodeEndpoint
 from fanstore.serve.node_protocol import (HELLO, OK, PLAN, PLAN_ROW, READ, REFUSED, REPLY, REPLY_MAGIC, REQUEST,
-                                          READS, READS_MAX_BLOBS, READS_ROW, REQUEST_MAGIC, STATS, BlobLookup)
+                                          READS, READS_MAX_BLOBS, READS_ROW, REQUEST_MAGIC, STATS, TURNED_AWAY,
+                                          BlobLookup)
 from fanstore.serve.placement import BlobTable
 
 
@@ -456,7 +457,8 @@ def _hello_as_a_client_asks(reader: Reader) -> tuple[int, bytes]:
 def test_connections_past_the_limit_are_told_why_and_closed_and_a_place_comes_back(dataset, tmp_path):
     """Each connection costs a descriptor and a thread: 1,100 idle ones (each 4 bytes of a request) took every
     descriptor of a 1,024 limit, the rank's own chunk reads failed and then its end. Past the limit a connection is
-    answered REFUSED, naming the limit, and closed; the ones served go on, and a place that frees is taken again."""
+    answered TURNED_AWAY (not REFUSED: its request is not at fault), naming the limit, and closed; the ones served go
+    on, and a place that frees is taken again."""
     source = HalfRemote(dataset)
     lookup = BlobLookup(BlobTable.of(dataset.index), len(dataset.index.chunks))
     ahead = BlobsAhead(source.start_reads, lookup.locate)
@@ -468,7 +470,7 @@ def test_connections_past_the_limit_are_told_why_and_closed_and_a_place_comes_ba
         held[0].socket.sendall(REQUEST_MAGIC)  # half a request: its connection still counts
         extra = Reader(node.path)
         status, reason = _hello_as_a_client_asks(extra)
-        assert status == REFUSED and reason.decode().startswith(
+        assert status == TURNED_AWAY and reason.decode().startswith(
             "this node's serve process takes 4 reader connections at once, and has as many"), reason
         assert extra.closed()
         assert held[1].ask(HELLO)[0] == OK

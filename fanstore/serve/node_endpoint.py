@@ -35,7 +35,7 @@ from .blob_arena import BlobArena
 from .node_protocol import (ARENA, COUNTS, HELLO, KIND_NAMES, LENT_MAX_BYTES, MAX_RETURNED, NO_ARENA, OK, PLAN,
                             PLAN_ROW, READ, READ_COUNTS, READS, READS_MAX_BLOBS, READS_MAX_BYTES, READS_ROW,
                             READS_SHARED, REFUSED, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC, SHARED_ROW, TOKEN,
-                            BlobLookup, Refused)
+                            TURNED_AWAY, BlobLookup, Refused)
 from .statuses import status_of
 
 log = logging.getLogger("fanstore.serve")
@@ -572,11 +572,12 @@ def _spare_descriptor() -> int | None:
 
 
 def _turn_away(connection: socket.socket, reason: str) -> None:
-    """A REFUSED reply naming `reason`, left in the socket for the reader's first request (the connection is closed
-    after it); never blocks the accepting thread."""
+    """A TURNED_AWAY reply naming `reason`, left in the socket for the reader's first request (the connection is
+    closed after it): a reader tells it from a refusal of that request, whichever it was; never blocks the accepting
+    thread."""
     payload = reason.encode()
     try:
-        connection.send(REPLY.pack(REPLY_MAGIC, REFUSED, len(payload)) + payload, socket.MSG_DONTWAIT)
+        connection.send(REPLY.pack(REPLY_MAGIC, TURNED_AWAY, len(payload)) + payload, socket.MSG_DONTWAIT)
     except OSError:
         pass
 

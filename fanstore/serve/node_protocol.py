@@ -5,11 +5,12 @@ a value out of range is refused with a reason that names the field.
 Little-endian. A request: REQUEST (magic FSNQ, kind, chunk, offset, length) and, for PLAN and READS, `length` rows
 of PLAN_ROW (chunk, offset, stored length, int64). A reply: REPLY (magic FSNP, status, payload length) and the
 payload: the blob, the node's description (HELLO, JSON), its readers' counters (STATS, JSON), or a UTF-8 reason
-(status not OK); for READS, one READS_ROW (status, length) per blob asked, then each one's bytes (its blob, or the
-reason it failed) in the order asked. ARENA's reply carries the node's shared memory (blob_arena.py) as a
-descriptor (SCM_RIGHTS) beside its JSON size; READS_SHARED asks as READS does, `chunk` counting the tokens given back
-(u64 each, after the rows), and its reply is the token of the blobs it lends (0: none), one SHARED_ROW (status,
-length, place in the arena or -1) per blob, then the bytes of those not lent (a blob, or a reason), in order.
+(status not OK; TURNED_AWAY: the connection's, closed after it, whatever it asked); for READS, one READS_ROW
+(status, length) per blob asked, then each one's bytes (its blob, or the reason it failed) in the order asked.
+ARENA's reply carries the node's shared memory (blob_arena.py) as a descriptor (SCM_RIGHTS) beside its JSON size;
+READS_SHARED asks as READS does, `chunk` counting the tokens given back (u64 each, after the rows), and its reply is
+the token of the blobs it lends (0: none), one SHARED_ROW (status, length, place in the arena or -1) per blob, then
+the bytes of those not lent (a blob, or a reason), in order.
 COUNTS carries READ_COUNTS after its header (`length` its size) and is answered OK and empty.
 
 Imports nothing of MPI: the node's readers (DataLoader workers) import it too.
@@ -31,6 +32,7 @@ HELLO, READ, PLAN, STATS, READS, ARENA, READS_SHARED, COUNTS = 1, 2, 3, 4, 5, 6,
 KIND_NAMES = {HELLO: "HELLO", READ: "READ", PLAN: "PLAN", STATS: "STATS", READS: "READS", ARENA: "ARENA",
               READS_SHARED: "READS_SHARED", COUNTS: "COUNTS"}
 OK, REFUSED, UNAVAILABLE, CORRUPT = Status.OK, Status.REFUSED, Status.UNAVAILABLE, Status.CORRUPT  # as a peer's
+TURNED_AWAY = Status.TURNED_AWAY  # the connection, not the request: closed after the reason, whatever was asked
 PLAN_ROW = np.dtype([("chunk", "<i8"), ("offset", "<i8"), ("length", "<i8")])
 READS_ROW = np.dtype([("status", "<u4"), ("length", "<u8")])  # of each blob a READS asked for, in its reply
 SHARED_ROW = np.dtype([("status", "<u4"), ("unused", "<u4"), ("length", "<u8"), ("place", "<i8")])  # READS_SHARED's
@@ -46,8 +48,7 @@ FEW_ROWS = 64  # a request of at most this many rows is looked up in Python ints
 # Tokens one READS_SHARED may give back, and what a connection may hold lent at once (more goes through the socket).
 MAX_RETURNED = 4096
 LENT_MAX_BYTES = 4 * READS_MAX_BYTES
-# ARENA's refusal by a node without an arena: an answer (the reader asks READS), where any other refusal of ARENA is
-# the node turning the connection away, and its reason is said.
+# ARENA's refusal by a node without an arena: an answer (the reader asks READS), not a connection turned away.
 NO_ARENA = "this node has no shared arena: ask READS"
 
 

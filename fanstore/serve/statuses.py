@@ -29,6 +29,9 @@ class Status(IntEnum):
     UNAVAILABLE = 2  # the answerer cannot read the blob now
     CORRUPT = 3  # the answerer's copy is not what the index says (a chunk file cut short, a wrong header)
     PARTIAL = 4  # peers only: some blobs of several, a status a blob first (peer_messages.hand_out_reply)
+    # The node endpoint's only: the connection is turned away (past the node's limit, out of descriptors) and closed
+    # after this reply, its reason, whatever it asked; REFUSED is about the request, and the connection goes on.
+    TURNED_AWAY = 5
 
 
 class RequestRefused(FanstoreError, ValueError):
