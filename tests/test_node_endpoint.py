@@ -523,6 +523,79 @@ def test_a_reader_turned_away_when_it_asks_for_the_arena_says_the_node_s_reason(
         ahead.close()
 
 
+def _ask_as_a_reader_does(kind: str, source, blobs: list[tuple[int, int, int]]) -> list:
+    """What a reader's request of `kind` gives, sent the way node_client sends it: a read's blobs or errors, one per
+    blob; another request's (status, payload), or the error it raised."""
+    from fanstore.errors import ChunkUnavailable
+    from fanstore.serve.node_protocol import COUNTS, READ_COUNTS
+
+    connection = source.connection
+    try:
+        if kind == "READ":
+            return [source.read(*blobs[0])]
+        if kind in ("READS", "READS_SHARED"):  # READS_SHARED where the node lends an arena
+            return source.read_many(blobs)
+        if kind == "PLAN":
+            return [connection.ask(PLAN, length=len(blobs), payload=plan_bytes(blobs))]
+        if kind == "COUNTS":
+            return [connection.ask(COUNTS, length=READ_COUNTS.size, payload=READ_COUNTS.pack(1, 2, 3, 4))]
+        return [connection.ask({"HELLO": HELLO, "STATS": STATS}[kind])]
+    except ChunkUnavailable as exc:
+        return [exc]
+
+
+@pytest.mark.parametrize("kind", ["HELLO", "READ", "READS", "READS_SHARED", "PLAN", "COUNTS", "STATS"])
+def test_a_reader_turned_away_on_any_request_says_the_node_s_reason_and_asks_again_on_a_new_connection(
+        dataset, tmp_path, kind):
+    """A connection turned away (past the node's connection limit) is answered with the node's reason and closed,
+    whatever it asked first. A READS or READS_SHARED took that for a bad request and asked each blob again on the
+    closed socket (the reason lost: 'the serve process closed the connection'), and any other request kept the
+    socket until the next one failed on it. Each now says the node's reason, asks nothing more on that connection,
+    and the next request, once the node has room, is answered on a new one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fanstore.errors import ChunkUnavailable
+    from fanstore.serve.blob_arena import BlobArena
+    from fanstore.serve.node_client import NodeConnection, NodeServeSource
+
+    source = HalfRemote(dataset)
+    lookup = BlobLookup(BlobTable.of(dataset.index), len(dataset.index.chunks))
+    ahead = BlobsAhead(source.start_reads, lookup.locate)
+    arena = BlobArena(1 << 20) if kind == "READS_SHARED" else None
+    node = NodeEndpoint(tmp_path, {"rank": 0}, source, lookup, ahead, arena, max_connections=2)
+    other_thread = ThreadPoolExecutor(1)
+    reader = NodeServeSource(NodeConnection(str(node.path)))
+    try:
+        # The reader's process maps the arena (or learns there is none) on another thread's connection, and a
+        # reader of another process holds the node's last place: this thread's connection is turned away.
+        assert (other_thread.submit(reader.connection.arena).result() is not None) == (arena is not None)
+        held = Reader(node.path)
+        assert held.ask(HELLO)[0] == OK
+        blobs = [blob for blob in blobs_of(dataset) if blob[0] % 2 == 1][:3]  # remote: asked of the node
+        reason = "this node's serve process takes 2 reader connections at once, and has as many"
+        answers = _ask_as_a_reader_does(kind, reader, blobs)
+        reads_blobs = kind in ("READS", "READS_SHARED")  # not taken for a bad request, asked again blob by blob
+        assert len(answers) == (len(blobs) if reads_blobs else 1), answers
+        assert all(isinstance(answer, ChunkUnavailable) and reason in str(answer) for answer in answers), answers
+        assert not reads_blobs or all("refused to read blobs: " in str(answer) for answer in answers), answers
+        assert node.stats()["turned_away"] == 1, "a blob was asked again after the node turned its connection away"
+        held.close()
+        wait_until_true(lambda: node._connections < 2, "the held connection's place given back")
+        answers = _ask_as_a_reader_does(kind, reader, blobs)
+        if kind in ("READ", "READS", "READS_SHARED"):
+            assert [bytes(answer) for answer in answers] == [source.read(*blob) for blob in blobs[:len(answers)]]
+        else:
+            assert answers[0][0] == OK, answers
+        assert node.stats()["turned_away"] == 1
+    finally:
+        reader.close()
+        other_thread.shutdown()
+        node.close()
+        ahead.close()
+        if arena is not None:
+            arena.close()
+
+
 def test_a_reply_its_reader_does_not_take_holds_the_node_s_reply_bytes_until_its_connection_times_out(
         dataset, endpoint, monkeypatch):
     """Replies being answered hold at most REPLY_BYTES, all connections together: 30 readers that each asked a 15 kB

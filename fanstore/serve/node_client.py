@@ -27,15 +27,25 @@ from ..core.format import FLAG_BLOCKED, INDEX_NAME
 from ..core.index import Index
 from .blob_arena import ArenaView
 from .node_endpoint import ANSWER_DEADLINE, ENVIRONMENT, unix_address
-from .node_protocol import (ARENA, HELLO, MAX_RETURNED, NO_ARENA, OK, PLAN, PLAN_ROW, READ, READS, READS_MAX_BLOBS,
-                            READS_MAX_BYTES, READS_ROW, READS_SHARED, REFUSED, REPLY, REPLY_MAGIC, REQUEST,
-                            REQUEST_MAGIC, SHARED_ROW, TOKEN)
+from .node_protocol import (ARENA, COUNTS, HELLO, MAX_RETURNED, OK, PLAN, PLAN_ROW, READ, READS, READS_MAX_BLOBS,
+                            READS_MAX_BYTES, READS_ROW, READS_SHARED, REPLY, REPLY_MAGIC, REQUEST, REQUEST_MAGIC,
+                            SHARED_ROW, STATS, TOKEN, TURNED_AWAY)
 from .placement import NO_OWNER, ChunkOwners
 from .reader_counts import DEST, LOCAL, ReaderCounts
 from .staged_source import PlacedReads, StagedChunkSource
 from .statuses import status_error
 
 log = logging.getLogger("fanstore.serve")
+
+# What each request asks of the serve process, for the message of one whose connection it turned away.
+_ASKED = {HELLO: "to describe its dataset", READ: "to read a blob", PLAN: "to take this process's epoch plan",
+          STATS: "to give its counters", READS: "to read blobs", ARENA: "to lend its arena",
+          READS_SHARED: "to read blobs", COUNTS: "to take this reader's counts"}
+
+
+class TurnedAway(ChunkUnavailable):
+    """The serve process turned this thread's connection away (past its connection limit, out of descriptors) and
+    closed it, whatever was asked: the message names its reason; the next request opens a new connection."""
 
 
 class _Link:
@@ -169,22 +179,11 @@ class NodeConnection:
             return self._arena
 
     def _ask_arena(self) -> ArenaView | None:
-        """The node's arena, None where it has none; ChunkUnavailable naming the node's reason where it turned this
-        connection away (dropped: the arena is asked again on the next connection)."""
-        connection = self._socket()
+        """The node's arena, None where it has none (REFUSED: READS, then); ChunkUnavailable where it could not be
+        asked, the connection turned away too (the arena is asked again on the next connection)."""
+        status, payload, fds = self._request(ARENA, descriptors=1)
         try:
-            status, payload, fds = self._exchange(connection, REQUEST.pack(REQUEST_MAGIC, ARENA, 0, 0, 0), 1)
-        except OSError as exc:
-            self._drop(connection)  # asked again on the next connection
-            raise self._unanswered(exc, f"the node's serve process did not answer: {exc}") from None
-        try:
-            if status == OK:
-                return _map_arena(self.path, fds[0], bytes(payload)) if fds else None
-            reason = bytes(payload).decode("utf-8", "replace")
-            if status == REFUSED and reason == NO_ARENA:
-                return None
-            self._drop(connection)  # turned away: the node closed it after its reason
-            raise ChunkUnavailable(self.refusal("to lend its arena", reason))
+            return _map_arena(self.path, fds[0], bytes(payload)) if status == OK and fds else None
         finally:
             for fd in fds:
                 os.close(fd)
@@ -210,28 +209,43 @@ class NodeConnection:
 
     def ask(self, kind: int, chunk: int = 0, offset: int = 0, length: int = 0, payload: bytes = b"") -> \
             tuple[int, bytes]:
-        """The reply's status and payload."""
+        """The reply's status and payload; ChunkUnavailable where there is none (TurnedAway, naming the node's
+        reason, where the node turned this thread's connection away: the next ask opens another)."""
         status, reply = self.ask_view(kind, chunk, offset, length, payload)
         return status, bytes(reply)
 
     def ask_view(self, kind: int, chunk: int = 0, offset: int = 0, length: int = 0, payload: bytes = b"") -> \
             tuple[int, memoryview]:
         """`ask`, the payload as a view of the buffer it was received into: blobs are not copied again."""
+        status, reply, _ = self._request(kind, chunk, offset, length, payload)
+        return status, reply
+
+    def _request(self, kind: int, chunk: int = 0, offset: int = 0, length: int = 0, payload: bytes = b"",
+                 descriptors: int = 0) -> tuple[int, memoryview, list[int]]:
+        """A request on this thread's socket and its reply (`_exchange`'s), whatever its kind: the one place a
+        connection that cannot go on is dropped and said so, the next request opening another. One that failed is
+        ChunkUnavailable; one the node turned away is TurnedAway naming the node's reason, where a refusal of the
+        request itself (REFUSED) is returned and the connection goes on."""
         connection = self._socket()
         try:
-            status, reply, _ = self._exchange(connection, REQUEST.pack(REQUEST_MAGIC, kind, chunk, offset, length)
-                                              + payload)
-            return status, reply
+            status, reply, fds = self._exchange(connection, REQUEST.pack(REQUEST_MAGIC, kind, chunk, offset, length)
+                                                + payload, descriptors)
         except OSError as exc:
             self._drop(connection)
             raise self._unanswered(exc, f"the node's serve process did not answer: {exc}") from None
+        if status != TURNED_AWAY:
+            return status, reply, fds
+        for fd in fds:
+            os.close(fd)
+        self._drop(connection)  # the node closed it after its reason
+        raise TurnedAway(self.refusal(_ASKED[kind], bytes(reply).decode("utf-8", "replace")))
 
     @staticmethod
     def _exchange(connection: socket.socket, request: bytes, descriptors: int = 0) -> \
             tuple[int, memoryview, list[int]]:
         """Send a request and read its reply: its status, its payload (a refusal's reason where not OK) and the
         descriptors it carried (at most `descriptors`; the caller closes them). The one place a reply is read: a
-        connection turned away may be closed before the request goes, and its REFUSED reply waits to be read all
+        connection turned away may be closed before the request goes, and its TURNED_AWAY reply waits to be read all
         the same, so a send that finds it closed is not the error."""
         try:
             connection.sendall(request)
@@ -465,9 +479,12 @@ def open_served_dataset(socket_path: str | None = None) -> Dataset:
                          f"under `fanstore serve ... -- COMMAND` (or set {ENVIRONMENT} to the node's socket, "
                          f"the third line of its ready file)")
     connection = NodeConnection(path)
-    status, payload = connection.ask(HELLO)
+    try:
+        status, payload = connection.ask(HELLO)
+    except TurnedAway as exc:  # the node's limit, or its descriptors: the job's to raise, not a serve process gone
+        raise UsageError(str(exc)) from None
     if status != OK:
-        raise UsageError(connection.refusal("to describe its dataset", payload.decode("utf-8", "replace")))
+        raise UsageError(connection.refusal(_ASKED[HELLO], payload.decode("utf-8", "replace")))
     node = json.loads(payload)
     if isinstance(node.get("answer_within"), (int, float)) and node["answer_within"] > connection.deadline:
         connection.answer_within(float(node["answer_within"]))
