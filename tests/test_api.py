@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from fanstore import ChunkCorrupt, PackOptions, open_dataset, pack
+from fanstore import ChunkCorrupt, PackOptions, UsageError, open_dataset, pack
 from fanstore.core.chunk_source import FallbackChunkSource, LocalChunkSource
 from fanstore.core.format import chunk_file_name
 
@@ -72,3 +72,12 @@ def test_an_open_file_takes_what_a_python_file_takes(source_tree, tmp_path):
         with pytest.raises(TypeError):
             opened.seek(1.5)
         assert opened.tell() == len(original)
+
+
+def test_no_dataset_given_is_one_error_that_says_where_the_served_one_is_read():
+    """open_dataset(None), as FileDataset(None) is written under serve, failed deep in the index loader with
+    'expected str, bytes or os.PathLike object, not NoneType'; it says what to pass, and how a node's dataset is read
+    under serve."""
+    with pytest.raises(UsageError, match=r"^open_dataset: no dataset given: pass a packed dataset directory .*"
+                                         r"fanstore\.torch\.FileDataset\(None\)"):
+        open_dataset(None)

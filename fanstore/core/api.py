@@ -18,7 +18,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from .chunk_source import ChunkSource, LocalChunkSource
-from ..errors import IsADirectory, NotADirectory, NotASymlink, quoted
+from ..errors import IsADirectory, NotADirectory, NotASymlink, UsageError, quoted
 from .index import Index, normalize_path
 from .path_walk import PathWalk
 from .reader import Reader
@@ -261,6 +261,10 @@ class Dataset:
 
 def open_dataset(path: str | os.PathLike[str], source: ChunkSource | None = None) -> Dataset:
     """Open a packed dataset directory; the index is checked (magic, version, checksum) and loaded once."""
+    if path is None:  # FileDataset(None) reads a served node's dataset: a caller may take None to mean it here too
+        raise UsageError("open_dataset: no dataset given: pass a packed dataset directory (under `fanstore serve`, "
+                         "fanstore.torch.FileDataset(None) reads the node's dataset without FUSE, and every rank's "
+                         "MOUNTPOINT shows all of it)")
     index = Index.load(path)
     if source is None:
         source = LocalChunkSource(Path(path), index.chunks["size"])
