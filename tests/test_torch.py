@@ -496,7 +496,7 @@ def test_two_samplers_over_one_dataset_publish_from_two_threads_without_failing_
     for thread in threads:
         thread.join()
     assert failures == []
-    serial, order = first.plan.current()
+    serial, order, _ = first.plan.current()
     assert serial > 0 and sorted(order.tolist()) == list(range(len(dataset)))
 
 

@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (scripts/set
 from torch.utils.data import DataLoader, RandomSampler  # noqa: E402
 
 from fanstore.torch import EpochSampler, FileDataset  # noqa: E402
+from fanstore.torch.plan import EpochPlan  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +60,19 @@ def test_an_order_published_again_mid_epoch_decodes_nothing_the_loader_does_not_
     assert sorted(data for data, _ in got) == sorted(originals)
     counters = got[-1][1]  # decoded ahead, not read: only the two batches queued before the order changed
     assert counters["ahead"] - counters["used"] <= 10 and counters["held_bytes"] == 0, counters
+
+
+def test_a_reader_of_the_plan_sees_each_publications_order_and_bounds_together():
+    """The bounds travel in the same sealed memfd as the order: a worker never pairs one epoch's order with another's
+    batches, and an order published without batches has none."""
+    owner = EpochPlan.create()
+    reader = EpochPlan(owner.path)  # as a worker opens it: /proc/PID/fd/N, one stat per look
+    owner.publish([4, 2, 9, 9, 1], [0, 3, 3, 5])
+    seen = reader.current()
+    assert (seen.serial, seen.order.tolist(), seen.bounds.tolist()) == (1, [4, 2, 9, 9, 1], [0, 3, 3, 5])
+    owner.publish([2**40, 3], [0, 1, 2])  # a number past int32: 8 bytes each, bounds too
+    seen = reader.current()
+    assert (seen.serial, seen.order.tolist(), seen.bounds.tolist()) == (2, [2**40, 3], [0, 1, 2])
+    owner.publish([5, 6])
+    seen = reader.current()
+    assert (seen.serial, seen.order.tolist(), seen.bounds.tolist()) == (3, [5, 6], [])

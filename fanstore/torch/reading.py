@@ -248,7 +248,7 @@ class ProcessReading:
         plan = self._plan()
         if plan is None or self._capacity <= 0 or not len(items):
             return -1
-        serial, order = plan.current()
+        serial, order, _ = plan.current()  # the batches' bounds: not used yet
         if serial != self._plan_serial:
             self._drop_ahead()
             self._plan_serial, self._order = serial, order
