@@ -22,9 +22,9 @@ class EpochSampler(Sampler[Any]):
     reads the same, unprefetched.
 
     A batch sampler (one that yields lists of item numbers, as BatchSampler does) is wrapped the same way and given
-    as DataLoader(batch_sampler=...). A sampler that never ends, or yields more than its len() says, is drawn a
-    piece at a time (len() values or the dataset's length, whichever is more), each published as the loader
-    reaches it.
+    as DataLoader(batch_sampler=...); its batches may differ in size. A sampler that never ends, or yields more than
+    its len() says, is drawn a piece at a time (len() values or the dataset's length, whichever is more), each
+    published as the loader reaches it.
 
     Create it before the DataLoader's workers start (as DataLoader(dataset, sampler=EpochSampler(...)) does)."""
 
@@ -58,7 +58,7 @@ class EpochSampler(Sampler[Any]):
         values = list(itertools.islice(drawn, piece))
         while values:
             order, batches = drawn_order(values)
-            self.plan.publish(order)
+            self.plan.publish(order, None if batches is None else batch_bounds(batches))
             self.dataset.announce(order)
             yield from (batches if batches is not None else order.tolist())
             if len(values) < piece:  # the sampler ended within this piece
@@ -92,6 +92,14 @@ def drawn_order(values: list[Any]) -> tuple[np.ndarray, list[list[int]] | None]:
             batches.append([_item_number(item) for item in value])
         return np.fromiter(itertools.chain.from_iterable(batches), np.int64), batches
     return np.fromiter(map(_item_number, values), np.int64, len(values)), None
+
+
+def batch_bounds(batches: list[list[int]]) -> np.ndarray:
+    """0, then where each batch ends in the order: published with it, so a worker finds its next batches whatever
+    their sizes (bucketed by length, a last short one)."""
+    bounds = np.zeros(len(batches) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, batches), np.int64, len(batches)), out=bounds[1:])
+    return bounds
 
 
 def _is_batch(value: Any) -> bool:
