@@ -12,7 +12,8 @@ from fanstore.serve.peer_messages import (MAX_BLOBS, REPLY_HEADER, REPLY_MAGIC, 
                                           hand_out_reply, partial_reply, reply_room)
 from fanstore.serve.statuses import RequestRefused, Status, status_error, status_of
 
-OK, REFUSED, UNAVAILABLE, CORRUPT, PARTIAL = Status
+OK, REFUSED, UNAVAILABLE, CORRUPT, PARTIAL = (Status.OK, Status.REFUSED, Status.UNAVAILABLE, Status.CORRUPT,
+                                             Status.PARTIAL)
 
 
 class Outcomes:

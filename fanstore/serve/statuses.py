@@ -7,6 +7,8 @@ same statuses, and an asker turns any of them into the same error (docs/SERVE.md
     ChunkUnavailable           UNAVAILABLE       ChunkUnavailable  (read the blob elsewhere: DEST)
     ChunkCorrupt               CORRUPT           ChunkCorrupt      (the answerer's copy is bad; one with another
                                                                     copy behind it, FallbackChunkSource, reads that)
+    (turned away: node only)   TURNED_AWAY       ChunkUnavailable  (node_client.TurnedAway: the reader's connection
+                                                                    is closed; its next request opens another)
 
 Imports nothing of MPI: the node's readers (node_client.py) are not MPI processes.
 """
