@@ -214,6 +214,30 @@ def wait_until(condition, what: str, timeout: float = 60) -> None:
         time.sleep(0.002)
 
 
+def auto_unmount_helpers(mountpoint: Path) -> list[int]:
+    """The fusermount3 processes libfuse left waiting to unmount `mountpoint` once its daemon is gone (the mount
+    option auto_unmount), found by their command line: `fusermount3 -o OPTIONS -- MOUNTPOINT`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
+        except OSError:
+            continue
+        if argv and os.path.basename(argv[0]) == b"fusermount3" and argv[-1] == os.fsencode(mountpoint):
+            found.append(int(pid))
+    return found
+
+
+def kill_auto_unmount_helper(mountpoint: Path) -> None:
+    """SIGKILL the auto-unmount helper of the mount at `mountpoint` (it blocks every other signal), and wait until
+    it is gone: a test that kills the daemon next leaves a stale mount, as a daemon killed with its helper does."""
+    helpers = auto_unmount_helpers(mountpoint)
+    assert helpers, f"no auto-unmount helper serves {mountpoint}"
+    for pid in helpers:
+        os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not auto_unmount_helpers(mountpoint), f"the auto-unmount helper of {mountpoint} gone", 10)
+
+
 def listened_on(path: Path) -> bool:
     """Whether a process listens on the Unix socket `path` (a killed one's closes as its exit ends)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as reader:

@@ -2,9 +2,10 @@
 
 `mount` returns once the file system answers (or stays in the foreground); a background mount is the same
 program re-run with --foreground in its own session, reporting readiness through a pipe. SIGTERM and SIGINT
-unmount cleanly; a mount point left behind by a killed daemon, or held by one that no longer answers, is
-recognised (from mountinfo and a statvfs with a timeout, never a stat the kernel may answer from its cache) and
-the command that clears it is named.
+unmount cleanly, and a daemon killed outright (SIGKILL, the OOM killer) has its mount removed by libfuse's
+auto-unmount helper; a mount point left behind all the same (the helper killed too, a serve rank's mount), or held
+by a daemon that no longer answers, is recognised (from mountinfo and a statvfs with a timeout, never a stat the
+kernel may answer from its cache) and the command that clears it is named.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..core.cache import DecodedCache
 from ..core.allocator import keep_freed_memory
 from ..core.descriptors import raise_descriptor_limit
 from ..core.pause import pause_point
+from .auto_unmount import FuseDeviceReleasedFirst, auto_unmount_option
 from .daemon_tuning import install_fast_session_loop
 from ..core.dest_apart import overlap
 from ..errors import FanstoreError, UsageError, quoted
@@ -192,6 +194,8 @@ def fuse_answer(mountpoint: Path, timeout: float = PROBE_TIMEOUT) -> int | None:
 
 def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, ready_fd: int | None = None) -> int:
     """Serve until unmounted or signalled. `ready_fd` gets one line, `ok` or the error, once the mount answers."""
+    if ready_fd is not None:  # passed down to us, so inheritable: the auto-unmount helper would hold it open
+        os.set_inheritable(ready_fd, False)
     too_few = raise_descriptor_limit()  # before the dataset sizes its pool of open chunk files by it
     if too_few is not None:
         log.warning("%s: %s", mountpoint, too_few)
@@ -202,13 +206,14 @@ def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, rea
         _report_ready(ready_fd, f"error: {exc}")
         raise
     with ds:
-        return serve_dataset(ds, mountpoint, options, ready_fd=ready_fd)
+        return serve_dataset(ds, mountpoint, options, ready_fd=ready_fd, auto_unmount=True)
 
 
 def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd: int | None = None,
                   while_mounted: Callable[[threading.Event], int] | None = None,
                   prefetch_order: list[int] | None = None, bound: CacheBound | None = None,
-                  ahead: FetchedAhead | None = None, on_mount: Callable[[], None] | None = None) -> int:
+                  ahead: FetchedAhead | None = None, on_mount: Callable[[], None] | None = None,
+                  auto_unmount: bool = False) -> int:
     """Mount `ds` at `mountpoint` and serve until unmounted or signalled; the caller closes `ds`.
 
     `while_mounted(stop)`, when given, runs in a thread once the kernel has the mount; the mount ends when it
@@ -217,6 +222,8 @@ def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd
     cache's, when the caller has chosen it already (cache_bound). `ahead`: who fetches files from other nodes ahead
     of their reads (under serve, the node's holder); its `covers` are the files that may be slow to come.
     `on_mount()`: called as soon as the kernel has the mount (a serve rank tells its watchdog which mount is its).
+    `auto_unmount`: the mount is removed when this process ends without unmounting (auto_unmount.py); only the
+    standalone mount asks: a serve rank's watchdog does it by device, and libfuse would fork in an MPI process.
     """
     import pyfuse3
 
@@ -234,9 +241,12 @@ def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd
     early: list[int] = []
     held = _hold_signals(early)  # from the moment the mount is seen to the session loop's own receiver
     stop = threading.Event()
+    device_hold = None
     try:
         try:
-            _init_fuse(session.operations, mountpoint, options.allow_other)
+            _init_fuse(session.operations, mountpoint, options.allow_other, auto_unmount)
+            if auto_unmount:
+                device_hold = FuseDeviceReleasedFirst()
             if on_mount is not None:
                 on_mount()
             pause_point("mount: mounted")
@@ -254,6 +264,8 @@ def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd
             stats = session.cache.stats()
             log.info("unmounted %s; cache: %d hits, %d misses, %d waits, %d evictions, %d bytes held", mountpoint,
                      stats.hits, stats.misses, stats.waits, stats.evictions, stats.bytes_held)
+            if device_hold is not None:
+                device_hold.close()
             _close_fuse(pyfuse3, mountpoint)
             claim.close()
     finally:
@@ -316,13 +328,15 @@ def _open_session(ds: Dataset, mountpoint: Path, options: MountOptions, prefetch
     return _Session(operations, cache, prefetcher)
 
 
-def _init_fuse(operations: FanstoreOperations, mountpoint: Path, allow_other: bool) -> None:
+def _init_fuse(operations: FanstoreOperations, mountpoint: Path, allow_other: bool, auto_unmount: bool) -> None:
     """Hand the kernel the mount (read-only); MountError when it refuses."""
     import pyfuse3
 
     fuse_options = set(pyfuse3.default_options) | {"ro", "fsname=fanstore", "subtype=fanstore"}
     if allow_other:
         fuse_options.add("allow_other")
+    if auto_unmount:
+        fuse_options |= auto_unmount_option(mountpoint)
     try:
         pyfuse3.init(operations, str(mountpoint), fuse_options)
     except RuntimeError as exc:
