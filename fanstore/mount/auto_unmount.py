@@ -49,7 +49,10 @@ class FuseDeviceReleasedFirst:
         numbers = [int(name) for name in os.listdir("/proc/self/fd")]
         device = next((number for number in numbers if _target(number) == "/dev/fuse"), None)
         if device is not None:
-            self._fd = fcntl.fcntl(device, fcntl.F_DUPFD_CLOEXEC, max(numbers) + 1)
+            try:
+                self._fd = fcntl.fcntl(device, fcntl.F_DUPFD_CLOEXEC, max(numbers) + 1)
+            except OSError as exc:  # out of descriptors: the helper may then miss a killed daemon, as before
+                log.info("/dev/fuse not held apart (%s): a killed daemon's mount may stay stale", exc.strerror)
 
     def close(self) -> None:
         """The session closes next: libfuse's descriptor is the last again, as libfuse expects."""
