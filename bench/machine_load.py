@@ -12,6 +12,7 @@ import os
 import platform
 import threading
 import time
+from pathlib import Path
 from types import TracebackType
 
 _TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
@@ -170,7 +171,25 @@ def machine_lines() -> list[str]:
     usable = sorted(os.sched_getaffinity(0))
     return [f"machine: {os.cpu_count()} CPUs ({model}), this process may use {len(usable)}: {usable}; "
             f"{meminfo_bytes('MemTotal') / 2**30:.1f} GiB memory, {meminfo_bytes('MemAvailable') / 2**30:.1f} GiB "
-            f"available at the start; Linux {platform.release()}, Python {platform.python_version()}"]
+            f"available at the start; Linux {platform.release()}, Python {platform.python_version()}",
+            f"cores: {hardware_threads(usable)}"]
+
+
+def hardware_threads(cpus: list[int]) -> str:
+    """Which usable CPUs share a core (hardware threads, SMT), from /sys: two workers pinned to a core's two threads
+    each run slower than on cores of their own, which a scaling figure must be read with."""
+    groups: dict[str, list[int]] = {}
+    for cpu in cpus:
+        try:
+            siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+        except OSError:
+            return "unknown (no /sys CPU topology)"
+        groups.setdefault(siblings, []).append(cpu)
+    shared = [group for group in groups.values() if len(group) > 1]
+    if not shared:
+        return f"each of the {len(cpus)} usable CPUs a core of its own (no hardware threads share one)"
+    return (f"{len(groups)} cores for {len(cpus)} usable CPUs; CPUs sharing a core: "
+            + ", ".join("+".join(map(str, group)) for group in shared))
 
 
 def meminfo_bytes(name: str) -> int:
