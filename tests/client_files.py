@@ -53,6 +53,21 @@ def make_client_tree(src: Path) -> None:
         h5["images"].attrs["source"] = "generated"
 
 
+BLOCK = 64 * 1024  # the block size of the 'blocks' packing: reads start and end inside blocks and across their edges
+
+
+def pack_client_tree(root: Path, layout: str) -> tuple[Path, Path]:
+    """The client tree under root/src, packed to root/ds with every file stored whole (`layout` 'whole') or the large
+    ones in BLOCK-sized blocks ('blocks'): (src, ds)."""
+    from fanstore import PackOptions, pack
+
+    make_client_tree(root / "src")
+    blocks_above = BLOCK if layout == "blocks" else 1 << 30
+    pack(root / "src", root / "ds", PackOptions(codec="zstd:3", chunk_size=256 * 1024, workers=1, block_size=BLOCK,
+                                                blocks_above=blocks_above))
+    return root / "src", root / "ds"
+
+
 def sqlite_contents(path: Path) -> tuple:
     """An integrity check (every page), an aggregate, an index lookup and a range of rows, read-only."""
     db = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)

@@ -11,22 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client_files import ROWS, hdf5_contents, make_client_tree, mapped_array_contents, sqlite_contents, \
+from client_files import BLOCK, ROWS, hdf5_contents, mapped_array_contents, pack_client_tree, sqlite_contents, \
     tar_contents, zip_contents
 from conftest import run_cli
-from fanstore import PackOptions, open_dataset, pack
+from fanstore import open_dataset
 from fanstore.mount.mount import fuse_mounted_at
-
-BLOCK = 64 * 1024
 
 
 @pytest.fixture(scope="module", params=["whole", "blocks"])
 def packed(request, tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp(f"clients-{request.param}")
-    make_client_tree(root / "src")
-    blocks_above = BLOCK if request.param == "blocks" else 1 << 30
-    pack(root / "src", root / "ds", PackOptions(codec="zstd:3", chunk_size=256 * 1024, workers=1, block_size=BLOCK,
-                                                blocks_above=blocks_above))
+    pack_client_tree(root, request.param)
     with open_dataset(root / "ds") as ds:
         blocked = [path for path in ("table.sqlite", "archive.zip", "array.npy", "bundle.tar")
                    if ds.index.block_count(ds.resolve(path))]

@@ -16,32 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from client_files import hdf5_contents, make_client_tree, sqlite_contents, tar_contents, zip_contents
-from fanstore import PackOptions, open_dataset, pack
+from client_files import BLOCK, hdf5_contents, pack_client_tree, sqlite_contents, tar_contents, zip_contents
+from fanstore import open_dataset
 from fanstore.serve.placement import place
-from test_serve import _REASON, RANKS, Job
+from test_serve import _REASON, RANKS, Job, jobs  # noqa: F401  (jobs: the fixture)
 
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"needs FUSE and MPI: {_REASON}")
-BLOCK = 64 * 1024
 PEER_TIMEOUT = 1.0
 
 
 @pytest.fixture(scope="module", params=["whole", "blocks"])
 def packed(request, tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp(f"serve-clients-{request.param}")
-    make_client_tree(root / "src")
-    blocks_above = BLOCK if request.param == "blocks" else 1 << 30
-    pack(root / "src", root / "dest", PackOptions(codec="zstd:3", chunk_size=256 * 1024, workers=1, block_size=BLOCK,
-                                                  blocks_above=blocks_above))
-    return root / "src", root / "dest"
-
-
-@pytest.fixture
-def jobs():
-    started: list[Job] = []
-    yield started
-    for job in started:
-        job.clean_up()
+    return pack_client_tree(tmp_path_factory.mktemp(f"serve-clients-{request.param}"), request.param)
 
 
 def _owners(dest: Path, name: str) -> set[int]:
