@@ -20,13 +20,14 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ..core.durable import write_atomically
 from ..errors import ChunkError, quoted, say_line
 from . import node_endpoint
+from .early_end import EarlyEnd
 from .command_processes import COMMAND_TOKEN, STOP_GRACE, end_command_processes, marker_of
 from .transport import PeerTransport
 
@@ -76,8 +77,9 @@ class Lifecycle:
     in both agreements all the same (`without_mount`), so the job still ends together, each rank with one line."""
 
     def __init__(self, transport: PeerTransport, command: Sequence[str], mountpoint: Path, ready_file: Path,
-                 endpoint: Path, hosts: Sequence[str], token: str) -> None:
-        """`token`: what marks the command's processes (command_processes.py; the rank's watchdog has it too)."""
+                 endpoint: Path, hosts: Sequence[str], token: str, early: EarlyEnd | None = None) -> None:
+        """`token`: what marks the command's processes (command_processes.py; the rank's watchdog has it too).
+        `early`: how the ranks end on a signal before every rank agreed that all mounted (closed once they did)."""
         self.transport = transport
         self.token = token
         self.endpoint = endpoint
@@ -85,8 +87,10 @@ class Lifecycle:
         self.hosts = list(hosts)  # each rank's host name, to name a lost one
         self.mountpoint = mountpoint
         self.ready_file = ready_file
+        self.early = early
         self.started = False  # the agreements have begun on this rank
         self.agreed = False
+        self.interrupted = False  # a signal came before every rank agreed that all mounted: EarlyEnd ends the job
 
     def __call__(self, stop: threading.Event) -> int:
         self.started = True
@@ -106,19 +110,39 @@ class Lifecycle:
         they stop at once and every rank ends MPI properly. The job's status."""
         self.started = True
         stop = threading.Event()
-        self._agree_mounted(False, stop)
+        if self._agree_mounted(False, stop) is None:
+            return 128 + signal.SIGTERM
         return self._agree_status(status, stop)
 
     def _agree_mounted(self, mounted: bool, stop: threading.Event) -> int | None:
-        """The lowest rank that could not mount, or the job's size when every rank did (an Iallreduce); None when
-        a signal came first."""
+        """The lowest rank that could not mount, or the job's size when every rank did (an Iallreduce); None, and
+        `interrupted`, when a signal came first, on every rank alike.
+
+        A rank signalled while it waits cannot leave the Iallreduce alone: posted by every rank, it completes on
+        the others, which would go on without it. It leaves when told that a rank ended before posting (that one
+        never will; `EarlyEnd.told`), or else takes part in a second Iallreduce, of whether any rank was signalled
+        by then, which every rank that got here makes. Without a relay (MPI_THREAD_SERIALIZED) a signal is as good
+        as told."""
         from mpi4py import MPI
 
         mine = np.array([self.transport.size if mounted else self.transport.rank], dtype=np.int32)
         lowest = np.zeros(1, dtype=np.int32)
         everyone = self.transport.collective(lambda comm: (
             comm.Iallreduce([mine, MPI.INT32_T], [lowest, MPI.INT32_T], op=MPI.MIN), lambda: int(lowest[0])))
-        return everyone.result() if _wait(everyone, stop) else None
+        told = self.early.told if self.early is not None and self.early.relaying else stop.is_set
+        if not _wait(everyone, told):
+            self.interrupted = True
+            return None
+        signalled = np.array([stop.is_set()], dtype=np.int8)
+        anyone = np.zeros(1, dtype=np.int8)
+        any_signalled = self.transport.collective(lambda comm: (
+            comm.Iallreduce([signalled, MPI.INT8_T], [anyone, MPI.INT8_T], op=MPI.MAX), lambda: bool(anyone[0])))
+        if _wait(any_signalled, lambda: False) and any_signalled.result():
+            self.interrupted = True
+            return None
+        if self.early is not None:
+            self.early.close()  # from here a signal is this lifecycle's
+        return everyone.result()
 
     def _agree_status(self, status: int, stop: threading.Event) -> int:
         """The worst status of every rank (an Iallreduce). Without it: rank 0's verdict, when some ranks are lost
@@ -236,8 +260,9 @@ class Lifecycle:
         return 0
 
 
-def _wait(future: Any, stop: threading.Event) -> bool:
-    while not stop.is_set():
+def _wait(future: Any, given_up: Callable[[], bool]) -> bool:
+    """Whether `future` completed before `given_up()`."""
+    while not given_up():
         try:
             future.result(timeout=0.2)
             return True

@@ -47,6 +47,7 @@ from .blob_arena import open_arena
 from .blobs_ahead import BlobsAhead, EntriesAhead
 from .command_processes import new_token
 from .doorbell import open_doorbell
+from .early_end import EarlyEnd
 from .job_stats import report_stats
 from .lifecycle import Lifecycle
 from .node_endpoint import SOCKET_NAME, NodeEndpoint, answer_within
@@ -71,6 +72,7 @@ log = logging.getLogger("fanstore.serve")
 # (a hard limit of 32: its watchdog's pipe, a traceback, MPI's shared memory left in /dev/shm) or turned every reader
 # away (48).
 FREE_DESCRIPTORS_TO_START = 32
+INTERRUPTED = "fanstore serve: rank {rank}: interrupted before every rank was mounted; ending the job"
 
 
 class ServeError(FanstoreError):
@@ -305,7 +307,7 @@ class _RankStart:
                    prefetch_order)
 
 
-def _start_together(options: ServeOptions, comm: Any, mpi: Any) -> _RankStart:
+def _start_together(options: ServeOptions, comm: Any, mpi: Any, early: EarlyEnd) -> _RankStart:
     """Every rank's start (_RankStart), agreed: a rank with a problem, or a MOUNTPOINT or --local-dir shared by two
     ranks, or a DEST holding another dataset than rank 0's, stops every rank, each with its line, before any copy."""
     rank, size, host = comm.Get_rank(), comm.Get_size(), socket.gethostname()
@@ -327,7 +329,7 @@ def _start_together(options: ServeOptions, comm: Any, mpi: Any) -> _RankStart:
             problem = f"rank {rank} on {host}: {exc}"
     failed = first_failed_rank(comm, problem is not None)
     if problem is not None or failed is not None:
-        _refuse_together(comm, mpi, problem or f"rank {failed} cannot start (see its message); stopping")
+        _refuse_together(comm, mpi, early, problem or f"rank {failed} cannot start (see its message); stopping")
     assert start is not None
     return start
 
@@ -345,24 +347,23 @@ def run(options: ServeOptions) -> int:
     too_few = raise_descriptor_limit()
     mpi = start_mpi(options.loop_requests)
     comm = mpi.COMM_WORLD.Dup()
+    early = EarlyEnd(mpi, relay=options.loop_requests)
     try:
-        return _serve_rank(options, comm, mpi, too_few)
+        return _serve_rank(options, comm, mpi, early, too_few)
     except KeyboardInterrupt as exc:
-        # Before the ranks agreed to end (the lifecycle's signals end it in order): leaving without MPI_Finalize had
-        # the launcher SIGKILL the ranks still ending, in some runs and not others (`BAD TERMINATION`, exit 9).
-        # MPI_Abort ends them all at once with the status `fanstore serve --help` gives.
-        status = 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
-        say_line(f"fanstore serve: rank {comm.Get_rank()}: interrupted before every rank was mounted; ending the job")
-        comm.Abort(status)
-        raise
+        # Before every rank agreed that all are mounted (the lifecycle's signals end it in order from there): every
+        # rank ends through MPI_Finalize, with the status `fanstore serve --help` gives (early_end.py says why).
+        signum = signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
+        early.end(signum, INTERRUPTED.format(rank=comm.Get_rank()))
+        return 128 + signum
 
 
-def _serve_rank(options: ServeOptions, comm: Any, mpi: Any, too_few: str | None = None) -> int:
+def _serve_rank(options: ServeOptions, comm: Any, mpi: Any, early: EarlyEnd, too_few: str | None = None) -> int:
     """Check, stage this rank's share, then serve it until the job ends; the job's status. `too_few`: why its open
     file limit is short, said once the rank has started (one that cannot start says why it cannot, alone)."""
     rank = comm.Get_rank()
     host = socket.gethostname()
-    start = _start_together(options, comm, mpi)
+    start = _start_together(options, comm, mpi, early)
     if too_few is not None:
         log.warning("rank %d on %s: %s", rank, host, too_few)
     mountpoint, local_dir = start.mountpoint, start.local_dir
@@ -393,24 +394,28 @@ def _serve_rank(options: ServeOptions, comm: Any, mpi: Any, too_few: str | None 
     except StagingError as exc:  # refused before any copy, every rank agreeing (a local dir too small)
         if bar is not None:
             bar(-1, -1)
-        _refuse_together(comm, mpi, str(exc), guard)
+        _refuse_together(comm, mpi, early, str(exc), guard)
     if bar is not None:
         bar(-1, -1)
     with contextlib.ExitStack() as teardown:  # unwound in reverse: the endpoint first, the doorbell last
         status, lifecycle = _serve_staged(options, comm, index, placement, local_dir, mountpoint, ready_file,
                                           mount_options, prefetch_order, report, hosts, memory_sharers, token,
-                                          teardown, guard)
-    if lifecycle.agreed:
-        comm.Free()
-        mpi.Finalize()
-    guard.close(clean=lifecycle.agreed)
+                                          teardown, guard, early)
+    if lifecycle.interrupted:  # mounted, and signalled while the others were mounting: ended as run() ends them
+        early.end(signal.SIGTERM, INTERRUPTED.format(rank=rank))
+    else:
+        early.close()
+        if lifecycle.agreed:
+            comm.Free()
+            mpi.Finalize()
+    guard.close(clean=lifecycle.agreed or lifecycle.interrupted)
     return status
 
 
 def _serve_staged(options: ServeOptions, comm: Any, index: Index, placement: Placement, local_dir: Path,
                   mountpoint: Path, ready_file: Path, mount_options: MountOptions, prefetch_order: list[int] | None,
                   report: StagingReport, hosts: list[str], memory_sharers: list[int], token: str,
-                  teardown: contextlib.ExitStack, guard: RankWatchdog) -> tuple[int, Lifecycle]:
+                  teardown: contextlib.ExitStack, guard: RankWatchdog, early: EarlyEnd) -> tuple[int, Lifecycle]:
     """Once staged: the transport, the node's holder and endpoint, the mount and COMMAND; each part's close is
     pushed on `teardown` as it starts. Returns the job's status and the lifecycle (whether every rank agreed)."""
     rank, size, host = comm.Get_rank(), comm.Get_size(), socket.gethostname()
@@ -441,7 +446,8 @@ def _serve_staged(options: ServeOptions, comm: Any, index: Index, placement: Pla
                                         "answer_within": answer_within(options.peer.timeout,
                                                                        options.peer.max_in_flight)},
                             source, lookup, ahead, arena)
-    lifecycle = Lifecycle(transport, options.command, mountpoint, ready_file, endpoint.path, hosts, token)
+    lifecycle = Lifecycle(transport, options.command, mountpoint, ready_file, endpoint.path, hosts, token,
+                          early)
     # Chosen once staged: a local dir on tmpfs has taken its share of the job's memory by now.
     bound = cache_bound(mount_options.cache_size, shared_by=len(memory_sharers))
 
@@ -471,11 +477,13 @@ def _serve_staged(options: ServeOptions, comm: Any, index: Index, placement: Pla
     return status, lifecycle
 
 
-def _refuse_together(comm: Any, mpi: Any, message: str, guard: RankWatchdog | None = None) -> NoReturn:
+def _refuse_together(comm: Any, mpi: Any, early: EarlyEnd, message: str, guard: RankWatchdog | None = None) \
+        -> NoReturn:
     """End this rank at start, once every rank has agreed that one of them cannot go on (first_failed_rank): each
     finalises MPI and leaves with fanstore's own status and its own line (`message`). A rank that left without
     MPI_Finalize would have the launcher SIGKILL the others, in some runs and not others (`BAD TERMINATION`, exit
     9), and leave MPI's /dev/shm files to a watchdog. A watchdog started (`guard`) is told the end is clean."""
+    early.close()  # its thread calls MPI
     comm.Free()
     mpi.Finalize()
     if guard is not None:
