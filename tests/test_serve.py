@@ -986,6 +986,44 @@ def test_a_signal_before_every_rank_is_mounted_ends_the_job_with_its_status(serv
     wait_until(lambda: not _left_behind(shm_before), "the job's shared memory files removed", 5)
 
 
+def _rank_pid(job: Job, rank: int) -> int:
+    """The pid of the job's rank `rank` (its serving process, found by hydra's PMI_RANK in its environment)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"fanstore\0serve" in cmdline and int(pid) != job.proc.pid and f"PMI_RANK={rank}".encode() in environ:
+            return int(pid)
+    raise AssertionError(f"no process of rank {rank}")
+
+
+@pytest.mark.parametrize("rank", [0, 2], ids=["rank0", "rank2"])
+def test_a_signal_to_one_rank_before_every_rank_is_mounted_ends_every_rank_with_its_status(served_dataset, tmp_path,
+                                                                                           jobs, rank):
+    """SIGTERM to one rank's process, not the launcher, while every rank waits to mount: that rank tells rank 0,
+    which tells the others (rank 0 signalled tells them all), and each ends as if signalled: 143 within seconds,
+    every rank saying it was interrupted, no launcher's banner, nothing left (serve/early_end.py)."""
+    _, dest = served_dataset
+    shm_before = _shm_files()
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    job = Job(tmp_path, dest, command=["true"],
+              env={"FANSTORE_PAUSE_AT": "serve: staged", "FANSTORE_PAUSE_DIR": str(pause)})
+    jobs.append(job)
+    wait_until(lambda: (pause / "paused").exists() or job.proc.poll() is not None, "a rank staged", 60)
+    os.kill(_rank_pid(job, rank), signal.SIGTERM)
+    code, out, err = job.finish(timeout=30)
+    assert code == 128 + signal.SIGTERM and "BAD TERMINATION" not in out, (code, out, err)
+    said = sorted(line for line in err.splitlines() if "interrupted" in line)
+    assert said == [f"fanstore serve: rank {r}: interrupted before every rank was mounted; ending the job"
+                    for r in range(RANKS)], err
+    assert "Traceback" not in err, err
+    _assert_nothing_left(job)
+    wait_until(lambda: not _left_behind(shm_before), "the job's shared memory files removed", 5)
+
+
 def test_a_local_dir_with_room_for_the_chunks_but_not_the_index_copy_is_refused_before_anything_is_copied(
         tmp_path, jobs):
     """Once staged, each rank writes a copy of DEST's index into its directory, where the node's readers load it: the
