@@ -371,8 +371,7 @@ def _run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None)
         return EXIT_FAILURE
     except KeyboardInterrupt as exc:
         resumable = args.run is commands.run_pack
-        print(f"{prog}: interrupted" + ("; run the same command again to resume" if resumable else ""),
-              file=sys.stderr)
+        say_line(f"{prog}: interrupted" + ("; run the same command again to resume" if resumable else ""))
         return 128 + signal.SIGTERM if isinstance(exc, Terminated) and args.run is commands.run_serve \
             else EXIT_INTERRUPTED
     except BrokenPipeError as exc:
