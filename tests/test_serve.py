@@ -964,20 +964,26 @@ def test_a_mountpoint_another_process_is_mounting_is_refused_not_mounted_over(se
     _assert_nothing_left(job)
 
 
-@pytest.mark.parametrize("signal_number", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_before_every_rank_is_mounted_ends_the_job_with_its_status(served_dataset, tmp_path, jobs,
-                                                                           signal_number):
-    """`fanstore serve --help`: 143 for SIGTERM, 130 for Ctrl-C, before every rank was mounted. SIGTERM gave 130, and
-    in about half the runs the launcher's BAD TERMINATION and 9: the first rank to leave (without MPI_Finalize) had
-    the launcher SIGKILL the others. The ranks say they were interrupted, and nothing is left."""
-    _, dest = served_dataset
-    shm_before = _shm_files()
+def _job_paused_once_staged(dest: Path, tmp_path: Path, jobs: list[Job]) -> Job:
+    """A job of `true` whose ranks wait after staging, before any mounts (pause point "serve: staged"), once one
+    has got there: the moment a signal comes before every rank is mounted."""
     pause = tmp_path / "pause"
     pause.mkdir()
     job = Job(tmp_path, dest, command=["true"],
               env={"FANSTORE_PAUSE_AT": "serve: staged", "FANSTORE_PAUSE_DIR": str(pause)})
     jobs.append(job)
     wait_until(lambda: (pause / "paused").exists() or job.proc.poll() is not None, "a rank staged", 60)
+    return job
+
+
+@pytest.mark.parametrize("signal_number", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_before_every_rank_is_mounted_ends_the_job_with_its_status(served_dataset, tmp_path, jobs,
+                                                                           signal_number):
+    """`fanstore serve --help`: 143 for SIGTERM, 130 for Ctrl-C, before every rank was mounted. SIGTERM gave 130, and
+    in about half the runs the launcher's BAD TERMINATION and 9: the first rank to leave (without MPI_Finalize) had
+    the launcher SIGKILL the others. The ranks say they were interrupted, and nothing is left."""
+    shm_before = _shm_files()
+    job = _job_paused_once_staged(served_dataset[1], tmp_path, jobs)
     os.kill(job.proc.pid, signal_number)  # mpiexec, which passes it on to the ranks
     code, out, err = job.finish(timeout=60)
     assert code == 128 + signal_number and "BAD TERMINATION" not in out, (code, out, err)
@@ -1005,14 +1011,8 @@ def test_a_signal_to_one_rank_before_every_rank_is_mounted_ends_every_rank_with_
     """SIGTERM to one rank's process, not the launcher, while every rank waits to mount: that rank tells rank 0,
     which tells the others (rank 0 signalled tells them all), and each ends as if signalled: 143 within seconds,
     every rank saying it was interrupted, no launcher's banner, nothing left (serve/early_end.py)."""
-    _, dest = served_dataset
     shm_before = _shm_files()
-    pause = tmp_path / "pause"
-    pause.mkdir()
-    job = Job(tmp_path, dest, command=["true"],
-              env={"FANSTORE_PAUSE_AT": "serve: staged", "FANSTORE_PAUSE_DIR": str(pause)})
-    jobs.append(job)
-    wait_until(lambda: (pause / "paused").exists() or job.proc.poll() is not None, "a rank staged", 60)
+    job = _job_paused_once_staged(served_dataset[1], tmp_path, jobs)
     os.kill(_rank_pid(job, rank), signal.SIGTERM)
     code, out, err = job.finish(timeout=30)
     assert code == 128 + signal.SIGTERM and "BAD TERMINATION" not in out, (code, out, err)
