@@ -964,12 +964,12 @@ def test_a_mountpoint_another_process_is_mounting_is_refused_not_mounted_over(se
     _assert_nothing_left(job)
 
 
-def _job_paused_once_staged(dest: Path, tmp_path: Path, jobs: list[Job]) -> Job:
+def _job_paused_once_staged(dest: Path, tmp_path: Path, jobs: list[Job], *options: str) -> Job:
     """A job of `true` whose ranks wait after staging, before any mounts (pause point "serve: staged"), once one
     has got there: the moment a signal comes before every rank is mounted."""
     pause = tmp_path / "pause"
     pause.mkdir()
-    job = Job(tmp_path, dest, command=["true"],
+    job = Job(tmp_path, dest, *options, command=["true"],
               env={"FANSTORE_PAUSE_AT": "serve: staged", "FANSTORE_PAUSE_DIR": str(pause)})
     jobs.append(job)
     wait_until(lambda: (pause / "paused").exists() or job.proc.poll() is not None, "a rank staged", 60)
@@ -1022,6 +1022,23 @@ def test_a_signal_to_one_rank_before_every_rank_is_mounted_ends_every_rank_with_
     assert "Traceback" not in err, err
     _assert_nothing_left(job)
     wait_until(lambda: not _left_behind(shm_before), "the job's shared memory files removed", 5)
+
+
+def test_without_a_relay_a_signal_to_one_rank_ends_the_job_by_abort_after_the_grace(served_dataset, tmp_path, jobs):
+    """--mpi-thread-only (MPI_THREAD_SERIALIZED) has no relay thread: a rank signalled alone cannot tell the others,
+    so once ENDING_GRACE has passed without them it aborts the job through COMM_WORLD, whose status the launcher
+    exits with; the job ends, and nothing is left."""
+    from fanstore.serve.early_end import ENDING_GRACE
+
+    job = _job_paused_once_staged(served_dataset[1], tmp_path, jobs, "--mpi-thread-only")
+    os.kill(_rank_pid(job, 2), signal.SIGTERM)
+    started = time.monotonic()
+    code, out, err = job.finish(timeout=ENDING_GRACE + 30)
+    assert code == 128 + signal.SIGTERM, (code, out, err)
+    assert time.monotonic() - started >= ENDING_GRACE - 1, (code, out, err)
+    assert f"fanstore serve: rank 2: not every rank ended within {ENDING_GRACE:g} s of the signal; aborting the job" \
+        in err and "Traceback" not in err, err
+    _assert_nothing_left(job)
 
 
 def test_a_local_dir_with_room_for_the_chunks_but_not_the_index_copy_is_refused_before_anything_is_copied(
