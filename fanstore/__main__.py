@@ -1,5 +1,45 @@
+"""Where every fanstore process starts: `python -m fanstore` and the console scripts (`fanstore`, `fanstore-pack`).
+
+The command line imports numpy, the codecs and the commands, a quarter of a second and more on a busy node; a
+Ctrl-C then would be a KeyboardInterrupt out of an import, a traceback. Here, where nothing is imported yet but the
+errors (see `fanstore/__init__.py`), that import and the parsing of the command line are guarded: an interrupt
+during them ends as every other does, in one line and status 130."""
+
+from __future__ import annotations
+
+import signal
 import sys
+from typing import Sequence
 
-from .cli import main
+from .errors import EXIT_INTERRUPTED, say_line
 
-sys.exit(main())
+
+def _started(prog: str, entry: str, argv: Sequence[str] | None) -> int:
+    """Run the command line's `entry`; an interrupt it does not answer itself (in its imports, or while it parses
+    the command line) ends in one line."""
+    try:
+        # SIGINT waits while the command line imports: broken off, a C extension's import (numpy's, datetime's)
+        # fails as an ImportError, not an interrupt. Let through after, it is a KeyboardInterrupt here.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            from . import cli
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        return int(getattr(cli, entry)(argv))
+    except KeyboardInterrupt:
+        say_line(f"{prog}: interrupted")
+        return EXIT_INTERRUPTED
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`fanstore`."""
+    return _started("fanstore", "main", argv)
+
+
+def pack_main(argv: Sequence[str] | None = None) -> int:
+    """`fanstore-pack`."""
+    return _started("fanstore-pack", "pack_main", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,8 +15,8 @@ from typing import Any, Sequence
 
 from . import commands
 from .core.options import add_option
-from .commands import EXIT_DOES_NOT_FIT, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE
-from .errors import DoesNotFit, FanstoreError, Terminated, say_line
+from .errors import EXIT_DOES_NOT_FIT, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, DoesNotFit, FanstoreError, \
+    Terminated, say_line
 
 EPILOG_WIDTH = 78  # columns of the exit statuses, as argparse wraps the rest of --help for an 80-column terminal
 _ERROR = (EXIT_FAILURE, "an error, said in one line on stderr")

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .errors import UsageError, quoted
+from .errors import EXIT_DOES_NOT_FIT, EXIT_FAILURE, UsageError, quoted
 from .core.units import format_bytes, parse_size, plural
 
 if TYPE_CHECKING:
@@ -23,10 +23,6 @@ if TYPE_CHECKING:
     from .pack.walk import Problem
     from .serve.placement import Placement
 
-EXIT_FAILURE = 1
-EXIT_USAGE = 2  # argparse's, for a command line it cannot parse
-EXIT_DOES_NOT_FIT = 3  # `fanstore plan` and --fit: distinct from an error, so a batch script can try more nodes
-EXIT_INTERRUPTED = 130
 _WARNINGS_SHOWN = 20
 
 

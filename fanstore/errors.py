@@ -12,6 +12,13 @@ import os
 import sys
 from typing import TextIO
 
+# The command line's exit statuses besides 0 (and 128 + a signal's number, for serve's ranks).
+EXIT_FAILURE = 1
+EXIT_USAGE = 2  # argparse's, for a command line it cannot parse
+EXIT_DOES_NOT_FIT = 3  # `fanstore plan` and --fit: distinct from an error, so a batch script can try more nodes
+EXIT_INTERRUPTED = 130
+
+
 # The errors a caller may catch, importable from `fanstore` too (the helpers below are fanstore's own).
 __all__ = [
     "ChunkCorrupt",

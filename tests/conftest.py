@@ -118,7 +118,7 @@ def flip_byte(path: Path, offset: int) -> None:
 def run_cli(*args: str, check: bool = False, **kwargs) -> subprocess.CompletedProcess:
     """Runs `python -m fanstore ARGS` (or `fanstore-pack` with args[0] == 'fanstore-pack') for real."""
     if args and args[0] == "fanstore-pack":
-        cmd = [sys.executable, "-c", "import sys; from fanstore.cli import pack_main; sys.exit(pack_main())", *args[1:]]
+        cmd = [sys.executable, "-c", "import sys; from fanstore.__main__ import pack_main; sys.exit(pack_main())", *args[1:]]
     else:
         cmd = [sys.executable, "-m", "fanstore", *args]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -148,7 +148,7 @@ class PausedPack:
         self.dir.mkdir(parents=True, exist_ok=True)
         for name in ("paused", "resume"):
             (self.dir / name).unlink(missing_ok=True)
-        code = "import sys; from fanstore.cli import pack_main; sys.exit(pack_main())"
+        code = "import sys; from fanstore.__main__ import pack_main; sys.exit(pack_main())"
         env = {**os.environ, "PYTHONPATH": str(REPO), "FANSTORE_PAUSE_AT": event, "FANSTORE_PAUSE_DIR": str(self.dir)}
         self.proc = subprocess.Popen([sys.executable, "-c", code, str(src), str(dest), *args], env=env, cwd=REPO,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

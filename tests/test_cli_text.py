@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import signal
+import subprocess
+import sys
+import time
 import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_one_line_error, run_cli
+from conftest import REPO, assert_one_line_error, make_tree, run_cli
 from fanstore import open_dataset
 from fanstore.mount.fuse_ops import INLINE_DECODE_BYTES
 from fanstore.core.info import SKIPPED_SHOWN
@@ -132,7 +137,7 @@ def test_every_help_has_a_description_its_exit_statuses_and_an_example(command: 
 
 def test_exit_statuses_in_help_are_the_codes_the_cli_returns() -> None:
     """The statuses a help names beyond 0, 1 and 2 are the CLI's own constants."""
-    from fanstore.cli import EXIT_DOES_NOT_FIT, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE
+    from fanstore.errors import EXIT_DOES_NOT_FIT, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE
 
     assert (EXIT_FAILURE, EXIT_USAGE, EXIT_DOES_NOT_FIT, EXIT_INTERRUPTED) == (1, 2, 3, 130)
     for command in ("plan", "select", "pack"):
@@ -239,3 +244,58 @@ def test_every_option_field_is_in_help_with_its_default() -> None:
     every = {(cls.__name__, field.name) for _, defaults in _option_tables()
              for cls in [defaults if isinstance(defaults, type) else type(defaults)] for field, _ in cli_fields(cls)}
     assert every - seen == set(), "fields with a command line that no command takes"
+
+
+def test_console_scripts_start_where_an_interrupt_is_answered() -> None:
+    """pyproject's scripts run the guarded entry points, which import nothing heavy before their guard."""
+    with open(REPO / "pyproject.toml", "rb") as pyproject:
+        scripts = tomllib.load(pyproject)["project"]["scripts"]
+    assert scripts == {"fanstore": "fanstore.__main__:main", "fanstore-pack": "fanstore.__main__:pack_main"}
+    code = "import sys, fanstore.__main__; print(sorted(m for m in sys.modules if m.split('.')[0] in ('numpy', " \
+           "'fanstore')))"
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO).stdout
+    assert shown.strip() == "['fanstore', 'fanstore.__main__', 'fanstore.errors']", shown
+
+
+def _tolerated(traceback: str) -> bool:
+    """A traceback fanstore cannot answer: Python's own start (its site module), or the few milliseconds in which
+    the package and its entry module import what the entry points' guard needs (the errors, signal)."""
+    if "Fatal Python error: init_import_site" in traceback:
+        return True
+    frames = re.findall(r'File "([^"]+)", line \d+, in (\S+)', traceback)
+    ours = [(Path(name).relative_to(REPO).as_posix(), where) for name, where in frames
+            if Path(name).is_relative_to(REPO)]
+    before_the_guard = ("fanstore/__init__.py", "fanstore/errors.py", "fanstore/__main__.py")
+    return all(name in before_the_guard and where == "<module>" for name, where in ours)
+
+
+@pytest.mark.parametrize("way", ["python -m fanstore pack", "fanstore-pack"])
+def test_ctrl_c_while_the_command_line_starts_is_one_line(tmp_path: Path, way: str) -> None:
+    """A Ctrl-C in the first quarter second (Python importing numpy, the codecs, the commands) was a traceback out
+    of an import. Now, whenever it comes, the command ends as every interrupted one does: one line and 130 (or
+    done, had it finished first)."""
+    src = tmp_path / "src"
+    make_tree(src)
+    if way == "fanstore-pack":  # as the console script runs it
+        command = [sys.executable, "-c", "import sys; from fanstore.__main__ import pack_main; sys.exit(pack_main())"]
+    else:
+        command = [sys.executable, "-m", "fanstore", "pack"]
+    command += [str(src), str(tmp_path / "ds"), "--quiet", "--force"]
+    answered = 0
+    for delay in [0.02 * step for step in range(18)]:
+        # SIGINT as a terminal gives it: pytest run from a script in the background inherits it ignored.
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        if "Traceback" in err or "Fatal Python error" in err:
+            assert _tolerated(err), f"SIGINT after {delay:.2f} s:\n{err}"
+            continue
+        assert proc.returncode in (0, 130, -signal.SIGINT), (delay, proc.returncode, err)
+        if proc.returncode == 130:
+            answered += 1
+            assert err.count("\n") == 1 and "interrupted" in err, err
+    assert answered, "no SIGINT came while the command ran: the test proved nothing"

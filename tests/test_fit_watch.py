@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_one_line_error, dir_bytes, run_cli
-from fanstore.cli import EXIT_DOES_NOT_FIT
+from fanstore.errors import EXIT_DOES_NOT_FIT
 from fanstore.errors import DoesNotFit
 from fanstore.pack.fit_watch import FitWatch
 from fanstore.core.format import INDEX_HEADER_LEN

@@ -14,7 +14,8 @@ import pytest
 
 from conftest import assert_one_line_error, make_tree, run_cli
 from fanstore import PackOptions, UsageError, pack
-from fanstore.cli import EXIT_DOES_NOT_FIT, main
+from fanstore.cli import main
+from fanstore.errors import EXIT_DOES_NOT_FIT
 from fanstore.core.format import CHUNK_DTYPE, CHUNK_HEADER_LEN, ENTRY_DTYPE, NO_CHUNK
 from fanstore.core.index import Index
 from fanstore.errors import FormatError
