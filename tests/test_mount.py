@@ -228,6 +228,20 @@ def test_writes_get_erofs(mounted):
         assert caught.value.errno == errno.EROFS
 
 
+def test_a_read_only_open_with_o_append_reads(mounted):
+    """O_RDONLY|O_APPEND writes nothing, and a read-only bind mount or squashfuse opens it; the mount answered
+    EROFS. O_APPEND with write access is still EROFS."""
+    src, mnt = mounted
+    descriptor = os.open(mnt / "labels.txt", os.O_RDONLY | os.O_APPEND)
+    try:
+        assert os.pread(descriptor, 1 << 20, 0) == (src / "labels.txt").read_bytes()
+    finally:
+        os.close(descriptor)
+    with pytest.raises(OSError) as caught:
+        os.open(mnt / "labels.txt", os.O_WRONLY | os.O_APPEND)
+    assert caught.value.errno == errno.EROFS
+
+
 def test_corrupt_blob_is_eio_for_that_file_only(packed, tmp_path):
     src, ds = packed
     damaged = tmp_path / "damaged"

@@ -45,7 +45,9 @@ FETCH_THREADS = 16
 # Fetches begun at a file's open for the read that follows, at most: opens that never read leave no more behind.
 FETCHES_HELD = 64
 _DROPPED_MODE_BITS = stat.S_ISUID | stat.S_ISGID
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+# An open that would write. O_APPEND is not one: with O_RDONLY it only reads, as a read-only bind mount or
+# squashfuse lets it.
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC
 # The daemon's counters, read from the mount point's root (`getfattr -n user.fanstore.stats MP`): for operators,
 # and for tests that must wait until prefetch has caught up. Not listed, as CephFS's virtual attributes are not,
 # so tools that copy attributes do not copy it.
