@@ -242,6 +242,28 @@ def test_a_read_only_open_with_o_append_reads(mounted):
     assert caught.value.errno == errno.EROFS
 
 
+def test_a_dest_packed_again_while_mounted_reads_as_it_was_mounted(tmp_path):
+    """`fanstore-pack --force` over a mounted DEST replaces its index and chunk files. The mount keeps the old
+    index, but opened a chunk file at its first read: every file of a chunk not read before the pack then failed
+    with EIO (the new chunk read at the old offsets), while the chunks read before still served the old bytes.
+    The mount holds its chunk files from the start now, so it serves the dataset as mounted, as squashfuse
+    serves the image it opened."""
+    rng = np.random.default_rng(3)
+    before, after = tmp_path / "before", tmp_path / "after"
+    for tree, count in ((before, 12), (after, 9)):
+        tree.mkdir()
+        for number in range(count):
+            (tree / f"f{number:02d}.bin").write_bytes(rng.integers(0, 255, 40_000 + number, dtype=np.uint8).tobytes())
+    dataset = tmp_path / "ds"
+    pack(before, dataset, PackOptions(codec="zstd:1", chunk_size=128 * 1024, workers=1))
+    with open_dataset(dataset) as ds:
+        assert len(ds.index.chunks) >= 3
+    with Mounted(dataset, tmp_path / "mnt", "--prefetch", "0") as mount:
+        pack(after, dataset, PackOptions(codec="none", chunk_size=64 * 1024, workers=1, force=True))
+        for path in sorted(before.iterdir()):
+            assert (mount.mountpoint / path.name).read_bytes() == path.read_bytes(), path.name
+
+
 def test_corrupt_blob_is_eio_for_that_file_only(packed, tmp_path):
     src, ds = packed
     damaged = tmp_path / "damaged"

@@ -30,6 +30,7 @@ import numpy as np
 
 from ..core.api import Dataset, open_dataset
 from ..core.cache import DecodedCache
+from ..core.chunk_source import LocalChunkSource
 from ..core.allocator import keep_freed_memory
 from ..core.descriptors import raise_descriptor_limit
 from ..core.pause import pause_point
@@ -206,7 +207,22 @@ def mount_foreground(dataset: Path, mountpoint: Path, options: MountOptions, rea
         _report_ready(ready_fd, f"error: {exc}")
         raise
     with ds:
+        _hold_chunk_files(ds, mountpoint)
         return serve_dataset(ds, mountpoint, options, ready_fd=ready_fd, auto_unmount=True)
+
+
+def _hold_chunk_files(ds: Dataset, mountpoint: Path) -> None:
+    """Open DEST's chunk files before mounting, up to the source's bound: a pack with --force over DEST while
+    mounted replaces them, and the mount (its index the old one) then goes on serving the dataset as mounted, as
+    squashfuse serves the image it opened. A chunk first opened after that pack would be the new one, read at the
+    old index's offsets: every file in it would fail."""
+    source = ds.reader.source
+    if not isinstance(source, LocalChunkSource):
+        return
+    held, chunks = source.open_ahead(), len(ds.index.chunks)
+    if held < chunks:
+        log.info("%s: %d of %d chunk files held open; the others are opened at their first read, so a pack over "
+                 "DEST meanwhile would fail those reads", mountpoint, held, chunks)
 
 
 def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd: int | None = None,
