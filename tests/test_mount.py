@@ -858,6 +858,28 @@ def test_the_stats_attribute_is_readable_and_not_listed(mounted):
         os.getxattr(mnt / "labels.txt", "user.fanstore.stats")
 
 
+def test_the_stats_attribute_reads_in_a_buffer_of_the_size_it_said(mounted):
+    """getfattr asks for an attribute's size, then for its value in a buffer of that size. A file read in between
+    moved a counter, the value grew a digit past the buffer and the read failed with ERANGE (5 in 300 under
+    load). The same process's next ask within a second gets the reply it was sized by."""
+    import ctypes
+
+    src, mnt = mounted
+    libc = ctypes.CDLL(None, use_errno=True)
+    files = [path.relative_to(src) for path in sorted(src.rglob("*")) if path.is_file() and not path.is_symlink()]
+    sizes = set()
+    for rel in files:
+        size = libc.getxattr(bytes(mnt), b"user.fanstore.stats", None, 0)
+        assert size > 0, os.strerror(ctypes.get_errno())
+        sizes.add(size)
+        (mnt / rel).read_bytes()  # counters move
+        value = ctypes.create_string_buffer(size)
+        got = libc.getxattr(bytes(mnt), b"user.fanstore.stats", value, size)
+        assert got == size, (rel, os.strerror(ctypes.get_errno()))
+        json.loads(value.raw)
+    assert len(sizes) > 1  # the value did grow along the way
+
+
 def test_a_large_file_is_read_a_block_at_a_time_within_the_cache(tmp_path):
     """A 48 MiB array stored in 1 MiB blocks, through a mount with a 4 MiB cache: whole reads stay byte-exact
     with the daemon's memory near its cache, and a random 4 KiB read decodes about one block."""

@@ -15,6 +15,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -52,6 +53,9 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC
 # and for tests that must wait until prefetch has caught up. Not listed, as CephFS's virtual attributes are not,
 # so tools that copy attributes do not copy it.
 STATS_XATTR = b"user.fanstore.stats"
+# getfattr asks for an attribute's size, then for its value in a buffer of that size: a process asking again within
+# this many seconds gets the reply it was sized by, else a counter that grew in between made it ERANGE.
+STATS_REPLY_KEPT_S = 1.0
 
 
 def _read_only() -> pyfuse3.FUSEError:
@@ -167,6 +171,7 @@ class FanstoreOperations(pyfuse3.Operations):
         self._blocks_limiter = self._fetch_limiter if self._may_block.any() else self._decode_limiter
         self._uid, self._gid = os.getuid(), os.getgid()
         self._reported: set[tuple[str, object]] = set()
+        self._stats_replies: dict[int, tuple[float, bytes]] = {}  # process id -> (when, reply), see _stats_reply
         self.initialized = trio.Event()
         total = int(index.entries["size"].sum())
         self._statfs = pyfuse3.StatvfsData()
@@ -253,8 +258,21 @@ class FanstoreOperations(pyfuse3.Operations):
 
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         if inode == pyfuse3.ROOT_INODE and name == STATS_XATTR:
-            return json.dumps(self.stats()).encode()
+            return self._stats_reply(ctx.pid)
         raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+
+    def _stats_reply(self, pid: int) -> bytes:
+        """The counters as JSON; the reply a process had within STATS_REPLY_KEPT_S is given to it once more, so
+        that a size asked for first still fits the value asked for next."""
+        now = time.monotonic()
+        kept = self._stats_replies.pop(pid, None)
+        if kept is not None and now - kept[0] < STATS_REPLY_KEPT_S:
+            return kept[1]
+        reply = json.dumps(self.stats()).encode()
+        self._stats_replies = {other: (when, old) for other, (when, old) in self._stats_replies.items()
+                               if now - when < STATS_REPLY_KEPT_S}
+        self._stats_replies[pid] = (now, reply)
+        return reply
 
     def stats(self) -> dict[str, Any]:
         """The daemon's counters, as `getfattr -n user.fanstore.stats MOUNTPOINT` shows them."""
