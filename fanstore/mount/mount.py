@@ -221,8 +221,8 @@ def _hold_chunk_files(ds: Dataset, mountpoint: Path) -> None:
         return
     held, chunks = source.open_ahead(), len(ds.index.chunks)
     if held < chunks:
-        log.info("%s: %d of %d chunk files held open; the others are opened at their first read, so a pack over "
-                 "DEST meanwhile would fail those reads", mountpoint, held, chunks)
+        log.info("%s: %d of %d chunk files fit the open file limit and are held open; the others are opened as "
+                 "read, so a pack over DEST while mounted would fail their reads", mountpoint, held, chunks)
 
 
 def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd: int | None = None,
