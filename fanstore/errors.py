@@ -54,6 +54,16 @@ class UsageError(FanstoreError, ValueError):
     fuse_errno = errno.EINVAL
 
 
+class SeekRefused(UsageError, OSError):
+    """A seek an open dataset file refuses (before its start, an unknown whence): an OSError (EINVAL) as a real
+    file's seek raises, and a ValueError as io.BytesIO's, so code written for either keeps working on it (zipfile
+    tells a short file from a zip by catching OSError from a seek before the start)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.errno = errno.EINVAL
+
+
 class DoesNotFit(UsageError):
     """--fit cannot be met: the dataset (or one node's share) would not fit in the capacity given. The CLI exits
     with its own status for it, as `fanstore plan` does, so a batch script can try more nodes."""

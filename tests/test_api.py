@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import pickle
+import zipfile
 
 import pytest
 
@@ -81,3 +83,20 @@ def test_no_dataset_given_is_one_error_that_says_where_the_served_one_is_read():
     with pytest.raises(UsageError, match=r"^open_dataset: no dataset given: pass a packed dataset directory .*"
                                          r"fanstore\.torch\.FileDataset\(None\)"):
         open_dataset(None)
+
+
+def test_a_seek_before_the_start_is_refused_as_a_file_and_as_bytes_io_refuse_it(source_tree, tmp_path):
+    """zipfile.is_zipfile of a file shorter than a zip's end record said False for the real file and raised
+    ValueError for the dataset's: zipfile seeks 22 bytes back from the end and catches OSError, which a real file's
+    seek raises (EINVAL) and the dataset's did not. The refusal is now both an OSError with EINVAL, as a file's, and
+    a ValueError, as io.BytesIO's, for a position before the start and for an unknown whence alike."""
+    dest = tmp_path / "ds"
+    pack(source_tree, dest, PackOptions(codec="zstd:3", workers=1))
+    with open_dataset(dest) as ds, ds.open("empty.txt") as opened:
+        assert zipfile.is_zipfile(opened) is False
+        for args in ((-1,), (-1, 1), (-1, 2), (0, 7)):
+            with pytest.raises(OSError) as refused:
+                opened.seek(*args)
+            assert isinstance(refused.value, ValueError) and refused.value.errno == errno.EINVAL
+            assert str(refused.value).startswith("empty.txt: ")
+        assert opened.tell() == 0

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from .chunk_source import ChunkSource, LocalChunkSource
-from ..errors import IsADirectory, NotADirectory, NotASymlink, UsageError, quoted
+from ..errors import IsADirectory, NotADirectory, NotASymlink, SeekRefused, UsageError, quoted
 from .index import Index, normalize_path
 from .path_walk import PathWalk
 from .reader import Reader
@@ -131,9 +131,9 @@ class BlobFile(io.RawIOBase):
         offset = operator.index(offset)  # TypeError for 1.5 here, as a file's seek gives, not at the next read
         bases = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}
         if whence not in bases:
-            raise ValueError(f"{self.name}: invalid whence {whence!r} (use io.SEEK_SET, SEEK_CUR or SEEK_END)")
+            raise SeekRefused(f"{self.name}: invalid whence {whence!r} (use io.SEEK_SET, SEEK_CUR or SEEK_END)")
         if bases[whence] + offset < 0:
-            raise ValueError(f"{self.name}: negative seek position {bases[whence] + offset}")
+            raise SeekRefused(f"{self.name}: negative seek position {bases[whence] + offset}")
         self._pos = bases[whence] + offset
         return self._pos
 
