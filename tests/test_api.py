@@ -100,3 +100,21 @@ def test_a_seek_before_the_start_is_refused_as_a_file_and_as_bytes_io_refuse_it(
             assert isinstance(refused.value, ValueError) and refused.value.errno == errno.EINVAL
             assert str(refused.value).startswith("empty.txt: ")
         assert opened.tell() == 0
+
+
+def test_a_dataset_packed_again_while_open_is_named_as_such_not_as_damaged(source_tree, tmp_path):
+    """DEST packed again with --force under an open dataset: its chunks not yet open are the new pack's, and a read
+    failed with 'chunk 0 is N bytes, the index says M', a ChunkCorrupt that said to pack again while `fanstore
+    verify` found nothing wrong. The error (still never the new pack's bytes) now says the dataset was packed again
+    since it was opened and to open it again."""
+    dest = tmp_path / "ds"
+    pack(source_tree, dest, PackOptions(codec="zstd:3", workers=1))
+    with open_dataset(dest) as ds:
+        (source_tree / "labels.txt").write_text("packed again\n" * 3)
+        pack(source_tree, dest, PackOptions(codec="zstd:3", workers=1, force=True))
+        with pytest.raises(ChunkCorrupt, match=r"^labels\.txt: .* \(.*ds was packed again since this dataset was "
+                                               r"opened: its index file is another now, or gone; open the dataset "
+                                               r"again\)$"):
+            ds.read("labels.txt")
+    with open_dataset(dest) as again:
+        assert again.read("labels.txt") == b"packed again\n" * 3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import stat
 from typing import Sequence
 
@@ -13,7 +14,7 @@ from .chunk_source import ChunkSource
 from ..errors import (ChunkCorrupt, ChunkError, ChunkUnavailable, FanstoreError, FormatError, IsADirectory, UsageError,
                      quoted, shown_path)
 from .format import FLAG_BLOCKED, NO_CHUNK, chunk_file_name, fields_view
-from .index import Index
+from .index import Index, file_identity
 
 _checksum = xxhash.xxh3_64_intdigest
 # The fields a read needs, by name, in this order (format.fields_view): of an entry, and of a block.
@@ -125,6 +126,21 @@ class Reader:
             raise UsageError(f"{quoted(self.index.path_of(entry))} has no block {block} (it is stored in {len(rows)})")
         return self._block_rows[rows[block]].item()
 
+    def _packed_again(self) -> str:
+        """Why a chunk may not be what this index says although nothing is damaged: its dataset was packed again
+        (--force) since it was opened, and the chunks not yet open are the new pack's. An error path only: one stat
+        of the index file, whose identity was taken when it was loaded. "" when the index file is still the same."""
+        if self.index.file_identity is None:
+            return ""
+        try:
+            now = file_identity(os.stat(self.index.path))
+        except OSError:
+            now = None
+        if now == self.index.file_identity:
+            return ""
+        return (f" ({self.index.path.parent} was packed again since this dataset was opened: its index file is "
+                f"another now, or gone; open the dataset again)")
+
     def _where(self, entry: int, block: int) -> str:
         return shown_path(self.index.path_of(entry)) + (f" (block {block})" if block >= 0 else "")
 
@@ -156,7 +172,8 @@ class Reader:
         """What the source gave for a blob, verified: its error again, now naming the file; bytes that fail their
         checksum replaced by the source's other copy, or ChunkCorrupt."""
         if isinstance(stored, ChunkError):
-            raise type(stored)(f"{self._where(entry, block)}: {stored}", path=self.index.path_of(entry),
+            raise type(stored)(f"{self._where(entry, block)}: {stored}{self._packed_again()}",
+                               path=self.index.path_of(entry),
                                chunk_id=chunk) from None
         if _checksum(stored) != checksum:
             stored = self._other_copy(entry, block, chunk, offset, stored_len, checksum)
@@ -180,7 +197,7 @@ class Reader:
 
     def _corrupt(self, entry: int, block: int, chunk: int, offset: int, stored_len: int) -> ChunkCorrupt:
         return ChunkCorrupt(f"{self._where(entry, block)}: checksum mismatch in chunk {chunk} "
-                            f"({chunk_file_name(chunk)} at offset {offset}, {stored_len} bytes)",
+                            f"({chunk_file_name(chunk)} at offset {offset}, {stored_len} bytes){self._packed_again()}",
                             path=self.index.path_of(entry), chunk_id=chunk)
 
     def _decode(self, entry: int, block: int, stored: bytes, codec: int, raw_size: int, chunk: int,
@@ -189,7 +206,7 @@ class Reader:
             return self.codecs[codec].decode(stored, raw_size)
         except CodecError as exc:
             raise ChunkCorrupt(f"{self._where(entry, block)}: cannot decode blob in chunk {chunk} "
-                               f"({chunk_file_name(chunk)} at offset {offset}): {exc}",
+                               f"({chunk_file_name(chunk)} at offset {offset}): {exc}{self._packed_again()}",
                                path=self.index.path_of(entry), chunk_id=chunk) from None
         except MemoryError:
             raise ChunkUnavailable(f"{self._where(entry, block)}: not enough memory to decode {raw_size} bytes",
