@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import errno
+import gc
 import multiprocessing
+import os
 import pickle
 import zipfile
+from pathlib import Path
 
 import pytest
 
 from fanstore import ChunkCorrupt, PackOptions, UsageError, open_dataset, pack
 from fanstore.core.chunk_source import FallbackChunkSource, LocalChunkSource
-from fanstore.core.format import chunk_file_name
+from fanstore.core.format import CHUNK_DIR, chunk_file_name
 
 
 def test_the_api_keeps_no_decoded_cache(source_tree, tmp_path):
@@ -118,3 +121,43 @@ def test_a_dataset_packed_again_while_open_is_named_as_such_not_as_damaged(sourc
             ds.read("labels.txt")
     with open_dataset(dest) as again:
         assert again.read("labels.txt") == b"packed again\n" * 3
+
+
+def _chunk_files_open(dest: Path) -> int:
+    """How many of this process's descriptors are open on chunk files of the dataset `dest`."""
+    directory = dest / CHUNK_DIR
+    held = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            held += os.readlink(f"/proc/self/fd/{fd}").startswith(f"{directory}/")
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    return held
+
+
+def test_a_dataset_dropped_unclosed_gives_its_chunk_files_back(source_tree, tmp_path):
+    """A file object closes when it is collected; a dataset kept its chunk files open for good, so a loader that
+    opened the dataset for each item and never closed it (`open_dataset(DEST).read(path)`) ran out of descriptors
+    after about as many items as its limit. A forked child that took the chunk files over keeps them open while the
+    parent's copy, dropped there, is collected."""
+    dest = tmp_path / "ds"
+    pack(source_tree, dest, PackOptions(codec="zstd:3", workers=1))
+    original = (source_tree / "labels.txt").read_bytes()
+    for _ in range(50):
+        assert open_dataset(dest).read("labels.txt") == original
+    assert _chunk_files_open(dest) == 0
+    ds = open_dataset(dest)
+    ds.read("labels.txt")
+    pid = os.fork()
+    if pid == 0:  # the child: its own source owns the descriptors; the parent's, dropped, closes none of them
+        try:
+            child = ds.for_forked_child()
+            del ds
+            gc.collect()
+            os._exit(0 if child.read("labels.txt") == original and _chunk_files_open(dest) == 1 else 1)
+        finally:
+            os._exit(2)
+    assert os.waitpid(pid, 0)[1] == 0
+    del ds
+    gc.collect()
+    assert _chunk_files_open(dest) == 0

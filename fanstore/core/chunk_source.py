@@ -306,6 +306,18 @@ class LocalChunkSource(ChunkSource):
             self._closed = True
             self._evict_idle(keep=0)
 
+    def __del__(self) -> None:
+        """A source dropped unclosed gives its descriptors back, as a file object does: a dataset opened for each
+        item and never closed (`open_dataset(DEST).read(path)`) ran the process out of descriptors after about as
+        many items as its limit. No lock is taken: nothing else can reach the source now, and a lock copied into a
+        forked child held by a thread of the parent would never be released there."""
+        for handle in getattr(self, "_open", {}).values():  # absent when __init__ failed
+            try:
+                os.close(handle.fd)
+            except OSError:
+                pass
+        self._open = OrderedDict()
+
 
 _NONE_GIVEN: frozenset[tuple[int, int]] = frozenset()
 
