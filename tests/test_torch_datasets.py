@@ -4,6 +4,7 @@ an item's error says: user code's (a transform, a loader) noted with the item an
 
 from __future__ import annotations
 
+import pickle
 import shutil
 import traceback
 from pathlib import Path
@@ -141,3 +142,23 @@ def test_a_corrupt_file_is_named_once_by_fanstore_s_own_error(packed, tmp_path):
             list(loader)
         text = _as_raised(raised.value)
         assert "d1/f010.bin: checksum mismatch" in text and "fanstore.torch" not in text, text
+
+
+def test_a_dataset_named_by_a_relative_path_reads_the_same_after_the_working_directory_changes(packed, tmp_path,
+                                                                                             monkeypatch):
+    """DEST given relative, then a chdir (a training script moving into its run's directory): the open dataset failed
+    its next chunk file not yet open ('cannot open chunk 1: No such file or directory'), pickled as the relative path
+    (a spawned worker opened another place), and forked DataLoader workers failed with 'dest: no such dataset
+    directory' while the training process itself read on. Both now keep the directory as it was when given."""
+    dest, originals = packed
+    monkeypatch.chdir(dest.parent)
+    api = open_dataset(dest.name)
+    items = FileDataset(dest.name)
+    assert api.read(items.paths[0]) == originals[0]  # the first chunk file opened here, before the change
+    monkeypatch.chdir(tmp_path)
+    assert [api.read(path) for path in items.paths] == originals
+    with pickle.loads(pickle.dumps(api)) as again:
+        assert again.read(items.paths[-1]) == originals[-1]
+    loader = DataLoader(items, batch_size=7, num_workers=1, collate_fn=list)
+    assert [item for batch in loader for item in batch] == originals
+    api.close()

@@ -265,7 +265,10 @@ def open_dataset(path: str | os.PathLike[str], source: ChunkSource | None = None
         raise UsageError("open_dataset: no dataset given: pass a packed dataset directory (under `fanstore serve`, "
                          "fanstore.torch.FileDataset(None) reads the node's dataset without FUSE, and every rank's "
                          "MOUNTPOINT shows all of it)")
+    # Absolute from here on: chunk files are opened as reads reach them, and a pickled dataset opens again in another
+    # process, both maybe after the working directory changed, where a relative DEST named another place.
+    path = Path(path).absolute()
     index = Index.load(path)
     if source is None:
-        source = LocalChunkSource(Path(path), index.chunks["size"])
+        source = LocalChunkSource(path, index.chunks["size"])
     return Dataset(index, source)

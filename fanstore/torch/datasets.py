@@ -32,7 +32,8 @@ class FileDataset(TorchDataset):
     def __init__(self, source: str | os.PathLike[str] | None = None, paths: Sequence[str] | None = None,
                  transform: Callable[[bytes], Any] | None = None, prefetch_bytes: int = PREFETCH_BYTES,
                  prefetch_threads: int = PREFETCH_THREADS) -> None:
-        self.source = None if source is None else os.fspath(source)
+        # Absolute: each worker opens it, maybe after the training process changed its working directory.
+        self.source = None if source is None else os.path.abspath(source)
         self._paths = None if paths is None else [str(path) for path in paths]
         self.transform = transform
         self.prefetch_bytes = prefetch_bytes
