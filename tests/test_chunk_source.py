@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 from collections import Counter
 
 import numpy as np
@@ -330,3 +332,38 @@ print("after:", len(ds.read(paths[0])))
     first, after = proc.stdout.splitlines()
     assert first.startswith("unavailable:") and "Too many open files" in first and "corrupt" not in first
     assert after.startswith("after:")
+
+
+def test_a_forked_child_reads_though_a_thread_of_the_parent_held_the_source_at_the_fork(packed_chunks):
+    """A user's torch Dataset holding open_dataset(...) reaches its forked DataLoader workers as the parent's object.
+    A thread of the parent that held the source's lock at the fork (it closes an evicted chunk file under it) left
+    the child's copy held for good: the child's first read waited forever (58 of 300 children hung, with a reading
+    thread and one chunk file open at a time). Here the parent's thread holds the lock across the fork, and the
+    child reads every chunk all the same."""
+    dest, sizes = packed_chunks
+    source = LocalChunkSource(dest, sizes, max_open=1)
+    expected = [(dest / chunk_file_name(chunk)).read_bytes()[40:50] for chunk in range(len(sizes))]
+    assert source.read(0, 40, 10) == expected[0]
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with source._lock:  # as a thread of the parent inside the source when the fork comes
+            held.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            signal.alarm(20)  # a child that waits forever ends by SIGALRM
+            read = [source.read(chunk, 40, 10) for chunk in range(len(sizes))]
+            os._exit(0 if read == expected else 1)
+        finally:
+            os._exit(2)
+    release.set()
+    holder.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child ended with wait status {status}"
+    source.close()

@@ -8,6 +8,7 @@ import os
 import resource
 import stat
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from pathlib import Path
@@ -134,6 +135,7 @@ class LocalChunkSource(ChunkSource):
         self._open: OrderedDict[int, _OpenChunk] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
+        _LIVE_SOURCES.add(self)  # its lock made anew in a forked child (_after_fork_in_child)
 
     def read(self, chunk_id: int, offset: int, length: int) -> bytes:
         handle = self._acquire_range(chunk_id, offset, length)
@@ -317,6 +319,27 @@ class LocalChunkSource(ChunkSource):
             except OSError:
                 pass
         self._open = OrderedDict()
+
+    def _after_fork(self) -> None:
+        """In a forked child: a lock of its own, and no reads in progress (the parent's threads that were reading
+        do not exist here). A thread of the parent holding the lock at the fork (while it closed a chunk file, say)
+        left the child's copy held for good, and the child's first read of the dataset waited forever."""
+        self._lock = threading.Lock()
+        for handle in self._open.values():
+            handle.users = 0
+
+
+# Every LocalChunkSource not yet collected, so that a forked child gets each a lock of its own: a user's torch
+# Dataset holding `open_dataset(...)` reaches its forked DataLoader workers as the parent's object, lock and all.
+_LIVE_SOURCES: "weakref.WeakSet[LocalChunkSource]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for source in list(_LIVE_SOURCES):
+        source._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 _NONE_GIVEN: frozenset[tuple[int, int]] = frozenset()
