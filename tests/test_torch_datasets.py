@@ -13,6 +13,7 @@ from typing import Any, Callable
 import pytest
 
 from fanstore import ChunkCorrupt, PackOptions, open_dataset, pack
+from fanstore.core.chunk_source import LocalChunkSource
 from fanstore.core.format import chunk_file_name
 from torch_packed import pack_sixty_files
 
@@ -153,12 +154,16 @@ def test_a_dataset_named_by_a_relative_path_reads_the_same_after_the_working_dir
     dest, originals = packed
     monkeypatch.chdir(dest.parent)
     api = open_dataset(dest.name)
+    sizes = api.index.chunks["size"]
+    given = open_dataset(dest.name, source=LocalChunkSource(dest.name, sizes))  # a source of the caller's, relative
     items = FileDataset(dest.name)
     assert api.read(items.paths[0]) == originals[0]  # the first chunk file opened here, before the change
     monkeypatch.chdir(tmp_path)
-    assert [api.read(path) for path in items.paths] == originals
-    with pickle.loads(pickle.dumps(api)) as again:
-        assert again.read(items.paths[-1]) == originals[-1]
+    for opened in (api, given):
+        assert [opened.read(path) for path in items.paths] == originals
+        with pickle.loads(pickle.dumps(opened)) as again:
+            assert again.read(items.paths[-1]) == originals[-1]
     loader = DataLoader(items, batch_size=7, num_workers=1, collate_fn=list)
     assert [item for batch in loader for item in batch] == originals
     api.close()
+    given.close()

@@ -129,7 +129,7 @@ class LocalChunkSource(ChunkSource):
 
     def __init__(self, dataset_dir: str | os.PathLike[str], chunk_sizes: np.ndarray | Sequence[int],
                  max_open: int | None = None) -> None:
-        self._dir = Path(dataset_dir)
+        self._dir = Path(dataset_dir).absolute()  # chunk files open as reads reach them, whatever the cwd is then
         self._sizes = [int(s) for s in chunk_sizes]
         self._max_open = max(1, max_open if max_open is not None else default_max_open_chunks())
         self._open: OrderedDict[int, _OpenChunk] = OrderedDict()
