@@ -161,3 +161,17 @@ def test_a_dataset_dropped_unclosed_gives_its_chunk_files_back(source_tree, tmp_
     del ds
     gc.collect()
     assert _chunk_files_open(dest) == 0
+
+
+def test_an_open_file_refuses_to_be_pickled_in_words_that_name_it(source_tree, tmp_path):
+    """Pickling ds.open(path) (a torch Dataset holding an open file, sent to a spawned worker) failed with "cannot
+    pickle memoryview objects", from deep in the index: it is now refused as a real file's pickle is, with one line
+    that names the file and says what pickles instead."""
+    dest = tmp_path / "ds"
+    pack(source_tree, dest, PackOptions(codec="zstd:3", workers=1))
+    with open_dataset(dest) as ds, ds.open("labels.txt") as opened:
+        opened.read(5)
+        with pytest.raises(TypeError, match=r"^labels\.txt: an open dataset file cannot be pickled, as an open file "
+                                            r"cannot: pickle its Dataset"):
+            pickle.dumps(opened)
+        assert opened.read(5) == (source_tree / "labels.txt").read_bytes()[5:10]

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from .chunk_source import ChunkSource, LocalChunkSource
-from ..errors import IsADirectory, NotADirectory, NotASymlink, SeekRefused, UsageError, quoted
+from ..errors import IsADirectory, NotADirectory, NotASymlink, SeekRefused, UsageError, quoted, shown_path
 from .index import Index, normalize_path
 from .path_walk import PathWalk
 from .reader import Reader
@@ -144,6 +144,13 @@ class BlobFile(io.RawIOBase):
     def close(self) -> None:
         self._part = b""
         super().close()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refused as an open file's pickle is, in words: pickle failed deep in the index with "cannot pickle
+        memoryview objects", which named neither the file nor what to do (a spawned DataLoader worker given a
+        dataset that holds an open file)."""
+        raise TypeError(f"{shown_path(self.name)}: an open dataset file cannot be pickled, as an open file cannot: "
+                        f"pickle its Dataset (it opens again where it lands) and open the file there")
 
 
 class Dataset:
