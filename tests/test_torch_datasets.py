@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pickle
 import shutil
+import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -167,3 +169,26 @@ def test_a_dataset_named_by_a_relative_path_reads_the_same_after_the_working_dir
     assert [item for batch in loader for item in batch] == originals
     api.close()
     given.close()
+
+
+def test_threads_that_read_a_new_dataset_at_once_open_it_once(packed, monkeypatch):
+    """Threads of one process reading a FileDataset's first items at once (a thread pool over dataset[i]) each opened
+    the dataset, its index and up to every chunk file, and all but one opening were dropped: on a shared file
+    system, a burst of opens that read nothing. The process opens it once; the others wait for it."""
+    from fanstore.torch import reading
+
+    dest, originals = packed
+    opened = []
+    real_open = reading.open_source
+
+    def slow_open(source):
+        opened.append(source)
+        time.sleep(0.2)  # long enough for every thread to ask while the first opens
+        return real_open(source)
+
+    monkeypatch.setattr(reading, "open_source", slow_open)
+    items = FileDataset(dest)
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(items.__getitem__, range(8))) == originals[:8]
+    assert len(opened) == 1
+    items.close()

@@ -168,6 +168,17 @@ class ShippedItems:
         return self.entries
 
 
+_opening = threading.RLock()  # around opening a reading; made anew in a forked child, where a parent's thread held it
+
+
+def _new_opening_lock() -> None:
+    global _opening
+    _opening = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_new_opening_lock)
+
+
 class ProcessReading:
     """One process's open dataset, its items' entries, and its decoding ahead."""
 
@@ -222,11 +233,15 @@ class ProcessReading:
     @staticmethod
     def of(holder: Any, make: Callable[["ProcessReading | None"], "ProcessReading"]) -> "ProcessReading":
         """The holder's reading for this process, opened now if it has none or inherited one across a fork (which
-        `make` is given, to take what it can of it)."""
+        `make` is given, to take what it can of it). Opened once however many threads ask at first: each opened its
+        own, the index and up to every chunk file again, and all but one were dropped."""
         reading = holder.__dict__.get("_process_reading")
         if reading is None or reading.pid != os.getpid():
-            reading = make(reading)
-            holder.__dict__["_process_reading"] = reading
+            with _opening:
+                reading = holder.__dict__.get("_process_reading")
+                if reading is None or reading.pid != os.getpid():
+                    reading = make(reading)
+                    holder.__dict__["_process_reading"] = reading
         return reading
 
     def paths(self) -> list[str]:
