@@ -308,17 +308,17 @@ class LocalChunkSource(ChunkSource):
             self._closed = True
             self._evict_idle(keep=0)
 
-    def __del__(self) -> None:
+    def __del__(self, _close: Callable[[int], None] = os.close) -> None:
         """A source dropped unclosed gives its descriptors back, as a file object does: a dataset opened for each
         item and never closed (`open_dataset(DEST).read(path)`) ran the process out of descriptors after about as
-        many items as its limit. No lock is taken: nothing else can reach the source now, and a lock copied into a
-        forked child held by a thread of the parent would never be released there."""
-        for handle in getattr(self, "_open", {}).values():  # absent when __init__ failed
+        many items as its limit. No lock is taken: nothing else can reach the source now. (`_close` is bound here:
+        at interpreter exit the module's globals may be gone before the source is collected.)"""
+        held = getattr(self, "_open", None)  # None when __init__ failed
+        while held:
             try:
-                os.close(handle.fd)
+                _close(held.popitem()[1].fd)
             except OSError:
                 pass
-        self._open = OrderedDict()
 
     def _after_fork(self) -> None:
         """In a forked child: a lock of its own, and no reads in progress (the parent's threads that were reading
