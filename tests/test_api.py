@@ -175,3 +175,19 @@ def test_an_open_file_refuses_to_be_pickled_in_words_that_name_it(source_tree, t
                                             r"cannot: pickle its Dataset"):
             pickle.dumps(opened)
         assert opened.read(5) == (source_tree / "labels.txt").read_bytes()[5:10]
+
+
+def test_a_read_larger_than_the_file_gives_what_is_left(source_tree, tmp_path):
+    """read(n) allocated n bytes before reading (io.RawIOBase's read): read(10**12) of a small file was a MemoryError,
+    with a 'deallocated bytearray object has exported buffers' SystemError printed beside it, where io.BytesIO reads
+    to the end. It asks for what is left."""
+    dest = tmp_path / "ds"
+    pack(source_tree, dest, PackOptions(codec="zstd:3", workers=1))
+    original = (source_tree / "labels.txt").read_bytes()
+    with open_dataset(dest) as ds, ds.open("labels.txt") as opened:
+        assert opened.read(10**12) == original
+        assert opened.read(10**12) == b""
+        opened.seek(len(original) + 5)
+        assert opened.read(3) == b""
+    with pytest.raises(ValueError):
+        opened.read(10**12)

@@ -94,8 +94,12 @@ class BlobFile(io.RawIOBase):
         return count
 
     def read(self, size: int | None = -1) -> bytes:
-        """As a file's: `size` None or negative reads to the end (io.RawIOBase's refuses None)."""
-        return self.readall() if size is None or size < 0 else super().read(size)
+        """As a file's: `size` None or negative reads to the end (io.RawIOBase's refuses None). A size past the end
+        asks for what is left: io.RawIOBase allocates `size` bytes first, so read(10**12) of a small file was a
+        MemoryError where io.BytesIO gives the file."""
+        if size is None or size < 0:
+            return self.readall()
+        return super().read(min(size, max(0, self._size - self._pos)))
 
     def readall(self) -> bytes:
         self._checkClosed()
