@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import pytest
 
-from fanstore import ChunkCorrupt, PackOptions, open_dataset, pack
+from fanstore import ChunkCorrupt, IsADirectory, PackOptions, PathNotFound, open_dataset, pack
 from fanstore.core.chunk_source import LocalChunkSource
 from fanstore.core.format import chunk_file_name
 from torch_packed import pack_sixty_files
@@ -192,3 +192,19 @@ def test_threads_that_read_a_new_dataset_at_once_open_it_once(packed, monkeypatc
         assert list(pool.map(items.__getitem__, range(8))) == originals[:8]
     assert len(opened) == 1
     items.close()
+
+
+def test_paths_that_are_not_files_are_said_as_the_dataset_opens_with_their_place(packed):
+    """A directory among `paths` passed len() and the sampler and failed in a worker at its item's first read, an
+    epoch in ("'d1' is not a regular file", naming neither the dataset nor the item). Every given path is checked
+    as the dataset opens, in the training process: the first that is missing or not a file is named with its place
+    in `paths`, and how many more there are; the error keeps its type."""
+    dest, originals = packed
+    loader = DataLoader(FileDataset(dest, paths=["d0/f000.bin", "d1", "nope", "d0/f030.bin/x", "d0/f030.bin"]),
+                        batch_size=2, num_workers=2, collate_fn=list)
+    with pytest.raises(IsADirectory, match=rf"^'{dest}': paths\[1\]: 'd1' is a directory, not a file; 2 more of the "
+                                           r"5 paths are not files either$"):
+        list(loader)
+    with pytest.raises(PathNotFound, match=rf"^'{dest}': paths\[0\]: 'nope': no such file or directory"):
+        len(FileDataset(dest, paths=["nope", "d0/f000.bin"]))
+    assert list(FileDataset(dest, paths=["d0/f030.bin", "./d0//f000.bin"])) == [originals[10], originals[0]]

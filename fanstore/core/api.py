@@ -18,7 +18,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from .chunk_source import ChunkSource, LocalChunkSource
-from ..errors import IsADirectory, NotADirectory, NotASymlink, SeekRefused, UsageError, quoted, shown_path
+from ..errors import FanstoreError, IsADirectory, NotADirectory, NotASymlink, SeekRefused, UsageError, quoted, \
+    shown_path
 from .index import Index, normalize_path
 from .path_walk import PathWalk
 from .reader import Reader
@@ -204,9 +205,10 @@ class Dataset:
         False, a link at the end is the entry (links on the way are followed, as lstat does). See PathWalk."""
         return self.path_walk.resolve(path, follow_symlinks)
 
-    def resolve_many(self, paths: Sequence[str]) -> np.ndarray:
-        """Entry numbers of many paths, as `resolve` gives them (the same errors), in one vectorized search."""
-        return self.path_walk.resolve_many(paths)
+    def resolve_many(self, paths: Sequence[str], errors: dict[int, FanstoreError] | None = None) -> np.ndarray:
+        """Entry numbers of many paths, as `resolve` gives them (the same errors), in one vectorized search; given
+        `errors`, a path that does not resolve is -1 and its error kept there by its place (PathWalk.resolve_many)."""
+        return self.path_walk.resolve_many(paths, errors)
 
     def read(self, path: str | os.PathLike[str]) -> bytes:
         """The whole original content of a file. ChunkCorrupt if its stored bytes are damaged, ChunkUnavailable if

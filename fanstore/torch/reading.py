@@ -9,6 +9,7 @@ first read (`ProcessReading.of`), again after a fork.
 from __future__ import annotations
 
 import os
+import stat
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -21,7 +22,7 @@ from ..core.chunk_source import LocalChunkSource
 from ..core.format import INDEX_NAME
 from ..core.allocator import keep_freed_memory
 from ..core.index import Index, file_identity
-from ..errors import UsageError
+from ..errors import FanstoreError, IsADirectory, UsageError, quoted
 from ..core.thread_names import name_os_thread
 from .plan import EpochPlan
 
@@ -179,6 +180,23 @@ def _new_opening_lock() -> None:
 os.register_at_fork(after_in_child=_new_opening_lock)
 
 
+def _files_of(dataset: Dataset, paths: Sequence[str], source: str | None) -> np.ndarray:
+    """Each path's entry, checked once as the dataset opens (in the training process, when the loader asks its
+    length): a path that is missing or names a directory is said with its place in `paths`, not met by a worker at
+    that item's first read, an epoch in."""
+    errors: dict[int, FanstoreError] = {}
+    entries = dataset.resolve_many(paths, errors)
+    modes = dataset.index.entries["mode"][np.maximum(entries, 0)]
+    bad = np.flatnonzero((entries < 0) | ((modes & 0o170000) == stat.S_IFDIR))
+    if not len(bad):
+        return entries
+    first = int(bad[0])
+    error = errors.get(first) or IsADirectory(f"{quoted(paths[first])} is a directory, not a file")
+    where = quoted(source) if source is not None else "the node's served dataset"
+    more = f"; {len(bad) - 1:,} more of the {len(paths):,} paths are not files either" if len(bad) > 1 else ""
+    raise type(error)(f"{where}: paths[{first}]: {error}{more}")
+
+
 class ProcessReading:
     """One process's open dataset, its items' entries, and its decoding ahead."""
 
@@ -208,7 +226,7 @@ class ProcessReading:
         elif paths is None:
             self.entries = index.files_in_path_order()  # a 1.2 index's own array, read in place: nothing to sort
         else:
-            self.entries = self.dataset.resolve_many(paths)
+            self.entries = _files_of(self.dataset, paths, source)
         if source is not None and not in_a_worker and isinstance(self.dataset.reader.source, LocalChunkSource):
             self.dataset.reader.source.open_ahead()  # for the workers this process forks (see _take_over)
         self._sizes = index.entries["size"]
