@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import io
 import gc
 import multiprocessing
 import os
@@ -103,6 +104,21 @@ def test_a_seek_before_the_start_is_refused_as_a_file_and_as_bytes_io_refuse_it(
             assert isinstance(refused.value, ValueError) and refused.value.errno == errno.EINVAL
             assert str(refused.value).startswith("empty.txt: ")
         assert opened.tell() == 0
+
+
+def test_a_closed_file_answers_as_a_closed_file_does(source_tree, tmp_path):
+    """readable() and seekable() said True after close(), where a file's and io.BytesIO's raise ValueError: a
+    library that asks before it reads went on to read a closed file."""
+    dest = tmp_path / "ds"
+    pack(source_tree, dest, PackOptions(codec="zstd:3", workers=1))
+    plain = open(source_tree / "labels.txt", "rb")
+    with open_dataset(dest) as ds:
+        opened = ds.open("labels.txt")
+        for closing in (opened, plain, io.BytesIO(b"x")):
+            closing.close()
+            for ask in ("readable", "seekable", "tell", "read", "readline"):
+                with pytest.raises(ValueError, match="closed file"):
+                    getattr(closing, ask)()
 
 
 def test_a_dataset_packed_again_while_open_is_named_as_such_not_as_damaged(source_tree, tmp_path):

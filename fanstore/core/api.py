@@ -63,9 +63,11 @@ class BlobFile(io.RawIOBase):
         self._pos = 0
 
     def readable(self) -> bool:
+        self._checkClosed()  # ValueError once closed, as a file's: a library asks before it reads
         return True
 
     def seekable(self) -> bool:
+        self._checkClosed()
         return True
 
     def write(self, data: object) -> int:
