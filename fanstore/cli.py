@@ -16,7 +16,7 @@ from typing import Any, Sequence
 from . import commands
 from .core.options import add_option
 from .errors import EXIT_DOES_NOT_FIT, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, DoesNotFit, FanstoreError, \
-    Terminated, say_line
+    Terminated, UsageError, quoted, say_line
 
 EPILOG_WIDTH = 78  # columns of the exit statuses, as argparse wraps the rest of --help for an 80-column terminal
 _ERROR = (EXIT_FAILURE, "an error, said in one line on stderr")
@@ -362,6 +362,7 @@ def _run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None)
     args.argv = argv  # a background mount re-runs itself with the same arguments
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
+        _check_paths(args, getattr(args, "command_parser", parser))
         return args.run(args)
     except DoesNotFit as exc:
         say_line(f"{prog}: error: {exc}")
@@ -382,6 +383,35 @@ def _run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None)
         # The reader of our output went away (`fanstore select SRC | head`): not an error worth a traceback.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_FAILURE
+
+
+# Every path a command takes, by its argument's name on the command line: what _check_paths looks at.
+_PATH_ARGUMENTS = {"src": "SRC", "dest": "DEST", "mountpoint": "MOUNTPOINT", "log": "--log", "plot": "--plot",
+                   "workdir": "--workdir", "local_dir": "--local-dir", "ready_file": "--ready-file",
+                   "prefetch_list": "--prefetch-list"}
+_EMPTY_MEANS_NONE = {"--prefetch-list"}  # "" is no list, as not giving it
+
+
+def _check_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuse a path no command can use, before the command runs. An empty one ("$DEST" with DEST unset) was
+    Path(''), the current directory, where the system calls take '' for no file: a pack wrote its chunks there, a
+    mount covered it. A relative one in a current directory that was removed failed in a traceback out of
+    os.getcwd; an absolute one still works."""
+    given = []
+    for field, name in _PATH_ARGUMENTS.items():
+        value = getattr(args, field, None)
+        given += [(name, text) for text in (value if isinstance(value, list) else [value]) if text is not None]
+    for name, text in given:
+        if text == "" and name not in _EMPTY_MEANS_NONE:
+            parser.error(f"argument {name}: an empty path (an unset variable?)")
+    relative = [(name, text) for name, text in given if text and not text.startswith("/")]
+    if relative:
+        try:
+            os.getcwd()
+        except FileNotFoundError:
+            name, text = relative[0]
+            raise UsageError(f"{name} {quoted(text)} is relative to the current directory, which was removed: cd "
+                             "to a directory that exists, or give an absolute path") from None
 
 
 def _stdout_closed() -> bool:

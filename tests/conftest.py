@@ -116,13 +116,15 @@ def flip_byte(path: Path, offset: int) -> None:
 
 
 def run_cli(*args: str, check: bool = False, **kwargs) -> subprocess.CompletedProcess:
-    """Runs `python -m fanstore ARGS` (or `fanstore-pack` with args[0] == 'fanstore-pack') for real."""
+    """Runs `python -m fanstore ARGS` (or `fanstore-pack` with args[0] == 'fanstore-pack') for real, in the checkout
+    unless `cwd` says where."""
     if args and args[0] == "fanstore-pack":
         cmd = [sys.executable, "-c", "import sys; from fanstore.__main__ import pack_main; sys.exit(pack_main())", *args[1:]]
     else:
         cmd = [sys.executable, "-m", "fanstore", *args]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, **kwargs)
+    kwargs.setdefault("cwd", REPO)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, **kwargs)
     if check and proc.returncode != 0:
         raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc

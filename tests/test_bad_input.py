@@ -555,3 +555,60 @@ def test_a_dest_on_a_read_only_file_system_is_one_line_saying_what_it_is(source_
                               f"DEST '{read_only}' cannot be written ('{read_only}/chunks' cannot be made): Read-only")
         assert_one_line_error(run_cli("fanstore-pack", str(source_tree), str(read_only / "new")),
                               f"DEST '{read_only}/new' cannot be created: Read-only")
+
+
+def test_an_empty_path_is_refused_not_taken_for_the_current_directory(source_tree, tmp_path):
+    """An empty argument ("$DEST" with DEST unset) was Path(''), the current directory: a pack wrote its chunks there,
+    a mount covered it, a demo filled it. Every path a command takes is refused empty, by its name, and nothing is
+    written."""
+    dest = tmp_path / "ds"
+    run_cli("fanstore-pack", str(source_tree), str(dest), "--quiet", check=True)
+    here = tmp_path / "here"
+    here.mkdir()
+    src, ds, mnt = str(source_tree), str(dest), str(tmp_path / "mnt")
+    (tmp_path / "mnt").mkdir()
+    cases = {"SRC": [("fanstore-pack", "", ds), ("select", "", "--budget", "1MB/s")],
+             "DEST": [("fanstore-pack", src, ""), ("pack", src, ""), ("info", ""), ("verify", ""),
+                      ("plan", "", "--nodes", "2"), ("mount", "", mnt)],
+             "MOUNTPOINT": [("mount", ds, ""), ("umount", "")],
+             "--log": [("mount", ds, mnt, "--log", "")],
+             "--plot": [("select", src, "--budget", "1MB/s", "--plot", "")],
+             "--workdir": [("demo", "--no-mount", "--workdir", "")],
+             "--local-dir": [("serve", ds, mnt, "--local-dir", "")],
+             "--ready-file": [("serve", ds, mnt, "--local-dir", str(tmp_path / "local"), "--ready-file", "")]}
+    try:
+        for name, commands in cases.items():
+            for command in commands:
+                refused = run_cli(*command, cwd=here, timeout=120)
+                assert refused.returncode == 2, (command, refused.stdout, refused.stderr)
+                assert_one_line_error(refused, f"argument {name}: an empty path")
+                assert os.listdir(here) == [] and not os.path.ismount(here), command
+    finally:
+        if os.path.ismount(here):
+            subprocess.run(["fusermount3", "-u", "-z", str(here)])
+
+
+def test_a_removed_current_directory_is_said_and_absolute_paths_still_work(source_tree, tmp_path):
+    """Run from a directory removed since (a job's scratch cleaned under its shell): pack, mount and umount failed in
+    a traceback out of os.getcwd, given relative paths or not."""
+    def in_a_removed_directory(*args: str) -> subprocess.CompletedProcess:
+        gone = tmp_path / f"gone{len(list(tmp_path.glob('gone*')))}"
+        gone.mkdir()
+        return run_cli(*args, cwd=gone, preexec_fn=lambda: os.rmdir(gone), timeout=120)
+
+    dest, mnt = tmp_path / "ds", tmp_path / "mnt"
+    mnt.mkdir()
+    for args, name in [(("fanstore-pack", str(source_tree), "out"), "DEST 'out'"), (("select", "src", "--budget",
+                        "1MB/s"), "SRC 'src'"), (("mount", "ds", str(mnt)), "DEST 'ds'"), (("umount", "mnt"),
+                        "MOUNTPOINT 'mnt'"), (("info", "ds"), "DEST 'ds'")]:
+        assert_one_line_error(in_a_removed_directory(*args), name, "relative to the current directory, which was "
+                                                                   "removed")
+    packed = in_a_removed_directory("fanstore-pack", str(source_tree), str(dest), "--quiet")
+    assert packed.returncode == 0, packed.stderr
+    mounted_here = in_a_removed_directory("mount", str(dest), str(mnt))
+    try:
+        assert mounted_here.returncode == 0, mounted_here.stderr
+        assert (mnt / "labels.txt").read_bytes() == (source_tree / "labels.txt").read_bytes()
+    finally:
+        unmounted = in_a_removed_directory("umount", str(mnt))
+    assert unmounted.returncode == 0 and not os.path.ismount(mnt), unmounted.stderr

@@ -77,7 +77,9 @@ def fuse_mount_holding(path: str, mounts: Iterable[str]) -> str | None:
 
 def _resolve(mountpoint: Path, mounts: Iterable[str]) -> Path:
     resolved = "/"
-    pending = os.path.join(os.getcwd(), mountpoint).split("/")[::-1]  # a stack: the next component last
+    # os.getcwd only for a relative path: it fails where the current directory was removed.
+    absolute = mountpoint if mountpoint.is_absolute() else os.path.join(os.getcwd(), mountpoint)
+    pending = str(absolute).split("/")[::-1]  # a stack: the next component last
     links_followed = 0
     while pending:
         name = pending.pop()
