@@ -195,9 +195,18 @@ def shown_path(path: str) -> str:
     return quoted(path)
 
 
+def one_line(text: str) -> str:
+    """`text` made one line: each character that does not print (a newline, a tab, a terminal's escape) written as
+    repr writes it. A message names paths as given, and one whose name held a newline split an error in two, of
+    which a background mount's daemon, handing its error up as one line, kept only the first."""
+    if text.isprintable():
+        return text
+    return "".join(character if character.isprintable() else repr(character)[1:-1] for character in text)
+
+
 def say_line(text: str, stream: TextIO | None = None) -> None:
     """Print one line (to stderr unless told) in a single write. print() writes the text and its newline separately,
     and under mpiexec the lines of several ranks writing at once then run together on one line."""
     stream = stream or sys.stderr
-    stream.write(text + "\n")
+    stream.write(one_line(text) + "\n")
     stream.flush()

@@ -612,3 +612,18 @@ def test_a_removed_current_directory_is_said_and_absolute_paths_still_work(sourc
     finally:
         unmounted = in_a_removed_directory("umount", str(mnt))
     assert unmounted.returncode == 0 and not os.path.ismount(mnt), unmounted.stderr
+
+
+def test_an_error_naming_a_path_with_a_newline_stays_one_line(source_tree, tmp_path):
+    """A DEST whose name holds a newline split the error in two (`ds` on one line, the rest on the next), and a
+    background mount, whose daemon hands its error up as one line, lost all but `fanstore: error: ds`."""
+    missing, plain = tmp_path / "ds\nmissing", tmp_path / "ds\nplain"
+    plain.mkdir()
+    (tmp_path / "mnt").mkdir()
+    for args, needle in [(("info", str(missing)), "no such dataset directory"),
+                         (("verify", str(plain)), "no fanstore.index here"),
+                         (("plan", str(plain), "--nodes", "2"), "no fanstore.index here"),
+                         (("mount", str(plain), str(tmp_path / "mnt")), "no fanstore.index here")]:
+        failed = run_cli(*args, timeout=60)
+        assert_one_line_error(failed, "ds\\n", needle)
+        assert failed.stderr.count("\n") == 1, failed.stderr

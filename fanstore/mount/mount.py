@@ -37,7 +37,7 @@ from ..core.pause import pause_point
 from .auto_unmount import FuseDeviceReleasedFirst, auto_unmount_option
 from .daemon_tuning import install_fast_session_loop
 from ..core.dest_apart import overlap
-from ..errors import FanstoreError, UsageError, quoted
+from ..errors import FanstoreError, UsageError, one_line, quoted
 from ..core.format import CHUNK_DIR, INDEX_NAME
 from .job_memory import JobMemory, job_memory
 from .kernel_holds import KernelHolds
@@ -427,7 +427,7 @@ def _report_ready(ready_fd: int | None, message: str) -> None:
     if ready_fd is None:
         return
     try:
-        os.write(ready_fd, (message + "\n").encode("utf-8", "replace"))
+        os.write(ready_fd, (one_line(message) + "\n").encode("utf-8", "replace"))
         os.close(ready_fd)
     except OSError:
         pass
