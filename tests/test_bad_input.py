@@ -627,3 +627,21 @@ def test_an_error_naming_a_path_with_a_newline_stays_one_line(source_tree, tmp_p
         failed = run_cli(*args, timeout=60)
         assert_one_line_error(failed, "ds\\n", needle)
         assert failed.stderr.count("\n") == 1, failed.stderr
+
+
+def test_a_number_too_large_for_a_float_is_refused_as_too_large(source_tree, tmp_path):
+    """A size of 400 digits and a unit ended in an OverflowError traceback (float infinity to int); without a unit it
+    was said to be 'not a whole number of bytes'; a rate or a --kernel-timeout of 1e400 alike."""
+    dest = tmp_path / "ds"
+    run_cli("fanstore-pack", str(source_tree), str(dest), "--quiet", check=True)
+    huge = "9" * 400
+    plan = ("plan", str(dest), "--nodes", "2", "--local-capacity")
+    for args, needle in [((*plan, huge + "K"), "--local-capacity: '999"), ((*plan, huge), "--local-capacity: '999"),
+                         (("select", str(source_tree), "--budget", huge + "MB/s"), "--budget: '999"),
+                         (("fanstore-pack", str(source_tree), str(tmp_path / "out"), "--chunk-size", huge + "GiB"),
+                          "--chunk-size: '999")]:
+        assert_one_line_error(run_cli(*args, timeout=60), needle, "is too large")
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "mnt").mkdir()
+    assert_one_line_error(run_cli("mount", str(dest), str(tmp_path / "mnt"), "--kernel-timeout", "1e400"),
+                          "--kernel-timeout: must be a finite number of seconds, 0 or more, got inf")

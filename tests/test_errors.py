@@ -135,7 +135,9 @@ def test_packing_raises_the_exported_errors(tmp_path):
 
 @pytest.mark.parametrize("build, message", [
     (lambda: MountOptions(prefetch=-1), "--prefetch: must be 0 or more files, got -1"),
-    (lambda: MountOptions(kernel_timeout=float("nan")), "--kernel-timeout: must be 0 or more seconds, got nan"),
+    (lambda: MountOptions(kernel_timeout=float("nan")), "--kernel-timeout: must be a finite number of seconds, 0 or "
+                                                        "more, got nan"),
+    (lambda: MountOptions(kernel_timeout=float("inf")), "--kernel-timeout: must be a finite number of seconds"),
     (lambda: MountOptions(cache_size=0), "--cache-size: must be 1 byte or more, got 0"),
     (lambda: MountOptions(decode_threads=-2), "MountOptions.decode_threads: must be 0 or more, got -2"),
     (lambda: MountOptions(prefetch_threads=-1), "--prefetch-threads: must be 0 or more, got -1"),
@@ -146,6 +148,8 @@ def test_packing_raises_the_exported_errors(tmp_path):
     (lambda: PeerOptions(timeout=0), "--peer-timeout: must be a number of seconds more than 0 (and finite), got 0"),
     (lambda: PeerOptions(max_in_flight=0), "--max-in-flight: must be 1 or more requests, got 0"),
     (lambda: PeerOptions(lost_after=-1), "--peer-lost-after: must be 0 (half of TCP's give-up time) or more"),
+    (lambda: PeerOptions(lost_after=float("inf")), "--peer-lost-after: must be 0 (half of TCP's give-up time) or more "
+                                                   "seconds (and finite), got inf"),
     (lambda: _serve_options(mount=MountOptions(prefetch_threads=0)),
      "--prefetch-threads: must be 1 or more threads, got 0"),
     (lambda: PackOptions(chunk_size=100), "--chunk-size: 100 bytes is too small (at least 4 KiB)"),

@@ -9,12 +9,17 @@ own value is echoed as the option takes it (`--chunk-size 64MiB`), exactly: see 
 
 from __future__ import annotations
 
+import math
 import re
 
 from ..errors import UsageError, quoted
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgtp])(ib|b)?)?\s*(?:b|bytes?)?\s*$", re.IGNORECASE)
 _POWERS = {"k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+
+
+class _TooLarge(UsageError):
+    """A number past a float's range (400 digits): parse_rate passes it on as it is, not as one it cannot read."""
 
 
 def parse_size(text: str, option: str = "size", minimum: int = 1) -> int:
@@ -27,7 +32,9 @@ def parse_size(text: str, option: str = "size", minimum: int = 1) -> int:
     if prefix:
         base = 1000 if (suffix or "").lower() == "b" else 1024
         value *= base ** _POWERS[prefix.lower()]
-    elif not value.is_integer():
+    if not math.isfinite(value):  # float() of 400 digits is inf, which int() cannot take
+        raise _TooLarge(f"{option}: {quoted(text)} is too large to be a size")
+    if not prefix and not value.is_integer():
         raise UsageError(f"{option}: {quoted(text)} is not a whole number of bytes (a fraction takes a unit: 1.5MB)")
     if value < minimum:
         raise UsageError(f"{option}: {quoted(text)} must be at least {minimum} byte{'s' if minimum != 1 else ''}")
@@ -82,6 +89,8 @@ def parse_rate(text: str, option: str = "rate") -> float:
     body = match.group(1) if match else str(text)
     try:
         rate = float(parse_size(body, option, minimum=0))  # 0 (or 0MB/s): no requirement
+    except _TooLarge:
+        raise UsageError(f"{option}: {quoted(text)} is too large to be a throughput") from None
     except UsageError:
         raise UsageError(f"{option}: cannot read {quoted(text)} as a throughput (try 800MB/s or 1GiB/s)") from None
     if rate and _BARE_NUMBER_RE.match(body):

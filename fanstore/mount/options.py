@@ -78,4 +78,5 @@ class MountOptions:
         if self.prefetch_min_size is not None and self.prefetch_min_size < 0:
             raise UsageError(f"--prefetch-min-size: must be 0 bytes or more, got {self.prefetch_min_size}")
         if self.kernel_timeout is not None and not 0 <= self.kernel_timeout < math.inf:  # nan fails both
-            raise UsageError(f"--kernel-timeout: must be 0 or more seconds, got {self.kernel_timeout}")
+            raise UsageError(f"--kernel-timeout: must be a finite number of seconds, 0 or more, got "
+                             f"{self.kernel_timeout}")

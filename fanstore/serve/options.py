@@ -52,8 +52,8 @@ class PeerOptions:
             if not 0 < value < math.inf:
                 raise UsageError(f"{flag}: must be a number of seconds more than 0 (and finite), got {value}")
         if not 0 <= self.lost_after < math.inf:
-            raise UsageError(f"--peer-lost-after: must be 0 (half of TCP's give-up time) or more seconds, got "
-                             f"{self.lost_after}")
+            raise UsageError(f"--peer-lost-after: must be 0 (half of TCP's give-up time) or more seconds (and finite), "
+                             f"got {self.lost_after}")
         if self.max_in_flight < 1:
             raise UsageError(f"--max-in-flight: must be 1 or more requests, got {self.max_in_flight}")
         if self.max_reply_bytes < 1:
