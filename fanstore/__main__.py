@@ -7,6 +7,7 @@ during them ends as every other does, in one line and status 130."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from typing import Sequence
@@ -14,9 +15,30 @@ from typing import Sequence
 from .errors import EXIT_INTERRUPTED, say_line
 
 
+def _reopen_closed_streams() -> None:
+    """Put the null device where the caller closed stdin, stdout or stderr (`2>&-`). Python then has no sys.stderr,
+    and a pack failed on its progress bar's first write, with no word and its dataset unfinished; and the next file
+    opened took the closed number, where a child or a library that writes to stderr would write into it."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    if sys.stdin is None:
+        sys.stdin = open(0, closefd=False)
+    if sys.stdout is None:
+        sys.stdout = open(1, "w", closefd=False)
+    if sys.stderr is None:
+        sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
+
+
 def _started(prog: str, entry: str, argv: Sequence[str] | None) -> int:
     """Run the command line's `entry`; an interrupt it does not answer itself (in its imports, or while it parses
     the command line) ends in one line."""
+    _reopen_closed_streams()
     try:
         # SIGINT waits while the command line imports: broken off, a C extension's import (numpy's, datetime's)
         # fails as an ImportError, not an interrupt. Let through after, it is a KeyboardInterrupt here.
