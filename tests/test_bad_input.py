@@ -664,3 +664,11 @@ def test_a_command_run_with_its_output_streams_closed_does_its_work(source_tree,
     assert dir_bytes(tmp_path / "ds2") == dir_bytes(dest)
     assert with_closed((2,), "info", str(tmp_path / "absent")).returncode == 1
     assert with_closed((1,), "verify", str(dest)).returncode == 0
+
+
+def test_a_demo_workdir_that_cannot_be_made_is_one_line(tmp_path):
+    """`fanstore demo --workdir` on a file, under a file or where nothing may be made ended in a mkdir traceback."""
+    (tmp_path / "a_file").write_text("x")
+    for workdir, reason in [("a_file", "File exists"), ("a_file/sub", "Not a directory"), ("/proc/demo", "No such")]:
+        path = workdir if workdir.startswith("/") else str(tmp_path / workdir)
+        assert_one_line_error(run_cli("demo", "--no-mount", "--workdir", path), f"--workdir '{path}'", reason)

@@ -19,6 +19,7 @@ from .demo_training import train_and_evaluate
 from ..pack.options import PackOptions
 from ..pack.packer import pack
 from ..core.units import format_bytes, plural
+from ..errors import UsageError, quoted
 
 DEMO_CODEC = "zstd-dict:9"
 DEMO_REPLICATE = ("val/**",)
@@ -30,7 +31,11 @@ TORCH_INSTALL = "pip install torch --index-url https://download.pytorch.org/whl/
 def run_demo(workdir: str | os.PathLike[str] | None = None, scale: int = 1, mount: bool = True) -> int:
     """Returns the exit status: 0 when every file read back equals its original."""
     if workdir is not None:
-        Path(workdir).mkdir(parents=True, exist_ok=True)
+        try:
+            Path(workdir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file there or on the way, no room, no permission
+            raise UsageError(f"--workdir {quoted(os.fspath(workdir))}: cannot be made a directory: {exc.strerror}") \
+                from None
         return _demo_in(Path(workdir), scale, mount)
     with tempfile.TemporaryDirectory(prefix="fanstore-demo-") as tmp:
         return _demo_in(Path(tmp), scale, mount)
