@@ -271,8 +271,8 @@ def _add_mount_parsers(subcommands: Any) -> None:
             "(fusermount3 -u -z, or umount -l where there is no fusermount): files open through it stay readable "
             "until closed, and the daemon then exits by itself.",
             [(0, "unmounted"),
-             (EXIT_FAILURE, "an error, said in one line on stderr: nothing is mounted at MOUNTPOINT, it does not "
-                            "exist, or the unmount failed"),
+             (EXIT_FAILURE, "an error, said in one line on stderr: nothing is mounted at MOUNTPOINT, or another "
+                            "file system than fanstore's, it does not exist, or the unmount failed"),
              _USAGE],
             "fanstore umount /tmp/imagenet"))
     umount_parser.add_argument("mountpoint", metavar="MOUNTPOINT", help="where `fanstore mount` mounted the dataset")

@@ -1010,3 +1010,39 @@ def test_the_session_loop_hook_is_still_there():
             "assert install_fast_session_loop(); assert pyfuse3.trio is not trio; "
             "assert pyfuse3.trio.Lock is not trio.Lock")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+# Another FUSE file system than fanstore's: an empty read-only directory, mounted at argv[1] as `fuse.other`.
+_OTHER_FUSE = """
+import stat, sys
+import pyfuse3, trio
+
+class Empty(pyfuse3.Operations):
+    async def getattr(self, inode, ctx=None):
+        attr = pyfuse3.EntryAttributes()
+        attr.st_ino, attr.st_mode, attr.st_nlink = inode, stat.S_IFDIR | 0o755, 2
+        return attr
+
+pyfuse3.init(Empty(), sys.argv[1], {"ro", "fsname=other", "subtype=other"})
+try:
+    trio.run(pyfuse3.main)
+finally:
+    pyfuse3.close()
+"""
+
+
+def test_umount_leaves_a_file_system_that_is_not_fanstores(tmp_path):
+    """`fanstore umount` of a mount point that another FUSE file system uses (sshfs, squashfuse: a path mistyped)
+    unmounted it all the same; it now refuses, naming what is mounted there."""
+    mountpoint = tmp_path / "other"
+    mountpoint.mkdir()
+    other = subprocess.Popen([sys.executable, "-c", _OTHER_FUSE, str(mountpoint)])
+    try:
+        wait_until(lambda: fuse_mounted_at(mountpoint) or other.poll() is not None, "the other file system mounted")
+        assert other.poll() is None, "the other FUSE file system did not start"
+        assert_one_line_error(run_cli("umount", str(mountpoint)), f"MOUNTPOINT '{mountpoint}'", "fuse.other",
+                              "not a fanstore mount")
+        assert fuse_mounted_at(mountpoint)
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)])
+        other.wait(timeout=30)

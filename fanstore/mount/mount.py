@@ -42,8 +42,8 @@ from ..core.format import CHUNK_DIR, INDEX_NAME
 from .job_memory import JobMemory, job_memory
 from .kernel_holds import KernelHolds
 from .mount_claim import MountpointClaim
-from .mountinfo import fuse_mount_holding, fuse_mounted_at, fuse_mounts, read_ahead_setting, resolve_mountpoint, \
-    set_read_ahead  # noqa: F401 (fuse_mounted_at, read_ahead_setting: their old home)
+from .mountinfo import FANSTORE_SUBTYPE, fuse_mount_holding, fuse_mounted_at, fuse_mounts, fuse_type, \
+    read_ahead_setting, resolve_mountpoint, set_read_ahead  # noqa: F401 (fuse_mounted_at, read_ahead_setting: their old home)
 from .options import INLINE_DECODE_BYTES, READ_AHEAD_KIB, MountOptions  # noqa: F401 (MountOptions: its old home)
 from .prefetch import FetchedAhead, FileOrder, Prefetcher, may_block_flags, read_prefetch_list
 from ..core.units import format_bytes, size_option
@@ -348,7 +348,7 @@ def _init_fuse(operations: FanstoreOperations, mountpoint: Path, allow_other: bo
     """Hand the kernel the mount (read-only); MountError when it refuses."""
     import pyfuse3
 
-    fuse_options = set(pyfuse3.default_options) | {"ro", "fsname=fanstore", "subtype=fanstore"}
+    fuse_options = set(pyfuse3.default_options) | {"ro", "fsname=fanstore", f"subtype={FANSTORE_SUBTYPE}"}
     if allow_other:
         fuse_options.add("allow_other")
     if auto_unmount:
@@ -567,6 +567,10 @@ def unmount(mountpoint: Path) -> None:
             if not os.path.isdir(mountpoint):
                 raise UsageError(f"MOUNTPOINT {quoted(mountpoint)} is not a directory")
         raise UsageError(f"{mountpoint}: no FUSE file system is mounted here")
+    fs_type = fuse_type(mountpoint)
+    if fs_type != f"fuse.{FANSTORE_SUBTYPE}":  # a path mistyped: someone's sshfs or squashfuse is not ours to end
+        raise UsageError(f"MOUNTPOINT {quoted(mountpoint)} holds {fs_type}, not a fanstore mount; fusermount3 -u "
+                         "unmounts any FUSE file system")
     tool = shutil.which("fusermount3") or shutil.which("fusermount")
     command = [tool, "-u", "-z", str(mountpoint)] if tool else ["umount", "-l", str(mountpoint)]
     done = subprocess.run(command, capture_output=True, text=True)

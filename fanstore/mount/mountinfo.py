@@ -57,15 +57,30 @@ _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
 _MAX_SYMLINKS = 40  # the kernel's limit for one lookup
 
 
+FANSTORE_SUBTYPE = "fanstore"  # the FUSE subtype a fanstore mount is given, mountinfo's type `fuse.fanstore`
+
+
 def fuse_mounts() -> dict[str, str]:
     """Mount point -> `major:minor` of every FUSE file system in /proc/self/mountinfo, the latest one per path."""
+    return {mountpoint: device for mountpoint, (device, _) in _fuse_mounts().items()}
+
+
+def fuse_type(mountpoint: Path) -> str | None:
+    """The type mountinfo gives the latest FUSE mount at the resolved `mountpoint` (`fuse.fanstore`, `fuse.sshfs`),
+    or None where none is."""
+    found = _fuse_mounts().get(str(mountpoint))
+    return None if found is None else found[1]
+
+
+def _fuse_mounts() -> dict[str, tuple[str, str]]:
+    """Mount point -> (`major:minor`, type) of every FUSE file system in /proc/self/mountinfo, the latest per path."""
     mounts = {}
     with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as mountinfo:
         for line in mountinfo:
             fields = line.split()
             fs_type = fields[fields.index("-") + 1]
             if fs_type in ("fuse", "fuseblk") or fs_type.startswith("fuse."):
-                mounts[_unescape(fields[4])] = fields[2]
+                mounts[_unescape(fields[4])] = (fields[2], fs_type)
     return mounts
 
 
