@@ -43,7 +43,8 @@ from .job_memory import JobMemory, job_memory
 from .kernel_holds import KernelHolds
 from .mount_claim import MountpointClaim
 from .mountinfo import FANSTORE_SUBTYPE, fuse_mount_holding, fuse_mounted_at, fuse_mounts, fuse_type, \
-    read_ahead_setting, resolve_mountpoint, set_read_ahead  # noqa: F401 (fuse_mounted_at, read_ahead_setting: their old home)
+    read_ahead_setting, resolve_mountpoint, \
+    set_read_ahead  # noqa: F401 (fuse_mounted_at, read_ahead_setting: their old home)
 from .options import INLINE_DECODE_BYTES, READ_AHEAD_KIB, MountOptions  # noqa: F401 (MountOptions: its old home)
 from .prefetch import FetchedAhead, FileOrder, Prefetcher, may_block_flags, read_prefetch_list
 from ..core.units import format_bytes, size_option
