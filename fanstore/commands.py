@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .errors import EXIT_DOES_NOT_FIT, EXIT_FAILURE, UsageError, quoted
+from .errors import EXIT_DOES_NOT_FIT, EXIT_FAILURE, UsageError, one_line, quoted, shown_path
 from .core.units import format_bytes, parse_size, plural
 
 if TYPE_CHECKING:
@@ -261,10 +261,11 @@ def run_verify(args: argparse.Namespace) -> int:
 
     with open_dataset(args.dest) as ds:
         report = verify_dataset(ds)
+    # One line an item, as a script counts them: a problem names DEST, whose name may hold a newline.
     for chunk, problem in sorted(report.bad_chunks.items()):
-        print(f"BAD CHUNK {chunk}: {problem}")
+        print(one_line(f"BAD CHUNK {chunk}: {problem}"))
     for bad in report.bad:
-        print(f"BAD {bad}")
+        print(one_line(f"BAD {bad}"))
     for path in report.unfindable:
         print(f"BAD PATH {quoted(path)}: the index lists it, but its hash table does not find it (a damaged index)")
     chunks = f", {plural(len(report.bad_chunks), 'bad chunk file')}" if report.bad_chunks else ""
@@ -309,7 +310,7 @@ def _describe_plan(dest: str, chunk_count: int, placement: Placement, capacity: 
     replicated = len(placement.replicated_chunks)
     empty = sum(share == 0 for share in spread)
     lines = [
-        f"dataset      {dest}",
+        f"dataset      {shown_path(dest)}",
         f"nodes        {nodes:,}",
         f"chunks       {chunk_count:,}: {chunk_count - replicated:,} spread, {replicated:,} replicated; "
         f"{len(split):,} split between nodes ({plural(split_pieces, 'piece')})",

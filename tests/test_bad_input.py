@@ -672,3 +672,23 @@ def test_a_demo_workdir_that_cannot_be_made_is_one_line(tmp_path):
     for workdir, reason in [("a_file", "File exists"), ("a_file/sub", "Not a directory"), ("/proc/demo", "No such")]:
         path = workdir if workdir.startswith("/") else str(tmp_path / workdir)
         assert_one_line_error(run_cli("demo", "--no-mount", "--workdir", path), f"--workdir '{path}'", reason)
+
+
+def test_a_report_on_a_dest_whose_name_holds_a_newline_keeps_one_line_an_item(source_tree, tmp_path):
+    """verify's BAD lines and info's and plan's lines named DEST bare: a newline in its name split each in two, so
+    that a script counting BAD lines counted wrong."""
+    dest = tmp_path / "ds\nnew"
+    run_cli("fanstore-pack", str(source_tree), str(dest), "--quiet", "--chunk-size", "64KiB", check=True)
+    (dest / "chunks" / "00000000.fsc").unlink()
+    verified = run_cli("verify", str(dest))
+    assert verified.returncode == 1
+    lines = verified.stdout.splitlines()
+    assert all(line.startswith(("BAD ", "checked ")) for line in lines), verified.stdout
+    assert "ds\\nnew/chunks/00000000.fsc" in lines[0]
+    info = run_cli("info", str(dest), check=True).stdout.splitlines()
+    assert info[0] == f"dataset      {str(dest)!r}", info[0]
+    unreadable = info.index(next(line for line in info if line.startswith("chunk files")))
+    assert "ds\\nnew/chunks/00000000.fsc" in info[unreadable + 1], info
+    assert not any(line.startswith("new") for line in info), info
+    plan = run_cli("plan", str(dest), "--nodes", "2", check=True).stdout.splitlines()
+    assert plan[0] == f"dataset      {str(dest)!r}" and plan[1].startswith("nodes"), plan

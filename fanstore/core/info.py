@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from ..errors import shown_path
+from ..errors import one_line, shown_path
 from .api import Dataset
 from .format import FLAG_BLOCKED, FORMAT_MAJOR, FORMAT_MINOR, NO_CHUNK, chunk_file_name
 from .units import format_bytes, plural, size_option
@@ -48,7 +48,7 @@ def _totals_lines(ds: Dataset, kinds: np.ndarray, files: np.ndarray) -> list[str
     raw = int(files["size"].sum())
     stored = int(files["stored_len"].sum())
     lines = [
-        f"dataset      {ds.path}",
+        f"dataset      {shown_path(str(ds.path))}",
         f"format       {index.toc.get('version', f'{FORMAT_MAJOR}.{FORMAT_MINOR}')}",
         f"files        {len(files):,}",
         f"directories  {int((kinds == stat.S_IFDIR).sum()):,}",
@@ -184,5 +184,5 @@ def _describe_chunk_files(ds: Dataset) -> list[str]:
         np.add.at(files_in, np.unique(index.blocks["chunk"][rows.start : rows.stop]), 1)
     lines = [f"chunk files  {len(problems):,} of {len(index.chunks):,} cannot be read; their files fail:"]
     for chunk, problem in sorted(problems.items()):
-        lines.append(f"  {chunk_file_name(chunk)}: {plural(int(files_in[chunk]), 'file')}: {problem}")
+        lines.append(one_line(f"  {chunk_file_name(chunk)}: {plural(int(files_in[chunk]), 'file')}: {problem}"))
     return lines
