@@ -1046,3 +1046,23 @@ def test_umount_leaves_a_file_system_that_is_not_fanstores(tmp_path):
     finally:
         subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)])
         other.wait(timeout=30)
+
+
+def test_a_log_that_is_a_fifo_no_one_reads_is_refused_not_waited_on(packed, tmp_path):
+    """`--log FIFO` with no reader hung the mount in its open for good; one with a reader (`--log >(logger)`) logs
+    there, as before."""
+    _, ds = packed
+    mountpoint, fifo = tmp_path / "mnt", tmp_path / "log.fifo"
+    mountpoint.mkdir()
+    os.mkfifo(fifo)
+    for foreground in ((), ("--foreground",)):
+        refused = run_cli("mount", str(ds), str(mountpoint), "--log", str(fifo), *foreground, timeout=60)
+        assert_one_line_error(refused, f"--log '{fifo}'", "a fifo that no process reads")
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mounted_here = run_cli("mount", str(ds), str(mountpoint), "--log", str(fifo), timeout=60)
+        assert mounted_here.returncode == 0, mounted_here.stderr
+        assert sorted(os.listdir(mountpoint)) == sorted(os.listdir(packed[0]))
+    finally:
+        run_cli("umount", str(mountpoint))
+        os.close(reader)

@@ -500,9 +500,14 @@ def open_daemon_log(log_path: Path, private: bool = False) -> int:
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
     if not private:
         try:
-            return os.open(log_path, flags, 0o666)
+            # O_NONBLOCK: a FIFO no process reads fails (ENXIO) where a blocking open waited for a reader for good;
+            # one with a reader (`--log >(logger)`) opens.
+            log_fd = os.open(log_path, flags | os.O_NONBLOCK, 0o666)
         except OSError as exc:
-            raise UsageError(f"--log {quoted(log_path)}: cannot open: {exc.strerror}") from None
+            reason = "a fifo that no process reads" if exc.errno == errno.ENXIO else f"cannot open: {exc.strerror}"
+            raise UsageError(f"--log {quoted(log_path)}: {reason}") from None
+        os.set_blocking(log_fd, True)
+        return log_fd
     directory_fd = _open_private_directory(log_path.parent)
     try:
         # Opened relative to the directory checked, so a directory swapped since cannot redirect it; O_NONBLOCK
