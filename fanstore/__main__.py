@@ -15,10 +15,11 @@ from typing import Sequence
 from .errors import EXIT_INTERRUPTED, say_line
 
 
-def _reopen_closed_streams() -> None:
-    """Put the null device where the caller closed stdin, stdout or stderr (`2>&-`). Python then has no sys.stderr,
-    and a pack failed on its progress bar's first write, with no word and its dataset unfinished; and the next file
-    opened took the closed number, where a child or a library that writes to stderr would write into it."""
+def _usable_streams() -> None:
+    """Streams every command can write to. The null device where the caller closed stdin, stdout or stderr (`2>&-`):
+    Python then has no sys.stderr, and a pack failed on its progress bar's first write, with no word and its dataset
+    unfinished; and the next file opened took the closed number, where a child or a library that writes to stderr
+    would write into it."""
     for fd in (0, 1, 2):
         try:
             os.fstat(fd)
@@ -33,12 +34,16 @@ def _reopen_closed_streams() -> None:
         sys.stdout = open(1, "w", closefd=False)
     if sys.stderr is None:
         sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
+    # A name stdout's encoding cannot write (a Latin-1 or ASCII locale) is escaped, as stderr escapes it, where a
+    # strict stdout ended `fanstore verify` in a UnicodeEncodeError at the first BAD line naming one.
+    if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="backslashreplace")
 
 
 def _started(prog: str, entry: str, argv: Sequence[str] | None) -> int:
     """Run the command line's `entry`; an interrupt it does not answer itself (in its imports, or while it parses
     the command line) ends in one line."""
-    _reopen_closed_streams()
+    _usable_streams()
     try:
         # SIGINT waits while the command line imports: broken off, a C extension's import (numpy's, datetime's)
         # fails as an ImportError, not an interrupt. Let through after, it is a KeyboardInterrupt here.

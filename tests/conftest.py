@@ -117,12 +117,12 @@ def flip_byte(path: Path, offset: int) -> None:
 
 def run_cli(*args: str, check: bool = False, **kwargs) -> subprocess.CompletedProcess:
     """Runs `python -m fanstore ARGS` (or `fanstore-pack` with args[0] == 'fanstore-pack') for real, in the checkout
-    unless `cwd` says where."""
+    unless `cwd` says where, with the variables of `env` added to this process's environment."""
     if args and args[0] == "fanstore-pack":
         cmd = [sys.executable, "-c", "import sys; from fanstore.__main__ import pack_main; sys.exit(pack_main())", *args[1:]]
     else:
         cmd = [sys.executable, "-m", "fanstore", *args]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), **kwargs.pop("env", {})}
     kwargs.setdefault("cwd", REPO)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, **kwargs)
     if check and proc.returncode != 0:

@@ -692,3 +692,16 @@ def test_a_report_on_a_dest_whose_name_holds_a_newline_keeps_one_line_an_item(so
     assert not any(line.startswith("new") for line in info), info
     plan = run_cli("plan", str(dest), "--nodes", "2", check=True).stdout.splitlines()
     assert plan[0] == f"dataset      {str(dest)!r}" and plan[1].startswith("nodes"), plan
+
+
+def test_a_name_the_output_encoding_cannot_write_is_escaped_not_a_traceback(source_tree, tmp_path):
+    """Where stdout's encoding cannot write a file's name (a Latin-1 or ASCII locale; PYTHONIOENCODING=ascii), verify
+    ended in a UnicodeEncodeError traceback at the first BAD line naming it, as stderr, which escapes, did not."""
+    dest = tmp_path / "ds"
+    run_cli("fanstore-pack", str(source_tree), str(dest), "--quiet", "--chunk-size", "4KiB", check=True)
+    with open_dataset(dest) as ds:
+        chunk = int(ds.index.entries["chunk"][ds.index.lookup("名前 with spaces.txt")])
+    (dest / "chunks" / f"{chunk:08d}.fsc").unlink()
+    verified = run_cli("verify", str(dest), env={"PYTHONIOENCODING": "ascii"})
+    assert verified.returncode == 1 and "Traceback" not in verified.stderr, verified.stderr
+    assert "BAD \\u540d\\u524d with spaces.txt: " in verified.stdout, verified.stdout
