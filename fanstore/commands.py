@@ -357,8 +357,8 @@ def run_mount(args: argparse.Namespace) -> int:
 
     from .core.dest_apart import check_apart_from_dest
     from .core.options import from_args
-    from .mount.mount import check_outside, dataset_paths, default_log_path, mount_background, mount_foreground, \
-        open_daemon_log, resolve_mountpoint
+    from .mount.mount import check_daemon_can_read, check_outside, dataset_paths, default_log_path, \
+        mount_background, mount_foreground, open_daemon_log, resolve_mountpoint
     from .mount.options import MountOptions
 
     options = from_args(MountOptions, args)
@@ -380,6 +380,7 @@ def run_mount(args: argparse.Namespace) -> int:
         log = os.fdopen(open_daemon_log(log_path), "a", buffering=1)
         logging.basicConfig(level=logging.INFO, format=log_format, stream=log)
         return mount_foreground(Path(args.dest), mountpoint, options)
+    check_daemon_can_read(options.prefetch_list)
     pid = mount_background(Path(args.dest), mountpoint, args.argv, log_path, private_log=private_log)
     print(f"mounted {args.dest} at {args.mountpoint} (daemon pid {pid}, log {log_path}); "
           f"`fanstore umount {args.mountpoint}` to unmount")

@@ -1066,3 +1066,24 @@ def test_a_log_that_is_a_fifo_no_one_reads_is_refused_not_waited_on(packed, tmp_
     finally:
         run_cli("umount", str(mountpoint))
         os.close(reader)
+
+
+def test_a_background_mount_refuses_a_prefetch_list_its_daemon_cannot_read(packed, tmp_path):
+    """A background mount's daemon opens --prefetch-list itself, after this command: a fifo no one writes held it
+    (and this command, waiting on it) for good, and a pipe of the caller's shell (`--prefetch-list <(...)`,
+    /dev/fd/N) was said not to exist. Both are refused, saying to write the list to a file or mount --foreground."""
+    _, ds = packed
+    mountpoint, fifo = tmp_path / "mnt", tmp_path / "order.fifo"
+    mountpoint.mkdir()
+    os.mkfifo(fifo)
+    read_end, write_end = os.pipe()
+    os.write(write_end, b"labels.txt\n")
+    os.close(write_end)
+    try:
+        for path, keywords in ((str(fifo), {}), (f"/dev/fd/{read_end}", {"pass_fds": (read_end,)})):
+            refused = run_cli("mount", str(ds), str(mountpoint), "--prefetch-list", path, timeout=60, **keywords)
+            assert_one_line_error(refused, f"--prefetch-list {path!r} is a pipe or fifo", "--foreground")
+            assert not fuse_mounted_at(mountpoint)
+    finally:
+        os.close(read_end)
+        run_cli("umount", str(mountpoint))

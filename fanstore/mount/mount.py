@@ -434,6 +434,21 @@ def _report_ready(ready_fd: int | None, message: str) -> None:
         pass
 
 
+def check_daemon_can_read(prefetch_list: Path | None) -> None:
+    """Refuse a --prefetch-list a background mount's daemon cannot read as this process could: the daemon opens it
+    after this command, so a fifo no one writes held it (and this command, waiting on it) for good, and a pipe of the
+    caller's shell (`<(...)`, /dev/fd/N) is not the daemon's to open. --foreground reads it in this process."""
+    if prefetch_list is None:
+        return
+    try:
+        mode = os.stat(prefetch_list).st_mode
+    except OSError:
+        return  # read_prefetch_list says why, naming it
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        raise UsageError(f"--prefetch-list {quoted(str(prefetch_list))} is a pipe or fifo, which the mount's daemon "
+                         "cannot read as this shell would: write the list to a file, or mount with --foreground")
+
+
 def mount_background(dataset: Path, mountpoint: Path, argv: list[str], log_path: Path,
                      private_log: bool = False) -> int:
     """Start the foreground mount as a daemon in its own session; return once it is ready (or failed). `argv` is
