@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import assert_one_line_error, dir_bytes, make_tree, mounted, run_cli
-from fanstore import PackError, PackOptions, open_dataset, pack
+from fanstore import PackError, PackOptions, UsageError, open_dataset, pack
 from fanstore.errors import quoted
 from fanstore.pack.walk import walk_source
 
@@ -705,3 +705,18 @@ def test_a_name_the_output_encoding_cannot_write_is_escaped_not_a_traceback(sour
     verified = run_cli("verify", str(dest), env={"PYTHONIOENCODING": "ascii"})
     assert verified.returncode == 1 and "Traceback" not in verified.stderr, verified.stderr
     assert "BAD \\u540d\\u524d with spaces.txt: " in verified.stdout, verified.stdout
+
+
+def test_a_replicate_pattern_written_from_inside_src_matches_as_its_path(source_tree, tmp_path):
+    """`--replicate ./val` (or `./val/**`, `val//cat`) matched nothing, with a warning, and replicated nothing, where
+    `/val` and `val/` matched: a path in the dataset has no `.` or empty component, so the pattern's are dropped."""
+    from fanstore.pack.groups import glob_to_regex
+
+    for pattern in ("./val", "./val/**", "val//cat", "val/./cat/*.png", "/./val/"):
+        assert glob_to_regex(pattern).match("val/cat/img_001.png"), pattern
+        assert not glob_to_regex(pattern).match("train/cat/img_001.png"), pattern
+    for pattern in (".", "./", "/./"):
+        with pytest.raises(UsageError, match="--replicate: empty pattern"):
+            glob_to_regex(pattern)
+    packed = run_cli("fanstore-pack", str(source_tree), str(tmp_path / "ds"), "--quiet", "--replicate", "./val")
+    assert packed.returncode == 0 and "warning" not in packed.stderr, packed.stderr

@@ -16,11 +16,13 @@ _SET_SPECIAL = frozenset("\\[]^&|~")
 
 def glob_to_regex(pattern: str) -> re.Pattern[str]:
     """Compile a path glob: `*` and `?` stay inside one path component, `**` spans any number of them."""
-    if not pattern.strip("/"):
+    # A path in the dataset has no empty or `.` component: `/val`, `./val` (written from inside SRC) and `val//cat`
+    # name what `val` and `val/cat` do.
+    text = "/".join(component for component in pattern.split("/") if component not in ("", "."))
+    if not text:
         raise UsageError(f"--replicate: empty pattern {quoted(pattern)}")
     parts = []
     i = 0
-    text = pattern.strip("/")
     while i < len(text):
         if text.startswith("**/", i):
             parts.append("(?:.*/)?")
