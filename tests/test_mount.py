@@ -1031,7 +1031,7 @@ finally:
 """
 
 
-def test_umount_leaves_a_file_system_that_is_not_fanstores(tmp_path):
+def test_umount_leaves_a_file_system_that_is_not_fanstores(packed, tmp_path):
     """`fanstore umount` of a mount point that another FUSE file system uses (sshfs, squashfuse: a path mistyped)
     unmounted it all the same; it now refuses, naming what is mounted there."""
     mountpoint = tmp_path / "other"
@@ -1043,6 +1043,9 @@ def test_umount_leaves_a_file_system_that_is_not_fanstores(tmp_path):
         assert_one_line_error(run_cli("umount", str(mountpoint)), f"MOUNTPOINT '{mountpoint}'", "fuse.other",
                               "not a fanstore mount")
         assert fuse_mounted_at(mountpoint)
+        # and `fanstore mount` there says how to end it: with fusermount3, not with the umount that refuses it
+        assert_one_line_error(run_cli("mount", str(packed[1]), str(mountpoint)), "already mounted here",
+                              f"`fusermount3 -u {mountpoint}` (it is not fanstore's) first")
     finally:
         subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)])
         other.wait(timeout=30)

@@ -144,14 +144,17 @@ def check_mountpoint(mountpoint: Path) -> None:
         here = holder == str(mountpoint)
         where = f"{mountpoint}:" if here else f"{mountpoint}: inside {holder},"
         answer = fuse_answer(Path(holder))
+        # `fanstore umount` ends only fanstore's mounts: another FUSE file system's is fusermount3's to end.
+        ours = fuse_type(Path(holder)) == f"fuse.{FANSTORE_SUBTYPE}"
+        unmount_it = f"`fanstore umount {holder}`" if ours else f"`fusermount3 -u {holder}` (it is not fanstore's)"
         if answer == errno.ENOTCONN:
-            raise MountError(f"{where} a stale mount left by a daemon that was killed; clear it with "
-                             f"`fanstore umount {holder}` (or `fusermount3 -u {holder}`)")
+            raise MountError(f"{where} a stale mount left by a daemon that was killed; clear it with {unmount_it}"
+                             + (f" (or `fusermount3 -u {holder}`)" if ours else ""))
         if answer is None:
             raise MountError(f"{where} mounted but not answering within {PROBE_TIMEOUT:g} s (its daemon is "
-                             f"stopped or hung); detach it with `fanstore umount {holder}`")
+                             f"stopped or hung); detach it with {unmount_it}")
         if here:
-            raise MountError(f"{mountpoint}: something is already mounted here; `fanstore umount {mountpoint}` first")
+            raise MountError(f"{mountpoint}: something is already mounted here; {unmount_it} first")
     try:
         os.stat(mountpoint)  # no FUSE mount here; one above it has just answered
     except OSError as exc:
