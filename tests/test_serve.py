@@ -1858,3 +1858,24 @@ def test_ranks_failing_at_once_print_one_whole_line_each(served_dataset, tmp_pat
     assert len(lines) == RANKS, err
     assert all(line.startswith("fanstore: error: rank ") and line.endswith("create the directory first")
                for line in lines), err
+
+
+def test_a_rank_template_names_only_the_rank_and_fits_a_path():
+    """`{rank:>99999999999}` in --local-dir ended in a MemoryError traceback, and `{rank.__class__}` made a directory
+    `l<class 'int'>`: braces hold {rank} alone, with a format spec (`{rank:03d}`) no wider than a path."""
+    from fanstore import UsageError
+    from fanstore.serve.node import format_for_rank
+
+    assert format_for_rank("/l/{rank:03d}/x{rank}", 7, "--local-dir") == Path("/l/007/x7")
+    for template, needle in [("/l{rank.__class__}", "only {rank} may appear in braces ('rank.__class__')"),
+                             ("/l{rank[0]}", "only {rank} may appear in braces ('rank[0]')"),
+                             ("/l{rnk}", "only {rank} may appear in braces ('rnk')"),
+                             ("/l{}", "only {rank} may appear in braces ('')"),
+                             ("/l{rank", "only {rank} may appear in braces (expected '}' before end of string)"),
+                             ("/l{rank:>99999999999}", "{rank:>99999999999} is wider than a path"),
+                             ("/l{rank:>9999999999999999999999}", "wider than a path"),
+                             ("/l{rank:.3}", "cannot write the rank as {rank:.3}")]:
+        with pytest.raises(UsageError) as refused:
+            format_for_rank(template, 0, "--local-dir")
+        assert str(refused.value).startswith(f"--local-dir {template!r}: "), str(refused.value)
+        assert needle in str(refused.value), str(refused.value)

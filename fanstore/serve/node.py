@@ -16,8 +16,10 @@ import contextlib
 import faulthandler
 import logging
 import os
+import re
 import signal
 import socket
+import string
 import subprocess
 import sys
 import threading
@@ -98,12 +100,30 @@ def start_mpi(multiple: bool = True) -> Any:
     return MPI
 
 
+_PATH_MAX = 4096  # bytes of a path the kernel takes
+
+
 def format_for_rank(template: str, rank: int, option: str) -> Path:
+    """`template` (a path option) with its `{rank}`s written for `rank`. Braces hold `rank` alone: str.format also
+    reads attributes and items (`{rank.__class__}` made a directory `l<class 'int'>`); and a format spec
+    (`{rank:03d}`) no wider than a path, which `{rank:>99999999999}` was, ending in a MemoryError."""
     try:
-        return Path(template.format(rank=rank))
-    except (KeyError, IndexError, ValueError) as exc:
-        found = quoted(exc.args[0]) if isinstance(exc, KeyError) else exc  # a KeyError's is the name in braces
-        raise UsageError(f"{option} {quoted(template)}: only {{rank}} may appear in braces ({found})") from None
+        fields = list(string.Formatter().parse(template))
+    except ValueError as exc:  # an unclosed or lone brace
+        raise UsageError(f"{option} {quoted(template)}: only {{rank}} may appear in braces ({exc})") from None
+    for _, name, spec, conversion in fields:
+        if name is None:
+            continue
+        if name != "rank":
+            raise UsageError(f"{option} {quoted(template)}: only {{rank}} may appear in braces ({quoted(name)})")
+        field = "{rank" + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+        if any(int(number) > _PATH_MAX for number in re.findall(r"\d+", spec or "")):
+            raise UsageError(f"{option} {quoted(template)}: {field} is wider than a path")
+        try:
+            field.format(rank=rank)
+        except ValueError as exc:  # a spec an int cannot take ({rank:.3}), an unknown conversion ({rank!x})
+            raise UsageError(f"{option} {quoted(template)}: cannot write the rank as {field} ({exc})") from None
+    return Path(template.format(rank=rank))
 
 
 def shm_files_mapped() -> list[str]:
