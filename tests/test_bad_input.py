@@ -720,3 +720,17 @@ def test_a_replicate_pattern_written_from_inside_src_matches_as_its_path(source_
             glob_to_regex(pattern)
     packed = run_cli("fanstore-pack", str(source_tree), str(tmp_path / "ds"), "--quiet", "--replicate", "./val")
     assert packed.returncode == 0 and "warning" not in packed.stderr, packed.stderr
+
+
+def test_a_dest_that_is_a_dangling_symlink_is_said_to_lead_nowhere(source_tree, tmp_path):
+    """DEST a symlink to a directory not made yet (`ln -s /scratch/me/ds ds`) was said to lead to 'something that is
+    not a directory', where nothing is."""
+    dangling = tmp_path / "ds"
+    dangling.symlink_to(tmp_path / "not_made")
+    assert_one_line_error(run_cli("fanstore-pack", str(source_tree), str(dangling)),
+                          f"DEST '{dangling}' is a symlink to '{tmp_path}/not_made', which does not exist")
+    assert not (tmp_path / "not_made").exists()
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "to_file").symlink_to(tmp_path / "a_file")
+    assert_one_line_error(run_cli("fanstore-pack", str(source_tree), str(tmp_path / "to_file")),
+                          "is a symlink to something that is not a directory")

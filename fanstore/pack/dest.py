@@ -71,6 +71,9 @@ def check_dest(dest: Path, journal: PackJournal, fingerprint: str, listing_diges
     (its index records `listing_digest`: nothing to do); another dataset or another pack's journal only with
     --force; anything fanstore did not write, never. Reads DEST, never writes it."""
     if dest.is_symlink() and not dest.is_dir():
+        if not dest.exists():  # the directory it names is not made yet, or went away
+            raise UsageError(f"DEST {quoted(dest)} is a symlink to {quoted(os.readlink(dest))}, which does not "
+                             "exist; make that directory, or give it as DEST")
         raise UsageError(f"DEST {quoted(dest)} is a symlink to something that is not a directory")
     if dest.exists() and not dest.is_dir():
         raise UsageError(f"DEST {quoted(dest)} exists and is not a directory")
