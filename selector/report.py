@@ -162,11 +162,13 @@ def _fit_lines(selection: Selection) -> list[str]:
 def check_plot_path(path: Path) -> None:
     """SelectionError naming --plot, before the measuring (a minute on a large sample), when the plot could not be
     drawn: no matplotlib, or a file name whose extension names no format it writes (savefig takes the format from
-    it, and failed only once everything had been measured and printed)."""
+    it, and failed only once everything had been measured and printed), or a directory."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
         raise SelectionError("--plot needs matplotlib, which is not installed: pip install matplotlib") from None
+    if path.is_dir():
+        raise SelectionError(f"--plot {str(path)!r} is a directory; name the image file to write")
     formats = Figure().canvas.get_supported_filetypes()
     extension = path.suffix[1:].lower()
     if not extension:
@@ -200,8 +202,9 @@ def plot_selection(selection: Selection, path: Path) -> None:
                     f"{plural(estimate.workers, 'worker')}", fontsize=9)
     try:
         figure.savefig(path, dpi=100)
-    except (OSError, ValueError) as exc:
-        raise SelectionError(f"--plot: cannot write {str(path)!r}: {exc}") from None
+    except (OSError, ValueError) as exc:  # an OSError's own text repeats the path: its strerror says why
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise SelectionError(f"--plot: cannot write {str(path)!r}: {reason}") from None
 
 
 def _plot_decode(axes: Any, selection: Selection, kind: str) -> None:

@@ -396,6 +396,18 @@ def test_a_plot_format_matplotlib_cannot_write_is_refused_before_measuring(tree_
     assert result.stdout == ""
 
 
+def test_a_plot_path_that_is_a_directory_is_refused_before_measuring(tree_root: Path, tmp_path: Path) -> None:
+    """--plot naming a directory (x.png/) failed only once the sample was measured and printed, with a raw
+    `[Errno 21] Is a directory: 'x.png'`; what savefig fails with is said by its strerror."""
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed: the test extra installs it")
+    (tmp_path / "x.png").mkdir()
+    result = run_cli("select", str(tree_root), "--budget", "1GB/s", "--plot", str(tmp_path / "x.png"))
+    assert_one_line_error(result, f"--plot '{tmp_path}/x.png' is a directory; name the image file to write")
+    assert result.stdout == ""
+    result = run_cli("select", str(tree_root), "--budget", "1GB/s", "--plot", "/dev/null/x.png")
+    assert_one_line_error(result, "--plot '/dev/null/x.png': '/dev/null' is not a directory")
+
+
 # --- reporting -----------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
