@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .errors import EXIT_DOES_NOT_FIT, EXIT_FAILURE, UsageError, one_line, quoted, shown_path
+from .errors import EXIT_DOES_NOT_FIT, EXIT_FAILURE, UsageError, one_line, quoted, shell_word, shown_path
 from .core.units import format_bytes, parse_size, plural
 
 if TYPE_CHECKING:
@@ -383,7 +383,7 @@ def run_mount(args: argparse.Namespace) -> int:
     check_daemon_can_read(options.prefetch_list)
     pid = mount_background(Path(args.dest), mountpoint, args.argv, log_path, private_log=private_log)
     print(f"mounted {args.dest} at {args.mountpoint} (daemon pid {pid}, log {log_path}); "
-          f"`fanstore umount {args.mountpoint}` to unmount")
+          f"`fanstore umount {shell_word(args.mountpoint)}` to unmount")
     return 0
 
 

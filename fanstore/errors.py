@@ -195,6 +195,18 @@ def shown_path(path: str) -> str:
     return quoted(path)
 
 
+def shell_word(path: str | os.PathLike[str]) -> str:
+    """A path as a command a message suggests must write it to run as pasted: quoted for the shell where it holds a
+    space or a quote (`fanstore umount my mnt` unmounted nothing), and a relative one that starts with '-' led by
+    './' (`fanstore umount -mnt` was an unknown option)."""
+    text = os.fspath(path)
+    if text.startswith("-"):
+        text = "./" + text
+    import shlex  # here, not above: __main__ imports this module first, before anything else loads
+
+    return shlex.quote(text)
+
+
 def one_line(text: str) -> str:
     """`text` made one line: each character that does not print (a newline, a tab, a terminal's escape) written as
     repr writes it. A message names paths as given, and one whose name held a newline split an error in two, of

@@ -10,6 +10,7 @@ import mmap
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import stat
@@ -1090,3 +1091,25 @@ def test_a_background_mount_refuses_a_prefetch_list_its_daemon_cannot_read(packe
     finally:
         os.close(read_end)
         run_cli("umount", str(mountpoint))
+
+
+def test_a_command_a_message_suggests_runs_as_pasted_for_any_path(packed, tmp_path):
+    """`fanstore umount my mnt` (a mount point with a space) or `fanstore umount -mnt` were the commands the mount's
+    messages said to run: pasted, they unmounted nothing. Each path in a suggested command is quoted for the shell."""
+    _, ds = packed
+    for name in ("my mnt", "-mnt"):
+        (tmp_path / name).mkdir()
+        mounted_here = run_cli("mount", str(ds), f"./{name}" if name.startswith("-") else name, cwd=tmp_path)
+        try:
+            assert mounted_here.returncode == 0, mounted_here.stderr
+            suggested = re.search(r"`(fanstore umount [^`]*)` to unmount", mounted_here.stdout).group(1)
+            again = run_cli("mount", str(ds), str(tmp_path / name))
+            assert_one_line_error(again, "already mounted here")
+            then = re.search(r"`(fanstore umount [^`]*)` first", again.stderr).group(1)
+            for command in (then, suggested):  # each as a shell runs it: the last one unmounts
+                words = shlex.split(command)
+                assert words[2] in (str(tmp_path / name), name, f"./{name}"), command
+            unmounted = run_cli(*shlex.split(suggested)[1:], cwd=tmp_path)
+            assert unmounted.returncode == 0 and not fuse_mounted_at(tmp_path / name), unmounted.stderr
+        finally:
+            run_cli("umount", str(tmp_path / name))

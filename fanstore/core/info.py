@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from ..errors import one_line, shown_path
+from ..errors import one_line, shell_word, shown_path
 from .api import Dataset
 from .format import FLAG_BLOCKED, FORMAT_MAJOR, FORMAT_MINOR, NO_CHUNK, chunk_file_name
 from .units import format_bytes, plural, size_option
@@ -134,7 +134,7 @@ def _describe_pack(pack_meta: dict, dataset: str, shown: int | None) -> list[str
 
 def all_skipped_command(dataset: str) -> str:
     """The command that lists every path a pack skipped, as the messages that leave some out name it."""
-    return f"`fanstore info {dataset} --all-skipped`"
+    return f"`fanstore info {shell_word(dataset)} --all-skipped`"
 
 
 def _describe_selection(selection: dict) -> list[str]:

@@ -37,7 +37,7 @@ from ..core.pause import pause_point
 from .auto_unmount import FuseDeviceReleasedFirst, auto_unmount_option
 from .daemon_tuning import install_fast_session_loop
 from ..core.dest_apart import overlap
-from ..errors import FanstoreError, UsageError, one_line, quoted
+from ..errors import FanstoreError, UsageError, one_line, quoted, shell_word
 from ..core.format import CHUNK_DIR, INDEX_NAME
 from .job_memory import JobMemory, job_memory
 from .kernel_holds import KernelHolds
@@ -146,10 +146,12 @@ def check_mountpoint(mountpoint: Path) -> None:
         answer = fuse_answer(Path(holder))
         # `fanstore umount` ends only fanstore's mounts: another FUSE file system's is fusermount3's to end.
         ours = fuse_type(Path(holder)) == f"fuse.{FANSTORE_SUBTYPE}"
-        unmount_it = f"`fanstore umount {holder}`" if ours else f"`fusermount3 -u {holder}` (it is not fanstore's)"
+        holder_word = shell_word(holder)
+        unmount_it = f"`fanstore umount {holder_word}`" if ours else \
+            f"`fusermount3 -u {holder_word}` (it is not fanstore's)"
         if answer == errno.ENOTCONN:
             raise MountError(f"{where} a stale mount left by a daemon that was killed; clear it with {unmount_it}"
-                             + (f" (or `fusermount3 -u {holder}`)" if ours else ""))
+                             + (f" (or `fusermount3 -u {holder_word}`)" if ours else ""))
         if answer is None:
             raise MountError(f"{where} mounted but not answering within {PROBE_TIMEOUT:g} s (its daemon is "
                              f"stopped or hung); detach it with {unmount_it}")
@@ -164,7 +166,7 @@ def check_mountpoint(mountpoint: Path) -> None:
     if not os.path.isdir(mountpoint):
         raise UsageError(f"MOUNTPOINT {quoted(mountpoint)} is not a directory")
     if os.path.ismount(mountpoint):
-        raise MountError(f"{mountpoint}: something is already mounted here; `fanstore umount {mountpoint}` first")
+        raise MountError(f"{mountpoint}: another file system is mounted here; mount elsewhere")
     try:
         with os.scandir(mountpoint) as entries:
             first = next(entries, None)
