@@ -1113,3 +1113,15 @@ def test_a_command_a_message_suggests_runs_as_pasted_for_any_path(packed, tmp_pa
             assert unmounted.returncode == 0 and not fuse_mounted_at(tmp_path / name), unmounted.stderr
         finally:
             run_cli("umount", str(tmp_path / name))
+
+
+def test_a_mount_point_another_file_system_is_mounted_on_says_to_mount_elsewhere(packed, tmp_path):
+    """A tmpfs (no FUSE) mounted at MOUNTPOINT was refused with 'fanstore umount MOUNTPOINT first', which unmounts
+    FUSE file systems only and refused it."""
+    from conftest import mounted as mounted_with  # this module's `mounted` is a fixture
+
+    mountpoint = tmp_path / "tmpfs"
+    mountpoint.mkdir()
+    with mounted_with(mountpoint, "-t", "tmpfs", "tmpfs", purpose="mount a tmpfs"):
+        refused = run_cli("mount", str(packed[1]), str(mountpoint))
+        assert_one_line_error(refused, f"{mountpoint}: another file system is mounted here; mount elsewhere")
