@@ -1125,3 +1125,22 @@ def test_a_mount_point_another_file_system_is_mounted_on_says_to_mount_elsewhere
     with mounted_with(mountpoint, "-t", "tmpfs", "tmpfs", purpose="mount a tmpfs"):
         refused = run_cli("mount", str(packed[1]), str(mountpoint))
         assert_one_line_error(refused, f"{mountpoint}: another file system is mounted here; mount elsewhere")
+
+
+def test_the_default_log_ignores_an_empty_or_relative_home_or_runtime_dir(tmp_path, monkeypatch):
+    """HOME='' put the default log in /.cache on the root file system, and HOME or XDG_RUNTIME_DIR relative (a job
+    script's `HOME=scratch`) in a directory made under wherever the mount was run. As the XDG spec says, a relative
+    or empty one is ignored: the home is then the user's from the password database."""
+    import pwd
+
+    home = Path(pwd.getpwuid(os.geteuid()).pw_dir)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "relative").mkdir()
+    for variables in ({"HOME": ""}, {"HOME": "relative"}, {"HOME": "relative", "XDG_RUNTIME_DIR": "relative"}):
+        monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+        for name, value in variables.items():
+            monkeypatch.setenv(name, value)
+        log = default_log_path(Path("/mnt/x"))
+        assert log.parent == home / ".cache" / "fanstore", (variables, log)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert default_log_path(Path("/mnt/x")).parent == tmp_path / "fanstore"

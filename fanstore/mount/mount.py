@@ -494,9 +494,22 @@ def default_log_path(mountpoint: Path) -> Path:
     where anyone could plant a symlink at the predictable name and have the daemon (often root) append to any file.
     Named after the mount point's whole path (resolved), so mounts at /a/mnt and /b/mnt keep their logs apart.
     """
-    runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
-    base = Path(runtime_dir) if runtime_dir and os.path.isdir(runtime_dir) else Path.home() / ".cache"
+    runtime_dir = os.environ.get("XDG_RUNTIME_DIR", "")
+    usable = runtime_dir.startswith("/") and os.path.isdir(runtime_dir)
+    base = Path(runtime_dir) if usable else _home() / ".cache"
     return base / "fanstore" / f"mount-{_log_name(mountpoint)}.log"
+
+
+def _home() -> Path:
+    """This user's home: $HOME where it is an absolute path, else the password database's. HOME='' made the log's
+    directory /.cache, on the root file system, and a relative HOME one under wherever the mount was run; the XDG
+    spec has a relative path ignored."""
+    home = os.environ.get("HOME", "")
+    if home.startswith("/"):
+        return Path(home)
+    import pwd
+
+    return Path(pwd.getpwuid(os.geteuid()).pw_dir)
 
 
 _LOG_NAME_READABLE = 100  # characters of the path a log's name keeps (its end: the last names tell mounts apart)
