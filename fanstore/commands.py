@@ -139,9 +139,9 @@ def _report_up_to_date(args: argparse.Namespace, options: PackOptions, summary: 
     """A second run of a finished pack: one line saying there is nothing to do, and, with --fit, whether DEST fits
     (the exit status the first run gave)."""
     skipped = f", {len(summary.problems):,} skipped" if summary.problems else ""
-    print(f"nothing to do: {args.dest} already holds this pack of {' '.join(args.src)}, the same files with the "
-          f"same options ({plural(summary.files, 'file')}, {format_bytes(summary.raw_bytes)} raw, "
-          f"{format_bytes(summary.stored_bytes)} stored{skipped}); --force packs it again")
+    print(one_line(f"nothing to do: {args.dest} already holds this pack of {' '.join(args.src)}, the same files with "
+                   f"the same options ({plural(summary.files, 'file')}, {format_bytes(summary.raw_bytes)} raw, "
+                   f"{format_bytes(summary.stored_bytes)} stored{skipped}); --force packs it again"))
     if not options.fit:
         return 0
     predicted = summary.selection.need().bytes if summary.selection is not None else 0
@@ -239,7 +239,7 @@ def run_select(args: argparse.Namespace) -> int:
             plot_selection(selection, Path(args.plot))
         except SelectionError as exc:
             raise UsageError(str(exc)) from None
-        print(f"plot written to {args.plot}")
+        print(one_line(f"plot written to {args.plot}"))
     return 0
 
 
@@ -382,8 +382,8 @@ def run_mount(args: argparse.Namespace) -> int:
         return mount_foreground(Path(args.dest), mountpoint, options)
     check_daemon_can_read(options.prefetch_list)
     pid = mount_background(Path(args.dest), mountpoint, args.argv, log_path, private_log=private_log)
-    print(f"mounted {args.dest} at {args.mountpoint} (daemon pid {pid}, log {log_path}); "
-          f"`fanstore umount {shell_word(args.mountpoint)}` to unmount")
+    print(one_line(f"mounted {args.dest} at {args.mountpoint} (daemon pid {pid}, log {log_path}); "
+                   f"`fanstore umount {shell_word(args.mountpoint)}` to unmount"))
     return 0
 
 

@@ -692,6 +692,10 @@ def test_a_report_on_a_dest_whose_name_holds_a_newline_keeps_one_line_an_item(so
     assert not any(line.startswith("new") for line in info), info
     plan = run_cli("plan", str(dest), "--nodes", "2", check=True).stdout.splitlines()
     assert plan[0] == f"dataset      {str(dest)!r}" and plan[1].startswith("nodes"), plan
+    again = run_cli("fanstore-pack", str(source_tree), str(dest), "--quiet", "--chunk-size", "64KiB", "--force")
+    nothing = run_cli("fanstore-pack", str(source_tree), str(dest), "--quiet", "--chunk-size", "64KiB", check=True)
+    assert again.returncode == 0 and nothing.stdout.startswith("nothing to do: "), nothing.stdout
+    assert nothing.stdout.count("\n") == 1 and "ds\\nnew" in nothing.stdout, nothing.stdout
 
 
 def test_a_name_the_output_encoding_cannot_write_is_escaped_not_a_traceback(source_tree, tmp_path):
