@@ -12,7 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .errors import EXIT_DOES_NOT_FIT, EXIT_FAILURE, UsageError, one_line, quoted, shell_word, shown_path
+from .errors import EXIT_DOES_NOT_FIT, EXIT_FAILURE, UsageError, one_line, quoted, say_line, shell_word, \
+    shown_path
 from .core.units import format_bytes, parse_size, plural
 
 if TYPE_CHECKING:
@@ -98,16 +99,16 @@ def run_pack(args: argparse.Namespace) -> int:
     if summary.up_to_date:
         return _report_up_to_date(args, options, summary)
     for problem in summary.problems[:_WARNINGS_SHOWN]:
-        print(f"warning: skipped {problem}", file=sys.stderr)
+        say_line(f"warning: skipped {problem}")
     if len(summary.problems) > _WARNINGS_SHOWN:
         from .core.info import all_skipped_command
 
-        print(f"warning: ... and {len(summary.problems) - _WARNINGS_SHOWN} more skipped "
-              f"({all_skipped_command(args.dest)} lists them all)", file=sys.stderr)
+        say_line(f"warning: ... and {len(summary.problems) - _WARNINGS_SHOWN} more skipped "
+                 f"({all_skipped_command(args.dest)} lists them all)")
     if summary.repacked is not None:
-        print(f"warning: {summary.repacked}", file=sys.stderr)
+        say_line(f"warning: {summary.repacked}")
     for pattern in summary.unmatched:
-        print(f"warning: --replicate {quoted(pattern)} matches no file of SRC: it replicates nothing", file=sys.stderr)
+        say_line(f"warning: --replicate {quoted(pattern)} matches no file of SRC: it replicates nothing")
     reused = (f", {plural(summary.reused_chunks, 'chunk')} kept from the interrupted run" if summary.reused_chunks
               else "")
     print(f"packed {plural(summary.files, 'file')} into {plural(summary.chunks, 'chunk')}{reused}: "
@@ -174,7 +175,7 @@ def _check_fit(dest: Path, capacity: int, nodes: int, predicted: float) -> tuple
 
 def _warn_failed_codecs(selection: Selection) -> None:
     for problem in selection.failed:
-        print(f"warning: codec {problem}; left out of the selection", file=sys.stderr)
+        say_line(f"warning: codec {problem}; left out of the selection")
 
 
 def _announce_selection(selection: Selection) -> None:
@@ -248,11 +249,11 @@ def _warn_left_out(problems: Sequence[Problem], unmatched: list[str]) -> None:
     archive, a fifo, a link out of SRC), and --replicate patterns that match nothing. Without them a damaged archive
     selected from nothing and said only that SRC has no non-empty files."""
     for problem in problems[:_WARNINGS_SHOWN]:
-        print(f"warning: left out (fanstore-pack skips it too): {problem}", file=sys.stderr)
+        say_line(f"warning: left out (fanstore-pack skips it too): {problem}")
     if len(problems) > _WARNINGS_SHOWN:
-        print(f"warning: ... and {len(problems) - _WARNINGS_SHOWN} more left out", file=sys.stderr)
+        say_line(f"warning: ... and {len(problems) - _WARNINGS_SHOWN} more left out")
     for pattern in unmatched:
-        print(f"warning: --replicate {quoted(pattern)} matches no file of SRC: it replicates nothing", file=sys.stderr)
+        say_line(f"warning: --replicate {quoted(pattern)} matches no file of SRC: it replicates nothing")
 
 
 def run_verify(args: argparse.Namespace) -> int:

@@ -738,3 +738,15 @@ def test_a_dest_that_is_a_dangling_symlink_is_said_to_lead_nowhere(source_tree, 
     (tmp_path / "to_file").symlink_to(tmp_path / "a_file")
     assert_one_line_error(run_cli("fanstore-pack", str(source_tree), str(tmp_path / "to_file")),
                           "is a symlink to something that is not a directory")
+
+
+def test_a_warning_naming_a_dest_with_a_newline_is_one_line(source_tree, tmp_path, paused_pack):
+    """A resume's warning that a chunk was damaged since names its file in DEST: a newline in DEST's name split it
+    in two, as it did the errors (the warnings went out by print, not by the one-line say_line)."""
+    dest = tmp_path / "ds\nnew"
+    args = ["--chunk-size", "4KiB", "--workers", "1", "--quiet"]
+    paused_pack(source_tree, dest, args, "chunk:3").kill_group()
+    (dest / "chunks" / "00000001.fsc").unlink()
+    resumed = run_cli("fanstore-pack", str(source_tree), str(dest), *args, check=True)
+    assert "are packed again" in resumed.stderr, resumed.stderr
+    assert all(line.startswith("warning: ") for line in resumed.stderr.splitlines()), resumed.stderr
