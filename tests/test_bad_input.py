@@ -750,3 +750,15 @@ def test_a_warning_naming_a_dest_with_a_newline_is_one_line(source_tree, tmp_pat
     resumed = run_cli("fanstore-pack", str(source_tree), str(dest), *args, check=True)
     assert "are packed again" in resumed.stderr, resumed.stderr
     assert all(line.startswith("warning: ") for line in resumed.stderr.splitlines()), resumed.stderr
+
+
+def test_a_path_too_long_to_look_up_is_one_line_naming_it(source_tree, tmp_path):
+    """A SRC or DEST with a name past the file system's 255 bytes (a pasted line, a variable holding a list) ended
+    pack and select in an OSError traceback: pathlib's is_dir raises ENAMETOOLONG where it answers False for a path
+    that is absent."""
+    long_name = str(tmp_path / ("x" * 300))
+    for args, name in [(("fanstore-pack", str(source_tree), long_name), "DEST"),
+                       (("fanstore-pack", long_name, str(tmp_path / "ds")), "SRC"),
+                       (("select", long_name, "--budget", "1MB/s"), "SRC")]:
+        assert_one_line_error(run_cli(*args), f"{name} '{tmp_path}/xxx", "File name too long")
+    assert not (tmp_path / "ds").exists()

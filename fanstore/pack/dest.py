@@ -36,6 +36,7 @@ from ..errors import FanstoreError, FormatError, UsageError, quoted
 from ..core.format import (CHUNK_DIR, CHUNK_HEADER, CHUNK_HEADER_LEN, CHUNK_MAGIC, INDEX_MAGIC, INDEX_NAME,
                            check_chunk_header, chunk_file_name)
 from .dest_lock import DestLock
+from .walk_archive import check_lookup
 from .journal import JOURNAL_DIR, STATE_FILE, ChunkRecord, JournalError, JournalState, PackJournal
 from ..core.verify import chunk_problems
 
@@ -47,6 +48,7 @@ def check_src_and_dest(src: Path, dest: Path) -> None:
     """Neither may hold the other: a pack writes and deletes under DEST, and must not read what it writes. Links are
     followed and a directory reached by two paths (a bind mount) is seen as one (dest_apart.overlap): DEST under a
     bind mount of SRC was written into SRC, and the next run saw its own chunks as changed source files."""
+    check_lookup(dest, "DEST")
     where = overlap(dest, src)
     if where in ("is", "inside"):
         raise UsageError(f"DEST {quoted(dest)} is inside SRC {quoted(src)}; choose a directory outside it")

@@ -184,7 +184,21 @@ def source_paths(src: str | os.PathLike[str] | Sequence[str | os.PathLike[str]])
             paths += map(Path, matches)
         else:
             paths.append(Path(text))
+    for path in paths:
+        check_lookup(path, "SRC")
     return paths
+
+
+def check_lookup(path: Path, name: str) -> None:
+    """UsageError naming `name` (SRC, DEST) where `path` cannot even be looked up, for a reason other than its
+    absence or a file on the way, which the checks after it say: a name past the file system's limit, a directory on
+    the way this user may not search, an I/O error. pathlib's is_dir and exists raise those, a traceback."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    except OSError as exc:
+        raise UsageError(f"{name} {quoted(str(path))}: {exc.strerror}") from None
 
 
 def walk_sources(sources: list[Path], executor: Executor | None = None) -> SourceTree:
