@@ -271,3 +271,32 @@ def test_a_file_dated_past_what_the_index_holds_is_packed_with_the_nearest_time(
         assert ds.stat("past.txt").st_mtime_ns == max(os.stat(src / "past.txt").st_mtime_ns, -(2**63))
         assert ds.stat("now.txt").st_mtime_ns == 1_700_000_000 * 10**9
     assert "nothing to do" in run_cli("fanstore-pack", str(given), str(tmp_path / "ds"), check=True).stdout
+
+
+def test_an_interrupt_while_the_workers_start_leaves_none_waiting(monkeypatch):
+    """A Ctrl-C while the pool started its workers (the second of two, here) left the first waiting for work that
+    never came, and the pack's exit waiting for it (multiprocessing joins its children) for good: the pack printed
+    'interrupted' and hung. The workers started are ended with the interrupt."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from fanstore.pack.compress import WorkerPool
+
+    submitted = []
+    real_submit = ProcessPoolExecutor.submit
+
+    def interrupted_submit(self, fn, *args, **kwargs):
+        submitted.append(fn)
+        if len(submitted) == 2:
+            raise KeyboardInterrupt
+        return real_submit(self, fn, *args, **kwargs)
+
+    monkeypatch.setattr(ProcessPoolExecutor, "submit", interrupted_submit)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            WorkerPool(2)
+        assert multiprocessing.active_children() == []
+    finally:
+        for worker in multiprocessing.active_children():  # before the fix: else pytest's own exit waits on it
+            worker.kill()
+            worker.join()

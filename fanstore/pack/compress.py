@@ -81,11 +81,20 @@ class WorkerPool:
     def __init__(self, workers: int) -> None:
         self.workers = workers
         forked = threading.active_count() == 1 and os.name == "posix"
-        self.executor = ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context("fork" if forked else "forkserver"),
-            initializer=_die_with_parent, initargs=(os.getpid() if forked else None,))
-        for _ in range(workers):
-            self.executor.submit(_warm_up)  # starts every process now
+        before = set(multiprocessing.active_children())
+        try:
+            self.executor = ProcessPoolExecutor(
+                workers, mp_context=multiprocessing.get_context("fork" if forked else "forkserver"),
+                initializer=_die_with_parent, initargs=(os.getpid() if forked else None,))
+            for _ in range(workers):
+                self.executor.submit(_warm_up)  # starts every process now
+        except BaseException:
+            # A Ctrl-C while the workers start: those started wait for work that never comes, and the exit waited
+            # for them for good (multiprocessing joins its children). They are ended here, each once forked.
+            for worker in set(multiprocessing.active_children()) - before:
+                worker.kill()
+                worker.join()
+            raise
 
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)

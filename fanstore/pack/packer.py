@@ -108,9 +108,11 @@ def pack(
     for source in sources:
         check_src_and_dest(source, Path(dest))
     workers = _worker_count(options.workers)
-    # Workers hand blobs back through memfd shared memory (Linux); elsewhere this process compresses alone.
-    pool = WorkerPool(workers) if workers > 1 and hasattr(os, "memfd_create") else None
+    pool = None
     try:
+        # Workers hand blobs back through memfd shared memory (Linux); elsewhere this process compresses alone.
+        # Started inside the try, so that an interrupt as it returns still closes it.
+        pool = WorkerPool(workers) if workers > 1 and hasattr(os, "memfd_create") else None
         with DestLock(Path(dest)) as lock:  # taken after the workers are forked: they never hold it
             lock.take_if_there()
             summary = _pack_with(sources, Path(dest), options, tree, progress, on_selection, pool, lock)
