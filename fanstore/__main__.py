@@ -45,14 +45,17 @@ def _started(prog: str, entry: str, argv: Sequence[str] | None) -> int:
     the command line) ends in one line."""
     _usable_streams()
     try:
-        # SIGINT waits while the command line imports: broken off, a C extension's import (numpy's, datetime's)
-        # fails as an ImportError, not an interrupt. Let through after, it is a KeyboardInterrupt here.
+        # SIGINT waits while the command line imports, and builds its parser, which imports what the options need
+        # (numpy with the pack's): broken off, a C extension's import (numpy's, datetime's) fails as an
+        # ImportError, not an interrupt. Let through after, it is a KeyboardInterrupt here.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             from . import cli
+
+            parser = cli.PARSERS[entry]()
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-        return int(getattr(cli, entry)(argv))
+        return int(getattr(cli, entry)(argv, parser))
     except KeyboardInterrupt:
         say_line(f"{prog}: interrupted")
         return EXIT_INTERRUPTED

@@ -426,16 +426,27 @@ def _stdout_closed() -> bool:
         return True
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return _run("fanstore", _build_parser(), argv)
+def main(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
+    """`fanstore`; `parser` is _build_parser's, made already (by __main__, while an interrupt waits)."""
+    return _run("fanstore", parser or _build_parser(), argv)
 
 
-def pack_main(argv: Sequence[str] | None = None) -> int:
+def pack_main(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
+    """`fanstore-pack`; `parser` is _build_pack_parser's, made already."""
+    return _run("fanstore-pack", parser or _build_pack_parser(), argv)
+
+
+def _build_pack_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fanstore-pack", **_pack_help("fanstore-pack"))
     parser.add_argument("--version", action=_VersionAction)
     _add_pack_arguments(parser)
     parser.set_defaults(run=commands.run_pack)
-    return _run("fanstore-pack", parser, argv)
+    return parser
+
+
+# Each entry point's parser: building one imports what its options need (numpy with the pack's), so __main__ builds
+# it while SIGINT waits, as it imports this module.
+PARSERS = {"main": _build_parser, "pack_main": _build_pack_parser}
 
 
 if __name__ == "__main__":

@@ -299,3 +299,27 @@ def test_ctrl_c_while_the_command_line_starts_is_one_line(tmp_path: Path, way: s
             answered += 1
             assert err.count("\n") == 1 and "interrupted" in err, err
     assert answered, "no SIGINT came while the command ran: the test proved nothing"
+
+
+_HELD_WHILE_BUILT = """
+import signal, sys
+from fanstore import cli
+for entry, build in list(cli.PARSERS.items()):
+    def held(build=build):
+        assert signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, set()), "SIGINT let through"
+        print("built while SIGINT waits")
+        return build()
+    cli.PARSERS[entry] = held
+from fanstore.__main__ import main, pack_main
+print(main(["info", "/nonexistent/ds"]), pack_main(["/nonexistent/src", "/nonexistent/ds"]))
+"""
+
+
+def test_the_parser_is_built_while_an_interrupt_waits() -> None:
+    """Building the parser imports numpy (the pack's options): a Ctrl-C then, let through, broke numpy's import into
+    an ImportError traceback (test_ctrl_c_while_the_command_line_starts_is_one_line, 1 run in 3 after the start-up
+    moved by a few milliseconds). It is built while SIGINT waits, as the command line's import is."""
+    built = subprocess.run([sys.executable, "-c", _HELD_WHILE_BUILT], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+    assert built.returncode == 0 and "Traceback" not in built.stderr, built.stderr
+    assert built.stdout == "built while SIGINT waits\n" * 2 + "1 1\n", built.stdout  # each ran: no DEST, no SRC
