@@ -336,6 +336,36 @@ def test_files_that_vanish_or_change_size_during_the_pack(source_tree, tmp_path)
         pack(source_tree, tmp_path / "strict", PackOptions(workers=1, strict=True), tree=tree)
 
 
+def test_files_whose_size_is_not_what_they_read_are_skipped_by_name(tmp_path):
+    """A /proc file says 0 bytes and reads more; a /sys file says 4096 and reads fewer. Bound into SRC, the first
+    was packed empty without a word, the second skipped as 'changed size during the pack'. Both are skipped now,
+    each named with what it says and what it reads; the rest packs."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "kept.txt").write_text("kept")
+    (src / "empty").touch()
+    proc_file, sys_file = src / "proc_version", src / "cpus_online"
+    proc_file.touch()
+    sys_file.touch()
+    if not os.path.exists("/sys/devices/system/cpu/online"):
+        pytest.skip("/sys/devices/system/cpu/online is missing: no /sys file to bind into SRC")
+    with mounted(proc_file, "--bind", "/proc/version", purpose="bind a /proc file into SRC"), \
+            mounted(sys_file, "--bind", "/sys/devices/system/cpu/online", purpose="bind a /sys file into SRC"):
+        assert os.stat(proc_file).st_size == 0 and os.stat(sys_file).st_size == 4096
+        done = run_cli("fanstore-pack", str(src), str(tmp_path / "ds"), "--quiet")
+        strict = run_cli("fanstore-pack", str(src), str(tmp_path / "strict"), "--quiet", "--strict")
+    assert done.returncode == 0, done.stderr
+    assert "warning: skipped proc_version: reads past the 0 bytes its size says (a /proc or /sys file?)" \
+        in done.stderr
+    assert "warning: skipped cpus_online: reads " in done.stderr
+    assert "bytes where its size says 4096 (a /proc or /sys file?)" in done.stderr
+    assert "2 skipped" in done.stdout and "Traceback" not in done.stderr
+    with open_dataset(tmp_path / "ds") as ds:
+        assert sorted(ds.listdir("")) == ["empty", "kept.txt"]
+        assert ds.read("kept.txt") == b"kept" and ds.read("empty") == b""
+    assert_one_line_error(strict, "--strict: proc_version: reads past the 0 bytes its size says")
+
+
 @contextlib.contextmanager
 def small_disk(path: Path, size: str):
     """A tmpfs of `size` at `path` that fills up, unmounted afterwards whatever happens."""

@@ -49,6 +49,10 @@ class Supplied:
     failed: dict[int, str] = field(default_factory=dict)
 
 
+# Why a file whose size is not what it reads is skipped, and what to do.
+_NOT_ITS_SIZE = " (a /proc or /sys file?); copy it to a regular file to pack it"
+
+
 class _Changed(Exception):
     """The file is not the one the walk saw, or changed while read: it is skipped for this reason."""
 
@@ -91,7 +95,8 @@ class BlobCompressor:
             else:
                 try:
                     with self._open(number) as fd:
-                        raw = _read_exactly(fd, size, 0)
+                        raw = self._read_exactly(fd, number, size, 0)
+                        self._check_ends_at_size(fd, number)
                         self._check_unchanged_after(fd, number)
                 except _Changed as changed:
                     results.append(Skipped(number, Problem(self.files.paths[number], str(changed))))
@@ -116,13 +121,15 @@ class BlobCompressor:
                 codec = self.plan.row_for(self.files.groups[number], self._kind(number, head))
                 for block in range(first_block, end_block):
                     offset = block * block_size
-                    raw = _read_exactly(fd, min(block_size, size - offset), offset)
+                    raw = self._read_exactly(fd, number, min(block_size, size - offset), offset)
                     stored, block_codec = self._encode(raw, codec, head)
                     length = len(stored)
                     into[used : used + length] = stored
                     results.append((number, block, used, length, block_codec, xxhash.xxh3_64_intdigest(stored),
                                     len(raw)))
                     used += length
+                if end_block == self.files.layout.blocks_of(size):
+                    self._check_ends_at_size(fd, number)
                 self._check_unchanged_after(fd, number)
         except _Changed as changed:
             return [Skipped(number, Problem(self.files.paths[number], str(changed)))]
@@ -193,22 +200,32 @@ class BlobCompressor:
         finally:
             os.close(fd)
 
+    def _read_exactly(self, fd: int, number: int, length: int, offset: int) -> bytearray:
+        """`length` bytes at `offset`. A file that ends sooner changed under us, or is one whose size does not
+        tell its content (a /proc or /sys file says 4096 bytes and reads fewer)."""
+        buffer = bytearray(length)
+        view = memoryview(buffer)
+        done = 0
+        while done < length:
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got == 0:
+                self._check_unchanged_after(fd, number)
+                raise _Changed(f"reads {offset + done} bytes where its size says {self.files.sizes[number]}"
+                               f"{_NOT_ITS_SIZE}")
+            done += got
+        return buffer
+
+    def _check_ends_at_size(self, fd: int, number: int) -> None:
+        """A file that reads on past its size (a /proc file says 0 bytes, or fewer than it gives) would be packed
+        cut short, without a word: it is skipped instead."""
+        size = self.files.sizes[number]
+        if os.pread(fd, 1, size):
+            self._check_unchanged_after(fd, number)  # one appended to as we read is a file that changed
+            raise _Changed(f"reads past the {size} bytes its size says{_NOT_ITS_SIZE}")
+
     def _check_unchanged_after(self, fd: int, number: int) -> None:
         """A write while the file was read changes its size, mtime or ctime: the bytes read may be a mix."""
         info = os.fstat(fd)
         if (info.st_size, time_column(info.st_mtime_ns), time_column(info.st_ctime_ns)) != (
                 self.files.sizes[number], self.files.mtimes[number], self.files.ctimes[number]):
             raise _Changed("changed while it was being read")
-
-
-def _read_exactly(fd: int, length: int, offset: int) -> bytearray:
-    """`length` bytes at `offset`; a file that ends sooner changed under us."""
-    buffer = bytearray(length)
-    view = memoryview(buffer)
-    done = 0
-    while done < length:
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got == 0:
-            raise _Changed(f"changed size during the pack (ended {length - done} bytes early)")
-        done += got
-    return buffer

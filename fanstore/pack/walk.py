@@ -187,6 +187,10 @@ def _entry_for(dir_entry: os.DirEntry[str], rel: str, real_root: str, problems: 
         return None
     kind = stat.S_IFMT(st.st_mode)
     if kind == stat.S_IFREG:
+        if st.st_size == 0 and _reads_past_empty(abs_path, st.st_ino):
+            problems.append(Problem(rel, "reads past the 0 bytes its size says (a /proc or /sys file?); copy it to "
+                                         "a regular file to pack it"))
+            return None
         return SourceEntry(rel, st.st_mode, st.st_size, st.st_mtime_ns, "", st.st_ino, st.st_ctime_ns)
     if kind == stat.S_IFDIR:
         return SourceEntry(rel, st.st_mode, 0, st.st_mtime_ns)
@@ -199,6 +203,22 @@ def _entry_for(dir_entry: os.DirEntry[str], rel: str, real_root: str, problems: 
     problems.append(Problem(rel, f"is {_SPECIAL_KINDS.get(kind, 'a special file')}; only files, directories "
                                  "and symlinks are packed"))
     return None
+
+
+def _reads_past_empty(path: str, ino: int) -> bool:
+    """Whether a file that says it is empty gives bytes (a /proc file does): packed as its size says, it would
+    lose them without a word. A file that cannot be opened here is taken at its word, as it was before."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        info = os.fstat(fd)
+        return stat.S_ISREG(info.st_mode) and info.st_ino == ino and bool(os.pread(fd, 1, 0))
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _inside_target(link_path: str, rel: str, real_root: str) -> str | None:
