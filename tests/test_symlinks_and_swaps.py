@@ -174,3 +174,36 @@ def test_files_swapped_or_rewritten_after_the_walk_are_skipped(walked, tmp_path,
     with open_dataset(tmp_path / f"ds{workers}") as ds:
         assert ds.listdir("") == ["untouched"]
         assert ds.read("untouched") == b"untouched" * 100
+
+
+def test_a_source_that_numbers_its_files_afresh_is_packed_whole(tmp_path):
+    """A FUSE file system without inode numbers of its own (libfuse's high-level API, as sshfs) gives a file another
+    number once the kernel forgot it: every file read after the walk was skipped as 'replaced by another file'.
+    One whose size, mtime and ctime are still the walk's is the same file, and is packed."""
+    import subprocess
+    import sys
+
+    from conftest import wait_until
+    from fanstore.mount.mountinfo import fuse_mounted_at
+
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("/dev/fuse is missing on this machine: FUSE mounts cannot be tested")
+    pytest.importorskip("pyfuse3", reason="pyfuse3 is not installed (needs libfuse3-dev to build)")
+    from renumbering_fs import FILES
+
+    mountpoint = tmp_path / "src"
+    mountpoint.mkdir()
+    daemon = subprocess.Popen([sys.executable, str(Path(__file__).with_name("renumbering_fs.py")), str(mountpoint)])
+    try:
+        wait_until(lambda: fuse_mounted_at(mountpoint) or daemon.poll() is not None, "the renumbering mount", 30)
+        if daemon.poll() is not None:
+            pytest.skip("cannot mount a FUSE file system here (needs root or fusermount3)")
+        assert os.stat(mountpoint / "f0.txt").st_ino != os.stat(mountpoint / "f0.txt").st_ino
+        summary = pack(mountpoint, tmp_path / "ds", PackOptions(workers=1))
+    finally:
+        subprocess.run(["fusermount3", "-u", str(mountpoint)], capture_output=True)
+        daemon.wait(timeout=30)
+    assert summary.problems == []
+    with open_dataset(tmp_path / "ds") as ds:
+        assert {name: ds.read(name) for name in ds.listdir("")} == {name.decode(): content
+                                                                    for name, content in FILES.items()}

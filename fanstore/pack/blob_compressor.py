@@ -171,7 +171,7 @@ class BlobCompressor:
     @contextlib.contextmanager
     def _open(self, number: int) -> Iterator[int]:
         """The file, opened without following a symlink or blocking on a fifo, and only if it is still the file
-        the walk saw: a regular file with the same inode, size, mtime and ctime."""
+        the walk saw: a regular file with the same size, mtime and ctime (and inode, unless all those match)."""
         flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
             fd = os.open(os.path.join(self.root, self.files.paths[number]), flags)
@@ -186,13 +186,16 @@ class BlobCompressor:
             files = self.files
             if not stat.S_ISREG(info.st_mode):
                 raise _Changed("is no longer a regular file")
-            if info.st_ino != files.inos[number]:
+            same_times = time_column(info.st_mtime_ns) == files.mtimes[number] and \
+                time_column(info.st_ctime_ns) == files.ctimes[number]
+            # Another inode number alone is no replacement: a FUSE file system without numbers of its own (sshfs)
+            # numbers a file afresh once the kernel forgot it. A file renamed over this one has its own ctime.
+            if info.st_ino != files.inos[number] and not (info.st_size == files.sizes[number] and same_times):
                 raise _Changed("was replaced by another file during the pack")
             if info.st_size != files.sizes[number]:
                 raise _Changed(f"changed size during the pack ({files.sizes[number]} bytes at walk, "
                                f"{info.st_size} now)")
-            if time_column(info.st_mtime_ns) != files.mtimes[number] or \
-                    time_column(info.st_ctime_ns) != files.ctimes[number]:
+            if not same_times:
                 raise _Changed("changed during the pack (modified since the walk)")
             yield fd
         except OSError as exc:
