@@ -199,6 +199,31 @@ def test_src_inside_dest_is_refused_even_with_force(tmp_path):
     assert dir_bytes(top) == before
 
 
+def test_a_src_that_is_a_mount_of_the_dataset_in_dest_is_refused(source_tree, tmp_path):
+    """`fanstore-pack MP DEST --force`, MP a mount of DEST (to repack it with another codec): the pack removed the
+    chunks the mount was reading, and files past the chunks the daemon held open were lost with the dataset. It is
+    refused in one line, with or without --force, from the mount's root or a directory in it; DEST is untouched."""
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("/dev/fuse is missing on this machine: FUSE mounts cannot be tested")
+    pytest.importorskip("pyfuse3", reason="pyfuse3 is not installed (needs libfuse3-dev to build)")
+    dest, mountpoint = tmp_path / "ds", tmp_path / "mnt"
+    run_cli("fanstore-pack", str(source_tree), str(dest), "--quiet", check=True)
+    before = dir_bytes(dest)
+    mountpoint.mkdir()
+    run_cli("mount", str(dest), str(mountpoint), "--log", str(tmp_path / "mount.log"), check=True)
+    try:
+        for src, extra in ((mountpoint, ["--force", "--codec", "lz4"]), (mountpoint / "train", []),
+                           (mountpoint, [])):
+            assert_one_line_error(run_cli("fanstore-pack", str(src), str(dest), "--quiet", *extra),
+                                  f"SRC {quoted(str(src))} is a fanstore mount of the dataset in DEST")
+        run_cli("fanstore-pack", str(mountpoint), str(tmp_path / "copy"), "--quiet", check=True)
+    finally:
+        run_cli("umount", str(mountpoint), check=True)
+    assert dir_bytes(dest) == before
+    with open_dataset(tmp_path / "copy") as ds:
+        assert ds.read("labels.txt") == (source_tree / "labels.txt").read_bytes()
+
+
 def test_leftovers_of_a_pack_killed_at_its_start_are_cleared(source_tree, tmp_path):
     """An empty chunks/ and the journal's dictionaries, all fanstore's own: cleared without --force."""
     dest = tmp_path / "ds"

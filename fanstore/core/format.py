@@ -21,6 +21,10 @@ FORMAT_MAJOR = 1
 FORMAT_MINOR = 2
 
 INDEX_NAME = "fanstore.index"
+# Asked of any path of a mount, it answers with the identity of the index file the mount serves (device, inode,
+# size, mtime: index.file_identity), as JSON: a pack whose SRC is a mount of the dataset in its DEST would
+# remove what it reads. Not listed by listxattr, so copying tools do not carry it along.
+INDEX_XATTR = "user.fanstore.index"
 CHUNK_DIR = "chunks"
 CHUNK_SUFFIX = ".fsc"
 

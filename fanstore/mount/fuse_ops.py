@@ -25,7 +25,7 @@ import trio
 from ..core.cache import DecodedCache
 from ..core.chunk_source import ChunkSource
 from ..errors import ChunkCorrupt, ChunkError, ChunkUnavailable, FanstoreError, fuse_errno_of, quoted
-from ..core.format import FLAG_BLOCKED, MAX_NAME_BYTES, fields_view
+from ..core.format import FLAG_BLOCKED, INDEX_XATTR, MAX_NAME_BYTES, fields_view
 from ..core.index import Index
 from .kernel_holds import KernelHolds
 from .options import INLINE_DECODE_BYTES
@@ -53,6 +53,7 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC
 # and for tests that must wait until prefetch has caught up. Not listed, as CephFS's virtual attributes are not,
 # so tools that copy attributes do not copy it.
 STATS_XATTR = b"user.fanstore.stats"
+_INDEX_XATTR = INDEX_XATTR.encode()  # see core/format.py
 # getfattr asks for an attribute's size, then for its value in a buffer of that size: a process asking again within
 # this many seconds gets the reply it was sized by, else a counter that grew in between made it ERANGE.
 STATS_REPLY_KEPT_S = 1.0
@@ -174,6 +175,7 @@ class FanstoreOperations(pyfuse3.Operations):
         self._stats_replies: dict[int, tuple[float, bytes]] = {}  # process id -> (when, reply), see _stats_reply
         self.initialized = trio.Event()
         total = int(index.entries["size"].sum())
+        self._index_identity = None if index.file_identity is None else json.dumps(index.file_identity).encode()
         self._statfs = pyfuse3.StatvfsData()
         self._statfs.f_bsize = self._statfs.f_frsize = 4096
         self._statfs.f_blocks = (total + 4095) // 4096
@@ -259,6 +261,8 @@ class FanstoreOperations(pyfuse3.Operations):
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         if inode == pyfuse3.ROOT_INODE and name == STATS_XATTR:
             return self._stats_reply(ctx.pid)
+        if name == _INDEX_XATTR and self._index_identity is not None:
+            return self._index_identity
         raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
 
     def _stats_reply(self, pid: int) -> bytes:

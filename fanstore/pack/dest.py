@@ -34,7 +34,8 @@ from ..core.durable import PARTIAL_SUFFIX
 from ..core.dest_apart import overlap
 from ..errors import FanstoreError, FormatError, UsageError, quoted
 from ..core.format import (CHUNK_DIR, CHUNK_HEADER, CHUNK_HEADER_LEN, CHUNK_MAGIC, INDEX_MAGIC, INDEX_NAME,
-                           check_chunk_header, chunk_file_name)
+                           INDEX_XATTR, check_chunk_header, chunk_file_name)
+from ..core.index import file_identity
 from .dest_lock import DestLock
 from .walk_archive import check_lookup
 from .journal import JOURNAL_DIR, STATE_FILE, ChunkRecord, JournalError, JournalState, PackJournal
@@ -47,7 +48,8 @@ _JOURNAL_NAME = re.compile(r"(state\.json|chunk-[0-9]{8}\.json|dict\.[0-9]+(\.[a
 def check_src_and_dest(src: Path, dest: Path) -> None:
     """Neither may hold the other: a pack writes and deletes under DEST, and must not read what it writes. Links are
     followed and a directory reached by two paths (a bind mount) is seen as one (dest_apart.overlap): DEST under a
-    bind mount of SRC was written into SRC, and the next run saw its own chunks as changed source files."""
+    bind mount of SRC was written into SRC, and the next run saw its own chunks as changed source files. Nor may
+    SRC be a fanstore mount of the dataset in DEST: with --force, the pack removed the chunks it was reading."""
     check_lookup(dest, "DEST")
     where = overlap(dest, src)
     if where in ("is", "inside"):
@@ -55,6 +57,26 @@ def check_src_and_dest(src: Path, dest: Path) -> None:
     if where == "holds":
         raise UsageError(f"SRC {quoted(src)} is inside DEST {quoted(dest)}, where the pack writes and may delete; "
                          "choose a DEST outside SRC")
+    served = _served_index(src)
+    if served is not None and served == _index_identity(dest):
+        raise UsageError(f"SRC {quoted(src)} is a fanstore mount of the dataset in DEST {quoted(dest)}, which the "
+                         "pack would remove while it reads it; choose another DEST")
+
+
+def _served_index(src: Path) -> tuple[int, ...] | None:
+    """The identity of the index a fanstore mount under SRC serves (INDEX_XATTR); None on any other file system."""
+    try:
+        served = json.loads(os.getxattr(src, INDEX_XATTR))
+    except (OSError, ValueError):
+        return None
+    return tuple(served) if isinstance(served, list) else None
+
+
+def _index_identity(dest: Path) -> tuple[int, ...] | None:
+    try:
+        return file_identity(os.stat(dest / INDEX_NAME))
+    except OSError:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
