@@ -214,7 +214,8 @@ def _reads_past_empty(path: str, ino: int) -> bool:
         return False
     try:
         info = os.fstat(fd)
-        return stat.S_ISREG(info.st_mode) and info.st_ino == ino and bool(os.pread(fd, 1, 0))
+        # Still the empty file the walk saw (one written since is packed as the walk saw it, as before).
+        return stat.S_ISREG(info.st_mode) and info.st_ino == ino and info.st_size == 0 and bool(os.pread(fd, 1, 0))
     except OSError:
         return False
     finally:
