@@ -742,6 +742,26 @@ def test_a_ranks_threads_carry_their_names_in_the_kernel(served_dataset, tmp_pat
     assert code == 0, out + err
 
 
+def test_a_job_ended_without_a_silent_rank_still_prints_the_counters_of_the_ranks_left(served_dataset, tmp_path,
+                                                                                       jobs):
+    """--stats in a job that ends without the closing agreement (rank 2 stopped once its command ended, so it
+    answers no ping): the counters' collective would wait for it, so the ranks left printed nothing at all, though
+    where their reads went is what such a job's owner asks first. Each prints its own lines; no totals."""
+    _, dest = served_dataset
+    script = 'cat "$FANSTORE_MOUNT"/train/cat/* > /dev/null; [ "$FANSTORE_RANK" != 2 ] || kill -STOP $PPID'
+    job = Job(tmp_path, dest, "--stats", "--peer-timeout", "0.5", command=["sh", "-c", script])
+    jobs.append(job)
+    code, out, err = job.finish(timeout=60)
+    assert code != 0 and "Traceback" not in err, out + err
+    assert re.search(r"^fanstore serve: error: rank 0 on \S+: rank 2 \(\S+\) answered nothing for 3 s", err, re.M), err
+    # The first of ranks 0 and 1 to leave has printed; mpiexec may kill the other before it does (SLURM would not).
+    assert re.search(r"^rank ([01]) \(\S+\): \d+ blobs? read from local chunks(.|\n)*^  from DEST \(fallback\)"
+                     r"(.|\n)*^  \(rank \1's counters alone: the job ended without every rank, so no totals\)$",
+                     out, re.M), out + err
+    assert "job (3 ranks)" not in out, out
+    _assert_nothing_left(job)
+
+
 def test_a_killed_watchdog_is_logged_and_leaves_the_jobs_status_to_its_readers(served_dataset, tmp_path, jobs):
     """kill -9 of rank 1's watchdog while COMMAND runs: rank 1 says so in one line (it has none from then on), and
     a job whose readers all succeeded still exits 0 and leaves nothing behind. Its end wrote to the watchdog's

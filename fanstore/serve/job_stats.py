@@ -1,6 +1,6 @@
 """`fanstore serve --stats`: each rank's counters (reads by where they came from, its peers, the node's holder of
 blobs fetched ahead, staging, the cache's bound) on its own lines, and rank 0's totals for the job, gathered over
-MPI once every rank agreed on the job's end.
+MPI once every rank agreed on the job's end (a job that ends without that agreement gets each rank's own lines).
 """
 
 from __future__ import annotations
@@ -49,6 +49,15 @@ def report_stats(transport: PeerTransport, source: PlacedChunkSource, report: St
     if rank == 0:
         ranks = [json.loads(gathered[d : d + n].tobytes()) for d, n in zip(displacements, lengths)]
         _say(format_totals(ranks))
+
+
+def report_rank_alone(transport: PeerTransport, source: PlacedChunkSource, report: StagingReport,
+                      readers: dict[str, int], loop_requests: bool, bound: CacheBound) -> None:
+    """This rank's counters alone, in a job that ended without every rank's agreement (a rank lost, a verdict):
+    the totals' collective would wait for the missing, and where the reads of the ranks left went (their peers,
+    DEST) is what such a job is looked at for."""
+    _say(format_rank(rank_stats(transport, source, report, readers, loop_requests, bound))
+         + f"\n  (rank {transport.rank}'s counters alone: the job ended without every rank, so no totals)")
 
 
 def _say(text: str) -> None:

@@ -50,7 +50,7 @@ from .blobs_ahead import BlobsAhead, EntriesAhead
 from .command_processes import new_token
 from .doorbell import open_doorbell
 from .early_end import EarlyEnd
-from .job_stats import report_stats
+from .job_stats import report_rank_alone, report_stats
 from .lifecycle import Lifecycle
 from .node_endpoint import SOCKET_NAME, NodeEndpoint, answer_within
 from .node_protocol import BlobLookup
@@ -494,6 +494,8 @@ def _serve_staged(options: ServeOptions, comm: Any, index: Index, placement: Pla
         status = 1
     if not lifecycle.started:  # never mounted: the mounted ranks wait for its word
         status = lifecycle.without_mount(status)
+    if options.stats and lifecycle.started and not lifecycle.agreed and not lifecycle.interrupted:
+        report_rank_alone(transport, source, report, endpoint.stats(), transport.remote.any_thread, bound)
     return status, lifecycle
 
 
