@@ -22,8 +22,10 @@ import pytest
 from conftest import REPO, numbered_files
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.core.chunk_source import BlobRead, ChunkSource, LocalChunkSource
+from fanstore.errors import ChunkUnavailable
 from fanstore.serve.blobs_ahead import BLOB_OVERHEAD, BlobsAhead
 from fanstore.serve import node_endpoint
+from fanstore.serve.node_client import open_served_dataset
 from fanstore.serve.node_endpoint import NodeEndpoint
 from fanstore.serve.node_protocol import (HELLO, OK, PLAN, PLAN_ROW, READ, REFUSED, REPLY, REPLY_MAGIC, REQUEST,
                                           READS, READS_MAX_BLOBS, READS_ROW, REQUEST_MAGIC, STATS, TURNED_AWAY,
@@ -849,3 +851,12 @@ def test_what_readers_read_themselves_is_told_to_the_node_once_from_each_process
     finally:
         node.close()
         ahead.close()
+
+
+def test_a_socket_path_no_unix_socket_can_have_is_named_with_its_reason(tmp_path):
+    """FANSTORE_SERVE_SOCKET set by hand to a name longer than a Unix socket's address takes even through its
+    directory's descriptor: Python's OSError carries no strerror then, and the reader's error ended in 'None'."""
+    path = tmp_path / ("s" * 120)
+    with pytest.raises(ChunkUnavailable) as raised:
+        open_served_dataset(str(path))
+    assert str(raised.value) == f"{path}: cannot reach the node's serve process: AF_UNIX path too long"

@@ -115,8 +115,8 @@ class NodeConnection:
                     connection.connect(address)
             except OSError as exc:
                 connection.close()
-                raise self._unanswered(exc, "cannot reach the node's serve process: " + str(exc.strerror)) \
-                    from None
+                # (a name too long for a Unix socket, even through its directory's descriptor, has no strerror)
+                raise self._unanswered(exc, f"cannot reach the node's serve process: {exc.strerror or exc}") from None
             link = _Link(connection)
             with self._lock:
                 if self._closed:
