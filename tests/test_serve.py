@@ -864,11 +864,14 @@ def test_a_ready_file_that_cannot_be_written_once_mounted_ends_the_job_with_one_
     _assert_nothing_left(job)
 
 
+@pytest.mark.parametrize("filled", [False, True], ids=["small", "full"])
 def test_a_local_dir_too_small_is_one_line_before_anything_is_copied_the_same_every_run(served_dataset, tmp_path,
-                                                                                       jobs):
+                                                                                       jobs, filled):
     """A refusal at start ends every rank with fanstore's own status and one line each, the same in every run: each
     rank finalises MPI before it leaves. A rank that left without (a refusal once the watchdog had started) had the
-    launcher SIGKILL the others in most runs: exit 9 and its BAD TERMINATION banner, rc 1 in the rest."""
+    launcher SIGKILL the others in most runs: exit 9 and its BAD TERMINATION banner, rc 1 in the rest. A directory
+    with no byte free at all (a node's local disk full of an earlier job's files) ended every rank in an OSError
+    traceback instead: writing its pid into the lock file failed first."""
     _, dest = served_dataset
     small = tmp_path / "small"
     small.mkdir()
@@ -878,6 +881,10 @@ def test_a_local_dir_too_small_is_one_line_before_anything_is_copied_the_same_ev
     shm_before = _shm_files()
     runs = []
     try:
+        if filled:
+            with open(small / "filler", "wb", buffering=0) as filler, pytest.raises(OSError, match="No space left"):
+                while True:
+                    filler.write(b"\0" * 4096)
         for _ in range(5):
             job = Job(tmp_path, dest, command=["true"], local=str(small / "local{rank}"))
             jobs.append(job)

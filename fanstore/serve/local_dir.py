@@ -86,8 +86,11 @@ def claim_local_dir(path: Path) -> int | None:
     if not held:
         os.close(lock)
         return None  # a file system without flock (Lustre mounted noflock): node-local storage has it
-    os.ftruncate(lock, 0)
-    os.pwrite(lock, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+    try:  # who holds it, for another job's message: a note, which a full directory need not stop the job for
+        os.ftruncate(lock, 0)
+        os.pwrite(lock, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+    except OSError:
+        pass  # the space check says what a full directory lacks; the other job's message then says "unknown"
     return lock
 
 
