@@ -77,3 +77,30 @@ def test_the_socket_of_a_job_that_holds_the_directory_is_left_alone(tmp_path, mo
     finally:
         live.kill()
         live.wait()
+
+
+def test_a_watchdog_whose_log_cannot_take_a_line_still_cleans_up_everything(tmp_path):
+    """The log is in --local-dir, which the job's own output may have filled by the time the rank is killed (its
+    checkpoints on the node's disk; /dev/full here): the first line it could not write ended the watchdog with an
+    OSError, leaving the rank's ready file, its MPI files, its readers' socket and its command's processes (which
+    hold the job's output open: mpiexec waits for them)."""
+    ready, left, socket_path = tmp_path / "mp.ready", tmp_path / "mpich_shm_left", tmp_path / SOCKET_NAME
+    for path in (ready, left, socket_path, tmp_path / LOCK_NAME):  # the lock no process holds: the rank's gone
+        path.write_text("")
+    token = f"test-{os.getpid()}-{tmp_path.name}"
+    command = subprocess.Popen(["sleep", "60"], env={**os.environ, "FANSTORE_COMMAND_TOKEN": token})
+    read_end, write_end = os.pipe()
+    try:
+        with open("/dev/full", "w") as full:
+            guard = subprocess.Popen([sys.executable, "-I", "-S", watchdog.__file__, str(read_end),
+                                      str(tmp_path / "mp"), str(ready), str(socket_path), str(tmp_path / LOCK_NAME),
+                                      token, str(left)],
+                                     pass_fds=(read_end,), stdin=subprocess.DEVNULL, stdout=full, stderr=full)
+        os.close(read_end)
+        os.close(write_end)  # the rank gone, without a word
+        guard.wait(timeout=20)
+        assert command.wait(timeout=5) == -signal.SIGTERM
+    finally:
+        command.kill()
+        command.wait()
+    assert [path.name for path in (ready, left, socket_path) if os.path.lexists(path)] == []

@@ -59,29 +59,39 @@ def clean_up(mountpoint: str, device: str | None, ready_file: str, left_files: l
     that job's files from under its readers; it is left, and so is the ready file, which is that job's by now."""
     found = fuse_device_at(mountpoint)
     if found is not None and found != device:
-        print(f"rank gone: {mountpoint} holds another process's mount ({found}, not {device or 'none'}): "
-              f"left alone, with {ready_file}", flush=True)
+        _say(f"rank gone: {mountpoint} holds another process's mount ({found}, not {device or 'none'}): "
+             f"left alone, with {ready_file}")
         ready_file = ""
     elif found is not None:
         tool = shutil.which("fusermount3") or shutil.which("fusermount")
         command = [tool, "-u", "-z", mountpoint] if tool else ["umount", "-l", mountpoint]
         done = subprocess.run(command, capture_output=True, text=True)
-        print(f"{time.strftime('%H:%M:%S')} rank gone: unmounted {mountpoint}" if done.returncode == 0 else
-              f"rank gone: {' '.join(command)} failed: {done.stderr.strip()}", flush=True)
+        _say(f"{time.strftime('%H:%M:%S')} rank gone: unmounted {mountpoint}" if done.returncode == 0 else
+             f"rank gone: {' '.join(command)} failed: {done.stderr.strip()}")
     for path in [ready_file, *left_files]:
         if path:
             _remove(path)
+
+
+def _say(line: str) -> None:
+    """A line of the log, in --local-dir: a note, which must not cost the clean-up it tells of. The job's own output
+    may have filled that directory (a line that could not be written ended the watchdog half-way), and a path
+    need not be UTF-8."""
+    try:
+        os.write(1, (line + "\n").encode("utf-8", "surrogateescape"))
+    except OSError:
+        pass
 
 
 def _remove(path: str) -> None:
     """A file the rank left, said in the watchdog's log; one gone already is no matter."""
     try:
         os.unlink(path)
-        print(f"rank gone: removed {path}", flush=True)
+        _say(f"rank gone: removed {path}")
     except FileNotFoundError:
         pass
     except OSError as exc:
-        print(f"rank gone: cannot remove {path}: {exc.strerror}", flush=True)
+        _say(f"rank gone: cannot remove {path}: {exc.strerror}")
 
 
 def remove_socket(socket_path: str, lock_path: str) -> None:
@@ -139,7 +149,7 @@ def main(argv: list[str]) -> int:
         remove_socket(socket_path, lock_path)
         killed = end_command_processes(marker_of(token), STOP_GRACE)
         if killed:
-            print(f"rank gone: killed {len(killed)} process(es) of its command that outlived SIGTERM", flush=True)
+            _say(f"rank gone: killed {len(killed)} process(es) of its command that outlived SIGTERM")
     return 0
 
 
