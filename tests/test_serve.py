@@ -1779,6 +1779,29 @@ def test_a_local_dir_whose_entries_lead_into_dest_is_refused_and_dest_left_whole
     _assert_nothing_left(job)
 
 
+@pytest.mark.parametrize("name, make", [
+    ("fanstore-serve.lock", os.mkdir),
+    ("fanstore-watchdog.log", os.mkfifo),
+], ids=["the lock a directory", "the watchdog's log a fifo"])
+def test_a_local_dir_holding_something_else_where_a_rank_keeps_its_files_is_refused(served_dataset, tmp_path, jobs,
+                                                                                    name, make):
+    """The lock and the watchdog's log are opened at start: a directory in the log's place ended the rank in an
+    IsADirectoryError traceback, a fifo there held it for good (opening a fifo to write waits for a reader), and a
+    directory as the lock was refused as '--local-dir DIR: cannot use it: Is a directory', naming the wrong path.
+    Every rank now stops at start, one line each naming the file."""
+    _, dest = served_dataset
+    for rank in range(RANKS):
+        (tmp_path / f"local{rank}").mkdir()
+        make(tmp_path / f"local{rank}" / name)
+    job = Job(tmp_path, dest, command=["true"])
+    jobs.append(job)
+    kind = "a directory" if make is os.mkdir else "a fifo"
+    for rank, line in enumerate(_refused_by_every_rank(job)):
+        assert line.endswith(f": --local-dir {tmp_path}/local{rank}: {tmp_path}/local{rank}/{name} is {kind}, not a "
+                             f"file: fanstore keeps a file of its own there; remove it"), line
+    _assert_nothing_left(job)
+
+
 GOOD_LINE = b"train/dog/img_000.bin\n"
 
 

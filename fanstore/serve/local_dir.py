@@ -43,9 +43,12 @@ def check_written_in_place(path: Path, chunks: Iterable[int]) -> None:
     """The files a rank writes in place in its local directory (the lock, the watchdog's log, the chunk files of
     its share, `chunks`) must be its own: a symbolic link there, or a hard link (a directory made with `cp -al` or
     `cp -as` of DEST), would have staging truncate and overwrite the file it leads to, DEST's own chunk files and
-    index among them. StagingError naming the first such file; the files written atomically (the manifest, the
-    index copy) replace a link and need no check."""
-    for name in (path / LOCK_NAME, path / WATCHDOG_LOG, *(path / chunk_file_name(chunk) for chunk in chunks)):
+    index among them. The lock and the log are opened at start, where anything but a file stopped the rank: a
+    directory in a traceback, a fifo for good (opening it to write waits for a reader). StagingError naming the
+    first such file; the files written atomically (the manifest, the index copy) replace a link and need no check,
+    and a chunk file that is not a file fails staging, naming it."""
+    opened_at_start = (path / LOCK_NAME, path / WATCHDOG_LOG)
+    for name in (*opened_at_start, *(path / chunk_file_name(chunk) for chunk in chunks)):
         try:
             info = os.lstat(name)
         except FileNotFoundError:
@@ -55,10 +58,20 @@ def check_written_in_place(path: Path, chunks: Iterable[int]) -> None:
         if stat.S_ISLNK(info.st_mode):
             raise StagingError(f"--local-dir {path}: {name} is a symbolic link (to {os.readlink(name)}): fanstore "
                                f"writes that file in place and would write through the link; remove it")
+        if name in opened_at_start and not stat.S_ISREG(info.st_mode):
+            raise StagingError(f"--local-dir {path}: {name} is {_kind_of(info.st_mode)}, not a file: fanstore keeps "
+                               f"a file of its own there; remove it")
         if stat.S_ISREG(info.st_mode) and info.st_nlink > 1:
             raise StagingError(f"--local-dir {path}: {name} is a hard link ({info.st_nlink} names, a copy made with "
                                f"`cp -al`?): fanstore writes that file in place and would change every name's; "
                                f"remove it")
+
+
+def _kind_of(mode: int) -> str:
+    """What a directory entry that is not a regular file is, in words."""
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a fifo"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((kind for is_kind, kind in kinds if is_kind(mode)), "not a regular file")
 
 
 def claim_local_dir(path: Path) -> int | None:
