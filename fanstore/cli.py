@@ -350,13 +350,16 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 def _run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    job_command: list[str] = []
+    job_command: list[str] | None = None
     if argv[:1] == ["serve"] and "--" in argv:  # everything after `--` is the job's command, options and all
         split = argv.index("--")
         argv, job_command = argv[:split], argv[split + 1 :]
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said with the command's own usage: the top parser's would say nothing of its options
         getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    if job_command == []:  # `-- $TRAIN` with TRAIN unset: serving until SIGTERM would hold the nodes to the end
+        getattr(args, "command_parser", parser).error("argument COMMAND: `--` with no command after it (an unset "
+                                                      "variable?); leave `--` out to serve until SIGTERM")
     if job_command:
         args.job_command = job_command
     args.argv = argv  # a background mount re-runs itself with the same arguments

@@ -1605,6 +1605,18 @@ def test_bad_serve_options_are_one_line_naming_the_option(served_dataset, tmp_pa
     assert not _left_behind(shm_before)  # MPI, if started, ended properly
 
 
+def test_a_job_command_that_is_nothing_after_the_separator_is_one_line(served_dataset, tmp_path):
+    """`-- $TRAIN` with TRAIN unset: the job served until SIGTERM without a word (the ready file's way), holding
+    its nodes until the batch system's time limit. It ends at once, with a usage line naming the separator."""
+    _, dest = served_dataset
+    (tmp_path / "mp").mkdir()
+    args = ["serve", str(dest), str(tmp_path / "mp"), "--local-dir", str(tmp_path / "local"), "--"]
+    proc = run_cli(*args, timeout=60)
+    assert_one_line_error(proc, "argument COMMAND: `--` with no command after it (an unset variable?)")
+    assert proc.returncode == 2, proc.stderr
+    assert not fuse_mounted_at(tmp_path / "mp") and not (tmp_path / "local").exists()
+
+
 def _refused_by_every_rank(job: Job) -> list[str]:
     """The job ended at start, each rank with one error line and no traceback: those lines, by rank."""
     code, _, err = job.finish(timeout=60)
