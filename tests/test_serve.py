@@ -1627,6 +1627,32 @@ def _refused_by_every_rank(job: Job) -> list[str]:
     return lines
 
 
+def test_a_ready_file_a_running_job_serves_from_is_refused_not_taken_over(served_dataset, tmp_path, jobs):
+    """Two jobs on one node given the same --ready-file by mistake: the second removed the first's at start and
+    wrote its own there, so the first's batch script read the second's mount point and pid (and signalled the wrong
+    job with it). The second now stops at start, every rank naming the running job; the first's file is left."""
+    _, dest = served_dataset
+    ready = str(tmp_path / "ready{rank}")
+    first = Job(tmp_path, dest, "--ready-file", ready)
+    jobs.append(first)
+    ready_files = [Path(ready.format(rank=rank)) for rank in range(RANKS)]
+    wait_until(lambda: all(f.exists() for f in ready_files) or first.proc.poll() is not None, "the first job ready",
+               60)
+    written = [f.read_text() for f in ready_files]
+    second = Job(tmp_path, dest, "--ready-file", ready, mountpoint=str(tmp_path / "other{rank}"),
+                 local=str(tmp_path / "other_local{rank}"))
+    jobs.append(second)
+    for rank, line in enumerate(_refused_by_every_rank(second)):
+        pid, mountpoint = written[rank].split("\n")[1], written[rank].split("\n")[0]
+        assert line.endswith(f": --ready-file: {ready_files[rank]} is a running job's (pid {pid}, serving "
+                             f"{mountpoint}); give each job its own"), line
+    assert [f.read_text() for f in ready_files] == written
+    os.killpg(first.proc.pid, signal.SIGTERM)
+    code, out, err = first.finish()
+    assert code == 0, out + err
+    assert not any(f.exists() for f in ready_files)
+
+
 @pytest.mark.parametrize("local, needle", [
     ("shared", "--local-dir {tmp}/shared is rank"),  # no {rank}: every rank of this host would stage into it
     ("mp{rank}/local", "--local-dir {tmp}/mp{rank}/local lies inside it"),  # the mount would hide it from the rank

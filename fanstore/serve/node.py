@@ -56,6 +56,7 @@ from .node_endpoint import SOCKET_NAME, NodeEndpoint, answer_within
 from .node_protocol import BlobLookup
 from .placement import BlobTable, Placement, place
 from .polling import first_failed_rank
+from .ready_file import clear_left_ready_file
 from .sources import PeerChunkSource, PlacedChunkSource
 from .start_checks import host_names, other_dataset, ranks_sharing_memory, shared_paths
 from .staged_source import StagedChunkSource
@@ -317,12 +318,9 @@ class _RankStart:
                              + ("" if exc.filename in (None, str(local_dir)) else f" ({exc.filename})")) from None
         if not local_dir.is_dir():
             raise UsageError(f"--local-dir {local_dir}: not a directory")
-        try:
-            ready_file.unlink(missing_ok=True)  # left by a killed job: a batch script waiting for it must wait for us
-        except OSError as exc:
-            option = "--ready-file" if options.ready_file else "MOUNTPOINT.ready (--ready-file puts it elsewhere)"
-            raise UsageError(f"{option}: cannot remove the one an earlier job left, {ready_file}: {exc.strerror}") \
-                from None
+        # Left by a killed job: a batch script waiting for it must wait for us. A running job's is refused.
+        clear_left_ready_file(ready_file, "--ready-file" if options.ready_file else
+                              "MOUNTPOINT.ready (--ready-file puts it elsewhere)")
         return cls(index, index_bytes, identity, placement, mountpoint, local_dir, ready_file, mount_options,
                    prefetch_order)
 
