@@ -1627,6 +1627,27 @@ def _refused_by_every_rank(job: Job) -> list[str]:
     return lines
 
 
+def test_the_ready_file_lies_beside_mountpoint_as_given_when_it_is_a_link(served_dataset, tmp_path, jobs):
+    """MOUNTPOINT a link to the directory mounted (a node's scratch path often is one): MOUNTPOINT.ready was written
+    beside the link's target, and a batch script waiting for MOUNTPOINT.ready waited for good."""
+    _, dest = served_dataset
+    for rank in range(RANKS):
+        (tmp_path / f"real{rank}").mkdir()
+        (tmp_path / f"link{rank}").symlink_to(f"real{rank}")
+    job = Job(tmp_path, dest, mountpoint=str(tmp_path / "link{rank}"), make_mountpoints=False)
+    jobs.append(job)
+    ready_files = [tmp_path / f"link{rank}.ready" for rank in range(RANKS)]
+    wait_until(lambda: all(f.exists() for f in ready_files) or job.proc.poll() is not None, "every rank ready", 60)
+    assert all(f.exists() for f in ready_files), job.finish()
+    assert all(f.read_text().split("\n")[0] == str(tmp_path / f"real{rank}") for rank, f in enumerate(ready_files))
+    assert not list(tmp_path.glob("real*.ready"))
+    os.killpg(job.proc.pid, signal.SIGTERM)
+    code, out, err = job.finish()
+    assert code == 0, out + err
+    assert not any(os.path.lexists(f) for f in ready_files)
+    _assert_nothing_left(job)
+
+
 def test_a_ready_file_a_running_job_serves_from_is_refused_not_taken_over(served_dataset, tmp_path, jobs):
     """Two jobs on one node given the same --ready-file by mistake: the second removed the first's at start and
     wrote its own there, so the first's batch script read the second's mount point and pid (and signalled the wrong

@@ -283,10 +283,13 @@ class _RankStart:
         index = Index.from_bytes(options.dest / INDEX_NAME, index_bytes)
         identity = index_identity(index_bytes)
         placement = place(index, size)
-        mountpoint = resolve_mountpoint(format_for_rank(options.mountpoint, rank, "MOUNTPOINT").absolute())
+        given = format_for_rank(options.mountpoint, rank, "MOUNTPOINT").absolute()
+        mountpoint = resolve_mountpoint(given)
         local_dir = format_for_rank(options.local_dir, rank, "--local-dir").absolute()
+        # Beside MOUNTPOINT as given: one that is a link had it beside the link's target, where no script looks.
+        named = given if given.name not in ("", "..") else mountpoint
         ready_file = format_for_rank(options.ready_file, rank, "--ready-file").absolute() if options.ready_file \
-            else mountpoint.with_name(mountpoint.name + ".ready")
+            else named.with_name(named.name + ".ready")
         mount_options = options.mount
         if mount_options.prefetch_list is not None:  # each rank its own epoch order: a DistributedSampler's share
             prefetch_list = format_for_rank(str(mount_options.prefetch_list), rank, "--prefetch-list").absolute()
