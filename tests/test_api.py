@@ -207,3 +207,22 @@ def test_a_read_larger_than_the_file_gives_what_is_left(source_tree, tmp_path):
         assert opened.read(3) == b""
     with pytest.raises(ValueError):
         opened.read(10**12)
+
+
+def test_an_empty_path_given_to_the_api_is_refused_not_taken_for_the_current_directory(source_tree, tmp_path,
+                                                                                          monkeypatch):
+    """The command line refuses "" ("$DEST" with DEST unset); the API took it for the current directory, as
+    Path('') is: pack(src, "") packed into it, open_dataset("") opened whatever dataset it held."""
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    pack(source_tree, here / "ds", PackOptions(codec="zstd:3", workers=1))
+    monkeypatch.chdir(here / "ds")  # a dataset directory: "" opened it
+    with pytest.raises(UsageError, match=r"^open_dataset: an empty path \(an unset variable\?\)"):
+        open_dataset("")
+    monkeypatch.chdir(here)
+    with pytest.raises(UsageError, match=r"^DEST: an empty path"):
+        pack(source_tree, "", PackOptions(codec="zstd:3", workers=1))
+    with pytest.raises(UsageError, match=r"^SRC: an empty path"):
+        pack("", here / "other", PackOptions(codec="zstd:3", workers=1))
+    assert sorted(os.listdir(here)) == ["ds"]

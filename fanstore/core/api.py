@@ -280,6 +280,9 @@ def open_dataset(path: str | os.PathLike[str], source: ChunkSource | None = None
         raise UsageError("open_dataset: no dataset given: pass a packed dataset directory (under `fanstore serve`, "
                          "fanstore.torch.FileDataset(None) reads the node's dataset without FUSE, and every rank's "
                          "MOUNTPOINT shows all of it)")
+    if not os.fspath(path):
+        raise UsageError("open_dataset: an empty path (an unset variable?) names no dataset; Path('') would be the "
+                         "current directory")
     # Absolute from here on: chunk files are opened as reads reach them, and a pickled dataset opens again in another
     # process, both maybe after the working directory changed, where a relative DEST named another place.
     path = Path(path).absolute()

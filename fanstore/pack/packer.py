@@ -104,6 +104,8 @@ def pack(
     longer fit, stopped with what this run wrote removed."""
     started = time.monotonic()
     _check_options(options)
+    if not os.fspath(dest):  # Path('') is the current directory: the chunks would land there
+        raise UsageError("DEST: an empty path (an unset variable?)")
     sources = source_paths(src)
     for source in sources:
         check_src_and_dest(source, Path(dest))

@@ -177,6 +177,8 @@ def source_paths(src: str | os.PathLike[str] | Sequence[str | os.PathLike[str]])
     paths: list[Path] = []
     for item in given:
         text = os.fspath(item)
+        if not text:  # Path('') is the current directory: the system calls take '' for no file
+            raise UsageError("SRC: an empty path (an unset variable?)")
         if not os.path.lexists(text) and any(char in text for char in "*?["):
             matches = sorted(glob.glob(text))
             if not matches:
