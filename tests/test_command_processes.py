@@ -10,7 +10,8 @@ import sys
 import time
 
 from conftest import wait_until
-from fanstore.serve.command_processes import COMMAND_TOKEN, command_processes, end_command_processes
+from fanstore.serve.command_processes import COMMAND_TOKEN, command_environment, command_processes, \
+    end_command_processes
 
 # A process that ignores SIGTERM and writes its pid, then waits.
 _STUBBORN = "import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \
@@ -60,3 +61,14 @@ def test_processes_without_the_marker_are_left_alone(tmp_path):
         for process in (other, ours):
             process.kill()
             process.wait()
+
+
+def test_the_command_environment_drops_the_launchers_wire_up_of_the_rank_and_keeps_its_settings():
+    launched = {"PMI_FD": "9", "PMI_RANK": "1", "PMI_SIZE": "3", "PMIX_NAMESPACE": "job.1", "PMIX_RANK": "1",
+                "MPI_LOCALNRANKS": "3", "MPI_LOCALRANKID": "1", "OMPI_COMM_WORLD_RANK": "1",
+                "OMPI_UNIVERSE_SIZE": "3", "OMPI_MCA_ess_base_vpid": "1",
+                "MPIR_CVAR_NOLOCAL": "1", "I_MPI_DEBUG": "5", "OMPI_MCA_btl": "tcp,self", "SLURM_PROCID": "1",
+                "PATH": "/bin", "FANSTORE_RANK": "7"}
+    env = command_environment(launched, {"FANSTORE_RANK": "1", "FANSTORE_SIZE": "3"})
+    assert env == {"MPIR_CVAR_NOLOCAL": "1", "I_MPI_DEBUG": "5", "OMPI_MCA_btl": "tcp,self", "SLURM_PROCID": "1",
+                   "PATH": "/bin", "FANSTORE_RANK": "1", "FANSTORE_SIZE": "3"}

@@ -618,6 +618,23 @@ def test_command_status_is_the_worst_of_every_rank(served_dataset, tmp_path, job
     _assert_nothing_left(job)
 
 
+def test_a_command_that_starts_mpi_runs_it_alone_not_on_the_ranks_connection(served_dataset, tmp_path, jobs):
+    """A training script that imports mpi4py (to find its rank, say) failed in MPI_Init on every rank ("PMI_Init
+    failed": the launcher's connection, named in the command's environment, is the rank's). Its MPI starts alone
+    now, and FANSTORE_RANK and FANSTORE_SIZE say what it runs for."""
+    _, dest = served_dataset
+    script = ("import os\nfrom mpi4py import MPI\n"
+              "print('started', MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(), os.environ['FANSTORE_RANK'], "
+              "os.environ['FANSTORE_SIZE'], sorted(name for name in os.environ if name.startswith('PMI')), flush=True)")
+    job = Job(tmp_path, dest, command=[sys.executable, "-c", script])
+    jobs.append(job)
+    code, out, err = job.finish()
+    assert code == 0, out + err
+    started = sorted(line.split(" ", 5)[1:] for line in out.splitlines() if line.startswith("started"))
+    assert started == [["0", "1", str(rank), str(RANKS), "[]"] for rank in range(RANKS)], out + err
+    _assert_nothing_left(job)
+
+
 def test_a_process_the_command_left_running_ends_with_the_job(served_dataset, tmp_path, jobs):
     """A command that ends leaving a process in the background, which holds the rank's output open: mpiexec would
     wait for it (the job ended when it did, 123 s later, SIGTERM or not). The rank ends it as the job ends."""

@@ -12,6 +12,13 @@ start and gives its watchdog too (its pid and random bytes: ranks on one host sh
 namespace of its own, so no path would do): inherited through fork and exec, it still marks a child that left the
 command's process group or session, or was orphaned. A process that cleared its environment is not found (nor one
 of another user, whose environment this rank cannot read).
+
+The command's environment is the rank's, less the launcher's wire-up of this rank (PMI_FD, PMI_RANK, PMIX_*...):
+the rank's MPI library took that connection at its start, and a command that imports mpi4py (many training scripts
+do, to find their rank) failed in MPI_Init on it ("PMI_Init failed"), or under PMIx would join the job as the rank a
+second time. Without it, MPI in the command starts alone (a singleton); the rank and size it runs for are
+FANSTORE_RANK and FANSTORE_SIZE. The launcher's settings (MPIR_CVAR_*, I_MPI_*, SLURM_*: an srun in the command
+needs those) stay.
 """
 
 from __future__ import annotations
@@ -21,12 +28,26 @@ import os
 import secrets
 import signal
 import time
+from typing import Mapping
 
 log = logging.getLogger("fanstore.serve")
 
 COMMAND_TOKEN = "FANSTORE_COMMAND_TOKEN"  # the variable, in the command's environment
 STOP_GRACE = 10.0  # seconds a process of the command gets between SIGTERM and SIGKILL
 _POLL_SECONDS = 0.05
+
+
+# The launcher's connection to this rank: PMI-1 and PMI-2 (MPICH's Hydra, Slurm, Intel MPI), PMIx (Slurm, Open MPI
+# 5), Hydra's and Open MPI's rank layout.
+_WIRE_UP_PREFIXES = ("PMI_", "PMIX_", "OMPI_COMM_WORLD_", "OMPI_MCA_orte_", "OMPI_MCA_ess_", "OMPI_MCA_pmix_")
+_WIRE_UP_NAMES = frozenset({"MPI_LOCALNRANKS", "MPI_LOCALRANKID", "OMPI_UNIVERSE_SIZE"})
+
+
+def command_environment(environ: Mapping[str, str], added: Mapping[str, str]) -> dict[str, str]:
+    """The command's environment: `environ` less the launcher's wire-up of this rank, with `added` (FANSTORE_*)."""
+    kept = {name: value for name, value in environ.items()
+            if not name.startswith(_WIRE_UP_PREFIXES) and name not in _WIRE_UP_NAMES}
+    return {**kept, **added}
 
 
 def new_token() -> str:

@@ -28,7 +28,7 @@ from ..core.durable import write_atomically
 from ..errors import ChunkError, quoted, say_line
 from . import node_endpoint
 from .early_end import EarlyEnd
-from .command_processes import COMMAND_TOKEN, STOP_GRACE, end_command_processes, marker_of
+from .command_processes import COMMAND_TOKEN, STOP_GRACE, command_environment, end_command_processes, marker_of
 from .transport import PeerTransport
 
 log = logging.getLogger("fanstore.serve")
@@ -218,8 +218,9 @@ class Lifecycle:
 
     def _run_command(self, stop: threading.Event) -> int:
         rank, size = self.transport.rank, self.transport.size
-        env = dict(os.environ, FANSTORE_MOUNT=str(self.mountpoint), FANSTORE_RANK=str(rank), FANSTORE_SIZE=str(size),
-                   **{node_endpoint.ENVIRONMENT: str(self.endpoint), COMMAND_TOKEN: self.token})
+        env = command_environment(os.environ, {"FANSTORE_MOUNT": str(self.mountpoint), "FANSTORE_RANK": str(rank),
+                                               "FANSTORE_SIZE": str(size), node_endpoint.ENVIRONMENT: str(self.endpoint),
+                                               COMMAND_TOKEN: self.token})
         try:
             command = subprocess.Popen(list(self.command), env=env)
         except OSError as exc:
