@@ -8,6 +8,7 @@ import gc
 import multiprocessing
 import os
 import pickle
+import re
 import zipfile
 from pathlib import Path
 
@@ -63,6 +64,23 @@ def test_a_dataset_goes_to_a_spawned_process_as_what_opens_it_again(source_tree,
     with open_dataset(dest, source=other) as ds:
         with pytest.raises(TypeError, match="a dataset read through FallbackChunkSource cannot be pickled: open it"):
             pickle.dumps(ds)
+
+
+def test_a_dataset_pickled_before_dest_was_packed_again_is_refused_where_it_lands(source_tree, tmp_path):
+    """A pickled dataset opened whatever DEST held where it landed: a spawned worker read the new pack's files while
+    the process that pickled it read the old one's. It is refused in one line naming DEST; one packed again before
+    it was opened pickles and lands as before."""
+    dest = tmp_path / "ds"
+    pack(source_tree, dest, PackOptions(codec="zstd:3", workers=1))
+    with open_dataset(dest) as ds:
+        pickled = pickle.dumps(ds)
+        (source_tree / "labels.txt").write_text("packed again\n" * 3)
+        pack(source_tree, dest, PackOptions(codec="zstd:3", workers=1, force=True))
+        with pytest.raises(UsageError, match=rf"^{re.escape(str(dest))}: packed again since this dataset was "
+                                             r"pickled \(its index file is another now\): open the dataset again"):
+            pickle.loads(pickled)
+    with open_dataset(dest) as again, pickle.loads(pickle.dumps(again)) as landed:
+        assert landed.read("labels.txt") == b"packed again\n" * 3
 
 
 def test_an_open_file_takes_what_a_python_file_takes(source_tree, tmp_path):

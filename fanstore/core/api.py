@@ -192,7 +192,7 @@ class Dataset:
         if type(source) is not LocalChunkSource or Path(source.directory) != Path(self.path):
             raise TypeError(f"a dataset read through {type(source).__name__} cannot be pickled: open it in the process "
                             "that reads it, or use fanstore.torch.FileDataset, which pickles as its source's name")
-        return open_dataset, (str(self.path),)
+        return open_pickled_dataset, (str(self.path), self.index.file_identity)
 
     def for_forked_child(self) -> "Dataset | None":
         """In a process forked from the one that opened this dataset: the same dataset, its index shared with the
@@ -272,6 +272,17 @@ class Dataset:
     def files(self) -> Iterator[str]:
         """Paths of every regular file, in storage order (the fastest order to read them all)."""
         return (self.index.path_of(e) for e in self.index.iter_files())
+
+
+def open_pickled_dataset(path: str, identity: tuple[int, int, int, int] | None) -> Dataset:
+    """A pickled Dataset where it lands: the dataset that was pickled, or one error if DEST was packed again since
+    (a spawned worker would read the new pack's files while the process that pickled it reads the old one's)."""
+    dataset = open_dataset(path)
+    if identity is not None and dataset.index.file_identity != tuple(identity):
+        dataset.close()
+        raise UsageError(f"{shown_path(path)}: packed again since this dataset was pickled (its index file is "
+                         f"another now): open the dataset again in the process that pickled it")
+    return dataset
 
 
 def open_dataset(path: str | os.PathLike[str], source: ChunkSource | None = None) -> Dataset:
