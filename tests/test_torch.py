@@ -7,6 +7,7 @@ import io
 import json
 import os
 import pickle
+import random
 import re
 import signal
 import subprocess
@@ -362,7 +363,37 @@ def test_each_worker_decodes_ahead_exactly_its_own_next_batches(packed, context)
     loader = DataLoader(dataset, batch_size=5, sampler=sampler, num_workers=2, collate_fn=list,
                         multiprocessing_context=context)
     last = {worker: counters for batch in loader for worker, counters in batch}
-    assert last == {w: {"ahead": 25, "used": 25, "waited": last[w]["waited"], "missed": 5} for w in (0, 1)}, last
+    assert last == {w: {"ahead": 25, "used": 25, "waited": last[w]["waited"], "missed": 5, "out_of_turn": 0}
+                    for w in (0, 1)}, last
+
+
+class UnevenWorkers(CountersProbe):
+    """CountersProbe whose items take 0 to 6 ms each at random, three times that in worker 0: the loader's batches
+    go to whichever worker is free first."""
+
+    def _item(self, data: bytes, item: int):
+        from torch.utils.data import get_worker_info
+
+        time.sleep(random.random() * (0.018 if get_worker_info().id == 0 else 0.006))
+        return super()._item(data, item)
+
+
+def test_workers_given_batches_out_of_turn_stop_decoding_ahead_what_others_read(packed):
+    """DataLoader(in_order=False) hands each batch to a free worker, not in turn: each worker decoded ahead the
+    batches its turn would have brought, many of which went to the other (on 12,000 files of 128 KiB: 38,000
+    decoded ahead for 24,000 read, 60% more decoding, and slower). A worker whose batches come out of turn more
+    often than in it decodes each as it comes; every item still arrives whole."""
+    _, dest = packed
+    paths = [f"files/d{i % 3}/f{i:03d}.bin" for i in range(60)] * 4
+    dataset = UnevenWorkers(dest, paths=paths)
+    sampler = EpochSampler(RandomSampler(dataset, generator=torch.Generator().manual_seed(2)), dataset)
+    loader = DataLoader(dataset, batch_size=5, sampler=sampler, num_workers=2, collate_fn=list, in_order=False)
+    batches = list(loader)
+    assert sorted(len(batch) for batch in batches) == [5] * 48
+    last = {worker: counters for batch in batches for worker, counters in batch}
+    assert sum(counters["out_of_turn"] for counters in last.values()) >= 10, last
+    wasted = sum(counters["ahead"] - counters["used"] for counters in last.values())
+    assert wasted <= 2 * 6 * 5, last  # a few batches a worker before its turns are seen not to hold
 
 
 def test_no_dataset_outside_serve_is_one_clear_error(monkeypatch):
