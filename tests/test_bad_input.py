@@ -260,6 +260,9 @@ def test_a_journal_of_another_version_is_refused_then_replaced_with_force(source
 @pytest.mark.parametrize(
     "option, value, needle",
     [("--chunk-size", "lots", "--chunk-size"), ("--chunk-size", "1K", "--chunk-size"),
+     # 0 said it "must be at least 1 byte" where 1K said at least 4 KiB: each size names its own bound
+     ("--chunk-size", "0", "--chunk-size: 0 bytes is too small (at least 4 KiB)"),
+     ("--block-size", "0", "--block-size: 0 bytes is not from 4096 to"),
      ("--codec", "zstd:99", "--codec"), ("--codec", "gzip", "--codec"), ("--workers", "-2", "--workers"),
      ("--workers", "1025", "--workers"), ("--workers", "99999999999", "0 (every core) to 1024"),
      ("--replicate", "val/[abc", "--replicate")],

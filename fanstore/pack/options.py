@@ -32,7 +32,8 @@ MIN_CHUNK_SIZE = 4096
 MAX_WORKERS = 1024
 
 
-def _size_or_zero(text: str, flag: str) -> int:
+def _size_bounded_later(text: str, flag: str) -> int:
+    """A size read as it is, 0 included: __post_init__ checks it against the option's own bounds and names them."""
     return parse_size(text, flag, minimum=0)
 
 
@@ -73,18 +74,18 @@ class PackOptions:
         help=f"a codec spec (below), or {AUTO_CODEC}: measure codecs on a sample of SRC and choose per file kind (see "
              "--budget and --fit) (default {default})")
     chunk_size: int = option(
-        DEFAULT_CHUNK_SIZE, flag="--chunk-size", metavar="SIZE", parse=parse_size, show=size_option,
+        DEFAULT_CHUNK_SIZE, flag="--chunk-size", metavar="SIZE", parse=_size_bounded_later, show=size_option,
         help="a chunk file closes before the next stored blob (a file stored whole, or one block) would take it past "
              "SIZE, e.g. {default} (default); a blob larger than SIZE gets a chunk of its own")
     replicate: tuple[str, ...] = option(
         (), flag="--replicate", metavar="GLOB",
         help="files matching GLOB (e.g. 'val/**') go to the group stored on every node; repeatable")
     block_size: int = option(
-        DEFAULT_BLOCK_SIZE, flag="--block-size", metavar="SIZE", parse=parse_size, show=size_option,
+        DEFAULT_BLOCK_SIZE, flag="--block-size", metavar="SIZE", parse=_size_bounded_later, show=size_option,
         help="a file larger than --blocks-above is stored in blocks of SIZE, each decodable alone, so a read "
              "anywhere in it decodes about SIZE bytes (default {default})")
     blocks_above: int = option(
-        DEFAULT_BLOCKS_ABOVE, flag="--blocks-above", metavar="SIZE", parse=_size_or_zero, show=size_option,
+        DEFAULT_BLOCKS_ABOVE, flag="--blocks-above", metavar="SIZE", parse=_size_bounded_later, show=size_option,
         help="files larger than SIZE are stored in blocks (default {default}); smaller ones whole")
     workers: int = option(0, flag="--workers", metavar="N", type=int, show=_workers,
                           help=f"compression processes, 0 to {MAX_WORKERS} (default: {{default}})")
