@@ -322,8 +322,8 @@ def _add_serve_parser(subcommands: Any) -> None:
              (EXIT_FAILURE, "a rank could not start, stage or mount (each rank stops, and says why in one line), "
                             "or a rank was lost"),
              _USAGE,
-             ("N", "the highest status of any rank's COMMAND: 128+S for one killed by signal S, 127 for one that "
-                   "could not be run"),
+             ("N", "the highest status of any rank's COMMAND: 128+S for one killed by signal S, 127 for one not "
+                   "found, 126 for one found but not runnable (as a shell says)"),
              (EXIT_INTERRUPTED, "Ctrl-C (SIGINT) before every rank was mounted"),
              (128 + signal.SIGTERM, "SIGTERM before every rank was mounted")],
             "srun --ntasks-per-node=1 fanstore serve /lustre/imagenet.fanstore /tmp/imagenet --local-dir "

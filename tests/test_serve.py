@@ -34,6 +34,7 @@ from conftest import (REPO, assert_one_line_error, dir_bytes, flip_byte, listene
                       wait_until)
 from fanstore import PackOptions, open_dataset, pack
 from fanstore.core.format import INDEX_NAME, chunk_file_name
+from fanstore.errors import quoted
 from fanstore.mount.job_memory import job_memory
 from fanstore.mount.mount import DEFAULT_CACHE_FRACTION, fuse_mounted_at, fuse_unavailable_reason, unmount
 from fanstore.serve.node_endpoint import SOCKET_NAME
@@ -632,6 +633,24 @@ def test_a_command_that_starts_mpi_runs_it_alone_not_on_the_ranks_connection(ser
     assert code == 0, out + err
     started = sorted(line.split(" ", 5)[1:] for line in out.splitlines() if line.startswith("started"))
     assert started == [["0", "1", str(rank), str(RANKS), "[]"] for rank in range(RANKS)], out + err
+    _assert_nothing_left(job)
+
+
+@pytest.mark.parametrize("command, status, reason", [("missing", 127, "No such file or directory"),
+                                                    ("not_executable", 126, "Permission denied"),
+                                                    (".", 126, "Permission denied")])
+def test_a_command_that_cannot_run_ends_the_job_with_the_shells_status(served_dataset, tmp_path, jobs, command,
+                                                                      status, reason):
+    """A COMMAND found but not runnable (no x bit, a directory) ended the job with 127, a shell's "not found", where
+    a shell says 126: a batch script that tells the two apart was misled."""
+    _, dest = served_dataset
+    (tmp_path / "not_executable").write_text("echo hi\n")
+    path = str(tmp_path / command)
+    job = Job(tmp_path, dest, command=[path])
+    jobs.append(job)
+    code, out, err = job.finish()
+    assert code == status, out + err
+    assert err.count(f"cannot run {quoted(path)}: {reason}") == RANKS, err
     _assert_nothing_left(job)
 
 

@@ -225,7 +225,8 @@ class Lifecycle:
             command = subprocess.Popen(list(self.command), env=env)
         except OSError as exc:
             say_line(f"fanstore serve: rank {rank}: cannot run {quoted(self.command[0])}: {exc.strerror}")
-            return 127
+            # As a shell says it, which batch scripts test: 127 not found, 126 found but not runnable.
+            return 127 if isinstance(exc, FileNotFoundError) else 126
         marker = marker_of(self.token)
         while True:
             try:
