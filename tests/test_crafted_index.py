@@ -560,3 +560,40 @@ def test_paths_the_hash_table_cannot_find_are_reported_by_verify(original, tmp_p
     assert f"{lost} path{'s' if lost > 1 else ''} not found by lookup" in result.stdout
     with open_dataset(dataset) as ds:
         assert ds.index.unfindable().tolist() == []
+
+
+def _sparse_zeros(index: Path) -> None:
+    os.truncate(index, 0)
+    os.truncate(index, 64 << 30)
+
+
+def _sparse_tail(index: Path) -> None:
+    os.truncate(index, 64 << 30)  # the header's body length is the real index's: 64 GiB of it are not
+
+
+def _sparse_body_as_the_header_says(index: Path) -> None:
+    """A header whose body length is the file's 64 GiB: consistent, so only reading the body tells it is damaged."""
+    data = bytearray(index.read_bytes())
+    struct.pack_into("<Q", data, 24, (64 << 30) - INDEX_HEADER_LEN)
+    index.write_bytes(bytes(data))
+    os.truncate(index, 64 << 30)
+
+
+def _limit_address_space() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+
+@pytest.mark.parametrize("damage, needle", [(_sparse_zeros, "bad magic"), (_sparse_tail, "longer than its header"),
+                                            (_sparse_body_as_the_header_says, "memory")])
+def test_an_index_file_too_large_to_map_is_refused_in_one_line_never_read_whole(original, tmp_path, damage, needle):
+    """Under an address-space limit (`ulimit -v`, as batch systems set) a 64 GiB index file cannot be mapped, and the
+    reader fell back to reading all of it: a MemoryError traceback from info, verify and open_dataset. The header
+    is checked against the file's size first, and a body too large for memory is one line naming the index."""
+    dataset, toc, sections = original
+    out = craft(dataset, tmp_path / "crafted", toc, sections)
+    damage(out / INDEX_NAME)
+    for command in ("info", "verify"):
+        assert_one_line_error(run_cli(command, str(out), timeout=120, preexec_fn=_limit_address_space),
+                              str(out / INDEX_NAME), needle)

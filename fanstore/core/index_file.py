@@ -45,8 +45,11 @@ def read_index_file(dataset_dir: str | os.PathLike[str]) -> bytes:
     blocking, and refused unless a regular file: an index that is a fifo must not hang the reader."""
     fd, path = _open_index_file(dataset_dir)
     try:
-        with os.fdopen(fd, "rb", closefd=False) as index_file:
-            return index_file.read()
+        info = os.fstat(fd)
+        _check_header_before_reading(fd, path, info.st_size)
+        return _read_whole(fd, path, info.st_size)
+    except FormatError:
+        raise  # an OSError too, naming what is wrong already
     except OSError as exc:
         raise FormatError(f"{path}: cannot read the index: {exc.strerror}") from None
     finally:
@@ -63,17 +66,37 @@ def map_index_file(dataset_dir: str | os.PathLike[str]) -> tuple[mmap.mmap | byt
     fd, path = _open_index_file(dataset_dir)
     try:
         info = os.fstat(fd)
+        _check_header_before_reading(fd, path, info.st_size)
         try:
             if info.st_size >= INDEX_HEADER_LEN:
                 return mmap.mmap(fd, info.st_size, access=mmap.ACCESS_READ), info
         except (OSError, ValueError):
             pass  # read it instead
-        with os.fdopen(fd, "rb", closefd=False) as index_file:
-            return index_file.read(), info
+        return _read_whole(fd, path, info.st_size), info
+    except FormatError:
+        raise  # an OSError too, naming what is wrong already
     except OSError as exc:
         raise FormatError(f"{path}: cannot read the index: {exc.strerror}") from None
     finally:
         os.close(fd)
+
+
+def _check_header_before_reading(fd: int, path: Path, file_size: int) -> None:
+    """The header read alone and checked against the file's size, before the file is mapped or read: a file that
+    is not the index its header describes (64 GiB of zeros, a tail past the body) is refused without reading it,
+    where a reader that cannot map it (`ulimit -v`) would read all of it into memory."""
+    if file_size >= INDEX_HEADER_LEN:
+        check_header(path, os.pread(fd, INDEX_HEADER_LEN, 0), file_size)
+
+
+def _read_whole(fd: int, path: Path, file_size: int) -> bytes:
+    """The index file's bytes, read where it cannot be mapped; one line naming it where memory does not hold them."""
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as index_file:
+            return index_file.read()
+    except MemoryError:
+        raise FormatError(f"{path}: cannot read the index: not enough memory for its {file_size} bytes (it could "
+                          "not be mapped either: is the address space limited, `ulimit -v`?)") from None
 
 
 def _open_index_file(dataset_dir: str | os.PathLike[str]) -> tuple[int, Path]:
@@ -115,19 +138,8 @@ def parse_index(path: Path, data: bytes | mmap.mmap,
     """The table of contents and the sections of the index bytes `data` (the file at `path`, which errors name), as
     views into `data`, once every check of this module passed; and the pass over every entry unless `full_check`
     is False (this node made it already: index_trust)."""
-    if len(data) < INDEX_HEADER_LEN:
-        raise FormatError(f"{path}: index is truncated ({len(data)} bytes)")
-    magic, major, minor, header_len, toc_len, body_len, body_hash = INDEX_HEADER.unpack_from(data)
-    if magic != INDEX_MAGIC:
-        raise FormatError(f"{path}: not a fanstore index (bad magic)")
-    check_version(major, minor, path)
-    if header_len < INDEX_HEADER_LEN or header_len % SECTION_ALIGN or header_len > len(data):
-        raise FormatError(f"{path}: header length {header_len} is not a multiple of {SECTION_ALIGN} from "
-                          f"{INDEX_HEADER_LEN} to the file's size")
+    major, minor, header_len, toc_len, body_len, body_hash = check_header(path, data, len(data))
     body = memoryview(data)[header_len:]
-    if len(body) != body_len:
-        state = "truncated" if len(body) < body_len else "longer than its header says"
-        raise FormatError(f"{path}: index is {state} (body {len(body)} of {body_len} bytes)")
     if xxhash.xxh3_64_intdigest(body) != body_hash:
         raise FormatError(f"{path}: index checksum mismatch: the index file is corrupt")
     if toc_len > body_len:
@@ -150,6 +162,24 @@ def parse_index(path: Path, data: bytes | mmap.mmap,
     if full_check:
         check_arrays(path, toc, sections)
     return toc, sections
+
+
+def check_header(path: Path, data: bytes | mmap.mmap, file_size: int) -> tuple[int, int, int, int, int, int]:
+    """The header at the start of `data` (major, minor, header length, TOC length, body length, body checksum),
+    checked against the index file's size `file_size`: magic, major version, where the body starts and ends."""
+    if len(data) < INDEX_HEADER_LEN:
+        raise FormatError(f"{path}: index is truncated ({len(data)} bytes)")
+    magic, major, minor, header_len, toc_len, body_len, body_hash = INDEX_HEADER.unpack_from(data)
+    if magic != INDEX_MAGIC:
+        raise FormatError(f"{path}: not a fanstore index (bad magic)")
+    check_version(major, minor, path)
+    if header_len < INDEX_HEADER_LEN or header_len % SECTION_ALIGN or header_len > file_size:
+        raise FormatError(f"{path}: header length {header_len} is not a multiple of {SECTION_ALIGN} from "
+                          f"{INDEX_HEADER_LEN} to the file's size")
+    if file_size - header_len != body_len:
+        state = "truncated" if file_size - header_len < body_len else "longer than its header says"
+        raise FormatError(f"{path}: index is {state} (body {file_size - header_len} of {body_len} bytes)")
+    return major, minor, header_len, toc_len, body_len, body_hash
 
 
 def check_toc(path: Path, toc: Any, version: str) -> None:
