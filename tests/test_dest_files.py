@@ -7,6 +7,7 @@ in tests/test_serve.py."""
 from __future__ import annotations
 
 import os
+import signal
 from collections import Counter
 from pathlib import Path
 
@@ -118,3 +119,37 @@ def test_a_chunk_cut_short_gives_fewer_bytes_past_its_end(tmp_path):
         files.expect([0, 0])
         assert len(files.read(0, 0, SPAN)) == SPAN
         assert len(files.read(0, SPAN, SPAN)) == 10
+
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+def _directory(path: Path) -> None:
+    path.mkdir()
+
+
+def _device(path: Path) -> None:
+    os.symlink("/dev/zero", path)
+
+
+@pytest.mark.parametrize("make", [_fifo, _directory, _device], ids=["fifo", "directory", "device"])
+def test_a_chunk_that_is_not_a_regular_file_is_an_error_for_its_spans_never_a_wait(tmp_path, make):
+    """A chunk file replaced by a fifo blocked the staging rank in open() for good (the job never mounted), and one
+    that is /dev/zero gave its zeros as the chunk's bytes. Each is an error naming it, its neighbour reads on."""
+    dest = _dest(tmp_path, 2)
+    (dest / chunk_file_name(1)).unlink()
+    make(dest / chunk_file_name(1))
+    previous = signal.signal(signal.SIGALRM, lambda *_: pytest.fail("staging waited on a chunk file"))
+    signal.alarm(10)
+    try:
+        with DestChunkFiles(dest) as files:
+            files.expect([0, 1, 1])
+            for start in (0, SPAN):
+                with pytest.raises(OSError) as refused:
+                    files.read(1, start, SPAN)
+                assert refused.value.strerror == "not a regular file", refused.value
+            assert files.read(0, 0, SPAN) == b"\0" * SPAN
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

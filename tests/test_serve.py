@@ -2044,3 +2044,30 @@ def test_a_rank_template_names_only_the_rank_and_fits_a_path():
             format_for_rank(template, 0, "--local-dir")
         assert str(refused.value).startswith(f"--local-dir {template!r}: "), str(refused.value)
         assert needle in str(refused.value), str(refused.value)
+
+
+def test_a_dest_chunk_that_is_a_fifo_fails_its_files_and_the_job_mounts(served_dataset, tmp_path, jobs):
+    """A chunk file of DEST replaced by a fifo held the rank that stages it in open() for good: the job never
+    mounted. Staging names it, the job mounts, and on every rank the files stored whole in it fail with EIO while
+    every other file reads right."""
+    src, packed = served_dataset
+    dest = tmp_path / "dest"
+    shutil.copytree(packed, dest)
+    whole = [file for files in _whole_files_by_owner(dest).values() for file in files]
+    chunk = whole[0][1]
+    in_fifo = {path for path, in_chunk, _, _ in whole if in_chunk == chunk}
+    (dest / chunk_file_name(chunk)).unlink()
+    os.mkfifo(dest / chunk_file_name(chunk))
+    job = Job(tmp_path, dest)
+    jobs.append(job)
+    job.wait_ready(timeout=60)
+    for mountpoint in job.mountpoints:
+        for path in in_fifo:
+            with pytest.raises(OSError) as failed:
+                (mountpoint / path).read_bytes()
+            assert failed.value.errno == errno.EIO, path
+        for path, _, _, _ in whole[-3:] + [("val/cat/img_001.bin", 0, 0, 0)]:
+            assert (mountpoint / path).read_bytes() == (src / path).read_bytes(), path
+    os.kill(job.proc.pid, signal.SIGTERM)
+    _, _, err = job.finish()
+    assert f"{dest / chunk_file_name(chunk)}: not a regular file" in err, err

@@ -7,7 +7,9 @@ otherwise open and close it 32 times.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Callable, Iterable
@@ -18,7 +20,18 @@ MAX_OPEN = 8  # staging reads each chunk's spans in a row, two chunks at a time 
 
 
 def open_for_reading(path: Path) -> int:
-    return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    """A descriptor of a chunk file of DEST, which must be a regular file: opened without blocking, so that one
+    replaced by a fifo does not hold the rank in open() for good (a device would give its bytes as the chunk's)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    except OSError:
+        os.close(fd)
+        raise
+    if not regular:
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return fd
 
 
 class DestChunkFiles:
