@@ -597,3 +597,45 @@ def test_an_index_file_too_large_to_map_is_refused_in_one_line_never_read_whole(
     for command in ("info", "verify"):
         assert_one_line_error(run_cli(command, str(out), timeout=120, preexec_fn=_limit_address_space),
                               str(out / INDEX_NAME), needle)
+
+
+def _root_hash_changed(sections: dict[str, np.ndarray]) -> None:
+    """The root's slot of the hash table given its neighbour's hash (still sorted): a lookup of '' no longer finds
+    it."""
+    hashes, order = sections["path_hash"], sections["hash_order"]
+    at = int(np.flatnonzero(order == 0)[0])
+    hashes[at] = hashes[at - 1] if at else hashes[at + 1]
+
+
+def test_a_root_the_hash_table_cannot_find_opens_and_serves_every_reader(original, tmp_path):
+    """The root is entry 0 (checked at open), but opening looked it up by its path's hash: a hash table that did not
+    find '' made open_dataset, info, verify and the mount fail with "'': no such file or directory in the dataset",
+    a line naming neither DEST nor the index. As for any path the table misses, the dataset opens and verify names
+    it; every path resolves, through the root."""
+    dataset, toc, sections = original
+    sections = {name: array.copy() for name, array in sections.items()}
+    _root_hash_changed(sections)
+    out = craft(dataset, tmp_path / "crafted", toc, sections)
+    image = (dataset.parent / "src" / "train/cat/img_001.png").read_bytes()
+    with open_dataset(out) as ds:
+        assert "labels.txt" in ds.listdir("")
+        assert ds.index.unfindable().tolist() == [0]
+        for path in ("train/cat/img_001.png", "cats/img_001.png", "train/dog/../cat/img_001.png",
+                     "/cats/./img_001.png"):
+            assert ds.read(path) == image, path
+    assert run_cli("info", str(out), timeout=60).returncode == 0
+    verified = run_cli("verify", str(out), timeout=60)
+    assert verified.returncode == 1 and "BAD PATH '': the index lists it" in verified.stdout, verified.stdout
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("/dev/fuse is missing on this machine: FUSE mounts cannot be tested")
+    from fanstore.mount.mount import unmount
+
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    mounted = run_cli("mount", str(out), str(mountpoint), "--log", str(tmp_path / "log"), timeout=60)
+    assert mounted.returncode == 0, mounted.stderr
+    try:
+        assert "labels.txt" in os.listdir(mountpoint)
+        assert (mountpoint / "cats" / "img_001.png").read_bytes() == image
+    finally:
+        unmount(mountpoint)

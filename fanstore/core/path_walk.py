@@ -20,11 +20,13 @@ _MAX_SYMLINK_HOPS = 40  # the kernel's (MAXSYMLINKS)
 
 
 class PathWalk:
-    """Resolves paths in one index; made once per open dataset (the root's entry is looked up here, not per path)."""
+    """Resolves paths in one index; made once per open dataset."""
 
     def __init__(self, index: Index) -> None:
         self.index = index
-        self._root = index.lookup("")
+        # Entry 0, as the check at open holds every index to; not looked up by its hash, which a damaged hash table
+        # misses (any path it misses is still listed and reached through the root; `fanstore verify` names it).
+        self._root = 0
 
     def resolve(self, path: str | os.PathLike[str], follow_symlinks: bool = True) -> int:
         """Entry number of a path, following symlinks (they all stay inside the dataset); with `follow_symlinks`
