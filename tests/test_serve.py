@@ -2071,3 +2071,47 @@ def test_a_dest_chunk_that_is_a_fifo_fails_its_files_and_the_job_mounts(served_d
     os.kill(job.proc.pid, signal.SIGTERM)
     _, _, err = job.finish()
     assert f"{dest / chunk_file_name(chunk)}: not a regular file" in err, err
+
+
+def _set_entry_size(dest: Path, path: str, size: int) -> None:
+    """The index of `dest` rewritten in place with `path`'s size field set to `size`, and the body checksum that
+    goes with it: a crafted index, as a buggy or hostile producer writes it."""
+    from fanstore.core.format import ENTRY_DTYPE, INDEX_HEADER, INDEX_HEADER_LEN
+    from fanstore.core.index_file import parse_index
+    import xxhash
+
+    index_path = dest / INDEX_NAME
+    data = bytearray(index_path.read_bytes())
+    with open_dataset(dest) as ds:
+        entry = ds.resolve(path)
+    toc, _ = parse_index(index_path, bytes(data))
+    at = toc["sections"]["entries"]["offset"] + entry * ENTRY_DTYPE.itemsize + ENTRY_DTYPE.fields["size"][1]
+    struct.pack_into("<Q", data, at, size)
+    header_len = INDEX_HEADER.unpack_from(data)[3]
+    struct.pack_into("<Q", data, 32, xxhash.xxh3_64_intdigest(bytes(data[header_len:])))
+    assert header_len >= INDEX_HEADER_LEN
+    index_path.write_bytes(bytes(data))
+
+
+def test_a_peer_blob_that_does_not_decode_is_an_io_error_without_blaming_the_peer(served_dataset, tmp_path, jobs):
+    """A file whose size the index gives wrong (crafted, the checksum of the index made to match): its blob, sent by
+    the rank that stores it, passes its checksum but does not decode. The mount took any failure of a fetched blob
+    for a checksum mismatch: it logged "rank N sent chunk C at O, which fails its checksum" (blaming a sound copy)
+    and read the blob again from DEST. The file fails with EIO naming why, the peer is not blamed, DEST not read."""
+    src, packed = served_dataset
+    dest = tmp_path / "dest"
+    shutil.copytree(packed, dest)
+    path, _, _, _ = _whole_files_by_owner(dest)[0][0]
+    _set_entry_size(dest, path, (src / path).stat().st_size + 1)
+    job = Job(tmp_path, dest, "--stats")
+    jobs.append(job)
+    job.wait_ready()
+    with pytest.raises(OSError) as failed:
+        (job.mountpoints[1] / path).read_bytes()
+    assert failed.value.errno == errno.EIO
+    stats = json.loads(os.getxattr(job.mountpoints[1], "user.fanstore.stats"))["source"]
+    os.kill(job.proc.pid, signal.SIGTERM)
+    _, _, err = job.finish()
+    assert f"{path}: cannot decode blob" in err, err
+    assert "fails its checksum" not in err, err
+    assert stats["fallback"] == 0, stats

@@ -144,11 +144,14 @@ class Reader:
     def _where(self, entry: int, block: int) -> str:
         return shown_path(self.index.path_of(entry)) + (f" (block {block})" if block >= 0 else "")
 
-    def decode_fetched(self, entry: int, stored: bytes | memoryview) -> bytes:
+    def decode_fetched(self, entry: int, stored: bytes | memoryview) -> bytes | None:
         """A file stored whole, from the stored blob its caller fetched itself (ChunkSource.start_read): verified,
-        then decoded, exactly as `read` would."""
+        then decoded, exactly as `read` would. None when the blob fails its checksum (that copy is damaged: the
+        caller reads the other, read_other_copy); ChunkCorrupt when a sound blob does not decode (the index is
+        wrong: every copy fails alike)."""
         size, offset, stored_len, checksum, _, chunk, codec, _ = self._read_rows[entry].item()
-        self._verify(entry, -1, stored, chunk, offset, stored_len, checksum)
+        if _checksum(stored) != checksum:
+            return None
         return self._decode(entry, -1, stored, codec, size, chunk, offset)
 
     def read_other_copy(self, entry: int) -> bytes:
@@ -189,11 +192,6 @@ class Reader:
         if stored is None or _checksum(stored) != checksum:
             raise self._corrupt(entry, block, chunk, offset, stored_len) from None
         return stored
-
-    def _verify(self, entry: int, block: int, stored: bytes, chunk: int, offset: int, stored_len: int,
-                checksum: int) -> None:
-        if _checksum(stored) != checksum:
-            raise self._corrupt(entry, block, chunk, offset, stored_len)
 
     def _corrupt(self, entry: int, block: int, chunk: int, offset: int, stored_len: int) -> ChunkCorrupt:
         return ChunkCorrupt(f"{self._where(entry, block)}: checksum mismatch in chunk {chunk} "

@@ -397,19 +397,21 @@ class FanstoreOperations(pyfuse3.Operations):
     async def _fetched(self, entry: int, fetching: _Fetching) -> bytes | None:
         """The file, decoded from the blob `fetching` brings; None when that try failed: the caller then reads the
         file off the loop, the usual way, which falls back to DEST. A blob that came but fails its checksum is
-        read from the other copy (DEST) once, off the loop; if that one fails too the file is corrupt."""
+        read from the other copy (DEST) once, off the loop; if that one fails too the file is corrupt. A sound blob
+        that does not decode is ChunkCorrupt at once: DEST holds the same bytes."""
         stored = await fetching.wait()
         if stored is None:
             return None
         reader = self._reader
-        try:
-            if self._stored_len[entry] <= INLINE_DECODE_BYTES:
-                return reader.decode_fetched(entry, stored)  # type: ignore[union-attr]
-            return await trio.to_thread.run_sync(reader.decode_fetched, entry,  # type: ignore[union-attr]
-                                                 stored, limiter=self._decode_limiter)
-        except ChunkCorrupt:
+        if self._stored_len[entry] <= INLINE_DECODE_BYTES:
+            decoded = reader.decode_fetched(entry, stored)  # type: ignore[union-attr]
+        else:
+            decoded = await trio.to_thread.run_sync(reader.decode_fetched, entry,  # type: ignore[union-attr]
+                                                    stored, limiter=self._decode_limiter)
+        if decoded is None:
             return await trio.to_thread.run_sync(reader.read_other_copy, entry,  # type: ignore[union-attr]
                                                  limiter=self._fetch_limiter)
+        return decoded
 
     async def _read_blocks(self, entry: int, off: int, size: int) -> memoryview | bytes:
         """A read of a file stored in blocks decodes only the blocks it touches, each cached under (entry, block):
