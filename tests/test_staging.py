@@ -157,3 +157,17 @@ def test_a_local_dir_without_flock_is_used_unheld_and_one_that_cannot_be_is_one_
     (tmp_path / "other" / LOCK_NAME).mkdir()
     with pytest.raises(StagingError, match=rf"--local-dir {tmp_path}/other: cannot use it: Is a directory"):
         claim_local_dir(tmp_path / "other")
+
+
+def test_a_local_chunk_that_is_a_fifo_fails_staging_naming_it(tmp_path):
+    """Staging opens its share's chunk files to write in place: one that was a fifo failed the job with
+    "--local-dir DIR: cannot write to it: Invalid argument" (ftruncate of a fifo), naming no file. The error names
+    the file and says what it is not."""
+    local = LocalDirectory(tmp_path / "local", np.array([4096], dtype=np.uint64))
+    local.chunk_path(0).parent.mkdir(parents=True)
+    os.mkfifo(local.chunk_path(0))
+    for keep in (False, True):
+        with pytest.raises(OSError) as refused:
+            local.open_for_staging(0, keep=keep)
+        assert (refused.value.filename, refused.value.strerror) == (str(local.chunk_path(0)), "not a regular file")
+    local.close()

@@ -7,6 +7,7 @@ finds it again (the manifest) and no other job undoes it meanwhile (the lock).
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -176,10 +177,16 @@ class LocalDirectory:
         chunk's size), so no byte of an earlier dataset stays behind in its holes."""
         path = self.chunk_path(chunk)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        if not keep:
-            os.ftruncate(fd, 0)
-        os.ftruncate(fd, self._sizes[chunk])
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a fifo: its ftruncate said only "Invalid argument"
+                raise OSError(errno.EINVAL, "not a regular file", str(path))
+            if not keep:
+                os.ftruncate(fd, 0)
+            os.ftruncate(fd, self._sizes[chunk])
+        except OSError as exc:
+            os.close(fd)
+            raise OSError(exc.errno, exc.strerror, exc.filename or str(path)) from None
         self._fds[chunk] = fd
 
     def write(self, chunk: int, start: int, data: bytes | memoryview) -> None:
