@@ -639,3 +639,22 @@ def test_a_root_the_hash_table_cannot_find_opens_and_serves_every_reader(origina
         assert (mountpoint / "cats" / "img_001.png").read_bytes() == image
     finally:
         unmount(mountpoint)
+
+
+def _limit_address_space_to_800_mib() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (800 << 20, 800 << 20))
+
+
+def test_an_index_that_does_not_fit_in_memory_once_read_is_refused_in_one_line(original, tmp_path, monkeypatch):
+    """A table of contents of 40 MB holding ten million empty objects (meta is free-form) takes twenty times its
+    size as Python objects: under an address-space limit `fanstore info` and `verify` died in a MemoryError
+    traceback from json. Running out of memory anywhere in opening the index is one line naming the index."""
+    dataset, toc, sections = original
+    monkeypatch.setattr(__import__(__name__), "TOC_ROOM", 41 << 20)
+    out = craft(dataset, tmp_path / "crafted", toc, sections,
+                lambda crafted: crafted["meta"].__setitem__("junk", [{}] * (10 << 20)))
+    for command in ("info", "verify"):
+        assert_one_line_error(run_cli(command, str(out), timeout=120, preexec_fn=_limit_address_space_to_800_mib),
+                              str(out / INDEX_NAME), "not enough memory")

@@ -124,19 +124,25 @@ class Index:
         the header, the TOC, the sections' layout and the body's checksum."""
         path = Path(dataset_dir) / INDEX_NAME
         data, info = map_index_file(dataset_dir)
-        body_hash = header_body_hash(data)
-        checked = body_hash is not None and index_trust.is_checked(info, body_hash)
-        toc, sections = parse_index(path, data, full_check=not checked)
-        if not checked and body_hash is not None:
-            index_trust.mark_checked(info, body_hash)
-        return cls(path, toc, sections, info)
+        try:
+            body_hash = header_body_hash(data)
+            checked = body_hash is not None and index_trust.is_checked(info, body_hash)
+            toc, sections = parse_index(path, data, full_check=not checked)
+            if not checked and body_hash is not None:
+                index_trust.mark_checked(info, body_hash)
+            return cls(path, toc, sections, info)
+        except MemoryError:
+            raise _no_memory_for(path, len(data)) from None
 
     @classmethod
     def from_bytes(cls, path: Path, data: bytes) -> "Index":
         """The index in `data`, the bytes of the index file at `path` (which errors name), checked as `load` checks
         it: for a caller that needs the bytes too (to checksum or copy them), so it reads the file once."""
-        toc, sections = parse_index(path, data)
-        return cls(path, toc, sections)
+        try:
+            toc, sections = parse_index(path, data)
+            return cls(path, toc, sections)
+        except MemoryError:
+            raise _no_memory_for(path, len(data)) from None
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -254,6 +260,13 @@ class Index:
         files = np.flatnonzero(is_file)
         order = np.lexsort((self.entries["offset"][files], self.entries["chunk"][files]))
         return (int(i) for i in files[order])
+
+
+def _no_memory_for(path: Path, size: int) -> FormatError:
+    """Opening an index ran out of memory: its table of contents (free-form JSON, which Python holds at many times
+    its size) or the checks' arrays. One line naming it, where a MemoryError traceback came from json or numpy."""
+    return FormatError(f"{path}: not enough memory to open the index ({size} bytes; its table of contents and the "
+                       "checks of its entries take more): is the address space limited (`ulimit -v`)?")
 
 
 def derive_first_child(parents: np.ndarray) -> np.ndarray:
