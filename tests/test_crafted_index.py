@@ -16,6 +16,8 @@ import re
 import signal
 import stat
 import struct
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -658,3 +660,51 @@ def test_an_index_that_does_not_fit_in_memory_once_read_is_refused_in_one_line(o
     for command in ("info", "verify"):
         assert_one_line_error(run_cli(command, str(out), timeout=120, preexec_fn=_limit_address_space_to_800_mib),
                               str(out / INDEX_NAME), "not enough memory")
+
+
+def _blob_of_64_gib(dataset: Path, toc: dict[str, Any], sections: dict[str, np.ndarray], out: Path) -> Path:
+    """labels.txt made a 64 GiB file stored as it is, in its chunk made a sparse file of 1 TiB (the index says so):
+    a blob too large to read into memory, as an honest file stored whole of that size would be under a limit."""
+    sections = {name: array.copy() for name, array in sections.items()}
+    entry = _entry_of(sections, "labels.txt")
+    chunk = int(sections["entries"]["chunk"][entry])
+    sections["chunks"]["size"][chunk] = 1 << 40
+    for field, value in (("offset", 32), ("stored_len", 1 << 36), ("size", 1 << 36), ("codec", 0)):
+        sections["entries"][field][entry] = value
+    craft(dataset, out, toc, sections)
+    chunk_path = out / chunk_file_name(chunk)
+    data = chunk_path.read_bytes()
+    chunk_path.unlink()  # a hard link to the original's
+    chunk_path.write_bytes(data)
+    os.truncate(chunk_path, 1 << 40)
+    return out
+
+
+_READ_EVERY_FILE = r"""
+import sys
+from fanstore import FanstoreError, open_dataset
+with open_dataset(sys.argv[1]) as ds:
+    for path in ("labels.txt", "random.bin", "train/cat/img_001.png"):
+        try:
+            print(path, len(ds.read(path)))
+        except FanstoreError as exc:
+            print(path, type(exc).__name__, exc)
+"""
+
+
+def test_a_blob_too_large_for_memory_fails_its_file_alone(original, tmp_path):
+    """A blob of 64 GiB could not be read into memory (pread allocates it): a bare MemoryError came out of
+    Dataset.read (not a fanstore error), `fanstore verify` died in a traceback and a DataLoader worker with it.
+    It is ChunkUnavailable naming the file, as a decode without memory was already; the other files read."""
+    dataset, toc, sections = original
+    out = _blob_of_64_gib(dataset, toc, sections, tmp_path / "crafted")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    read = subprocess.run([sys.executable, "-c", _READ_EVERY_FILE, str(out)], capture_output=True, text=True,
+                          env=env, timeout=120, preexec_fn=_limit_address_space)
+    assert read.returncode == 0 and "Traceback" not in read.stderr, read.stderr
+    said = dict(line.split(" ", 1) for line in read.stdout.splitlines())
+    assert said["labels.txt"].startswith("ChunkUnavailable labels.txt: ") and "not enough memory" in said["labels.txt"]
+    assert said["random.bin"] == "200000" and said["train/cat/img_001.png"] == "3012", said
+    verified = run_cli("verify", str(out), timeout=120, preexec_fn=_limit_address_space)
+    assert verified.returncode == 1 and "Traceback" not in verified.stderr, verified.stderr
+    assert "labels.txt" in verified.stdout and "not enough memory" in verified.stdout, verified.stdout

@@ -143,6 +143,9 @@ class LocalChunkSource(ChunkSource):
             data = os.pread(handle.fd, length, offset)
         except OSError as exc:
             raise self._unreadable(chunk_id, offset, exc) from None
+        except MemoryError:  # pread allocates the blob: one too large fails its file, as a decode without memory
+            raise ChunkUnavailable(f"{self.path(chunk_id)}: not enough memory to read {length} bytes of chunk "
+                                   f"{chunk_id} at offset {offset}", chunk_id=chunk_id) from None
         finally:
             self._release(handle)
         if len(data) != length:
