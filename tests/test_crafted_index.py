@@ -28,9 +28,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import assert_one_line_error, make_tree, run_cli
-from fanstore import FanstoreError, PackOptions, open_dataset, pack
+from fanstore import FanstoreError, FormatError, PackOptions, open_dataset, pack
 from fanstore.core.format import (ENTRY_DTYPE, FORMAT_MAJOR, FORMAT_MINOR, INDEX_HEADER, INDEX_HEADER_LEN, INDEX_MAGIC, INDEX_NAME, SECTION_ALIGN,
                              chunk_file_name)
+from fanstore.core.index_check import MAX_EQUAL_HASHES
 from fanstore.core.index_file import parse_index
 from fanstore.core.info import describe_dataset
 from fanstore.serve.placement import NO_OWNER, BlobTable, place
@@ -599,6 +600,26 @@ def test_an_index_file_too_large_to_map_is_refused_in_one_line_never_read_whole(
     for command in ("info", "verify"):
         assert_one_line_error(run_cli(command, str(out), timeout=120, preexec_fn=_limit_address_space),
                               str(out / INDEX_NAME), needle)
+
+
+@pytest.mark.parametrize("run, refused", [(MAX_EQUAL_HASHES, False), (MAX_EQUAL_HASHES + 4, True)])
+def test_a_long_run_of_one_path_hash_is_refused_at_open(original, tmp_path, run, refused):
+    """A lookup compares the path of every entry sharing its hash: a table holding one value many times in a row
+    (sorted, a permutation: it opened) made each lookup of a path hashed there a scan of the run, linear in the
+    dataset at worst. Open refuses a run longer than any real pack has (three paths sharing an xxh3-64 hash are
+    all but impossible), naming the row."""
+    dataset, toc, sections = original
+    sections = {name: array.copy() for name, array in sections.items()}
+    assert len(sections["path_hash"]) > run
+    sections["path_hash"][:run] = sections["path_hash"][run - 1]  # still sorted
+    out = craft(dataset, tmp_path / "crafted", toc, sections)
+    if refused:
+        with pytest.raises(FormatError, match=rf"path_hash.* holds {run} equal values in a row from row 0 \(at most "
+                                              rf"{MAX_EQUAL_HASHES}\)"):
+            open_dataset(out)
+    else:
+        with open_dataset(out) as ds:
+            assert ds.read("labels.txt")
 
 
 def _root_hash_changed(sections: dict[str, np.ndarray]) -> None:

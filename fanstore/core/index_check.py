@@ -36,6 +36,7 @@ _KIND_NAMES = {stat.S_IFIFO: "a fifo", stat.S_IFCHR: "a character device", stat.
 _SLASH, _DOT = ord("/"), ord(".")
 # Entries a round-by-round comparison of paths takes at a time (the arrays of a round: 50 B an entry).
 _ROUND_SLICE = 1 << 18
+MAX_EQUAL_HASHES = 8  # entries sharing one path hash, at most (see _check_hash_table)
 
 
 class Refuse:
@@ -309,6 +310,17 @@ def _check_hash_table(refuse: Refuse, path_hash: np.ndarray, hash_order: np.ndar
         raise refuse("path_hash", f"has {len(path_hash)} rows and hash_order {len(hash_order)}; both need {count}")
     if count > 1 and (path_hash[1:] < path_hash[:-1]).any():
         raise refuse("path_hash", "is not sorted")
+    if count > MAX_EQUAL_HASHES:
+        # A lookup compares the path of each entry that shares its hash: a long run of one value (a crafted table)
+        # made one path's every lookup a scan of the run. Three paths sharing an xxh3-64 hash is all but impossible.
+        ties = np.flatnonzero(path_hash[1:] == path_hash[:-1])  # row i ties with row i + 1; none in a real pack
+        if len(ties) >= MAX_EQUAL_HASHES:
+            starts = np.flatnonzero(np.diff(ties, prepend=-2) != 1)  # where each run of ties begins, in `ties`
+            runs = np.diff(starts, append=len(ties)) + 1  # rows in each run
+            if runs.max() > MAX_EQUAL_HASHES:
+                longest = int(np.argmax(runs))
+                raise refuse("path_hash", f"holds {int(runs[longest])} equal values in a row from row "
+                                          f"{int(ties[starts[longest]])} (at most {MAX_EQUAL_HASHES})")
     if (hash_order >= count).any():
         raise refuse("hash_order", f"names an entry past the last ({count - 1})")
     seen = np.zeros(count, dtype=bool)

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 # Raise when the full check grows stricter: stamps of the earlier checks then no longer count.
-CHECK_REVISION = 1
+CHECK_REVISION = 2
 _KEEP_STAMPS = 4096  # beyond this many, the oldest half are removed when a stamp is added
 _SHM = Path("/dev/shm")
 
