@@ -16,7 +16,7 @@ from .bound import BOUND_Z
 from .errors import SelectionError
 from .measure import DECODE_NOISE, MB, Measurement
 from .policy import NONE_SPEC, KindScale, meets, meets_pack_speed, near_budget, stores_as_is
-from .sample import FILE_CAP, MIN_FILES, MIN_SAMPLE_BYTES, MIN_STRATUM_BYTES, PIECE_BYTES
+from .sample import FILE_CAP, MAX_SAMPLE_FILES, MIN_FILES, MIN_SAMPLE_BYTES, MIN_STRATUM_BYTES, PIECE_BYTES
 from .units import decimal_bytes, format_seconds, plural
 
 if TYPE_CHECKING:
@@ -53,7 +53,8 @@ def _header_lines(selection: Selection, partial: bool) -> list[str]:
         f"{decimal_bytes(PIECE_BYTES)} pieces), "
         f"{decimal_bytes(selection.sample_bytes)} (--sample {selection.fraction:.1%} of SRC, but at least "
         f"{decimal_bytes(MIN_SAMPLE_BYTES)}, and per kind {plural(MIN_FILES, 'file')} and up to "
-        f"{decimal_bytes(MIN_STRATUM_BYTES)} if it has them; at most {decimal_bytes(selection.max_bytes)})"
+        f"{decimal_bytes(MIN_STRATUM_BYTES)} if it has them; at most {decimal_bytes(selection.max_bytes)} and "
+        f"about {MAX_SAMPLE_FILES:,} files)"
         f", seed {selection.seed}; measured in {selection.seconds:.1f} s",
         selection.goal.describe(),
         ("a codec must save at least " f"{selection.min_saving:.0%} to be chosen; " if not selection.goal.fit_bytes

@@ -51,6 +51,11 @@ PIECE_BYTES = 1 << 20
 MIN_PIECES = 2  # blocks measured of a file measured in pieces, at least: their spread says how much it varies
 MIN_SAMPLE_BYTES = 1 << 20  # below this, timings are noise: a small tree is sampled at least this much (if it has it)
 MIN_FILES = 4  # files of every (group, kind) stratum, whatever its share of the bytes
+# Files measured, about, however small they are: every sampled file is encoded and decoded with every setting
+# (0.3-0.5 ms a file on the 2-core development machine), so a tree of tiny files, which the floor of bytes above
+# sampled whole, took longer to select for than to pack (200,000 files of 1-7 bytes: 138 s, every file measured).
+# The draw and the allotment share it between strata as they share bytes (and MIN_FILES still hold).
+MAX_SAMPLE_FILES = 4096
 # Bytes of every (group, kind) stratum, whatever its share (at most an equal split of the target between strata).
 # A kind of small files measured on a few hundred KiB decoded 15% faster than the whole kind in the packed dataset
 # (too few files, looped over and over, and a dictionary trained on too little); from about 2 MiB on the
@@ -165,7 +170,7 @@ def draw_sample(
     seed: int = 0,
 ) -> list[SampleFile]:
     """About `fraction` of the bytes of `files` (at least MIN_SAMPLE_BYTES, at most `max_bytes`), drawn by bytes and
-    stratified.
+    stratified; in about MAX_SAMPLE_FILES files at most.
 
     Returned in a seeded random order, so any prefix of the list (or of its files of one kind) is itself a random
     sub-sample. Empty files are left out (they store nothing); files that cannot be read are skipped (the packer
@@ -218,9 +223,11 @@ def _draw_strata(root: Path | PieceSource, strata: dict[_Stratum, list[tuple[int
     floor = _stratum_floor(target, len(strata))
     sniff_files = max(MIN_FILES, min(SNIFF_FILES, SNIFF_TOTAL // len(strata)))
     draw = _Draw(defaultdict(list), {}, {}, defaultdict(float))
+    quotas = {key: max(target * stratum_bytes[key] // total, floor) for key in strata}
+    file_caps = _file_caps(quotas)
     for key in sorted(strata):
-        quota = max(target * stratum_bytes[key] // total, floor)
-        drawn = _draw_stratum(root, strata[key], stratum_bytes[key], quota, sniff_files, unit_cap)
+        drawn = _draw_stratum(root, strata[key], stratum_bytes[key], quotas[key], file_caps[key], sniff_files,
+                              unit_cap)
         group, extension = key
         for found in drawn:
             draw.by_kind[(group, found.kind)].append(found)
@@ -247,10 +254,10 @@ def _measured_sample(root: Path | PieceSource, chosen: list[_Drawn], draw: _Draw
 
 
 def _draw_stratum(root: Path | PieceSource, members: list[tuple[int, SourceFile]], stratum_bytes: int, quota: int,
-                  sniff_files: int, unit_cap: int) -> list[_Drawn]:
+                  file_cap: int, sniff_files: int, unit_cap: int) -> list[_Drawn]:
     """Phase one in a (group, extension) stratum: the files drawn by bytes until they hold `quota` sampled bytes (and
-    at least MIN_FILES), and the first `sniff_files` drawn by count; each sniffed for its kind, with the chance it
-    had of being sniffed. Files whose head cannot be read are left out."""
+    at least MIN_FILES) or number `file_cap`, and the first `sniff_files` drawn by count; each sniffed for its kind,
+    with the chance it had of being sniffed. Files whose head cannot be read are left out."""
     sizes = np.fromiter((entry.size for _, entry in members), dtype=np.float64, count=len(members))
     uniforms = np.fromiter(((digest & _LOW_64) + 1 for digest, _ in members), dtype=np.float64,
                            count=len(members)) * _UNIT
@@ -258,7 +265,7 @@ def _draw_stratum(root: Path | PieceSource, members: list[tuple[int, SourceFile]
     by_bytes = np.argsort(priorities, kind="stable")
     taken = sampled = 0
     for index in by_bytes.tolist():
-        if sampled >= quota and taken >= MIN_FILES:
+        if (sampled >= quota or taken >= file_cap) and taken >= MIN_FILES:
             break
         pieces, piece_bytes = _pieces(members[index][1].size, quota, stratum_bytes, unit_cap)
         sampled += min(members[index][1].size, pieces * piece_bytes)
@@ -334,9 +341,13 @@ def _allocate(by_kind: dict[_Stratum, list[_Drawn]], kind_bytes: dict[_Stratum, 
               max_bytes: int) -> list[_Drawn]:
     """MIN_FILES of every (group, kind) stratum first (round robin, largest strata first, so a tight cap still
     covers the strata that matter most), then each stratum up to the floor of bytes, then up to its share of the
-    target bytes; in each, in the order of the draw by bytes. A file measured whole that the draw takes for certain
-    is taken as it comes but counts towards neither: it tells nothing about the files it does not stand for."""
+    target bytes, and never past its share of MAX_SAMPLE_FILES files; in each, in the order of the draw by bytes. A
+    file measured whole that the draw takes for certain is taken as it comes but counts towards none: it tells
+    nothing about the files it does not stand for."""
     order = sorted(by_kind, key=lambda key: (-kind_bytes[key], key))
+    floor = _stratum_floor(target, len(order))
+    known_bytes = sum(kind_bytes.values()) or 1.0
+    file_caps = _file_caps({key: max(floor, target * kind_bytes[key] / known_bytes) for key in order})
     position = {key: 0 for key in order}
     counted = {key: 0 for key in order}
     counted_bytes = {key: 0 for key in order}
@@ -362,13 +373,12 @@ def _allocate(by_kind: dict[_Stratum, list[_Drawn]], kind_bytes: dict[_Stratum, 
                 pass
 
     def fill(key: _Stratum, quota: float) -> None:
-        while position[key] < len(by_kind[key]) and counted_bytes[key] < quota and take(key):
+        while (position[key] < len(by_kind[key]) and counted_bytes[key] < quota and counted[key] < file_caps[key]
+               and take(key)):
             pass
 
-    floor = _stratum_floor(target, len(order))
     for key in order:
         fill(key, floor)
-    known_bytes = sum(kind_bytes.values()) or 1.0
     for key in reversed(order):  # smallest first: under the cap, the largest stratum gives up what floors took
         fill(key, target * kind_bytes[key] / known_bytes)
     return chosen
@@ -437,6 +447,13 @@ def extension_key(path: str) -> str:
     if dot <= 0 or len(name) - dot > _MAX_EXTENSION + 1 or name[dot + 1 :].isdigit():
         return ""
     return name[dot:].lower()
+
+
+def _file_caps(quotas: dict[_Stratum, float]) -> dict[_Stratum, int]:
+    """Per stratum, the files it may have measured: its share of MAX_SAMPLE_FILES as its share of the sampled
+    bytes (`quotas`), at least MIN_FILES."""
+    total = sum(quotas.values()) or 1.0
+    return {key: max(MIN_FILES, math.ceil(MAX_SAMPLE_FILES * quota / total)) for key, quota in quotas.items()}
 
 
 def _stratum_floor(target: int, strata: int) -> int:
