@@ -125,7 +125,7 @@ def _prediction_lines(selection: Selection) -> list[str]:
         "each kind's ratio weighted by its estimated bytes; stored "
         f"{decimal_bytes(need.total - need.fixed)}, {decimal_bytes(need.total)} with the index, at most "
         f"{decimal_bytes(need.total_bound)} (the sample's one-sided 99% confidence bound)",
-        f"estimated pack time of SRC ({selection.tree_files:,} files, "
+        f"estimated pack time of SRC ({plural(selection.tree_files, 'file')}, "
         f"{decimal_bytes(selection.tree_bytes)}): {estimate.describe()}",
         *_fit_lines(selection),
     ]

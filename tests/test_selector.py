@@ -189,6 +189,16 @@ def test_a_slow_setting_is_not_judged_on_a_prefix_unlike_its_kind(tmp_path: Path
     assert by_spec["zstd:19"].ratio <= by_spec["zstd:15"].ratio * 1.05
 
 
+def test_a_single_file_is_selected_for_and_counted_as_one(tmp_path: Path) -> None:
+    """A SRC of one small file: every count in the report takes its noun as one ("1 files" in the pack estimate
+    before)."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("hello hello hello hello\n")
+    proc = run_cli("select", str(tmp_path / "src"), "--budget", "0", check=True)
+    assert "estimated pack time of SRC (1 file, 24 B)" in proc.stdout
+    assert "1 files" not in proc.stdout and proc.stderr == ""
+
+
 def test_bad_repeats_is_refused() -> None:
     with pytest.raises(SelectionError, match="repeats"):
         measure_kind("text", [SampleFile("a.txt", "text", 0, b"abc")], ["lz4"], repeats=0)
