@@ -260,7 +260,16 @@ def test_a_refused_resume_names_the_options_that_differ_or_says_src_changed(tmp_
     paused_pack(src, dest, args, "chunk:2").kill_group()
     other = ["--codec", "lz4", "--chunk-size", "128KiB", "--workers", "1", "--quiet"]
     assert_one_line_error(run_cli("fanstore-pack", str(src), str(dest), *other), "interrupted pack with other options",
-                          '--chunk-size 65536 then, 131072 now', '--codec "none" then, "lz4" now', "--force")
+                          '--chunk-size 64KiB then, 128KiB now', '--codec "none" then, "lz4" now', "--force")
+    # Each value as its option is written (--budget 100000000.0 then, 50000000.0 now, before), --codec auto's too
+    auto = ["--codec", "auto", "--budget", "100MB/s", "--sample", "2%", "--chunk-size", "64KiB", "--workers", "1",
+            "--quiet"]
+    auto_dest = tmp_path / "auto"
+    paused_pack(src, auto_dest, auto, "planned").kill_group()
+    other_auto = [*auto[:2], "--budget", "50MB/s", "--sample", "2.5%", "--fit", "1GB", *auto[6:]]
+    assert_one_line_error(run_cli("fanstore-pack", str(src), str(auto_dest), *other_auto),
+                          "interrupted pack with other options", "--budget 100MB/s then, 50MB/s now",
+                          "--sample 2% then, 2.5% now", "--fit 0 then, 1GB now")
     (src / "f007.bin").write_bytes(b"changed")
     assert_one_line_error(run_cli("fanstore-pack", str(src), str(dest), *args), "of SRC as it was then",
                           "changed, added or removed since", "--force")

@@ -39,6 +39,7 @@ from ..core.index import file_identity
 from .dest_lock import DestLock
 from .walk_archive import check_lookup
 from .journal import JOURNAL_DIR, STATE_FILE, ChunkRecord, JournalError, JournalState, PackJournal
+from ..core.units import size_option
 from ..core.verify import chunk_problems
 
 _CHUNK_NAME = re.compile(r"[0-9]{8}\.fsc(\.partial)?\Z")
@@ -147,13 +148,31 @@ def _what_differs(previous: JournalState | None, options: dict[str, Any]) -> str
     as its flag, else SRC, which changed since (the journal keeps its listing's digest only)."""
     if previous is None:
         return "that cannot be resumed"
-    changed = [f"{'--' + name.replace('_', '-')} {json.dumps(previous.options.get(name))} then, "
-               f"{json.dumps(options.get(name))} now" for name in sorted({*previous.options, *options})
+    changed = [f"{'--' + name.replace('_', '-')} {_as_given(name, previous.options.get(name))} then, "
+               f"{_as_given(name, options.get(name))} now" for name in sorted({*previous.options, *options})
                if previous.options.get(name) != options.get(name)]
     if changed:
         return f"with other options ({'; '.join(changed)}): run it with those to resume it"
     return ("of SRC as it was then: a file or directory of SRC was changed, added or removed since, so it cannot be "
             "resumed")
+
+
+_SIZE_OPTIONS = frozenset({"chunk_size", "block_size", "blocks_above", "fit"})
+_RATE_OPTIONS = frozenset({"budget", "pack_speed"})
+_FRACTION_OPTIONS = frozenset({"sample", "tolerance"})
+
+
+def _as_given(name: str, value: Any) -> str:
+    """An output-defining option's value as its flag takes it (64KiB, 100MB/s, 2%), not as the journal keeps it
+    (65536, 100000000.0, 0.02); JSON for the rest (a codec spec, the --replicate patterns)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if name in _SIZE_OPTIONS:
+            return size_option(int(value)) if value else "0"
+        if name in _RATE_OPTIONS:
+            return f"{value / 1e6:g}MB/s" if value else "0"
+        if name in _FRACTION_OPTIONS:
+            return f"{value * 100:g}%"
+    return json.dumps(value)
 
 
 def _holds_this_pack(dest: Path, listing_digest: str) -> bool:
