@@ -6,7 +6,7 @@
 from .base import Codec, CodecError, CodecSpecError
 from .registry import CODEC_TYPES, codec_from_spec
 from .zstd_codec import (DEFAULT_DICT_SIZE, DICT_TRAIN_FILE_BYTES, DICT_TRAIN_FILES, DICT_TRAIN_TOTAL_BYTES,
-                         dictionary_size, train_dictionary)
+                         dictionary_size, train_dictionary, training_draw)
 
 __all__ = [
     "CODEC_TYPES",
@@ -20,4 +20,5 @@ __all__ = [
     "codec_from_spec",
     "dictionary_size",
     "train_dictionary",
+    "training_draw",
 ]

@@ -17,8 +17,8 @@ MIN_LEVEL = -7
 MAX_LEVEL = 22
 DEFAULT_LEVEL = 3
 DEFAULT_DICT_SIZE = 112640  # zstd's own default (110 KiB)
-# What a dictionary is trained on, at most: the packer and the selector draw their training sets alike, so the
-# selector's predicted ratio is the one the pack gets.
+# What a dictionary is trained on, at most: the packer and the selector draw their training sets alike (at
+# random: training_draw), so the selector's predicted ratio is the one the pack gets.
 DICT_TRAIN_FILES = 4000
 DICT_TRAIN_FILE_BYTES = 128 << 10  # the head of each file
 DICT_TRAIN_TOTAL_BYTES = 32 << 20
@@ -166,6 +166,27 @@ def dictionary_size(training_bytes: int, dict_size: int = DEFAULT_DICT_SIZE) -> 
     fewer), 0 when they are too few: the rule written once, for the selector to predict what a pack stores."""
     size = min(dict_size, training_bytes // _SAMPLE_BYTES_PER_DICT_BYTE)
     return size if size >= _MIN_DICT_SIZE else 0
+
+
+def training_draw(sizes: Any) -> Any:
+    """Which of a group's files (their sizes, in file order) the packer trains a dictionary on: at most
+    DICT_TRAIN_FILES drawn at random, until their heads reach DICT_TRAIN_TOTAL_BYTES (the one that crosses it
+    counts); their numbers, in file order. Random, as the selector's sample is: every n-th file in path order, as
+    the packer took before, met files that alternate (a caption beside each record, a pair of kinds) on one side
+    only, and stored 56% more than the selector predicted. The order is splitmix64 of each number, the same with
+    any numpy: a repeated pack trains the same dictionary."""
+    import numpy as np
+
+    heads = np.minimum(np.asarray(sizes, dtype=np.int64), DICT_TRAIN_FILE_BYTES)
+    with np.errstate(over="ignore"):
+        mixed = np.arange(len(heads), dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        mixed = (mixed ^ (mixed >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        mixed = (mixed ^ (mixed >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        mixed ^= mixed >> np.uint64(31)
+    order = np.argsort(mixed, kind="stable")[:DICT_TRAIN_FILES]
+    reached = np.cumsum(heads[order]) >= DICT_TRAIN_TOTAL_BYTES
+    count = int(np.argmax(reached)) + 1 if reached.any() else len(order)
+    return np.sort(order[:count])
 
 
 def train_dictionary(

@@ -34,7 +34,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from compressors import DICT_TRAIN_FILE_BYTES, DICT_TRAIN_FILES, DICT_TRAIN_TOTAL_BYTES
+from compressors import DICT_TRAIN_FILE_BYTES, training_draw
 
 from .measure import MB, Measurement
 from .policy import KindScale
@@ -157,8 +157,8 @@ def kind_scales(sample: Sequence[SampleFile], kind_bytes: Mapping[str, int], rep
     """Per kind: its estimated bytes in SRC, those in replicated groups, its groups, and the bytes the packer would
     train its dictionaries on: each file head it would read (`training`, from training_heads) counted for the kinds
     its extension holds in that group, as the sample found them (the group's kind shares for an extension the sample
-    lacks). The packer's heads are the first files in path order, not a random draw: a tree whose names sort its
-    kinds (site-packages: libraries before sources, alphabetically) trains on another mix than its whole."""
+    lacks). The packer's heads are its own draw of the group's files, not the sample: counted by what they are, a
+    draw that happens to hold more of one kind than the whole charges that kind more."""
     strata: dict[tuple[int, str], int] = {}
     cells: dict[tuple[int, str], dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for f in sample:
@@ -204,17 +204,10 @@ def files_by_group(files: Sequence[SourceFile], group_of: Callable[[str], int]) 
 
 def training_heads(by_group: Mapping[int, Sequence[SourceFile]]) -> dict[int, list[tuple[str, int]]]:
     """Per group, the path and head bytes of each file the packer reads to train that group's dictionaries
-    (fanstore's codec plan): every len/DICT_TRAIN_FILES-th non-empty file in path order, its first
-    DICT_TRAIN_FILE_BYTES, until DICT_TRAIN_TOTAL_BYTES are reached."""
+    (fanstore's codec plan): the files compressors.training_draw draws of the group's non-empty files in path
+    order, their first DICT_TRAIN_FILE_BYTES each."""
     result = {}
     for group, members in by_group.items():
-        heads = []
-        total = 0
-        for entry in members[:: max(1, len(members) // DICT_TRAIN_FILES)]:
-            head = min(entry.size, DICT_TRAIN_FILE_BYTES)
-            heads.append((entry.path, head))
-            total += head
-            if total >= DICT_TRAIN_TOTAL_BYTES:
-                break
-        result[group] = heads
+        drawn = training_draw([entry.size for entry in members]).tolist()
+        result[group] = [(members[number].path, min(members[number].size, DICT_TRAIN_FILE_BYTES)) for number in drawn]
     return result

@@ -237,6 +237,26 @@ def test_kinds_the_sample_lacked_get_a_dictionary_trained_on_their_files(tmp_pat
             assert dataset_digest(ds) == tree_digest(src)
 
 
+def test_a_dictionary_is_trained_on_files_drawn_as_the_selector_draws_them(tmp_path: Path) -> None:
+    """8,000 JSON records that alternate between two vocabularies (a pair of record kinds, or a caption beside each
+    record, in one directory): the packer trained its dictionary on every second file in path order, so on one
+    vocabulary only, and stored 56% more than the selector, which trains on a random draw, predicted. It draws its
+    training files at random too, and stores what was predicted."""
+    rng = np.random.default_rng(4)
+    vocabularies = (["epoch", "loss", "accuracy", "learning_rate", "momentum", "weight_decay"],
+                    ["bbox", "category", "segmentation", "iscrowd", "image_id", "area"])
+    src = tmp_path / "src"
+    src.mkdir()
+    for number in range(8000):
+        words = rng.permutation(vocabularies[number % 2])[:4]
+        (src / f"r{number:05d}.json").write_text(
+            "{" + ", ".join(f'"{word}": {int(rng.integers(0, 1000))}' for word in words) + "}\n")
+    summary = pack(src, tmp_path / "ds", PackOptions(codec="auto", budget=0, tolerance=0, workers=1))
+    assert summary.selection is not None and summary.selection.codec_by_kind()["text"].startswith("zstd-dict:")
+    predicted = summary.selection.predicted_blob_bytes()
+    assert abs(summary.stored_bytes / predicted - 1) < 0.05, (summary.stored_bytes, predicted)
+
+
 # --- refused packs ----------------------------------------------------------------------------------------------------
 
 REFUSALS = {

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from compressors import DICT_TRAIN_FILE_BYTES, DICT_TRAIN_FILES, DICT_TRAIN_TOTAL_BYTES, codec_from_spec
+from compressors import DICT_TRAIN_FILE_BYTES, DICT_TRAIN_FILES, DICT_TRAIN_TOTAL_BYTES, codec_from_spec, training_draw
 from conftest import assert_one_line_error, run_cli
 from selector import Budget, DoesNotFit, Goal, Selection, SelectionError
 from selector.estimate import (FIXED_SECONDS, HEAD_READ_SECONDS_PER_FILE, HEAD_READ_SECONDS_PER_MB,
@@ -247,9 +247,12 @@ def test_training_heads_follow_the_packers_rule() -> None:
     in_val = [_File(f"val/{n}", 10) for n in range(3)]
     found = training_heads(files_by_group(many + in_val + [_File("empty", 0)],
                                           lambda path: 1 if path.startswith("val/") else 0))
-    # Every third file's head, until the total reaches DICT_TRAIN_TOTAL_BYTES (the file that crosses it counts).
+    # The packer's random draw (training_draw), until the total reaches DICT_TRAIN_TOTAL_BYTES (the file that
+    # crosses it counts), in path order; spread over the group, not every n-th file.
     heads = math.ceil(DICT_TRAIN_TOTAL_BYTES / DICT_TRAIN_FILE_BYTES)
-    assert found[0] == [(f.path, DICT_TRAIN_FILE_BYTES) for f in many[::3][:heads]]
+    drawn = training_draw([f.size for f in many]).tolist()
+    assert found[0] == [(many[n].path, DICT_TRAIN_FILE_BYTES) for n in drawn] and len(drawn) == heads
+    assert drawn == sorted(drawn) and len({n % 3 for n in drawn}) == 3 and drawn[-1] > len(many) // 2
     assert found[1] == [(f.path, 10) for f in in_val]
 
 

@@ -15,14 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from compressors import (
-    DICT_TRAIN_FILE_BYTES,
-    DICT_TRAIN_FILES,
-    DICT_TRAIN_TOTAL_BYTES,
-    Codec,
-    codec_from_spec,
-    train_dictionary,
-)
+from compressors import DICT_TRAIN_FILE_BYTES, Codec, codec_from_spec, train_dictionary, training_draw
 from compressors.kinds import HEAD_BYTES, file_kind
 
 from .entry_columns import EntryColumns
@@ -105,15 +98,14 @@ def build_codec_plan(
 
 def _dictionary_samples(src: Path | Pieces, files: EntryColumns, members: np.ndarray,
                         listed: frozenset[str]) -> dict[str, list[bytes]]:
-    """An evenly spaced, deterministic sample of a group's files (`members`: their numbers in `files`), each cut to
-    its first bytes, under the row that will compress the file: its kind when `listed` names it, else ANY_KIND
-    (every sample when none is listed)."""
+    """A deterministic random sample of a group's files (`members`: their numbers in `files`; training_draw, as the
+    selector predicts it), each cut to its first bytes, under the row that will compress the file: its kind when
+    `listed` names it, else ANY_KIND (every sample when none is listed). Read in file order (an archive's reads go
+    forward)."""
     samples: dict[str, list[bytes]] = {}
     if not len(members):
         return samples
-    step = max(1, len(members) // DICT_TRAIN_FILES)
-    total = 0
-    for number in members[::step].tolist():
+    for number in members[training_draw(files.size[members])].tolist():
         entry = files[number]
         if not isinstance(src, Path):  # archives: archive_pieces.ArchivePieces
             sample = src.read(entry.path, 0, DICT_TRAIN_FILE_BYTES)
@@ -127,7 +119,4 @@ def _dictionary_samples(src: Path | Pieces, files: EntryColumns, members: np.nda
                 continue  # the compress step reports it
         kind = file_kind(entry.path, sample[:HEAD_BYTES]) if listed else ANY_KIND
         samples.setdefault(kind if kind in listed else ANY_KIND, []).append(sample)
-        total += len(sample)
-        if total >= DICT_TRAIN_TOTAL_BYTES:
-            break
     return samples
