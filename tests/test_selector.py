@@ -28,7 +28,7 @@ from fanstore.pack.walk import walk_source
 from selector import Budget, Goal, Selection, SelectionError, select_codecs
 from selector.measure import DECODE_NOISE, Measurement, candidate_specs, is_slow_spec, measure_kind
 from selector.bound import BOUND_Z
-from selector.policy import DEFAULT_TOLERANCE, MIN_SAVING, NONE_SPEC, choose
+from selector.policy import DEFAULT_TOLERANCE, MIN_SAVING, NONE_SPEC, KindScale, choose
 from selector.report import format_selection, pareto_front, plot_selection
 from selector.sample import MAX_SAMPLE_FILES, MIN_FILES, MIN_PIECES, SampleFile, draw_sample
 
@@ -199,6 +199,23 @@ def test_a_single_file_is_selected_for_and_counted_as_one(tmp_path: Path) -> Non
     assert "1 files" not in proc.stdout and proc.stderr == ""
 
 
+def test_a_dictionary_that_costs_more_than_it_saves_is_not_chosen(tmp_path: Path) -> None:
+    """20 text files of one repeated word: zstd stores them in a few hundred bytes, zstd-dict in fewer, but its
+    dictionary takes 24 kB. The table said so, and the policy chose zstd-dict for its ratio; it now chooses what
+    stores least with its dictionaries, in the default mode as --fit does."""
+    (tmp_path / "src").mkdir()
+    for number in range(20):
+        (tmp_path / "src" / f"a{number:02d}.txt").write_text("hello " * 2000)
+    files = walk_source(tmp_path / "src").files
+    selection = select_codecs(tmp_path / "src", Budget(0), files, goal=Goal(tolerance=0))
+    scale = selection.scales_by_kind()["text"]
+    chosen = selection.choices["text"]
+    stored = {m.spec: scale.stored(m) for m in selection.measurements if m.kind == "text"}
+    assert any(spec.startswith("zstd-dict:") for spec in stored)  # measured, with its dictionary
+    assert scale.stored(chosen.measurement) == min(stored.values()), (chosen.spec, stored)
+    assert not chosen.spec.startswith("zstd-dict:") and "dictionaries included" in chosen.reason
+
+
 def test_bad_repeats_is_refused() -> None:
     with pytest.raises(SelectionError, match="repeats"):
         measure_kind("text", [SampleFile("a.txt", "text", 0, b"abc")], ["lz4"], repeats=0)
@@ -219,7 +236,7 @@ def test_a_budget_only_lz4_meets_yields_lz4() -> None:
     lz4 = grid[1]
     choice = choose("text", grid, Budget(2_000e6))
     assert choice.spec == "lz4" and choice.meets_budget and choice.measurement == lz4
-    assert "the best ratio of the 1 codec setting that reaches 2,000 MB/s" in choice.reason
+    assert "the least stored (dictionaries included) of the 1 codec setting that reaches 2,000 MB/s" in choice.reason
     above = choose("text", grid, Budget(4_000e6))
     assert above.spec == NONE_SPEC and "budget not met" in above.reason and "the fastest, lz4" in above.reason
     assert "1.3x too slow" in above.reason and "noise" not in above.reason
@@ -243,14 +260,15 @@ def test_a_speed_within_the_noise_of_the_budget_does_not_count_and_is_named(lz4_
 
 
 @pytest.mark.parametrize("kind", ["text", "npy", "other"])
-def test_a_budget_of_zero_yields_the_best_ratio(measured: dict[str, list[Measurement]], kind: str) -> None:
+def test_a_budget_of_zero_yields_the_least_stored(measured: dict[str, list[Measurement]], kind: str) -> None:
+    scale = KindScale(max(m.raw_bytes for m in measured[kind]))  # choose's scale when given none
+    least = min(scale.stored(m) for m in measured[kind])  # dictionaries included
     choice = choose(kind, measured[kind], Budget(0), goal=Goal(tolerance=0))
-    best_ratio = max(m.ratio for m in measured[kind])
-    assert choice.measurement is not None and choice.measurement.ratio == best_ratio
+    assert choice.measurement is not None and scale.stored(choice.measurement) == least
     assert choice.meets_budget and "no speed requirement" in choice.reason
-    # With the default tolerance, a setting storing within 1% of the best may win by packing faster.
+    # With the default tolerance, a setting storing within 1% of the least may win by packing faster.
     tolerant = choose(kind, measured[kind], Budget(0))
-    assert tolerant.measurement is not None and tolerant.measurement.ratio * (1 + DEFAULT_TOLERANCE) >= best_ratio
+    assert tolerant.measurement is not None and scale.stored(tolerant.measurement) <= least * (1 + DEFAULT_TOLERANCE)
 
 
 def test_an_impossible_budget_falls_back_to_none_and_says_so(measured: dict[str, list[Measurement]]) -> None:
@@ -278,16 +296,16 @@ def test_jpegs_get_none_or_lz4_and_float_arrays_a_shuffle_or_zstd(measured: dict
 def test_prefetch_threads_allow_a_stronger_codec(measured: dict[str, list[Measurement]]) -> None:
     for kind in ("text", "npy"):
         measurements = measured[kind]
-        best_ratio = max(m.ratio for m in measurements)
-        fastest_best = max(m.decode_mbps for m in measurements if m.ratio == best_ratio)
-        rate = fastest_best * 1.5 * 1e6  # no best-ratio setting keeps up alone; two threads together do
-        exact = Goal(tolerance=0)  # the budget rule alone: the best ratio that keeps up
+        scale = KindScale(max(m.raw_bytes for m in measurements))  # choose's scale when given none
+        least = min(scale.stored(m) for m in measurements)  # dictionaries included
+        fastest_best = max(m.decode_mbps for m in measurements if scale.stored(m) == least)
+        rate = fastest_best * 1.5 * 1e6  # no least-storing setting keeps up alone; two threads together do
+        exact = Goal(tolerance=0)  # the budget rule alone: the least stored that keeps up
         sync = choose(kind, measurements, Budget(rate), goal=exact)
         prefetched = choose(kind, measurements, Budget(rate, prefetch_threads=2), goal=exact)
         assert Budget(rate, 2).required_decode_mbps == pytest.approx(Budget(rate).required_decode_mbps / 2)
-        assert prefetched.measurement is not None and prefetched.measurement.ratio == best_ratio
-        sync_ratio = sync.measurement.ratio if sync.measurement is not None else 1.0
-        assert sync_ratio < prefetched.measurement.ratio, (sync, prefetched)
+        assert prefetched.measurement is not None and scale.stored(prefetched.measurement) == least
+        assert scale.stored(sync.measurement) > least, (sync, prefetched)
 
 
 def test_equal_sizes_do_not_depend_on_timing_noise() -> None:
