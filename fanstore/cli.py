@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -138,8 +139,21 @@ def _add_selection_arguments(parser: argparse.ArgumentParser, auto_only: bool) -
         add_option(parser, PackOptions, name)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, but a negative value given to an option (`--budget -5MB/s`, `--fit -1GB`) is its value, for
+    the option's own check to refuse in one line naming it: argparse takes only a plain number such as -2 so, and
+    said `argument --budget: expected one argument` beneath the usage."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = _NEGATIVE_VALUE  # subparsers are made of this class too
+
+
+_NEGATIVE_VALUE = re.compile(r"^-\.?\d")
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fanstore", **_command_help(
+    parser = _Parser(prog="fanstore", **_command_help(
         "Compressed, read-only training datasets: pack a directory tree once, then read any file of it fast, "
         "through a mount, the Python API (fanstore.open_dataset) or, across the nodes of a job, `fanstore serve`. "
         "`fanstore COMMAND --help` says more of each command. Sizes are printed in SI units (kB, MB, GB: powers of "
@@ -440,7 +454,7 @@ def pack_main(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser
 
 
 def _build_pack_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fanstore-pack", **_pack_help("fanstore-pack"))
+    parser = _Parser(prog="fanstore-pack", **_pack_help("fanstore-pack"))
     parser.add_argument("--version", action=_VersionAction)
     _add_pack_arguments(parser)
     parser.set_defaults(run=commands.run_pack)

@@ -474,6 +474,12 @@ def test_bad_command_line_values_name_the_option(tree_root: Path) -> None:
         parse_rate("fast", "--budget")
     assert parse_rate("800MB/s", "--budget") == 800e6 and parse_fraction("2%", "--sample") == 0.02
     assert_one_line_error(run_cli("select", str(tree_root), "--budget", "fast"), "--budget")
+    # A negative value is the option's, refused by its own check (argparse took it for an option: "expected one
+    # argument", beneath the usage)
+    for option, value in (("--budget", "-5MB/s"), ("--fit", "-1GB"), ("--pack-speed", "-2MB/s")):
+        assert_one_line_error(run_cli("select", str(tree_root), "--budget", "1GB/s", option, value), option, value)
+    assert_one_line_error(run_cli("fanstore-pack", str(tree_root), str(tree_root.parent / "never"), "--chunk-size",
+                                  "-64KiB"), "--chunk-size", "-64KiB")
     assert_one_line_error(run_cli("select", str(tree_root), "--budget", "1GB/s", "--sample", "0%"), "--sample")
     assert_one_line_error(run_cli("select", str(tree_root), "--budget", "1GB/s", "--prefetch-threads", "-2"),
                           "--prefetch-threads")
