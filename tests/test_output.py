@@ -152,6 +152,23 @@ def test_info_names_no_codec_with_no_files_as_a_count_and_echoes_the_chunk_size(
     assert "\nskipped      none" in info, info
 
 
+def test_info_counts_a_file_stored_in_blocks_under_each_of_its_blocks_codecs(tmp_path: Path) -> None:
+    """A 12 MiB file whose first block is random (stored as is) and the rest zeros (zstd): info said 'none 1 file,
+    12.6 MB stored as is' and 'zstd:3 no files: it made none of the files given it smaller', of a dataset storing
+    1.05 MB. Each block counts under the codec that stored it."""
+    src = tmp_path / "src"
+    src.mkdir()
+    random_block = np.random.default_rng(2).integers(0, 256, 1 << 20, np.uint8).tobytes()
+    (src / "a.bin").write_bytes(random_block + bytes(11 << 20))
+    dest = tmp_path / "ds"
+    run_cli("fanstore-pack", str(src), str(dest), "--codec", "zstd:3", "--workers", "1", "--quiet", check=True)
+    info = run_cli("info", str(dest), check=True).stdout
+    codecs = info[info.index("codecs:\n"):].split("\n\n")[0].splitlines()[1:]
+    assert codecs[0].split() == ["none", "1", "block", "of", "1", "file", "stored", "in", "blocks,", "1.05", "MB",
+                                 "stored", "as", "is"], info
+    assert codecs[1].startswith("  zstd:3  11 blocks of 1 file stored in blocks, 11.5 MB -> "), info
+
+
 def test_info_gives_every_option_the_bytes_depend_on_so_the_same_pack_has_nothing_to_do(tmp_path: Path) -> None:
     """Was: 'packed with --codec zstd:3 --chunk-size 1MiB --replicate val/**', no --block-size or --blocks-above
     (packed with 64KiB and 256KiB), and a glob a shell would expand: the command pasted back packed it again."""

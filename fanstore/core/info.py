@@ -88,24 +88,49 @@ def _group_lines(index: Index, files: np.ndarray) -> list[str]:
 
 
 def _codec_lines(index: Index, files: np.ndarray) -> list[str]:
-    """Per codec row (with its dictionary): its files and bytes, raw -> stored, or why it holds none."""
+    """Per codec row (with its dictionary): its files and bytes, raw -> stored, or why it holds none. A file stored
+    in blocks counts under the row of each block (its entry's row says nothing of them: a file whose first block
+    was stored as is showed as `none` whole, and its blocks' codec as holding no files)."""
     names = [row["spec"] + (f" with {row['dictionary']}" if row.get("dictionary") else "") for row in index.codecs]
     width = max(map(len, names), default=0)
+    blocked = (files["flags"] & FLAG_BLOCKED) != 0
+    whole = files[~blocked]
+    block_rows, block_raw, block_files = _blocks_by_row(index, files[blocked])
     lines = []
     for number, row in enumerate(index.codecs):
-        chosen = files[files["codec"] == number]
-        c_raw, c_stored = int(chosen["size"].sum()), int(chosen["stored_len"].sum())
+        chosen = whole[whole["codec"] == number]
+        in_row = block_rows["codec"] == number
+        c_raw = int(chosen["size"].sum()) + int(block_raw[in_row].sum())
+        c_stored = int(chosen["stored_len"].sum()) + int(block_rows["stored_len"][in_row].sum())
+        counts = ", ".join(part for part in (
+            plural(len(chosen), "file") if len(chosen) else "",
+            f"{plural(int(in_row.sum()), 'block')} of {plural(len(set(block_files[in_row].tolist())), 'file')} "
+            "stored in blocks" if in_row.any() else "") if part)
         if row["spec"] == "none":
-            if len(chosen):
-                lines.append(f"  {names[number]:<{width}}  {plural(len(chosen), 'file')}, {format_bytes(c_raw)} "
-                             "stored as is")
-        elif not len(chosen):  # given to files, it made none of them smaller: `none` holds them
+            if counts:
+                lines.append(f"  {names[number]:<{width}}  {counts}, {format_bytes(c_raw)} stored as is")
+        elif not counts:  # given to files, it made none of them smaller: `none` holds them
             lines.append(f"  {names[number]:<{width}}  no files: it made none of the files given it smaller, so "
                          "they are stored as is")
         else:
-            lines.append(f"  {names[number]:<{width}}  {plural(len(chosen), 'file')}, {format_bytes(c_raw)} -> "
+            lines.append(f"  {names[number]:<{width}}  {counts}, {format_bytes(c_raw)} -> "
                          f"{format_bytes(c_stored)} ({c_raw / c_stored if c_stored else 1.0:.2f}x)")
     return lines
+
+
+def _blocks_by_row(index: Index, blocked: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The block rows of the files stored in blocks, each block's raw bytes (block_size, the last one's the rest)
+    and the file (its number among `blocked`) it belongs to."""
+    rows, raw, owners = [], [], []
+    for number, entry in enumerate(blocked):
+        count = -(-int(entry["size"]) // index.block_size) if index.block_size else 0
+        first = int(entry["offset"])
+        rows.append(index.blocks[first:first + count])
+        raw.append(np.minimum(index.block_size, int(entry["size"]) - index.block_size * np.arange(count)))
+        owners.append(np.full(count, number))
+    if not rows:
+        return index.blocks[:0], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return np.concatenate(rows), np.concatenate(raw), np.concatenate(owners)
 
 
 def _described_meta(key: str, record: Any, describe: Callable[[Any], list[str]]) -> list[str]:
