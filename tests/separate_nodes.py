@@ -71,9 +71,12 @@ class SeparateNodes:
     """The switch of a job of `count` separate nodes; `mpmd` makes the mpiexec arguments that start them."""
 
     def __init__(self, count: int, shared: Path, keep_visible: Sequence[Path] = (),
-                 sysctls: dict[str, str] | None = None) -> None:
+                 sysctls: dict[str, str] | None = None, shaping: dict[int, Sequence[str]] | None = None) -> None:
         self.count = count
         self.sysctls = dict(sysctls or {})  # set in each node's own network namespace, e.g. net.ipv4.tcp_retries2
+        # Per node, `tc` commands run in its namespace once its eth0 is up (e.g. "qdisc add dev eth0 root tbf rate
+        # 100mbit burst 64kb latency 2s"): the traffic it sends, shaped by the kernel as a slow NIC or link would.
+        self.shaping = {rank: list(commands) for rank, commands in (shaping or {}).items()}
         # Each job a subnet and a host port name of its own: a job's host port outlives it for a moment (the kernel
         # removes a namespace's links after it), and jobs of one process or of two may overlap.
         tag = secrets.randbits(16)
@@ -115,8 +118,9 @@ class SeparateNodes:
         """`argv` run as node `rank` (for mpiexec's MPMD form: one `-n 1` section a node)."""
         visible = ",".join(str(path) for path in self.keep_visible)
         sysctls = ",".join(f"{key}={value}" for key, value in self.sysctls.items())
+        shaping = ";".join(self.shaping.get(rank, ()))
         return [sys.executable, str(Path(__file__).resolve()), "--node", str(rank), str(self.switch_pid),
-                self.subnet, str(self.hosts), visible, ",".join(make_dirs), sysctls, "--", *argv]
+                self.subnet, str(self.hosts), visible, ",".join(make_dirs), sysctls, shaping, "--", *argv]
 
     def mpmd(self, argvs: Sequence[Sequence[str]], make_dirs: Sequence[str] = ()) -> list[str]:
         """mpiexec's arguments for one rank a node, rank r running argvs[r]."""
@@ -179,7 +183,7 @@ def serve_switch() -> int:
 
 
 def enter_node(rank: int, switch_pid: int, subnet: str, hosts: str, visible: list[str], make_dirs: list[str],
-               sysctls: list[str], argv: list[str]) -> int:
+               sysctls: list[str], shaping: list[str], argv: list[str]) -> int:
     """--node: become node `rank` (namespaces, link, hostname, /etc/hosts, /tmp, /dev/shm), then exec `argv`."""
     unshare(CLONE_NEWNET | CLONE_NEWUTS | CLONE_NEWNS | CLONE_NEWIPC)
     inside, outside = "eth0", switch_port(rank)
@@ -191,6 +195,8 @@ def enter_node(rank: int, switch_pid: int, subnet: str, hosts: str, visible: lis
     for setting in sysctls:  # this namespace's own, as a node's kernel settings are its own
         key, value = setting.split("=", 1)
         Path("/proc/sys", *key.split(".")).write_text(value)
+    for command in shaping:
+        run("tc", *command.split())
     name = f"node{rank}"
     if _libc().sethostname(name.encode(), len(name)) != 0:
         raise OSError(ctypes.get_errno(), "sethostname")
@@ -218,17 +224,17 @@ def main(arguments: list[str]) -> int:
         return serve_switch()
     if arguments[:1] == ["--node"] and "--" in arguments:
         split = arguments.index("--")
-        rank, switch_pid, subnet, hosts, visible, make_dirs, sysctls = arguments[1:split]
+        rank, switch_pid, subnet, hosts, visible, make_dirs, sysctls, shaping = arguments[1:split]
         return enter_node(int(rank), int(switch_pid), subnet, hosts, [p for p in visible.split(",") if p],
                           [d for d in make_dirs.split(",") if d], [s for s in sysctls.split(",") if s],
-                          arguments[split + 1:])
+                          [c for c in shaping.split(";") if c], arguments[split + 1:])
     if arguments[:1] == ["--check"]:
         reason = unavailable_reason()
         print(reason or "separate nodes can be made here")
         return 1 if reason else 0
     print(__doc__.split("\n\n")[0], file=sys.stderr)
     print("usage: separate_nodes.py --check | --switch | --node RANK SWITCH_PID SUBNET HOSTS VISIBLE DIRS SYSCTLS "
-          "-- CMD", file=sys.stderr)
+          "SHAPING -- CMD", file=sys.stderr)
     return 2
 
 

@@ -24,8 +24,8 @@ def _seconds(seconds: float) -> str:
 class PeerOptions:
     timeout: float = option(  # seconds a peer gets to answer one request
         5.0, flag="--peer-timeout", metavar="SECONDS", type=float, show=_seconds,
-        help="a peer that does not answer a request in this time is skipped for a while and its files read from "
-             "DEST (default {default})")
+        help="a peer that answers nothing in this time (since its oldest request was posted and since its last "
+             "reply) is skipped for a while and its files read from DEST (default {default})")
     retry_after: float = option(  # seconds a peer that missed a deadline is skipped
         30.0, flag="--peer-retry", metavar="SECONDS", type=float, show=_seconds,
         help="how long a peer that missed a deadline is skipped (default {default})")

@@ -6,6 +6,13 @@ one deadline rule (past it, everything to that peer is cancelled, the peer is sk
 and the reads fall back to DEST), `cancel`, and one list of replies given up on, which the MPI thread drops when
 they come. Its state sits behind one lock.
 
+The deadline judges the peer, not one request's whole wait: a peer misses it when its oldest request in flight has
+had `timeout` seconds since it was posted and since the peer's last reply to this rank. A peer answers its requests
+in turn, so on a slow link (or a busy peer) the last of several large replies comes long after it was asked, while
+each comes well within `timeout` of the one before; timed from the ask, 8 requests of 4 MiB from two ranks over
+100 Mbit/s missed 5 s and a healthy peer was skipped for DEST. Every request is still over within
+`longest_wait()` of its ask (the readers' own guards count on it).
+
 A request a reader waits for is posted (the reply's Irecv, then the request's Isend, then a ring of the peer's bell)
 by the thread that asks, where the library lets any thread call MPI (MPI_THREAD_MULTIPLE); a request for blobs
 fetched ahead of their reader (`hand_over`), and any request past the cap or under MPI_THREAD_SERIALIZED, is queued
@@ -79,7 +86,8 @@ class Request:
     peer: int
     reads: Sequence[BlobRead]
     flags: int  # PING, or none
-    deadline: float
+    give_up_at: float  # over by then whatever the peer does: `longest_wait()` after the ask
+    posted_at: float = 0.0
     state: int = _QUEUED
     tag: int = 0
     buffer: np.ndarray | None = None  # uint8, uninitialised: the reply's bytes land here, and its blobs are views
@@ -95,8 +103,9 @@ class Request:
 @dataclass
 class _Peer:
     queued: deque = field(default_factory=deque)
-    in_flight: list = field(default_factory=list)  # in the order posted, which is the order of their deadlines
+    in_flight: list = field(default_factory=list)  # in the order posted: the first is the one the deadline watches
     skip_until: float = 0.0
+    answered_at: float = 0.0  # when its last reply to this rank came
     reported: bool = False
     silent_since: float | None = None  # when the oldest request posted since the peer last answered was posted
     lost: bool = False  # for good: never asked again
@@ -146,7 +155,7 @@ class RemoteBlobs:
         has better to do). Returns the request, for `cancel`; None if it failed at once."""
         if not 0 < len(reads) <= MAX_BLOBS:
             raise ValueError(f"a request asks for 1 to {MAX_BLOBS} blobs, not {len(reads)}")
-        request = Request(peer, reads, flags, time.monotonic() + self.options.timeout)
+        request = Request(peer, reads, flags, time.monotonic() + self.longest_wait())
         error: ChunkUnavailable | None = None
         posted = False
         given_up: list[tuple[Request, ChunkUnavailable]] = []
@@ -197,14 +206,19 @@ class RemoteBlobs:
             arrived.set()
 
         self.ask(peer, (BlobRead(chunk, offset, length, done),))
-        # Every request ends by its deadline; this wait only guards against the MPI thread being gone.
-        if not arrived.wait(self.options.timeout * (1 + self.options.max_in_flight) + 5):
+        # Every request ends by longest_wait(); this wait only guards against the MPI thread being gone.
+        if not arrived.wait(self.longest_wait() + 5):
             raise ChunkUnavailable(f"rank {peer}: no answer for chunk {chunk} (nothing drives the requests)",
                                    chunk_id=chunk)
         result, error = outcome[0]
         if error is not None:
             raise error
         return bytes(result)  # type: ignore[arg-type]
+
+    def longest_wait(self) -> float:
+        """Seconds a request may last at most, however steadily its peer answers the requests before it: its turn
+        behind `max_in_flight` others, each given `timeout`, then its own."""
+        return self.options.timeout * (1 + self.options.max_in_flight)
 
     def cancel(self, request: Request) -> bool:
         """Give up on `request` (its reader no longer wants it): its slot is freed at once and its reply, if it
@@ -262,8 +276,7 @@ class RemoteBlobs:
                 progressed |= self._post_queued(rings)
             now = time.monotonic()
             for number, state in enumerate(self._peers):
-                oldest = state.in_flight[0] if state.in_flight else state.queued[0] if state.queued else None
-                if oldest is not None and oldest.deadline < now:
+                if self._past_deadline(state, now):
                     failed.extend(self._give_up_on(number, now))
                     progressed = True
                 if self._silent_too_long(state, now):
@@ -342,10 +355,11 @@ class RemoteBlobs:
         request.send = self._comm.Isend([request_message(tag, request.flags, request.reads), MPI.BYTE], dest=request.peer,
                                         tag=TAG_REQUEST)
         request.state = _IN_FLIGHT
+        request.posted_at = time.monotonic()
         state = self._peers[request.peer]
         state.in_flight.append(request)
         if state.silent_since is None:
-            state.silent_since = time.monotonic()
+            state.silent_since = request.posted_at
         self._polled.append(request.receive)
         self._polled_for.append(request)
         if not request.send.Test():  # a request is a few dozen bytes: it has mostly gone already
@@ -386,6 +400,7 @@ class RemoteBlobs:
             state = self._peers[request.peer]
             state.in_flight.remove(request)
             state.silent_since = None  # it answers: its connection is alive
+            state.answered_at = time.monotonic()
             self.outstanding -= 1
             completed.append((request, status.Get_count(MPI.BYTE)))
         self._polled = [r for i, r in enumerate(polled) if i not in finished]
@@ -422,6 +437,14 @@ class RemoteBlobs:
         state.in_flight.clear()
         state.queued.clear()
         return failed
+
+    def _past_deadline(self, state: _Peer, now: float) -> bool:
+        """The peer left its oldest request in flight `timeout` seconds since it was posted and since its last
+        reply, or a request of it is past `give_up_at`."""
+        if state.in_flight and max(state.in_flight[0].posted_at, state.answered_at) + self.options.timeout < now:
+            return True
+        return any(request.give_up_at < now for request in state.in_flight) or \
+            bool(state.queued) and state.queued[0].give_up_at < now
 
     def _silent_too_long(self, state: _Peer, now: float) -> bool:
         return not state.lost and state.silent_since is not None and now - state.silent_since > self._lost_after

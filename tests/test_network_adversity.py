@@ -1,0 +1,111 @@
+"""`fanstore serve` on three separate nodes (tests/separate_nodes.py) whose links the kernel makes slow or lossy, as
+real networks are: a healthy peer behind a slow link must still be read from, not skipped for DEST, and every file
+must arrive whole. The links are shaped with `tc` in each node's own namespace (a token bucket: a rate limit)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fanstore import PackOptions, pack
+from fanstore.mount.mount import fuse_unavailable_reason
+from separate_nodes import SeparateNodes, unavailable_reason
+from test_separate_nodes import LOCAL_DIR, MOUNTPOINT, environment, kill_what_is_left
+from test_serve import MPIEXEC, RANKS, _mpi_unavailable_reason
+
+_REASON = fuse_unavailable_reason() or _mpi_unavailable_reason() or unavailable_reason()
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"needs FUSE, MPI and namespaces: {_REASON}")
+
+# Each rank named in READERS reads every file through FileDataset(None) (the node's serve process), THREADS batches at
+# once, and compares each with SRC: each batch asks the serving ranks for several blobs in one request each.
+READER = r"""
+import os, sys, threading
+from fanstore.errors import say_line
+from fanstore.torch import FileDataset
+src, threads, batch, readers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(",")
+names = sorted(os.path.relpath(os.path.join(d, f), src) for d, _, fs in os.walk(src) for f in fs)
+names = names if os.environ["FANSTORE_RANK"] in readers else []
+problems = []
+with FileDataset(None, paths=names) as dataset:
+    batches = [list(range(i, min(i + batch, len(names)))) for i in range(0, len(names), batch)]
+    def read(first):
+        for items in batches[first::threads]:
+            for item, data in zip(items, dataset[items]):
+                with open(os.path.join(src, names[item]), "rb") as original:
+                    if original.read() != bytes(data):
+                        problems.append(names[item])
+    readers = [threading.Thread(target=read, args=(k,)) for k in range(threads)]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join()
+say_line(f"rank {os.environ['FANSTORE_RANK']}: " + ("ok" if not problems else f"differs: {problems[:3]}"), sys.stdout)
+sys.exit(1 if problems else 0)
+"""
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """48 files of 256 KiB that do not compress: 4 MiB stored on each node."""
+    base = tmp_path_factory.mktemp("adversity")
+    src, dest = base / "src", base / "dest"
+    rng = np.random.default_rng(5)
+    for number in range(48):
+        folder = src / f"d{number % 4}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"f{number:03d}.bin").write_bytes(rng.integers(0, 256, 256 << 10, np.uint8).tobytes())
+    pack(src, dest, PackOptions(codec="zstd:1", chunk_size=1 << 20, workers=1))
+    return src, dest
+
+
+def run_job(dest: Path, src: Path, tmp_path: Path, shaping: dict[int, list[str]], serve_options: list[str],
+            threads: int, batch: int, readers: tuple[int, ...]) -> tuple[int, str, str]:
+    reader = tmp_path / "reader.py"
+    reader.write_text(READER)
+    with SeparateNodes(RANKS, tmp_path, keep_visible=[src.parent], shaping=shaping) as nodes:
+        serve = [sys.executable, "-m", "fanstore", "serve", str(dest), MOUNTPOINT, "--local-dir", LOCAL_DIR, "--stats",
+                 "--quiet", *serve_options, "--", sys.executable, str(reader), str(src), str(threads), str(batch),
+                 ",".join(map(str, readers))]
+        job = subprocess.Popen([str(MPIEXEC), *nodes.mpmd([serve] * RANKS, make_dirs=[MOUNTPOINT])],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(nodes),
+                               start_new_session=True)
+        try:
+            out, err = job.communicate(timeout=240)
+        finally:
+            kill_what_is_left(job, dest)
+    return job.returncode, out, err
+
+
+def peer_lines(out: str, rank: int) -> dict[int, tuple[int, int]]:
+    """Rank `rank`'s --stats: blobs fetched from and failed with each peer."""
+    block = re.search(rf"^rank {rank} \(.*?(?=^rank |^job |\Z)", out, re.M | re.S)
+    assert block is not None, out
+    return {int(peer): (int(fetched.replace(",", "")), int(failed.replace(",", "")))
+            for peer, fetched, failed in re.findall(r"^  from rank (\d+): ([\d,]+) blobs? .*; failed ([\d,]+),",
+                                                    block[0], re.M)}
+
+
+def test_a_healthy_peer_behind_a_slow_link_is_read_from_not_skipped(dataset: tuple[Path, Path],
+                                                                      tmp_path: Path) -> None:
+    """Node 2 sends at 16 Mbit/s: its replies to the other nodes' readers (8 requests in flight from each) come one
+    after the other, each well within --peer-timeout, but the last long after the first was asked (8 MiB: over 4 s).
+    A peer that keeps answering is healthy: no request to it may be given up on, and nothing read from DEST. (Node 2
+    reads nothing itself: its own requests would wait behind its replies on its slow link.)"""
+    src, dest = dataset
+    shaping = {2: ["qdisc add dev eth0 root tbf rate 16mbit burst 64kb latency 30s"]}
+    code, out, err = run_job(dest, src, tmp_path, shaping, ["--peer-timeout", "2"], threads=8, batch=6,
+                               readers=(0, 1))
+    assert code == 0, out + err
+    assert sorted(line for line in out.splitlines() if line.endswith(": ok")) == \
+        [f"rank {rank}: ok" for rank in range(RANKS)], out + err
+    for rank in (0, 1):
+        fetched, failed = peer_lines(out, rank)[2]
+        assert fetched > 0 and failed == 0, out
+    assert re.findall(r"^  from DEST \(fallback\): (\d+) blobs", out, re.M) == ["0"] * RANKS, out
+    assert "rank 2: no answer within" not in err, err
