@@ -10,8 +10,12 @@ The deadline judges the peer, not one request's whole wait: a peer misses it whe
 had `timeout` seconds since it was posted and since the peer's last reply to this rank. A peer answers its requests
 in turn, so on a slow link (or a busy peer) the last of several large replies comes long after it was asked, while
 each comes well within `timeout` of the one before; timed from the ask, 8 requests of 4 MiB from two ranks over
-100 Mbit/s missed 5 s and a healthy peer was skipped for DEST. Every request is still over within
-`longest_wait()` of its ask (the readers' own guards count on it).
+100 Mbit/s missed 5 s and a healthy peer was skipped for DEST. Nor does it run while a reply (or verdict) of this
+rank's is on its way to the peer, within that send's grace (transport.py: 4 deadlines), and one that got through
+counts as the peer's reply does (`sending`): a request leaves after the replies before it on their connection, so a
+rank whose own link was slow heard nothing in time from peers that answered each request as it came. A peer this
+rank was sending to when its link died is thus given up on within 5 deadlines, not 1. Every request is still over
+within `longest_wait()` of its ask (the readers' own guards count on it).
 
 A request a reader waits for is posted (the reply's Irecv, then the request's Isend, then a ring of the peer's bell)
 by the thread that asks, where the library lets any thread call MPI (MPI_THREAD_MULTIPLE); a request for blobs
@@ -106,6 +110,8 @@ class _Peer:
     in_flight: list = field(default_factory=list)  # in the order posted: the first is the one the deadline watches
     skip_until: float = 0.0
     answered_at: float = 0.0  # when its last reply to this rank came
+    sending: int = 0  # replies (and verdicts) of this rank's on their way to it, within their grace
+    delivered_at: float = 0.0  # when the last of them got through
     reported: bool = False
     silent_since: float | None = None  # when the oldest request posted since the peer last answered was posted
     lost: bool = False  # for good: never asked again
@@ -251,6 +257,15 @@ class RemoteBlobs:
         for request, reason in given_up:
             self._fail_reads(request.reads, reason)
         return lost
+
+    def sending(self, peer: int, started: bool, delivered: bool = False) -> None:
+        """The MPI thread began (`started`) sending `peer` a message of its own, or that send is over: `delivered`
+        (it got through) or not (cancelled, or past its grace). This rank's requests wait behind it meanwhile."""
+        with self._lock:
+            state = self._peers[peer]
+            state.sending += 1 if started else -1
+            if delivered:
+                state.delivered_at = time.monotonic()
 
     def skipped(self, peer: int) -> bool:
         """`peer` missed a deadline lately, so its files are read elsewhere for now."""
@@ -439,9 +454,11 @@ class RemoteBlobs:
         return failed
 
     def _past_deadline(self, state: _Peer, now: float) -> bool:
-        """The peer left its oldest request in flight `timeout` seconds since it was posted and since its last
-        reply, or a request of it is past `give_up_at`."""
-        if state.in_flight and max(state.in_flight[0].posted_at, state.answered_at) + self.options.timeout < now:
+        """The peer left its oldest request in flight `timeout` seconds since it was posted, since its last reply
+        and since this rank's last message to it got through, none on its way meanwhile; or a request of it is past
+        `give_up_at`."""
+        if state.in_flight and not state.sending and \
+                max(state.in_flight[0].posted_at, state.answered_at, state.delivered_at) + self.options.timeout < now:
             return True
         return any(request.give_up_at < now for request in state.in_flight) or \
             bool(state.queued) and state.queued[0].give_up_at < now

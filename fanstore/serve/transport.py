@@ -90,8 +90,9 @@ class PeerTransport:
         self._on_complete: list[Callable[[Any], None]] = []
         self._collectives: list[Future] = []
         self._collective_callbacks: set[Callable[[Any], None]] = set()
-        # Replies we send, by id(request): (the request, when to give up on it).
+        # Replies we send, by id(request): (the request, when to give up on it), and the peer each goes to.
         self._send_deadlines: dict[int, tuple[Any, float]] = {}
+        self._sending_to: dict[int, int] = {}
         self._statuses: list[Any] = []  # reused by every Testsome: a turn of the loop allocates nothing
         self._probe_status = MPI.Status()
         self._verdict: tuple[int, int, str] | None = None  # written by the MPI thread, read by the lifecycle
@@ -217,10 +218,7 @@ class PeerTransport:
             item = self._submitted.popleft()
             progressed = True
             if isinstance(item, _Verdict):
-                send = self.comm.Isend([item.message, self._mpi.BYTE], dest=item.peer, tag=TAG_VERDICT)
-                self._send_deadlines[id(send)] = (send, time.monotonic() + _SEND_GRACE * self.options.timeout)
-                self._poll(send, lambda _status, message=item.message: None)  # keeps the buffer alive until sent
-                self._to_ring.add(item.peer)
+                self._send_to(item.peer, item.message, TAG_VERDICT)
             else:
                 start, future = item
                 try:
@@ -265,6 +263,9 @@ class PeerTransport:
             if give_up_at < now:
                 del self._send_deadlines[key]
                 request.Cancel()  # stays polled until the cancel completes
+                peer = self._sending_to.pop(key, None)
+                if peer is not None:  # past its grace: the peer is judged by its deadline again
+                    self.remote.sending(peer, False, delivered=False)
 
     def _fail_submitted(self) -> None:
         """Fail what was handed over but never taken (the MPI thread has stopped); safe from any thread."""
@@ -292,8 +293,11 @@ class PeerTransport:
         finished = set(done)
         # MPI_Testsome fills statuses in completion order: the k-th status is that of request done[k].
         callbacks = [(self._on_complete[i], statuses[k]) for k, i in enumerate(done)]
-        for i in done:
+        for k, i in enumerate(done):
             self._send_deadlines.pop(id(self._requests[i]), None)
+            peer = self._sending_to.pop(id(self._requests[i]), None)
+            if peer is not None:
+                self.remote.sending(peer, False, delivered=not statuses[k].Is_cancelled())
         self._requests = [r for i, r in enumerate(self._requests) if i not in finished]
         self._on_complete = [c for i, c in enumerate(self._on_complete) if i not in finished]
         for on_complete, status in callbacks:
@@ -337,10 +341,7 @@ class PeerTransport:
             log.warning("rank %d sent a request with reply tag %d: dropped", source, tag)
             return
         if flags & PING:  # no blob: the answer is that this rank is here
-            send = self.comm.Isend([REPLY_HEADER.pack(REPLY_MAGIC, Status.OK), self._mpi.BYTE], dest=source, tag=tag)
-            self._send_deadlines[id(send)] = (send, time.monotonic() + _SEND_GRACE * self.options.timeout)
-            self._poll(send, lambda _status: None)
-            self._to_ring.add(source)
+            self._send_to(source, REPLY_HEADER.pack(REPLY_MAGIC, Status.OK), tag)
             return
         blobs = [(chunk, offset, length)]
         if more:
@@ -363,10 +364,17 @@ class PeerTransport:
             # never this rank's MPI thread, which every other request and collective needs
             log.exception("rank %d: serving rank %d chunk %d at %d failed", self.rank, source, chunk, offset)
             reply = error_reply(Status.UNAVAILABLE, f"a bug on rank {self.rank}: {exc!r}")
-        send = self.comm.Isend([reply, self._mpi.BYTE], dest=source, tag=tag)
+        self._send_to(source, reply, tag)
+
+    def _send_to(self, peer: int, message: Any, tag: int) -> None:
+        """Send a reply or a verdict, given up on past its grace. This rank's own requests to `peer` wait behind it on
+        their connection: RemoteBlobs is told while it is on its way (within its grace) and when it got through."""
+        send = self.comm.Isend([message, self._mpi.BYTE], dest=peer, tag=tag)
         self._send_deadlines[id(send)] = (send, time.monotonic() + _SEND_GRACE * self.options.timeout)
-        self._poll(send, lambda _status, reply=reply: None)  # the closure keeps the buffer alive until sent
-        self._to_ring.add(source)
+        self._sending_to[id(send)] = peer
+        self.remote.sending(peer, True)
+        self._poll(send, lambda _status, message=message: None)  # the closure keeps the buffer alive until sent
+        self._to_ring.add(peer)
 
     def _reply(self, source: int, blobs: list[tuple[int, int, int]], partial_allowed: bool
                ) -> tuple[Any, list[memoryview]]:
