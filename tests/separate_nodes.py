@@ -26,10 +26,15 @@ namespaces with its last process.
 from __future__ import annotations
 
 import ctypes
+import heapq
 import os
+import random
 import secrets
+import select
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -71,12 +76,17 @@ class SeparateNodes:
     """The switch of a job of `count` separate nodes; `mpmd` makes the mpiexec arguments that start them."""
 
     def __init__(self, count: int, shared: Path, keep_visible: Sequence[Path] = (),
-                 sysctls: dict[str, str] | None = None, shaping: dict[int, Sequence[str]] | None = None) -> None:
+                 sysctls: dict[str, str] | None = None, shaping: dict[int, Sequence[str]] | None = None,
+                 impaired: dict[int, str] | None = None) -> None:
         self.count = count
         self.sysctls = dict(sysctls or {})  # set in each node's own network namespace, e.g. net.ipv4.tcp_retries2
         # Per node, `tc` commands run in its namespace once its eth0 is up (e.g. "qdisc add dev eth0 root tbf rate
         # 100mbit burst 64kb latency 2s"): the traffic it sends, shaped by the kernel as a slow NIC or link would.
         self.shaping = {rank: list(commands) for rank, commands in (shaping or {}).items()}
+        # Per node, "DELAY_MS JITTER_MS LOSS [UDP_LOSS]" (fractions): every frame to and from it is held and dropped
+        # so (`impair`), as netem would do it; for kernels without sch_netem (this machine's has none).
+        self.impaired = dict(impaired or {})
+        self._impairers: list[subprocess.Popen[bytes]] = []
         # Each job a subnet and a host port name of its own: a job's host port outlives it for a moment (the kernel
         # removes a namespace's links after it), and jobs of one process or of two may overlap.
         tag = secrets.randbits(16)
@@ -107,6 +117,17 @@ class SeparateNodes:
         run("nsenter", "-t", str(self.switch_pid), "-n", "ip", "link", "set", "host", "master", BRIDGE, "up")
         run("ip", "addr", "add", f"{self.subnet}.254/24", "dev", host_port)
         run("ip", "link", "set", host_port, "up")
+        for rank, how in self.impaired.items():
+            # The node's port stays off the bridge: a process in the switch forwards between it and a port that is on
+            # it (dlyN), holding and dropping frames.
+            inner = f"dly{rank}"
+            run("nsenter", "-t", str(self.switch_pid), "-n", "ip", "link", "add", inner, "type", "veth", "peer", "name",
+                f"{inner}b")
+            run("nsenter", "-t", str(self.switch_pid), "-n", "ip", "link", "set", f"{inner}b", "master", BRIDGE, "up")
+            run("nsenter", "-t", str(self.switch_pid), "-n", "ip", "link", "set", inner, "up")
+            self._impairers.append(subprocess.Popen(
+                ["nsenter", "-t", str(self.switch_pid), "-n", sys.executable, __file__, "--impair", switch_port(rank),
+                 inner, *how.split()], start_new_session=True))
         return self
 
     @property
@@ -120,7 +141,8 @@ class SeparateNodes:
         sysctls = ",".join(f"{key}={value}" for key, value in self.sysctls.items())
         shaping = ";".join(self.shaping.get(rank, ()))
         return [sys.executable, str(Path(__file__).resolve()), "--node", str(rank), str(self.switch_pid),
-                self.subnet, str(self.hosts), visible, ",".join(make_dirs), sysctls, shaping, "--", *argv]
+                self.subnet, str(self.hosts), visible, ",".join(make_dirs), sysctls, shaping,
+                "impaired" if rank in self.impaired else "", "--", *argv]
 
     def mpmd(self, argvs: Sequence[Sequence[str]], make_dirs: Sequence[str] = ()) -> list[str]:
         """mpiexec's arguments for one rank a node, rank r running argvs[r]."""
@@ -159,6 +181,10 @@ class SeparateNodes:
         # meanwhile (the next test's) lists it, fails to look it up and says so on its stdout (UCX ERROR ... No
         # such device), in the middle of that job's output.
         subprocess.run(["ip", "link", "del", self._host_port], capture_output=True)
+        for impairer in self._impairers:
+            impairer.kill()
+            impairer.wait()
+        self._impairers.clear()
         if self._switch is not None:
             self._switch.stdin.close()  # type: ignore[union-attr]
             self._switch.wait()
@@ -183,12 +209,15 @@ def serve_switch() -> int:
 
 
 def enter_node(rank: int, switch_pid: int, subnet: str, hosts: str, visible: list[str], make_dirs: list[str],
-               sysctls: list[str], shaping: list[str], argv: list[str]) -> int:
+               sysctls: list[str], shaping: list[str], impaired: bool, argv: list[str]) -> int:
     """--node: become node `rank` (namespaces, link, hostname, /etc/hosts, /tmp, /dev/shm), then exec `argv`."""
     unshare(CLONE_NEWNET | CLONE_NEWUTS | CLONE_NEWNS | CLONE_NEWIPC)
     inside, outside = "eth0", switch_port(rank)
     run("ip", "link", "add", inside, "type", "veth", "peer", "name", outside, "netns", str(switch_pid))
-    run("nsenter", "-t", str(switch_pid), "-n", "ip", "link", "set", outside, "master", BRIDGE, "up")
+    if not impaired:
+        run("nsenter", "-t", str(switch_pid), "-n", "ip", "link", "set", outside, "master", BRIDGE, "up")
+    else:  # its impairer forwards between the port and the bridge
+        run("nsenter", "-t", str(switch_pid), "-n", "ip", "link", "set", outside, "up")
     run("ip", "addr", "add", f"{subnet}.{rank + 1}/24", "dev", inside)
     run("ip", "link", "set", inside, "up")
     run("ip", "link", "set", "lo", "up")
@@ -219,22 +248,85 @@ def enter_node(rank: int, switch_pid: int, subnet: str, hosts: str, visible: lis
     return 127  # not reached
 
 
+SOL_PACKET, PACKET_VNET_HDR, PACKET_IGNORE_OUTGOING, ETH_P_ALL = 263, 15, 23, 0x0003
+_ETHER_TYPE, _IP_PROTOCOL = 10 + 12, 10 + 14 + 9  # in a frame read with its 10-byte virtio-net header
+
+
+def impair(port: str, inner: str, delay: float, jitter: float, loss: float, udp_loss: float = 0.0) -> int:
+    """--impair (in the switch's namespace): forward every frame between a node's `port` and `inner` (a port on the
+    bridge), each held `delay` +- `jitter` seconds (so reordered, where jitter exceeds the gap between frames) and
+    dropped with probability `loss` (a UDP datagram's with `udp_loss` more), both ways: netem's delay, jitter,
+    reordering and loss on that link. The frames keep their virtio-net header, so the kernel's large segments and
+    checksum offload pass through as they came."""
+    _libc().prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
+    while True:  # the node makes its port once it starts (/sys is the host's here: ask the namespace itself)
+        try:
+            for name in (port, inner):
+                socket.if_nametoindex(name)
+            break
+        except OSError:
+            time.sleep(0.01)
+    sockets = {}
+    for name in (port, inner):
+        link = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+        link.setsockopt(SOL_PACKET, PACKET_VNET_HDR, 1)
+        link.setsockopt(SOL_PACKET, PACKET_IGNORE_OUTGOING, 1)
+        link.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        link.bind((name, 0))
+        link.setblocking(False)
+        sockets[name] = link
+    other = {sockets[port].fileno(): sockets[inner], sockets[inner].fileno(): sockets[port]}
+    held: list[tuple[float, int, socket.socket, bytes]] = []
+    poller = select.poll()
+    for link in sockets.values():
+        poller.register(link, select.POLLIN)
+    count = 0
+    while True:
+        now = time.monotonic()
+        while held and held[0][0] <= now:
+            _, _, out, frame = heapq.heappop(held)
+            try:
+                out.send(frame)
+            except OSError:
+                pass  # the link is down (set_link), or the frame is refused: lost, as on a wire
+        wait = max(0.0, held[0][0] - now) if held else 1.0
+        for fd, _ in poller.poll(wait * 1000):
+            for _ in range(64):
+                try:
+                    frame = os.read(fd, 70_000)
+                except BlockingIOError:
+                    break
+                except OSError:  # the port is down (not up yet, set_link, the node gone): nothing comes meanwhile
+                    time.sleep(0.01)
+                    break
+                udp = len(frame) > _IP_PROTOCOL and frame[_ETHER_TYPE:_ETHER_TYPE + 2] == b"\x08\x00" and \
+                    frame[_IP_PROTOCOL] == 17
+                if random.random() >= loss and not (udp and random.random() < udp_loss):
+                    count += 1
+                    hold = max(0.0, random.uniform(delay - jitter, delay + jitter))
+                    heapq.heappush(held, (time.monotonic() + hold, count, other[fd], frame))
+
+
 def main(arguments: list[str]) -> int:
     if arguments[:1] == ["--switch"]:
         return serve_switch()
     if arguments[:1] == ["--node"] and "--" in arguments:
         split = arguments.index("--")
-        rank, switch_pid, subnet, hosts, visible, make_dirs, sysctls, shaping = arguments[1:split]
+        rank, switch_pid, subnet, hosts, visible, make_dirs, sysctls, shaping, impaired = arguments[1:split]
         return enter_node(int(rank), int(switch_pid), subnet, hosts, [p for p in visible.split(",") if p],
                           [d for d in make_dirs.split(",") if d], [s for s in sysctls.split(",") if s],
-                          [c for c in shaping.split(";") if c], arguments[split + 1:])
+                          [c for c in shaping.split(";") if c], bool(impaired), arguments[split + 1:])
+    if arguments[:1] == ["--impair"]:
+        port, inner, delay_ms, jitter_ms, loss, *udp_loss = arguments[1:]
+        return impair(port, inner, float(delay_ms) / 1000, float(jitter_ms) / 1000, float(loss),
+                      float(udp_loss[0]) if udp_loss else 0.0)
     if arguments[:1] == ["--check"]:
         reason = unavailable_reason()
         print(reason or "separate nodes can be made here")
         return 1 if reason else 0
     print(__doc__.split("\n\n")[0], file=sys.stderr)
     print("usage: separate_nodes.py --check | --switch | --node RANK SWITCH_PID SUBNET HOSTS VISIBLE DIRS SYSCTLS "
-          "SHAPING -- CMD", file=sys.stderr)
+          "SHAPING IMPAIRED -- CMD | --impair PORT INNER DELAY_MS JITTER_MS LOSS [UDP_LOSS]", file=sys.stderr)
     return 2
 
 

@@ -127,3 +127,30 @@ def test_a_rank_behind_a_slow_link_still_hears_its_peers(dataset: tuple[Path, Pa
             assert fetched > 0 and failed == 0, (rank, peer, out)
     assert re.findall(r"^  from DEST \(fallback\): (\d+) blobs", out, re.M) == ["0"] * RANKS, out
     assert "no answer within" not in err, err
+
+
+@pytest.mark.parametrize("udp_loss", [0.5, 1.0])
+def test_doorbells_stay_on_when_the_link_loses_some_datagrams(dataset: tuple[Path, Path], tmp_path: Path,
+                                                              udp_loss: float) -> None:
+    """Node 2's link loses half the UDP datagrams that cross it (tests/separate_nodes.py's impairer, where the kernel
+    has no netem): the start-up check's rings are rung again until acknowledged, so the bells stay on (rung once,
+    4 datagrams crossing it, they were off in 4 jobs of 4). Where it loses every one, they are off on every rank,
+    and the job runs without them. Either way every file is read right."""
+    src, dest = dataset
+    reader = tmp_path / "reader.py"
+    reader.write_text(READER)
+    with SeparateNodes(RANKS, tmp_path, keep_visible=[src.parent], impaired={2: f"0 0 0 {udp_loss}"}) as nodes:
+        serve = [sys.executable, "-m", "fanstore", "serve", str(dest), MOUNTPOINT, "--local-dir", LOCAL_DIR, "--stats",
+                 "--quiet", "--", sys.executable, str(reader), str(src), "2", "4", "0,1,2"]
+        job = subprocess.Popen([str(MPIEXEC), *nodes.mpmd([serve] * RANKS, make_dirs=[MOUNTPOINT])],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(nodes),
+                               start_new_session=True)
+        try:
+            out, err = job.communicate(timeout=240)
+        finally:
+            kill_what_is_left(job, dest)
+    assert job.returncode == 0, out + err
+    assert out.count(": ok\n") == RANKS, out + err
+    bells = "on" if udp_loss < 1 else "off"
+    assert ("doorbells off" in err) == (bells == "off"), err
+    assert len(re.findall(rf"^rank \d \(node\d\): .* doorbell {bells}\b", out, re.M)) == RANKS, out

@@ -9,8 +9,11 @@ nothing, so a lost one (UDP promises nothing) only costs the receiver's next tim
 
 Bells are on for the whole job or for no rank: each rank binds one on its host's address (the loopback address
 when every rank runs on this one host), the ranks exchange addresses (a non-blocking allgather), every rank rings
-every other once, and the bells stay on only if every rank heard every other within CHECK_SECONDS. Otherwise (no
-address, a firewall, a loopback address on a job spanning hosts) every rank polls as before.
+every other, and the bells stay on only if every rank heard every other within CHECK_SECONDS. Otherwise (no
+address, a firewall, a loopback address on a job spanning hosts) every rank polls as before. A rank rings again,
+every RING_AGAIN seconds, each rank that has not acknowledged its ring, and acknowledges every ring it hears until
+every rank is done: rung once, a single datagram lost on a lossy link (1-10% of them, every node reading at once)
+turned the bells off for the whole job.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ log = logging.getLogger("fanstore.serve")
 
 # What each rank tells the others: bound (1) or not (0), address family (4 or 6), port, address, host digest.
 RECORD = struct.Struct("<BBH16s8s")
-CHECK = struct.Struct("<4sI")  # the start-up ring: magic, the ringing rank
-CHECK_MAGIC = b"FSBL"
+CHECK = struct.Struct("<4sI")  # the start-up ring, and its acknowledgement: magic, the ringing rank
+CHECK_MAGIC, HEARD_MAGIC = b"FSBL", b"FSBA"
 CHECK_SECONDS = 2.0
+RING_AGAIN = 0.05  # seconds between start-up rings of a rank that has not acknowledged
 LOOPBACK = "127.0.0.1"
 _PROBE_ADDRESS = ("192.0.2.1", 9)  # TEST-NET-1: connecting a UDP socket to it sends nothing, only picks a route
 
@@ -42,6 +46,10 @@ class Doorbell:
         self._sock = sock
         self._own = sock.getsockname()[:2]
         self._peers: list[Any] = []
+        # The start-up check's: this rank, the ranks heard from and those that acknowledged its ring.
+        self._check_rank = -1
+        self._heard: set[int] = set()
+        self._acknowledged: set[int] = set()
         self._poller = select.poll()
         self._poller.register(sock.fileno(), select.POLLIN)
 
@@ -109,28 +117,44 @@ class Doorbell:
                 continue
 
     def check(self, rank: int, size: int, seconds: float = CHECK_SECONDS) -> bool:
-        """Ring every other rank once with this rank's number; True once each other rank's ring has come."""
-        message = CHECK.pack(CHECK_MAGIC, rank)
-        for peer in range(size):
-            if peer != rank:
-                try:
-                    self._sock.sendto(message, self._peers[peer])
-                except OSError:
-                    return False
-        heard: set[int] = set()
+        """Ring every other rank with this rank's number, again every RING_AGAIN seconds until it acknowledges;
+        True once each other rank has been heard and has acknowledged. Then `answer_checks` until every rank is done:
+        a rank that is may still be rung by one whose acknowledgement was lost."""
+        self._check_rank, self._heard, self._acknowledged = rank, set(), set()
+        others = set(range(size)) - {rank}
         deadline = time.monotonic() + seconds
-        while len(heard) < size - 1:
-            left = deadline - time.monotonic()
-            if left <= 0:
+        while self._heard != others or self._acknowledged != others:
+            now = time.monotonic()
+            if now >= deadline:
                 return False
-            if not self._poller.poll(left * 1e3):
-                continue
-            for ring in self._drain():
-                if len(ring) == CHECK.size:
-                    magic, sender = CHECK.unpack(ring)
-                    if magic == CHECK_MAGIC and sender != rank and sender < size:
-                        heard.add(sender)
+            for peer in others - self._acknowledged:
+                if not self._send_check(CHECK_MAGIC, peer):
+                    return False
+            self._poller.poll(min(RING_AGAIN, deadline - now) * 1e3)
+            self.answer_checks()
         return True
+
+    def answer_checks(self) -> None:
+        """Take the start-up rings and acknowledgements that came, acknowledging each ring."""
+        for ring in self._drain():
+            if len(ring) != CHECK.size:
+                continue
+            magic, sender = CHECK.unpack(ring)
+            if sender == self._check_rank or sender >= len(self._peers):
+                continue
+            if magic == CHECK_MAGIC:
+                self._heard.add(sender)
+                self._send_check(HEARD_MAGIC, sender)
+            elif magic == HEARD_MAGIC:  # its answer came: each way works
+                self._heard.add(sender)
+                self._acknowledged.add(sender)
+
+    def _send_check(self, magic: bytes, peer: int) -> bool:
+        try:
+            self._sock.sendto(CHECK.pack(magic, self._check_rank), self._peers[peer])
+            return True
+        except OSError:
+            return False
 
     def close(self) -> None:
         self._sock.close()
@@ -211,7 +235,7 @@ def open_doorbell(comm: Any, enabled: bool = True) -> Doorbell | None:
         return None
     bell.connect(addresses)
     heard = bell.check(rank, size)
-    failed = first_failed_rank(comm, not heard)
+    failed = first_failed_rank(comm, not heard, on_idle=bell.answer_checks)
     if failed is not None:
         if rank == 0:
             log.warning("doorbells off: rank %d did not hear every other rank's within %g s (a firewall on UDP?); "

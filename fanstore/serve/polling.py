@@ -166,14 +166,15 @@ def wait_all(requests: Sequence[Any], on_idle: Callable[[], None] | None = None,
         backoff.sleep()
 
 
-def first_failed_rank(comm: Any, failing: bool) -> int | None:
-    """Every rank says whether it can go on (an Iallgather, polled); the lowest rank that cannot, or None. Used
-    before a step no rank may start alone, so that one rank's problem stops every rank, not just itself."""
+def first_failed_rank(comm: Any, failing: bool, on_idle: Callable[[], None] | None = None) -> int | None:
+    """Every rank says whether it can go on (an Iallgather, polled; `on_idle` between polls); the lowest rank that
+    cannot, or None. Used before a step no rank may start alone, so that one rank's problem stops every rank, not
+    just itself."""
     import numpy as np
     from mpi4py import MPI
 
     mine = np.array([1 if failing else 0], dtype=np.int8)
     everyone = np.zeros(comm.Get_size(), dtype=np.int8)
-    wait_all([comm.Iallgather([mine, MPI.INT8_T], [everyone, MPI.INT8_T])])
+    wait_all([comm.Iallgather([mine, MPI.INT8_T], [everyone, MPI.INT8_T])], on_idle=on_idle)
     failed = np.flatnonzero(everyone)
     return int(failed[0]) if len(failed) else None
