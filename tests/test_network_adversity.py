@@ -8,11 +8,13 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import wait_until
 from fanstore import PackOptions, pack
 from fanstore.mount.mount import fuse_unavailable_reason
 from separate_nodes import SeparateNodes, unavailable_reason
@@ -61,6 +63,21 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"f{number:03d}.bin").write_bytes(rng.integers(0, 256, 256 << 10, np.uint8).tobytes())
     pack(src, dest, PackOptions(codec="zstd:1", chunk_size=1 << 20, workers=1))
+    return src, dest
+
+
+@pytest.fixture(scope="module")
+def large_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """24 files of 1 MiB that do not compress: replies of several MiB, which MPI sends by rendezvous (the send
+    completes once the receiver has the bytes, not once they are buffered)."""
+    base = tmp_path_factory.mktemp("adversity_large")
+    src, dest = base / "src", base / "dest"
+    rng = np.random.default_rng(6)
+    for number in range(24):
+        folder = src / f"d{number % 4}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"f{number:03d}.bin").write_bytes(rng.integers(0, 256, 1 << 20, np.uint8).tobytes())
+    pack(src, dest, PackOptions(codec="zstd:1", chunk_size=4 << 20, workers=1))
     return src, dest
 
 
@@ -156,3 +173,59 @@ def test_doorbells_stay_on_when_the_link_loses_some_datagrams(dataset: tuple[Pat
     bells = "on" if udp_loss < 1 else "off"
     assert ("doorbells off" in err) == (bells == "off"), err
     assert len(re.findall(rf"^rank \d \(node\d\): .* doorbell {bells}\b", out, re.M)) == RANKS, out
+
+
+# Each rank reads every file in batches of 8 through FileDataset(None) until STOP exists (STOP-reading-RANK once
+# it has read every file once).
+READ_UNTIL = r"""
+import os, sys
+from fanstore.errors import say_line
+from fanstore.torch import FileDataset
+src, stop = sys.argv[1], sys.argv[2]
+names = sorted(os.path.relpath(os.path.join(d, f), src) for d, _, fs in os.walk(src) for f in fs)
+original = {name: open(os.path.join(src, name), "rb").read() for name in names}
+problems = []
+with FileDataset(None, paths=names) as dataset:
+    while not os.path.exists(stop):
+        for first in range(0, len(names), 8):
+            items = list(range(first, min(first + 8, len(names))))
+            problems += [names[item] for item, data in zip(items, dataset[items]) if bytes(data) != original[names[item]]]
+        open(f"{stop}-reading-{os.environ['FANSTORE_RANK']}", "w").close()
+say_line(f"rank {os.environ['FANSTORE_RANK']}: " + ("ok" if not problems else f"differs: {problems[:3]}"), sys.stdout)
+sys.exit(1 if problems else 0)
+"""
+
+
+def test_a_link_that_goes_down_mid_read_is_given_up_on_by_every_rank(large_files: tuple[Path, Path],
+                                                                       tmp_path: Path) -> None:
+    """Node 2's link goes down for 8 s (4 deadlines) while every node reads and answers the others: each of nodes 0
+    and 1 gives node 2 up and reads its files from DEST meanwhile, even the one that was sending node 2 a reply when
+    the link went (its clock runs, only longer); nothing differs, the job ends with status 0 once it is back."""
+    src, dest = large_files
+    reader = tmp_path / "read_until.py"
+    reader.write_text(READ_UNTIL)
+    with SeparateNodes(RANKS, tmp_path, keep_visible=[src.parent]) as nodes:
+        serve = [sys.executable, "-m", "fanstore", "serve", str(dest), MOUNTPOINT, "--local-dir", LOCAL_DIR, "--stats",
+                 "--quiet", "--peer-timeout", "2", "--peer-retry", "30", "--", sys.executable, str(reader), str(src),
+                 str(tmp_path / "stop")]
+        job = subprocess.Popen([str(MPIEXEC), *nodes.mpmd([serve] * RANKS, make_dirs=[MOUNTPOINT])],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(nodes),
+                               start_new_session=True)
+        try:
+            wait_until(lambda: job.poll() is not None or all(
+                (tmp_path / f"stop-reading-{rank}").exists() for rank in range(RANKS)), "every node reading", 120)
+            assert job.poll() is None, job.communicate()
+            nodes.set_link(2, up=False)
+            time.sleep(8)
+            nodes.set_link(2, up=True)
+            (tmp_path / "stop").touch()
+            out, err = job.communicate(timeout=120)
+        finally:
+            kill_what_is_left(job, dest)
+    assert job.returncode == 0, out + err
+    assert out.count(": ok\n") == RANKS, out + err
+    for rank in (0, 1):
+        assert peer_lines(out, rank)[2][1] > 0, out  # requests to node 2 given up on
+    fallbacks = re.findall(r"^  from DEST \(fallback\): ([\d,]+) blobs", out, re.M)
+    assert len(fallbacks) == RANKS and all(int(count.replace(",", "")) > 0 for count in fallbacks), out
+    assert "Traceback" not in err, err
