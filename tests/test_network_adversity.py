@@ -115,7 +115,7 @@ def test_a_healthy_peer_behind_a_slow_link_is_read_from_not_skipped(dataset: tup
     A peer that keeps answering is healthy: no request to it may be given up on, and nothing read from DEST. (Node 2
     reads nothing itself: its own requests would wait behind its replies on its slow link.)"""
     src, dest = dataset
-    shaping = {2: ["qdisc add dev eth0 root tbf rate 8mbit burst 64kb latency 30s"]}
+    shaping = {2: ["qdisc add dev eth0 root tbf rate 8mbit burst 64kb latency 200ms"]}
     code, out, err = run_job(dest, src, tmp_path, shaping, ["--peer-timeout", "2"], threads=16, batch=1,
                                readers=(0, 1))
     assert code == 0, out + err
@@ -133,7 +133,7 @@ def test_a_rank_behind_a_slow_link_still_hears_its_peers(dataset: tuple[Path, Pa
     carries its replies to that peer, after them (seconds of them). The peer answers each as soon as it comes, so it
     is healthy: node 2 may give none of its requests up, nor read anything from DEST."""
     src, dest = dataset
-    shaping = {2: ["qdisc add dev eth0 root tbf rate 8mbit burst 64kb latency 30s"]}
+    shaping = {2: ["qdisc add dev eth0 root tbf rate 8mbit burst 64kb latency 200ms"]}
     code, out, err = run_job(dest, src, tmp_path, shaping, ["--peer-timeout", "2"], threads=16, batch=1,
                              readers=(0, 1, 2))
     assert code == 0, out + err
