@@ -189,7 +189,8 @@ with FileDataset(None, paths=names) as dataset:
     while not os.path.exists(stop):
         for first in range(0, len(names), 8):
             items = list(range(first, min(first + 8, len(names))))
-            problems += [names[item] for item, data in zip(items, dataset[items]) if bytes(data) != original[names[item]]]
+            problems += [names[item] for item, data in zip(items, dataset[items])
+                         if bytes(data) != original[names[item]]]
         open(f"{stop}-reading-{os.environ['FANSTORE_RANK']}", "w").close()
 say_line(f"rank {os.environ['FANSTORE_RANK']}: " + ("ok" if not problems else f"differs: {problems[:3]}"), sys.stdout)
 sys.exit(1 if problems else 0)
