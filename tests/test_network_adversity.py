@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -21,8 +22,24 @@ from separate_nodes import SeparateNodes, unavailable_reason
 from test_separate_nodes import LOCAL_DIR, MOUNTPOINT, environment, kill_what_is_left
 from test_serve import MPIEXEC, RANKS, _mpi_unavailable_reason
 
+
+def _shaping_unavailable_reason() -> str | None:
+    """Why links cannot be made slow or lossy here: the kernel's token bucket (tc tbf) in a network namespace, and
+    the raw sockets of SeparateNodes' link impairer."""
+    probe = subprocess.run(["unshare", "-n", "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "1mbit",
+                            "burst", "32kb", "latency", "10ms"], capture_output=True, text=True)
+    if probe.returncode:
+        return f"the kernel cannot shape a link (tc tbf: {probe.stderr.strip() or probe.returncode})"
+    try:
+        socket.socket(socket.AF_PACKET, socket.SOCK_RAW).close()
+    except OSError as exc:
+        return f"no raw packet sockets (AF_PACKET: {exc.strerror}) for the link impairer"
+    return None
+
+
 _REASON = fuse_unavailable_reason() or _mpi_unavailable_reason() or unavailable_reason()
-pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"needs FUSE, MPI and namespaces: {_REASON}")
+_REASON = _REASON or _shaping_unavailable_reason()
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"needs FUSE, MPI, namespaces and link shaping: {_REASON}")
 
 # Each rank named in READERS reads every file through FileDataset(None) (the node's serve process), THREADS batches at
 # once, and compares each with SRC: each batch asks the serving ranks for several blobs in one request each.
