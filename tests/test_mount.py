@@ -418,6 +418,31 @@ def test_foreground_logs_to_log_when_given_else_to_stderr(packed, tmp_path):
             assert err == "" and out == "", (out, err)
 
 
+def test_the_unmount_line_prints_counts_and_sizes_as_docs_output_md_says(tmp_path):
+    """The log's closing line counts and sizes as every output does (docs/OUTPUT.md): it said `1 misses` and
+    `524288 bytes held`, bytes where every other size is in SI units."""
+    src, mountpoint, log = tmp_path / "src", tmp_path / "mnt", tmp_path / "fg.log"
+    src.mkdir()
+    mountpoint.mkdir()
+    rng = np.random.default_rng(2)
+    (src / "big.bin").write_bytes(np.repeat(rng.integers(0, 255, 600_000, dtype=np.uint8), 2).tobytes())
+    pack(src, tmp_path / "ds", PackOptions(codec="zstd:3", blocks_above=512 * 1024, block_size=512 * 1024, workers=1))
+    daemon = subprocess.Popen([sys.executable, "-m", "fanstore", "mount", str(tmp_path / "ds"), str(mountpoint),
+                               "--foreground", "--log", str(log), "--prefetch", "0"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+    with _left_unmounted(mountpoint):
+        wait_until(lambda: fuse_mounted_at(mountpoint), "the foreground mount", timeout=30)
+        with open(mountpoint / "big.bin", "rb") as f:
+            assert f.read(1) != b""
+        daemon.send_signal(signal.SIGTERM)
+        daemon.communicate(timeout=30)
+    assert daemon.returncode == 0
+    line = log.read_text().splitlines()[-1]
+    said = re.search(r"unmounted (\S+); cache: (1 hit|(?!1 )[\d,]+ hits), 1 miss, 0 waits, 0 evictions, (.*) held$",
+                     line)
+    assert said and said[1] == str(mountpoint) and said[3] == "524 kB", line
+
+
 @pytest.mark.parametrize("signal_number", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_as_the_mount_appears_unmounts_it_as_one_a_moment_later(packed, tmp_path, signal_number):
     """The mount is in mountinfo from its start, before the session loop takes signals: a SIGTERM then was raised

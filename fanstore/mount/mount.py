@@ -47,7 +47,7 @@ from .mountinfo import FANSTORE_SUBTYPE, fuse_mount_holding, fuse_mounted_at, fu
     set_read_ahead  # noqa: F401 (fuse_mounted_at, read_ahead_setting: their old home)
 from .options import INLINE_DECODE_BYTES, READ_AHEAD_KIB, MountOptions  # noqa: F401 (MountOptions: its old home)
 from .prefetch import FetchedAhead, FileOrder, Prefetcher, may_block_flags, read_prefetch_list
-from ..core.units import format_bytes, size_option
+from ..core.units import format_bytes, plural, size_option
 
 if TYPE_CHECKING:
     from .fuse_ops import FanstoreOperations  # imported with FUSE, when mounting
@@ -284,8 +284,9 @@ def serve_dataset(ds: Dataset, mountpoint: Path, options: MountOptions, ready_fd
             if session.prefetcher is not None:
                 session.prefetcher.close()
             stats = session.cache.stats()
-            log.info("unmounted %s; cache: %d hits, %d misses, %d waits, %d evictions, %d bytes held", mountpoint,
-                     stats.hits, stats.misses, stats.waits, stats.evictions, stats.bytes_held)
+            log.info("unmounted %s; cache: %s, %s, %s, %s, %s held", mountpoint, plural(stats.hits, "hit"),
+                     plural(stats.misses, "miss", "misses"), plural(stats.waits, "wait"),
+                     plural(stats.evictions, "eviction"), format_bytes(stats.bytes_held))
             if device_hold is not None:
                 device_hold.close()
             _close_fuse(pyfuse3, mountpoint)
