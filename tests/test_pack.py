@@ -246,6 +246,20 @@ def test_archive_members_whose_names_no_file_system_holds_are_refused_by_name(tm
     with pytest.raises(FanstoreError, match="strict"):
         pack(archive, tmp_path / "strict", PackOptions(workers=1, strict=True))
 
+@pytest.mark.parametrize("fifos", [1, 2])
+def test_strict_counts_what_cannot_be_packed_as_docs_output_md_says(tmp_path, fifos):
+    """--strict's line said `(1 path(s) cannot be packed)`, where docs/OUTPUT.md has counts take their plural."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_bytes(b"a")
+    for number in range(fifos):
+        os.mkfifo(src / f"fifo{number}")
+    proc = run_cli("fanstore-pack", str(src), str(tmp_path / "ds"), "--strict", "--quiet")
+    assert proc.returncode == 1, proc.stderr
+    said = "(1 path cannot be packed)" if fifos == 1 else "(2 paths cannot be packed)"
+    assert said in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("member", [False, True], ids=["directory", "tar member"])
 def test_a_file_dated_past_what_the_index_holds_is_packed_with_the_nearest_time(tmp_path, member):
     """An mtime in 2300 (or before 1677) does not fit the index's int64 nanoseconds: a pack of such a file ended

@@ -26,6 +26,7 @@ from ..core.allocator import give_back_free_heap
 from ..core.format import NO_CHUNK
 from ..core.index import Index, IndexLayout, write_packed_index
 from ..core.pause import pause_point
+from ..core.units import plural
 from ..errors import DoesNotFit, PackError, UsageError
 from .archive_feed import ArchiveFeed
 from .archive_pieces import pieces_of
@@ -216,7 +217,7 @@ def _walked(sources: list[Path], dest_path: Path, options: PackOptions, tree: So
     if tree is None:
         tree = walk_sources(sources, pool.executor if pool is not None else None)
     if options.strict and tree.problems:
-        raise PackError(f"--strict: {tree.problems[0]} ({len(tree.problems)} path(s) cannot be packed)")
+        raise PackError(f"--strict: {tree.problems[0]} ({plural(len(tree.problems), 'path')} cannot be packed)")
     numbers = tree.file_numbers_in_read_order()
     file_groups = np.zeros(len(numbers), dtype=np.uint8)
     if groups.replicate:
