@@ -526,6 +526,21 @@ def _zip_bytes(kind: str, members: int) -> bytes:
     return buffer.getvalue()
 
 
+@pytest.mark.parametrize("whole", [1, 5])
+def test_a_zip_cut_short_counts_its_whole_members_as_docs_output_md_says(tmp_path, whole):
+    """The warning said `1 member(s) before it read from their local headers`; docs/OUTPUT.md has counts take
+    their plural."""
+    data = _zip_bytes("deflated", 8)
+    with zipfile.ZipFile(io.BytesIO(data)) as complete:
+        offsets = [info.header_offset for info in complete.infolist()]
+    archive = tmp_path / "cut.zip"
+    archive.write_bytes(data[: offsets[whole] + 100])
+    proc = run_cli("fanstore-pack", str(archive), str(tmp_path / "ds"), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    said = "; 1 member before it read" if whole == 1 else f"; {whole} members before it read"
+    assert said in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("kind", ["deflated", "stored", "streamed"])
 def test_a_zip_cut_short_packs_the_whole_members_before_the_cut(tmp_path, kind):
     """A zip's central directory is at its end: a zip cut short has none, but each member still lies behind its

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterator, NamedTuple
 
+from ..core.units import plural
 from ..errors import UsageError, quoted
 from .zip_recovery import open_zip
 from .tar_headers import Header, HeaderDamage, TarHeaders
@@ -189,7 +190,7 @@ class MemberStream:
             return
         if recovered is not None:  # its members as their local headers give them: the damage is said after them
             self.damage = Damage(self.path, recovered.damage_offset, f"no readable central directory: "
-                                 f"{recovered.reason}; {recovered.members} member(s) before it read from their local "
+                                 f"{recovered.reason}; {plural(recovered.members, 'member')} before it read from their local "
                                  "headers, with default modes")
         infos = sorted(self._zip.infolist(), key=_header_offset)
         for info in infos:
