@@ -461,7 +461,7 @@ def test_a_chunk_damaged_in_dest_fails_its_files_alone_on_every_rank(served_data
     chunk_file = dest / "chunks" / f"{chunk:08d}.fsc"
     if damage == "a flipped byte":
         flip_byte(chunk_file, offset + length // 2)
-        expected = f"staging: {chunk_file}: 1 blob(s) do not match their checksum"
+        expected = f"staging: {chunk_file}: 1 blob with a bad checksum"  # as docs/OUTPUT.md counts, not blob(s)
     elif damage == "cut short":
         os.truncate(chunk_file, offset + length // 2)
         expected = f"staging: {chunk_file}: shorter than the index says"
@@ -537,20 +537,26 @@ def _opens_and_closes(watch: int, watched: dict[int, Path]) -> dict[Path, Counte
                 heard[watched[number]]["close"] += bool(mask & IN_CLOSE_NOWRITE)
 
 
-def test_a_header_damaged_in_a_local_dir_is_staged_again_by_the_next_job(served_dataset, tmp_path, jobs):
+@pytest.mark.parametrize("damage", ["header", "blob"])
+def test_a_chunk_damaged_in_a_local_dir_is_staged_again_by_the_next_job(served_dataset, tmp_path, jobs, damage):
     """A chunk header in rank 1's local directory damaged between two jobs (no blob's checksum covers it): the next
     job finds it at start, logs it once and stages it again from DEST, and during the epoch reads nothing of that
-    chunk from DEST. It was never staged again: every later job read that chunk's files from DEST."""
+    chunk from DEST. It was never staged again: every later job read that chunk's files from DEST. A blob damaged
+    there is counted as docs/OUTPUT.md counts (`1 blob`; it said `1 blob(s)`)."""
     src, dest = served_dataset
     script = tmp_path / "check_rank.py"
     script.write_text(RANK_CHECK)
     first = Job(tmp_path, dest, command=["true"])
     jobs.append(first)
     assert first.finish()[0] == 0
-    with open_dataset(dest) as ds:
-        chunk = place(ds.index, RANKS).pieces(1)[0].chunk
+    if damage == "header":
+        with open_dataset(dest) as ds:
+            chunk, offset = place(ds.index, RANKS).pieces(1)[0].chunk, 0
+    else:
+        _path, chunk, blob_offset, _length = _whole_files_by_owner(dest)[1][0]
+        offset = blob_offset + 1
     local_chunk = tmp_path / "local1" / chunk_file_name(chunk)
-    flip_byte(local_chunk, 0)
+    flip_byte(local_chunk, offset)
     rerun = Job(tmp_path, dest, "--stats", command=[sys.executable, str(script), str(src)])
     jobs.append(rerun)
     code, out, err = rerun.finish()
@@ -561,9 +567,10 @@ def test_a_header_damaged_in_a_local_dir_is_staged_again_by_the_next_job(served_
     assert staged[0] == staged[2] == "0 B" and staged[1] != "0 B", out  # rank 1 read that chunk's bytes again
     assert re.search(r"bytes read from DEST: .* staging \([1-9][\d,]* B\), 0 B during the epochs \(0 B\)", out), out
     said = [line for line in err.splitlines() if f"chunk {chunk}" in line]
-    assert len(said) == 1 and f"rank 1: staging: {local_chunk}: chunk {chunk} is not a fanstore chunk file (bad " \
-        f"magic): this node's copy of chunk {chunk}, verified by an earlier job, is damaged; staging it again" in \
-        said[0], err
+    problem = f"chunk {chunk} is not a fanstore chunk file (bad magic)" if damage == "header" else \
+        f"1 blob with a bad checksum (first at offset {offset - 1})"
+    assert len(said) == 1 and f"rank 1: staging: {local_chunk}: {problem}: this node's copy of chunk {chunk}, " \
+        f"verified by an earlier job, is damaged; staging it again" in said[0], err
     assert "Traceback" not in err, err
     _assert_nothing_left(rerun)
 

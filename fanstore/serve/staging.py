@@ -35,7 +35,7 @@ import xxhash
 from ..core.format import CHUNK_HEADER_LEN, INDEX_NAME, chunk_file_name
 from ..core.index import Index
 from ..mount.job_memory import job_memory, memory_file_system
-from ..core.units import format_bytes
+from ..core.units import format_bytes, plural
 from .blob_spans import Span, check_span, header_problem, spans_of
 from .dest_files import DestChunkFiles
 from .local_dir import LocalDirectory, StagingBroken, StagingError
@@ -138,7 +138,8 @@ class Stager:
             else:
                 bad = check_span(self.blobs, span, data)
                 problem = header_problem(span, data, path) or (
-                    f"{path}: {len(bad)} blob(s) fail their checksum (first at offset {bad[0]})" if bad else None)
+                    f"{path}: {plural(len(bad), 'blob')} with a bad checksum (first at offset {bad[0]})"
+                    if bad else None)
             if problem is None:
                 reusable.add(span)
             else:
@@ -462,8 +463,8 @@ class Stager:
         if bad:
             self.report.bad_blobs += len(bad)
             self._unverified.add(span.chunk)
-            log.error("staging: %s: %d blob(s) do not match their checksum (first at offset %d); the files they hold "
-                      "will fail to read, the rest not", self.dest / chunk_file_name(span.chunk), len(bad), bad[0])
+            log.error("staging: %s: %s with a bad checksum (first at offset %d); the files they hold will fail to "
+                      "read, the rest not", self.dest / chunk_file_name(span.chunk), plural(len(bad), "blob"), bad[0])
         self.local.write(span.chunk, span.start, data)
         self.report.written_bytes += len(data)
 
