@@ -80,3 +80,19 @@ def test_missing_or_truncated_chunk_affects_only_its_files(packed, source_tree):
     with open_dataset(packed) as ds:
         in_chunk = int((ds.index.entries["chunk"] == victim_chunk).sum())
     assert f"{in_chunk} bad" in verify.stdout
+
+
+def test_a_chunk_cut_short_says_both_sizes_with_thousands_separators(tmp_path):
+    """A chunk file cut short said `chunk 0 is 1000 bytes, the index says 4754356`: a byte count without the
+    thousands separators every other count has (docs/OUTPUT.md: `stored bytes 321,407 (321 kB)`)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(random.Random(0).randbytes(12_345))
+    pack(src, tmp_path / "ds", PackOptions(codec="none", workers=1))
+    path = tmp_path / "ds" / chunk_file_name(0)
+    size = path.stat().st_size
+    with open(path, "r+b") as chunk_file:
+        chunk_file.truncate(1_000)
+    verify = run_cli("verify", str(tmp_path / "ds"))
+    assert verify.returncode == 1, verify.stderr
+    assert f"chunk 0 is 1,000 bytes, the index says {size:,}" in verify.stdout, verify.stdout

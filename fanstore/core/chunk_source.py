@@ -294,8 +294,8 @@ class LocalChunkSource(ChunkSource):
         except FormatError as exc:
             raise ChunkCorrupt(str(exc), chunk_id=chunk_id) from None
         if info.st_size != self._sizes[chunk_id]:
-            raise ChunkCorrupt(f"{path}: chunk {chunk_id} is {info.st_size} bytes, the index says "
-                               f"{self._sizes[chunk_id]}", chunk_id=chunk_id)
+            raise ChunkCorrupt(f"{path}: chunk {chunk_id} is {info.st_size:,} bytes, the index says "
+                               f"{self._sizes[chunk_id]:,}", chunk_id=chunk_id)
 
     def check(self, chunk_id: int) -> ChunkUnavailable | ChunkCorrupt | None:
         """Why chunk `chunk_id` cannot serve reads (missing, unreadable, not what the index says), or None: its
