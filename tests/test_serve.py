@@ -965,7 +965,7 @@ def test_a_local_dir_too_small_is_one_line_before_anything_is_copied_the_same_ev
     assert len(lines) == RANKS, lines  # every rank's own line: they all share the one small directory
     for rank, line in enumerate(lines):
         assert re.fullmatch(rf"fanstore: error: rank {rank} on \S+: --local-dir {small}/local{rank}: not enough "
-                            rf"space: needs .* \(\d+ bytes\), .* free, .*", line), line
+                            rf"space: needs .* \([\d,]+ bytes\), .* free, .*", line), line
     assert copied == [] and watchdog_said == [""] * RANKS, watchdog_said  # a clean end: nothing to clean up
     wait_until(lambda: not _left_behind(shm_before), "the job's shared memory files removed", 5)
 
@@ -1169,10 +1169,11 @@ def test_a_local_dir_with_room_for_the_chunks_but_not_the_index_copy_is_refused_
     assert len(lines) == RANKS, err
     for rank, line in enumerate(lines):
         said = re.fullmatch(rf"fanstore: error: rank {rank} on \S+: --local-dir {small}/local{rank}: not enough space: "
-                            rf"needs .* \((\d+) bytes\), .* free, for its share of the chunk files \((\d+) bytes\) "
-                            rf"and its copy of DEST's index \((\d+) bytes\)", line)
+                            rf"needs .* \(([\d,]+) bytes\), .* free, for its share of the chunk files "
+                            rf"\(([\d,]+) bytes\) and its copy of DEST's index \(([\d,]+) bytes\)", line)
         assert said, line
-        assert [int(n) for n in said.groups()] == [shares[rank] + index_bytes, shares[rank], index_bytes], line
+        # exact counts with separators, as docs/OUTPUT.md gives them: it said (302123 bytes)
+        assert list(said.groups()) == [f"{n:,}" for n in (shares[rank] + index_bytes, shares[rank], index_bytes)], line
     assert copied == []
     _assert_nothing_left(job)
 
@@ -1207,7 +1208,7 @@ def test_local_dirs_that_share_a_file_system_are_checked_for_their_shares_togeth
     assert code == 1 and out == "" and "Traceback" not in err, (code, out, err)
     _assert_one_line_each(err, lambda rank, others: (
         rf"fanstore: error: rank {rank} on \S+: --local-dir {shared}/local{rank}: not enough space: needs .* "
-        rf"\({needs[rank]} bytes\), .* with ranks {others}, whose --local-dir is on the same file system, .* free, "
+        rf"\({needs[rank]:,} bytes\), .* with ranks {others}, whose --local-dir is on the same file system, .* free, "
         rf"for its share .*"))
     assert copied == []
     _assert_nothing_left(job)
@@ -1464,10 +1465,10 @@ def test_a_share_that_cannot_fit_the_jobs_memory_cgroup_is_refused_at_start_nami
     assert code == 1 and out == "" and killed == 0, (code, killed, out, err)
     _assert_one_line_each(err, lambda rank, others: (
         rf"fanstore: error: rank {rank} on \S+: --local-dir {local}/local{rank}: not enough memory: it is on a tmpfs, "
-        rf"whose files take the job's memory: needs 302 MB \(\d+ bytes\), 906 MB with ranks {others} on this host "
+        rf"whose files take the job's memory: needs 302 MB \([\d,]+ bytes\), 906 MB with ranks {others} on this host "
         rf"under the same memory cgroup, the \S+ [kMG]?B left in this job's memory cgroup {re.escape(cgroup.name)} "
-        rf"\(limit 268 MB, \S+ [kMG]?B in use\), for its share of the chunk files \(\d+ bytes\) and its copy of "
-        rf"DEST's index \(\d+ bytes\)"))
+        rf"\(limit 268 MB, \S+ [kMG]?B in use\), for its share of the chunk files \([\d,]+ bytes\) and its copy of "
+        rf"DEST's index \([\d,]+ bytes\)"))
     assert copied == []
 
 

@@ -254,14 +254,14 @@ class Stager:
         if not problem and together > free:
             also = (f", {format_bytes(together)} with rank{'s' if len(others) > 1 else ''} {', '.join(others)}, whose "
                     f"--local-dir is on the same file system") if others else ""
-            problem = (f"not enough space: needs {format_bytes(needed)} ({needed} bytes){also}, {format_bytes(free)} "
+            problem = (f"not enough space: needs {format_bytes(needed)} ({needed:,} bytes){also}, {format_bytes(free)} "
                        "free")
         problem = self._memory_problem(0 if problem else needed) or problem
         failed = first_failed_rank(self.comm, bool(problem))
         if problem:
             raise StagingError(f"rank {self.rank} on {socket.gethostname()}: --local-dir {self.local.path}: {problem}, "
-                               f"for its share of the chunk files ({chunk_bytes} bytes) and its copy of DEST's index "
-                               f"({self._index_copy_bytes} bytes)")
+                               f"for its share of the chunk files ({chunk_bytes:,} bytes) and its copy of DEST's index "
+                               f"({self._index_copy_bytes:,} bytes)")
         if failed is not None:
             raise StagingError(f"rank {failed} cannot stage its share (see its message); nothing was copied")
 
@@ -305,7 +305,7 @@ class Stager:
         also = (f", {format_bytes(together)} with rank{'s' if len(others) > 1 else ''} {', '.join(others)} on this "
                 f"host{where}") if others else ""
         return (f"not enough memory: it is on a {fs_type}, whose files take the job's memory: needs "
-                f"{format_bytes(needed)} ({needed} bytes){also}, {memory.describe()}")
+                f"{format_bytes(needed)} ({needed:,} bytes){also}, {memory.describe()}")
 
     # --- moving the bytes -------------------------------------------------------------------------------------
 
