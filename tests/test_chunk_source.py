@@ -146,7 +146,7 @@ def test_bytes_the_fallback_gave_that_fail_the_checksum_are_its_damage_final_and
                                  on_fallback=lambda exc, size: fell_back.append(size))
     with open_dataset(dest, source=source) as ds:
         with pytest.raises(ChunkCorrupt, match=rf"checksum mismatch in chunk {chunk} \(chunks/{chunk:08d}.fsc at "
-                                               rf"offset {offset}, {length} bytes\)"):
+                                               rf"offset {offset:,}, {length:,} bytes\)"):
             ds.read(path)
         assert fallback.reads[(chunk, offset)] == 1 and fell_back == [length]
         os.truncate(dest / chunk_file_name(chunk), offset + 1)  # now the fallback cannot give it either

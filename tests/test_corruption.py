@@ -96,3 +96,25 @@ def test_a_chunk_cut_short_says_both_sizes_with_thousands_separators(tmp_path):
     verify = run_cli("verify", str(tmp_path / "ds"))
     assert verify.returncode == 1, verify.stderr
     assert f"chunk 0 is 1,000 bytes, the index says {size:,}" in verify.stdout, verify.stdout
+
+
+def test_a_checksum_mismatch_says_offset_and_length_with_thousands_separators(tmp_path):
+    """verify's line for a damaged blob said `(chunks/00000000.fsc at offset 4504, 110602 bytes)`: exact counts
+    without the separators docs/OUTPUT.md gives them."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(random.Random(0).randbytes(2_000))
+    (src / "b.bin").write_bytes(random.Random(1).randbytes(12_345))
+    pack(src, tmp_path / "ds", PackOptions(codec="none", workers=1))
+    with open_dataset(tmp_path / "ds") as ds:
+        row = ds.index.entries[ds.resolve("b.bin")]
+        offset, length = int(row["offset"]), int(row["stored_len"])
+    with open(tmp_path / "ds" / chunk_file_name(0), "r+b") as chunk_file:
+        chunk_file.seek(offset + 10)
+        byte = chunk_file.read(1)
+        chunk_file.seek(offset + 10)
+        chunk_file.write(bytes([byte[0] ^ 0xFF]))
+    verify = run_cli("verify", str(tmp_path / "ds"))
+    assert verify.returncode == 1, verify.stderr
+    assert f"BAD b.bin: checksum mismatch in chunk 0 (chunks/00000000.fsc at offset {offset:,}, 12,345 bytes)" in \
+        verify.stdout, verify.stdout

@@ -195,7 +195,8 @@ class Reader:
 
     def _corrupt(self, entry: int, block: int, chunk: int, offset: int, stored_len: int) -> ChunkCorrupt:
         return ChunkCorrupt(f"{self._where(entry, block)}: checksum mismatch in chunk {chunk} "
-                            f"({chunk_file_name(chunk)} at offset {offset}, {stored_len} bytes){self._packed_again()}",
+                            f"({chunk_file_name(chunk)} at offset {offset:,}, {stored_len:,} bytes)"
+                            f"{self._packed_again()}",
                             path=self.index.path_of(entry), chunk_id=chunk)
 
     def _decode(self, entry: int, block: int, stored: bytes, codec: int, raw_size: int, chunk: int,
