@@ -161,7 +161,7 @@ def _check_fit(dest: Path, capacity: int, nodes: int, predicted: float) -> tuple
 
         placement = place(Index.load(dest), nodes)
         stored = max(placement.stored_bytes(rank) for rank in range(nodes))
-        where = f"the fullest of {nodes:,} nodes stores"
+        where = f"the fullest of {plural(nodes, 'node')} stores"
     else:
         stored = sum(path.stat().st_size for path in dest.rglob("*") if path.is_file())
         where = "DEST takes"

@@ -110,7 +110,7 @@ class Goal:
     def describe(self) -> str:
         """One line: the mode, the floors besides the budget, and the workers the estimates assume."""
         if self.fit_bytes:
-            where = f" on each of {self.nodes:,} nodes" if self.nodes else ""
+            where = f" on each of {plural(self.nodes, 'node')}" if self.nodes else ""
             mode = f"--fit {decimal_bytes(self.fit_bytes)}{where}: the fastest decode that fits"
         else:
             mode = (f"--tolerance {self.tolerance:.1%}: the fastest pack among settings storing within "

@@ -137,6 +137,14 @@ def test_select_prints_a_dash_where_a_figure_means_nothing(tmp_path: Path) -> No
     assert not BINARY_UNIT.search(out), out
 
 
+def test_select_on_one_file_and_one_node_says_them_in_the_singular(tmp_path: Path) -> None:
+    """Was: 'estimated pack time of SRC (1 files, ...)' and '--fit 1 MB on each of 1 nodes'."""
+    out = run_cli("select", str(_one_file(tmp_path)), "--fit", "1MB", "--nodes", "1", "--workers", "1",
+                  check=True).stdout
+    assert "estimated pack time of SRC (1 file, " in out and "--fit 1 MB on each of 1 node: " in out, out
+    assert not re.search(r"\b1 (files|nodes)\b", out), out
+
+
 def test_info_names_no_codec_with_no_files_as_a_count_and_echoes_the_chunk_size(tmp_path: Path) -> None:
     """Was: 'zstd:19 0 files, 0 B -> 0 B (1.00x)', '--chunk-size 67108864' and 'skipped 0 path(s)'."""
     src = tmp_path / "noise"
