@@ -17,7 +17,7 @@ from .errors import SelectionError
 from .measure import DECODE_NOISE, MB, Measurement
 from .policy import NONE_SPEC, KindScale, meets, meets_pack_speed, near_budget, stores_as_is
 from .sample import FILE_CAP, MAX_SAMPLE_FILES, MIN_FILES, MIN_SAMPLE_BYTES, MIN_STRATUM_BYTES, PIECE_BYTES
-from .units import decimal_bytes, format_seconds, plural
+from .units import decimal_bytes, format_seconds, plural, size_option
 
 if TYPE_CHECKING:
     from . import Selection
@@ -156,7 +156,8 @@ def _fit_lines(selection: Selection) -> list[str]:
         lines.append(f"  per node: replicated bytes + spread bytes / {goal.nodes:,}, rounded up, + slack (the "
                      "placement never cuts a file or block, so a node may get up to the largest of them more, and a "
                      "chunk header or two); it balances spread bytes to within a few percent: `fanstore plan "
-                     f"DEST --nodes {goal.nodes} --local-capacity {goal.fit_bytes}` checks the packed dataset")
+                     f"DEST --nodes {goal.nodes} --local-capacity {size_option(goal.fit_bytes)}` checks the packed "
+                     "dataset")
     return lines
 
 

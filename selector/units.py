@@ -33,6 +33,20 @@ def decimal_bytes(count: float) -> str:
 _SI_UNITS = ("kB", "MB", "GB", "TB", "PB")
 
 
+# Exact units for echoing a size option, largest first (as fanstore.core.units.size_option; a test holds them equal).
+_EXACT_UNITS = (("TiB", 1 << 40), ("TB", 10**12), ("GiB", 1 << 30), ("GB", 10**9), ("MiB", 1 << 20),
+                ("MB", 10**6), ("KiB", 1 << 10), ("kB", 10**3))
+
+
+def size_option(count: int) -> str:
+    """A size as a SIZE option takes it, exactly: 10MB, 1.5TiB given as 1536GiB, 4097; for a command it suggests
+    (`fanstore plan --local-capacity 10MB` after `--fit 10MB`), where the bytes would read 10000000."""
+    for unit, scale in _EXACT_UNITS:
+        if count >= scale and count % scale == 0:
+            return f"{count // scale}{unit}"
+    return str(count)
+
+
 def plural(count: int, noun: str, nouns: str | None = None) -> str:
     """`count` and the noun it takes: 1 worker, 2 workers, 1,000 files (as fanstore.core.units.plural)."""
     return f"{count:,} {noun if count == 1 else nouns or noun + 's'}"

@@ -22,6 +22,7 @@ from selector import Budget
 from selector.measure import Measurement
 from selector.policy import NONE_SPEC, choose
 from selector.units import decimal_bytes, format_seconds
+from selector.units import size_option as selector_size_option
 
 BINARY_UNIT = re.compile(r"\d ?[KMGTP]iB\b")  # a size printed in powers of 1024 (an option echoed as given aside)
 
@@ -61,6 +62,16 @@ def test_an_option_is_echoed_as_the_option_takes_it_exactly() -> None:
     assert [size_option(count) for count in (64 << 20, 1 << 20, 500 * 10**9, 4096, 1000, 4097)] == \
         ["64MiB", "1MiB", "500GB", "4KiB", "1kB", "4097"]
     assert all(parse_size(size_option(count)) == count for count in (64 << 20, 500 * 10**9, 4097, 3 << 30, 1536))
+
+
+def test_a_suggested_option_is_given_as_the_option_was_given(tmp_path: Path) -> None:
+    """select --fit 10MB --nodes 2 suggested `fanstore plan DEST --nodes 2 --local-capacity 10000000`: the --fit
+    given back in bytes, where the output echoes an option as the option takes it (docs/OUTPUT.md)."""
+    counts = (64 << 20, 1 << 20, 500 * 10**9, 4096, 1000, 4097, 10**7, 3 << 40, 1536 << 30)
+    assert [selector_size_option(count) for count in counts] == [size_option(count) for count in counts]
+    out = run_cli("select", str(_one_file(tmp_path)), "--fit", "10MB", "--nodes", "2", "--workers", "1",
+                  check=True).stdout
+    assert "`fanstore plan DEST --nodes 2 --local-capacity 10MB` checks" in out, out
 
 
 def test_counts_take_their_plural() -> None:
