@@ -652,11 +652,16 @@ def test_a_command_that_starts_mpi_runs_it_alone_not_on_the_ranks_connection(ser
                "MPI4PY_LIBMPI": str(OPEN_MPI / "lib" / "libmpi.so.40")}
         for rank in range(RANKS):
             (tmp_path / f"mp{rank}").mkdir()
+        # An Open MPI singleton (each rank's command here) leaves its 16 MiB shared-memory segment behind, which a
+        # launcher would have removed: the test removes those its job made.
+        segments = set(Path("/dev/shm").glob("sm_segment.*"))
         proc = subprocess.run([str(OPEN_MPI / "bin" / "mpiexec"), "--allow-run-as-root", "--oversubscribe", "-n",
                                str(RANKS), sys.executable, "-m", "fanstore", "serve", str(dest), "mp{rank}",
                                "--local-dir", "local{rank}", "--quiet", "--", *command],
                               capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
         code, out, err = proc.returncode, proc.stdout, proc.stderr
+        for segment in set(Path("/dev/shm").glob("sm_segment.*")) - segments:
+            segment.unlink(missing_ok=True)
     assert code == 0, out + err
     started = sorted(line.split(" ", 5)[1:] for line in out.splitlines() if line.startswith("started"))
     assert started == [["0", "1", str(rank), str(RANKS), "[]"] for rank in range(RANKS)], out + err
