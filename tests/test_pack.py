@@ -306,12 +306,24 @@ def test_an_interrupt_while_the_workers_start_leaves_none_waiting(monkeypatch):
         return real_submit(self, fn, *args, **kwargs)
 
     monkeypatch.setattr(ProcessPoolExecutor, "submit", interrupted_submit)
-    before = set(multiprocessing.active_children())  # another test's, in a whole run: not this one's to judge
+    # The processes the pool starts, on this thread: in a whole run another test's thread may start its own meanwhile
+    # (a set of children before and after judged one such ForkProcess, CI of 47f1ae1), which are not this one's.
+    started = []
+    real_start = multiprocessing.process.BaseProcess.start
+    caller = threading.get_ident()
+
+    def recording_start(process):
+        real_start(process)
+        if threading.get_ident() == caller:
+            started.append(process)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", recording_start)
     try:
         with pytest.raises(KeyboardInterrupt):
             WorkerPool(2)
-        assert set(multiprocessing.active_children()) - before == set()
+        assert started and [process for process in started if process.is_alive()] == []
     finally:
-        for worker in set(multiprocessing.active_children()) - before:  # before the fix: else pytest's exit waits
-            worker.kill()
-            worker.join()
+        for process in started:  # before the fix: else pytest's exit waits
+            if process.is_alive():
+                process.kill()
+                process.join()
