@@ -1,6 +1,6 @@
-"""`fanstore serve` on three separate nodes (tests/separate_nodes.py) whose links the kernel makes slow or lossy, as
-real networks are: a healthy peer behind a slow link must still be read from, not skipped for DEST, and every file
-must arrive whole. The links are shaped with `tc` in each node's own namespace (a token bucket: a rate limit)."""
+"""`fanstore serve` on three separate nodes (tests/separate_nodes.py) whose links lose datagrams or go down, as real
+networks do: the doorbells stay on, a cut node is given up on, and every file arrives whole. Losses come from
+SeparateNodes' link impairer (raw packet sockets), where the kernel has no netem."""
 
 from __future__ import annotations
 
@@ -23,13 +23,8 @@ from test_separate_nodes import LOCAL_DIR, MOUNTPOINT, environment, kill_what_is
 from test_serve import MPIEXEC, RANKS, _mpi_unavailable_reason
 
 
-def _shaping_unavailable_reason() -> str | None:
-    """Why links cannot be made slow or lossy here: the kernel's token bucket (tc tbf) in a network namespace, and
-    the raw sockets of SeparateNodes' link impairer."""
-    probe = subprocess.run(["unshare", "-n", "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "1mbit",
-                            "burst", "32kb", "latency", "10ms"], capture_output=True, text=True)
-    if probe.returncode:
-        return f"the kernel cannot shape a link (tc tbf: {probe.stderr.strip() or probe.returncode})"
+def _impairer_unavailable_reason() -> str | None:
+    """Why a link cannot be made lossy here: SeparateNodes' link impairer needs raw packet sockets."""
     try:
         socket.socket(socket.AF_PACKET, socket.SOCK_RAW).close()
     except OSError as exc:
@@ -38,8 +33,8 @@ def _shaping_unavailable_reason() -> str | None:
 
 
 _REASON = fuse_unavailable_reason() or _mpi_unavailable_reason() or unavailable_reason()
-_REASON = _REASON or _shaping_unavailable_reason()
-pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"needs FUSE, MPI, namespaces and link shaping: {_REASON}")
+_REASON = _REASON or _impairer_unavailable_reason()
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"needs FUSE, MPI, namespaces and raw sockets: {_REASON}")
 
 # Each rank named in READERS reads every file through FileDataset(None) (the node's serve process), THREADS batches at
 # once, and compares each with SRC: each batch asks the serving ranks for several blobs in one request each.
@@ -94,14 +89,13 @@ def large_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return _incompressible(tmp_path_factory.mktemp("adversity_large"), 24, 1 << 20, 6, 4 << 20)
 
 
-def run_job(dest: Path, src: Path, tmp_path: Path, shaping: dict[int, list[str]] | None, serve_options: list[str],
-            threads: int, batch: int, readers: tuple[int, ...], impaired: dict[int, str] | None = None
-            ) -> tuple[int, str, str]:
-    """A job of separate nodes whose links are shaped (tc commands by node) or impaired (SeparateNodes), every rank
-    running READER: its status, stdout and stderr."""
+def run_job(dest: Path, src: Path, tmp_path: Path, serve_options: list[str], threads: int, batch: int,
+            readers: tuple[int, ...], impaired: dict[int, str]) -> tuple[int, str, str]:
+    """A job of separate nodes whose links are impaired as SeparateNodes takes it, every rank running READER: its
+    status, stdout and stderr."""
     reader = tmp_path / "reader.py"
     reader.write_text(READER)
-    with SeparateNodes(RANKS, tmp_path, keep_visible=[src.parent], shaping=shaping, impaired=impaired) as nodes:
+    with SeparateNodes(RANKS, tmp_path, keep_visible=[src.parent], impaired=impaired) as nodes:
         serve = [sys.executable, "-m", "fanstore", "serve", str(dest), MOUNTPOINT, "--local-dir", LOCAL_DIR, "--stats",
                  "--quiet", *serve_options, "--", sys.executable, str(reader), str(src), str(threads), str(batch),
                  ",".join(map(str, readers))]
@@ -132,7 +126,7 @@ def test_doorbells_stay_on_when_the_link_loses_some_datagrams(dataset: tuple[Pat
     4 datagrams crossing it, they were off in 4 jobs of 4). Where it loses every one, they are off on every rank,
     and the job runs without them. Either way every file is read right."""
     src, dest = dataset
-    code, out, err = run_job(dest, src, tmp_path, None, [], threads=2, batch=4, readers=(0, 1, 2),
+    code, out, err = run_job(dest, src, tmp_path, [], threads=2, batch=4, readers=(0, 1, 2),
                              impaired={2: f"0 0 0 {udp_loss}"})
     assert code == 0, out + err
     assert out.count(": ok\n") == RANKS, out + err
